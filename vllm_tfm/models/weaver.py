@@ -1,0 +1,397 @@
+"""Weaver: a small autoregressive transformer that re-scores DFlash candidates along a tree path.
+
+From the description of the Trees-from-Marginals authors' implementation (DESIGN.md section 10);
+no Weaver code is public, this is our own. Shapes: H = d_model (the target's hidden size),
+d = d_rank, D = the deepest draft depth (DFlash block size - 1), K = candidates per depth.
+
+* Prompt (1 + D tokens, positions 0..D, causal among themselves, K/V kept):
+  token 0 = ``proposal_in(output_norm(h_verifier))`` where h_verifier is the target's final hidden
+  state (after its final norm, as vLLM returns it) at the last committed position, i.e. the state
+  whose logits gave the bonus token; token j = ``proposal_in(output_norm(h_dflash[j]))`` where
+  h_dflash[j] is the DFlash block output (after the DFlash final norm) at block slot j, the state
+  whose lm_head logits are the depth-j marginal. One ``output_norm`` is shared by all prompt tokens.
+* Tree token: ``token_in(embed_norm(E_target[token]))`` for a realised tree node; the root (the
+  bonus token) is depth 0; a node at depth p sits at position p + 1 and attends to the whole prompt
+  plus the K/V of its ancestors and itself.
+* Blocks: pre-norm; fused ``qkv`` (q, k, v rows in that order); rotate-half RoPE; ``o_proj``;
+  SwiGLU with a fused ``gate_up`` (gate rows first, then up) and ``down``. All norms are RMSNorm
+  with weight and bias, math in float32. No biases in linear layers.
+* Scores of a node at depth p over the K DFlash candidates c of depth p + 1:
+  ``log_softmax_c(dflash_logit[p+1, c] + W_lm[c] . lm_head_query_in(out_norm(x)))``, W_lm the
+  target lm_head; no temperature.
+
+Parameter names (``weaver.safetensors``)::
+
+    output_norm.{weight,bias} [H]      proposal_in.weight [d, H]
+    embed_norm.{weight,bias}  [H]      token_in.weight    [d, H]
+    layers.{i}.attn_norm.{weight,bias} [d]   layers.{i}.qkv.weight [3d, d]   layers.{i}.o_proj.weight [d, d]
+    layers.{i}.mlp_norm.{weight,bias}  [d]   layers.{i}.gate_up.weight [2 d_mlp, d]   layers.{i}.down.weight [d, d_mlp]
+    out_norm.{weight,bias}    [d]      lm_head_query_in.weight [H, d]
+
+Size at Qwen3.6-27B width (H 5120, d 1024, 3 layers, 8 heads, d_mlp 3072):
+``weaver_param_count`` = 56,657,920 parameters (the paper reports 56.7M).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from .common import RMSNormWithBias, apply_rope, as_weight, compute_dtype, masked_attention, rope_cos_sin
+from .io import read_state, target_text_config, write_state
+from .tfm_config import TFM_CONFIG_NAME, WEAVER_WEIGHTS_NAME, TfmConfig, WeaverConfig
+
+__all__ = ["Weaver", "WeaverTreeScorer", "weaver_param_count", "candidate_logprobs"]
+
+
+def weaver_param_count(config: WeaverConfig) -> int:
+    """Number of Weaver parameters, from the shapes listed in the module docstring."""
+    h, d, m, n = config.d_model, config.d_rank, config.d_mlp, config.n_layers
+    io_proj = 3 * h * d  # proposal_in, token_in, lm_head_query_in
+    io_norms = 2 * (2 * h) + 2 * d  # output_norm, embed_norm (weight + bias of width H); out_norm
+    per_layer = 3 * d * d + d * d + 2 * m * d + m * d + 2 * (2 * d)
+    return io_proj + io_norms + n * per_layer
+
+
+def candidate_logprobs(queries: Tensor, cand_rows: Tensor, cand_logits: Tensor) -> Tensor:
+    """log_softmax over K of ``cand_logits + cand_rows . query``.
+
+    queries [..., H]; cand_rows [..., K, H] (target lm_head rows of the candidates); cand_logits
+    [..., K] (raw DFlash logits). Returns [..., K] in float32 (float64 for float64 inputs).
+    """
+    cd = compute_dtype(queries.dtype)
+    residual = torch.einsum("...h,...kh->...k", queries.to(cd), cand_rows.to(cd))
+    return torch.log_softmax(cand_logits.to(cd) + residual, dim=-1)
+
+
+def _lookup(embed: nn.Module | Tensor, ids: Tensor) -> Tensor:
+    return embed[ids] if isinstance(embed, Tensor) else embed(ids)
+
+
+class WeaverBlock(nn.Module):
+    def __init__(self, cfg: WeaverConfig) -> None:
+        super().__init__()
+        d = cfg.d_rank
+        self.n_heads, self.head_dim, self.d_mlp = cfg.n_heads, cfg.head_dim, cfg.d_mlp
+        self.attn_norm = RMSNormWithBias(d, cfg.norm_eps)
+        self.qkv = nn.Linear(d, 3 * d, bias=False)
+        self.o_proj = nn.Linear(d, d, bias=False)
+        self.mlp_norm = RMSNormWithBias(d, cfg.norm_eps)
+        self.gate_up = nn.Linear(d, 2 * cfg.d_mlp, bias=False)
+        self.down = nn.Linear(cfg.d_mlp, d, bias=False)
+
+    def qkv_rope(self, x: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """x [..., T, d] -> q, k, v [..., T, n_heads, head_dim], q and k rotated."""
+        q, k, v = self.qkv(self.attn_norm(x)).unflatten(-1, (3, self.n_heads, self.head_dim)).unbind(-3)
+        return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
+
+    def finish(self, x: Tensor, attn: Tensor) -> Tensor:
+        """Residual adds after attention: attn [..., T, n_heads, head_dim]."""
+        x = x + self.o_proj(attn.flatten(-2))
+        gate, up = self.gate_up(self.mlp_norm(x)).split(self.d_mlp, dim=-1)
+        return x + self.down(F.silu(gate) * up)
+
+
+class Weaver(nn.Module):
+    """The Weaver network (see the module docstring for the function and parameter names)."""
+
+    def __init__(self, config: WeaverConfig) -> None:
+        super().__init__()
+        self.config = config
+        h, d = config.d_model, config.d_rank
+        self.output_norm = RMSNormWithBias(h, config.norm_eps)
+        self.proposal_in = nn.Linear(h, d, bias=False)
+        self.embed_norm = RMSNormWithBias(h, config.norm_eps)
+        self.token_in = nn.Linear(h, d, bias=False)
+        self.layers = nn.ModuleList(WeaverBlock(config) for _ in range(config.n_layers))
+        self.out_norm = RMSNormWithBias(d, config.norm_eps)
+        self.lm_head_query_in = nn.Linear(d, h, bias=False)
+
+    # ------------------------------------------------------------------ pieces
+    def _rope(self, positions: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+        return rope_cos_sin(positions, self.config.head_dim, self.config.rope_theta, dtype)
+
+    def _check_prompt(self, verifier_hidden: Tensor, dflash_hidden: Tensor) -> int:
+        h = self.config.d_model
+        if verifier_hidden.shape[-1] != h or dflash_hidden.shape[-1] != h:
+            raise ValueError(
+                f"verifier_hidden and dflash_hidden must end in d_model {h}, got shapes "
+                f"{tuple(verifier_hidden.shape)} and {tuple(dflash_hidden.shape)}"
+            )
+        if dflash_hidden.shape[:-2] != verifier_hidden.shape[:-1]:
+            raise ValueError(
+                f"dflash_hidden [..., D, H] and verifier_hidden [..., H] batch dims differ: "
+                f"{tuple(dflash_hidden.shape)} vs {tuple(verifier_hidden.shape)}"
+            )
+        depth = dflash_hidden.shape[-2]
+        if not 1 <= depth <= self.config.max_depth:
+            raise ValueError(f"dflash_hidden has {depth} depths; this Weaver takes 1..{self.config.max_depth}")
+        return depth
+
+    def prompt_inputs(self, verifier_hidden: Tensor, dflash_hidden: Tensor) -> Tensor:
+        """verifier_hidden [..., H], dflash_hidden [..., D, H] -> prompt [..., 1 + D, d]."""
+        self._check_prompt(verifier_hidden, dflash_hidden)
+        seq = torch.cat([verifier_hidden.unsqueeze(-2), dflash_hidden], dim=-2)
+        return self.proposal_in(self.output_norm(seq))
+
+    def token_inputs(self, tokens: Tensor, embed: nn.Module | Tensor) -> Tensor:
+        """tokens [...] -> token_in(embed_norm(E_target[tokens])) [..., d]. Precomputable per vocab row."""
+        return self.token_in(self.embed_norm(_lookup(embed, tokens)))
+
+    def query(self, x: Tensor) -> Tensor:
+        """Final states [..., d] -> lm_head queries [..., H]."""
+        return self.lm_head_query_in(self.out_norm(x))
+
+    # ------------------------------------------------------------------ full recomputation
+    def path_queries(
+        self, verifier_hidden: Tensor, dflash_hidden: Tensor, path_tokens: Tensor, embed: nn.Module | Tensor
+    ) -> Tensor:
+        """From-scratch forward over prompt + one root..node path per batch row (training / oracle).
+
+        Args:
+            verifier_hidden: [B, H]; dflash_hidden: [B, D, H] (depths 1..D).
+            path_tokens: [B, n] int64, column j = the token at depth j (column 0 = the bonus/root),
+                n <= D.
+            embed: the target's input embedding (module or [V, H] weight).
+        Returns:
+            [B, n, H] queries; row j scores the candidates of depth j + 1.
+        """
+        depth = self._check_prompt(verifier_hidden, dflash_hidden)
+        b, n = path_tokens.shape
+        if not 1 <= n <= depth:
+            raise ValueError(f"path_tokens has {n} tokens; paths of 1..{depth} tokens have candidates (D = {depth})")
+        x = torch.cat(
+            [self.prompt_inputs(verifier_hidden, dflash_hidden), self.token_inputs(path_tokens, embed)], dim=1
+        )
+        dev = x.device
+        p0 = 1 + depth
+        positions = torch.cat([torch.arange(p0, device=dev), torch.arange(1, n + 1, device=dev)])
+        idx = torch.arange(p0 + n, device=dev)
+        # prompt: causal among the prompt; path: the whole prompt plus earlier-or-same path tokens
+        mask = (idx[None, :] <= idx[:, None]) & ((idx[:, None] >= p0) | (idx[None, :] < p0))
+        cos, sin = self._rope(positions, x.dtype)
+        for layer in self.layers:
+            q, k, v = layer.qkv_rope(x, cos, sin)
+            x = layer.finish(x, masked_attention(q, k, v, mask, layer.head_dim**-0.5))
+        return self.query(x[:, p0:])
+
+    def score_paths(
+        self,
+        verifier_hidden: Tensor,
+        dflash_hidden: Tensor,
+        path_tokens: Tensor,
+        embed: nn.Module | Tensor,
+        lm_head: nn.Module | Tensor,
+        cand_ids: Tensor,
+        cand_logits: Tensor,
+    ) -> Tensor:
+        """Log-probs over the candidates for every node of the paths: [B, n, K].
+
+        cand_ids, cand_logits: [B, D, K]; row d - 1 = the candidates of depth d and their raw
+        DFlash logits. Node j of a path (depth j) is scored over row j (depth j + 1).
+        """
+        qry = self.path_queries(verifier_hidden, dflash_hidden, path_tokens, embed)
+        n = path_tokens.shape[1]
+        rows = as_weight(lm_head, "lm_head")[cand_ids[:, :n]]
+        return candidate_logprobs(qry, rows, cand_logits[:, :n])
+
+    # ------------------------------------------------------------------ tree
+    def tree_scorer(
+        self,
+        verifier_hidden: Tensor,
+        dflash_hidden: Tensor,
+        cand_ids: Tensor,
+        cand_logits: Tensor,
+        embed: nn.Module | Tensor,
+        lm_head: nn.Module | Tensor,
+    ) -> WeaverTreeScorer:
+        return WeaverTreeScorer(self, verifier_hidden, dflash_hidden, cand_ids, cand_logits, embed, lm_head)
+
+    # ------------------------------------------------------------------ files
+    def save_pretrained(self, directory: str | Path) -> None:
+        """Write weaver.safetensors and set the ``weaver`` section of tfm_config.json."""
+        path = Path(directory)
+        if (path / TFM_CONFIG_NAME).is_file():
+            cfg = TfmConfig.load(path)
+            cfg = TfmConfig.from_dict({**cfg.model_dump(mode="json"), "weaver": self.config.model_dump(mode="json")})
+        else:
+            cfg = TfmConfig(weaver=self.config)
+        cfg.save(path)
+        write_state(self, path, WEAVER_WEIGHTS_NAME)
+
+    @classmethod
+    def from_pretrained(
+        cls,
+        directory: str | Path,
+        dtype: torch.dtype | None = None,
+        device: torch.device | str | None = None,
+        target_config: object | None = None,
+    ) -> Weaver:
+        cfg = TfmConfig.load(directory)
+        if cfg.weaver is None:
+            raise ValueError(f"{Path(directory) / TFM_CONFIG_NAME}: no 'weaver' section")
+        if target_config is not None:
+            _check_width("Weaver d_model", cfg.weaver.d_model, target_config)
+        with torch.device("meta"):
+            model = cls(cfg.weaver)
+        model.load_state_dict(read_state(directory, WEAVER_WEIGHTS_NAME, model), strict=True, assign=True)
+        if dtype is not None or device is not None:
+            model.to(device=device, dtype=dtype)
+        return model
+
+    def validate_against_target(self, target_config: object) -> None:
+        _check_width("Weaver d_model", self.config.d_model, target_config)
+
+
+def _check_width(what: str, width: int, target_config: object) -> None:
+    t = target_text_config(target_config)
+    if width != t.hidden_size:
+        raise ValueError(f"{what} {width} does not match the target's hidden_size {t.hidden_size}")
+
+
+class WeaverTreeScorer:
+    """Stateful Weaver scoring for one tree, in the tree builder's callback protocol.
+
+    ``scorer(node_ids [w], parent_ids [w], tokens [w], depths [w]) -> [w, K]`` log-probabilities
+    over the K candidates of depth ``depths + 1`` (``cand_ids[depths]``). The root comes first
+    (parent -1, depth 0, token = the bonus token); a node comes after its parent (in an earlier
+    call or earlier in the same call). Every node's per-layer K/V is kept, so a call costs one
+    Weaver step for its w nodes. Inference only (runs under ``torch.no_grad``).
+
+    Args:
+        verifier_hidden: [H]; dflash_hidden: [D, H] (DFlash block slots 1..D, after the final norm).
+        cand_ids: [D, K] int64, row d - 1 = the DFlash top-K tokens of depth d.
+        cand_logits: [D, K], their raw DFlash logits.
+        embed, lm_head: the target's input embedding and lm_head (modules or [V, H] weights).
+    """
+
+    def __init__(
+        self,
+        weaver: Weaver,
+        verifier_hidden: Tensor,
+        dflash_hidden: Tensor,
+        cand_ids: Tensor,
+        cand_logits: Tensor,
+        embed: nn.Module | Tensor,
+        lm_head: nn.Module | Tensor,
+    ) -> None:
+        self.weaver = weaver
+        depth = weaver._check_prompt(verifier_hidden, dflash_hidden)
+        if verifier_hidden.dim() != 1:
+            raise ValueError(f"verifier_hidden must be [H] (one tree), got shape {tuple(verifier_hidden.shape)}")
+        if cand_ids.dim() != 2 or cand_ids.shape[0] != depth or cand_logits.shape != cand_ids.shape:
+            raise ValueError(
+                f"cand_ids and cand_logits must both be [D={depth}, K], "
+                f"got shapes {tuple(cand_ids.shape)} and {tuple(cand_logits.shape)}"
+            )
+        self.depth = depth
+        self.embed = embed
+        self.cand_logits = cand_logits
+        self.cand_rows = as_weight(lm_head, "lm_head")[cand_ids]  # [D, K, H]
+        self.n_embed_rows = as_weight(embed, "embed").shape[0]
+        self.slot_of: dict[int, int] = {}
+        self.paths: list[list[int]] = []  # slot -> slots of root..node
+        self.depths: list[int] = []
+        self.k_cache: list[Tensor] = []
+        self.v_cache: list[Tensor] = []
+        with torch.no_grad():
+            x = weaver.prompt_inputs(verifier_hidden, dflash_hidden)  # [1 + D, d]
+            dev = x.device
+            cos, sin = weaver._rope(torch.arange(1 + depth, device=dev), x.dtype)
+            causal = torch.ones(1 + depth, 1 + depth, dtype=torch.bool, device=dev).tril()
+            self.prompt_kv: list[tuple[Tensor, Tensor]] = []
+            for layer in weaver.layers:
+                q, k, v = layer.qkv_rope(x, cos, sin)
+                self.prompt_kv.append((k, v))
+                x = layer.finish(x, masked_attention(q, k, v, causal, layer.head_dim**-0.5))
+            cfg = weaver.config
+            for _ in weaver.layers:
+                self.k_cache.append(x.new_empty(0, cfg.n_heads, cfg.head_dim))
+                self.v_cache.append(x.new_empty(0, cfg.n_heads, cfg.head_dim))
+
+    @property
+    def num_nodes(self) -> int:
+        return len(self.paths)
+
+    def _register(self, node_ids: Tensor, parent_ids: Tensor, tokens: Tensor, depths: Tensor) -> list[int]:
+        if node_ids.dim() != 1 or node_ids.shape[0] == 0:
+            raise ValueError(f"node_ids must be a non-empty 1-D tensor, got shape {tuple(node_ids.shape)}")
+        w = node_ids.shape[0]
+        for name, t in (("parent_ids", parent_ids), ("tokens", tokens), ("depths", depths)):
+            if t.shape != (w,):
+                raise ValueError(f"{name} must be [{w}] like node_ids, got shape {tuple(t.shape)}")
+        toks = tokens.tolist()
+        if min(toks) < 0 or max(toks) >= self.n_embed_rows:
+            raise ValueError(f"tokens must lie in [0, {self.n_embed_rows}), got {toks}")
+        # validate the whole call before touching any state
+        pending: dict[int, int] = {}
+        new_paths: list[list[int]] = []
+        new_depths: list[int] = []
+        n0 = len(self.paths)
+        for nid, pid, dep in zip(node_ids.tolist(), parent_ids.tolist(), depths.tolist(), strict=True):
+            if nid in self.slot_of or nid in pending:
+                raise ValueError(f"node {nid} was already scored")
+            if pid == -1:
+                if n0 + len(new_paths) > 0:
+                    raise ValueError(f"node {nid} has parent -1 but the root was already given")
+                if dep != 0:
+                    raise ValueError(f"root node {nid} must have depth 0, got {dep}")
+                path: list[int] = []
+            else:
+                if n0 + len(new_paths) == 0:
+                    raise ValueError(
+                        f"the root (parent -1, depth 0) must be scored first, got node {nid} with parent {pid}"
+                    )
+                ps = self.slot_of.get(pid, pending.get(pid))
+                if ps is None:
+                    raise ValueError(f"node {nid} has parent {pid}, which has not been scored")
+                pdep = self.depths[ps] if ps < n0 else new_depths[ps - n0]
+                if dep != pdep + 1:
+                    raise ValueError(f"node {nid} has depth {dep}, its parent {pid} has depth {pdep}")
+                path = self.paths[ps] if ps < n0 else new_paths[ps - n0]
+            if dep >= self.depth:
+                raise ValueError(
+                    f"node {nid} at depth {dep} has no candidates: the deepest scored depth is {self.depth}"
+                )
+            slot = n0 + len(new_paths)
+            pending[nid] = slot
+            new_paths.append(path + [slot])
+            new_depths.append(dep)
+        self.slot_of.update(pending)
+        self.paths.extend(new_paths)
+        self.depths.extend(new_depths)
+        return list(range(n0, n0 + len(new_paths)))
+
+    def __call__(self, node_ids: Tensor, parent_ids: Tensor, tokens: Tensor, depths: Tensor) -> Tensor:
+        slots = self._register(node_ids, parent_ids, tokens, depths)
+        wv = self.weaver
+        with torch.no_grad():
+            x = wv.token_inputs(tokens.to(self.cand_rows.device), self.embed)  # [w, d]
+            dev = x.device
+            dep = torch.tensor([self.depths[s] for s in slots], device=dev)
+            cos, sin = wv._rope(dep + 1, x.dtype)
+            longest = max(len(self.paths[s]) for s in slots)
+            path_idx = torch.zeros(len(slots), longest, dtype=torch.long, device=dev)
+            path_ok = torch.zeros(len(slots), longest, dtype=torch.bool, device=dev)
+            for i, s in enumerate(slots):
+                p = self.paths[s]
+                path_idx[i, : len(p)] = torch.tensor(p, device=dev)
+                path_ok[i, : len(p)] = True
+            p0 = 1 + self.depth
+            mask = torch.cat([torch.ones(len(slots), p0, dtype=torch.bool, device=dev), path_ok], dim=1)[:, None, :]
+            for li, layer in enumerate(wv.layers):
+                q, k, v = layer.qkv_rope(x, cos, sin)  # [w, heads, hd]
+                # store this layer's K/V of the new nodes first: a node sees itself and any
+                # ancestor passed earlier in the same call
+                self.k_cache[li] = torch.cat([self.k_cache[li], k])
+                self.v_cache[li] = torch.cat([self.v_cache[li], v])
+                pk, pv = self.prompt_kv[li]
+                keys = torch.cat([pk.expand(len(slots), *pk.shape), self.k_cache[li][path_idx]], dim=1)
+                vals = torch.cat([pv.expand(len(slots), *pv.shape), self.v_cache[li][path_idx]], dim=1)
+                attn = masked_attention(q[:, None], keys, vals, mask, layer.head_dim**-0.5)[:, 0]
+                x = layer.finish(x, attn)
+            qry = wv.query(x)  # [w, H]
+            return candidate_logprobs(qry, self.cand_rows[dep], self.cand_logits[dep])
