@@ -1,0 +1,180 @@
+"""``vllm-tfm`` command line.
+
+    vllm-tfm demo [--prompt TEXT | --prompt-ids 1,2,3] [--max-new-tokens N] [--budget B]
+                  [--block-size G] [--method tfm] [--temperature T] [--acceptance A] [--seed S]
+                  [--zoo DIR] [--random-models] [--threads N]
+
+``demo`` runs the reference speculative decoder (``vllm_tfm.reference``) on the CPU with a
+`transformers` target: the default method first (its text, tokens/s, mean accepted length and
+acceptance by depth), then every method side by side, plus the target alone. It uses the trained
+toy zoo when one is found (see ``vllm_tfm.reference.zoo``), else random tiny models, and says so.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from collections.abc import Sequence
+
+__all__ = ["main", "build_parser"]
+
+
+def _ids(text: str) -> list[int]:
+    try:
+        ids = [int(t) for t in text.replace(",", " ").split()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated token ids, got {text!r}") from None
+    if not ids:
+        raise argparse.ArgumentTypeError("expected at least one token id")
+    return ids
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="vllm-tfm", description="Trees from Marginals: tree speculative decoding for hybrid GDN models.")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    demo = sub.add_parser("demo", help="CPU demo of every speculative method with a transformers target")
+    src = demo.add_mutually_exclusive_group()
+    src.add_argument("--prompt", help="prompt text (needs the zoo's tokenizer)")
+    src.add_argument("--prompt-ids", type=_ids, help="prompt as comma-separated token ids")
+    demo.add_argument("--max-new-tokens", type=int, default=32)
+    demo.add_argument("--budget", type=int, default=16, help="draft nodes per tree B (default 16)")
+    demo.add_argument("--block-size", type=int, default=None, help="DFlash block size gamma (default: the drafter's)")
+    demo.add_argument("--method", default="tfm", help="method shown first (chain, ddtree, treeflash, tfm; default tfm)")
+    demo.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    demo.add_argument("--acceptance", default="target_only", help="tree acceptance when sampling: target_only (default) or traversal")
+    demo.add_argument("--seed", type=int, default=0, help="seed of the random models and of sampling")
+    demo.add_argument("--zoo", help="toy zoo directory (default: search $VLLM_TFM_ZOO, ./zoo next to the package)")
+    demo.add_argument("--random-models", action="store_true", help="use random tiny models even if a zoo exists")
+    demo.add_argument("--threads", type=int, default=1, help="torch CPU threads (default 1: the models are tiny)")
+    demo.set_defaults(func=_demo)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of the ``vllm-tfm`` console script; returns the exit status."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return args.func(args)
+    except ValueError as e:
+        print(f"vllm-tfm: error: {e}", file=sys.stderr)
+        return 2
+
+
+# ---------------------------------------------------------------------- demo
+
+
+def _fmt_depths(values: list[float]) -> str:
+    return " ".join(f"{v:.2f}" for v in values)
+
+
+def _demo(args: argparse.Namespace) -> int:
+    import torch
+    import transformers
+
+    from vllm_tfm.reference.decoder import SamplingConfig, SpeculativeDecoder
+    from vllm_tfm.reference.drafters import METHODS, make_proposer
+    from vllm_tfm.reference.zoo import is_zoo, load_zoo, random_demo_models, zoo_search_paths
+
+    if args.method not in METHODS:
+        raise ValueError(f"unknown method {args.method!r}; choose one of {', '.join(METHODS)}")
+    if args.max_new_tokens < 1:
+        raise ValueError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
+    if args.threads < 1:
+        raise ValueError(f"--threads must be >= 1, got {args.threads}")
+    torch.set_num_threads(args.threads)
+    # transformers warns once per kernel that the optional CUDA packages (causal_conv1d, fla) are
+    # missing and it uses its torch reference; on a CPU that is expected, so keep the demo quiet.
+    transformers.utils.logging.get_logger("transformers.integrations.hub_kernels").setLevel(40)
+
+    print(f"vllm-tfm demo: reference decoder on the CPU (torch {torch.__version__}, transformers {transformers.__version__})")
+    notes = []
+    if args.random_models:
+        models = random_demo_models(args.seed)
+        notes.append("--random-models given: the zoo is not used.")
+    elif args.zoo:
+        models = load_zoo(args.zoo)
+    else:
+        found = next((p for p in zoo_search_paths() if is_zoo(p)), None)
+        if found is not None:
+            models = load_zoo(found)
+        else:
+            models = random_demo_models(args.seed)
+            looked = ", ".join(str(p) for p in zoo_search_paths())
+            notes.append(f"no trained toy zoo found (looked in: {looked}).")
+    print(f"models: {models.description}")
+    if models.source == "random":
+        print("NOTE: using RANDOM, untrained models: the drafters accept almost nothing and the text is meaningless;")
+        print("      the demo shows the mechanics and that every method reproduces the target's own output exactly.")
+    for n in notes:
+        print(f"NOTE: {n}")
+
+    tok = models.tokenizer
+    vocab = models.target.config.vocab_size
+    if args.prompt is not None:
+        if tok is None:
+            raise ValueError("these models have no tokenizer, so --prompt text cannot be encoded; pass --prompt-ids instead")
+        prompt = tok(args.prompt)["input_ids"]
+    elif args.prompt_ids is not None:
+        prompt = args.prompt_ids
+    elif tok is not None:
+        prompt = tok("def fibonacci(n):")["input_ids"]
+    else:
+        prompt = [(7 * i + 3) % vocab for i in range(6)]
+    bad = [t for t in prompt if not 0 <= t < vocab]
+    if bad:
+        raise ValueError(f"prompt token ids must lie in [0, {vocab}), got {bad[0]}")
+    if tok is None:
+        print("NOTE: no tokenizer: prompt and outputs are shown as token ids.")
+
+    def show(ids: list[int]) -> str:
+        return repr(tok.decode(ids)) if tok is not None else str(ids)
+
+    greedy = args.temperature < 1e-5
+    sampling = SamplingConfig(temperature=args.temperature)
+    print(f"prompt: {show(prompt)}")
+    print(f"settings: budget B = {args.budget}, max_new_tokens = {args.max_new_tokens}, "
+          f"{'greedy' if greedy else f'sampling at temperature {args.temperature} (seed {args.seed}, {args.acceptance} acceptance)'}")
+
+    target = models.target
+    gc = getattr(target, "generation_config", None)
+    eos = getattr(gc, "eos_token_id", None) if gc is not None else None
+    with torch.no_grad():  # the target alone, greedy: the reference output and the timing baseline
+        t0 = time.perf_counter()
+        ar = target.generate(
+            torch.tensor([prompt]), do_sample=False, max_new_tokens=args.max_new_tokens, eos_token_id=eos, pad_token_id=0
+        )[0, len(prompt):].tolist()
+        ar_s = time.perf_counter() - t0
+        if eos is not None:  # generate() pads after eos; keep up to the first eos
+            stops = {eos} if isinstance(eos, int) else set(eos)
+            cut = next((i + 1 for i, t in enumerate(ar) if t in stops), len(ar))
+            ar = ar[:cut]
+
+    order = [args.method] + [m for m in METHODS if m != args.method]
+    rows = []
+    for method in order:
+        proposer = make_proposer(method, models.bundle, target, gamma=args.block_size)
+        dec = SpeculativeDecoder(target, proposer, args.budget, acceptance=args.acceptance)
+        gen = torch.Generator().manual_seed(args.seed)
+        res = dec.generate(prompt, args.max_new_tokens, eos_token_id=eos, sampling=sampling, generator=gen)
+        rows.append((method, res))
+        if method == args.method:
+            print(f"\n[{method}] output: {show(res.tokens)}")
+            print(f"[{method}] {res.tokens_per_second:.1f} tokens/s, mean accepted length (MAL) {res.mean_accepted_length:.2f} "
+                  f"tokens per target forward, {len(res.steps)} tree steps")
+            print(f"[{method}] acceptance by depth d = 1..{res.max_depth} (fraction of steps reaching d): {_fmt_depths(res.acceptance_by_depth)}")
+            stages = ", ".join(f"{k} {v * 1e3:.0f} ms" for k, v in res.stage_seconds.items())
+            print(f"[{method}] time per stage: {stages}")
+
+    print("\nall methods (same prompt, same target):")
+    print(f"{'method':<10} {'tokens/s':>9} {'MAL':>6} {'steps':>6}  {'same as target':<15} acceptance by depth d=1..")
+    for method, res in rows:
+        same = ("yes" if res.tokens == ar else "NO") if greedy else "n/a (sampled)"
+        print(f"{method:<10} {res.tokens_per_second:>9.1f} {res.mean_accepted_length:>6.2f} {len(res.steps):>6}  {same:<15} "
+              f"{_fmt_depths(res.acceptance_by_depth)}")
+    print(f"{'target':<10} {len(ar) / ar_s:>9.1f} {1.0:>6.2f} {len(ar):>6}  {'(itself)':<15} transformers greedy generate(), no speculation")
+    if greedy and any(res.tokens != ar for _, res in rows):
+        print("WARNING: a method's greedy output differs from the target's own greedy output")
+        return 1
+    return 0
