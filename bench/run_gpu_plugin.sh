@@ -1,0 +1,33 @@
+#!/usr/bin/env bash
+# The one GPU-host command for the tfm runtime inside vLLM 0.26 (issue 6): greedy tfm == no-spec.
+#
+#   run (device tool, repository root, carry .gpu-bundle):  bash bench/run_gpu_plugin.sh
+#
+# Unpacks the vLLM bundle, installs this checkout (entry points included) next to it, then runs
+# bench/gpu_plugin_e2e.py: random tiny Qwen3.5 hybrid target + DFlash drafter + Weaver in /tmp,
+# a no-spec baseline engine, GPU unit checks, and one tfm engine running chain (native and forced
+# tree path), ddtree and tfm, with and without oracle-planted branches, batch 8 and 1, float32.
+# Logs and results.json go to $OUT (the device tool's output folder; /tmp/tfm-e2e-out otherwise).
+# Budget: about 7 minutes (two engine starts); TFM_E2E_DEADLINE_S (default 400) bounds the run.
+set -uo pipefail
+cd "$(dirname "${BASH_SOURCE[0]}")/.."
+OUT=${OUT:-/tmp/tfm-e2e-out}
+mkdir -p "$OUT"
+start=$(date +%s)
+echo "== bundle"
+# shellcheck disable=SC1091
+source .gpu-bundle/install.sh
+echo "== install vllm-tfm ($(( $(date +%s) - start )) s)"
+if ! python3 -m pip install -q --no-deps --no-index --no-build-isolation --target "$GPU_SITE" . >"$OUT/pip.log" 2>&1; then
+  echo "pip install of the checkout failed (see pip.log); using the checkout on PYTHONPATH without entry points"
+  tail -5 "$OUT/pip.log"
+fi
+export PYTHONPATH="$PWD:$PYTHONPATH"
+export VLLM_ENABLE_V1_MULTIPROCESSING=0
+nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv,noheader || true
+echo "== e2e ($(( $(date +%s) - start )) s)"
+python3 bench/gpu_plugin_e2e.py --out "$OUT" --phase all
+rc=$?
+echo "== done in $(( $(date +%s) - start )) s, exit code $rc; files in $OUT:"
+ls -la "$OUT"
+exit $rc

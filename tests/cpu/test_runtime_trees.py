@@ -1,0 +1,112 @@
+"""Batched tree builders of the vLLM runtime against the reference builders of vllm_tfm.tree.
+
+The runtime builds all requests' trees at once on the device (no heap, no host loop); the
+reference builders are per-request Python. Same tokens, same parents, same node order is the
+contract (a tree built differently on two tensor-parallel ranks, or differently from the
+reference decoder, would be a bug)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from vllm_tfm.models.tfm_config import WeaverConfig
+from vllm_tfm.models.weaver import Weaver
+from vllm_tfm.tree import build_chain, build_ddtree, build_weaver
+from vllm_tfm.vllm_plugin.runtime.tree_builder_gpu import chain_trees, ddtree_trees, fill_to_budget, weaver_trees
+
+NEG = float("-inf")
+
+
+def check_against_reference(lp: torch.Tensor, budget: int) -> None:
+    tok, par, n = ddtree_trees(lp, budget)
+    assert tok.shape == (lp.shape[0], budget) and par.shape == (lp.shape[0], budget + 1)
+    for r in range(lp.shape[0]):
+        ref = build_ddtree(0, lp[r], budget, lp.shape[1])
+        k = int(n[r])
+        assert k == ref.num_nodes
+        assert tok[r, : k - 1].tolist() == ref.tokens[1:].tolist()
+        assert par[r, :k].tolist() == ref.parents.tolist()
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_ddtree_matches_reference_on_random_marginals(dtype):
+    gen = torch.Generator().manual_seed(0)
+    for _ in range(60):
+        d = int(torch.randint(1, 5, (1,), generator=gen))
+        v = int(torch.randint(2, 12, (1,), generator=gen))
+        b = int(torch.randint(1, 12, (1,), generator=gen))
+        lp = torch.log_softmax(2 * torch.randn(3, d, v, generator=gen, dtype=torch.float64), -1).to(dtype)
+        check_against_reference(lp, b)
+
+
+def test_ddtree_breaks_ties_like_the_reference():
+    """Equal probabilities (ties between siblings, between depths, and exact 0 log-probs)."""
+    gen = torch.Generator().manual_seed(1)
+    for _ in range(80):
+        d = int(torch.randint(1, 5, (1,), generator=gen))
+        v = int(torch.randint(2, 7, (1,), generator=gen))
+        b = int(torch.randint(1, 12, (1,), generator=gen))
+        w = torch.randint(0, 3, (2, d, v), generator=gen).double()
+        w[..., 0] += 1  # at least one token with positive probability per depth
+        check_against_reference(torch.log(w / w.sum(-1, keepdim=True)), b)
+
+
+def test_ddtree_never_drafts_zero_probability_tokens_and_completes_the_budget():
+    # depth 1 has two possible tokens, depth 2 one: only 2 + 2 prefixes exist
+    lp = torch.full((1, 2, 5), NEG, dtype=torch.float64)
+    lp[0, 0, 3], lp[0, 0, 1] = torch.tensor(0.7).log(), torch.tensor(0.3).log()
+    lp[0, 1, 4] = 0.0
+    tok, par, n = ddtree_trees(lp, 7)
+    assert int(n[0]) == 5  # root + (3), (3,4), (1), (1,4)
+    assert tok[0, :4].tolist() == [3, 4, 1, 4]
+    assert par[0, :5].tolist() == [-1, 0, 1, 0, 3]
+    # completion: a chain of fillers (the best depth-1 token) under the last real node
+    assert tok[0, 4:].tolist() == [3, 3, 3]
+    assert par[0, 5:].tolist() == [4, 5, 6]
+
+
+def test_chain_matches_reference_and_extends_short_chains():
+    gen = torch.Generator().manual_seed(2)
+    lp = torch.log_softmax(torch.randn(4, 6, 9, generator=gen, dtype=torch.float64), -1)
+    tok, par = chain_trees(lp, 4)  # D = 6 >= B = 4
+    for r in range(4):
+        ref = build_chain(0, lp[r], 4, 6)
+        assert tok[r].tolist() == ref.tokens[1:].tolist()
+        assert par[r].tolist() == ref.parents.tolist()
+    tok, par = chain_trees(lp, 9)  # D = 6 < B = 9: the chain continues with the last depth's argmax
+    assert par.tolist() == [list(range(-1, 9))] * 4
+    top = lp.argmax(-1)
+    assert tok[:, :6].tolist() == top.tolist()
+    assert tok[:, 6:].tolist() == top[:, 5:6].expand(4, 3).tolist()
+
+
+def test_fill_to_budget_keeps_real_nodes_and_appends_a_chain():
+    tokens = torch.tensor([[5, 6, 7, 8], [1, 2, 3, 4]])
+    parents = torch.tensor([[-1, 0, 0, 1, 2], [-1, 0, 1, 2, 3]])
+    t, p = fill_to_budget(tokens, parents, torch.tensor([3, 5]), torch.tensor([9, 9]))
+    assert t.tolist() == [[5, 6, 9, 9], [1, 2, 3, 4]]
+    assert p.tolist() == [[-1, 0, 0, 2, 3], [-1, 0, 1, 2, 3]]
+
+
+def test_weaver_trees_equal_build_weaver_per_request():
+    torch.manual_seed(0)
+    cfg = WeaverConfig(d_model=16, d_rank=8, n_layers=1, n_heads=2, d_mlp=12, max_depth=3)
+    weaver = Weaver(cfg).double().eval()
+    gen = torch.Generator().manual_seed(3)
+    vocab, depth, r = 20, 3, 2
+    embed = torch.randn(vocab, 16, generator=gen, dtype=torch.float64)
+    lm_head = torch.randn(vocab, 16, generator=gen, dtype=torch.float64)
+    logits = torch.randn(r, depth, vocab, generator=gen, dtype=torch.float64)
+    dflash_hidden = torch.randn(r, depth, 16, generator=gen, dtype=torch.float64)
+    verifier = torch.randn(r, 16, generator=gen, dtype=torch.float64)
+    roots = torch.tensor([4, 11])
+    tok, par = weaver_trees(weaver, logits, dflash_hidden, verifier, roots, embed, lm_head,
+                            budget=6, top_k=5, width=2, children_per_node=3)
+    cand_logits, cand_ids = torch.topk(logits.float(), 5, dim=-1)
+    for i in range(r):
+        scorer = weaver.tree_scorer(verifier[i], dflash_hidden[i], cand_ids[i], cand_logits[i].double(), embed, lm_head)
+        ref = build_weaver(int(roots[i]), cand_ids[i], scorer, 6, depth, 2, 3)
+        n = ref.num_nodes
+        assert tok[i, : n - 1].tolist() == ref.tokens[1:].tolist()
+        assert par[i, :n].tolist() == ref.parents.tolist()

@@ -1,0 +1,252 @@
+"""The runtime's patches against the installed vLLM 0.26 (CPU: wiring, delegation, GDN glue).
+
+Imports vLLM (about half a minute on a small CPU machine). What needs a GPU (Triton attention,
+the engine itself) is covered by tests/gpu/test_vllm_tfm_e2e.py."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import torch
+
+pytest.importorskip("vllm")
+pytestmark = pytest.mark.vllm
+
+from _trees import path_of, random_tree_parents  # noqa: E402
+from vllm.model_executor.layers.mamba.gdn.qwen_gdn_linear_attn import QwenGatedDeltaNetAttention  # noqa: E402
+from vllm.v1.attention.backends.gdn_attn import GDNAttentionMetadata  # noqa: E402
+from vllm.v1.attention.backends.registry import AttentionBackendEnum  # noqa: E402
+from vllm.v1.outputs import SamplerOutput  # noqa: E402
+from vllm.v1.worker.gpu_model_runner import GPUModelRunner  # noqa: E402
+
+from vllm_tfm.vllm_plugin import runtime  # noqa: E402
+from vllm_tfm.vllm_plugin.runtime import gdn as gdn_mod  # noqa: E402
+from vllm_tfm.vllm_plugin.runtime.attention import TFMTritonAttentionBackend, TFMTritonAttentionImpl  # noqa: E402
+from vllm_tfm.vllm_plugin.patching import original  # noqa: E402
+from vllm_tfm.vllm_plugin.runtime.hooks import RUNNER_HOOKS, check_engine_config  # noqa: E402
+from vllm_tfm.vllm_plugin.runtime.inputs import build_step_tree  # noqa: E402
+from vllm_tfm.vllm_plugin.runtime.sampler import TFMTreeSampler  # noqa: E402
+from vllm_tfm.vllm_plugin.runtime.state import STATE, ProposalStore  # noqa: E402
+from vllm_tfm.verify.gdn import gdn_chain_recurrence, gdn_gates  # noqa: E402
+
+F64 = torch.float64
+
+
+@pytest.fixture(autouse=True)
+def clean_state():
+    STATE.step = None
+    yield
+    STATE.step = None
+
+
+def test_install_patches_once():
+    runtime.install()
+    runtime.install()
+    assert runtime.is_installed()
+    assert set(RUNNER_HOOKS) == {"__init__", "_prepare_inputs", "_update_states_after_model_execute",
+                                 "propose_draft_token_ids", "sample_tokens"}
+    for name in RUNNER_HOOKS:  # wrapped exactly once, the original kept in the plugin's registry
+        assert GPUModelRunner.__dict__[name].__wrapped__ is original(GPUModelRunner, name)
+        assert original(GPUModelRunner, name).__module__ == "vllm.v1.worker.gpu_model_runner"  # vLLM's own
+    assert QwenGatedDeltaNetAttention.__dict__["_forward_core"] is gdn_mod.tree_forward_core
+    assert gdn_mod._ORIGINAL["_forward_core"] is original(QwenGatedDeltaNetAttention, "_forward_core")
+    backend = AttentionBackendEnum.TRITON_ATTN.get_class()
+    assert backend is TFMTritonAttentionBackend and backend.get_name() == "TRITON_ATTN"
+    assert backend.get_impl_cls() is TFMTritonAttentionImpl
+
+
+def engine_config(**over):
+    base = dict(
+        compilation_config=SimpleNamespace(cudagraph_mode=SimpleNamespace(name="NONE")),
+        model_config=SimpleNamespace(is_hybrid=True, uses_xdrope_dim=0),
+        cache_config=SimpleNamespace(mamba_cache_mode="none"),
+        parallel_config=SimpleNamespace(pipeline_parallel_size=1, decode_context_parallel_size=1),
+    )
+    base.update(over)
+    return SimpleNamespace(**base)
+
+
+def test_engine_config_refusals():
+    check_engine_config(engine_config())
+    with pytest.raises(ValueError, match="enforce_eager=True"):
+        check_engine_config(engine_config(compilation_config=SimpleNamespace(cudagraph_mode=SimpleNamespace(name="FULL_AND_PIECEWISE"))))
+    with pytest.raises(ValueError, match="mamba_cache_mode 'none'"):
+        check_engine_config(engine_config(cache_config=SimpleNamespace(mamba_cache_mode="align")))
+    with pytest.raises(ValueError, match="pipeline parallelism"):
+        check_engine_config(engine_config(parallel_config=SimpleNamespace(pipeline_parallel_size=2, decode_context_parallel_size=1)))
+
+
+# ---------------------------------------------------------------- sampler
+def fake_runner(num_req):
+    batch = SimpleNamespace(temperature_cpu=np.zeros(num_req, dtype=np.float32),
+                            top_k_cpu=np.full(num_req, 100), top_p_cpu=np.ones(num_req, dtype=np.float32))
+    return SimpleNamespace(input_batch=batch)
+
+
+def sampling_metadata():
+    return SimpleNamespace(top_k=None, top_p=None, generators={},
+                           logitsprocs=SimpleNamespace(argmax_invariant=[], non_argmax_invariant=[]))
+
+
+class Recorder(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.calls = []
+
+    def forward(self, *args):
+        self.calls.append(args)
+        return "native"
+
+
+def test_sampler_delegates_without_a_tree_step():
+    inner = Recorder()
+    sampler = TFMTreeSampler(inner, fake_runner(1))
+    assert sampler("md", None, "logits", "smd") == "native" and inner.calls == [("md", None, "logits", "smd")]
+
+
+def test_sampler_verifies_trees_and_checks_the_metadata():
+    store = ProposalStore()
+    store.put(["r0", "r1"], torch.tensor([[5, 6, 7], [1, 2, 3]]), torch.tensor([[-1, 0, 0, 1], [-1, 0, 1, 2]]))
+    spec = {"r0": [5, 6, 7], "r1": [1, 2, 3]}
+    STATE.step = build_step_tree(["r0", "r1"], np.array([4, 4]), spec, store, allow_trees=True)
+    logits = torch.zeros(8, 10)
+    logits[0, 6] = logits[2, 4] = 1.0  # r0: root -> node 2 (token 6), then bonus 4
+    logits[4, 9] = 1.0  # r1: root argmax 9 matches no child: bonus 9
+    md = SimpleNamespace(num_draft_tokens=[3, 3], draft_token_ids=torch.tensor([5, 6, 7, 1, 2, 3]), max_spec_len=3)
+    sampler = TFMTreeSampler(torch.nn.Identity(), fake_runner(2))
+    out = sampler(md, None, logits, sampling_metadata())
+    assert isinstance(out, SamplerOutput) and out.logprobs_tensors is None
+    assert out.sampled_token_ids.dtype == torch.int32
+    assert out.sampled_token_ids.tolist() == [[6, 4, -1, -1], [9, -1, -1, -1]]
+    assert STATE.step.accept.accepted_nodes[0, 0].item() == 2
+    with pytest.raises(RuntimeError, match="does not match the tree metadata"):
+        sampler(SimpleNamespace(num_draft_tokens=[3, 2], draft_token_ids=None, max_spec_len=3), None, logits, None)
+
+
+# ---------------------------------------------------------------- GDN glue
+H, K, HV, V, W, S = 1, 4, 2, 3, 4, 3
+D = 2 * H * K + HV * V
+
+
+def fake_gdn_layer(gen, num_slots):
+    conv_sd = torch.randn(num_slots, W - 1 + S, D, generator=gen, dtype=F64)
+    return SimpleNamespace(
+        prefix="model.layers.0.linear_attn",
+        kv_cache=(conv_sd, torch.randn(num_slots, HV, V, K, generator=gen, dtype=F64)),
+        conv1d=SimpleNamespace(weight=0.5 * torch.randn(D, 1, W, generator=gen, dtype=F64), bias=None),
+        activation="silu",
+        A_log=torch.rand(HV, generator=gen, dtype=F64).log(),
+        dt_bias=torch.randn(HV, generator=gen, dtype=F64),
+        num_k_heads=H, num_v_heads=HV, head_k_dim=K, head_v_dim=V, tp_size=1,
+    )
+
+
+def gdn_metadata(**kw):
+    base = dict(num_prefills=0, num_prefill_tokens=0, num_decodes=0, num_decode_tokens=0)
+    base.update(kw)
+    return GDNAttentionMetadata(**base)
+
+
+def test_gdn_patch_runs_spec_rows_as_trees_and_prefills_through_vllm(monkeypatch):
+    gen = torch.Generator().manual_seed(0)
+    layer = fake_gdn_layer(gen, num_slots=10)
+    parents = random_tree_parents(1 + S, gen, "random")
+    store = ProposalStore()
+    store.put(["t"], torch.tensor([[3, 4, 5]]), parents[None])
+    # batch: a 2-token prefill ("p") then the tree request ("t"); vLLM's spec token index lists
+    # spec rows after the others (stable argsort of the spec mask)
+    STATE.step = build_step_tree(["p", "t"], np.array([2, 1 + S]), {"t": [3, 4, 5]}, store, allow_trees=True)
+    assert STATE.step.tree_active
+    slots = torch.tensor([[4, 7, 1, 8]], dtype=torch.int32)
+    md = gdn_metadata(num_prefills=1, num_prefill_tokens=2, num_spec_decodes=1, num_spec_decode_tokens=1 + S,
+                      num_actual_tokens=2 + 1 + S, spec_sequence_masks=torch.tensor([False, True]),
+                      spec_token_indx=torch.arange(2, 6, dtype=torch.int32),
+                      non_spec_token_indx=torch.arange(0, 2, dtype=torch.int32),
+                      spec_state_indices_tensor=slots, num_accepted_tokens=torch.tensor([2], dtype=torch.int32),
+                      spec_query_start_loc=torch.tensor([0, 1 + S], dtype=torch.int32))
+    attn = {layer.prefix: md}
+    monkeypatch.setattr("vllm.forward_context.get_forward_context", lambda: SimpleNamespace(attn_metadata=attn))
+    seen = {}
+
+    def original(self, mixed_qkv, b, a, core_attn_out):
+        sub = attn[self.prefix]
+        seen.update(sub=sub, rows=mixed_qkv.clone())
+        core_attn_out[: sub.num_actual_tokens] = 7.0
+
+    monkeypatch.setitem(gdn_mod._ORIGINAL, "_forward_core", original)
+    t = 2 + 1 + S
+    mixed = torch.randn(t, D, generator=gen, dtype=F64)
+    a = torch.randn(t, HV, generator=gen, dtype=F64)
+    b = torch.randn(t, HV, generator=gen, dtype=F64)
+    out = torch.zeros(t, HV, V, dtype=F64)
+    conv_view = layer.kv_cache[0].transpose(-1, -2)
+    window = conv_view[4, :, 1 : W].T.clone()  # num_accepted 2 -> committed columns 1..W-1 of slot [n, 0]
+    s0 = layer.kv_cache[1][7].clone()  # SSM slot [n, num_accepted - 1]
+    gdn_mod.tree_forward_core(layer, mixed, b, a, out)
+    # prefill rows: through vLLM's code on metadata without spec rows, then scattered back
+    sub = seen["sub"]
+    assert sub.num_actual_tokens == 2 and sub.spec_sequence_masks is None and sub.num_spec_decodes == 0
+    assert torch.equal(seen["rows"], mixed[:2]) and attn[layer.prefix] is md  # metadata restored
+    assert torch.all(out[:2] == 7.0)
+    # spec rows: each node = the chain recurrence over its root..node path
+    for i in range(1 + S):
+        rows = [2 + j for j in path_of(parents, i)]
+        seq = torch.cat([window, mixed[rows]]).T[None]
+        y = torch.nn.functional.silu(torch.nn.functional.conv1d(seq, layer.conv1d.weight, None, groups=D)[0].T)
+        q, k, v = torch.split(y, [H * K, H * K, HV * V], dim=-1)
+        g, beta = gdn_gates(a[rows], b[rows], layer.A_log, layer.dt_bias)
+        o, _ = gdn_chain_recurrence(q.reshape(-1, H, K), k.reshape(-1, H, K), v.reshape(-1, HV, V), g, beta, s0)
+        torch.testing.assert_close(out[2 + i], o[-1], rtol=1e-10, atol=1e-10)
+    stash = STATE.step.gdn[layer.prefix]
+    assert stash.prev_accepted.tolist() == [2] and stash.width == W
+
+
+def test_gdn_patch_delegates_outside_tree_steps(monkeypatch):
+    calls = []
+    monkeypatch.setitem(gdn_mod._ORIGINAL, "_forward_core", lambda self, **kw: calls.append(kw))
+    gdn_mod.tree_forward_core(SimpleNamespace(prefix="x"), mixed_qkv=1, b=2, a=3, core_attn_out=4)
+    assert calls == [dict(mixed_qkv=1, b=2, a=3, core_attn_out=4)]
+
+
+# ---------------------------------------------------------------- runner hooks on a fake runner
+def test_prepare_inputs_hook_writes_depth_positions_and_the_commit_moves_kv():
+    from vllm_tfm.vllm_plugin.runtime.hooks import _wrap_prepare_inputs, _wrap_update_states_after
+    from vllm_tfm.vllm_plugin.runtime.metrics import Metrics
+    from vllm_tfm.verify.accept_result import AcceptResult
+
+    STATE.metrics = Metrics(max_depth=3)
+    STATE.store = ProposalStore()
+    STATE.store.put(["a", "b"], torch.tensor([[5, 6, 7], [1, 2, 3]]), torch.tensor([[-1, 0, 0, 1], [-1, 0, 1, 2]]))
+    md = SimpleNamespace(no_penalties=True, bad_words_token_ids={}, allowed_token_ids_mask=None, max_num_logprobs=None,
+                         logitsprocs=SimpleNamespace(non_argmax_invariant=[], argmax_invariant=[]),
+                         thinking_budget_state_holder=None)
+    positions = torch.tensor([20, 21, 22, 23, 50, 51, 52, 53, 0, 0])
+    runner = SimpleNamespace(_tfm_enabled=True, device="cpu", uses_mrope=False, positions=positions,
+                             input_batch=SimpleNamespace(num_reqs=2, req_ids=["a", "b"], sampling_metadata=md))
+    so = SimpleNamespace(scheduled_spec_decode_tokens={"a": [5, 6, 7], "b": [1, 2, 3]})
+    out = _wrap_prepare_inputs(lambda self, s, n: "vllm")(runner, so, np.array([4, 4]))
+    step = STATE.step
+    assert out == "vllm" and step.tree_active and step.is_tree.tolist() == [True, False]
+    assert positions.tolist() == [20, 21, 21, 22, 50, 51, 52, 53, 0, 0]  # request a: depths 0, 1, 1, 2
+    assert step.seq_positions.tolist() == [20, 21, 22, 23, 50, 51, 52, 53]
+
+    # accept node 3 (path 1 -> 3) in a, nothing in b; then the commit moves a's K/V rows 1, 3 -> 1, 2
+    step.accept = AcceptResult(accepted_nodes=torch.tensor([[1, 3], [-1, -1]]), num_accepted=torch.tensor([2, 0]),
+                               last_node=torch.tensor([3, 0]), bonus=torch.tensor([9, 9]),
+                               output_tokens=torch.tensor([[5, 6, 9], [9, -1, -1]]))
+    kv = torch.arange(4 * 1 * 4 * 2, dtype=torch.float32).view(4, 1, 4, 2)  # 4 blocks of 4 slots
+    slot_mapping = torch.tensor([8, 9, 10, 11, 0, 1, 2, 3])
+    runner.compilation_config = SimpleNamespace(static_forward_context={"attn0": SimpleNamespace(kv_cache=kv)})
+    runner.kv_cache_config = SimpleNamespace(kv_cache_groups=[SimpleNamespace(layer_names=["attn0", "drafter.attn"])])
+    runner.input_batch.block_table = [SimpleNamespace(slot_mapping=SimpleNamespace(gpu=slot_mapping))]
+    STATE.target_attn_layers = frozenset({"attn0"})
+    before = kv.clone()
+    calls = []
+    _wrap_update_states_after(lambda self, o, s: calls.append(o))(runner, "sampled", so)
+    assert calls == ["sampled"]
+    assert torch.equal(kv[2, :, 1], before[2, :, 1]) and torch.equal(kv[2, :, 2], before[2, :, 3])  # slot 10 <- 11
+    kv[2, :, 2] = before[2, :, 2]
+    assert torch.equal(kv, before)  # nothing else moved
+    assert STATE.metrics.snapshot()["hooks"]["commit"] == 1

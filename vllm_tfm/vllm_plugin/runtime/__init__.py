@@ -1,0 +1,66 @@
+"""Worker-side tree speculative decoding inside vLLM 0.26's V1 GPU model runner, fork-free.
+
+``install()`` is called by ``vllm_tfm.register()`` in every vLLM process after the config patches
+(which make ``"method": "tfm"`` a DFlash-like method: ``use_eagle()`` / ``use_dflash()`` true). It
+patches, once per process:
+
+* ``TRITON_ATTN`` -> ``attention.TFMTritonAttentionBackend`` (``register_backend``): ancestor mask
+  on the target's attention layers during tree-active steps;
+* ``QwenGatedDeltaNetAttention._forward_core`` -> ``gdn.tree_forward_core``: tree conv1d + exact
+  rollback-free tree verify for the spec rows, no state written;
+* ``GPUModelRunner`` methods (``hooks.py``): the tfm drafter and tree sampler, per-step tree
+  metadata and depth positions, the commit after acceptance, step-state lifetime.
+
+One decode step of a tfm engine (sync scheduling, eager):
+
+1. ``_prepare_inputs``: vLLM gathers the scheduled drafts (B per request) and computes sequential
+   positions and KV slots; the wrapper looks up each request's tree by request id, and on a
+   tree-active step writes depth positions (RoPE) and prepares ancestor biases.
+2. Forward: attention rows of tree requests are recomputed with their ancestor mask; GDN layers
+   verify the spec rows as trees from the committed state and stash deltas.
+3. ``_sample``: ``TFMTreeSampler`` walks each tree (greedy argmax walk, or target-only tree
+   acceptance for sampled requests) and returns [path..., bonus, -1...] per request.
+4. ``_update_states_after_model_execute``: K/V of the accepted path moves to the chain slots;
+   GDN state and conv window are committed where vLLM's chain bookkeeping reads them.
+5. ``propose_draft_token_ids``: ``TFMProposer`` puts root + accepted path first for the DFlash
+   context, gets D marginals from one DFlash forward, builds B-node trees (chain / DDTree /
+   Weaver), returns the tokens to vLLM and keeps the parents by request id.
+
+Steps without a non-chain tree run vLLM's native chain path unchanged (set
+``VLLM_TFM_FORCE_TREE_PATH=1`` to route them through the tree path too).
+"""
+
+from __future__ import annotations
+
+__all__ = ["install", "is_installed", "snapshot_metrics"]
+
+
+def install() -> None:
+    """Apply every runtime patch in this process (idempotent), through the plugin's patch registry
+    (``vllm_tfm.vllm_plugin.patching``). Called by ``vllm_tfm.register()`` after its version check."""
+    from .attention import install_attention_backend
+    from .gdn import install_gdn_patch
+    from .hooks import install_runner_hooks
+
+    install_attention_backend()
+    install_gdn_patch()
+    install_runner_hooks()
+
+
+def is_installed() -> bool:
+    from vllm.model_executor.layers.mamba.gdn.qwen_gdn_linear_attn import QwenGatedDeltaNetAttention
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+    from ..patching import is_patched
+    from .hooks import RUNNER_HOOKS
+
+    return is_patched(QwenGatedDeltaNetAttention, "_forward_core") and all(
+        is_patched(GPUModelRunner, name) for name in RUNNER_HOOKS
+    )
+
+
+def snapshot_metrics() -> dict | None:
+    """Tree counters of the tfm engine in this process (None if none was built here)."""
+    from .state import STATE
+
+    return None if STATE.metrics is None else STATE.metrics.snapshot()

@@ -1,0 +1,148 @@
+"""Ancestor-masked attention for tree verification, as a TRITON_ATTN backend override.
+
+vLLM 0.26's Triton unified attention (``v1/attention/ops/triton_unified_attention.py``) masks keys
+causally by row: query row i of a request sees the committed context and rows 0..i. Tree nodes
+are in topological order, so causal covers every ancestor but also earlier non-ancestors
+(siblings, cousins). The kernel accepts one additive ``qq_bias`` [Q, Q] over the query-query
+block (rows indexed by the query's position inside its request), shared by every sequence of the
+launch, so a per-request mask needs one launch per request (VLLM_HOOKS.md section 4, option a).
+
+``TFMTritonAttentionImpl.forward`` therefore runs vLLM's batched forward for the whole batch
+(exact for prefill rows and chain requests) and then, for each request whose tree is not a chain,
+recomputes its rows with a one-request ``unified_attention`` call carrying the request's
+[n, n] bias (0 on ancestor-or-self pairs, -inf elsewhere). Only the target model's attention
+layers are masked: the DFlash drafter's layers (same backend class) and every step that is not
+tree-active fall straight through to vLLM.
+
+The KV of the step was written to the paged cache before ``forward`` (TRITON_ATTN updates the
+cache in ``do_kv_cache_update``), at sequential slots ``ctx + j``: the one-request call reads the
+same cache through the request's block table row.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from vllm.utils.torch_utils import is_quantized_kv_cache
+from vllm.v1.attention.backends.triton_attn import TritonAttentionBackend, TritonAttentionImpl
+from vllm.v1.attention.ops.triton_unified_attention import unified_attention
+
+from .state import STATE, AttnTree
+
+__all__ = ["TFMTritonAttentionBackend", "TFMTritonAttentionImpl", "BACKEND_PATH", "install_attention_backend"]
+
+BACKEND_PATH = "vllm_tfm.vllm_plugin.runtime.attention.TFMTritonAttentionBackend"
+
+
+def masked_tree_attention(
+    impl: TritonAttentionImpl,
+    layer: torch.nn.Module,
+    query: Tensor,
+    kv_cache: Tensor,
+    attn_metadata: object,
+    output: Tensor,
+    trees: list[AttnTree],
+) -> None:
+    """Overwrite the rows of each tree request in ``output`` [T, H, hs] with ancestor-masked attention."""
+    if is_quantized_kv_cache(impl.kv_cache_dtype) or impl._is_per_token_head_quant:
+        raise ValueError(
+            f"vllm-tfm tree attention supports unquantised KV caches only, got kv_cache_dtype={impl.kv_cache_dtype!r}"
+        )
+    key_cache, value_cache = kv_cache.transpose(1, 2).split(impl.head_size, dim=-1)
+    kv_heads = key_cache.shape[2]
+    k_descale = layer._k_scale.expand((1, kv_heads))
+    v_descale = layer._v_scale.expand((1, kv_heads))
+    seq_lens = attn_metadata.seq_lens
+    block_table = attn_metadata.block_table
+    for t in trees:
+        s, n, i = t.start, t.n, t.req_index
+        unified_attention(
+            q=query[s : s + n],
+            k=key_cache,
+            v=value_cache,
+            out=output[s : s + n],
+            cu_seqlens_q=t.cu_q,
+            max_seqlen_q=n,
+            seqused_k=seq_lens[i : i + 1],
+            max_seqlen_k=attn_metadata.max_seq_len,
+            softmax_scale=impl.scale,
+            causal=True,
+            window_size=impl.sliding_window,
+            block_table=block_table[i : i + 1],
+            softcap=impl.logits_soft_cap,
+            q_descale=None,
+            k_descale=k_descale,
+            v_descale=v_descale,
+            alibi_slopes=impl.alibi_slopes,
+            use_alibi_sqrt=impl.use_alibi_sqrt,
+            qq_bias=t.bias,
+            sinks=impl.sinks,
+            chunk_lookback=impl.chunk_lookback,
+            use_td=impl.use_td,
+        )
+
+
+class TFMTritonAttentionImpl(TritonAttentionImpl):
+    """TRITON_ATTN with the tree mask on the target's layers during tree-active steps."""
+
+    def forward(
+        self,
+        layer: torch.nn.Module,
+        query: Tensor,
+        key: Tensor,
+        value: Tensor,
+        kv_cache: Tensor,
+        attn_metadata: object,
+        output: Tensor,
+        output_scale: Tensor | None = None,
+        output_block_scale: Tensor | None = None,
+    ) -> Tensor:
+        out = super().forward(
+            layer, query, key, value, kv_cache, attn_metadata, output, output_scale, output_block_scale
+        )
+        step = STATE.step
+        if step is None or not step.tree_active or not step.attn_trees or attn_metadata is None:
+            return out
+        if getattr(layer, "layer_name", None) not in STATE.target_attn_layers:
+            return out
+        if output_scale is not None:
+            raise ValueError("vllm-tfm tree attention does not support fused output quantisation")
+        if STATE.metrics is not None:
+            STATE.metrics.hook("attention.tree_mask")
+        masked_tree_attention(self, layer, query, kv_cache, attn_metadata, output, step.attn_trees)
+        return out
+
+
+class TFMTritonAttentionBackend(TritonAttentionBackend):
+    """TRITON_ATTN (same name, metadata and builder) whose impl applies the tree mask."""
+
+    @staticmethod
+    def get_impl_cls() -> type[TFMTritonAttentionImpl]:
+        return TFMTritonAttentionImpl
+
+
+def install_attention_backend() -> None:
+    """Point ``AttentionBackendEnum.TRITON_ATTN`` at ``TFMTritonAttentionBackend`` (registry.py:233-288).
+
+    Respected because the CUDA platform resolves backends through ``backend.get_class()``
+    (platforms/cuda.py:171-172). Must run before the model is built (the worker's plugin load).
+    """
+    from vllm.v1.attention.backends import registry
+
+    from ..patching import record_patch
+
+    enum = registry.AttentionBackendEnum.TRITON_ATTN
+    previous = registry._ATTN_OVERRIDES.get(enum)
+    if previous == BACKEND_PATH:
+        return
+
+    def undo() -> None:
+        if previous is None:
+            registry._ATTN_OVERRIDES.pop(enum, None)
+        else:
+            registry._ATTN_OVERRIDES[enum] = previous
+
+    registry.register_backend(enum, BACKEND_PATH)
+    record_patch("vllm.v1.attention.backends.registry._ATTN_OVERRIDES[TRITON_ATTN]", previous, BACKEND_PATH,
+                 reason="tfm: tree-masked attention on the target's layers", undo=undo)

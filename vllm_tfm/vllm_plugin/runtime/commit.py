@@ -1,0 +1,93 @@
+"""Commit of the accepted path after tree acceptance, in the layout vLLM's chain bookkeeping expects.
+
+Runs in the ``GPUModelRunner._update_states_after_model_execute`` wrapper, before vLLM sets
+``num_accepted_tokens = p + 1`` (p accepted drafts) and before the drafter runs. After it, every
+request looks exactly as if it had verified the chain root, path_1, ..., path_p:
+
+* Full attention (target layers): node j's K/V was written at the sequential slot of row
+  ``ctx + j``; the path node at depth k (local index r_k >= k) moves to row ``ctx + k``. The
+  scheduler then rolls ``num_computed_tokens`` back by the rejected count, so the next step
+  appends after ``ctx + p``. RoPE used the depth positions, so the moved keys carry exactly the
+  rotation a chain would have given them. All reads happen before all writes, so r_k >= k needs
+  no ordering.
+* GDN (VLLM_HOOKS.md section 5, "What the commit must produce"), with a = p + 1: SSM slot
+  ``[n, a - 1]`` holds the state after the last accepted token, and conv slot ``[n, 0]`` columns
+  ``a - 1 .. a + W - 3`` hold the last W - 1 pre-conv inputs of ``[history, x_root, x_path...]``.
+  We use the algebraic commit with the deltas the tree verify kept (``gdn_tree_commit``: one state
+  read and one write per request, ``S* = e^{G_a} S0 + sum_j e^{G_a - G_j} k_j delta_j^T``) and
+  ``tree_conv_commit``, instead of replaying the path through vLLM's two chain kernels: the replay
+  would need a second ragged batch layout and redo the recurrence the verify already solved,
+  while the algebraic form is the exact same state (tested in float64 against the recurrence).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from vllm_tfm.verify.accept_result import AcceptResult
+
+from .kernels_or_reference import tree_ops
+from .state import GDNStash, StepTree
+
+__all__ = ["compaction_rows", "compact_kv", "commit_gdn_layer", "spec_accepted"]
+
+
+def compaction_rows(row_base: Tensor, accepted_nodes: Tensor) -> tuple[Tensor, Tensor]:
+    """Source and destination token rows of the K/V moves, [R * Dmax] each, no host sync.
+
+    row_base: [R] int64, the row of each request's root (its first logits row);
+    accepted_nodes: [R, Dmax] local indices of the accepted path, -1 padding.
+    Path node k (0-based) moves from ``row_base + accepted_nodes[k]`` to ``row_base + 1 + k``.
+    Padding entries copy the root row onto itself: the root row is never a real source or
+    destination, so these no-op copies cannot race with a real one.
+    """
+    base = row_base.to(torch.long)[:, None]
+    valid = accepted_nodes >= 0
+    k = torch.arange(accepted_nodes.shape[1], device=accepted_nodes.device)[None, :]
+    src = torch.where(valid, base + accepted_nodes, base)
+    dst = torch.where(valid, base + 1 + k, base)
+    return src.reshape(-1), dst.reshape(-1)
+
+
+def compact_kv(kv_caches: list[Tensor], slot_mapping: Tensor, src_rows: Tensor, dst_rows: Tensor) -> None:
+    """Move K/V between the slots of the given token rows in every cache of one KV-cache group.
+
+    kv_caches: TRITON_ATTN caches, logical [num_blocks, H, block_size, 2 * head_size] (any
+    physical stride order); slot_mapping: [>= T] int64, slot of every token row of the step.
+    """
+    if src_rows.numel() == 0:
+        return
+    src = slot_mapping[src_rows].to(torch.long)
+    dst = slot_mapping[dst_rows].to(torch.long)
+    for kv in kv_caches:
+        bs = kv.shape[2]
+        moved = kv[src // bs, :, src % bs]  # [M, H, 2 * hs], a copy: every read before any write
+        kv[dst // bs, :, dst % bs] = moved
+
+
+def spec_accepted(step: StepTree, accept: AcceptResult) -> tuple[Tensor, Tensor]:
+    """(last accepted node, accepted draft count) of the spec requests, [Rs] each, batch order."""
+    idx = step.dev("spec_req_index")
+    return accept.last_node.index_select(0, idx), accept.num_accepted.index_select(0, idx)
+
+
+def commit_gdn_layer(stash: GDNStash, parents: Tensor, cu_nodes: Tensor, last_node: Tensor, num_accepted: Tensor) -> None:
+    """Write one GDN layer's committed SSM state and conv window (module docstring).
+
+    parents / cu_nodes: the spec rows' tree (as given to the verify); last_node, num_accepted:
+    [Rs] from ``spec_accepted``. Source: SSM slot [n, prev - 1] and conv columns prev - 1.. (prev =
+    vLLM's num_accepted_tokens before the step); destination: SSM slot [n, p] and conv columns
+    p.. of slot [n, 0], p = accepted drafts.
+    """
+    ops = tree_ops()
+    slots = stash.state_indices
+    prev = stash.prev_accepted - 1
+    p = num_accepted.to(torch.long)
+    src = slots.gather(1, prev[:, None]).squeeze(1)
+    dst = slots.gather(1, p[:, None]).squeeze(1)
+    ops.gdn_tree_commit(stash.k, stash.g, stash.delta, parents, cu_nodes, last_node, stash.ssm_state, src, dst)
+    conv_slot = slots[:, 0]
+    ops.tree_conv_commit(
+        stash.x, parents, cu_nodes, last_node, stash.conv_state, conv_slot, conv_slot, stash.width, prev, p
+    )

@@ -1,0 +1,205 @@
+"""Tree verify inside vLLM's Gated DeltaNet layer (``QwenGatedDeltaNetAttention._forward_core``).
+
+vLLM 0.26 (model_executor/layers/mamba/gdn/qwen_gdn_linear_attn.py:1180) runs spec-decode rows
+as a chain: ``causal_conv1d_update`` reads the committed conv window at column
+``num_accepted - 1`` of the request's slot ``[n, 0]`` and writes the shifted window back, and
+``fused_sigmoid_gating_delta_rule_update`` starts from SSM slot ``[n, num_accepted - 1]`` and
+writes the state after token t into slot ``[n, t]``. A tree cannot be processed that way.
+
+During a tree-active step the patched ``_forward_core`` handles the spec rows itself:
+1. tree conv1d: node i's window is itself, its ancestors, then the committed columns
+   ``num_accepted - 1 ..`` of slot ``[n, 0]`` (``tree_causal_conv1d``), no state written;
+2. gates ``g``, ``beta`` (``gdn_gates``, vLLM's formulas);
+3. the exact tree verify from S0 = SSM slot ``[n, num_accepted - 1]`` (``gdn_tree_verify``,
+   DESIGN.md section 4), no state written, the per-node ``delta`` kept;
+4. what the commit needs (pre-conv inputs, keys, gates, deltas, slots) goes to the step state.
+
+Rows that are not spec decodes (prefills, reclassified plain decodes) go through vLLM's own
+``_forward_core`` on a copy of the metadata restricted to them. Steps that are not tree-active
+are vLLM's code path, untouched.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from vllm_tfm.verify.gdn import gdn_gates
+
+from .kernels_or_reference import tree_ops
+from .state import STATE, GDNStash
+
+__all__ = ["spec_tree_gdn", "tree_forward_core", "install_gdn_patch"]
+
+_ORIGINAL: dict[str, Any] = {}
+
+
+def spec_tree_gdn(
+    x: Tensor,
+    a: Tensor,
+    b: Tensor,
+    parents: Tensor,
+    cu_nodes: Tensor,
+    conv_state: Tensor,
+    ssm_state: Tensor,
+    state_indices: Tensor,
+    prev_accepted: Tensor,
+    conv_weight: Tensor,
+    conv_bias: Tensor | None,
+    activation: str | None,
+    A_log: Tensor,
+    dt_bias: Tensor,
+    num_k_heads: int,
+    head_k_dim: int,
+    num_v_heads: int,
+    head_v_dim: int,
+) -> tuple[Tensor, GDNStash]:
+    """Outputs of the spec rows of one GDN layer and the stash for the commit. Writes no state.
+
+    x: [Ts, 2*H*K + HV*V] pre-conv mixed q|k|v of the spec rows (batch order); a, b: [Ts, HV];
+    parents: [Ts] local; cu_nodes: [Rs + 1]; conv_state: [slots, conv_dim, L] (dim-first view);
+    ssm_state: [slots, HV, V, K]; state_indices: [Rs, 1 + S] vLLM's spec_state_indices_tensor;
+    prev_accepted: [Rs] vLLM's num_accepted_tokens of the spec requests (>= 1);
+    conv_weight: [conv_dim, W]. Head counts are per tensor-parallel rank.
+    Returns o [Ts, HV, V] in x.dtype.
+    """
+    ops = tree_ops()
+    slots = state_indices.to(torch.long)
+    start = prev_accepted.to(torch.long) - 1
+    act = "silu" if activation in ("silu", "swish") else activation
+    y = ops.tree_causal_conv1d(x, parents, cu_nodes, conv_state, slots[:, 0], conv_weight, conv_bias, act, start)
+    kd, vd = num_k_heads * head_k_dim, num_v_heads * head_v_dim
+    q, k, v = torch.split(y, [kd, kd, vd], dim=-1)
+    q = q.reshape(-1, num_k_heads, head_k_dim)
+    k = k.reshape(-1, num_k_heads, head_k_dim)
+    v = v.reshape(-1, num_v_heads, head_v_dim)
+    g, beta = gdn_gates(a, b, A_log, dt_bias)
+    s0 = slots.gather(1, start[:, None]).squeeze(1)
+    o, delta = ops.gdn_tree_verify(q, k, v, g, beta, parents, cu_nodes, ssm_state, s0, return_delta=True)
+    stash = GDNStash(
+        x=x,
+        k=k,
+        g=g,
+        delta=delta,
+        state_indices=slots,
+        prev_accepted=prev_accepted.to(torch.long),
+        conv_state=conv_state,
+        ssm_state=ssm_state,
+        width=conv_weight.shape[1],
+    )
+    return o.to(x.dtype), stash
+
+
+def _layer_states(layer: Any) -> tuple[Tensor, Tensor]:
+    from vllm.model_executor.layers.mamba.mamba_utils import is_conv_state_dim_first
+
+    kv = layer.kv_cache
+    conv_state = kv[0] if is_conv_state_dim_first() else kv[0].transpose(-1, -2)
+    return conv_state, kv[1]
+
+
+def tree_forward_core(self: Any, mixed_qkv: Tensor, b: Tensor, a: Tensor, core_attn_out: Tensor) -> None:
+    """Replacement of ``QwenGatedDeltaNetAttention._forward_core`` (module docstring)."""
+    original = _ORIGINAL["_forward_core"]
+    step = STATE.step
+    if step is None or not step.tree_active:
+        return original(self, mixed_qkv=mixed_qkv, b=b, a=a, core_attn_out=core_attn_out)
+    from vllm.forward_context import get_forward_context
+
+    fc = get_forward_context()
+    md_all = fc.attn_metadata
+    if not isinstance(md_all, dict) or self.prefix not in md_all:
+        return original(self, mixed_qkv=mixed_qkv, b=b, a=a, core_attn_out=core_attn_out)
+    md = md_all[self.prefix]
+    if md.spec_sequence_masks is None:
+        return original(self, mixed_qkv=mixed_qkv, b=b, a=a, core_attn_out=core_attn_out)
+    if md.num_spec_decodes != step.num_spec_reqs or md.num_spec_decode_tokens != step.num_spec_tokens:
+        raise RuntimeError(
+            f"vllm-tfm: GDN layer {self.prefix} sees {md.num_spec_decodes} spec requests / "
+            f"{md.num_spec_decode_tokens} spec tokens, the tree metadata {step.num_spec_reqs} / {step.num_spec_tokens}"
+        )
+    if STATE.metrics is not None:
+        STATE.metrics.hook("gdn.tree_verify")
+    num_tokens = md.num_actual_tokens
+    all_spec = md.num_prefills == 0 and md.num_decodes == 0
+    spec_idx = None if all_spec else md.spec_token_indx.to(torch.long)
+
+    def spec_rows(t: Tensor) -> Tensor:
+        return t[:num_tokens] if spec_idx is None else t.index_select(0, spec_idx)
+
+    conv_state, ssm_state = _layer_states(self)
+    w = self.conv1d.weight
+    out, stash = spec_tree_gdn(
+        spec_rows(mixed_qkv),
+        spec_rows(a),
+        spec_rows(b),
+        step.dev("spec_parents"),
+        step.dev("spec_cu"),
+        conv_state,
+        ssm_state,
+        md.spec_state_indices_tensor,
+        md.num_accepted_tokens,
+        w.view(w.size(0), w.size(2)),
+        self.conv1d.bias,
+        self.activation,
+        self.A_log,
+        self.dt_bias,
+        self.num_k_heads // self.tp_size,
+        self.head_k_dim,
+        self.num_v_heads // self.tp_size,
+        self.head_v_dim,
+    )
+    step.gdn[self.prefix] = stash
+    if spec_idx is None:
+        core_attn_out[:num_tokens] = out
+        return None
+    core_attn_out.index_copy_(0, spec_idx, out)
+    # the other rows (prefills, incl. plain decodes vLLM reclassified as prefills) via vLLM
+    ns_idx = md.non_spec_token_indx.to(torch.long)
+    sub = dataclasses.replace(
+        md,
+        num_spec_decodes=0,
+        num_spec_decode_tokens=0,
+        num_actual_tokens=md.num_prefill_tokens + md.num_decode_tokens,
+        spec_query_start_loc=None,
+        spec_state_indices_tensor=None,
+        spec_sequence_masks=None,
+        spec_token_indx=None,
+        non_spec_token_indx=None,
+        num_accepted_tokens=None,
+    )
+    ns_out = core_attn_out.new_zeros((ns_idx.shape[0], *core_attn_out.shape[1:]))
+    md_all[self.prefix] = sub
+    try:
+        original(
+            self,
+            mixed_qkv=mixed_qkv.index_select(0, ns_idx),
+            b=b.index_select(0, ns_idx),
+            a=a.index_select(0, ns_idx),
+            core_attn_out=ns_out,
+        )
+    finally:
+        md_all[self.prefix] = md
+    core_attn_out.index_copy_(0, ns_idx, ns_out)
+    return None
+
+
+def install_gdn_patch() -> None:
+    """Replace ``QwenGatedDeltaNetAttention._forward_core`` through the patch registry (idempotent).
+
+    A class attribute: the custom op ``vllm.qwen_gdn_attention_core`` looks the layer up in the
+    forward context and calls ``self._forward_core`` (qwen_gdn_linear_attn.py:1619-1656), so the
+    patch is honoured in eager and compiled modes alike.
+    """
+    from vllm.model_executor.layers.mamba.gdn.qwen_gdn_linear_attn import QwenGatedDeltaNetAttention
+
+    from ..patching import replace_attribute
+
+    def make(original: Any) -> Any:
+        _ORIGINAL["_forward_core"] = original
+        return tree_forward_core
+
+    replace_attribute(QwenGatedDeltaNetAttention, "_forward_core", make, reason="tfm: GDN tree verify for spec rows")

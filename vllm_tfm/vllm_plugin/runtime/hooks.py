@@ -1,0 +1,232 @@
+"""Wrappers of vLLM 0.26's V1 ``GPUModelRunner`` methods (vllm/v1/worker/gpu_model_runner.py).
+
+Each wrapper calls the original and acts only on a runner built for ``"method": "tfm"``:
+
+* ``__init__`` (455): refuses unsupported settings, builds ``TFMProposer`` where vLLM builds
+  ``DFlashProposer`` (630-632, by rebinding the module global for the duration of the call) and
+  replaces ``rejection_sampler`` (built at 655-657) with ``TFMTreeSampler``;
+* ``_prepare_inputs`` (1937): builds the step's tree metadata and writes depth positions into
+  ``positions`` / ``mrope_positions`` after vLLM computed the slot mapping (2174-2178);
+* ``_update_states_after_model_execute`` (1545, called at 4535 between sampling and drafting):
+  the commit (KV compaction + GDN state / conv window) before vLLM records ``num_accepted_tokens``;
+* ``propose_draft_token_ids`` (4954): keeps the target's sampled hidden states for the Weaver;
+* ``sample_tokens`` (4497): clears the step state when the step ends, so profiling and dummy runs
+  never see a stale tree.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from typing import Any
+
+from .commit import commit_gdn_layer, compact_kv, compaction_rows, spec_accepted
+from .inputs import build_step_tree, tree_positions
+from .metrics import Metrics
+from .sampler import TFMTreeSampler, needs_native_sampler
+from .settings import force_tree_path
+from .state import STATE, StepTree
+
+__all__ = ["install_runner_hooks", "check_engine_config", "RUNNER_HOOKS"]
+
+
+def _is_tfm(runner: Any) -> bool:
+    return bool(getattr(runner, "_tfm_enabled", False))
+
+
+def check_engine_config(vllm_config: Any) -> None:
+    """One-line ValueError for the settings the tree runtime cannot run with."""
+    comp = vllm_config.compilation_config
+    mode = getattr(comp.cudagraph_mode, "name", str(comp.cudagraph_mode))
+    if mode != "NONE":
+        raise ValueError(
+            f"vllm-tfm needs enforce_eager=True: tree verification does not support CUDA graphs yet (cudagraph_mode={mode})"
+        )
+    if vllm_config.model_config.is_hybrid and vllm_config.cache_config.mamba_cache_mode != "none":
+        raise ValueError(
+            "vllm-tfm needs prefix caching off for hybrid models (mamba_cache_mode 'none'), "
+            f"got mamba_cache_mode={vllm_config.cache_config.mamba_cache_mode!r}"
+        )
+    par = vllm_config.parallel_config
+    if par.pipeline_parallel_size > 1:
+        raise ValueError("vllm-tfm does not support pipeline parallelism (drafts exist on the last stage only)")
+    if getattr(par, "decode_context_parallel_size", 1) > 1:
+        raise ValueError("vllm-tfm does not support decode context parallelism")
+    if vllm_config.model_config.uses_xdrope_dim > 0:
+        raise ValueError("vllm-tfm does not support XD-RoPE models")
+
+
+def _wrap_init(orig: Callable) -> Callable:
+    @functools.wraps(orig)
+    def __init__(self: Any, vllm_config: Any, device: Any, *args: Any, **kwargs: Any) -> None:
+        spec = vllm_config.speculative_config
+        if spec is None or spec.method != "tfm":
+            orig(self, vllm_config, device, *args, **kwargs)
+            return
+        check_engine_config(vllm_config)
+        import vllm.v1.worker.gpu_model_runner as gmr
+
+        from .proposer import TFMProposer
+
+        saved = gmr.DFlashProposer
+        gmr.DFlashProposer = TFMProposer
+        try:
+            orig(self, vllm_config, device, *args, **kwargs)
+        finally:
+            gmr.DFlashProposer = saved
+        if not isinstance(getattr(self, "drafter", None), TFMProposer):
+            raise RuntimeError(
+                "vllm-tfm: the model runner did not build the tfm drafter; is the tfm config patch "
+                "(use_dflash() for method 'tfm') installed in this process?"
+            )
+        self._tfm_enabled = True
+        self.rejection_sampler = TFMTreeSampler(self.rejection_sampler, self)
+        STATE.metrics = Metrics(max_depth=int(spec.num_speculative_tokens), device=device)
+        STATE.store = type(STATE.store)()
+        STATE.step = None
+
+    return __init__
+
+
+def _wrap_prepare_inputs(orig: Callable) -> Callable:
+    @functools.wraps(orig)
+    def _prepare_inputs(self: Any, scheduler_output: Any, num_scheduled_tokens: Any) -> Any:
+        out = orig(self, scheduler_output, num_scheduled_tokens)
+        if not _is_tfm(self):
+            return out
+        metrics = STATE.metrics
+        with metrics.timed("prepare_inputs.tree"):
+            batch = self.input_batch
+            num_req = batch.num_reqs
+            step = build_step_tree(
+                batch.req_ids[:num_req],
+                num_scheduled_tokens,
+                scheduler_output.scheduled_spec_decode_tokens,
+                STATE.store,
+                allow_trees=not needs_native_sampler(batch.sampling_metadata),
+                force_tree_path=force_tree_path(),
+                device=self.device,
+            )
+            if step.tree_active:
+                t = step.num_tokens
+                pos = self.mrope_positions.gpu[:, :t] if self.uses_mrope else self.positions[:t]
+                step.seq_positions = pos.clone()
+                pos.copy_(tree_positions(pos, step.dev("query_start"), step.dev("req_index"), step.dev("depth")))
+                metrics.hook("prepare_inputs.depth_positions")
+            STATE.step = step
+            metrics.record_step(step)
+        return out
+
+    return _prepare_inputs
+
+
+def _kv_groups(runner: Any) -> list[tuple[int, list[Any]]]:
+    """(KV-cache group id, caches of the target's full-attention layers in it), computed once."""
+    groups = getattr(runner, "_tfm_kv_groups", None)
+    if groups is None:
+        ctx = runner.compilation_config.static_forward_context
+        groups = []
+        for gid, group in enumerate(runner.kv_cache_config.kv_cache_groups):
+            caches = [ctx[n].kv_cache for n in group.layer_names if n in STATE.target_attn_layers]
+            if caches:
+                groups.append((gid, caches))
+        runner._tfm_kv_groups = groups
+    return groups
+
+
+def _num_gdn_layers(runner: Any) -> int:
+    n = getattr(runner, "_tfm_num_gdn", None)
+    if n is None:
+        from vllm.model_executor.layers.mamba.gdn.qwen_gdn_linear_attn import QwenGatedDeltaNetAttention
+
+        ctx = runner.compilation_config.static_forward_context
+        n = sum(isinstance(layer, QwenGatedDeltaNetAttention) for layer in ctx.values())
+        runner._tfm_num_gdn = n
+    return n
+
+
+def commit_step(runner: Any, step: StepTree) -> None:
+    """KV compaction of the accepted paths and the GDN commit of every layer (see commit.py)."""
+    accept = step.accept
+    if accept is None:
+        raise RuntimeError("vllm-tfm: a tree-active step reached the commit without an acceptance result")
+    src, dst = compaction_rows(step.dev("row_base"), accept.accepted_nodes)
+    for gid, caches in _kv_groups(runner):
+        compact_kv(caches, runner.input_batch.block_table[gid].slot_mapping.gpu, src, dst)
+    if step.num_spec_reqs and step.num_draft[step.spec_req_index].sum() > 0:
+        expected = _num_gdn_layers(runner)
+        if len(step.gdn) != expected:
+            raise RuntimeError(
+                f"vllm-tfm: {len(step.gdn)} of {expected} GDN layers ran the tree verify this step; "
+                "the others wrote chain states, the commit cannot be done"
+            )
+    if step.gdn:
+        last, num_acc = spec_accepted(step, accept)
+        parents, cu = step.dev("spec_parents"), step.dev("spec_cu")
+        for stash in step.gdn.values():
+            commit_gdn_layer(stash, parents, cu, last, num_acc)
+    STATE.metrics.hook("commit")
+
+
+def _wrap_update_states_after(orig: Callable) -> Callable:
+    @functools.wraps(orig)
+    def _update_states_after_model_execute(self: Any, output_token_ids: Any, scheduler_output: Any) -> Any:
+        if _is_tfm(self):
+            step = STATE.step
+            if step is not None and step.tree_active:
+                with STATE.metrics.timed("commit"):
+                    commit_step(self, step)
+        return orig(self, output_token_ids, scheduler_output)
+
+    return _update_states_after_model_execute
+
+
+def _wrap_propose(orig: Callable) -> Callable:
+    @functools.wraps(orig)
+    def propose_draft_token_ids(self: Any, scheduler_output: Any, sampled_token_ids: Any, sampling_metadata: Any,
+                                hidden_states: Any, sample_hidden_states: Any, *args: Any, **kwargs: Any) -> Any:
+        if not _is_tfm(self):
+            return orig(self, scheduler_output, sampled_token_ids, sampling_metadata, hidden_states,
+                        sample_hidden_states, *args, **kwargs)
+        STATE.final_hidden = sample_hidden_states
+        try:
+            with STATE.metrics.timed("propose"):
+                return orig(self, scheduler_output, sampled_token_ids, sampling_metadata, hidden_states,
+                            sample_hidden_states, *args, **kwargs)
+        finally:
+            STATE.final_hidden = None
+
+    return propose_draft_token_ids
+
+
+def _wrap_sample_tokens(orig: Callable) -> Callable:
+    @functools.wraps(orig)
+    def sample_tokens(self: Any, *args: Any, **kwargs: Any) -> Any:
+        if not _is_tfm(self):
+            return orig(self, *args, **kwargs)
+        try:
+            with STATE.metrics.timed("sample_tokens"):
+                return orig(self, *args, **kwargs)
+        finally:
+            STATE.step = None
+
+    return sample_tokens
+
+
+RUNNER_HOOKS: dict[str, tuple[Callable[[Callable], Callable], str]] = {
+    "__init__": (_wrap_init, "tfm: build TFMProposer and TFMTreeSampler, refuse unsupported settings"),
+    "_prepare_inputs": (_wrap_prepare_inputs, "tfm: per-step tree metadata and depth positions"),
+    "_update_states_after_model_execute": (_wrap_update_states_after, "tfm: commit the accepted path"),
+    "propose_draft_token_ids": (_wrap_propose, "tfm: keep the target's sampled hidden states (Weaver)"),
+    "sample_tokens": (_wrap_sample_tokens, "tfm: end the step state"),
+}
+
+
+def install_runner_hooks() -> None:
+    """Wrap the GPUModelRunner methods above through the plugin's patch registry (idempotent)."""
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+    from ..patching import replace_attribute
+
+    for name, (wrap, reason) in RUNNER_HOOKS.items():
+        replace_attribute(GPUModelRunner, name, wrap, reason=reason)

@@ -1,0 +1,171 @@
+"""Per-step tree metadata from the scheduled batch, and tree (depth) positions.
+
+Runs inside the ``GPUModelRunner._prepare_inputs`` wrapper, after vLLM has computed the
+sequential positions, the slot mapping (node j of a request keeps the sequential KV slot
+``ctx + j``) and the spec-decode metadata. Then:
+
+* ``build_step_tree`` looks up each spec request's tree (``ProposalStore``) and lays out, in batch
+  order, local parents and depths of every scheduled row, the same for the logits rows the
+  sampler sees, the spec-request subset the GDN layers see, and the ancestor biases of the
+  requests whose tree is not a chain (attention).
+* ``tree_positions`` turns positions into ``position(root) + depth`` (RoPE of a node = its place on
+  its own root..node path); vLLM's ``_preprocess`` reads the positions buffer after this.
+
+A step is *tree-active* when some request verifies a non-chain tree (or, with the debug switch
+``force_tree_path``, any spec request with drafts). Steps that are not tree-active run vLLM's
+native chain path untouched.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from vllm_tfm.tree.types import ancestor_mask
+
+from .state import AttnTree, ProposalStore, StepTree
+
+__all__ = ["build_step_tree", "tree_positions", "depths_of", "ancestor_bias", "BIAS_PAD_ROWS"]
+
+
+def depths_of(parents: np.ndarray) -> np.ndarray:
+    """Depth of every node of one tree (parents local, topological, parents[0] = -1)."""
+    d = np.zeros(parents.shape[0], dtype=np.int64)
+    for i in range(1, parents.shape[0]):
+        d[i] = d[parents[i]] + 1
+    return d
+
+
+BIAS_PAD_ROWS = 32
+"""Zero rows after the n real rows of a tree bias. The Triton kernel reads bias row ``query_pos``
+for every row of its last query tile (up to BLOCK_Q - 1 <= 31 rows past the request's n rows,
+masking only the key columns), so the padding keeps those reads inside the allocation."""
+
+
+def ancestor_bias(parents: np.ndarray, device: torch.device | str) -> Tensor:
+    """[n + BIAS_PAD_ROWS, n] float32 attention bias for ``unified_attention(qq_bias=...)``.
+
+    Row i < n: 0 where key j is an ancestor-or-self of query i, else -inf; rows >= n are zero
+    padding (see ``BIAS_PAD_ROWS``). The row stride is n, the kernel's query-key width.
+    """
+    m = ancestor_mask(torch.from_numpy(np.asarray(parents, dtype=np.int64)))
+    n = m.shape[0]
+    bias = torch.zeros(n + BIAS_PAD_ROWS, n, dtype=torch.float32)
+    bias[:n].masked_fill_(~m, float("-inf"))
+    return bias.to(device, non_blocking=True)
+
+
+def build_step_tree(
+    req_ids: Sequence[str],
+    num_scheduled: np.ndarray,
+    spec_tokens: Mapping[str, Sequence[int]],
+    store: ProposalStore,
+    allow_trees: bool,
+    force_tree_path: bool = False,
+    device: torch.device | str = "cpu",
+) -> StepTree:
+    """Tree metadata of one step.
+
+    Args:
+        req_ids: the R requests in batch order; num_scheduled: [R] scheduled tokens per request.
+        spec_tokens: req_id -> draft tokens scheduled this step (``scheduled_spec_decode_tokens``).
+        store: where the proposals live; a request whose scheduled drafts are not a prefix of its
+            proposal (or has none) verifies its drafts as a chain.
+        allow_trees: False when the batch needs vLLM's own sampler (penalties, logprobs, ...):
+            every request then verifies a chain and the step is not tree-active.
+        force_tree_path: make any step with drafts tree-active (debug).
+    """
+    num_req = len(req_ids)
+    num_scheduled = np.asarray(num_scheduled, dtype=np.int64)
+    if num_scheduled.shape != (num_req,):
+        raise ValueError(f"num_scheduled must have shape [{num_req}], got {num_scheduled.shape}")
+    use_spec = len(spec_tokens) > 0
+    qs = np.zeros(num_req + 1, dtype=np.int64)
+    np.cumsum(num_scheduled, out=qs[1:])
+    num_draft = np.zeros(num_req, dtype=np.int64)
+    is_spec = np.zeros(num_req, dtype=bool)
+    is_tree = np.zeros(num_req, dtype=bool)
+    local_parent: list[np.ndarray] = []
+    depth: list[np.ndarray] = []
+    sample_parents: list[np.ndarray] = []
+    sample_depth: list[np.ndarray] = []
+    trees: list[tuple[int, np.ndarray]] = []
+    for r, rid in enumerate(req_ids):
+        n = int(num_scheduled[r])
+        drafts = spec_tokens.get(rid, ())
+        d = len(drafts)
+        num_draft[r] = d
+        is_spec[r] = use_spec and n == d + 1
+        chain = np.arange(-1, n - 1, dtype=np.int64)
+        par, dep = chain, np.arange(n, dtype=np.int64)
+        if is_spec[r] and d > 0 and allow_trees:
+            rec = store.lookup(rid, list(drafts))
+            if rec is not None and not rec.is_chain:
+                par = rec.parents.astype(np.int64)
+                dep = depths_of(par)
+                is_tree[r] = True
+                trees.append((r, par))
+        local_parent.append(par)
+        depth.append(dep)
+        if is_spec[r]:
+            sample_parents.append(par)
+            sample_depth.append(dep)
+        else:  # the last d + 1 rows carry logits; read any drafts there as a chain
+            sample_parents.append(np.arange(-1, d, dtype=np.int64))
+            sample_depth.append(np.arange(d + 1, dtype=np.int64))
+    has_drafts = bool((is_spec & (num_draft > 0)).any())
+    tree_active = bool(allow_trees and (is_tree.any() or (force_tree_path and has_drafts)))
+    sample_cu = np.zeros(num_req + 1, dtype=np.int64)
+    np.cumsum(num_draft + 1, out=sample_cu[1:])
+    spec_idx = np.nonzero(is_spec)[0].astype(np.int64)
+    spec_cu = np.zeros(spec_idx.shape[0] + 1, dtype=np.int64)
+    np.cumsum(num_scheduled[spec_idx], out=spec_cu[1:])
+    cat = lambda xs: np.concatenate(xs) if xs else np.zeros(0, dtype=np.int64)  # noqa: E731
+    step = StepTree(
+        num_reqs=num_req,
+        num_tokens=int(qs[-1]),
+        tree_active=tree_active,
+        query_start=qs,
+        num_scheduled=num_scheduled,
+        num_draft=num_draft,
+        row_base=qs[:-1] + num_scheduled - num_draft - 1,
+        req_index=np.repeat(np.arange(num_req, dtype=np.int64), num_scheduled),
+        is_spec=is_spec,
+        is_tree=is_tree,
+        local_parent=cat(local_parent),
+        depth=cat(depth),
+        sample_parents=cat(sample_parents),
+        sample_depth=cat(sample_depth),
+        sample_cu=sample_cu,
+        spec_parents=cat([local_parent[i] for i in spec_idx]),
+        spec_cu=spec_cu,
+        spec_req_index=spec_idx,
+        device=device,
+    )
+    if tree_active:
+        step.attn_trees = [
+            AttnTree(
+                r,
+                int(qs[r]),
+                int(par.shape[0]),
+                ancestor_bias(par, device),
+                torch.tensor([0, par.shape[0]], dtype=torch.int32).to(device, non_blocking=True),
+            )
+            for r, par in trees
+        ]
+    return step
+
+
+def tree_positions(positions: Tensor, query_start: Tensor, req_index: Tensor, depth: Tensor) -> Tensor:
+    """position(root of the row's request) + depth(row), for every row.
+
+    positions: [T] or [3, T] (M-RoPE: the text rows' three components move together);
+    query_start: [R + 1] first row of each request; req_index: [T] request of each row; depth: [T].
+    Rows of chain requests keep their positions (their depth is their offset from the root).
+    """
+    root_rows = query_start.to(torch.long)[req_index.to(torch.long)]
+    root = positions.index_select(-1, root_rows)
+    return root + depth.to(positions.dtype)

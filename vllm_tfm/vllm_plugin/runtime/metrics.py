@@ -1,0 +1,108 @@
+"""Tree acceptance and hook counters of the tfm runtime (worker side).
+
+vLLM's own spec-decode statistics already describe trees correctly: the sampler returns the
+accepted path (p tokens) plus the bonus, so the scheduler's ``SpecDecodingStats`` records p
+accepted drafts per step and its per-position counters are acceptance by depth (position k =
+depth k + 1); ``mean acceptance length = 1 + accepted / drafts`` is the tree's mean accepted
+length. What vLLM cannot know is tree-specific: how many steps verified real trees, their node
+counts and depth, which hooks ran, and where the time went. ``Metrics`` keeps those on the worker,
+with the accepted-depth histogram on the device (no sync per step); ``snapshot()`` reads them.
+
+Per-stage timings are wall-clock around each hook; with ``profile = True`` each stage first
+synchronises the device so the numbers are the stage's own GPU time (the GPU bench sets it).
+"""
+
+from __future__ import annotations
+
+import time
+from collections import Counter, defaultdict
+from contextlib import contextmanager
+from typing import TYPE_CHECKING, Iterator
+
+import torch
+
+if TYPE_CHECKING:
+    from vllm_tfm.verify.accept_result import AcceptResult
+
+    from .state import StepTree
+
+__all__ = ["Metrics"]
+
+
+class Metrics:
+    """Counters since construction (or the last ``reset``)."""
+
+    def __init__(self, max_depth: int, device: torch.device | str = "cpu") -> None:
+        self.max_depth = max_depth
+        self.device = device
+        self.profile = False
+        self.reset()
+
+    def reset(self) -> None:
+        self.hooks: Counter[str] = Counter()
+        self.seconds: dict[str, float] = defaultdict(float)
+        self.steps = 0
+        self.tree_steps = 0
+        self.tree_requests = 0
+        self.tree_nodes = 0
+        self.spec_requests = 0
+        # accepted drafts per verified spec request, on the device: [max_depth + 1]
+        self._accepted_hist = torch.zeros(self.max_depth + 1, dtype=torch.long, device=self.device)
+        self.last_shapes: dict[str, object] = {}
+
+    def hook(self, name: str) -> None:
+        self.hooks[name] += 1
+
+    @contextmanager
+    def timed(self, stage: str) -> Iterator[None]:
+        if self.profile and torch.cuda.is_available():
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        try:
+            yield
+        finally:
+            if self.profile and torch.cuda.is_available():
+                torch.cuda.synchronize()
+            self.seconds[stage] += time.perf_counter() - t0
+
+    def record_step(self, step: "StepTree") -> None:
+        self.steps += 1
+        if step.tree_active:
+            self.tree_steps += 1
+            self.tree_requests += int(step.is_tree.sum())
+            self.tree_nodes += int((step.num_draft * step.is_tree).sum())
+        self.last_shapes = {
+            "num_reqs": step.num_reqs,
+            "num_tokens": step.num_tokens,
+            "num_draft": step.num_draft.tolist(),
+            "is_tree": step.is_tree.astype(int).tolist(),
+            "tree_active": step.tree_active,
+        }
+
+    def record_accept(self, step: "StepTree", result: "AcceptResult") -> None:
+        """Histogram of accepted drafts over the spec requests of a verified step (device only)."""
+        idx = step.dev("spec_req_index")
+        acc = result.num_accepted.index_select(0, idx).clamp(max=self.max_depth)
+        self.spec_requests += step.num_spec_reqs
+        self._accepted_hist.index_add_(0, acc.to(self._accepted_hist.device), torch.ones_like(acc, device=self._accepted_hist.device))
+
+    def snapshot(self) -> dict:
+        """Plain-Python summary (reads the device histogram once)."""
+        hist = self._accepted_hist.tolist()
+        n = sum(hist)
+        accepted = sum(k * c for k, c in enumerate(hist))
+        # requests that accepted at least d drafts, d = 1..max_depth
+        at_least = [sum(hist[d:]) for d in range(1, len(hist))]
+        return {
+            "steps": self.steps,
+            "tree_steps": self.tree_steps,
+            "tree_requests": self.tree_requests,
+            "tree_nodes": self.tree_nodes,
+            "verified_spec_requests": n,
+            "mean_accepted_length": (1.0 + accepted / n) if n else None,
+            "accepted_hist": hist,
+            "acceptance_by_depth": [c / n for c in at_least] if n else [],
+            "hooks": dict(self.hooks),
+            "seconds": {k: round(v, 6) for k, v in self.seconds.items()},
+            "last_shapes": self.last_shapes,
+        }

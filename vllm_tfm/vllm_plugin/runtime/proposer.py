@@ -1,0 +1,244 @@
+"""TFMProposer: vLLM's DFlash proposer that returns trees instead of a chain.
+
+Built by the ``GPUModelRunner.__init__`` wrapper in place of ``DFlashProposer``
+(gpu_model_runner.py:630-632, the ``use_dflash()`` branch that also turns on the aux hidden
+states). Per step (``propose``):
+
+1. Context order. The drafter turns every verified row into context K/V at the slot of the row's
+   position (``copy_and_expand_dflash_inputs_kernel``, v1/spec_decode/utils.py:458-552), and takes
+   the first ``rows - num_rejected`` rows of a request as its valid context. After a tree step the
+   valid rows are the root and the accepted path, which are scattered among the B + 1 rows, and
+   siblings share depth positions. So the rows are reordered root + accepted path first (hidden
+   states and ids) and given the sequential positions ``ctx + k`` (VLLM_HOOKS.md section 8 step
+   3): the path rows then sit exactly where a chain would have put them, the rejected rows after
+   them, and the query positions (``last_valid_pos + 1 ...``) and ``effective_seq_lens`` come out
+   as for a chain.
+2. Marginals. The DFlash forward runs with D = min(B, block_size - 1) mask queries;
+   ``_sample_draft_tokens`` (llm_base_proposer.py:468) keeps the logits [R * D, V] and the
+   DFlash outputs instead of sampling.
+3. Trees. ``chain`` / ``ddtree`` (batched on the device) or ``tfm`` (Weaver), B draft nodes per
+   request; requests in a batch that needs vLLM's own sampler get chains. The tokens go back to
+   vLLM ([R, B]), the parents to the ``ProposalStore`` keyed by request id.
+"""
+
+from __future__ import annotations
+
+from contextlib import nullcontext
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from vllm.v1.spec_decode.dflash import DFlashProposer
+
+from ..options import get_drafter_dir, get_tfm_options
+from .drafter_inputs import bonus_rows, dflash_context_order
+from .sampler import needs_native_sampler
+from .settings import settings_from_options
+from .state import STATE
+from .tree_builder_gpu import chain_trees, ddtree_trees, weaver_trees
+
+__all__ = ["TFMProposer"]
+
+
+def _submodule_weight(model: torch.nn.Module, names: tuple[str, ...], what: str) -> Tensor:
+    for name in names:
+        try:
+            return model.get_submodule(name).weight
+        except AttributeError:
+            continue
+    raise ValueError(f"vllm-tfm: cannot find the target's {what} (looked for {', '.join(names)})")
+
+
+class TFMProposer(DFlashProposer):
+    """DFlash drafting + tree building (module docstring)."""
+
+    def __init__(self, vllm_config: Any, device: torch.device, runner: Any = None) -> None:
+        spec = vllm_config.speculative_config
+        if spec is None or spec.method != "tfm":
+            raise ValueError(f"TFMProposer needs speculative method 'tfm', got {getattr(spec, 'method', None)!r}")
+        if spec.disable_padded_drafter_batch:
+            raise ValueError("vllm-tfm needs the padded drafter batch: do not set disable_padded_drafter_batch")
+        if spec.use_heterogeneous_vocab:
+            raise ValueError("vllm-tfm does not support a drafter vocabulary different from the target's")
+        spec.method = "dflash"  # DFlashProposer asserts it; the base keeps self.method = "dflash"
+        try:
+            super().__init__(vllm_config, device, runner)
+        finally:
+            spec.method = "tfm"
+        self._tfm_runner = runner
+        self.tfm_settings = settings_from_options(
+            get_tfm_options(vllm_config), get_drafter_dir(vllm_config), int(spec.num_speculative_tokens), self.dflash_config
+        )
+        STATE.settings = self.tfm_settings
+        vocab = self.draft_model_config.get_vocab_size()
+        if self.tfm_settings.budget >= vocab:
+            raise ValueError(f"num_speculative_tokens {self.tfm_settings.budget} must be smaller than the vocabulary ({vocab})")
+        self._marginal_logits: Tensor | None = None
+        self._dflash_out: Tensor | None = None
+        self.weaver: torch.nn.Module | None = None
+        self._target_embed: Tensor | None = None
+        self._target_lm_head: Tensor | None = None
+
+    # ------------------------------------------------------------------ load
+    def load_model(self, target_model: torch.nn.Module) -> None:
+        super().load_model(target_model)
+        from vllm.config import get_layers_from_vllm_config
+        from vllm.model_executor.layers.attention import Attention
+
+        from .attention import TFMTritonAttentionImpl
+
+        layers = get_layers_from_vllm_config(self.vllm_config, Attention)
+        target = {name: layer for name, layer in layers.items() if name not in self._draft_attn_layer_names}
+        wrong = [name for name, layer in target.items() if not isinstance(layer.impl, TFMTritonAttentionImpl)]
+        if wrong:
+            raise ValueError(
+                "vllm-tfm needs attention_backend='TRITON_ATTN' (tree-masked attention); "
+                f"layer {wrong[0]} uses {type(target[wrong[0]].impl).__name__}"
+            )
+        STATE.target_attn_layers = frozenset(target)
+        if self.tfm_settings.proposal == "tfm":
+            self._load_weaver(target_model)
+
+    def _load_weaver(self, target_model: torch.nn.Module) -> None:
+        from vllm_tfm.models.weaver import Weaver
+
+        settings = self.tfm_settings
+        if settings.tfm.weaver is None or settings.drafter_dir is None:
+            raise ValueError("tfm proposal 'tfm' needs a local drafter directory whose tfm_config.json has a 'weaver' section")
+        if self.vllm_config.parallel_config.tensor_parallel_size > 1:
+            raise ValueError("vllm-tfm: the Weaver proposal runs with tensor_parallel_size 1 only in this version")
+        if settings.tfm.weaver.max_depth < settings.max_depth:
+            raise ValueError(
+                f"the Weaver scores depths 1..{settings.tfm.weaver.max_depth} but the drafter is asked for "
+                f"{settings.max_depth}; lower num_speculative_tokens or the DFlash block size"
+            )
+        self.weaver = Weaver.from_pretrained(settings.drafter_dir, dtype=self.dtype, device=self.device).eval()
+        self._target_embed = _submodule_weight(
+            target_model, ("model.embed_tokens", "language_model.model.embed_tokens"), "input embedding"
+        )
+        self._target_lm_head = _submodule_weight(target_model, ("lm_head", "language_model.lm_head"), "lm_head")
+
+    # ------------------------------------------------------------------ marginals
+    def _sample_draft_tokens(self, hidden_states: Tensor, sampling_metadata: Any) -> tuple[Tensor, Tensor | None]:
+        logits = self.model.compute_logits(hidden_states)
+        self._marginal_logits = logits
+        self._dflash_out = hidden_states
+        return logits.argmax(dim=-1), None
+
+    # ------------------------------------------------------------------ propose
+    def propose(
+        self,
+        num_speculative_tokens: int,
+        target_token_ids: Tensor,
+        target_positions: Tensor,
+        target_hidden_states: Tensor,
+        next_token_ids: Tensor,
+        token_indices_to_sample: Tensor | None,
+        common_attn_metadata: Any,
+        sampling_metadata: Any,
+        mm_embed_inputs: Any = None,
+        num_rejected_tokens_gpu: Tensor | None = None,
+        slot_mappings: Any = None,
+    ) -> Tensor:
+        metrics = STATE.metrics
+        step = STATE.step
+        if step is not None and step.tree_active and step.accept is not None:
+            perm = dflash_context_order(
+                step.dev("req_index"), step.dev("row_base"), step.dev("num_scheduled"), step.accept.accepted_nodes
+            )
+            target_hidden_states = target_hidden_states[perm]
+            target_token_ids = target_token_ids[perm]
+            target_positions = step.seq_positions
+            if metrics is not None:
+                metrics.hook("proposer.context_reorder")
+        settings = self.tfm_settings.current()
+        budget = int(num_speculative_tokens)
+        depth = min(settings.max_depth, budget)
+        super().propose(
+            depth,
+            target_token_ids,
+            target_positions,
+            target_hidden_states,
+            next_token_ids,
+            token_indices_to_sample,
+            common_attn_metadata,
+            sampling_metadata,
+            mm_embed_inputs=mm_embed_inputs,
+            num_rejected_tokens_gpu=num_rejected_tokens_gpu,
+            slot_mappings=slot_mappings,
+        )
+        num_req = next_token_ids.shape[0]
+        logits = self._marginal_logits
+        if logits is None:
+            raise RuntimeError("vllm-tfm: the DFlash forward produced no marginals")
+        logits = logits.view(num_req, depth, -1)
+        native = needs_native_sampler(self._tfm_runner.input_batch.sampling_metadata)
+        proposal = "chain" if native else settings.proposal
+        with metrics.timed(f"tree_build.{proposal}") if metrics is not None else nullcontext():
+            tokens, parents = self._build(proposal, logits, next_token_ids, budget, depth, num_rejected_tokens_gpu)
+        req_ids = list(self._tfm_runner.input_batch.req_ids[:num_req])
+        STATE.store.put(req_ids, tokens, parents)
+        STATE.store.retain(self._tfm_runner.requests)
+        if metrics is not None:
+            metrics.hook(f"proposer.{proposal}")
+        self._marginal_logits = None
+        self._dflash_out = None
+        return tokens
+
+    def _build(
+        self,
+        proposal: str,
+        logits: Tensor,
+        root_tokens: Tensor,
+        budget: int,
+        depth: int,
+        num_rejected: Tensor | None,
+    ) -> tuple[Tensor, Tensor]:
+        logprobs = torch.log_softmax(logits.float(), dim=-1)
+        if proposal == "chain":
+            return chain_trees(logprobs, budget)
+        if proposal == "ddtree":
+            tokens, parents, _ = ddtree_trees(logprobs, budget)
+            return tokens, parents
+        if proposal == "tfm":
+            if self.weaver is None:
+                raise ValueError("tfm proposal 'tfm' needs the Weaver, which was not loaded (no 'weaver' in tfm_config.json)")
+            num_req = root_tokens.shape[0]
+            dflash_hidden = self._dflash_out.view(num_req, depth, -1)
+            verifier = self._verifier_hidden(num_req, num_rejected)
+            s = self.tfm_settings
+            return weaver_trees(
+                self.weaver,
+                logits,
+                dflash_hidden,
+                verifier,
+                root_tokens,
+                self._target_embed,
+                self._target_lm_head,
+                budget,
+                s.top_k,
+                s.width,
+                s.children_per_node,
+            )
+        raise ValueError(f"unknown tfm proposal {proposal!r}")
+
+    def _verifier_hidden(self, num_req: int, num_rejected: Tensor | None) -> Tensor:
+        """The target's final hidden state at each request's bonus row (Weaver prompt token 0).
+
+        Request r owns logits rows [sample_cu[r], sample_cu[r + 1]); its bonus came from the row
+        of its deepest accepted node: the tree's last node, or on a native chain step
+        ``num_draft - num_rejected``, or row 0 when nothing was drafted.
+        """
+        sample_hidden = STATE.final_hidden
+        step = STATE.step
+        if sample_hidden is None or step is None:
+            raise RuntimeError("vllm-tfm: the target's sampled hidden states were not captured this step")
+        start = step.dev("sample_cu")[:-1]
+        if step.tree_active and step.accept is not None:
+            last = step.accept.last_node
+        elif num_rejected is not None:
+            last = step.dev("num_draft") - num_rejected.to(torch.long)
+        else:
+            last = torch.zeros(num_req, dtype=torch.long, device=start.device)
+        return sample_hidden[bonus_rows(start, last)]

@@ -1,0 +1,149 @@
+"""Tree acceptance in place of vLLM's ``RejectionSampler`` (``GPUModelRunner.rejection_sampler``).
+
+vLLM 0.26 calls ``self.rejection_sampler(spec_decode_metadata, draft_probs, logits,
+sampling_metadata)`` from ``GPUModelRunner._sample`` (gpu_model_runner.py:3660) and expects a
+``SamplerOutput`` whose ``sampled_token_ids`` is ``[R, max_spec_len + 1]`` int32: the accepted
+drafts, then the bonus token, then -1. ``TFMTreeSampler`` keeps that contract:
+
+* steps that are not tree-active (prefill-only, all-chain, a batch that needs vLLM's logits
+  processors / logprobs, the profiling dummy runs) go to the wrapped in-tree sampler unchanged;
+* tree-active steps verify every request's tree with ``vllm_tfm.verify.sampling.verify_tree``:
+  greedy requests by the target argmax walk, the others by target-only tree acceptance on the
+  processed target distribution (temperature, top-k, top-p, min-p per request; exact for trees
+  whose children are fixed before verification, which is what every tfm builder produces).
+
+The accepted paths are kept in the step state for the commit (KV compaction, GDN state) and for
+the drafter (which reorders root + accepted path first).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import torch
+from torch import Tensor, nn
+
+from vllm_tfm.tree.types import TreeBatch
+from vllm_tfm.verify.accept_result import AcceptResult
+from vllm_tfm.verify.logits_processing import TreeSamplingParams
+from vllm_tfm.verify.sampling import verify_tree
+
+from .state import STATE, StepTree
+
+__all__ = ["TFMTreeSampler", "tree_sampling_params", "needs_native_sampler", "output_token_ids", "sample_trees"]
+
+
+def _processor_active(proc: Any) -> bool:
+    """Whether a non-argmax-invariant logits processor changes anything in this batch."""
+    for attr in ("min_toks", "biases"):
+        if hasattr(proc, attr):
+            return bool(getattr(proc, attr))
+    return True  # unknown processor: assume it matters
+
+
+def needs_native_sampler(sampling_metadata: Any) -> bool:
+    """True when the batch uses something only vLLM's own (chain) sampler applies.
+
+    Penalties, bad words, allowed-token masks, min-tokens / logit-bias processors, thinking
+    budgets and logprobs: their vLLM implementations are position-by-position along a chain. Such
+    batches verify chains (still exact) through the wrapped in-tree sampler.
+    """
+    md = sampling_metadata
+    if not md.no_penalties or md.bad_words_token_ids or md.allowed_token_ids_mask is not None:
+        return True
+    if md.max_num_logprobs is not None:
+        return True
+    if any(_processor_active(p) for p in md.logitsprocs.non_argmax_invariant):
+        return True
+    holder = getattr(md, "thinking_budget_state_holder", None)
+    return holder is not None and holder.has_tracked_requests()
+
+
+def tree_sampling_params(
+    temperature: np.ndarray,
+    top_k: np.ndarray | None,
+    top_p: np.ndarray | None,
+    min_p: np.ndarray | None,
+    device: torch.device | str,
+) -> TreeSamplingParams:
+    """TreeSamplingParams from vLLM's per-request host arrays ([R] each; None = unused).
+
+    vLLM stores "top-k off" as k = vocab size and "top-p off" as 1.0; TreeSamplingParams reads
+    k >= V and p = 1 the same way.
+    """
+    f = lambda a: None if a is None else torch.as_tensor(np.asarray(a, dtype=np.float64), device=device)  # noqa: E731
+    k = None if top_k is None else torch.as_tensor(np.asarray(top_k, dtype=np.int64), device=device)
+    return TreeSamplingParams(f(temperature), k, f(top_p), f(min_p))
+
+
+def sample_trees(step: StepTree, draft_token_ids: Tensor) -> TreeBatch:
+    """The TreeBatch over the N logits rows: root rows carry token 0 (never read), the others the drafts.
+
+    draft_token_ids: [N - R] the scheduled drafts, flat in request order (spec-decode metadata).
+    """
+    parents = step.dev("sample_parents")
+    nonroot = parents >= 0
+    tokens = torch.zeros(parents.shape[0], dtype=torch.long, device=parents.device)
+    tokens[nonroot] = draft_token_ids.to(torch.long)
+    return TreeBatch(tokens, parents, step.dev("sample_depth"), step.dev("sample_cu"))
+
+
+def output_token_ids(result: AcceptResult, max_spec_len: int) -> Tensor:
+    """vLLM's sampled_token_ids [R, max_spec_len + 1] int32 from an AcceptResult (-1 padding)."""
+    r, w = result.output_tokens.shape
+    out = torch.full((r, max_spec_len + 1), -1, dtype=torch.int32, device=result.output_tokens.device)
+    out[:, :w] = result.output_tokens.to(torch.int32)
+    return out
+
+
+class TFMTreeSampler(nn.Module):
+    """Drop-in for ``GPUModelRunner.rejection_sampler`` (see the module docstring)."""
+
+    def __init__(self, inner: nn.Module, runner: Any, method: str = "target_only") -> None:
+        super().__init__()
+        self.inner = inner
+        self._runner = [runner]  # a list keeps nn.Module from treating the runner as an attribute to track
+        self.method = method
+
+    def forward(self, metadata: Any, draft_probs: Tensor | None, logits: Tensor, sampling_metadata: Any) -> Any:
+        step = STATE.step
+        if step is None or not step.tree_active:
+            return self.inner(metadata, draft_probs, logits, sampling_metadata)
+        self._check(step, metadata, logits)
+        return self._verify(step, metadata, logits, sampling_metadata)
+
+    @staticmethod
+    def _check(step: StepTree, metadata: Any, logits: Tensor) -> None:
+        drafts = list(metadata.num_draft_tokens)
+        if drafts != step.num_draft.tolist() or logits.shape[0] != int(step.sample_cu[-1]):
+            raise RuntimeError(
+                "vllm-tfm: the spec-decode metadata of this step does not match the tree metadata "
+                f"(drafts {drafts} vs {step.num_draft.tolist()}, logits rows {logits.shape[0]} vs "
+                f"{int(step.sample_cu[-1])}); the step cannot be verified"
+            )
+
+    def _verify(self, step: StepTree, metadata: Any, logits: Tensor, sampling_metadata: Any) -> Any:
+        from vllm.v1.outputs import SamplerOutput
+
+        runner = self._runner[0]
+        batch = runner.input_batch
+        r = step.num_reqs
+        min_p = None
+        for proc in sampling_metadata.logitsprocs.argmax_invariant:
+            if hasattr(proc, "min_p_cpu") and getattr(proc, "min_p_count", 0) > 0:
+                min_p = proc.min_p_cpu[:r]
+        params = tree_sampling_params(
+            batch.temperature_cpu[:r],
+            None if sampling_metadata.top_k is None else batch.top_k_cpu[:r],
+            None if sampling_metadata.top_p is None else batch.top_p_cpu[:r],
+            min_p,
+            logits.device,
+        )
+        trees = sample_trees(step, metadata.draft_token_ids)
+        generators = sampling_metadata.generators or None
+        result = verify_tree(logits, trees, params, method=self.method, generator=generators)
+        step.accept = result
+        if STATE.metrics is not None:
+            STATE.metrics.record_accept(step, result)
+        return SamplerOutput(sampled_token_ids=output_token_ids(result, metadata.max_spec_len), logprobs_tensors=None)

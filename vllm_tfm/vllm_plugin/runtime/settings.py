@@ -1,0 +1,100 @@
+"""Tree settings of one tfm engine, in the worker: which proposal builds the trees, budget, depth.
+
+The tree options are resolved once, in the process that builds the engine config
+(``vllm_tfm.vllm_plugin.options``: ``tfm_config.json``, ``VLLM_TFM_<KEY>`` variables, inline
+speculative-config keys) and travel to the workers inside the drafter's Hugging Face config;
+``TFMProposer`` reads them there (``options.get_tfm_options`` / ``get_drafter_dir``) and turns
+them into ``TreeSettings`` here. Two in-process switches come on top:
+
+* ``set_proposal_override(...)``: change the proposal of every tfm engine in this process from the
+  next step on (the GPU bench runs chain, ddtree and tfm on one engine);
+* ``VLLM_TFM_FORCE_TREE_PATH=1`` (read every step): steps whose trees are all chains still go
+  through the tree path (tree GDN verify + commit, tree sampler) instead of vLLM's native chain
+  path, so a ``chain`` run exercises every tfm hook.
+
+The budget B (draft nodes per request, root excluded) is vLLM's ``num_speculative_tokens``, the
+number of draft tokens that travel to the scheduler every step. The drafter is queried for
+``max_depth = min(B, dflash block_size - 1)`` depths of marginals (B when the drafter config names
+no block size).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, replace
+
+from vllm_tfm.models.tfm_config import TfmConfig
+
+from ..options import VLLM_PROPOSALS
+
+__all__ = [
+    "TreeSettings",
+    "settings_from_options",
+    "set_proposal_override",
+    "proposal_override",
+    "force_tree_path",
+]
+
+_OVERRIDE: dict[str, str | None] = {"proposal": None}
+
+
+def set_proposal_override(proposal: str | None) -> None:
+    """Switch the proposal of every tfm engine in this process from the next step on (None: config)."""
+    if proposal is not None and proposal not in VLLM_PROPOSALS:
+        raise ValueError(f"unknown tfm proposal {proposal!r}; expected one of {VLLM_PROPOSALS}")
+    _OVERRIDE["proposal"] = proposal
+
+
+def proposal_override() -> str | None:
+    return _OVERRIDE["proposal"]
+
+
+def force_tree_path() -> bool:
+    return os.environ.get("VLLM_TFM_FORCE_TREE_PATH", "0") not in ("", "0", "false", "False")
+
+
+@dataclass(frozen=True)
+class TreeSettings:
+    """What the proposer needs each step (all ints are >= 1)."""
+
+    proposal: str
+    budget: int
+    max_depth: int
+    top_k: int
+    children_per_node: int
+    width: int
+    sampling: str
+    drafter_dir: str | None
+    tfm: TfmConfig
+
+    def current(self) -> "TreeSettings":
+        """These settings with the in-process proposal override applied."""
+        o = proposal_override()
+        return self if o is None or o == self.proposal else replace(self, proposal=o)
+
+
+def settings_from_options(
+    tfm: TfmConfig, drafter_dir: str | None, budget: int, dflash_config: dict | None
+) -> TreeSettings:
+    """Settings for an engine with the resolved options ``tfm`` and tree budget ``budget``.
+
+    ``dflash_config``: the drafter's ``dflash_config`` dict (its ``block_size`` bounds the depth).
+    """
+    if isinstance(budget, bool) or not isinstance(budget, int) or budget < 1:
+        raise ValueError(f"tfm needs num_speculative_tokens >= 1 (the tree budget B), got {budget!r}")
+    if tfm.proposal not in VLLM_PROPOSALS:
+        raise ValueError(f"tfm proposal {tfm.proposal!r} is not available in the vLLM runtime; expected one of {VLLM_PROPOSALS}")
+    block = (dflash_config or {}).get("block_size")
+    if block is not None and (isinstance(block, bool) or not isinstance(block, int) or block < 2):
+        raise ValueError(f"dflash_config.block_size must be an integer >= 2, got {block!r}")
+    return TreeSettings(
+        proposal=tfm.proposal,
+        budget=budget,
+        max_depth=budget if block is None else min(budget, block - 1),
+        top_k=tfm.top_k,
+        children_per_node=tfm.children_per_node,
+        width=tfm.width if tfm.width is not None else -(-budget // 16),
+        sampling=tfm.sampling,
+        drafter_dir=drafter_dir,
+        tfm=tfm,
+    )

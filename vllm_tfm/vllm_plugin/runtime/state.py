@@ -1,0 +1,218 @@
+"""Worker-side tree state: proposals keyed by request id, and the tree metadata of the running step.
+
+Only token ids travel from the worker to the scheduler and back (VLLM_HOOKS.md section 4), so the
+topology of each request's tree stays here:
+
+* ``ProposalStore``: after the drafter runs, each request's B draft tokens and 1 + B local parents
+  are copied to pinned host memory without a sync; the next step reads them (the copy finished
+  long before: the scheduler round trip synchronises on vLLM's own draft-token copy) and checks
+  that the drafts the scheduler sent back are a prefix of what was proposed. Any mismatch (zeroed
+  drafts, a stale proposal) falls back to reading the drafts as a chain, which is always a valid
+  tree, so verification stays exact.
+* ``StepTree``: everything the hooks of one decode step share (built by ``inputs.py`` in the
+  ``_prepare_inputs`` wrapper, filled by the sampler with the accepted paths and by the GDN
+  layers with what the commit needs, cleared when ``sample_tokens`` returns).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import numpy as np
+import torch
+from torch import Tensor
+
+if TYPE_CHECKING:
+    from vllm_tfm.verify.accept_result import AcceptResult
+
+    from .metrics import Metrics
+    from .settings import TreeSettings
+
+__all__ = ["TreeRecord", "ProposalStore", "GDNStash", "AttnTree", "StepTree", "RuntimeState", "STATE"]
+
+
+@dataclass(frozen=True)
+class TreeRecord:
+    """One request's last proposal: B draft tokens and 1 + B local parents (parents[0] = -1)."""
+
+    tokens: tuple[int, ...]
+    parents: np.ndarray
+    is_chain: bool
+
+
+def _is_chain(parents: np.ndarray) -> bool:
+    return bool(np.array_equal(parents, np.arange(-1, parents.shape[0] - 1)))
+
+
+class ProposalStore:
+    """req_id -> TreeRecord of the most recent proposal that included the request."""
+
+    def __init__(self) -> None:
+        self._records: dict[str, TreeRecord] = {}
+        self._pending: tuple[list[str], Tensor, Tensor, torch.cuda.Event | None] | None = None
+
+    def __len__(self) -> int:
+        self._ingest()
+        return len(self._records)
+
+    def put(self, req_ids: list[str], tokens: Tensor, parents: Tensor) -> None:
+        """Queue the proposal of this step: tokens [R, B] and parents [R, 1 + B] (any device).
+
+        The device-to-host copy is asynchronous (pinned buffers + an event); it is read at the
+        next ``lookup``.
+        """
+        if tokens.dim() != 2 or parents.dim() != 2 or parents.shape != (tokens.shape[0], tokens.shape[1] + 1):
+            raise ValueError(
+                f"tokens must be [R, B] and parents [R, 1 + B], got {tuple(tokens.shape)} and {tuple(parents.shape)}"
+            )
+        if len(req_ids) != tokens.shape[0]:
+            raise ValueError(f"{len(req_ids)} request ids for {tokens.shape[0]} proposals")
+        self._ingest()
+        if tokens.is_cuda:
+            tok_h = torch.empty(tokens.shape, dtype=torch.int64, pin_memory=True)
+            par_h = torch.empty(parents.shape, dtype=torch.int64, pin_memory=True)
+            tok_h.copy_(tokens, non_blocking=True)
+            par_h.copy_(parents, non_blocking=True)
+            event = torch.cuda.Event()
+            event.record()
+        else:
+            tok_h, par_h, event = tokens.to(torch.int64).clone(), parents.to(torch.int64).clone(), None
+        self._pending = (list(req_ids), tok_h, par_h, event)
+
+    def _ingest(self) -> None:
+        if self._pending is None:
+            return
+        req_ids, tok_h, par_h, event = self._pending
+        self._pending = None
+        if event is not None:
+            event.synchronize()
+        toks = tok_h.numpy()
+        pars = par_h.numpy()
+        for i, rid in enumerate(req_ids):
+            p = pars[i].copy()
+            self._records[rid] = TreeRecord(tuple(int(t) for t in toks[i]), p, _is_chain(p))
+
+    def lookup(self, req_id: str, drafts: list[int]) -> TreeRecord | None:
+        """The record whose tokens start with ``drafts`` (the scheduler may truncate), else None.
+
+        The returned record is cut to the scheduled prefix: 1 + len(drafts) parents (a prefix of a
+        topological order is a tree).
+        """
+        self._ingest()
+        rec = self._records.get(req_id)
+        n = len(drafts)
+        if rec is None or n > len(rec.tokens) or tuple(drafts) != rec.tokens[:n]:
+            return None
+        if n == len(rec.tokens):
+            return rec
+        p = rec.parents[: n + 1]
+        return TreeRecord(rec.tokens[:n], p, _is_chain(p))
+
+    def retain(self, live_req_ids: set[str] | dict) -> None:
+        """Forget requests that are gone (finished or aborted)."""
+        self._ingest()
+        for rid in [r for r in self._records if r not in live_req_ids]:
+            del self._records[rid]
+
+
+@dataclass
+class GDNStash:
+    """What one GDN layer's tree verify leaves for the commit (spec rows only, batch order).
+
+    x: [Ts, conv_dim] pre-conv inputs; k: [Ts, H, K] post-conv keys (not normalised);
+    g: [Ts, HV] log decays; delta: [Ts, HV, V] (float32/float64); state_indices: [Rs, 1 + S]
+    int32 mamba slots; prev_accepted: [Rs] int64, vLLM's num_accepted_tokens before the step;
+    conv_state: [slots, conv_dim, L] view; ssm_state: [slots, HV, V, K]; width: conv kernel width.
+    """
+
+    x: Tensor
+    k: Tensor
+    g: Tensor
+    delta: Tensor
+    state_indices: Tensor
+    prev_accepted: Tensor
+    conv_state: Tensor
+    ssm_state: Tensor
+    width: int
+
+
+@dataclass(frozen=True)
+class AttnTree:
+    """A request whose tree is not a chain: its rows [start, start + n) need the ancestor mask."""
+
+    req_index: int
+    start: int
+    n: int
+    bias: Tensor  # [n + pad, n] float32: 0 on ancestor-or-self pairs, -inf elsewhere, zero pad rows
+    cu_q: Tensor  # [2] int32 on the device: (0, n), the query_start_loc of a one-request call
+
+
+@dataclass
+class StepTree:
+    """Tree metadata of one decode step (host arrays in numpy, device tensors in torch).
+
+    Token-level arrays cover the T scheduled tokens in batch order; ``sample_*`` arrays cover the
+    N logits rows of the spec-decode metadata (request r owns its last num_draft[r] + 1 rows).
+    """
+
+    num_reqs: int
+    num_tokens: int
+    tree_active: bool
+    query_start: np.ndarray  # [R + 1]
+    num_scheduled: np.ndarray  # [R]
+    num_draft: np.ndarray  # [R]
+    row_base: np.ndarray  # [R] row of each request's root (its first logits row)
+    req_index: np.ndarray  # [T] request of each row
+    is_spec: np.ndarray  # [R] bool: num_scheduled == num_draft + 1 (vLLM's spec-decode rows)
+    is_tree: np.ndarray  # [R] bool: spec row whose tree is not a chain
+    local_parent: np.ndarray  # [T] int64, -1 at each request's first row
+    depth: np.ndarray  # [T] int64
+    sample_parents: np.ndarray  # [N] int64 local
+    sample_depth: np.ndarray  # [N] int64
+    sample_cu: np.ndarray  # [R + 1] int64
+    spec_parents: np.ndarray  # [Ts] int64 local, spec requests only
+    spec_cu: np.ndarray  # [Rs + 1]
+    spec_req_index: np.ndarray  # [Rs] batch index of each spec request
+    device: torch.device | str = "cpu"
+    attn_trees: list[AttnTree] = field(default_factory=list)
+    seq_positions: Tensor | None = None  # sequential positions of the T rows (for the drafter)
+    accept: "AcceptResult | None" = None
+    gdn: dict[str, GDNStash] = field(default_factory=dict)
+    _dev: dict[str, Tensor] = field(default_factory=dict, repr=False)
+
+    def dev(self, name: str) -> Tensor:
+        """A host array of this step as an int64 device tensor (uploaded once, then cached)."""
+        t = self._dev.get(name)
+        if t is None:
+            t = torch.from_numpy(np.ascontiguousarray(getattr(self, name), dtype=np.int64)).to(
+                self.device, non_blocking=True
+            )
+            self._dev[name] = t
+        return t
+
+    @property
+    def num_spec_reqs(self) -> int:
+        return int(self.spec_req_index.shape[0])
+
+    @property
+    def num_spec_tokens(self) -> int:
+        return int(self.spec_parents.shape[0])
+
+
+class RuntimeState:
+    """Process-wide state of the tfm runtime (one tfm model runner per worker process)."""
+
+    def __init__(self) -> None:
+        self.step: StepTree | None = None
+        self.store = ProposalStore()
+        self.settings: "TreeSettings | None" = None
+        self.target_attn_layers: frozenset[str] = frozenset()
+        self.metrics: "Metrics | None" = None
+        self.final_hidden: Tensor | None = None  # target final hidden states of the step (Weaver prompt)
+
+    def current_step(self) -> StepTree | None:
+        return self.step
+
+
+STATE = RuntimeState()
