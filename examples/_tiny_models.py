@@ -6,7 +6,7 @@ Config files only (vLLM fills the target and DFlash weights with ``load_format="
   token, then filler tokens ``<x257>`` ... that no text encodes to), so that text prompts and
   ``vllm serve`` work without downloading anything;
 * ``tfm_config.json`` naming the proposal, and for proposal ``tfm`` a random Weaver
-  (``weaver.safetensors``, written by ``vllm_tfm.models.Weaver``): the runtime loads the Weaver
+  (``tfm/weaver.safetensors``, written by ``vllm_tfm.models.Weaver``): the runtime loads the Weaver
   from the drafter directory itself, whatever vLLM's load format.
 
 Shapes follow shared/gpu/dflash_smoke.py (vocab 4096, hidden 512, 8 layers: GDN x3 + attention
@@ -115,7 +115,7 @@ def write_drafter(directory: Path, proposal: str, dtype: str) -> Path:
 
         torch.manual_seed(0)
         weaver_cfg = WeaverConfig(d_model=HIDDEN, d_rank=128, n_layers=1, n_heads=4, d_mlp=256, max_depth=BLOCK_SIZE - 1)
-        Weaver(weaver_cfg).save_pretrained(directory)  # weaver.safetensors + tfm_config.json (weaver section)
+        Weaver(weaver_cfg).save_pretrained(directory)  # tfm/weaver.safetensors + tfm_config.json (weaver section)
         data = json.loads((directory / "tfm_config.json").read_text())
         data["proposal"] = "tfm"
         (directory / "tfm_config.json").write_text(json.dumps(data, indent=2))

@@ -105,6 +105,7 @@ def write_placeholder_safetensors(path: Path) -> Path:
     import torch
     from safetensors.torch import save_file
 
+    path.parent.mkdir(parents=True, exist_ok=True)
     save_file({"placeholder": torch.zeros(1)}, str(path))
     return path
 
@@ -124,7 +125,7 @@ def write_drafter(
     if tfm_config is not None:
         (directory / "tfm_config.json").write_text(json.dumps(tfm_config))
     if weaver_weights:
-        write_placeholder_safetensors(directory / "weaver.safetensors")
+        write_placeholder_safetensors(directory / "tfm" / "weaver.safetensors")
     return directory
 
 

@@ -552,8 +552,8 @@ def test_tfm_dir_errors(tmp_path):
     with pytest.raises(ValueError, match=r"tfm_config.json: no 'weaver' section$"):
         Weaver.from_pretrained(tmp_path)
     Weaver(tiny_weaver_config()).save_pretrained(tmp_path)
-    (tmp_path / "weaver.safetensors").unlink()
-    with pytest.raises(ValueError, match=rf"^{tmp_path}: missing weights file weaver.safetensors$"):
+    (tmp_path / "tfm" / "weaver.safetensors").unlink()
+    with pytest.raises(ValueError, match=rf"^{tmp_path}: missing weights file tfm/weaver.safetensors$"):
         load_drafter_dir(tmp_path)
 
 
@@ -713,3 +713,18 @@ def test_models_drive_the_weaver_and_treeflash_tree_builders():
     for i in range(1, tf.num_nodes):
         direct = ts(int(tf.depth[i]), torch.tensor([toks[par[i]]]))[0, toks[i]]
         torch.testing.assert_close(tf.draft_logprobs[i].double(), direct, rtol=0, atol=1e-10)
+
+
+def test_drafter_dir_top_level_safetensors_are_only_dflash_weights(tmp_path) -> None:
+    """vLLM loads every top-level *.safetensors of the drafter dir into its DFlash model, so Weaver
+    and TreeFlash weights must live elsewhere (the tfm/ subfolder)."""
+    from vllm_tfm.models.tfm_config import TREEFLASH_WEIGHTS_NAME, WEAVER_WEIGHTS_NAME
+
+    assert "/" in WEAVER_WEIGHTS_NAME and "/" in TREEFLASH_WEIGHTS_NAME
+    d = tmp_path / "drafter"
+    d.mkdir()
+    (d / "model.safetensors").write_bytes(b"")
+    for name in (WEAVER_WEIGHTS_NAME, TREEFLASH_WEIGHTS_NAME):
+        (d / name).parent.mkdir(parents=True, exist_ok=True)
+        (d / name).write_bytes(b"")
+    assert sorted(p.name for p in d.glob("*.safetensors")) == ["model.safetensors"]

@@ -241,7 +241,7 @@ def test_missing_drafter_files(env: Any) -> None:
     raises(env, tfm(drafter(env, "no-weights", weights=False)), r"has no DFlash weights")
     raises(env, tfm(drafter(env, "no-tfm-config"), proposal="tfm"), r"proposal 'tfm' needs tfm_config.json with a 'weaver' section")
     no_weaver = drafter(env, "no-weaver", tfm_config={"proposal": "tfm", "weaver": WEAVER_SECTION})
-    raises(env, tfm(no_weaver), r"has no weaver.safetensors, which proposal 'tfm' loads")
+    raises(env, tfm(no_weaver), r"has no tfm/weaver.safetensors, which proposal 'tfm' loads")
 
 
 def test_drafter_target_mismatch(env: Any) -> None:

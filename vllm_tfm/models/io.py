@@ -57,6 +57,7 @@ def write_state(module: nn.Module, directory: str | Path, name: str) -> Path:
     path.mkdir(parents=True, exist_ok=True)
     state = {k: v.detach().contiguous().cpu() for k, v in module.state_dict().items()}
     out = path / name
+    out.parent.mkdir(parents=True, exist_ok=True)
     save_file(state, str(out), metadata={"format": "pt"})
     return out
 

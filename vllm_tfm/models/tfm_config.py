@@ -5,8 +5,8 @@ A drafter directory (DESIGN.md section 8) holds::
     config.json            DFlash drafter, z-lab layout (Qwen3 config + dflash_config)
     model.safetensors      DFlash weights (z-lab names; embed/lm_head shared with the target)
     tfm_config.json        this schema
-    weaver.safetensors     Weaver weights (when tfm_config.weaver is set)
-    treeflash.safetensors  TreeFlash AR-approximator weights (when tfm_config.treeflash is set)
+    tfm/weaver.safetensors     Weaver weights (when tfm_config.weaver is set)
+    tfm/treeflash.safetensors  TreeFlash AR-approximator weights (when tfm_config.treeflash is set)
 
 Unknown fields are refused (a typo must not silently fall back to a default). Loading errors are
 one-line ValueErrors naming the file and the field.
@@ -30,8 +30,10 @@ __all__ = [
 ]
 
 TFM_CONFIG_NAME = "tfm_config.json"
-WEAVER_WEIGHTS_NAME = "weaver.safetensors"
-TREEFLASH_WEIGHTS_NAME = "treeflash.safetensors"
+# In a subfolder on purpose: vLLM's weight loader reads every top-level *.safetensors of the drafter
+# directory into its DFlash model, and would reject Weaver / TreeFlash tensors found there.
+WEAVER_WEIGHTS_NAME = "tfm/weaver.safetensors"
+TREEFLASH_WEIGHTS_NAME = "tfm/treeflash.safetensors"
 
 
 class _Strict(BaseModel):

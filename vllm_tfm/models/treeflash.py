@@ -10,7 +10,7 @@ depth d - 1 (the real bonus token at d = 1)::
     transition log-probs = log_softmax(lm_head(final_norm(h')) / T)
 
 ``final_norm`` is the DFlash drafter's own ``norm`` (shared, not stored here), so at init h' == h
-and the transitions equal the DFlash marginals. Parameter names (``treeflash.safetensors``)::
+and the transitions equal the DFlash marginals. Parameter names (``tfm/treeflash.safetensors``)::
 
     embed_norm.weight [H]   up_gate.weight [2I, 2H]   up_gate.bias [2I] (if in_bias)   down.weight [H, I]
 """
@@ -53,7 +53,7 @@ class TreeFlashApproximator(nn.Module):
 
     # ------------------------------------------------------------------ files
     def save_pretrained(self, directory: str | Path) -> None:
-        """Write treeflash.safetensors and set the ``treeflash`` section of tfm_config.json."""
+        """Write tfm/treeflash.safetensors and set the ``treeflash`` section of tfm_config.json."""
         path = Path(directory)
         if (path / TFM_CONFIG_NAME).is_file():
             cfg = TfmConfig.load(path)

@@ -20,7 +20,7 @@ d = d_rank, D = the deepest draft depth (DFlash block size - 1), K = candidates 
   ``log_softmax_c(dflash_logit[p+1, c] + W_lm[c] . lm_head_query_in(out_norm(x)))``, W_lm the
   target lm_head; no temperature.
 
-Parameter names (``weaver.safetensors``)::
+Parameter names (``tfm/weaver.safetensors``)::
 
     output_norm.{weight,bias} [H]      proposal_in.weight [d, H]
     embed_norm.{weight,bias}  [H]      token_in.weight    [d, H]
@@ -212,7 +212,7 @@ class Weaver(nn.Module):
 
     # ------------------------------------------------------------------ files
     def save_pretrained(self, directory: str | Path) -> None:
-        """Write weaver.safetensors and set the ``weaver`` section of tfm_config.json."""
+        """Write tfm/weaver.safetensors and set the ``weaver`` section of tfm_config.json."""
         path = Path(directory)
         if (path / TFM_CONFIG_NAME).is_file():
             cfg = TfmConfig.load(path)

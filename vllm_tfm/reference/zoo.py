@@ -5,7 +5,7 @@ Zoo layout looked for (a directory ``zoo``)::
     zoo/target/    a transformers checkpoint (config.json + safetensors) of the toy Qwen3.5 hybrid,
                    with its tokenizer files when it has one
     zoo/drafter/   a drafter directory (DFlash config.json + model.safetensors, tfm_config.json,
-                   weaver.safetensors, treeflash.safetensors)
+                   tfm/weaver.safetensors, tfm/treeflash.safetensors)
 
 Search order: an explicit path, then ``$VLLM_TFM_ZOO``, then ``zoo/`` next to the ``vllm_tfm``
 package (a source checkout), then ``vllm_tfm/zoo`` (an installed wheel).

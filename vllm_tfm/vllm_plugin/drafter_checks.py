@@ -2,7 +2,7 @@
 
 A drafter directory (DESIGN.md section 8) holds a z-lab DFlash drafter (``config.json`` with
 ``architectures: ["DFlashDraftModel"]`` and a ``dflash_config`` object, plus its weights) and,
-for proposal ``tfm``, ``tfm_config.json`` with ``weaver.safetensors``. Everything here runs in
+for proposal ``tfm``, ``tfm_config.json`` with ``tfm/weaver.safetensors``. Everything here runs in
 the process that builds the engine config; each refusal is a one-line ValueError naming the
 directory or file and the problem, so that a user does not meet a vLLM stack trace instead.
 """

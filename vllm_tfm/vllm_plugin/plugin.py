@@ -9,7 +9,8 @@ the model-inspection subprocess), and exceptions it raises abort vLLM's start. I
    construction for method "tfm", predicates ``use_eagle`` / ``use_dflash`` / ``compute_hash``
    (``config_patch``), and the per-request guard ``SamplingParams._validate_spec_decode``
    (``guards``); applied in every process, they change nothing for other methods;
-3. registers the text-only Qwen3.5 architectures as hybrid models (``models_registry``);
+3. registers the text-only Qwen3.5 architectures as hybrid models (``models_registry``) and
+   lets float32 GDN models prefill (``fp32_prefill``; vLLM 0.26's chunk kernel refuses float32);
 4. calls ``vllm_tfm.vllm_plugin.runtime.install()`` when that package exists (the worker-side
    hooks: proposer, tree sampler, tree attention, GDN tree op, commit).
 """
@@ -61,6 +62,7 @@ def register() -> None:
         check_vllm_version()
 
         from .config_patch import install_config_patches, install_direct_construction, install_predicate_patches
+        from .fp32_prefill import install_fp32_prefill
         from .guards import install_request_guard
         from .models_registry import register_models
 
@@ -69,6 +71,7 @@ def register() -> None:
         install_direct_construction()
         install_request_guard()
         register_models()
+        install_fp32_prefill()
         install_runtime()
         _REGISTERED = True
 
