@@ -42,9 +42,19 @@ if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))  # the checkout, also without PYTHONPATH
 ROOT = Path(os.environ.get("TFM_E2E_DIR", "/tmp/tfm-e2e"))
 TARGET, DRAFTER = ROOT / "target", ROOT / "drafter"
-VOCAB, HIDDEN, BUDGET, BLOCK = 4096, 512, 7, 8
-MAX_TOKENS = 32
-PROMPT_LENS = [5, 9, 17, 33, 3, 12, 64, 7]
+VOCAB, HIDDEN = 4096, 512
+# Size of the run, from the environment (defaults: the quick smoke run):
+#   TFM_E2E_PROMPTS (8), TFM_E2E_MAX_TOKENS (32), TFM_E2E_BUDGET (7), TFM_E2E_BLOCK (8),
+#   TFM_E2E_DTYPE (float32), TFM_E2E_MAX_SEQS (16: the engine's batch), TFM_E2E_CASES (all; a
+#   comma list of case names from CASES).
+BUDGET = int(os.environ.get("TFM_E2E_BUDGET", "7"))
+BLOCK = int(os.environ.get("TFM_E2E_BLOCK", "8"))
+MAX_TOKENS = int(os.environ.get("TFM_E2E_MAX_TOKENS", "32"))
+DTYPE = os.environ.get("TFM_E2E_DTYPE", "float32")
+MAX_SEQS = int(os.environ.get("TFM_E2E_MAX_SEQS", "16"))
+_N_PROMPTS = int(os.environ.get("TFM_E2E_PROMPTS", "8"))
+PROMPT_LENS = [5, 9, 17, 33, 3, 12, 64, 7][:_N_PROMPTS] + [
+    random.Random(99 + i).randint(1, 100) for i in range(max(0, _N_PROMPTS - 8))]
 DEADLINE_S = float(os.environ.get("TFM_E2E_DEADLINE_S", "400"))  # whole run, from the first phase
 
 
@@ -126,8 +136,8 @@ def load_plugin() -> dict:
 
 def engine_kwargs(spec: bool) -> dict:
     kw = dict(
-        model=str(TARGET), dtype="float32", skip_tokenizer_init=True, enforce_eager=True, seed=0,
-        gpu_memory_utilization=0.3, max_model_len=1024, max_num_seqs=16, enable_prefix_caching=False,
+        model=str(TARGET), dtype=DTYPE, skip_tokenizer_init=True, enforce_eager=True, seed=0,
+        gpu_memory_utilization=0.3, max_model_len=1024, max_num_seqs=MAX_SEQS, enable_prefix_caching=False,
         attention_backend="TRITON_ATTN", compilation_config={"custom_ops": ["none"]},
         additional_config={"gdn_prefill_backend": "triton"}, disable_log_stats=False,
     )
@@ -466,7 +476,15 @@ def phase_tfm(out: Path) -> None:
     oracle = Oracle(baseline)
     oracle.install()
     ps = baseline["prompts"]
+    wanted = [c for c in os.environ.get("TFM_E2E_CASES", "").split(",") if c]
+    results["size"] = {"prompts": len(ps), "max_tokens": MAX_TOKENS, "budget": BUDGET, "block": BLOCK,
+                       "dtype": DTYPE, "max_num_seqs": MAX_SEQS}
+    results["command"] = ("TFM_E2E_PROMPTS={} TFM_E2E_MAX_TOKENS={} TFM_E2E_BUDGET={} TFM_E2E_BLOCK={} "
+                          "TFM_E2E_DTYPE={} TFM_E2E_MAX_SEQS={} TFM_E2E_CASES={} bash bench/run_gpu_plugin.sh").format(
+        len(ps), MAX_TOKENS, BUDGET, BLOCK, DTYPE, MAX_SEQS, ",".join(wanted) or "all")
     for name, proposal, force, mode in CASES:
+        if wanted and name not in wanted:
+            continue
         for batch in ("b8", "b1"):
             case = {"case": name, "batch": batch, "proposal": proposal, "force_tree_path": force, "oracle": mode}
             results["cases"].append(case)
@@ -486,6 +504,9 @@ def phase_tfm(out: Path) -> None:
                 case["seconds"] = round(time.time() - t, 2)
                 divs = [first_divergence(ref, g["tokens"]) for ref, g in zip(baseline[batch], got)]
                 case["equal"] = all(d is None for d in divs)
+                case["identical_fraction"] = sum(d is None for d in divs) / len(divs)
+                same = [d["pos"] if d is not None else len(r["tokens"]) for r, d in zip(baseline[batch], divs)]
+                case["identical_token_fraction"] = sum(same) / sum(len(r["tokens"]) for r in baseline[batch])
                 case["divergences"] = {i: d for i, d in enumerate(divs) if d is not None}
                 case["tokens_first_prompt"] = got[0]["tokens"][:16]
             except Exception as e:  # noqa: BLE001

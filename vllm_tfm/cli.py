@@ -48,11 +48,21 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--random-models", action="store_true", help="use random tiny models even if a zoo exists")
     demo.add_argument("--threads", type=int, default=1, help="torch CPU threads (default 1: the models are tiny)")
     demo.set_defaults(func=_demo)
+    train = sub.add_parser("train", add_help=False,
+                           help="train the toy zoo (tokenizer, target, dflash, weaver, treeflash, all); "
+                                "`vllm-tfm train --help` for its options")
+    train.add_argument("train_args", nargs=argparse.REMAINDER)
+    train.set_defaults(func=_train)
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``vllm-tfm`` console script; returns the exit status."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["train"]:  # its own parser (vllm_tfm.train.cli), options passed through untouched
+        from vllm_tfm.train.cli import train_main
+
+        return train_main(argv[1:])
     parser = build_parser()
     args = parser.parse_args(argv)
     try:
@@ -60,6 +70,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ValueError as e:
         print(f"vllm-tfm: error: {e}", file=sys.stderr)
         return 2
+
+
+# ---------------------------------------------------------------------- train
+
+
+def _train(args: argparse.Namespace) -> int:
+    from vllm_tfm.train.cli import train_main
+
+    return train_main(args.train_args)
 
 
 # ---------------------------------------------------------------------- demo
