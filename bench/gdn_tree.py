@@ -1,0 +1,562 @@
+#!/usr/bin/env python3
+"""GDN tree verify / commit and tree conv1d kernels at the Qwen3.6-27B layer shape, on one GPU.
+
+Usage, from the repository root on the GPU host:
+
+    python3 bench/gdn_tree.py [--out bench/results/gdn_tree.json] [--quick] [--budget-s 200]
+    python3 bench/gdn_tree.py --sanitize-case     # small correctness run (for compute-sanitizer)
+
+Shape: H = 16 q/k heads, HV = 48 value heads, K = V = 128, q/k/v bf16, fp32 state. Trees are
+DDTree-like (best-first over random per-depth marginals, depth <= 16, deterministic seeds).
+For each n in {16, 32, 64, 128, 256} and batch in {1, 8, 32} it times:
+  * ours: vllm_tfm.kernels gdn_tree_verify_planned at BV = 16, 32, 64 and the automatic choice;
+  * per-branch: every root-to-leaf path through vLLM's fused recurrent GDN kernel
+    (fused_sigmoid_gating_delta_rule_update, varlen over all paths in one launch; the gathers
+    that build the paths are not timed), when vLLM is importable;
+  * the torch reference (vllm_tfm.verify.gdn), eager, batch 1 (it loops over requests in Python);
+  * the bytes-moved floor at the device-to-device copy bandwidth measured in the same run.
+Times are medians of CUDA-event timings of CUDA-graph replays (one replay = one call per input
+set; input sets and state slots rotate so that S0 is never L2-resident), after warm-up.
+Commit and conv are measured the same way. A table is printed last; JSON goes to --out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import heapq
+import json
+import math
+import platform
+import random
+import socket
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))
+
+from vllm_tfm.kernels import conv as kconv  # noqa: E402
+from vllm_tfm.kernels import gdn as kgdn  # noqa: E402
+from vllm_tfm.kernels import loader  # noqa: E402
+from vllm_tfm.kernels.plan import CommitIndices, TreePlan  # noqa: E402
+from vllm_tfm.verify import conv as ref_conv  # noqa: E402
+from vllm_tfm.verify import gdn as ref_gdn  # noqa: E402
+
+DEV = "cuda"
+H, HV, KD, VD = 16, 48, 128, 128
+CONV_DIM, CONV_W = 2 * H * KD + HV * VD, 4
+STATE_BYTES = HV * VD * KD * 4
+NODE_BYTES = 2 * H * KD * 2 + HV * VD * 2 + HV * 4 * 2 + HV * VD * 2  # q, k, v, g, beta, o
+L2_DEFEAT_BYTES = 240e6  # rotate input sets until the state pool is 4x the 60 MB L2
+
+
+# ---------------------------------------------------------------------------------------------
+# trees
+
+
+def ddtree_parents(n: int, seed: int, max_depth: int = 16, width: int = 64) -> list[int]:
+    """A DDTree-style best-first tree of n nodes (node 0 the root), depth <= max_depth.
+
+    Per depth d a random marginal p_d over `width` ranked tokens (geometric with a random
+    sharpness); pop the best frontier node (score = path log-probability), then push its next
+    sibling and its first child (DDTree's expansion rule). Deterministic for a seed.
+    """
+    rng = random.Random(seed)
+    logp = []
+    for _ in range(max_depth + 1):
+        t = rng.uniform(0.3, 2.0)
+        w = [math.exp(-t * r) for r in range(width)]
+        s = sum(w)
+        logp.append([math.log(x / s) for x in w])
+    parents = [-1]
+    heap = [(-logp[1][0], 0, 1, 0)]  # (-score, parent, depth, rank)
+    while len(parents) < n and heap:
+        neg, p, d, r = heapq.heappop(heap)
+        score = -neg
+        i = len(parents)
+        parents.append(p)
+        if r + 1 < width:
+            heapq.heappush(heap, (-(score - logp[d][r] + logp[d][r + 1]), p, d, r + 1))
+        if d + 1 <= max_depth:
+            heapq.heappush(heap, (-(score + logp[d + 1][0]), i, d + 1, 0))
+    return parents
+
+
+def tree_batch(n: int, batch: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor, list[list[int]]]:
+    trees = [ddtree_parents(n, seed * 1000 + r) for r in range(batch)]
+    cu = [0]
+    for t in trees:
+        cu.append(cu[-1] + len(t))
+    return torch.tensor([p for t in trees for p in t]), torch.tensor(cu), trees
+
+
+def root_to_leaf_paths(trees: list[list[int]], cu: list[int]) -> list[list[int]]:
+    """Flat node indices of every root-to-leaf path of every tree."""
+    paths = []
+    for r, par in enumerate(trees):
+        has_child = [False] * len(par)
+        for p in par[1:]:
+            has_child[p] = True
+        for leaf, hc in enumerate(has_child):
+            if hc:
+                continue
+            path, node = [], leaf
+            while node >= 0:
+                path.append(cu[r] + node)
+                node = par[node]
+            paths.append(path[::-1])
+    return paths
+
+
+# ---------------------------------------------------------------------------------------------
+# timing
+
+
+def time_calls(fns: list[Callable[[], object]], reps: int, graph: bool = True) -> tuple[float, str]:
+    """Median microseconds per call over `reps` timed passes (one pass calls each fn once).
+
+    With graph=True a CUDA graph of one pass is captured and replayed (no launch gaps);
+    if capture fails the pass runs eagerly and the mode says why.
+    """
+    for f in fns:
+        f()
+    torch.cuda.synchronize()
+    mode, run = "eager", None
+    if graph:
+        try:
+            side = torch.cuda.Stream()
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):
+                for f in fns:
+                    f()
+            torch.cuda.current_stream().wait_stream(side)
+            torch.cuda.synchronize()
+            g = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(g):
+                for f in fns:
+                    f()
+            run, mode = g.replay, "graph"
+        except Exception as exc:  # noqa: BLE001 - report and time eagerly
+            torch.cuda.synchronize()
+            mode = f"eager (graph capture failed: {type(exc).__name__}: {str(exc)[:80]})"
+    if run is None:
+        def run() -> None:
+            for f in fns:
+                f()
+    run()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(reps):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        run()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b) * 1000.0 / len(fns))
+    return statistics.median(times), mode
+
+
+def copy_bandwidth(nbytes: int = 2 << 30, reps: int = 10) -> float:
+    """Device-to-device copy bandwidth in bytes/s, counting bytes read plus bytes written."""
+    a = torch.empty(nbytes // 4, dtype=torch.float32, device=DEV).normal_()
+    b = torch.empty_like(a)
+    b.copy_(a)
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(reps):
+        e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        e0.record()
+        b.copy_(a)
+        e1.record()
+        e1.synchronize()
+        times.append(e0.elapsed_time(e1) / 1000.0)
+    del a, b
+    return 2 * nbytes / statistics.median(times)
+
+
+def rel_err(got: torch.Tensor, want: torch.Tensor) -> float:
+    return float((got.double() - want.double()).norm() / want.double().norm())
+
+
+# ---------------------------------------------------------------------------------------------
+# inputs
+
+
+def gdn_inputs(t_nodes: int, gen: torch.Generator) -> dict[str, torch.Tensor]:
+    """Random verify inputs drawn on the device (gen must be a generator of DEV)."""
+    def rnd(*shape):
+        return torch.randn(*shape, generator=gen, device=DEV)
+
+    a, b = rnd(t_nodes, HV), rnd(t_nodes, HV)
+    a_log = torch.rand(HV, generator=gen, device=DEV) * 2.0
+    dt_bias = rnd(HV) * 0.5
+    g, beta = ref_gdn.gdn_gates(a, b, a_log, dt_bias)
+    return dict(q=rnd(t_nodes, H, KD).to(torch.bfloat16), k=rnd(t_nodes, H, KD).to(torch.bfloat16),
+                v=rnd(t_nodes, HV, VD).to(torch.bfloat16), g=g, beta=beta, a=a, b=b, A_log=a_log, dt_bias=dt_bias)
+
+
+def device_gen(seed: int) -> torch.Generator:
+    return torch.Generator(device=DEV).manual_seed(seed)
+
+
+def n_sets_for(batch: int) -> int:
+    return max(2, math.ceil(L2_DEFEAT_BYTES / (batch * STATE_BYTES)))
+
+
+# ---------------------------------------------------------------------------------------------
+# verify
+
+
+def bench_verify(n: int, batch: int, bw: float, reps: int, vllm_fn, allow_slow: bool) -> dict:
+    parents, cu, trees = tree_batch(n, batch)
+    plan = TreePlan.build(parents, cu, device=DEV)
+    t_nodes = plan.num_nodes
+    sets = n_sets_for(batch)
+    gen = device_gen(n * 100 + batch)
+    inputs = [gdn_inputs(t_nodes, gen) for _ in range(sets)]
+    pool = torch.randn(sets * batch, HV, VD, KD, generator=gen, device=DEV) * 0.1
+    slots = [torch.arange(s * batch, (s + 1) * batch, device=DEV) for s in range(sets)]
+    nbytes = batch * STATE_BYTES + t_nodes * NODE_BYTES
+    row = dict(n=n, batch=batch, nodes=t_nodes, pairs=plan.num_pairs, max_depth=plan.max_depth,
+               input_sets=sets, bytes=nbytes, floor_us=nbytes / bw * 1e6)
+    t0 = time.perf_counter()
+    TreePlan.build(parents, cu, device=DEV)
+    torch.cuda.synchronize()
+    row["plan_build_ms"] = (time.perf_counter() - t0) * 1e3
+
+    def ours(s: int, bv: int | None):
+        x = inputs[s]
+        return lambda: kgdn.gdn_tree_verify_planned(plan, x["q"], x["k"], x["v"], x["g"], x["beta"], pool, slots[s], block_v=bv)
+
+    props = torch.cuda.get_device_properties(0)
+    auto_bv = kgdn.choose_block_v(plan, HV, KD, VD, loader.device_smem_optin(0), props.multi_processor_count)
+    row["auto_block_v"] = auto_bv
+    ours_us = {}
+    for bv in (16, 32, 64):
+        try:
+            us, mode = time_calls([ours(s, bv) for s in range(sets)], reps)
+            ours_us[f"bv{bv}"] = us
+            row["ours_mode"] = mode
+        except Exception as exc:  # noqa: BLE001 - e.g. shared memory
+            ours_us[f"bv{bv}"] = None
+            row[f"ours_bv{bv}_error"] = f"{type(exc).__name__}: {exc}"[:200]
+    row["ours_us"] = ours_us
+    valid = {k: v for k, v in ours_us.items() if v is not None}
+    row["ours_best_us"] = min(valid.values()) if valid else None
+    row["ours_best_bv"] = min(valid, key=valid.get) if valid else None
+    row["ours_auto_us"] = ours_us.get(f"bv{auto_bv}")
+    row["ours_eager_us"], _ = time_calls([ours(s, None) for s in range(min(sets, 8))], max(3, reps // 4), graph=False)
+
+    # correctness of this configuration against the torch reference (same bf16 inputs, fp32 math)
+    x = inputs[0]
+    o = kgdn.gdn_tree_verify_planned(plan, x["q"], x["k"], x["v"], x["g"], x["beta"], pool, slots[0])
+    if allow_slow and batch == 1:
+        t1 = time.perf_counter()
+        o_ref = ref_gdn.gdn_tree_verify(x["q"], x["k"], x["v"], x["g"], x["beta"], parents.to(DEV), cu.to(DEV), pool, slots[0])
+        torch.cuda.synchronize()
+        first = time.perf_counter() - t1
+        row["err_vs_reference"] = rel_err(o, o_ref)
+        row["reference_us"] = first * 1e6 if first > 0.5 else time_calls(
+            [lambda: ref_gdn.gdn_tree_verify(x["q"], x["k"], x["v"], x["g"], x["beta"], parents.to(DEV), cu.to(DEV), pool, slots[0])],
+            3, graph=False)[0]
+
+    # per-branch recurrence through vLLM's fused recurrent kernel
+    paths = root_to_leaf_paths(trees, cu.tolist())
+    row["paths"] = len(paths)
+    row["path_tokens"] = sum(len(p) for p in paths)
+    pool_bytes = (len(paths) + 1) * STATE_BYTES
+    if vllm_fn is None:
+        row["per_branch_skipped"] = "vLLM not importable"
+    elif pool_bytes > 24e9 or not allow_slow:
+        row["per_branch_skipped"] = f"state pool {pool_bytes / 1e9:.1f} GB" if allow_slow else "time budget"
+    else:
+        pb_sets = min(8, max(1, math.ceil(L2_DEFEAT_BYTES / pool_bytes)))
+        idx = torch.tensor([i for p in paths for i in p], device=DEV)
+        cus = torch.tensor([0] + [len(p) for p in paths], device=DEV).cumsum(0).to(torch.int32)
+        lmax = max(len(p) for p in paths)
+        ssm_idx = (torch.arange(1, len(paths) + 1, dtype=torch.int32, device=DEV)[:, None]).expand(len(paths), lmax).contiguous()
+        fns = []
+        for s in range(pb_sets):
+            x = inputs[s % sets]
+            pp = dict(q=x["q"][idx][None], k=x["k"][idx][None], v=x["v"][idx][None], a=x["a"][idx].contiguous(), b=x["b"][idx].contiguous())
+            st = torch.empty(len(paths) + 1, HV, VD, KD, device=DEV).normal_(0, 0.1)
+            fns.append(lambda x=x, pp=pp, st=st: vllm_fn(
+                x["A_log"], pp["a"], pp["b"], x["dt_bias"], pp["q"], pp["k"], pp["v"], beta=1.0, threshold=20.0,
+                scale=KD**-0.5, initial_state=st, inplace_final_state=True, cu_seqlens=cus, ssm_state_indices=ssm_idx,
+                use_qk_l2norm_in_kernel=True))
+        try:
+            row["per_branch_us"], row["per_branch_mode"] = time_calls(fns, max(3, reps // 2))
+        except Exception as exc:  # noqa: BLE001
+            row["per_branch_error"] = f"{type(exc).__name__}: {exc}"[:300]
+    if row.get("per_branch_us") and row["ours_best_us"]:
+        row["speedup_vs_per_branch"] = row["per_branch_us"] / row["ours_best_us"]
+    return row
+
+
+# ---------------------------------------------------------------------------------------------
+# commit and conv
+
+
+def bench_commit(n: int, batch: int, bw: float, reps: int, allow_slow: bool) -> dict:
+    parents, cu, trees = tree_batch(n, batch, seed=7)
+    plan = TreePlan.build(parents, cu, device=DEV)
+    sets = n_sets_for(batch)
+    gen = device_gen(batch)
+    x = gdn_inputs(plan.num_nodes, gen)
+    pool = torch.randn(sets * batch, HV, VD, KD, generator=gen, device=DEV) * 0.1
+    _, delta = kgdn.gdn_tree_verify_planned(plan, x["q"], x["k"], x["v"], x["g"], x["beta"], pool,
+                                            torch.arange(batch, device=DEV), return_delta=True)
+    depth = plan.depth.tolist()
+    accepted = []
+    for r in range(batch):
+        s, e = int(cu[r]), int(cu[r + 1])
+        accepted.append(max(range(e - s), key=lambda i: depth[s + i]))  # the deepest node
+    idx = [CommitIndices.build(accepted, list(range(s * batch, (s + 1) * batch)), list(range(s * batch, (s + 1) * batch)), DEV)
+           for s in range(sets)]
+    nbytes = 2 * batch * STATE_BYTES
+    row = dict(n=n, batch=batch, accepted_depth=[depth[int(cu[r]) + a] for r, a in enumerate(accepted)][:4],
+               bytes=nbytes, floor_us=nbytes / bw * 1e6)
+    row["ours_us"], row["ours_mode"] = time_calls(
+        [lambda i=i: kgdn.gdn_tree_commit_planned(plan, x["k"], x["g"], delta, i, pool) for i in idx], reps)
+    if allow_slow and batch == 1:
+        acc_t = torch.tensor(accepted, device=DEV)
+        sl = torch.arange(batch, device=DEV)
+        row["reference_us"], _ = time_calls(
+            [lambda: ref_gdn.gdn_tree_commit(x["k"], x["g"], delta, parents.to(DEV), cu.to(DEV), acc_t, pool, sl, sl)], 3, graph=False)
+    # correctness on fresh slots: ours vs the reference
+    a_state = pool[:batch].clone()
+    b_state = pool[:batch].clone()
+    sl = torch.arange(batch, device=DEV)
+    kgdn.gdn_tree_commit_planned(plan, x["k"], x["g"], delta, CommitIndices.build(accepted, list(range(batch)), list(range(batch)), DEV), a_state)
+    ref_gdn.gdn_tree_commit(x["k"], x["g"], delta, parents.to(DEV), cu.to(DEV), torch.tensor(accepted, device=DEV), b_state, sl, sl)
+    row["err_vs_reference"] = rel_err(a_state, b_state)
+    return row
+
+
+def bench_conv(n: int, batch: int, bw: float, reps: int, allow_slow: bool) -> dict:
+    parents, cu, _ = tree_batch(n, batch, seed=11)
+    plan = TreePlan.build(parents, cu, device=DEV)
+    t_nodes = plan.num_nodes
+    gen = device_gen(n + batch)
+    sets = max(2, math.ceil(L2_DEFEAT_BYTES / (t_nodes * CONV_DIM * 4 + 1)))
+    sets = min(sets, 16)
+
+    def rnd(*shape):
+        return torch.randn(*shape, generator=gen, device=DEV).to(torch.bfloat16)
+
+    xs = [rnd(t_nodes, CONV_DIM) for _ in range(sets)]
+    state, weight, bias = rnd(sets * batch, CONV_DIM, CONV_W - 1), rnd(CONV_DIM, CONV_W), rnd(CONV_DIM)
+    slots = [torch.arange(s * batch, (s + 1) * batch, device=DEV) for s in range(sets)]
+    nbytes = 2 * t_nodes * CONV_DIM * 2 + batch * CONV_DIM * (CONV_W - 1) * 2 + CONV_DIM * (CONV_W + 1) * 2
+    row = dict(n=n, batch=batch, nodes=t_nodes, bytes=nbytes, floor_us=nbytes / bw * 1e6, input_sets=sets)
+    row["ours_us"], row["ours_mode"] = time_calls(
+        [lambda s=s: kconv.tree_causal_conv1d_planned(plan, xs[s], state, slots[s], weight, bias, "silu") for s in range(sets)], reps)
+    y = kconv.tree_causal_conv1d_planned(plan, xs[0], state, slots[0], weight, bias, "silu")
+    if allow_slow and batch == 1:
+        args = (xs[0], parents.to(DEV), cu.to(DEV), state, slots[0], weight, bias, "silu")
+        row["reference_us"], _ = time_calls([lambda: ref_conv.tree_causal_conv1d(*args)], 3, graph=False)
+        row["err_vs_reference"] = rel_err(y, ref_conv.tree_causal_conv1d(*args))
+    depth = plan.depth.tolist()
+    accepted = [max(range(int(cu[r + 1] - cu[r])), key=lambda i: depth[int(cu[r]) + i]) for r in range(batch)]
+    cidx = [CommitIndices.build(accepted, list(range(s * batch, (s + 1) * batch)), list(range(s * batch, (s + 1) * batch)), DEV)
+            for s in range(sets)]
+    row["commit_us"], _ = time_calls(
+        [lambda s=s: kconv.tree_conv_commit_planned(plan, xs[s], cidx[s], state, CONV_W) for s in range(sets)], reps)
+    return row
+
+
+# ---------------------------------------------------------------------------------------------
+# machine, sanitizer case, main
+
+
+def machine_info() -> dict:
+    props = torch.cuda.get_device_properties(0)
+    info = dict(
+        gpu=torch.cuda.get_device_name(0), sms=props.multi_processor_count,
+        l2_bytes=getattr(props, "L2_cache_size", None), memory_bytes=props.total_memory,
+        torch=torch.__version__, torch_cuda=torch.version.cuda, python=platform.python_version(),
+        host=socket.gethostname(), date=time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+    )
+    try:
+        info["nvrtc"] = "%d.%d" % loader.nvrtc_version()
+        from cuda.bindings import driver
+
+        info["driver"] = loader._check_cu(driver.cuDriverGetVersion(), "cuDriverGetVersion")
+        import cuda.bindings
+
+        info["cuda_bindings"] = cuda.bindings.__version__
+    except Exception as exc:  # noqa: BLE001
+        info["cuda_python_error"] = str(exc)
+    for mod in ("triton", "vllm"):
+        try:
+            info[mod] = __import__(mod).__version__
+        except Exception:  # noqa: BLE001
+            info[mod] = None
+    try:
+        info["git_commit"] = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True, text=True,
+                                            check=True).stdout.strip()
+    except Exception:  # noqa: BLE001
+        info["git_commit"] = None
+    return info
+
+
+def sanitize_case() -> None:
+    """One small call of every kernel, checked against the float64 reference on the CPU."""
+    gen = torch.Generator().manual_seed(0)
+    trees = [ddtree_parents(40, 1), list(range(-1, 4)), [-1]]
+    parents = torch.tensor([p for t in trees for p in t])
+    cu = torch.tensor([0, 40, 45, 46])
+    for dtype, tol in ((torch.float32, 1e-5), (torch.bfloat16, 3e-3)):
+        t_nodes, h, hv, kd, vd = parents.numel(), 2, 4, 128, 128
+        g, beta = ref_gdn.gdn_gates(torch.randn(t_nodes, hv, generator=gen), torch.randn(t_nodes, hv, generator=gen),
+                                    torch.rand(hv, generator=gen), torch.randn(hv, generator=gen))
+        c = dict(q=torch.randn(t_nodes, h, kd, generator=gen).to(dtype), k=torch.randn(t_nodes, h, kd, generator=gen).to(dtype),
+                 v=torch.randn(t_nodes, hv, vd, generator=gen).to(dtype), g=g, beta=beta, parents=parents, cu_nodes=cu,
+                 ssm_state=torch.randn(5, hv, vd, kd, generator=gen) * 0.3, state_indices=torch.tensor([4, 0, 2]))
+        c64 = {k: v.double() if v.is_floating_point() else v for k, v in c.items()}
+        o_ref, d_ref = ref_gdn.gdn_tree_verify(**c64, return_delta=True)
+        cg = {k: v.to(DEV) for k, v in c.items()}
+        plan = TreePlan.build(cg["parents"], cg["cu_nodes"])
+        for bv in (16, 32, 64):
+            o, d = kgdn.gdn_tree_verify_planned(plan, cg["q"], cg["k"], cg["v"], cg["g"], cg["beta"], cg["ssm_state"],
+                                                cg["state_indices"], return_delta=True, block_v=bv)
+            assert rel_err(o.cpu(), o_ref) <= tol and rel_err(d.cpu(), d_ref) <= 1e-5, (dtype, bv)
+        acc, src, dst = [37, 4, 0], [2, 2, 0], [0, 1, 3]
+        st = cg["ssm_state"].clone()
+        kgdn.gdn_tree_commit(cg["k"], cg["g"], d, cg["parents"], cg["cu_nodes"], torch.tensor(acc).to(DEV), st,
+                             torch.tensor(src).to(DEV), torch.tensor(dst).to(DEV))
+        st_ref = c64["ssm_state"].clone()
+        ref_gdn.gdn_tree_commit(c64["k"], c64["g"], d.cpu().double(), parents, cu, torch.tensor(acc), st_ref,
+                                torch.tensor(src), torch.tensor(dst))
+        assert rel_err(st.cpu()[dst], st_ref[dst]) <= 1e-5, dtype
+        x = torch.randn(t_nodes, 96, generator=gen).to(dtype)
+        cs = torch.randn(5, 96, 5, generator=gen).to(dtype)
+        w, b = torch.randn(96, 4, generator=gen).to(dtype), torch.randn(96, generator=gen).to(dtype)
+        sidx, ws = torch.tensor([4, 0, 2]), torch.tensor([0, 2, 1])
+        y = kconv.tree_causal_conv1d(x.to(DEV), cg["parents"], cg["cu_nodes"], cs.to(DEV), sidx.to(DEV), w.to(DEV), b.to(DEV),
+                                     "silu", ws.to(DEV))
+        y_ref = ref_conv.tree_causal_conv1d(x.double(), parents, cu, cs.double(), sidx, w.double(), b.double(), "silu", ws)
+        assert rel_err(y.cpu(), y_ref) <= tol, dtype
+        csg, cs_ref = cs.to(DEV), cs.clone()
+        kconv.tree_conv_commit(x.to(DEV), cg["parents"], cg["cu_nodes"], torch.tensor(acc).to(DEV), csg, torch.tensor(src).to(DEV),
+                               torch.tensor(dst).to(DEV), 4, ws.to(DEV), torch.tensor([1, 0, 2]).to(DEV))
+        ref_conv.tree_conv_commit(x, parents, cu, torch.tensor(acc), cs_ref, torch.tensor(src), torch.tensor(dst), 4, ws,
+                                  torch.tensor([1, 0, 2]))
+        assert torch.equal(csg.cpu(), cs_ref), dtype
+    torch.cuda.synchronize()
+    print("sanitize case: all kernels match the reference")
+
+
+def fmt(x, spec=".1f") -> str:
+    return "-" if x is None else format(x, spec)
+
+
+def table(results: dict) -> str:
+    bw = results["copy_bandwidth_Bps"]
+    modes = sorted({r.get("ours_mode", "?").split(" ")[0] for r in results["verify"]})
+    lines = [f"GDN tree verify, H={H} HV={HV} K=V={KD}, bf16 q/k/v, fp32 state; copy bandwidth {bw / 1e12:.2f} TB/s; "
+             f"times in us (median; ours timed as {'/'.join(modes)}; eager = with Python launch overhead)",
+             f"{'n':>4} {'batch':>5} {'floor':>8} {'ours':>8} {'BV':>5} {'x floor':>8} {'auto':>8} {'eager':>8} "
+             f"{'per-branch':>11} {'speedup':>8} {'reference':>10} {'err':>8}"]
+    for r in results["verify"]:
+        xf = r["ours_best_us"] / r["floor_us"] if r.get("ours_best_us") else None
+        lines.append(f"{r['n']:>4} {r['batch']:>5} {fmt(r['floor_us']):>8} {fmt(r.get('ours_best_us')):>8} "
+                     f"{str(r.get('ours_best_bv', '-')):>5} {fmt(xf):>8} {fmt(r.get('ours_auto_us')):>8} "
+                     f"{fmt(r.get('ours_eager_us')):>8} {fmt(r.get('per_branch_us')):>11} "
+                     f"{fmt(r.get('speedup_vs_per_branch')):>8} {fmt(r.get('reference_us'), '.0f'):>10} "
+                     f"{fmt(r.get('err_vs_reference'), '.1e'):>8}")
+    lines.append("GDN tree commit (accepted = deepest node), us")
+    lines.append(f"{'n':>4} {'batch':>5} {'floor':>8} {'ours':>8} {'x floor':>8} {'reference':>10} {'err':>8}")
+    for r in results["commit"]:
+        lines.append(f"{r['n']:>4} {r['batch']:>5} {fmt(r['floor_us']):>8} {fmt(r['ours_us']):>8} "
+                     f"{fmt(r['ours_us'] / r['floor_us']):>8} {fmt(r.get('reference_us'), '.0f'):>10} "
+                     f"{fmt(r.get('err_vs_reference'), '.1e'):>8}")
+    lines.append(f"tree conv1d D={CONV_DIM} W={CONV_W} bf16 (+ conv commit), us")
+    lines.append(f"{'n':>4} {'batch':>5} {'floor':>8} {'ours':>8} {'x floor':>8} {'reference':>10} {'err':>8} {'commit':>8}")
+    for r in results["conv"]:
+        lines.append(f"{r['n']:>4} {r['batch']:>5} {fmt(r['floor_us']):>8} {fmt(r['ours_us']):>8} "
+                     f"{fmt(r['ours_us'] / r['floor_us']):>8} {fmt(r.get('reference_us'), '.0f'):>10} "
+                     f"{fmt(r.get('err_vs_reference'), '.1e'):>8} {fmt(r.get('commit_us')):>8}")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", default=str(REPO / "bench" / "results" / "gdn_tree.json"))
+    ap.add_argument("--quick", action="store_true", help="n in {16, 64, 256}, batch in {1, 32}, fewer repeats")
+    ap.add_argument("--budget-s", type=float, default=200.0, help="stop timing baselines after this many seconds")
+    ap.add_argument("--reps", type=int, default=20)
+    ap.add_argument("--n", type=int, nargs="+", help="tree sizes (default 16 32 64 128 256)")
+    ap.add_argument("--batch", type=int, nargs="+", help="batch sizes (default 1 8 32)")
+    ap.add_argument("--sanitize-case", action="store_true")
+    args = ap.parse_args()
+    if not torch.cuda.is_available():
+        sys.exit("gdn_tree.py needs a CUDA device")
+    if args.sanitize_case:
+        sanitize_case()
+        return
+    if not loader.kernels_available():
+        sys.exit(f"CUDA kernels unavailable: {loader.kernels_unavailable_reason()}")
+    start = time.perf_counter()
+    try:
+        from vllm.third_party.flash_linear_attention.ops.fused_sigmoid_gating import (
+            fused_sigmoid_gating_delta_rule_update as vllm_fn,
+        )
+    except Exception as exc:  # noqa: BLE001
+        print(f"per-branch baseline disabled: {exc}", file=sys.stderr)
+        vllm_fn = None
+    ns, batches = ((16, 64, 256), (1, 32)) if args.quick else ((16, 32, 64, 128, 256), (1, 8, 32))
+    ns, batches = tuple(args.n or ns), tuple(args.batch or batches)
+    reps = max(5, args.reps // 2) if args.quick else args.reps
+    bw = copy_bandwidth()
+    results = dict(command=" ".join([sys.executable, *sys.argv]), machine=machine_info(), copy_bandwidth_Bps=bw,
+                   shape=dict(H=H, HV=HV, K=KD, V=VD, conv_dim=CONV_DIM, conv_width=CONV_W),
+                   verify=[], commit=[], conv=[])
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+
+    def save() -> None:
+        results["elapsed_s"] = time.perf_counter() - start
+        out.write_text(json.dumps(results, indent=1))
+
+    def within_budget() -> bool:
+        return time.perf_counter() - start < args.budget_s
+
+    for batch in batches:
+        for n in ns:
+            print(f"verify n={n} batch={batch} ...", file=sys.stderr, flush=True)
+            try:
+                results["verify"].append(bench_verify(n, batch, bw, reps, vllm_fn, within_budget()))
+            except Exception as exc:  # noqa: BLE001 - record and go on
+                results["verify"].append(dict(n=n, batch=batch, floor_us=None, error=f"{type(exc).__name__}: {exc}"[:300]))
+            torch.cuda.empty_cache()
+            save()
+    for batch in batches:
+        print(f"commit batch={batch} ...", file=sys.stderr, flush=True)
+        results["commit"].append(bench_commit(64 if 64 in ns else max(ns), batch, bw, reps, within_budget()))
+        save()
+        for n in sorted({min(ns), max(ns)}):
+            print(f"conv n={n} batch={batch} ...", file=sys.stderr, flush=True)
+            results["conv"].append(bench_conv(n, batch, bw, reps, within_budget()))
+            save()
+    results["verify"] = [r for r in results["verify"] if r.get("floor_us") is not None] + \
+        [r for r in results["verify"] if r.get("floor_us") is None]
+    save()
+    errors = [r for r in results["verify"] if "error" in r]
+    for r in errors:
+        print(f"verify n={r['n']} batch={r['batch']} failed: {r['error']}", file=sys.stderr)
+    text = table(dict(results, verify=[r for r in results["verify"] if "error" not in r]))
+    Path(str(out).replace(".json", ".txt")).write_text(text + "\n")
+    print(f"wrote {out} ({results['elapsed_s']:.0f} s)")
+    print(text)
+
+
+if __name__ == "__main__":
+    main()

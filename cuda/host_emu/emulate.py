@@ -1,0 +1,100 @@
+"""Run the CUDA kernels of cuda/ on the CPU through cuda_host_emu.h, behind the real wrappers.
+
+Usage (a CPU check of kernel logic, no GPU needed; g++ >= 11 with C++20):
+
+    from emulate import emulated_kernels
+    with emulated_kernels():
+        o = vllm_tfm.kernels.gdn.gdn_tree_verify_planned(plan, q, k, v, ...)   # CPU tensors
+
+Inside the context, ``vllm_tfm.kernels.loader.get_kernel`` compiles the requested source with
+g++ (same -D options as NVRTC gets, plus TFM_HOST_EMU) into a shared library, and ``launch``
+calls its ``emu_<kernel>`` entry with the very parameter array cuLaunchKernel would get; CPU
+tensors' data_ptr()s are host pointers, so the wrappers run unchanged.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import hashlib
+import os
+import subprocess
+import tempfile
+from pathlib import Path
+from typing import Any, Iterator
+from unittest import mock
+
+HERE = Path(__file__).resolve().parent
+CUDA_DIR = HERE.parent
+KERNELS = {
+    "gdn_tree_verify.cu": ["gdn_tree_pairs", "gdn_tree_verify_main"],
+    "gdn_tree_commit.cu": ["gdn_tree_commit"],
+    "tree_conv.cu": ["tree_conv1d", "tree_conv_commit"],
+}
+
+
+def build(source: str, options: list[str], out_dir: Path, sanitize: bool = False) -> Path:
+    """Compile ``source`` (from cuda/) with its -D options into a shared library; cached by content."""
+    defines = [o for o in options if o.startswith("-D")]
+    text = (CUDA_DIR / source).read_text() + (CUDA_DIR / "tfm_common.cuh").read_text() + (HERE / "cuda_host_emu.h").read_text()
+    key = hashlib.sha256((text + " ".join(defines) + str(sanitize)).encode()).hexdigest()[:20]
+    lib = out_dir / f"{Path(source).stem}-{key}.so"
+    if lib.is_file():
+        return lib
+    wrapper = out_dir / f"{Path(source).stem}-{key}.cpp"
+    exports = "\n".join(f"TFM_EMU_EXPORT({k})" for k in KERNELS[source])
+    wrapper.write_text(f'#include "{CUDA_DIR / source}"\n{exports}\n')
+    cmd = ["g++", "-std=c++20", "-O1", "-g", "-shared", "-fPIC", "-pthread", "-DTFM_HOST_EMU",
+           "-include", str(HERE / "cuda_host_emu.h"), f"-I{CUDA_DIR}", *defines, str(wrapper), "-o", str(lib)]
+    if sanitize:
+        cmd[1:1] = ["-fsanitize=address", "-fno-omit-frame-pointer"]
+    subprocess.run(cmd, check=True, capture_output=True, text=True)
+    return lib
+
+
+class _EmuKernel:
+    def __init__(self, fn: Any, name: str) -> None:
+        self.function = fn
+        self.name = name
+        self.device_index = 0
+        self.max_dynamic_smem = 227 * 1024  # an H100/H200 block's opt-in limit
+
+
+@contextlib.contextmanager
+def emulated_kernels(out_dir: Path | None = None, sanitize: bool = False) -> Iterator[list[tuple[str, tuple, int]]]:
+    """Patch the loader so that kernels run on the CPU; yields the list of launches made."""
+    from vllm_tfm.kernels import loader
+
+    work = out_dir or Path(os.environ.get("TFM_EMU_BUILD", tempfile.gettempdir())) / "tfm_host_emu"
+    work.mkdir(parents=True, exist_ok=True)
+    libs: dict[str, ctypes.CDLL] = {}
+    launches: list[tuple[str, tuple, int]] = []
+
+    def get_kernel(source_name: str, kernel_name: str, options, device_index: int = 0):
+        path = build(source_name, list(options), work, sanitize)
+        lib = libs.setdefault(str(path), ctypes.CDLL(str(path)))
+        fn = getattr(lib, f"emu_{kernel_name}")
+        fn.argtypes = [ctypes.c_uint] * 7 + [ctypes.c_void_p]
+        fn.restype = None
+        return _EmuKernel(fn, kernel_name)
+
+    def launch(kernel, grid, block, args, shared_mem: int = 0) -> None:
+        if shared_mem > kernel.max_dynamic_smem:
+            raise loader.KernelLaunchError(f"{kernel.name} needs {shared_mem} bytes of shared memory")
+        if min(grid) <= 0:
+            return
+        values = [loader._ctype_arg(a) for a in args]
+        ptrs = (ctypes.c_void_p * max(len(values), 1))(*[ctypes.addressof(v) for v in values])
+        launches.append((kernel.name, tuple(grid), int(shared_mem)))
+        kernel.function(*grid, *block, int(shared_mem), ctypes.addressof(ptrs))
+
+    class _Props:
+        multi_processor_count = 132
+
+    with mock.patch.object(loader, "get_kernel", get_kernel), mock.patch.object(loader, "launch", launch), \
+            mock.patch("vllm_tfm.kernels.gdn.get_kernel", get_kernel), mock.patch("vllm_tfm.kernels.gdn.launch", launch), \
+            mock.patch("vllm_tfm.kernels.conv.get_kernel", get_kernel), mock.patch("vllm_tfm.kernels.conv.launch", launch), \
+            mock.patch("vllm_tfm.kernels.gdn.device_smem_optin", lambda i: 227 * 1024), \
+            mock.patch("torch.cuda.current_device", lambda: 0), \
+            mock.patch("torch.cuda.get_device_properties", lambda i: _Props()):
+        yield launches

@@ -1,0 +1,129 @@
+// Shared helpers for the vllm-tfm kernels: element types, conversions, vector loads, reductions.
+//
+// Compiled by NVRTC (vllm_tfm/kernels/loader.py) without any system or CUDA header: only built-in
+// types and intrinsics are used. The element type of q/k/v/x is chosen at compile time with
+// -DTFM_IN=0 (float32), 1 (bfloat16) or 2 (float16); all arithmetic is float32.
+#pragma once
+
+typedef long long i64;
+typedef unsigned int u32;
+typedef unsigned short u16;
+
+#ifndef TFM_IN
+#define TFM_IN 1
+#endif
+
+// 16-bit storage types (bit patterns; converted to float32 for every operation).
+struct bf16s { u16 bits; };
+struct f16s { u16 bits; };
+
+#if TFM_IN == 0
+typedef float tin;
+#elif TFM_IN == 1
+typedef bf16s tin;
+#elif TFM_IN == 2
+typedef f16s tin;
+#else
+#error "TFM_IN must be 0 (float32), 1 (bfloat16) or 2 (float16)"
+#endif
+
+__device__ __forceinline__ float bf16_bits_to_f32(u32 b) { return __uint_as_float(b << 16); }
+
+// The only inline PTX of the kernels. TFM_HOST_EMU is defined by the CPU emulation harness
+// (cuda/host_emu/), which runs these sources as C++ threads to check them without a GPU.
+#ifndef TFM_HOST_EMU
+__device__ __forceinline__ float f16_bits_to_f32(u32 b) {
+  float f;
+  unsigned short h = (unsigned short)b;
+  asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(h));
+  return f;
+}
+__device__ __forceinline__ u16 f32_to_f16_bits(float x) {
+  unsigned short h;
+  asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(x));
+  return h;
+}
+// Bytes of dynamic shared memory this launch received.
+__device__ __forceinline__ u32 dynamic_smem_bytes() {
+  u32 r;
+  asm("mov.u32 %0, %%dynamic_smem_size;" : "=r"(r));
+  return r;
+}
+#define TFM_DYNAMIC_SMEM(type, name) extern __shared__ type name[]
+#else
+#define TFM_DYNAMIC_SMEM(type, name) type* name = reinterpret_cast<type*>(tfm_emu_dynamic_smem())
+#endif
+
+__device__ __forceinline__ float to_f32(float x) { return x; }
+__device__ __forceinline__ float to_f32(bf16s x) { return bf16_bits_to_f32(x.bits); }
+__device__ __forceinline__ float to_f32(f16s x) { return f16_bits_to_f32(x.bits); }
+
+// float32 -> storage type, round to nearest even (NaN stays NaN), as torch's .to() does.
+template <typename T> __device__ __forceinline__ T from_f32(float x);
+template <> __device__ __forceinline__ float from_f32<float>(float x) { return x; }
+template <> __device__ __forceinline__ bf16s from_f32<bf16s>(float x) {
+  u32 u = __float_as_uint(x);
+  bf16s r;
+  if ((u & 0x7fffffffu) > 0x7f800000u) {
+    r.bits = (u16)((u >> 16) | 0x0040u);  // quiet NaN
+  } else {
+    u += 0x7fffu + ((u >> 16) & 1u);
+    r.bits = (u16)(u >> 16);
+  }
+  return r;
+}
+template <> __device__ __forceinline__ f16s from_f32<f16s>(float x) {
+  f16s r;
+  r.bits = f32_to_f16_bits(x);
+  return r;
+}
+
+// Four consecutive elements -> float32. The pointer must be aligned to 4 elements.
+__device__ __forceinline__ void load4(const float* __restrict__ p, float* o) {
+  float4 v = *reinterpret_cast<const float4*>(p);
+  o[0] = v.x; o[1] = v.y; o[2] = v.z; o[3] = v.w;
+}
+__device__ __forceinline__ void load4(const bf16s* __restrict__ p, float* o) {
+  uint2 v = *reinterpret_cast<const uint2*>(p);
+  o[0] = __uint_as_float(v.x << 16); o[1] = __uint_as_float(v.x & 0xffff0000u);
+  o[2] = __uint_as_float(v.y << 16); o[3] = __uint_as_float(v.y & 0xffff0000u);
+}
+__device__ __forceinline__ void load4(const f16s* __restrict__ p, float* o) {
+  uint2 v = *reinterpret_cast<const uint2*>(p);
+  o[0] = f16_bits_to_f32(v.x & 0xffffu); o[1] = f16_bits_to_f32(v.x >> 16);
+  o[2] = f16_bits_to_f32(v.y & 0xffffu); o[3] = f16_bits_to_f32(v.y >> 16);
+}
+
+// Eight consecutive elements -> float32. The pointer must be aligned to 8 elements for 16-bit
+// types and to 4 elements for float32.
+__device__ __forceinline__ void load8(const float* __restrict__ p, float* o) {
+  load4(p, o);
+  load4(p + 4, o + 4);
+}
+__device__ __forceinline__ void load8(const bf16s* __restrict__ p, float* o) {
+  uint4 v = *reinterpret_cast<const uint4*>(p);
+  o[0] = __uint_as_float(v.x << 16); o[1] = __uint_as_float(v.x & 0xffff0000u);
+  o[2] = __uint_as_float(v.y << 16); o[3] = __uint_as_float(v.y & 0xffff0000u);
+  o[4] = __uint_as_float(v.z << 16); o[5] = __uint_as_float(v.z & 0xffff0000u);
+  o[6] = __uint_as_float(v.w << 16); o[7] = __uint_as_float(v.w & 0xffff0000u);
+}
+__device__ __forceinline__ void load8(const f16s* __restrict__ p, float* o) {
+  uint4 v = *reinterpret_cast<const uint4*>(p);
+  o[0] = f16_bits_to_f32(v.x & 0xffffu); o[1] = f16_bits_to_f32(v.x >> 16);
+  o[2] = f16_bits_to_f32(v.y & 0xffffu); o[3] = f16_bits_to_f32(v.y >> 16);
+  o[4] = f16_bits_to_f32(v.z & 0xffffu); o[5] = f16_bits_to_f32(v.z >> 16);
+  o[6] = f16_bits_to_f32(v.w & 0xffffu); o[7] = f16_bits_to_f32(v.w >> 16);
+}
+
+// Sum over the 32 lanes of a warp; every lane receives the total.
+__device__ __forceinline__ float warp_sum(float x) {
+#pragma unroll
+  for (int m = 16; m > 0; m >>= 1) x += __shfl_xor_sync(0xffffffffu, x, m);
+  return x;
+}
+
+// L2-norm scale as in vLLM/FLA: x * rsqrt(sum x^2 + 1e-6). Precise division and square root
+// (NVRTC's defaults, no fast math) so that float32 results track a float64 reference.
+__device__ __forceinline__ float l2norm_scale(float sum_sq) { return 1.0f / sqrtf(sum_sq + 1e-6f); }
+
+__device__ __forceinline__ float silu(float x) { return x / (1.0f + expf(-x)); }

@@ -1,0 +1,141 @@
+// Short causal conv1d over a token tree, and its commit (DESIGN.md section 4, BRIEF conventions).
+//
+// tree_conv1d: node i's window, most recent first, is x_i, x_parent, x_grandparent, ... and,
+// once the root is passed, the committed columns conv_state[slot, :, s+W-2], ..., [slot, :, s].
+//   y_i = act(bias + sum_w weight[:, w] * window[W-1-w])      (weight[:, W-1] multiplies x_i)
+// The state is only read.
+// tree_conv_commit: conv_state[dst, :, d : d+W-1] = the last W-1 entries of
+//   [conv_state[src, :, s : s+W-1] | x along the root..accepted path], oldest first;
+// each thread owns one channel of one request and reads all its inputs before writing, so
+// src == dst within a request is safe; when a slot is one request's destination and another's
+// source the wrapper passes a snapshot of the sources as src_state (vllm_tfm/kernels/conv.py).
+//
+// Paths come from the host plan (vllm_tfm/kernels/plan.py): pair_j[pair_off[pos[i]] + e] is the
+// node at depth e on the root..i path.
+//
+// Compile-time constants (NVRTC -D): TFM_IN (x / y type), CONV_ST (state type), CONV_WT
+// (weight / bias type); 0 = float32, 1 = bfloat16, 2 = float16.
+#include "tfm_common.cuh"
+
+#ifndef CONV_ST
+#define CONV_ST 1
+#endif
+#ifndef CONV_WT
+#define CONV_WT 1
+#endif
+
+#define TFM_TYPE_0 float
+#define TFM_TYPE_1 bf16s
+#define TFM_TYPE_2 f16s
+#define TFM_CAT_(a, b) a##b
+#define TFM_CAT(a, b) TFM_CAT_(a, b)
+typedef TFM_CAT(TFM_TYPE_, CONV_ST) tst;
+typedef TFM_CAT(TFM_TYPE_, CONV_WT) twt;
+
+#define CONV_THREADS 256
+#define CONV_NPC 8     // nodes per CTA
+#define CONV_WMAX 8    // largest supported conv width
+
+// grid (ceil(D / 256), ceil(T / 8)), block 256.
+extern "C" __global__ void __launch_bounds__(CONV_THREADS)
+tree_conv1d(const tin* __restrict__ x, i64 x_row, const int* __restrict__ req_of,
+            const int* __restrict__ cu, const int* __restrict__ pos, const int* __restrict__ depth,
+            const int* __restrict__ pair_off, const int* __restrict__ pair_j,
+            const tst* __restrict__ conv_state, i64 cs_slot, i64 cs_d, i64 cs_l,
+            const int* __restrict__ state_idx, const int* __restrict__ window_start,
+            const twt* __restrict__ weight, i64 w_d, i64 w_t, const twt* __restrict__ bias,
+            i64 b_d, tin* __restrict__ y, int T, int D, int W, int silu_act) {
+  // s_src[a][t] >= 0: flat node index of window entry t of node a; < 0: -(state column + 1).
+  __shared__ int s_src[CONV_NPC][CONV_WMAX];
+  __shared__ int s_slot[CONV_NPC];
+  const int tid = threadIdx.x;
+  const int node0 = blockIdx.y * CONV_NPC;
+  if (tid < CONV_NPC * W) {
+    const int a = tid / W, t = tid % W;
+    const int i = node0 + a;
+    if (i < T) {
+      const int r = req_of[i];
+      const int d = depth[i];
+      if (t <= d) {
+        s_src[a][t] = pair_j[pair_off[pos[i]] + d - t];
+      } else {
+        const int s = window_start != nullptr ? window_start[r] : 0;
+        s_src[a][t] = -(s + W - 2 - (t - d - 1) + 1);
+      }
+      if (t == 0) s_slot[a] = state_idx[r];
+    }
+  }
+  __syncthreads();
+  const int c = blockIdx.x * CONV_THREADS + tid;
+  if (c >= D) return;
+  float w[CONV_WMAX];
+#pragma unroll
+  for (int t = 0; t < CONV_WMAX; ++t) w[t] = t < W ? to_f32(weight[(i64)c * w_d + (i64)t * w_t]) : 0.f;
+  const float b = bias != nullptr ? to_f32(bias[(i64)c * b_d]) : 0.f;
+  for (int a = 0; a < CONV_NPC; ++a) {
+    const int i = node0 + a;
+    if (i >= T) break;
+    float acc = 0.f;
+    // oldest window entry first: sum_w weight[w] * window[W-1-w], w ascending
+    for (int wi = 0; wi < W; ++wi) {
+      const int t = W - 1 - wi;
+      const int src = s_src[a][t];
+      float val;
+      if (src >= 0) {
+        val = to_f32(x[(i64)src * x_row + c]);
+      } else {
+        val = to_f32(conv_state[(i64)s_slot[a] * cs_slot + (i64)c * cs_d + (i64)(-src - 1) * cs_l]);
+      }
+      acc = fmaf(w[wi], val, acc);
+    }
+    acc += b;
+    if (silu_act) acc = silu(acc);
+    y[(i64)i * D + c] = from_f32<tin>(acc);
+  }
+}
+
+// grid (ceil(D / 256), R), block 256.
+extern "C" __global__ void __launch_bounds__(CONV_THREADS)
+tree_conv_commit(const tin* __restrict__ x, i64 x_row, const int* __restrict__ cu,
+                 const int* __restrict__ pos, const int* __restrict__ depth,
+                 const int* __restrict__ pair_off, const int* __restrict__ pair_j,
+                 const int* __restrict__ accepted, const tst* src_state,
+                 const int* __restrict__ src_idx, i64 ss_slot, i64 ss_d, i64 ss_l,
+                 const int* __restrict__ src_start, tst* dst_state, const int* __restrict__ dst_idx,
+                 i64 ds_slot, i64 ds_d, i64 ds_l, const int* __restrict__ dst_start, int D, int W) {
+  // s_src[e] for e < W-1: the e-th of the last W-1 entries (oldest first); >= 0 a flat node
+  // index, < 0 -(source state column + 1).
+  __shared__ int s_src[CONV_WMAX];
+  const int tid = threadIdx.x;
+  const int r = blockIdx.y;
+  if (tid < W - 1) {
+    const int a = cu[r] + accepted[r];
+    const int d = depth[a];
+    const int e = d + 1 + tid;  // index into [committed (W-1) | path (d+1)]
+    if (e < W - 1) {
+      const int s = src_start != nullptr ? src_start[r] : 0;
+      s_src[tid] = -(s + e + 1);
+    } else {
+      s_src[tid] = pair_j[pair_off[pos[a]] + e - (W - 1)];
+    }
+  }
+  __syncthreads();
+  const int c = blockIdx.x * CONV_THREADS + tid;
+  if (c >= D) return;
+  const i64 sbase = (i64)src_idx[r] * ss_slot + (i64)c * ss_d;
+  float vals[CONV_WMAX];
+#pragma unroll
+  for (int e = 0; e < CONV_WMAX - 1; ++e) {
+    if (e < W - 1) {
+      const int src = s_src[e];
+      vals[e] = src >= 0 ? to_f32(x[(i64)src * x_row + c])
+                         : to_f32(src_state[sbase + (i64)(-src - 1) * ss_l]);
+    }
+  }
+  const int dcol = dst_start != nullptr ? dst_start[r] : 0;
+  const i64 dbase = (i64)dst_idx[r] * ds_slot + (i64)c * ds_d + (i64)dcol * ds_l;
+#pragma unroll
+  for (int e = 0; e < CONV_WMAX - 1; ++e) {
+    if (e < W - 1) dst_state[dbase + (i64)e * ds_l] = from_f32<tst>(vals[e]);
+  }
+}

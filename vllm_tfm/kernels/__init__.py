@@ -1,0 +1,43 @@
+"""CUDA kernels for tree verification, compiled at run time by NVRTC (sources in ``cuda/``).
+
+Each public function has the signature of its torch reference in ``vllm_tfm.verify`` and computes
+the same function; when the kernels cannot run (no CUDA device, no cuda-python/NVRTC, an
+unsupported dtype or shape) it calls the reference instead and says so once.
+
+* :func:`gdn_tree_verify`, :func:`gdn_tree_commit`: Gated DeltaNet over a token tree.
+* :func:`tree_causal_conv1d`, :func:`tree_conv_commit`: the short causal conv over a tree.
+* :class:`TreePlan` and the ``*_planned`` variants: the per-step index tables, built once and
+  shared by every layer.
+* :func:`kernels_available`: whether the CUDA path can run on this machine.
+"""
+
+from vllm_tfm.kernels.conv import (
+    tree_causal_conv1d,
+    tree_causal_conv1d_planned,
+    tree_conv_commit,
+    tree_conv_commit_planned,
+)
+from vllm_tfm.kernels.gdn import (
+    gdn_tree_commit,
+    gdn_tree_commit_planned,
+    gdn_tree_verify,
+    gdn_tree_verify_planned,
+)
+from vllm_tfm.kernels.loader import KernelCompileError, KernelLaunchError, kernels_available
+from vllm_tfm.kernels.plan import CommitIndices, TreePlan
+
+__all__ = [
+    "CommitIndices",
+    "KernelCompileError",
+    "KernelLaunchError",
+    "TreePlan",
+    "gdn_tree_commit",
+    "gdn_tree_commit_planned",
+    "gdn_tree_verify",
+    "gdn_tree_verify_planned",
+    "kernels_available",
+    "tree_causal_conv1d",
+    "tree_causal_conv1d_planned",
+    "tree_conv_commit",
+    "tree_conv_commit_planned",
+]

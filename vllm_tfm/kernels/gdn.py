@@ -1,0 +1,382 @@
+"""Torch-facing wrappers of the GDN tree kernels (``cuda/gdn_tree_verify.cu``, ``cuda/gdn_tree_commit.cu``).
+
+``gdn_tree_verify`` and ``gdn_tree_commit`` have exactly the signatures of the torch reference in
+``vllm_tfm.verify.gdn`` and compute the same function. They run the CUDA kernels when the inputs
+are CUDA tensors the kernels support (q/k/v float32, bfloat16 or float16 of one dtype, float32
+state, K a multiple of 32, V a multiple of 16, HV a multiple of H with at most 32 value heads per
+q/k head) and :func:`~vllm_tfm.kernels.loader.kernels_available`; otherwise they call the
+reference (with a one-time warning for CUDA inputs), so the numbers never silently change.
+
+The ``*_planned`` variants take a :class:`~vllm_tfm.kernels.plan.TreePlan` built once per decode
+step (the plan only depends on the tree shapes), which is how the vLLM plugin calls them.
+"""
+
+from __future__ import annotations
+
+import ctypes
+
+import torch
+from torch import Tensor
+
+from vllm_tfm.kernels.loader import (
+    device_smem_optin,
+    get_kernel,
+    kernels_unavailable_reason,
+    launch,
+    warn_fallback,
+)
+from vllm_tfm.kernels.plan import CommitIndices, TreePlan
+
+__all__ = [
+    "gdn_tree_verify",
+    "gdn_tree_verify_planned",
+    "gdn_tree_commit",
+    "gdn_tree_commit_planned",
+    "verify_smem_bytes",
+    "commit_smem_bytes",
+    "choose_block_v",
+]
+
+VERIFY_SOURCE = "gdn_tree_verify.cu"
+COMMIT_SOURCE = "gdn_tree_commit.cu"
+THREADS = 256
+PAIRS_WARPS = 8
+RT, KC = 64, 32  # projection tile rows and staged K chunk (GDN_RT, GDN_KC in the source)
+PAIR_WINDOW = 4096  # most pair entries staged in shared memory at once
+COMMIT_THREADS, COMMIT_BV, COMMIT_PC = 128, 16, 32
+
+DTYPE_CODE = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+NOT_CUDA = "inputs are not CUDA tensors"  # the reference is the CPU implementation: no warning
+
+
+def _align4(x: int) -> int:
+    return (x + 3) & ~3
+
+
+def verify_smem_bytes(k_dim: int, block_v: int, n_cap: int, pcap: int) -> int:
+    """Dynamic shared memory of ``gdn_tree_verify_main`` (mirrors gdn_verify_smem_words)."""
+    words = (
+        _align4(block_v * (k_dim + 4)) + 2 * _align4(n_cap * block_v) + 2 * _align4(RT * (KC + 4))
+        + 3 * _align4(pcap) + 4 * _align4(n_cap) + _align4(n_cap + 1) + 2 * _align4(n_cap) + _align4(n_cap + 2)
+    )
+    return 4 * words
+
+
+def commit_smem_bytes(k_dim: int, m_cap: int) -> int:
+    """Dynamic shared memory of ``gdn_tree_commit`` (mirrors gdn_commit_smem_words)."""
+    return 4 * (3 * _align4(m_cap) + _align4(COMMIT_PC * (k_dim + 4)) + _align4(COMMIT_PC * COMMIT_BV) + 4)
+
+
+def _pair_capacity(plan: TreePlan) -> int:
+    return max(plan.max_depth + 1, min(plan.max_pairs_per_request, PAIR_WINDOW))
+
+
+def choose_block_v(plan: TreePlan, v_heads: int, k_dim: int, v_dim: int, max_smem: int, num_sms: int) -> int | None:
+    """Columns of V per CTA: 64 when the grid has >= 2 CTAs per SM at 64, else 32, else 16.
+
+    Only sizes that divide V and whose shared memory fits ``max_smem`` are considered; None if
+    none fits (the tree is too large for one CTA's shared memory).
+    """
+    pcap = _pair_capacity(plan)
+    fits = [bv for bv in (64, 32, 16) if v_dim % bv == 0 and verify_smem_bytes(k_dim, bv, plan.max_nodes, pcap) <= max_smem]
+    if not fits:
+        return None
+    for bv in fits:
+        if plan.num_requests * v_heads * (v_dim // bv) >= 2 * num_sms:
+            return bv
+    return fits[-1]
+
+
+def _is_16_aligned(*tensors: Tensor | None) -> bool:
+    return all(t is None or t.data_ptr() % 16 == 0 for t in tensors)
+
+
+def _verify_unsupported(q: Tensor, k: Tensor, v: Tensor, ssm_state: Tensor) -> str | None:
+    """Why the CUDA verify cannot take these inputs (None when it can)."""
+    if not (q.is_cuda and k.is_cuda and v.is_cuda and ssm_state.is_cuda):
+        return NOT_CUDA
+    if not (q.dtype == k.dtype == v.dtype) or v.dtype not in DTYPE_CODE:
+        return f"q/k/v dtypes {q.dtype}/{k.dtype}/{v.dtype}: the kernel takes one of float32, bfloat16, float16"
+    if ssm_state.dtype != torch.float32:
+        return f"ssm_state dtype {ssm_state.dtype}: the kernel reads a float32 state"
+    if q.dim() != 3 or v.dim() != 3 or ssm_state.dim() != 4:
+        return "shapes are not [T, H, K] / [T, HV, V] / [slots, HV, V, K]"
+    h, kd = q.shape[1], q.shape[2]
+    hv, vd = v.shape[1], v.shape[2]
+    if kd % 32 != 0 or vd % 16 != 0:
+        return f"K={kd} must be a multiple of 32 and V={vd} of 16"
+    if hv % h != 0 or hv // h > 32:
+        return f"HV={hv} must be a multiple of H={h} with at most 32 value heads per q/k head"
+    if ssm_state.stride(-1) != 1 or any(s % 4 for s in ssm_state.stride()[:3]) or not _is_16_aligned(ssm_state):
+        return "ssm_state needs a contiguous last dimension, strides that are multiples of 4 and 16-byte alignment"
+    return kernels_unavailable_reason(v.device.index)
+
+
+def _check_out(out: Tensor | None, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device, name: str) -> Tensor:
+    """A fresh output, or the caller's after checking shape, dtype, device, contiguity, alignment."""
+    if out is None:
+        return torch.empty(shape, dtype=dtype, device=device)
+    if tuple(out.shape) != shape or out.dtype != dtype or out.device != device:
+        raise ValueError(f"{name} must be a {dtype} tensor of shape {list(shape)} on {device}, got {out.dtype} {list(out.shape)} on {out.device}")
+    if not out.is_contiguous() or out.data_ptr() % 16 != 0:
+        raise ValueError(f"{name} must be contiguous and 16-byte aligned")
+    return out
+
+
+def _index32(x: Tensor, device: torch.device) -> Tensor:
+    return x.to(device=device, dtype=torch.int32).contiguous()
+
+
+def gdn_tree_verify_planned(
+    plan: TreePlan,
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    g: Tensor,
+    beta: Tensor,
+    ssm_state: Tensor,
+    state_indices: Tensor,
+    scale: float | None = None,
+    use_qk_l2norm: bool = True,
+    return_delta: bool = False,
+    block_v: int | None = None,
+    out: Tensor | None = None,
+    delta_out: Tensor | None = None,
+) -> Tensor | tuple[Tensor, Tensor]:
+    """CUDA tree verify for a prebuilt plan. Shapes and result as ``vllm_tfm.verify.gdn.gdn_tree_verify``.
+
+    q, k: [T, H, K], v: [T, HV, V] (one dtype); g, beta: [T, HV] (cast to float32);
+    ssm_state: [slots, HV, V, K] float32 (read only); state_indices: [R].
+    Returns o [T, HV, V] in v.dtype (and delta [T, HV, V] float32 when return_delta).
+    block_v forces the V columns per CTA (16, 32 or 64); default :func:`choose_block_v`.
+    out / delta_out: optional contiguous preallocated outputs ([T, HV, V], v.dtype / float32),
+    written in full. Inputs must be supported (the public wrapper checks); raises ValueError on
+    a shape mismatch.
+    """
+    t_nodes, h, kd = q.shape
+    hv, vd = v.shape[1], v.shape[2]
+    if t_nodes != plan.num_nodes or v.shape[0] != t_nodes or k.shape != q.shape:
+        raise ValueError(f"q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)} do not match the plan's {plan.num_nodes} nodes")
+    if g.shape != (t_nodes, hv) or beta.shape != (t_nodes, hv):
+        raise ValueError(f"g and beta must have shape [T={t_nodes}, HV={hv}], got {tuple(g.shape)} and {tuple(beta.shape)}")
+    dev = v.device
+    dev_index = dev.index if dev.index is not None else torch.cuda.current_device()
+    q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+    if not _is_16_aligned(q, k, v):
+        q, k, v = q.clone(), k.clone(), v.clone()
+    g32 = g.to(torch.float32).contiguous()
+    b32 = beta.to(torch.float32).contiguous()
+    sidx = _index32(state_indices, dev)
+    scale = kd**-0.5 if scale is None else float(scale)
+
+    opts_common = ["--std=c++17", "-lineinfo", f"-DTFM_IN={DTYPE_CODE[v.dtype]}", f"-DGDN_K={kd}", f"-DGDN_V={vd}"]
+    pcap = _pair_capacity(plan)
+    if block_v is None:
+        props = torch.cuda.get_device_properties(dev_index)
+        block_v = choose_block_v(plan, hv, kd, vd, device_smem_optin(dev_index), props.multi_processor_count)
+        if block_v is None:
+            raise ValueError(
+                f"a tree of {plan.max_nodes} nodes does not fit one CTA's shared memory "
+                f"({verify_smem_bytes(kd, 16, plan.max_nodes, pcap)} bytes at BV=16)"
+            )
+    if vd % block_v != 0:
+        raise ValueError(f"block_v={block_v} must divide V={vd}")
+    opts = opts_common + [f"-DGDN_BV={block_v}"]
+    k_pairs = get_kernel(VERIFY_SOURCE, "gdn_tree_pairs", opts, dev_index)
+    k_main = get_kernel(VERIFY_SOURCE, "gdn_tree_verify_main", opts, dev_index)
+
+    n_pairs = plan.num_pairs
+    scratch = torch.empty(2 * hv * n_pairs + t_nodes * hv + 2 * h * t_nodes, dtype=torch.float32, device=dev)
+    xs, ys, gcum, rk, rq = torch.split(scratch, [hv * n_pairs, hv * n_pairs, t_nodes * hv, h * t_nodes, h * t_nodes])
+    o = _check_out(out, (t_nodes, hv, vd), v.dtype, dev, "out")
+    delta = _check_out(delta_out, (t_nodes, hv, vd), torch.float32, dev, "delta_out") if return_delta else None
+
+    i32, i64, f32 = ctypes.c_int, ctypes.c_longlong, ctypes.c_float
+    launch(
+        k_pairs,
+        ((t_nodes + PAIRS_WARPS - 1) // PAIRS_WARPS, h, 1),
+        (THREADS, 1, 1),
+        [q, k, g32, b32, plan.perm, plan.pair_off, plan.pair_j, plan.depth, xs, ys, gcum, rk, rq,
+         i32(t_nodes), i32(h), i32(hv), i64(n_pairs), f32(scale), i32(int(use_qk_l2norm))],
+    )
+    st = ssm_state.stride()
+    launch(
+        k_main,
+        (vd // block_v, hv, plan.num_requests),
+        (THREADS, 1, 1),
+        [q, k, v, b32, gcum, rk, rq, xs, ys, plan.perm, plan.pair_off, plan.pair_j, plan.depth, plan.cu,
+         ssm_state, sidx, i64(st[0]), i64(st[1]), i64(st[2]), o, delta,
+         i32(t_nodes), i32(h), i32(hv), i64(n_pairs), i32(plan.max_nodes), i32(pcap)],
+        shared_mem=verify_smem_bytes(kd, block_v, plan.max_nodes, pcap),
+    )
+    return (o, delta) if return_delta else o
+
+
+def gdn_tree_verify(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    g: Tensor,
+    beta: Tensor,
+    parents: Tensor,
+    cu_nodes: Tensor,
+    ssm_state: Tensor,
+    state_indices: Tensor,
+    scale: float | None = None,
+    use_qk_l2norm: bool = True,
+    return_delta: bool = False,
+) -> Tensor | tuple[Tensor, Tensor]:
+    """GDN outputs of every tree node from the committed states (no state written).
+
+    Same signature, shapes and result as ``vllm_tfm.verify.gdn.gdn_tree_verify``: q, k [T, H, K];
+    v [T, HV, V]; g, beta [T, HV]; parents [T] local; cu_nodes [R+1]; ssm_state [slots, HV, V, K];
+    state_indices [R]. Returns o [T, HV, V] in v.dtype (and delta [T, HV, V] float32).
+    CUDA kernels when supported, else the torch reference.
+    """
+    reason = _verify_unsupported(q, k, v, ssm_state)
+    if reason is None:
+        _validate_verify(q, k, v, g, beta, parents, cu_nodes, ssm_state, state_indices)
+        plan = TreePlan.build(parents, cu_nodes, device=v.device)
+        dev_index = v.device.index if v.device.index is not None else torch.cuda.current_device()
+        block_v = choose_block_v(plan, v.shape[1], q.shape[2], v.shape[2], device_smem_optin(dev_index),
+                                 torch.cuda.get_device_properties(dev_index).multi_processor_count)
+        if block_v is not None:
+            return gdn_tree_verify_planned(
+                plan, q, k, v, g, beta, ssm_state, state_indices, scale, use_qk_l2norm, return_delta, block_v
+            )
+        reason = f"a tree of {plan.max_nodes} nodes (depth {plan.max_depth}) does not fit one CTA's shared memory"
+    from vllm_tfm.verify import gdn as reference
+
+    if reason != NOT_CUDA:
+        warn_fallback("gdn_tree_verify", reason)
+    return reference.gdn_tree_verify(
+        q, k, v, g, beta, parents, cu_nodes, ssm_state, state_indices, scale, use_qk_l2norm, return_delta
+    )
+
+
+def _validate_verify(q, k, v, g, beta, parents, cu_nodes, ssm_state, state_indices) -> None:
+    """The reference's argument checks (same messages), without its math."""
+    from vllm_tfm.verify.ragged_trees import check_slot_indices, request_bounds
+
+    t_nodes, hv, vd = v.shape
+    if k.dim() != 3 or k.shape[0] != t_nodes or q.shape != k.shape:
+        raise ValueError(f"q {tuple(q.shape)} and k {tuple(k.shape)} must have the same shape [T={t_nodes}, H, K]")
+    kd = k.shape[2]
+    if g.shape != (t_nodes, hv) or beta.shape != (t_nodes, hv):
+        raise ValueError(f"g and beta must have shape [T={t_nodes}, HV={hv}], got {tuple(g.shape)} and {tuple(beta.shape)}")
+    if ssm_state.shape[1:] != (hv, vd, kd):
+        raise ValueError(f"ssm_state must have shape [num_slots, HV={hv}, V={vd}, K={kd}], got {tuple(ssm_state.shape)}")
+    bounds = request_bounds(parents, cu_nodes, t_nodes)
+    check_slot_indices(state_indices, len(bounds), ssm_state.shape[0], "state_indices")
+
+
+# ---------------------------------------------------------------------------------------------
+# commit
+
+
+def _commit_unsupported(k: Tensor, delta: Tensor, ssm_state: Tensor) -> str | None:
+    if not (k.is_cuda and delta.is_cuda and ssm_state.is_cuda):
+        return NOT_CUDA
+    if k.dtype not in DTYPE_CODE or delta.dtype != torch.float32 or ssm_state.dtype != torch.float32:
+        return f"dtypes k {k.dtype}, delta {delta.dtype}, state {ssm_state.dtype}: the kernel takes float32 delta and state"
+    if k.dim() != 3 or delta.dim() != 3 or ssm_state.dim() != 4:
+        return "shapes are not [T, H, K] / [T, HV, V] / [slots, HV, V, K]"
+    h, kd = k.shape[1], k.shape[2]
+    hv, vd = delta.shape[1], delta.shape[2]
+    if kd % 32 != 0 or vd % COMMIT_BV != 0 or hv % h != 0:
+        return f"K={kd} must be a multiple of 32, V={vd} of {COMMIT_BV}, HV={hv} of H={h}"
+    if ssm_state.stride(-1) != 1 or any(s % 4 for s in ssm_state.stride()[:3]) or not _is_16_aligned(ssm_state):
+        return "ssm_state needs a contiguous last dimension, strides that are multiples of 4 and 16-byte alignment"
+    return kernels_unavailable_reason(delta.device.index)
+
+
+def gdn_tree_commit_planned(
+    plan: TreePlan,
+    k: Tensor,
+    g: Tensor,
+    delta: Tensor,
+    idx: CommitIndices,
+    ssm_state: Tensor,
+    use_qk_l2norm: bool = True,
+) -> None:
+    """CUDA commit for a prebuilt plan and commit indices (no host synchronisation; graph-capturable).
+
+    k [T, H, K] (float32/bfloat16/float16); g [T, HV]; delta [T, HV, V] float32;
+    ssm_state [slots, HV, V, K] float32, written in place at ``idx.dst``.
+    """
+    dev = delta.device
+    dev_index = dev.index if dev.index is not None else torch.cuda.current_device()
+    _, h, kd = k.shape
+    hv, vd = delta.shape[1], delta.shape[2]
+    k = k.contiguous()
+    delta = delta.contiguous()
+    g32 = g.to(torch.float32).contiguous()
+    src_state = ssm_state if idx.snapshot is None else ssm_state[idx.snapshot].contiguous()
+    m_cap = plan.max_depth + 1
+    opts = ["--std=c++17", "-lineinfo", f"-DTFM_IN={DTYPE_CODE[k.dtype]}", f"-DGDN_K={kd}", f"-DGDN_V={vd}"]
+    kern = get_kernel(COMMIT_SOURCE, "gdn_tree_commit", opts, dev_index)
+    ss, ds = src_state.stride(), ssm_state.stride()
+    i32, i64 = ctypes.c_int, ctypes.c_longlong
+    launch(
+        kern,
+        (vd // COMMIT_BV, hv, plan.num_requests),
+        (COMMIT_THREADS, 1, 1),
+        [k, g32, delta, plan.cu, plan.pos, plan.depth, plan.pair_off, plan.pair_j, idx.accepted,
+         src_state, idx.src, i64(ss[0]), i64(ss[1]), i64(ss[2]),
+         ssm_state, idx.dst, i64(ds[0]), i64(ds[1]), i64(ds[2]),
+         i32(h), i32(hv), i32(m_cap), i32(int(use_qk_l2norm))],
+        shared_mem=commit_smem_bytes(kd, m_cap),
+    )
+
+
+def gdn_tree_commit(
+    k: Tensor,
+    g: Tensor,
+    delta: Tensor,
+    parents: Tensor,
+    cu_nodes: Tensor,
+    accepted: Tensor,
+    ssm_state: Tensor,
+    src_indices: Tensor,
+    dst_indices: Tensor,
+    use_qk_l2norm: bool = True,
+) -> None:
+    """Advance each request's GDN state along its accepted path, in place.
+
+    Same signature and semantics as ``vllm_tfm.verify.gdn.gdn_tree_commit``: k [T, H, K];
+    g [T, HV]; delta [T, HV, V]; parents [T] local; cu_nodes [R+1]; accepted [R] local node;
+    ssm_state [slots, HV, V, K]; src_indices, dst_indices [R] (dst distinct).
+    CUDA kernel when supported, else the torch reference.
+    """
+    reason = _commit_unsupported(k, delta, ssm_state)
+    if reason is None:
+        from vllm_tfm.verify.ragged_trees import check_per_request, check_slot_indices, request_bounds
+
+        t_nodes, hv, vd = delta.shape
+        if k.dim() != 3 or k.shape[0] != t_nodes:
+            raise ValueError(f"k must have shape [T={t_nodes}, H, K], got {tuple(k.shape)}")
+        if g.shape != (t_nodes, hv):
+            raise ValueError(f"g must have shape [T={t_nodes}, HV={hv}], got {tuple(g.shape)}")
+        if ssm_state.shape[1:] != (hv, vd, k.shape[2]):
+            raise ValueError(
+                f"ssm_state must have shape [num_slots, HV={hv}, V={vd}, K={k.shape[2]}], got {tuple(ssm_state.shape)}"
+            )
+        bounds = request_bounds(parents, cu_nodes, t_nodes)
+        nreq = len(bounds)
+        src = check_slot_indices(src_indices, nreq, ssm_state.shape[0], "src_indices")
+        dst = check_slot_indices(dst_indices, nreq, ssm_state.shape[0], "dst_indices", distinct=True)
+        acc = check_per_request(accepted, nreq, "accepted")
+        for r, ((s, e), a) in enumerate(zip(bounds, acc)):
+            if not 0 <= a < e - s:
+                raise ValueError(f"accepted[{r}] = {a} is not a node of request {r} (it has {e - s} nodes)")
+        plan = TreePlan.build(parents, cu_nodes, device=delta.device)
+        idx = CommitIndices.build(acc, src, dst, delta.device)
+        gdn_tree_commit_planned(plan, k, g, delta, idx, ssm_state, use_qk_l2norm)
+        return
+    from vllm_tfm.verify import gdn as reference
+
+    if reason != NOT_CUDA:
+        warn_fallback("gdn_tree_commit", reason)
+    reference.gdn_tree_commit(
+        k, g, delta, parents, cu_nodes, accepted, ssm_state, src_indices, dst_indices, use_qk_l2norm
+    )

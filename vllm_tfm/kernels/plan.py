@@ -1,0 +1,185 @@
+"""Tree plan: the index tables the CUDA kernels read, built once per decode step on the host.
+
+A plan depends only on the tree shapes (``parents``, ``cu_nodes``), so one plan serves the GDN
+verify and commit and the conv of every layer of a step. Layout (all int32 on the target device;
+T nodes, R requests, P = sum over nodes of depth + 1):
+
+* ``cu`` [R+1]: node offsets of the requests (``cu_nodes``).
+* ``perm`` [T]: level order, the flat node index at each position; positions of request r are
+  ``cu[r] .. cu[r+1]-1``, sorted by (depth, node index).
+* ``pos`` [T]: inverse of ``perm``.
+* ``depth`` [T]: depth of each node (root 0).
+* ``pair_off`` [T+1]: by level position p, the first entry of that node's path in ``pair_j``.
+* ``pair_j`` [P]: for each node (in level order) its root..node path as flat node indices,
+  root first, the node itself last: entry ``pair_off[pos[i]] + e`` is i's ancestor at depth e.
+* ``req_of`` [T]: request of each node.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+__all__ = ["TreePlan", "CommitIndices"]
+
+
+def _depths(gpar: Tensor) -> Tensor:
+    """Depth of every node from flat parents (-1 at roots) by pointer jumping (log2 depth rounds)."""
+    depth = (gpar >= 0).to(torch.long)
+    jump = gpar.clone()
+    while True:
+        live = jump >= 0
+        if not bool(live.any()):
+            return depth
+        tgt = jump[live]
+        add, nxt = depth[tgt], jump[tgt]  # read before writing: simultaneous update
+        depth[live] += add
+        jump[live] = nxt
+
+
+@dataclass(frozen=True)
+class TreePlan:
+    """Index tables of a ragged tree batch for the CUDA kernels (see the module docstring)."""
+
+    num_requests: int
+    num_nodes: int
+    max_nodes: int
+    max_depth: int
+    num_pairs: int
+    max_pairs_per_request: int
+    cu: Tensor
+    perm: Tensor
+    pos: Tensor
+    depth: Tensor
+    pair_off: Tensor
+    pair_j: Tensor
+    req_of: Tensor
+
+    @property
+    def device(self) -> torch.device:
+        return self.cu.device
+
+    @staticmethod
+    def build(parents: Tensor, cu_nodes: Tensor, device: torch.device | str | None = None) -> "TreePlan":
+        """Validate a ragged batch (parents [T] local, -1 at roots; cu_nodes [R+1]) and build its plan.
+
+        Runs on the CPU (one device-to-host copy of parents and cu_nodes when they live on a GPU)
+        and copies the tables to ``device`` (default: parents' device) in one transfer.
+        Raises ValueError naming the first malformed entry.
+        """
+        target = torch.device(device) if device is not None else parents.device
+        if parents.dim() != 1 or cu_nodes.dim() != 1 or cu_nodes.numel() < 2:
+            raise ValueError(
+                f"parents must be [T] and cu_nodes [R+1] with R >= 1, got {tuple(parents.shape)} and {tuple(cu_nodes.shape)}"
+            )
+        if parents.dtype.is_floating_point or cu_nodes.dtype.is_floating_point:
+            raise ValueError("parents and cu_nodes must be integer tensors")
+        par = parents.detach().to("cpu", torch.long)
+        cu = cu_nodes.detach().to("cpu", torch.long)
+        t_nodes = par.numel()
+        r_req = cu.numel() - 1
+        counts = cu.diff()
+        if int(cu[0]) != 0 or int(cu[-1]) != t_nodes:
+            raise ValueError(f"cu_nodes must start at 0 and end at the number of nodes {t_nodes}, got {int(cu[0])}..{int(cu[-1])}")
+        if bool((counts <= 0).any()):
+            r = int(torch.nonzero(counts <= 0)[0])
+            raise ValueError(f"request {r} has {int(counts[r])} nodes in cu_nodes; every tree needs at least its root")
+        if t_nodes >= 2**31:
+            raise ValueError(f"{t_nodes} nodes do not fit the kernels' int32 indices")
+        req_of = torch.repeat_interleave(torch.arange(r_req), counts)
+        bos = cu[:-1][req_of]
+        local = torch.arange(t_nodes) - bos
+        is_root = local == 0
+        bad = (is_root & (par != -1)) | (~is_root & ((par < 0) | (par >= local)))
+        if bool(bad.any()):
+            i = int(torch.nonzero(bad)[0])
+            raise ValueError(
+                f"parents[{i}] = {int(par[i])} is invalid for local node {int(local[i])} of request {int(req_of[i])}: "
+                "the root needs -1 and every other node 0 <= parent < its local index"
+            )
+        gpar = torch.where(is_root, torch.full_like(par, -1), par + bos)
+        depth = _depths(gpar)
+        max_depth = int(depth.max())
+
+        # level order: stable sort by (request, depth); node index breaks ties
+        perm = torch.sort(req_of * (max_depth + 1) + depth, stable=True).indices
+        pos = torch.empty_like(perm)
+        pos[perm] = torch.arange(t_nodes)
+
+        # ancestor table by depth: anc[i, e] = ancestor of i at depth e (e <= depth[i])
+        anc = torch.full((t_nodes, max_depth + 1), -1, dtype=torch.long)
+        rows = torch.arange(t_nodes)
+        cur = rows.clone()
+        for step in range(max_depth + 1):
+            col = depth - step
+            ok = col >= 0
+            anc[rows[ok], col[ok]] = cur[ok]
+            cur = torch.where(cur >= 0, gpar[cur.clamp(min=0)], cur)
+        lengths = depth[perm] + 1
+        keep = torch.arange(max_depth + 1)[None, :] < lengths[:, None]
+        pair_j = anc[perm][keep]
+        pair_off = torch.zeros(t_nodes + 1, dtype=torch.long)
+        pair_off[1:] = lengths.cumsum(0)
+        num_pairs = int(pair_off[-1])
+        if num_pairs >= 2**31:
+            raise ValueError(f"the batch has {num_pairs} (node, ancestor) pairs; the kernels index them with int32")
+        per_request = pair_off[cu[1:]] - pair_off[cu[:-1]]
+
+        packed = torch.cat([cu, perm, pos, depth, pair_off, pair_j, req_of]).to(torch.int32).to(target)
+        sizes = [r_req + 1, t_nodes, t_nodes, t_nodes, t_nodes + 1, num_pairs, t_nodes]
+        cu_d, perm_d, pos_d, depth_d, off_d, pj_d, req_d = torch.split(packed, sizes)
+        return TreePlan(
+            num_requests=r_req,
+            num_nodes=t_nodes,
+            max_nodes=int(counts.max()),
+            max_depth=max_depth,
+            num_pairs=num_pairs,
+            max_pairs_per_request=int(per_request.max()),
+            cu=cu_d,
+            perm=perm_d,
+            pos=pos_d,
+            depth=depth_d,
+            pair_off=off_d,
+            pair_j=pj_d,
+            req_of=req_d,
+        )
+
+
+@dataclass(frozen=True)
+class CommitIndices:
+    """Per-request indices of one commit, on the device (int32 [R] each), built once per step.
+
+    ``accepted``: local index of the deepest accepted node; ``src`` / ``dst``: state slots;
+    ``src_start`` / ``dst_start``: conv-state column offsets (zeros for the GDN commit).
+    ``snapshot``: when some slot is one request's destination and another request's source, the
+    source slots (int64) to copy before writing; ``src`` then indexes that copy (0..R-1), so every
+    source is read before any slot is written, as the reference promises.
+    """
+
+    accepted: Tensor
+    src: Tensor
+    dst: Tensor
+    src_start: Tensor
+    dst_start: Tensor
+    snapshot: Tensor | None
+
+    @staticmethod
+    def build(
+        accepted: list[int],
+        src: list[int],
+        dst: list[int],
+        device: torch.device | str,
+        src_start: list[int] | None = None,
+        dst_start: list[int] | None = None,
+    ) -> "CommitIndices":
+        """From validated host lists (one entry per request); one host-to-device copy."""
+        r = len(accepted)
+        dst_set = set(dst)
+        alias = any(s in dst_set and s != d for s, d in zip(src, dst))
+        src_used = list(range(r)) if alias else list(src)
+        rows = [accepted, src_used, dst, src_start or [0] * r, dst_start or [0] * r]
+        packed = torch.tensor(rows, dtype=torch.int32).to(device)
+        snapshot = torch.tensor(src, dtype=torch.long).to(device) if alias else None
+        return CommitIndices(packed[0], packed[1], packed[2], packed[3], packed[4], snapshot)
