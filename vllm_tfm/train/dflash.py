@@ -41,11 +41,17 @@ from vllm_tfm.models import DFlashConfig, DFlashDrafter
 from vllm_tfm.models.common import apply_rope
 
 from .card import file_sizes, write_card
-from .checkpoint import Checkpointer
 from .data import DataConfig, eval_windows, sample_windows
+from .loop import Schedule, StepOutput
 from .losses import cross_entropy_rows, depth_weights, forward_kl, weighted_mean
-from .loop import Schedule, StepOutput, run_loop
-from .stage import RunOptions, count_parameters, export_copy, loop_record, prepare_data
+from .stage import (
+    RunOptions,
+    count_parameters,
+    export_copy,
+    loop_record,
+    prepare_data,
+    run_stage_loop,
+)
 from .target import SAVE_DTYPES, load_target, run_target
 from .tokenizer import load_tokenizer, special_token_ids
 
@@ -307,7 +313,7 @@ def train_dflash(config: DFlashTrainConfig, opts: RunOptions, target_dir: str | 
     print(f"[dflash] {n_params:,} parameters, taps {list(dcfg.target_layer_ids)}, block {dcfg.block_size}", flush=True)
     embed = target.model.embed_tokens.weight
     lm_head = target.lm_head.weight
-    L, B, N, g = config.seq_len, config.batch_size, config.anchors_per_seq, dcfg.block_size
+    L, g = config.seq_len, dcfg.block_size
     held = eval_windows(streams.eval, config.eval_windows, L)
     taps_ids = list(dcfg.target_layer_ids)
 
@@ -316,38 +322,8 @@ def train_dflash(config: DFlashTrainConfig, opts: RunOptions, target_dir: str | 
             t = run_target(target, w, taps_ids)
         return dflash_losses(drafter, config, w, t.taps, t.logits, anchors, embed, lm_head)
 
-    def step_fn(step: int) -> StepOutput:
-        w = sample_windows(streams.train, B, L, config.seed, step, STREAM_DFLASH).to(device)
-        anchors = sample_anchors(B, L, N, g, config.seed, step, STREAM_DFLASH).to(device)
-        loss, metrics = batch_loss(w, anchors)
-        return StepOutput(loss=loss, tokens=B * N * (g - 1), metrics=metrics)
-
-    def eval_fn() -> dict[str, float]:
-        sums: dict[str, float] = {}
-        count = 0
-        for i in range(0, held.shape[0], config.eval_batch_size):
-            w = held[i : i + config.eval_batch_size].to(device)
-            anchors = sample_anchors(w.shape[0], L, N, g, config.seed, i, EVAL_STREAM).to(device)
-            loss, metrics = batch_loss(w, anchors)
-            for k, v in {"loss": loss, **metrics}.items():
-                sums[k] = sums.get(k, 0.0) + float(v) * w.shape[0]
-            count += w.shape[0]
-        return {k: v / count for k, v in sums.items()}
-
-    ckpt = Checkpointer(opts.work_dir, "dflash", config.model_dump(mode="json"))
-    result = run_loop(
-        stage="dflash",
-        module=drafter,
-        step_fn=step_fn,
-        eval_fn=eval_fn,
-        schedule=config.schedule,
-        device=device,
-        checkpointer=ckpt,
-        resume=opts.resume,
-        deadline=opts.deadline,
-        stop_after=opts.stop_after,
-        progress=opts.progress,
-    )
+    step_fn, eval_fn = anchored_loop_fns(streams, held, config, g, STREAM_DFLASH, device, batch_loss)
+    result = run_stage_loop("dflash", drafter, config, opts, step_fn, eval_fn, device)
     out = Path(opts.out)
     export_copy(drafter, SAVE_DTYPES[config.save_dtype]).save_pretrained(out)
     record = loop_record(
@@ -366,3 +342,34 @@ def train_dflash(config: DFlashTrainConfig, opts: RunOptions, target_dir: str | 
     )
     write_card(out, record)
     return record
+
+
+def anchored_loop_fns(streams: Any, held: Tensor, config: Any, block_size: int, stream: int, device: torch.device,
+                      batch_loss: Any) -> tuple[Any, Any]:
+    """step_fn / eval_fn of the anchored-block stages (DFlash, Weaver, TreeFlash).
+
+    A step draws ``config.batch_size`` windows of ``config.seq_len`` tokens and
+    ``config.anchors_per_seq`` anchors each (deterministic in seed, step and ``stream``) and
+    returns ``batch_loss(windows, anchors)``; evaluation averages it over the held-out windows.
+    """
+    L, B, N, g = config.seq_len, config.batch_size, config.anchors_per_seq, block_size
+
+    def step_fn(step: int) -> StepOutput:
+        w = sample_windows(streams.train, B, L, config.seed, step, stream).to(device)
+        anchors = sample_anchors(B, L, N, g, config.seed, step, stream).to(device)
+        loss, metrics = batch_loss(w, anchors)
+        return StepOutput(loss=loss, tokens=B * N * (g - 1), metrics=metrics)
+
+    def eval_fn() -> dict[str, float]:
+        sums: dict[str, float] = {}
+        count = 0
+        for i in range(0, held.shape[0], config.eval_batch_size):
+            w = held[i : i + config.eval_batch_size].to(device)
+            anchors = sample_anchors(w.shape[0], L, N, g, config.seed, i, EVAL_STREAM).to(device)
+            loss, metrics = batch_loss(w, anchors)
+            for k, v in {"loss": loss, **metrics}.items():
+                sums[k] = sums.get(k, 0.0) + float(v) * w.shape[0]
+            count += w.shape[0]
+        return {k: v / count for k, v in sums.items()}
+
+    return step_fn, eval_fn

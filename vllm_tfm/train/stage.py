@@ -15,8 +15,15 @@ from pydantic import BaseModel, ValidationError
 from torch import nn
 
 from .card import environment
-from .data import DataConfig, DataManifest, TokenStreams, build_manifest, build_token_streams
-from .loop import LoopResult
+from .checkpoint import Checkpointer
+from .data import (
+    DataConfig,
+    DataManifest,
+    TokenStreams,
+    build_manifest,
+    build_token_streams,
+)
+from .loop import LoopResult, run_loop
 
 __all__ = [
     "CONFIG_DIR",
@@ -153,3 +160,22 @@ def loop_record(
         "loss_curve": _curve(result.train_history),
         "config": config.model_dump(mode="json"),
     }
+
+
+def run_stage_loop(stage: str, module: nn.Module, config: Any, opts: RunOptions, step_fn: Any, eval_fn: Any,
+                   device: torch.device) -> LoopResult:
+    """The training loop of one stage with its checkpointer (keyed by the stage's config)."""
+    ckpt = Checkpointer(opts.work_dir, stage, config.model_dump(mode="json"))
+    return run_loop(
+        stage=stage,
+        module=module,
+        step_fn=step_fn,
+        eval_fn=eval_fn,
+        schedule=config.schedule,
+        device=device,
+        checkpointer=ckpt,
+        resume=opts.resume,
+        deadline=opts.deadline,
+        stop_after=opts.stop_after,
+        progress=opts.progress,
+    )

@@ -29,10 +29,16 @@ from pydantic import BaseModel, ConfigDict, Field
 from torch import Tensor, nn
 
 from .card import file_sizes, write_card
-from .checkpoint import Checkpointer
 from .data import DataConfig, eval_windows, sample_windows
-from .loop import Schedule, StepOutput, run_loop
-from .stage import RunOptions, count_parameters, export_copy, loop_record, prepare_data
+from .loop import Schedule, StepOutput
+from .stage import (
+    RunOptions,
+    count_parameters,
+    export_copy,
+    loop_record,
+    prepare_data,
+    run_stage_loop,
+)
 from .tokenizer import copy_tokenizer_files, load_tokenizer, special_token_ids
 
 __all__ = [
@@ -183,20 +189,7 @@ def train_target(config: TargetTrainConfig, opts: RunOptions, tokenizer_dir: str
             total += float(lm_loss(w)) * w.shape[0]
         return {"loss": total / held.shape[0]}
 
-    ckpt = Checkpointer(opts.work_dir, "target", config.model_dump(mode="json"))
-    result = run_loop(
-        stage="target",
-        module=model,
-        step_fn=step_fn,
-        eval_fn=eval_fn,
-        schedule=config.schedule,
-        device=device,
-        checkpointer=ckpt,
-        resume=opts.resume,
-        deadline=opts.deadline,
-        stop_after=opts.stop_after,
-        progress=opts.progress,
-    )
+    result = run_stage_loop("target", model, config, opts, step_fn, eval_fn, device)
     out = Path(opts.out)
     from transformers.utils import logging as hf_logging
 

@@ -16,10 +16,9 @@ from __future__ import annotations
 
 import json
 import shutil
+import time
 from collections.abc import Iterable
 from pathlib import Path
-
-import time
 from typing import TYPE_CHECKING, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field

@@ -36,20 +36,25 @@ from vllm_tfm.models import DFlashDrafter, TfmConfig, Weaver, WeaverConfig
 from vllm_tfm.models.common import compute_dtype
 
 from .card import file_sizes, write_card
-from .checkpoint import Checkpointer
-from .data import DataConfig, eval_windows, sample_windows
+from .data import DataConfig, eval_windows
 from .dflash import (
-    EVAL_STREAM,
+    anchored_loop_fns,
     block_inputs,
     depth_positions,
     dflash_block_prenorm,
     gather_rows,
     lm_head_logits,
-    sample_anchors,
 )
+from .loop import Schedule
 from .losses import depth_weights, pool_forward_kl, weighted_mean
-from .loop import Schedule, StepOutput, run_loop
-from .stage import RunOptions, count_parameters, export_copy, loop_record, prepare_data
+from .stage import (
+    RunOptions,
+    count_parameters,
+    export_copy,
+    loop_record,
+    prepare_data,
+    run_stage_loop,
+)
 from .target import SAVE_DTYPES, load_target, run_target
 
 __all__ = [
@@ -241,7 +246,7 @@ def train_weaver(
     print(f"[weaver] {n_params:,} parameters, pool top-{config.top_k}, depths {dcfg.max_depth}", flush=True)
     embed = target.model.embed_tokens.weight
     lm_head = target.lm_head.weight
-    L, B, N, g = config.seq_len, config.batch_size, config.anchors_per_seq, dcfg.block_size
+    L, g = config.seq_len, dcfg.block_size
     held = eval_windows(streams.eval, config.eval_windows, L)
     taps_ids = list(dcfg.target_layer_ids)
     wdtype = next(weaver.parameters()).dtype
@@ -255,38 +260,8 @@ def train_weaver(
             )  # fmt: skip
         return weaver_losses(weaver, wb, embed, lm_head, config.depth_decay)
 
-    def step_fn(step: int) -> StepOutput:
-        w = sample_windows(streams.train, B, L, config.seed, step, STREAM_WEAVER).to(device)
-        anchors = sample_anchors(B, L, N, g, config.seed, step, STREAM_WEAVER).to(device)
-        loss, metrics = batch_loss(w, anchors)
-        return StepOutput(loss=loss, tokens=B * N * (g - 1), metrics=metrics)
-
-    def eval_fn() -> dict[str, float]:
-        sums: dict[str, float] = {}
-        count = 0
-        for i in range(0, held.shape[0], config.eval_batch_size):
-            w = held[i : i + config.eval_batch_size].to(device)
-            anchors = sample_anchors(w.shape[0], L, N, g, config.seed, i, EVAL_STREAM).to(device)
-            loss, metrics = batch_loss(w, anchors)
-            for k, v in {"loss": loss, **metrics}.items():
-                sums[k] = sums.get(k, 0.0) + float(v) * w.shape[0]
-            count += w.shape[0]
-        return {k: v / count for k, v in sums.items()}
-
-    ckpt = Checkpointer(opts.work_dir, "weaver", config.model_dump(mode="json"))
-    result = run_loop(
-        stage="weaver",
-        module=weaver,
-        step_fn=step_fn,
-        eval_fn=eval_fn,
-        schedule=config.schedule,
-        device=device,
-        checkpointer=ckpt,
-        resume=opts.resume,
-        deadline=opts.deadline,
-        stop_after=opts.stop_after,
-        progress=opts.progress,
-    )
+    step_fn, eval_fn = anchored_loop_fns(streams, held, config, g, STREAM_WEAVER, device, batch_loss)
+    result = run_stage_loop("weaver", weaver, config, opts, step_fn, eval_fn, device)
     out = Path(opts.out)
     ensure_drafter_files(drafter_dir, out)
     export_copy(weaver, SAVE_DTYPES[config.save_dtype]).save_pretrained(out)
