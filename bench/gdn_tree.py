@@ -9,7 +9,10 @@ Usage, from the repository root on the GPU host:
 Shape: H = 16 q/k heads, HV = 48 value heads, K = V = 128, q/k/v bf16, fp32 state. Trees are
 DDTree-like (best-first over random per-depth marginals, depth <= 16, deterministic seeds).
 For each n in {16, 32, 64, 128, 256} and batch in {1, 8, 32} it times:
-  * ours: vllm_tfm.kernels gdn_tree_verify_planned at BV = 16, 32, 64 and the automatic choice;
+  * ours: vllm_tfm.kernels gdn_tree_verify_planned (kernel version 2, the default) at BV = 16, 32,
+    64 and the automatic choice, and version 1 at the automatic choice (side by side, same run);
+  * per-kernel breakdown (n in {16, 64, 128}, batch in {1, 8}): the pairs kernel alone, the main
+    kernel alone and the whole call, versions 1 and 2, at the automatic BV;
   * per-branch: every root-to-leaf path through vLLM's fused recurrent GDN kernel
     (fused_sigmoid_gating_delta_rule_update, varlen over all paths in one launch; the gathers
     that build the paths are not timed), when vLLM is importable;
@@ -55,6 +58,7 @@ CONV_DIM, CONV_W = 2 * H * KD + HV * VD, 4
 STATE_BYTES = HV * VD * KD * 4
 NODE_BYTES = 2 * H * KD * 2 + HV * VD * 2 + HV * 4 * 2 + HV * VD * 2  # q, k, v, g, beta, o
 L2_DEFEAT_BYTES = 240e6  # rotate input sets until the state pool is 4x the 60 MB L2
+BREAKDOWN_N, BREAKDOWN_BATCH = (16, 64, 128), (1, 8)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -231,9 +235,10 @@ def bench_verify(n: int, batch: int, bw: float, reps: int, vllm_fn, allow_slow: 
     torch.cuda.synchronize()
     row["plan_build_ms"] = (time.perf_counter() - t0) * 1e3
 
-    def ours(s: int, bv: int | None):
+    def ours(s: int, bv: int | None, variant: int = kgdn.DEFAULT_VERIFY_VARIANT):
         x = inputs[s]
-        return lambda: kgdn.gdn_tree_verify_planned(plan, x["q"], x["k"], x["v"], x["g"], x["beta"], pool, slots[s], block_v=bv)
+        return lambda: kgdn.gdn_tree_verify_planned(plan, x["q"], x["k"], x["v"], x["g"], x["beta"], pool, slots[s], block_v=bv,
+                                                    variant=variant)
 
     props = torch.cuda.get_device_properties(0)
     auto_bv = kgdn.choose_block_v(plan, HV, KD, VD, loader.device_smem_optin(0), props.multi_processor_count)
@@ -252,6 +257,26 @@ def bench_verify(n: int, batch: int, bw: float, reps: int, vllm_fn, allow_slow: 
     row["ours_best_us"] = min(valid.values()) if valid else None
     row["ours_best_bv"] = min(valid, key=valid.get) if valid else None
     row["ours_auto_us"] = ours_us.get(f"bv{auto_bv}")
+    try:
+        row["v1_auto_us"], _ = time_calls([ours(s, auto_bv, 1) for s in range(sets)], reps)
+    except Exception as exc:  # noqa: BLE001
+        row["v1_error"] = f"{type(exc).__name__}: {exc}"[:200]
+    if n in BREAKDOWN_N and batch in BREAKDOWN_BATCH:
+        row["breakdown"] = {}
+        for variant in kgdn.VERIFY_VARIANTS:
+            per_set = []
+            for s in range(sets):
+                x = inputs[s]
+                launches, _, _ = kgdn.verify_launches(plan, x["q"], x["k"], x["v"], x["g"], x["beta"], pool, slots[s],
+                                                      block_v=auto_bv, variant=variant)
+                for _, fn in launches:  # the main kernel alone reads what the pairs kernel wrote
+                    fn()
+                per_set.append(launches)
+            parts = {}
+            for idx, name in enumerate(("pairs", "main")):
+                parts[f"{name}_us"], _ = time_calls([ls[idx][1] for ls in per_set], reps)
+            parts["call_us"], _ = time_calls([ours(s, auto_bv, variant) for s in range(sets)], reps)
+            row["breakdown"][f"v{variant}"] = parts
     row["ours_eager_us"], _ = time_calls([ours(s, None) for s in range(min(sets, 8))], max(3, reps // 4), graph=False)
 
     # correctness of this configuration against the torch reference (same bf16 inputs, fp32 math)
@@ -424,10 +449,10 @@ def sanitize_case() -> None:
         o_ref, d_ref = ref_gdn.gdn_tree_verify(**c64, return_delta=True)
         cg = {k: v.to(DEV) for k, v in c.items()}
         plan = TreePlan.build(cg["parents"], cg["cu_nodes"])
-        for bv in (16, 32, 64):
+        for variant, bv in ((2, 16), (2, 32), (2, 64), (1, 32)):
             o, d = kgdn.gdn_tree_verify_planned(plan, cg["q"], cg["k"], cg["v"], cg["g"], cg["beta"], cg["ssm_state"],
-                                                cg["state_indices"], return_delta=True, block_v=bv)
-            assert rel_err(o.cpu(), o_ref) <= tol and rel_err(d.cpu(), d_ref) <= 1e-5, (dtype, bv)
+                                                cg["state_indices"], return_delta=True, block_v=bv, variant=variant)
+            assert rel_err(o.cpu(), o_ref) <= tol and rel_err(d.cpu(), d_ref) <= 1e-5, (dtype, bv, variant)
         acc, src, dst = [37, 4, 0], [2, 2, 0], [0, 1, 3]
         st = cg["ssm_state"].clone()
         kgdn.gdn_tree_commit(cg["k"], cg["g"], d, cg["parents"], cg["cu_nodes"], torch.tensor(acc).to(DEV), st,
@@ -454,6 +479,10 @@ def sanitize_case() -> None:
     print("sanitize case: all kernels match the reference")
 
 
+def ratio(a, b):
+    return a / b if a is not None and b else None
+
+
 def fmt(x, spec=".1f") -> str:
     return "-" if x is None else format(x, spec)
 
@@ -463,15 +492,29 @@ def table(results: dict) -> str:
     modes = sorted({r.get("ours_mode", "?").split(" ")[0] for r in results["verify"]})
     lines = [f"GDN tree verify, H={H} HV={HV} K=V={KD}, bf16 q/k/v, fp32 state; copy bandwidth {bw / 1e12:.2f} TB/s; "
              f"times in us (median; ours timed as {'/'.join(modes)}; eager = with Python launch overhead)",
-             f"{'n':>4} {'batch':>5} {'floor':>8} {'ours':>8} {'BV':>5} {'x floor':>8} {'auto':>8} {'eager':>8} "
-             f"{'per-branch':>11} {'speedup':>8} {'reference':>10} {'err':>8}"]
+             f"{'n':>4} {'batch':>5} {'floor':>8} {'ours':>8} {'BV':>5} {'x floor':>8} {'auto':>8} {'v1 auto':>8} "
+             f"{'v1/v2':>6} {'eager':>8} {'per-branch':>11} {'speedup':>8} {'reference':>10} {'err':>8}"]
     for r in results["verify"]:
         xf = r["ours_best_us"] / r["floor_us"] if r.get("ours_best_us") else None
         lines.append(f"{r['n']:>4} {r['batch']:>5} {fmt(r['floor_us']):>8} {fmt(r.get('ours_best_us')):>8} "
                      f"{str(r.get('ours_best_bv', '-')):>5} {fmt(xf):>8} {fmt(r.get('ours_auto_us')):>8} "
+                     f"{fmt(r.get('v1_auto_us')):>8} {fmt(ratio(r.get('v1_auto_us'), r.get('ours_auto_us')), '.2f'):>6} "
                      f"{fmt(r.get('ours_eager_us')):>8} {fmt(r.get('per_branch_us')):>11} "
                      f"{fmt(r.get('speedup_vs_per_branch')):>8} {fmt(r.get('reference_us'), '.0f'):>10} "
                      f"{fmt(r.get('err_vs_reference'), '.1e'):>8}")
+    lines.append("verify per-kernel breakdown at the automatic BV, us (each kernel timed alone; call = whole call)")
+    lines.append(f"{'n':>4} {'batch':>5} {'BV':>4} {'v1 pairs':>9} {'v1 main':>8} {'v1 call':>8} "
+                 f"{'v2 pairs':>9} {'v2 main':>8} {'v2 call':>8}")
+    for r in results["verify"]:
+        b = r.get("breakdown")
+        if not b:
+            continue
+        cols = []
+        for v in ("v1", "v2"):
+            p = b.get(v, {})
+            cols += [fmt(p.get("pairs_us")), fmt(p.get("main_us")), fmt(p.get("call_us"))]
+        lines.append(f"{r['n']:>4} {r['batch']:>5} {str(r.get('auto_block_v')):>4} {cols[0]:>9} {cols[1]:>8} {cols[2]:>8} "
+                     f"{cols[3]:>9} {cols[4]:>8} {cols[5]:>8}")
     lines.append("GDN tree commit (accepted = deepest node), us")
     lines.append(f"{'n':>4} {'batch':>5} {'floor':>8} {'ours':>8} {'x floor':>8} {'reference':>10} {'err':>8}")
     for r in results["commit"]:

@@ -30,8 +30,25 @@
 #ifndef GDN_BV
 #define GDN_BV 32
 #endif
+// Version of the kernels (bench/NOTES.md): 1 = as first measured; 2 = fewer serial latencies
+// (path indices preloaded per warp, prefetched q/k chunks, first pair window and first q/k chunk
+// loaded together with S0, projection rows past the tree's end skipped).
+#ifndef GDN_VARIANT
+#define GDN_VARIANT 2
+#endif
 
 #define GDN_THREADS 256
+#if GDN_VARIANT >= 2
+// Explicit register budgets (blocks per SM): without a minimum ptxas spilled v2 at 48-80
+// registers; with a minimum of 1 it took up to 252 (one CTA per SM). Main: 3 CTAs (<= 80 regs)
+// up to BV = 32 and 2 (<= 128) at BV = 64, as v1 had (2 for float32 inputs, whose prefetch
+// registers spilled at 80); pairs: 2 (<= 128).
+#define GDN_PAIRS_BOUNDS __launch_bounds__(GDN_THREADS, 2)
+#define GDN_MAIN_BOUNDS __launch_bounds__(GDN_THREADS, (GDN_BV <= 32 && TFM_IN != 0 ? 3 : 2))
+#else
+#define GDN_PAIRS_BOUNDS __launch_bounds__(GDN_THREADS)
+#define GDN_MAIN_BOUNDS __launch_bounds__(GDN_THREADS)
+#endif
 #define GDN_RT 64     // node rows per projection tile
 #define GDN_KC 32     // K columns per staged chunk
 #define GDN_PAIRS_WARPS 8
@@ -57,7 +74,7 @@ __device__ __forceinline__ void load_row_lanes(const tin* __restrict__ row, int 
 // node at level-order position p = 8 b + w for q/k head h = blockIdx.y.
 // Outputs: X, Y [HV][P] (P = total path entries of the plan), Gcum [T][HV] (G_i), rk, rq [H][T]
 // (norm scales: khat = rk k, qhat = rq q, scale included in rq).
-extern "C" __global__ void __launch_bounds__(GDN_THREADS)
+extern "C" __global__ void GDN_PAIRS_BOUNDS
 gdn_tree_pairs(const tin* __restrict__ q, const tin* __restrict__ k,
                const float* __restrict__ g, const float* __restrict__ beta,
                const int* __restrict__ perm, const int* __restrict__ pair_off,
@@ -71,8 +88,12 @@ gdn_tree_pairs(const tin* __restrict__ q, const tin* __restrict__ k,
   if (p >= T) return;  // warp-uniform
   const int group = HV / H;  // value heads sharing q/k head h: hv = h * group + t, t < group <= 32
   const int i = perm[p];
-  const int d = depth[i];
   const i64 off = pair_off[p];
+#if GDN_VARIANT >= 2
+  const int d = (int)(pair_off[p + 1] - off) - 1;  // path length - 1: no load chained behind perm
+#else
+  const int d = depth[i];
+#endif
 
   constexpr int EPL = GDN_K / 32;
   float qi[EPL], ki[EPL];
@@ -101,14 +122,26 @@ gdn_tree_pairs(const tin* __restrict__ q, const tin* __restrict__ k,
   // Walk the path deepest first: seg = G_i - G_j is then a running sum of the g of the nodes
   // strictly below j on the path (no cancellation; always <= 0, so exp never overflows).
   float seg = 0.f;
+#if GDN_VARIANT >= 2
+  // The first 32 path entries in one coalesced load (lane e holds entry e), so that the k-row
+  // loads of an iteration do not wait behind a dependent pair_j load.
+  const int pj_lane = lane <= d ? pair_j[off + lane] : i;
+  constexpr int UNR = 8;
+#else
   constexpr int UNR = 4;
+#endif
   for (int e0 = d; e0 >= 0; e0 -= UNR) {
     int js[UNR];
     float kj[UNR][EPL], gj[UNR];
 #pragma unroll
     for (int u = 0; u < UNR; ++u) {
       const int e = e0 - u;
+#if GDN_VARIANT >= 2
+      const int sj = __shfl_sync(0xffffffffu, pj_lane, e & 31);  // e is warp-uniform
+      js[u] = e < 0 ? i : (e < 32 ? sj : pair_j[off + e]);
+#else
       js[u] = e >= 0 ? pair_j[off + e] : i;
+#endif
       load_row_lanes(k + ((i64)js[u] * H + h) * GDN_K, lane, kj[u]);
       gj[u] = (e >= 0 && owns_head) ? g[(i64)js[u] * HV + hv] : 0.f;
     }
@@ -154,6 +187,36 @@ gdn_tree_pairs(const tin* __restrict__ q, const tin* __restrict__ k,
 
 __host__ __device__ constexpr int align4(int x) { return (x + 3) & ~3; }
 
+// Eight consecutive q/k elements kept as loaded (16 or 32 bytes), converted only when stored to
+// shared memory: a prefetch into these registers does not stall on a conversion.
+#if TFM_IN == 0
+struct Raw8 { float4 a, b; };
+__device__ __forceinline__ void raw8_load(const float* __restrict__ p, Raw8& r) {
+  r.a = *reinterpret_cast<const float4*>(p);
+  r.b = *reinterpret_cast<const float4*>(p + 4);
+}
+__device__ __forceinline__ void raw8_zero(Raw8& r) { r.a = make_float4(0.f, 0.f, 0.f, 0.f); r.b = r.a; }
+__device__ __forceinline__ void raw8_store(const Raw8& r, float* dst) {
+  *reinterpret_cast<float4*>(dst) = r.a;
+  *reinterpret_cast<float4*>(dst + 4) = r.b;
+}
+#else
+struct Raw8 { uint4 u; };
+__device__ __forceinline__ void raw8_load(const tin* __restrict__ p, Raw8& r) { r.u = *reinterpret_cast<const uint4*>(p); }
+__device__ __forceinline__ void raw8_zero(Raw8& r) { r.u.x = 0u; r.u.y = 0u; r.u.z = 0u; r.u.w = 0u; }
+#if TFM_IN == 1
+__device__ __forceinline__ float raw_lo(u32 w) { return __uint_as_float(w << 16); }
+__device__ __forceinline__ float raw_hi(u32 w) { return __uint_as_float(w & 0xffff0000u); }
+#else
+__device__ __forceinline__ float raw_lo(u32 w) { return f16_bits_to_f32(w & 0xffffu); }
+__device__ __forceinline__ float raw_hi(u32 w) { return f16_bits_to_f32(w >> 16); }
+#endif
+__device__ __forceinline__ void raw8_store(const Raw8& r, float* dst) {
+  *reinterpret_cast<float4*>(dst) = make_float4(raw_lo(r.u.x), raw_hi(r.u.x), raw_lo(r.u.y), raw_hi(r.u.y));
+  *reinterpret_cast<float4*>(dst + 4) = make_float4(raw_lo(r.u.z), raw_hi(r.u.z), raw_lo(r.u.w), raw_hi(r.u.w));
+}
+#endif
+
 struct VerifySmem {
   float *S, *D, *O, *stq, *stk, *px, *py, *eg, *bt, *rk, *rq;
   int *pj, *poff, *dep, *node, *lvl;
@@ -187,7 +250,7 @@ __device__ inline VerifySmem carve_verify_smem(float* base, int n_cap, int pcap)
   return s;
 }
 
-extern "C" __global__ void __launch_bounds__(GDN_THREADS)
+extern "C" __global__ void GDN_MAIN_BOUNDS
 gdn_tree_verify_main(const tin* __restrict__ q, const tin* __restrict__ k,
                      const tin* __restrict__ v, const float* __restrict__ beta,
                      const float* __restrict__ Gcum, const float* __restrict__ rk_in,
@@ -195,7 +258,7 @@ gdn_tree_verify_main(const tin* __restrict__ q, const tin* __restrict__ k,
                      const float* __restrict__ Y, const int* __restrict__ perm,
                      const int* __restrict__ pair_off, const int* __restrict__ pair_j,
                      const int* __restrict__ depth, const int* __restrict__ cu,
-                     const float* __restrict__ state, const int* __restrict__ state_idx,
+                     const float* __restrict__ state, const void* __restrict__ state_idx, int sidx64,
                      i64 st_slot, i64 st_head, i64 st_v, tin* __restrict__ o,
                      float* __restrict__ delta_out, int T, int H, int HV, i64 P, int n_cap,
                      int pcap) {
@@ -211,9 +274,37 @@ gdn_tree_verify_main(const tin* __restrict__ q, const tin* __restrict__ k,
   const int n = cu[r + 1] - bos;
   if (n <= 0) return;
   const int h = hv / (HV / H);
+  // state_indices as the caller gave them: int64 (sidx64 = 1) or int32
+  const i64 slot = sidx64 ? reinterpret_cast<const i64*>(state_idx)[r] : (i64)reinterpret_cast<const int*>(state_idx)[r];
+  const int st_row = tid / (GDN_KC / 8), st_col = (tid % (GDN_KC / 8)) * 8;  // q/k staging: row, column
+  const float* __restrict__ Xh = X + (i64)hv * P;
+  const float* __restrict__ Yh = Y + (i64)hv * P;
+#if GDN_VARIANT >= 2
+  // Loads with no dependence on each other go out together with S0's: the first q/k chunk of
+  // the first projection tile, and the first pair window when the request's pairs fit one.
+  Raw8 pq, pk;
+  if (st_row < n) {
+    const i64 row = ((i64)(bos + st_row) * H + h) * GDN_K + st_col;
+    raw8_load(q + row, pq);
+    raw8_load(k + row, pk);
+  } else {
+    raw8_zero(pq);
+    raw8_zero(pk);
+  }
+  const int pbase = pair_off[bos];
+  const bool one_window = pair_off[bos + n] - pbase <= pcap;
+  if (one_window) {
+    const int cnt0 = pair_off[bos + n] - pbase;
+    for (int e = tid; e < cnt0; e += GDN_THREADS) {
+      sm.pj[e] = pair_j[pbase + e] - bos;
+      sm.px[e] = Xh[pbase + e];
+      sm.py[e] = Yh[pbase + e];
+    }
+  }
+#endif
 
   // ---- S0 rows [v0, v0 + BV) -> shared, 16-byte loads along K.
-  const float* __restrict__ S0 = state + (i64)state_idx[r] * st_slot + (i64)hv * st_head + (i64)v0 * st_v;
+  const float* __restrict__ S0 = state + slot * st_slot + (i64)hv * st_head + (i64)v0 * st_v;
   for (int idx = tid; idx < GDN_BV * (GDN_K / 4); idx += GDN_THREADS) {
     const int row = idx / (GDN_K / 4), c4 = (idx % (GDN_K / 4)) * 4;
     const float4 val = *reinterpret_cast<const float4*>(S0 + (i64)row * st_v + c4);
@@ -228,7 +319,11 @@ gdn_tree_verify_main(const tin* __restrict__ q, const tin* __restrict__ k,
     sm.rq[i] = rq_in[(i64)h * T + gi];
     const int node = perm[bos + i];
     sm.node[i] = node - bos;
+#if GDN_VARIANT >= 2
+    sm.dep[i] = pair_off[bos + i + 1] - pair_off[bos + i] - 1;  // depth without the perm -> depth chain
+#else
     sm.dep[i] = depth[node];
+#endif
     sm.poff[i] = pair_off[bos + i];
   }
   if (tid == 0) sm.poff[n] = pair_off[bos + n];
@@ -246,8 +341,65 @@ gdn_tree_verify_main(const tin* __restrict__ q, const tin* __restrict__ k,
   constexpr int RPT = GDN_RT / NTY;
   static_assert(RPT >= 1 && GDN_RT % NTY == 0, "tile shape");
   const int tx = tid % NTX, ty = tid / NTX;
-  const int st_row = tid / (GDN_KC / 8), st_col = (tid % (GDN_KC / 8)) * 8;
 
+#if GDN_VARIANT >= 2
+  for (int t0 = 0; t0 < n; t0 += GDN_RT) {
+    float aq[RPT][4], ak[RPT][4];
+#pragma unroll
+    for (int m = 0; m < RPT; ++m)
+#pragma unroll
+      for (int c = 0; c < 4; ++c) { aq[m][c] = 0.f; ak[m][c] = 0.f; }
+    const bool active = t0 + ty < n;  // rows ty + m NTY past the tree's end are skipped
+
+    for (int kc = 0; kc < GDN_K; kc += GDN_KC) {
+      __syncthreads();  // previous chunk consumed (and, first time, S0 / tables / window written)
+      raw8_store(pq, sm.stq + st_row * (GDN_KC + 4) + st_col);
+      raw8_store(pk, sm.stk + st_row * (GDN_KC + 4) + st_col);
+      __syncthreads();
+      {  // prefetch the next chunk (or the next tile's first) while this one is used
+        int nkc = kc + GDN_KC, nt0 = t0;
+        if (nkc == GDN_K) { nkc = 0; nt0 = t0 + GDN_RT; }
+        if (nt0 < n) {
+          const int i = nt0 + st_row;
+          if (i < n) {
+            const i64 row = ((i64)(bos + i) * H + h) * GDN_K + nkc + st_col;
+            raw8_load(q + row, pq);
+            raw8_load(k + row, pk);
+          } else {
+            raw8_zero(pq);
+            raw8_zero(pk);
+          }
+        }
+      }
+      if (active) {
+#pragma unroll
+        for (int kk = 0; kk < GDN_KC; kk += 4) {
+          float4 s[4];
+#pragma unroll
+          for (int c = 0; c < 4; ++c)
+            s[c] = *reinterpret_cast<const float4*>(sm.S + (tx + c * NTX) * (GDN_K + 4) + kc + kk);
+#pragma unroll
+          for (int m = 0; m < RPT; ++m) {
+            if (t0 + ty + m * NTY < n) {
+              const float4 a = *reinterpret_cast<const float4*>(sm.stq + (ty + m * NTY) * (GDN_KC + 4) + kk);
+              const float4 b = *reinterpret_cast<const float4*>(sm.stk + (ty + m * NTY) * (GDN_KC + 4) + kk);
+#pragma unroll
+              for (int c = 0; c < 4; ++c) {
+                aq[m][c] = fmaf(a.x, s[c].x, aq[m][c]);
+                aq[m][c] = fmaf(a.y, s[c].y, aq[m][c]);
+                aq[m][c] = fmaf(a.z, s[c].z, aq[m][c]);
+                aq[m][c] = fmaf(a.w, s[c].w, aq[m][c]);
+                ak[m][c] = fmaf(b.x, s[c].x, ak[m][c]);
+                ak[m][c] = fmaf(b.y, s[c].y, ak[m][c]);
+                ak[m][c] = fmaf(b.z, s[c].z, ak[m][c]);
+                ak[m][c] = fmaf(b.w, s[c].w, ak[m][c]);
+              }
+            }
+          }
+        }
+      }
+    }
+#else
   for (int t0 = 0; t0 < n; t0 += GDN_RT) {
     float aq[RPT][4], ak[RPT][4];
 #pragma unroll
@@ -300,6 +452,7 @@ gdn_tree_verify_main(const tin* __restrict__ q, const tin* __restrict__ k,
         }
       }
     }
+#endif
     // U = beta (v - e^G rk K S0^T) and QSe = e^G rq Q S0^T for the tile's rows.
 #pragma unroll
     for (int m = 0; m < RPT; ++m) {
@@ -320,12 +473,16 @@ gdn_tree_verify_main(const tin* __restrict__ q, const tin* __restrict__ k,
   __syncthreads();
 
   // ---- forward substitution level by level; pairs staged in windows of <= pcap entries.
+#if GDN_VARIANT >= 2
+  // 16 lanes per row (2-4 columns each at BV = 32-64): twice v1's rows in flight per level, so
+  // wide levels take half the rounds of dependent shared-memory reads.
+  constexpr int LPR = GDN_BV < 16 ? GDN_BV : 16;  // lanes per row
+#else
   constexpr int LPR = GDN_BV < 32 ? GDN_BV : 32;  // lanes per row
+#endif
   constexpr int CPL = GDN_BV / LPR;               // columns per lane
   constexpr int RPAR = GDN_THREADS / LPR;         // rows in flight
   const int rsub = tid / LPR, lcol = tid % LPR;
-  const float* __restrict__ Xh = X + (i64)hv * P;
-  const float* __restrict__ Yh = Y + (i64)hv * P;
 
   int p0 = 0;
   while (p0 < n) {
@@ -342,12 +499,18 @@ gdn_tree_verify_main(const tin* __restrict__ q, const tin* __restrict__ k,
       p1 = lo;
     }
     const int cnt = sm.poff[p1] - base;
+#if GDN_VARIANT >= 2
+    if (p0 != 0 || !one_window) {  // else staged at the start (then p1 = n and cnt is the same)
+#endif
     for (int e = tid; e < cnt; e += GDN_THREADS) {
       sm.pj[e] = pair_j[base + e] - bos;
       sm.px[e] = Xh[base + e];
       sm.py[e] = Yh[base + e];
     }
     __syncthreads();
+#if GDN_VARIANT >= 2
+    }
+#endif
 
     int s = p0;
     while (s < p1) {

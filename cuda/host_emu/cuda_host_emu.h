@@ -73,6 +73,23 @@ inline float __shfl_xor_sync(unsigned /*mask*/, float v, int m) {
   return r;
 }
 
+// Lane `src` (0..31) of the warp's value; every lane of the warp must call it (as with a full mask).
+inline int __shfl_sync(unsigned /*mask*/, int v, int src) {
+  const unsigned tid = threadIdx.x;
+  const unsigned warp = tid / 32, lane = tid % 32;
+  auto& buf = *tfm_emu::t_ctx->shfl_buf;
+  auto& bar = *(*tfm_emu::t_ctx->warp_bars)[warp];
+  float f;
+  std::memcpy(&f, &v, 4);
+  buf[warp * 32 + lane] = f;
+  bar.arrive_and_wait();
+  const float r = buf[warp * 32 + ((unsigned)src & 31u)];
+  bar.arrive_and_wait();
+  int out;
+  std::memcpy(&out, &r, 4);
+  return out;
+}
+
 [[noreturn]] inline void __trap() {
   std::fprintf(stderr, "tfm_emu: __trap() in block (%u,%u,%u) thread %u\n", blockIdx.x, blockIdx.y, blockIdx.z,
                threadIdx.x);

@@ -168,6 +168,8 @@ VARIANTS = [
     ("gdn_tree_verify.cu", ["-DTFM_IN=1", "-DGDN_K=128", "-DGDN_V=128", "-DGDN_BV=64"]),
     ("gdn_tree_verify.cu", ["-DTFM_IN=0", "-DGDN_K=64", "-DGDN_V=64", "-DGDN_BV=32"]),
     ("gdn_tree_verify.cu", ["-DTFM_IN=2", "-DGDN_K=256", "-DGDN_V=128", "-DGDN_BV=32"]),
+    ("gdn_tree_verify.cu", ["-DTFM_IN=1", "-DGDN_K=128", "-DGDN_V=128", "-DGDN_BV=32", "-DGDN_VARIANT=1"]),
+    ("gdn_tree_verify.cu", ["-DTFM_IN=0", "-DGDN_K=32", "-DGDN_V=64", "-DGDN_BV=64", "-DGDN_VARIANT=1"]),
     ("gdn_tree_commit.cu", ["-DTFM_IN=1", "-DGDN_K=128", "-DGDN_V=128"]),
     ("gdn_tree_commit.cu", ["-DTFM_IN=0", "-DGDN_K=32", "-DGDN_V=32"]),
     ("tree_conv.cu", ["-DTFM_IN=1", "-DCONV_ST=1", "-DCONV_WT=1"]),
@@ -177,9 +179,23 @@ VARIANTS = [
 
 @needs_nvrtc
 def test_every_source_compiles_for_sm90_and_is_cached(tmp_path):
-    for source, defines in VARIANTS:
-        cubin = loader.get_cubin(source, ["--std=c++17", "-lineinfo", *defines], "sm_90")
-        assert cubin[:4] == b"\x7fELF", source
+    # In a subprocess, so that a loader bug that corrupts interpreter state cannot leak into
+    # other tests (it once did: see test_nvrtc_calls_leave_interned_bytes_alone).
+    code = (
+        "import json, sys\n"
+        "from vllm_tfm.kernels import loader\n"
+        "variants = json.loads(sys.argv[1])\n"
+        "for source, defines in variants:\n"
+        "    cubin = loader.get_cubin(source, ['--std=c++17', '-lineinfo', *defines], 'sm_90')\n"
+        "    assert cubin[:4] == b'\\x7fELF', source\n"
+    )
+    import json
+    import os
+
+    env = {**os.environ, "VLLM_TFM_CACHE": str(tmp_path / "cache"), "VLLM_TFM_CUDA_DIR": str(CUDA_DIR)}
+    run = subprocess.run([sys.executable, "-c", code, json.dumps(VARIANTS)], capture_output=True, text=True,
+                         env=env, cwd=str(REPO))
+    assert run.returncode == 0, run.stderr[-2000:]
     assert len(list((tmp_path / "cache").glob("*.cubin"))) == len(VARIANTS)
 
 
@@ -311,15 +327,20 @@ def test_kernels_under_cpu_emulation_match_the_reference(tmp_path):
     dout = torch.full(c["v"].shape, float("nan"))
     try:
         with emulated_kernels(tmp_path / "emu"):
-            kgdn.PAIR_WINDOW, saved = 40, kgdn.PAIR_WINDOW  # several pair windows, levels split
-            try:
-                kgdn.gdn_tree_verify_planned(plan, c["q"], c["k"], c["v"], c["g"], c["beta"], c["ssm_state"],
-                                             c["state_indices"], return_delta=True, block_v=16, out=out, delta_out=dout)
-            finally:
-                kgdn.PAIR_WINDOW = saved
-            assert not out.isnan().any() and not dout.isnan().any()
-            assert torch.equal(c["ssm_state"], state_before)
-            assert _rel(out, o_ref) < 1e-5 and _rel(dout, d_ref) < 1e-5
+            for variant in kgdn.VERIFY_VARIANTS:  # every kernel version, one pair window and several
+                for window in (4096, 40):
+                    kgdn.PAIR_WINDOW, saved = window, kgdn.PAIR_WINDOW  # 40: several windows, levels split
+                    out.fill_(float("nan"))
+                    dout.fill_(float("nan"))
+                    try:
+                        kgdn.gdn_tree_verify_planned(plan, c["q"], c["k"], c["v"], c["g"], c["beta"], c["ssm_state"],
+                                                     c["state_indices"], return_delta=True, block_v=16, out=out,
+                                                     delta_out=dout, variant=variant)
+                    finally:
+                        kgdn.PAIR_WINDOW = saved
+                    assert not out.isnan().any() and not dout.isnan().any(), (variant, window)
+                    assert torch.equal(c["ssm_state"], state_before)
+                    assert _rel(out, o_ref) < 1e-5 and _rel(dout, d_ref) < 1e-5, (variant, window)
 
             acc, src, dst = [37, 8, 0, 5], [3, 3, 1, 0], [0, 1, 2, 3]  # slots alias across requests
             st_ref = c64["ssm_state"].clone()
@@ -345,3 +366,15 @@ def test_kernels_under_cpu_emulation_match_the_reference(tmp_path):
             assert torch.equal(st, st_ref)
     except subprocess.CalledProcessError as exc:  # a compiler without C++20 <barrier>
         pytest.skip(f"g++ could not build the emulation: {exc.stderr[:300]}")
+
+
+@needs_nvrtc
+def test_nvrtc_calls_leave_interned_bytes_alone(tmp_path, monkeypatch):
+    """NVRTC writes into the buffer it is given; a buffer made as ``b" " * 1`` is CPython's
+    shared single-byte object, and writing into it turned ``b" "`` into NUL for the whole
+    interpreter (a later torch.load failed). The loader must allocate fresh buffers."""
+    monkeypatch.setenv("VLLM_TFM_CACHE", str(tmp_path / "fresh-cache"))
+    source, defines = VARIANTS[-1]
+    loader.get_cubin(source, ["--std=c++17", *defines], "sm_90")
+    one = b" " * 1
+    assert one[0] == 0x20 and b"a b".split(b" ") == [b"a", b"b"]

@@ -114,14 +114,17 @@ def reference(c, **kw):
     return ref_gdn.gdn_tree_verify(**c64, return_delta=True, **kw)
 
 
-def run_poisoned(c, block_v=None, **kw):
+VARIANTS = list(kgdn.VERIFY_VARIANTS)  # every verify kernel version must pass every test
+
+
+def run_poisoned(c, block_v=None, variant=kgdn.DEFAULT_VERIFY_VARIANT, **kw):
     """Planned kernel call into NaN-filled outputs; returns (o, delta) and checks the state is untouched."""
     plan = TreePlan.build(c["parents"], c["cu_nodes"])
     before = c["ssm_state"].clone()
     o = torch.full(c["v"].shape, float("nan"), dtype=c["v"].dtype, device=DEV)
     d = torch.full(c["v"].shape, float("nan"), dtype=torch.float32, device=DEV)
     kgdn.gdn_tree_verify_planned(plan, c["q"], c["k"], c["v"], c["g"], c["beta"], c["ssm_state"], c["state_indices"],
-                                 return_delta=True, block_v=block_v, out=o, delta_out=d, **kw)
+                                 return_delta=True, block_v=block_v, out=o, delta_out=d, variant=variant, **kw)
     torch.cuda.synchronize()
     assert not o.isnan().any(), "verify left output elements unwritten"
     assert not d.isnan().any(), "verify left delta elements unwritten"
@@ -146,16 +149,19 @@ TREE_SETS = {
 }
 
 
+@pytest.mark.parametrize("variant", VARIANTS)
 @pytest.mark.parametrize("name", list(TREE_SETS))
-def test_verify_fp32_matches_float64_reference(name):
+def test_verify_fp32_matches_float64_reference(name, variant):
     trees = TREE_SETS[name](_seeded(len(name)))
     if name.startswith("deep"):
         assert max_depth(trees[0]) >= 64
     c = make_case(trees, seed=1)
-    o, d = run_poisoned(c)
+    o, d = run_poisoned(c, variant=variant)
     o_ref, d_ref = reference(c)
     assert rel(o, o_ref) <= FP32_TOL
     assert rel(d, d_ref) <= FP32_TOL
+    if variant != kgdn.DEFAULT_VERIFY_VARIANT:
+        return
     # the public wrapper (reference signature) takes the kernel path, silently, and is deterministic
     with warnings.catch_warnings():
         warnings.simplefilter("error")
@@ -163,24 +169,43 @@ def test_verify_fp32_matches_float64_reference(name):
     assert torch.equal(o2, o) and torch.equal(d2, d)
 
 
+@pytest.mark.parametrize("variant", VARIANTS)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_verify_half_inputs(dtype):
+def test_verify_half_inputs(dtype, variant):
     g = _seeded(7)
     c = make_case([bushy_tree(64, g), random_tree(100, g), chain(20), torch.tensor([-1])], dtype=dtype, seed=2)
-    o, d = run_poisoned(c)
+    o, d = run_poisoned(c, variant=variant)
     assert o.dtype == dtype
     o_ref, d_ref = reference(c)
     assert rel(o, o_ref) <= HALF_TOL
     assert rel(d, d_ref) <= FP32_TOL  # delta is float32 math on the same (rounded) inputs
 
 
+@pytest.mark.parametrize("variant", VARIANTS)
 @pytest.mark.parametrize("block_v", [16, 32, 64])
-def test_verify_every_block_width(block_v):
+def test_verify_every_block_width(block_v, variant):
     g = _seeded(8)
     c = make_case([bushy_tree(130, g), star(7), deep_tree(30, g)], seed=3)
-    o, d = run_poisoned(c, block_v=block_v)
+    o, d = run_poisoned(c, block_v=block_v, variant=variant)
     o_ref, d_ref = reference(c)
     assert rel(o, o_ref) <= FP32_TOL and rel(d, d_ref) <= FP32_TOL
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_verify_int32_and_int64_state_indices_agree(variant):
+    g = _seeded(20)
+    c = make_case([bushy_tree(40, g), chain(6)], dtype=torch.bfloat16, seed=8, slots=5)
+    o64, d64 = run_poisoned(c, variant=variant)
+    o32, d32 = run_poisoned(dict(c, state_indices=c["state_indices"].to(torch.int32)), variant=variant)
+    assert torch.equal(o32, o64) and torch.equal(d32, d64)
+    o_ref, _ = reference(c)
+    assert rel(o64, o_ref) <= HALF_TOL
+
+
+def test_verify_unknown_variant_is_a_clear_error():
+    c = make_case([chain(3)], seed=9)
+    with pytest.raises(ValueError, match="variant=7 is not a verify kernel version"):
+        run_poisoned(c, variant=7)
 
 
 def test_verify_without_l2norm_and_custom_scale_and_gqa_group_of_one():
@@ -191,11 +216,12 @@ def test_verify_without_l2norm_and_custom_scale_and_gqa_group_of_one():
     assert rel(o, o_ref) <= FP32_TOL and rel(d, d_ref) <= FP32_TOL
 
 
-def test_verify_large_gates_masked_before_exp():
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_verify_large_gates_masked_before_exp(variant):
     # gates of -40 per step: exp(G_i - G_j) over siblings would overflow if formed; ancestors underflow
     g = _seeded(10)
     c = make_case([deep_tree(90, g), star(40), bushy_tree(60, g)], seed=5, g_scale=40.0)
-    o, d = run_poisoned(c)
+    o, d = run_poisoned(c, variant=variant)
     assert torch.isfinite(o).all() and torch.isfinite(d).all()
     o_ref, d_ref = reference(c)
     assert rel(o, o_ref) <= FP32_TOL and rel(d, d_ref) <= FP32_TOL

@@ -14,6 +14,7 @@ step (the plan only depends on the tree shapes), which is how the vLLM plugin ca
 from __future__ import annotations
 
 import ctypes
+from collections.abc import Callable
 
 import torch
 from torch import Tensor
@@ -35,6 +36,9 @@ __all__ = [
     "verify_smem_bytes",
     "commit_smem_bytes",
     "choose_block_v",
+    "verify_launches",
+    "VERIFY_VARIANTS",
+    "DEFAULT_VERIFY_VARIANT",
 ]
 
 VERIFY_SOURCE = "gdn_tree_verify.cu"
@@ -44,6 +48,10 @@ PAIRS_WARPS = 8
 RT, KC = 64, 32  # projection tile rows and staged K chunk (GDN_RT, GDN_KC in the source)
 PAIR_WINDOW = 4096  # most pair entries staged in shared memory at once
 COMMIT_THREADS, COMMIT_BV, COMMIT_PC = 128, 16, 32
+# Kernel versions of the verify (GDN_VARIANT in the source; bench/NOTES.md): 1 = first measured,
+# 2 = fewer serial latencies. Both compute the same function; 2 is the default.
+VERIFY_VARIANTS = (1, 2)
+DEFAULT_VERIFY_VARIANT = 2
 
 DTYPE_CODE = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 NOT_CUDA = "inputs are not CUDA tensors"  # the reference is the CPU implementation: no warning
@@ -127,7 +135,19 @@ def _index32(x: Tensor, device: torch.device) -> Tensor:
     return x.to(device=device, dtype=torch.int32).contiguous()
 
 
-def gdn_tree_verify_planned(
+def _state_index_arg(state_indices: Tensor, dev: torch.device, variant: int) -> tuple[Tensor, int]:
+    """state_indices as the kernel reads them: (tensor, 1 if int64 else 0).
+
+    Version 2 takes int32 or int64 indices as they are (no conversion kernel per call); version 1
+    converts to int32 as it did when first measured.
+    """
+    if variant >= 2 and state_indices.dtype in (torch.int32, torch.int64) and state_indices.device == dev \
+            and state_indices.dim() == 1 and state_indices.is_contiguous():
+        return state_indices, int(state_indices.dtype == torch.int64)
+    return _index32(state_indices, dev), 0
+
+
+def verify_launches(
     plan: TreePlan,
     q: Tensor,
     k: Tensor,
@@ -142,17 +162,17 @@ def gdn_tree_verify_planned(
     block_v: int | None = None,
     out: Tensor | None = None,
     delta_out: Tensor | None = None,
-) -> Tensor | tuple[Tensor, Tensor]:
-    """CUDA tree verify for a prebuilt plan. Shapes and result as ``vllm_tfm.verify.gdn.gdn_tree_verify``.
+    variant: int = DEFAULT_VERIFY_VARIANT,
+) -> tuple[list[tuple[str, Callable[[], None]]], Tensor, Tensor | None]:
+    """Prepare one verify call: ([(kernel name, launch)], o, delta) without launching anything.
 
-    q, k: [T, H, K], v: [T, HV, V] (one dtype); g, beta: [T, HV] (cast to float32);
-    ssm_state: [slots, HV, V, K] float32 (read only); state_indices: [R].
-    Returns o [T, HV, V] in v.dtype (and delta [T, HV, V] float32 when return_delta).
-    block_v forces the V columns per CTA (16, 32 or 64); default :func:`choose_block_v`.
-    out / delta_out: optional contiguous preallocated outputs ([T, HV, V], v.dtype / float32),
-    written in full. Inputs must be supported (the public wrapper checks); raises ValueError on
-    a shape mismatch.
+    Arguments as :func:`gdn_tree_verify_planned`. Calling the launches in order computes o
+    [T, HV, V] (v.dtype) and delta [T, HV, V] float32 (None unless return_delta); the bench calls
+    them one at a time to time each kernel alone. Raises ValueError on a shape mismatch or an
+    unknown variant.
     """
+    if variant not in VERIFY_VARIANTS:
+        raise ValueError(f"variant={variant!r} is not a verify kernel version; choose one of {VERIFY_VARIANTS}")
     t_nodes, h, kd = q.shape
     hv, vd = v.shape[1], v.shape[2]
     if t_nodes != plan.num_nodes or v.shape[0] != t_nodes or k.shape != q.shape:
@@ -166,10 +186,11 @@ def gdn_tree_verify_planned(
         q, k, v = q.clone(), k.clone(), v.clone()
     g32 = g.to(torch.float32).contiguous()
     b32 = beta.to(torch.float32).contiguous()
-    sidx = _index32(state_indices, dev)
+    sidx, sidx64 = _state_index_arg(state_indices, dev, variant)
     scale = kd**-0.5 if scale is None else float(scale)
 
-    opts_common = ["--std=c++17", "-lineinfo", f"-DTFM_IN={DTYPE_CODE[v.dtype]}", f"-DGDN_K={kd}", f"-DGDN_V={vd}"]
+    opts_common = ["--std=c++17", "-lineinfo", f"-DTFM_IN={DTYPE_CODE[v.dtype]}", f"-DGDN_K={kd}", f"-DGDN_V={vd}",
+                   f"-DGDN_VARIANT={variant}"]
     pcap = _pair_capacity(plan)
     if block_v is None:
         props = torch.cuda.get_device_properties(dev_index)
@@ -192,23 +213,54 @@ def gdn_tree_verify_planned(
     delta = _check_out(delta_out, (t_nodes, hv, vd), torch.float32, dev, "delta_out") if return_delta else None
 
     i32, i64, f32 = ctypes.c_int, ctypes.c_longlong, ctypes.c_float
-    launch(
-        k_pairs,
-        ((t_nodes + PAIRS_WARPS - 1) // PAIRS_WARPS, h, 1),
-        (THREADS, 1, 1),
-        [q, k, g32, b32, plan.perm, plan.pair_off, plan.pair_j, plan.depth, xs, ys, gcum, rk, rq,
-         i32(t_nodes), i32(h), i32(hv), i64(n_pairs), f32(scale), i32(int(use_qk_l2norm))],
-    )
+    pairs_args = [q, k, g32, b32, plan.perm, plan.pair_off, plan.pair_j, plan.depth, xs, ys, gcum, rk, rq,
+                  i32(t_nodes), i32(h), i32(hv), i64(n_pairs), f32(scale), i32(int(use_qk_l2norm))]
     st = ssm_state.stride()
-    launch(
-        k_main,
-        (vd // block_v, hv, plan.num_requests),
-        (THREADS, 1, 1),
-        [q, k, v, b32, gcum, rk, rq, xs, ys, plan.perm, plan.pair_off, plan.pair_j, plan.depth, plan.cu,
-         ssm_state, sidx, i64(st[0]), i64(st[1]), i64(st[2]), o, delta,
-         i32(t_nodes), i32(h), i32(hv), i64(n_pairs), i32(plan.max_nodes), i32(pcap)],
-        shared_mem=verify_smem_bytes(kd, block_v, plan.max_nodes, pcap),
-    )
+    main_args = [q, k, v, b32, gcum, rk, rq, xs, ys, plan.perm, plan.pair_off, plan.pair_j, plan.depth, plan.cu,
+                 ssm_state, sidx, i32(sidx64), i64(st[0]), i64(st[1]), i64(st[2]), o, delta,
+                 i32(t_nodes), i32(h), i32(hv), i64(n_pairs), i32(plan.max_nodes), i32(pcap)]
+    smem = verify_smem_bytes(kd, block_v, plan.max_nodes, pcap)
+
+    def run_pairs() -> None:
+        launch(k_pairs, ((t_nodes + PAIRS_WARPS - 1) // PAIRS_WARPS, h, 1), (THREADS, 1, 1), pairs_args)
+
+    def run_main() -> None:
+        launch(k_main, (vd // block_v, hv, plan.num_requests), (THREADS, 1, 1), main_args, shared_mem=smem)
+
+    return [("gdn_tree_pairs", run_pairs), ("gdn_tree_verify_main", run_main)], o, delta
+
+
+def gdn_tree_verify_planned(
+    plan: TreePlan,
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    g: Tensor,
+    beta: Tensor,
+    ssm_state: Tensor,
+    state_indices: Tensor,
+    scale: float | None = None,
+    use_qk_l2norm: bool = True,
+    return_delta: bool = False,
+    block_v: int | None = None,
+    out: Tensor | None = None,
+    delta_out: Tensor | None = None,
+    variant: int = DEFAULT_VERIFY_VARIANT,
+) -> Tensor | tuple[Tensor, Tensor]:
+    """CUDA tree verify for a prebuilt plan. Shapes and result as ``vllm_tfm.verify.gdn.gdn_tree_verify``.
+
+    q, k: [T, H, K], v: [T, HV, V] (one dtype); g, beta: [T, HV] (cast to float32);
+    ssm_state: [slots, HV, V, K] float32 (read only); state_indices: [R] (int32 or int64).
+    Returns o [T, HV, V] in v.dtype (and delta [T, HV, V] float32 when return_delta).
+    block_v forces the V columns per CTA (16, 32 or 64); default :func:`choose_block_v`.
+    out / delta_out: optional contiguous preallocated outputs ([T, HV, V], v.dtype / float32),
+    written in full. variant: kernel version (1 or 2, default :data:`DEFAULT_VERIFY_VARIANT`).
+    Inputs must be supported (the public wrapper checks); raises ValueError on a shape mismatch.
+    """
+    launches, o, delta = verify_launches(plan, q, k, v, g, beta, ssm_state, state_indices, scale, use_qk_l2norm,
+                                         return_delta, block_v, out, delta_out, variant)
+    for _, fn in launches:
+        fn()
     return (o, delta) if return_delta else o
 
 

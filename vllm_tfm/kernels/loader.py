@@ -137,6 +137,17 @@ def nvrtc_supported_archs() -> list[int]:
 # sources and cache
 
 
+def _out_buffer(size: int) -> bytes:
+    """A fresh writable buffer of at least ``size`` bytes for an NVRTC "get" call.
+
+    cuda-python writes into the bytes object it is given. ``b" " * n`` for n <= 1 returns one of
+    CPython's shared, interned single-byte objects: NVRTC writing its NUL into that corrupts
+    ``b" "`` for the whole interpreter (seen: a later torch.load failed). Two bytes or more are
+    always a new object.
+    """
+    return b"\x01" * max(size, 2)
+
+
 def cuda_source_dir() -> Path:
     """Directory holding the ``.cu``/``.cuh`` sources.
 
@@ -202,17 +213,17 @@ def compile_cubin(
         opts = [f"--gpu-architecture={arch}", *options]
         (err,) = nvrtc.nvrtcCompileProgram(prog, len(opts), [o.encode() for o in opts])
         log_size = _check_nvrtc(nvrtc.nvrtcGetProgramLogSize(prog), "nvrtcGetProgramLogSize")
-        log = b" " * int(log_size)
+        log = _out_buffer(int(log_size))
         _check_nvrtc(nvrtc.nvrtcGetProgramLog(prog, log), "nvrtcGetProgramLog")
-        log_text = log.rstrip(b"\0 ").decode(errors="replace")
+        log_text = bytes(log[: int(log_size)]).rstrip(b"\0 ").decode(errors="replace")
         if err != nvrtc.nvrtcResult.NVRTC_SUCCESS:
             raise KernelCompileError(source_name, opts, log_text or str(err))
         if log_text.strip():
             logger.debug("NVRTC log for %s: %s", source_name, log_text)
         size = _check_nvrtc(nvrtc.nvrtcGetCUBINSize(prog), "nvrtcGetCUBINSize")
-        cubin = b" " * int(size)
+        cubin = _out_buffer(int(size))
         _check_nvrtc(nvrtc.nvrtcGetCUBIN(prog, cubin), "nvrtcGetCUBIN")
-        return cubin
+        return bytes(cubin[: int(size)])
     finally:
         nvrtc.nvrtcDestroyProgram(prog)
 
