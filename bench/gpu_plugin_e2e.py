@@ -17,6 +17,9 @@ Every case records equality with the baseline, the first divergence (position, t
 the baseline's top-2 margin there), the runtime's tree counters and hooks fired, vLLM's
 spec-decode counters, timings, and any exception with its traceback; a failing case does not stop
 the others. Results: OUT/results.json (written after every case), OUT/*.log, a summary on stdout.
+Optional sampling check (TFM_E2E_SAMPLING=1, TFM_E2E_SAMPLES=2000): at temperature 1.0 the
+distribution of the first 2 generated tokens of prompt 0 under ddtree and tfm speculation equals
+the no-spec one (two-sample chi-square homogeneity test, bench/chisquare.py; results "sampling").
 
 usage (GPU host, repository root):  bash bench/run_gpu_plugin.sh    (sets everything up)
         or:  python3 bench/gpu_plugin_e2e.py --out OUT [--phase all|make|baseline|tfm|summary]
@@ -167,6 +170,124 @@ def generate(llm, prompt_list: list[list[int]], logprobs: int | None = None) -> 
     return res
 
 
+# ---------------------------------------------------------------------------------------- sampling
+# Optional (TFM_E2E_SAMPLING=1; off by default): speculation must leave the output DISTRIBUTION
+# unchanged. Each arm draws TFM_E2E_SAMPLES (2000) samples of the first 2 generated tokens of
+# prompt 0 at temperature 1.0, one request per sample with its own seed, all in ONE generate call;
+# a two-sample chi-square homogeneity test over the joint (token1, token2) categories (rare ones
+# pooled into "other") compares it with the no-spec samples; p >= SAMPLING_ALPHA reads ok. The
+# seeds are fixed (a distinct range per arm, so the arms are independent draws): the verdict is
+# deterministic for a given build. A sanity arm (no-spec at temperature 0.7 vs 1.0, baseline phase)
+# must FAIL, showing the test has power at this sample size.
+SAMPLING = os.environ.get("TFM_E2E_SAMPLING", "0") == "1"
+N_SAMPLES = int(os.environ.get("TFM_E2E_SAMPLES", "2000"))
+SAMPLING_ALPHA = 0.001
+SAMPLING_ARMS = ("ddtree", "tfm")  # tfm-engine proposals checked against the no-spec samples
+SAMPLING_SEEDS = {"nospec_t1.0": 0, "nospec_t0.7": 1_000_000, "ddtree": 2_000_000, "tfm": 3_000_000}
+
+
+def sample_pairs(llm, prompt: list[int], temperature: float, seed0: int) -> list[list[int]]:
+    """N_SAMPLES generations of 2 tokens of ``prompt`` (request i seeded seed0 + i), one generate call."""
+    from vllm import SamplingParams
+
+    params = [SamplingParams(temperature=temperature, max_tokens=2, ignore_eos=True, detokenize=False,
+                             seed=seed0 + i) for i in range(N_SAMPLES)]
+    outs = llm.generate([{"prompt_token_ids": prompt} for _ in range(N_SAMPLES)], params, use_tqdm=False)
+    return [list(o.outputs[0].token_ids) for o in outs]
+
+
+def pair_test(ref: list[list[int]], got: list[list[int]]) -> dict:
+    """Chi-square homogeneity of the (token1, token2) samples ``got`` vs ``ref`` (bench/chisquare.py)."""
+    bench = str(Path(__file__).resolve().parent)
+    if bench not in sys.path:
+        sys.path.insert(0, bench)
+    from chisquare import homogeneity_test
+
+    return homogeneity_test([tuple(x) for x in ref], [tuple(x) for x in got])
+
+
+def first_token_top20(llm, prompt: list[int]) -> list[list[float]]:
+    """[token, probability] of the 20 most likely first tokens of ``prompt`` (no-spec, temperature 1.0)."""
+    import math
+
+    from vllm import SamplingParams
+
+    params = SamplingParams(temperature=1.0, max_tokens=1, ignore_eos=True, detokenize=False, logprobs=20, seed=0)
+    pos = llm.generate([{"prompt_token_ids": prompt}], params, use_tqdm=False)[0].outputs[0].logprobs[0]
+    top = sorted(((tok, lp.logprob) for tok, lp in pos.items()), key=lambda x: -x[1])[:20]
+    return [[tok, math.exp(lp)] for tok, lp in top]
+
+
+def sampling_line(name: str, r: dict) -> str:
+    return (f"sampling {name:12s}: p={r.get('p_value', float('nan')):.3g} chi2={r.get('statistic', float('nan')):.1f} "
+            f"dof={r.get('dof')} categories={len(r.get('categories', []))} n={r.get('n_a')}/{r.get('n_b')} "
+            f"expect={r.get('expect')} ok={r.get('ok')} {r.get('seconds', '-')}s {r.get('error', '')}")
+
+
+def baseline_sampling(llm, out: Path, prompt: list[int]) -> None:
+    """No-spec samples at temperature 1.0 (the reference) and the 0.7 sanity arm -> OUT/sampling_baseline.json."""
+    res: dict = {"prompt": prompt, "samples": N_SAMPLES, "alpha": SAMPLING_ALPHA, "seeds": SAMPLING_SEEDS}
+    try:
+        res["first_token_top20"] = first_token_top20(llm, prompt)
+    except Exception as e:  # noqa: BLE001 - a reference only
+        res["first_token_top20"] = f"{type(e).__name__}: {e}"
+    t = time.time()
+    res["nospec_t1.0"] = sample_pairs(llm, prompt, 1.0, SAMPLING_SEEDS["nospec_t1.0"])
+    res["seconds"] = round(time.time() - t, 2)
+    t = time.time()
+    cold = sample_pairs(llm, prompt, 0.7, SAMPLING_SEEDS["nospec_t0.7"])
+    sanity = pair_test(res["nospec_t1.0"], cold)
+    sanity.update(expect="different", ok=sanity["p_value"] < SAMPLING_ALPHA, seconds=round(time.time() - t, 2),
+                  temperature=0.7)
+    res["sanity_t0.7"] = sanity
+    log(f"sampling no-spec t=1.0: {N_SAMPLES} samples in {res['seconds']}s; "
+        f"top first-token probabilities {res['first_token_top20'][:4] if isinstance(res['first_token_top20'], list) else res['first_token_top20']}")
+    log(sampling_line("nospec_t0.7", sanity))
+    (out / "sampling_baseline.json").write_text(json.dumps(res))
+
+
+def tfm_sampling(llm, out: Path, oracle) -> dict:
+    """The ddtree and tfm arms on the tfm engine, each tested against the no-spec samples."""
+    from vllm_tfm.vllm_plugin import runtime
+    from vllm_tfm.vllm_plugin.runtime.settings import set_proposal_override
+    from vllm_tfm.vllm_plugin.runtime.state import STATE
+
+    path = out / "sampling_baseline.json"
+    if not path.is_file():
+        return {"error": f"{path} missing: the baseline phase ran without TFM_E2E_SAMPLING=1 or failed"}
+    base = json.loads(path.read_text())
+    res = {k: base.get(k) for k in ("prompt", "samples", "alpha", "seeds", "first_token_top20")}
+    res["baseline_seconds"] = base.get("seconds")
+    res["arms"] = {"nospec_t0.7": base["sanity_t0.7"]}
+    for proposal in SAMPLING_ARMS:
+        arm: dict = {"proposal": proposal, "expect": "same", "temperature": 1.0}
+        res["arms"][proposal] = arm
+        set_proposal_override(proposal)
+        os.environ["VLLM_TFM_FORCE_TREE_PATH"] = "0"
+        oracle.mode = None
+        if STATE.metrics is not None:
+            STATE.metrics.reset()
+        before = spec_counters(llm)
+        t = time.time()
+        try:
+            got = sample_pairs(llm, base["prompt"], 1.0, SAMPLING_SEEDS[proposal])
+            arm.update(pair_test(base["nospec_t1.0"], got))
+            arm["ok"] = arm["p_value"] >= SAMPLING_ALPHA
+            t2 = pair_test([x[1:] for x in base["nospec_t1.0"]], [x[1:] for x in got])  # diagnostic only:
+            arm["token2_marginal"] = {k: t2[k] for k in ("statistic", "dof", "p_value")}  # rare pairs pool to "other"
+        except Exception as e:  # noqa: BLE001
+            arm["error"] = f"{type(e).__name__}: {e}"
+            arm["traceback"] = traceback.format_exc()
+            print(arm["traceback"], flush=True)
+            abort_all(llm)
+        arm["seconds"] = round(time.time() - t, 2)
+        arm["tree_metrics"] = runtime.snapshot_metrics()
+        arm["spec_counters"] = diff_counters(before, spec_counters(llm))
+        log(sampling_line(proposal, arm))
+    set_proposal_override(None)
+    return res
+
+
 def phase_baseline(out: Path) -> None:
     info = load_plugin()
     from vllm import LLM
@@ -183,6 +304,12 @@ def phase_baseline(out: Path) -> None:
     for i, item in enumerate(b8):
         m = [x for x in item["margins"] if x is not None]
         log(f"baseline prompt {i}: {item['tokens'][:12]}... min top-2 margin {min(m):.3g}")
+    if SAMPLING:
+        try:
+            baseline_sampling(llm, out, ps[0])
+        except Exception as e:  # noqa: BLE001 - the greedy baseline above stays usable
+            log("sampling baseline FAILED:", f"{type(e).__name__}: {e}")
+            traceback.print_exc()
 
 
 # ---------------------------------------------------------------------------------------- GPU units
@@ -482,6 +609,10 @@ def phase_tfm(out: Path) -> None:
     results["command"] = ("TFM_E2E_PROMPTS={} TFM_E2E_MAX_TOKENS={} TFM_E2E_BUDGET={} TFM_E2E_BLOCK={} "
                           "TFM_E2E_DTYPE={} TFM_E2E_MAX_SEQS={} TFM_E2E_CASES={} bash bench/run_gpu_plugin.sh").format(
         len(ps), MAX_TOKENS, BUDGET, BLOCK, DTYPE, MAX_SEQS, ",".join(wanted) or "all")
+    if SAMPLING:
+        results["command"] = f"TFM_E2E_SAMPLING=1 TFM_E2E_SAMPLES={N_SAMPLES} " + results["command"]
+        results["sampling"] = tfm_sampling(llm, out, oracle)
+        save()
     for name, proposal, force, mode in CASES:
         if wanted and name not in wanted:
             continue
@@ -552,6 +683,18 @@ def summary(out: Path) -> int:
               f"  {c.get('error', '')}")
         for i, d in (c.get("divergences") or {}).items():
             print(f"           prompt {i}: {d}")
+    if "sampling" in res:
+        smp = res["sampling"]
+        if "error" in smp:
+            print("SAMPLING ERROR:", smp["error"])
+            bad += 1
+        for name, r in (smp.get("arms") or {}).items():
+            if r.get("expect") == "same":
+                status = "ERROR" if "error" in r else ("OK" if r.get("ok") else "DIFFERS")
+                bad += status != "OK"
+            else:  # the sanity arm: the test must reject a different distribution
+                status = "POWER" if r.get("ok") else "NO-POWER"
+            print(f"{status:8s} {sampling_line(name, r)}")
     print("=" * 100)
     return 1 if bad else 0
 
