@@ -3,11 +3,17 @@
     vllm-tfm demo [--prompt TEXT | --prompt-ids 1,2,3] [--max-new-tokens N] [--budget B]
                   [--block-size G] [--method tfm] [--temperature T] [--acceptance A] [--seed S]
                   [--zoo DIR] [--random-models] [--threads N]
+    vllm-tfm eval [--zoo DIR | --random-models] [--methods chain,ddtree,treeflash,tfm]
+                  [--budgets 16,32,64,128] [--temperatures 0,1] [--prompts N] [--max-new-tokens M]
+                  [--prompt-len L] [--seed S] [--device cpu|cuda] [--out JSON] [--plots-dir DIR]
+                  [--data-root DIR ...] [--threads N]
 
 ``demo`` runs the reference speculative decoder (``vllm_tfm.reference``) on the CPU with a
 `transformers` target: the default method first (its text, tokens/s, mean accepted length and
 acceptance by depth), then every method side by side, plus the target alone. It uses the trained
 toy zoo when one is found (see ``vllm_tfm.reference.zoo``), else random tiny models, and says so.
+``eval`` measures mean accepted length and acceptance by depth per (method, budget, temperature)
+and the drafters' quality by depth (``vllm_tfm.reference.evaluate``) into a JSON file and a table.
 """
 
 from __future__ import annotations
@@ -48,6 +54,7 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--random-models", action="store_true", help="use random tiny models even if a zoo exists")
     demo.add_argument("--threads", type=int, default=1, help="torch CPU threads (default 1: the models are tiny)")
     demo.set_defaults(func=_demo)
+    _add_eval_parser(sub)
     train = sub.add_parser("train", add_help=False,
                            help="train the toy zoo (tokenizer, target, dflash, weaver, treeflash, all); "
                                 "`vllm-tfm train --help` for its options")
@@ -196,4 +203,158 @@ def _demo(args: argparse.Namespace) -> int:
     if greedy and any(res.tokens != ar for _, res in rows):
         print("WARNING: a method's greedy output differs from the target's own greedy output")
         return 1
+    return 0
+
+
+# ---------------------------------------------------------------------- eval
+
+
+def _csv(kind):
+    def parse(text: str):
+        try:
+            vals = [kind(t) for t in text.replace(",", " ").split()]
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected a comma-separated list of {kind.__name__}, got {text!r}") from None
+        if not vals:
+            raise argparse.ArgumentTypeError("expected at least one value")
+        return vals
+
+    return parse
+
+
+def _add_eval_parser(sub) -> None:
+    ev = sub.add_parser("eval", help="acceptance (MAL, by depth) and drafter quality over held-out code prompts")
+    src = ev.add_mutually_exclusive_group()
+    src.add_argument("--zoo", help="toy zoo directory (default: search $VLLM_TFM_ZOO, ./zoo next to the package)")
+    src.add_argument("--random-models", action="store_true", help="random tiny models and random token prompts")
+    ev.add_argument("--methods", type=_csv(str), default=None, help="comma-separated (default chain,ddtree,treeflash,tfm)")
+    ev.add_argument("--budgets", type=_csv(int), default=[16, 32, 64, 128], help="draft nodes per tree (default 16,32,64,128)")
+    ev.add_argument("--temperatures", type=_csv(float), default=[0.0, 1.0], help="default 0,1 (0 = greedy)")
+    ev.add_argument("--prompts", type=int, default=8, help="held-out prompts N (default 8)")
+    ev.add_argument("--max-new-tokens", type=int, default=64, help="tokens generated per prompt M (default 64)")
+    ev.add_argument("--prompt-len", type=int, default=128, help="prompt tokens (default 128)")
+    ev.add_argument("--block-size", type=int, default=None, help="DFlash block size gamma (default: the drafter's)")
+    ev.add_argument("--seed", type=int, default=0, help="seed of prompt windows, sampling and random models")
+    ev.add_argument("--device", default="auto", help="auto (cuda if available), cpu, cuda or cuda:N")
+    ev.add_argument("--out", default="bench/results/acceptance.json", help="results JSON (default bench/results/acceptance.json)")
+    ev.add_argument("--plots-dir", default="docs", help="where the MAL-vs-budget PNGs go (default docs)")
+    ev.add_argument("--data-root", action="append", default=None,
+                    help="corpus root(s) of the held-out files (repeatable; default: the zoo's recorded roots, else site-packages)")
+    ev.add_argument("--threads", type=int, default=1, help="torch CPU threads (default 1)")
+    ev.set_defaults(func=_eval)
+
+
+def _eval_command(args: argparse.Namespace, methods: list[str]) -> str:
+    """The command with every option explicit (defaults included): reruns this evaluation."""
+    import shlex
+
+    parts = ["vllm-tfm", "eval"]
+    parts += ["--random-models"] if args.random_models else (["--zoo", args.zoo] if args.zoo else [])
+    parts += ["--methods", ",".join(methods), "--budgets", ",".join(map(str, args.budgets)),
+              "--temperatures", ",".join(f"{t:g}" for t in args.temperatures), "--prompts", str(args.prompts),
+              "--max-new-tokens", str(args.max_new_tokens), "--prompt-len", str(args.prompt_len), "--seed", str(args.seed),
+              "--device", args.device, "--out", args.out, "--plots-dir", args.plots_dir, "--threads", str(args.threads)]
+    if args.block_size is not None:
+        parts += ["--block-size", str(args.block_size)]
+    for r in args.data_root or []:
+        parts += ["--data-root", r]
+    return shlex.join(parts)
+
+
+def _eval(args: argparse.Namespace) -> int:
+    import json
+    from pathlib import Path
+
+    import torch
+    import transformers
+
+    from vllm_tfm.reference.drafters import METHODS
+    from vllm_tfm.reference.evaluate import (
+        EvalConfig,
+        environment_info,
+        evaluate,
+        finite_or_none,
+        held_out_prompts,
+        markdown_tables,
+        random_prompts,
+        recorded_data_roots,
+        write_plots,
+    )
+    from vllm_tfm.reference.zoo import is_zoo, load_zoo, random_demo_models, zoo_search_paths
+
+    methods = args.methods if args.methods is not None else list(METHODS)
+    for name, v in (("--prompts", args.prompts), ("--max-new-tokens", args.max_new_tokens),
+                    ("--prompt-len", args.prompt_len), ("--threads", args.threads)):
+        if v < 1:
+            raise ValueError(f"{name} must be >= 1, got {v}")
+    config = EvalConfig(tuple(methods), tuple(args.budgets), tuple(args.temperatures), args.max_new_tokens,
+                        args.seed, args.block_size)
+    config.validate()
+    torch.set_num_threads(args.threads)
+    transformers.utils.logging.get_logger("transformers.integrations.hub_kernels").setLevel(40)
+    device = torch.device(("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" else args.device)
+
+    notes = []
+    zoo_dir = None
+    if args.random_models:
+        models = random_demo_models(args.seed)
+        notes.append("--random-models given: the zoo is not used.")
+    else:
+        zoo_dir = Path(args.zoo) if args.zoo else next((p for p in zoo_search_paths() if is_zoo(p)), None)
+        if zoo_dir is None:
+            models = random_demo_models(args.seed)
+            notes.append(f"no trained toy zoo found (looked in: {', '.join(str(p) for p in zoo_search_paths())}).")
+        else:
+            models = load_zoo(zoo_dir)
+    random_models = models.source == "random"
+    print(f"vllm-tfm eval: reference decoder on {device} (torch {torch.__version__}, transformers {transformers.__version__})")
+    print(f"models: {models.description}")
+    if random_models:
+        notes.insert(0, "RANDOM, untrained models and random token-id prompts: the numbers show the mechanics only.")
+    for n in notes:
+        print(f"NOTE: {n}")
+
+    gamma = args.block_size or models.bundle.dflash.config.block_size
+    window_len = args.prompt_len + args.max_new_tokens + gamma - 1
+    if random_models:
+        prompts = random_prompts(models.target.config.vocab_size, args.prompts, args.prompt_len, window_len, args.seed)
+    else:
+        tok_dir = next((d for d in (zoo_dir / "tokenizer", zoo_dir / "target") if (d / "tokenizer.json").is_file()), None)
+        if tok_dir is None:
+            raise ValueError(f"{zoo_dir}: no tokenizer.json in tokenizer/ or target/, so held-out files cannot be tokenized")
+        recorded, modulus = recorded_data_roots(zoo_dir)
+        roots = args.data_root or recorded or ["site-packages"]
+        prompts = held_out_prompts(roots, tok_dir, args.prompts, args.prompt_len, window_len, args.seed, modulus)
+        print(f"prompts: {args.prompts} windows of held-out files under {', '.join(prompts.info['data_roots'])}")
+
+    models.target.to(device)
+    for m in (models.bundle.dflash, models.bundle.weaver, models.bundle.treeflash):
+        if m is not None:
+            m.to(device)
+    results = evaluate(models.target, models.bundle, prompts, config, progress=lambda s: print(f"  {s}", flush=True))
+    command = _eval_command(args, methods)
+    results = {
+        "models": "random" if random_models else "zoo",
+        "models_description": models.description,
+        "model_dirs": "random" if random_models else {
+            "zoo": str(zoo_dir.resolve()), "target": str((zoo_dir / "target").resolve()),
+            "drafter": str((zoo_dir / "drafter").resolve()),
+        },
+        "notes": notes,
+        "command": command,
+        "machine": environment_info(device),
+        **results,
+    }
+    plots = write_plots(results, args.plots_dir)
+    results["plots"] = plots
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(finite_or_none(results), indent=1) + "\n")
+    print()
+    print(markdown_tables(results))
+    print()
+    print(f"results: {out}")
+    print(f"plots: {', '.join(plots)}" if isinstance(plots, list) else f"NOTE: {plots}")
+    if random_models:
+        print("NOTE: these results come from RANDOM models (\"models\": \"random\" in the JSON).")
     return 0

@@ -79,7 +79,9 @@ def test_demo_errors_are_one_line(argv, message, capsys):
     assert len(err) == 1 and err[0].startswith("vllm-tfm: error: ") and re.search(message, err[0])
 
 
-def test_only_demo_is_registered(capsys):
+def test_unknown_command_is_refused(capsys):
     with pytest.raises(SystemExit):
-        main(["eval"])
-    assert "invalid choice: 'eval'" in capsys.readouterr().err
+        main(["bench"])
+    err = capsys.readouterr().err
+    assert "invalid choice: 'bench'" in err
+    assert all(name in err for name in ("demo", "train", "eval"))
