@@ -29,17 +29,6 @@ def config_sha1(config: dict[str, Any]) -> str:
     return hashlib.sha1(json.dumps(config, sort_keys=True).encode()).hexdigest()
 
 
-def _owned(obj: Any) -> Any:
-    """``obj`` with every tensor replaced by a CPU clone (dicts, lists and tuples walked)."""
-    if isinstance(obj, torch.Tensor):
-        return obj.detach().cpu().clone()
-    if isinstance(obj, dict):
-        return {k: _owned(v) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return type(obj)(_owned(v) for v in obj)
-    return obj
-
-
 class Checkpointer:
     """Save / load one stage's training state under ``work_dir / stage``."""
 
@@ -58,10 +47,8 @@ class Checkpointer:
             "format": CHECKPOINT_FORMAT,
             "stage": self.stage,
             "config_sha1": self.config_sha1,
-            # Cloned: a saved tensor must own exactly its bytes. A view into a larger (or later
-            # resized) storage makes torch.load fail with "record size ... does not match".
-            "module": {k: v.detach().cpu().clone() for k, v in module.state_dict().items()},
-            "optimizer": _owned(optimizer.state_dict()),
+            "module": {k: v.detach().cpu() for k, v in module.state_dict().items()},
+            "optimizer": optimizer.state_dict(),
             "loop": loop_state,
         }
         tmp = self.path.with_suffix(".tmp")
