@@ -46,6 +46,16 @@ if str(REPO) not in sys.path:
 ROOT = Path(os.environ.get("TFM_E2E_DIR", "/tmp/tfm-e2e"))
 TARGET, DRAFTER = ROOT / "target", ROOT / "drafter"
 VOCAB, HIDDEN = 4096, 512
+# TFM_E2E_ZOO=<dir>: run on a trained toy zoo (<dir>/target, <dir>/drafter) instead of random
+# models; prompts are then windows of this repository's own Python files, tokenized with the zoo's
+# tokenizer (text the target reads like its training data, but not from it).
+ZOO = os.environ.get("TFM_E2E_ZOO")
+if ZOO:
+    ZOO = str(Path(ZOO).resolve())
+    TARGET, DRAFTER = Path(ZOO) / "target", Path(ZOO) / "drafter"
+    VOCAB = json.loads((TARGET / "config.json").read_text())["vocab_size"]
+    HIDDEN = json.loads((TARGET / "config.json").read_text())["hidden_size"]
+    os.environ.setdefault("TFM_E2E_BLOCK", str(json.loads((DRAFTER / "config.json").read_text())["block_size"]))
 # Size of the run, from the environment (defaults: the quick smoke run):
 #   TFM_E2E_PROMPTS (8), TFM_E2E_MAX_TOKENS (32), TFM_E2E_BUDGET (7), TFM_E2E_BLOCK (8),
 #   TFM_E2E_DTYPE (float32), TFM_E2E_MAX_SEQS (16: the engine's batch), TFM_E2E_CASES (all; a
@@ -67,11 +77,25 @@ def log(*args: object) -> None:
 
 def prompts() -> list[list[int]]:
     rng = random.Random(1234)
-    return [[rng.randrange(2, VOCAB - 2) for _ in range(n)] for n in PROMPT_LENS]
+    if not ZOO:
+        return [[rng.randrange(2, VOCAB - 2) for _ in range(n)] for n in PROMPT_LENS]
+    from tokenizers import Tokenizer
+
+    tok = Tokenizer.from_file(str(TARGET / "tokenizer.json"))
+    texts = [p.read_text() for p in sorted((REPO / "vllm_tfm").rglob("*.py")) if p.stat().st_size > 4000]
+    out = []
+    for i, n in enumerate(PROMPT_LENS):
+        ids = tok.encode(texts[i % len(texts)], add_special_tokens=False).ids
+        start = rng.randrange(0, max(1, len(ids) - n))
+        out.append(ids[start : start + n])
+    return out
 
 
 # ---------------------------------------------------------------------------------------- make
 def phase_make() -> None:
+    if ZOO:
+        log("TFM_E2E_ZOO:", ZOO, "(trained zoo; nothing to make)")
+        return
     import torch
     from transformers import Qwen3_5ForCausalLM, Qwen3_5TextConfig
 
@@ -605,8 +629,8 @@ def phase_tfm(out: Path) -> None:
     ps = baseline["prompts"]
     wanted = [c for c in os.environ.get("TFM_E2E_CASES", "").split(",") if c]
     results["size"] = {"prompts": len(ps), "max_tokens": MAX_TOKENS, "budget": BUDGET, "block": BLOCK,
-                       "dtype": DTYPE, "max_num_seqs": MAX_SEQS}
-    results["command"] = ("TFM_E2E_PROMPTS={} TFM_E2E_MAX_TOKENS={} TFM_E2E_BUDGET={} TFM_E2E_BLOCK={} "
+                       "dtype": DTYPE, "max_num_seqs": MAX_SEQS, "models": f"zoo {ZOO}" if ZOO else "random"}
+    results["command"] = (("TFM_E2E_ZOO=zoo " if ZOO else "") + "TFM_E2E_PROMPTS={} TFM_E2E_MAX_TOKENS={} TFM_E2E_BUDGET={} TFM_E2E_BLOCK={} "
                           "TFM_E2E_DTYPE={} TFM_E2E_MAX_SEQS={} TFM_E2E_CASES={} bash bench/run_gpu_plugin.sh").format(
         len(ps), MAX_TOKENS, BUDGET, BLOCK, DTYPE, MAX_SEQS, ",".join(wanted) or "all")
     if SAMPLING:

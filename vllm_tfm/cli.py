@@ -241,6 +241,13 @@ def _add_eval_parser(sub) -> None:
     ev.add_argument("--data-root", action="append", default=None,
                     help="corpus root(s) of the held-out files (repeatable; default: the zoo's recorded roots, else site-packages)")
     ev.add_argument("--threads", type=int, default=1, help="torch CPU threads (default 1)")
+    ev.add_argument("--quality-anchors", type=int, default=32,
+                    help="anchors per prompt for the drafter-quality analysis (default 32)")
+    ev.add_argument("--deadline-minutes", type=float, default=None,
+                    help="replay: run budget 64 first and skip the cells that would start after this many minutes")
+    ev.add_argument("--mode", choices=("replay", "decode"), default="replay",
+                    help="replay (default): accepted paths read off the target's continuation, batched over prompts "
+                         "(equal to the decoder's, tested); decode: run the speculative decoder with tree verify")
     ev.set_defaults(func=_eval)
 
 
@@ -253,7 +260,10 @@ def _eval_command(args: argparse.Namespace, methods: list[str]) -> str:
     parts += ["--methods", ",".join(methods), "--budgets", ",".join(map(str, args.budgets)),
               "--temperatures", ",".join(f"{t:g}" for t in args.temperatures), "--prompts", str(args.prompts),
               "--max-new-tokens", str(args.max_new_tokens), "--prompt-len", str(args.prompt_len), "--seed", str(args.seed),
-              "--device", args.device, "--out", args.out, "--plots-dir", args.plots_dir, "--threads", str(args.threads)]
+              "--device", args.device, "--out", args.out, "--plots-dir", args.plots_dir, "--threads", str(args.threads),
+              "--mode", args.mode, "--quality-anchors", str(args.quality_anchors)]
+    if args.deadline_minutes is not None:
+        parts += ["--deadline-minutes", f"{args.deadline_minutes:g}"]
     if args.block_size is not None:
         parts += ["--block-size", str(args.block_size)]
     for r in args.data_root or []:
@@ -288,7 +298,8 @@ def _eval(args: argparse.Namespace) -> int:
         if v < 1:
             raise ValueError(f"{name} must be >= 1, got {v}")
     config = EvalConfig(tuple(methods), tuple(args.budgets), tuple(args.temperatures), args.max_new_tokens,
-                        args.seed, args.block_size)
+                        args.seed, args.block_size, mode=args.mode, quality_anchors=args.quality_anchors,
+                        deadline_s=None if args.deadline_minutes is None else 60.0 * args.deadline_minutes)
     config.validate()
     torch.set_num_threads(args.threads)
     transformers.utils.logging.get_logger("transformers.integrations.hub_kernels").setLevel(40)

@@ -85,3 +85,26 @@ def test_unknown_command_is_refused(capsys):
     err = capsys.readouterr().err
     assert "invalid choice: 'bench'" in err
     assert all(name in err for name in ("demo", "train", "eval"))
+
+
+def test_demo_uses_the_committed_zoo_by_default(capsys):
+    """The trained toy zoo under zoo/ (committed): found without flags, every method reproduces the
+    target's greedy output, and speculation accepts more than one token per target forward."""
+    import time
+    from pathlib import Path
+
+    zoo = Path(__file__).resolve().parents[2] / "zoo"
+    assert (zoo / "target" / "model.safetensors").is_file(), "the committed toy zoo is missing"
+    t0 = time.monotonic()
+    assert main(["demo"]) == 0
+    elapsed = time.monotonic() - t0
+    out = capsys.readouterr().out
+    assert f"models: toy zoo {zoo}" in out and "RANDOM" not in out
+    rows = table_rows(out)
+    assert set(METHODS) <= set(rows)
+    for m in METHODS:
+        tokens_s, mal, steps, same = rows[m][:4]
+        assert same == "yes", m
+        assert float(mal) > 1.0, m
+    assert float(rows["tfm"][1]) > float(rows["chain"][1])
+    assert elapsed < 60.0

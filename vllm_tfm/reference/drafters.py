@@ -179,6 +179,13 @@ class DFlashProposer:
         positions = torch.arange(inputs.position, inputs.position + self.gamma, device=dev)
         cu = torch.tensor([0, n_ctx], dtype=torch.long, device=dev)
         prenorm = self.drafter.forward_batch_prenorm(self._ctx_kv, cu, block[None], positions[None], self.embed)[0]
+        return self.tree_from_block(inputs, prenorm, budget)
+
+    @torch.no_grad()
+    def tree_from_block(self, inputs: DraftInputs, prenorm: Tensor, budget: int) -> Tree:
+        """The step's tree from the DFlash block's residual stream ``prenorm [gamma, H]`` (before the
+        final norm), as :meth:`propose` computes it; callers that run the DFlash forward for many
+        anchors at once (the acceptance replay) build each anchor's tree here."""
         hidden = self.drafter.norm(prenorm)  # [gamma, H]
         logits = marginal_logits(hidden, self.lm_head)  # [D, V], row d-1 = depth d
         logits = logits.to(_math_dtype(logits.dtype))

@@ -31,6 +31,7 @@ import json
 import math
 import platform
 import sys
+import time
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -45,6 +46,7 @@ from vllm_tfm.models import DrafterBundle, TreeFlashTransitionScorer, marginal_l
 from .decoder import SamplingConfig, SpeculativeDecoder
 from .drafters import METHODS, DraftInputs, ProposalBias, make_proposer
 from .hf_compat import capture_final_hidden, capture_layer_outputs
+from .replay import replay_cells
 
 __all__ = [
     "EvalConfig",
@@ -67,6 +69,10 @@ DEFAULT_BUDGETS = (16, 32, 64, 128)
 DEFAULT_TEMPERATURES = (0.0, 1.0)
 DEFAULT_KS = (1, 8, 64)
 DRAFTERS = ("dflash", "treeflash", "weaver")
+MODES = ("replay", "decode")
+"""Acceptance modes: ``replay`` reads each step's accepted path off the target's own continuation
+(``vllm_tfm.reference.replay``: the decoder's numbers without its verify passes, batched over
+prompts); ``decode`` runs :class:`SpeculativeDecoder` prompt by prompt (tree verify included)."""
 
 
 @dataclass(frozen=True)
@@ -80,8 +86,13 @@ class EvalConfig:
     seed: int = 0
     gamma: int | None = None
     coverage_ks: tuple[int, ...] = DEFAULT_KS
+    mode: str = "replay"
+    quality_anchors: int | None = None  # anchors per prompt for drafter quality (None: max_new_tokens)
+    deadline_s: float | None = None  # replay: skip the cells that would start later than this many seconds
 
     def validate(self) -> None:
+        if self.mode not in MODES:
+            raise ValueError(f"unknown acceptance mode {self.mode!r}; choose from {', '.join(MODES)}")
         bad = [m for m in self.methods if m not in METHODS]
         if bad or not self.methods:
             raise ValueError(f"unknown method {bad[0] if bad else '(none)'!r}; choose from {', '.join(METHODS)}")
@@ -91,6 +102,10 @@ class EvalConfig:
             raise ValueError(f"temperatures must be >= 0, got {list(self.temperatures)}")
         if self.max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
+        if self.quality_anchors is not None and self.quality_anchors < 1:
+            raise ValueError(f"quality_anchors must be >= 1, got {self.quality_anchors}")
+        if self.deadline_s is not None and self.deadline_s <= 0:
+            raise ValueError(f"deadline_s must be > 0, got {self.deadline_s}")
         if not self.coverage_ks or min(self.coverage_ks) < 1:
             raise ValueError(f"coverage ks must be >= 1, got {list(self.coverage_ks)}")
 
@@ -394,14 +409,34 @@ def evaluate(
     for m in config.methods:
         if m in need and getattr(bundle, need[m]) is None:
             raise ValueError(f"method {m!r} needs a {need[m]} model, which the drafter directory does not have")
-    cells = acceptance_cells(target, bundle, prompts, config, proposal_bias, progress)
-    quality = drafter_quality(target, bundle, prompts, config.max_new_tokens, config.gamma, config.coverage_ks, proposal_bias)
+    t0 = time.monotonic()
+    anchors = config.max_new_tokens if config.quality_anchors is None else min(config.quality_anchors, config.max_new_tokens)
+    quality = drafter_quality(target, bundle, prompts, anchors, config.gamma, config.coverage_ks, proposal_bias)
+    if progress is not None:
+        progress(f"drafter quality over {quality['anchors']} anchors in {time.monotonic() - t0:.1f} s")
+    skipped: list[dict[str, Any]] = []
+    if config.mode == "replay":
+        deadline = None if config.deadline_s is None else t0 + config.deadline_s
+        cells = replay_cells(
+            target, bundle, prompts.windows, prompts.prompt_len, config.methods, config.budgets, config.temperatures,
+            config.max_new_tokens, config.seed, config.gamma, proposal_bias, progress, deadline=deadline, skipped=skipped,
+        )
+    else:
+        cells = acceptance_cells(target, bundle, prompts, config, proposal_bias, progress)
     cfg = asdict(config)
     cfg["gamma"] = cells[0]["max_depth"] + 1 if cells else config.gamma
     cfg["prompts"] = len(prompts.windows)
     cfg["prompt_len"] = prompts.prompt_len
     cfg["sampling_seeds"] = f"torch.Generator(device).manual_seed(seed + prompt index), seed {config.seed}"
-    return {"config": cfg, "prompts": prompts.info, "acceptance": cells, "drafter_quality": quality}
+    cfg["acceptance"] = (
+        "replay: accepted paths read off the target's continuation (greedy, or an ancestral sample at T > 0, "
+        "which gives target-only tree acceptance's law)" if config.mode == "replay"
+        else "decode: SpeculativeDecoder with tree verify, target-only acceptance when sampling"
+    )
+    out = {"config": cfg, "prompts": prompts.info, "acceptance": cells, "drafter_quality": quality}
+    if skipped:
+        out["skipped_cells"] = skipped
+    return out
 
 
 def markdown_tables(results: dict[str, Any]) -> str:
@@ -412,7 +447,7 @@ def markdown_tables(results: dict[str, Any]) -> str:
     keys = list(dict.fromkeys((c["method"], c["budget"]) for c in cells))
     by = {(c["method"], c["budget"], c["temperature"]): c for c in cells}
     for m, b in keys:
-        lines.append(f"| {m} | {b} | " + " | ".join(f"{by[(m, b, t)]['mal']:.3f}" for t in temps) + " |")
+        lines.append(f"| {m} | {b} | " + " | ".join(f"{by[(m, b, t)]['mal']:.3f}" if (m, b, t) in by else "-" for t in temps) + " |")
     depth = max(c["max_depth"] for c in cells)
     lines += ["", "acceptance by depth (fraction of steps reaching d):", "",
               "| method | B | T | " + " | ".join(f"d{d}" for d in range(1, depth + 1)) + " |",

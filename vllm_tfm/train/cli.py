@@ -76,6 +76,11 @@ def _parser() -> argparse.ArgumentParser:
     a.add_argument("--out", required=True, help="zoo directory: tokenizer/, target/, drafter/ inside")
     a.add_argument("--stages", default=",".join(STAGES), help="comma-separated subset, in pipeline order")
     a.add_argument("--config-dir", default=None, help="directory with <stage>.json configs (default: packaged)")
+    a.add_argument(
+        "--keep-going",
+        action="store_true",
+        help="when a stage stops at its time budget, keep its (partial) model and train the next stages on it",
+    )
     common(a)
     return p
 
@@ -153,14 +158,19 @@ def _run_stage(stage: str, cfg: Any, opts, inputs: dict[str, Path]) -> dict[str,
     return train_treeflash(cfg, opts, inputs["target"], inputs["drafter"])
 
 
-def _stage_done(directory: Path, stage: str) -> bool:
+def _stage_status(directory: Path, stage: str) -> str | None:
     card = directory / f"training_{stage}.json"
     if not card.is_file():
-        return False
+        return None
     try:
-        return json.loads(card.read_text()).get("status") == "complete"
+        return json.loads(card.read_text()).get("status")
     except json.JSONDecodeError:
-        return False
+        return None
+
+
+def _stage_done(directory: Path, stage: str, accept_partial: bool = False) -> bool:
+    status = _stage_status(directory, stage)
+    return status == "complete" or (accept_partial and status == "partial")
 
 
 def _run_all(args: argparse.Namespace, command: str, start: float) -> int:
@@ -178,13 +188,14 @@ def _run_all(args: argparse.Namespace, command: str, start: float) -> int:
     base = _options(args, zoo, command, start, None)
     cfgs = {s: _config(s, cfg_dir / f"{s}.json" if cfg_dir else None, base) for s in stages}
     shares = {s: (cfgs[s].schedule.budget_share if s != "tokenizer" else 0.0) for s in stages}
+    partial = False
     for i, stage in enumerate(stages):
         out = out_of.get(stage, dirs["drafter"])
         if args.resume and _stage_done(out, stage):
             print(f"[all] {stage}: already complete in {out}, skipped", flush=True)
             continue
         for need, d in (("tokenizer", dirs["tokenizer"]), ("target", dirs["target"]), ("dflash", dirs["drafter"])):
-            if STAGES.index(need) < STAGES.index(stage) and not _stage_done(d, need):
+            if STAGES.index(need) < STAGES.index(stage) and not _stage_done(d, need, args.keep_going):
                 raise ValueError(f"stage {stage} needs a complete {need} in {d}; run that stage first")
         deadline = None
         if deadline_all is not None:
@@ -199,10 +210,13 @@ def _run_all(args: argparse.Namespace, command: str, start: float) -> int:
         print(f"[all] {stage} -> {out}", flush=True)
         record = _run_stage(stage, cfgs[stage], opts, dirs)
         if record["status"] != "complete":
-            print(f"[all] {stage} stopped early ({record.get('stopped_reason')}); rerun with --resume", flush=True)
-            return EXIT_PARTIAL
+            if not args.keep_going:
+                print(f"[all] {stage} stopped early ({record.get('stopped_reason')}); rerun with --resume", flush=True)
+                return EXIT_PARTIAL
+            print(f"[all] {stage} stopped early ({record.get('stopped_reason')}); --keep-going: next stage", flush=True)
+            partial = True
     print(f"[all] done in {time.monotonic() - start:.0f} s: {zoo}", flush=True)
-    return 0
+    return EXIT_PARTIAL if partial else 0
 
 
 def train_main(argv: Sequence[str] | None = None) -> int:
