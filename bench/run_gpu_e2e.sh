@@ -30,6 +30,8 @@ export PYTHONPATH="$PWD:$PYTHONPATH"
 export VLLM_ENABLE_V1_MULTIPROCESSING=0
 export E2E_COMMAND="bash bench/run_gpu_e2e.sh $*"
 nvidia-smi --query-gpu=name,memory.used,memory.total,driver_version --format=csv,noheader || true
+echo "== GPU checks of the benchmark switches ($(( $(date +%s) - start )) s)"
+timeout 60 python3 -m pytest tests/gpu/test_benchmark_gpu.py -q -p no:cacheprovider 2>&1 | tail -n 3
 elapsed=$(( $(date +%s) - start ))
 echo "== e2e (${elapsed} s; $(( deadline - elapsed )) s left for bench/e2e.py)"
 python3 bench/e2e.py --out "$OUT" --deadline-s "$(( deadline - elapsed ))" "$@"
