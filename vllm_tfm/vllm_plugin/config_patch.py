@@ -38,7 +38,7 @@ from typing import Any, Literal
 
 from vllm_tfm.models.tfm_config import TFM_CONFIG_NAME, TfmConfig
 
-from . import drafter_checks, guards
+from . import benchmark_mode, drafter_checks, guards
 from .options import (
     HF_DRAFTER_DIR_ATTR,
     HF_OPTIONS_ATTR,
@@ -74,6 +74,7 @@ class TfmPlan:
 
     drafter_dir: Path
     options: TfmConfig
+    replay: benchmark_mode.ReplaySpec | None = None
 
 
 def prepare_tfm(
@@ -116,7 +117,10 @@ def prepare_tfm(
     depth = draft_depth(options.budget, block)
     drafter_checks.check_weaver_shape(options, str(directory / TFM_CONFIG_NAME), hidden, depth)
     drafter_checks.check_proposal_files(directory, options)
-    return TfmPlan(drafter_dir=directory, options=options)
+    replay = benchmark_mode.resolve_acceptance_replay(options.proposal, options.budget, depth)
+    if replay is not None:
+        benchmark_mode.warn_replay(replay, "engine config")
+    return TfmPlan(drafter_dir=directory, options=options, replay=replay)
 
 
 def finish_tfm(spec_config: Any, plan: TfmPlan) -> None:
@@ -125,6 +129,7 @@ def finish_tfm(spec_config: Any, plan: TfmPlan) -> None:
     hf_config = spec_config.draft_model_config.hf_config
     setattr(hf_config, HF_OPTIONS_ATTR, plan.options.model_dump(mode="json"))
     setattr(hf_config, HF_DRAFTER_DIR_ATTR, str(plan.drafter_dir))
+    setattr(hf_config, benchmark_mode.HF_REPLAY_ATTR, None if plan.replay is None else plan.replay.model_dump(mode="json"))
 
 
 # --------------------------------------------------------------------------- EngineArgs

@@ -69,7 +69,11 @@ NON_OPTION_ENV_VARS: frozenset[str] = frozenset(
         "VLLM_TFM_SKIP_VERSION_CHECK",  # vllm_plugin/version.py
         "VLLM_TFM_FORCE_TREE_PATH",  # runtime: chains go through the tree path too
         "VLLM_TFM_KERNELS",  # runtime: 0 forces the torch references instead of the kernels
-        "VLLM_TFM_PROFILE",  # runtime: per-stage timings
+        "VLLM_TFM_PROFILE",  # runtime: per-stage CUDA-event timings (runtime/stage_timing.py)
+        "VLLM_TFM_BENCHMARK_ACCEPTANCE_REPLAY",  # benchmark_mode: replay a recorded acceptance profile
+        "VLLM_TFM_I_AM_BENCHMARKING",  # benchmark_mode: required to allow the replay
+        "VLLM_TFM_BENCHMARK_REPLAY_SEED",  # benchmark_mode: seed of the replay draws
+        "VLLM_TFM_BENCHMARK_SPINE_TOP1",  # benchmark_mode: spine-first marginals in replay mode
         "VLLM_TFM_SYNC_LAUNCH",  # kernels: synchronous launches (debugging)
         "VLLM_TFM_CACHE",  # kernels: NVRTC cache directory
         "VLLM_TFM_CUDA_DIR",  # kernels: CUDA source directory

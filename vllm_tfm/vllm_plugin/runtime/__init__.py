@@ -28,11 +28,15 @@ One decode step of a tfm engine (sync scheduling, eager):
 
 Steps without a non-chain tree run vLLM's native chain path unchanged (set
 ``VLLM_TFM_FORCE_TREE_PATH=1`` to route them through the tree path too).
+
+Benchmark switches: ``VLLM_TFM_PROFILE=1`` times every stage with CUDA events
+(``stage_timing.py``); acceptance replay (``vllm_plugin/benchmark_mode.py``, ``replay.py``)
+replaces the verification outcome by draws from a recorded profile.
 """
 
 from __future__ import annotations
 
-__all__ = ["install", "is_installed", "snapshot_metrics"]
+__all__ = ["install", "is_installed", "snapshot_metrics", "collect_tree_metrics"]
 
 
 def install() -> None:
@@ -40,11 +44,12 @@ def install() -> None:
     (``vllm_tfm.vllm_plugin.patching``). Called by ``vllm_tfm.register()`` after its version check."""
     from .attention import install_attention_backend
     from .gdn import install_gdn_patch
-    from .hooks import install_runner_hooks
+    from .hooks import install_profile_hooks, install_runner_hooks
 
     install_attention_backend()
     install_gdn_patch()
     install_runner_hooks()
+    install_profile_hooks()  # only with VLLM_TFM_PROFILE=1 (stage_timing.py)
 
 
 def is_installed() -> bool:
@@ -63,4 +68,23 @@ def snapshot_metrics() -> dict | None:
     """Tree counters of the tfm engine in this process (None if none was built here)."""
     from .state import STATE
 
-    return None if STATE.metrics is None else STATE.metrics.snapshot()
+    if STATE.metrics is None:
+        return None
+    snap = STATE.metrics.snapshot()
+    if STATE.replay is not None:
+        snap["acceptance_replay"] = STATE.replay.snapshot()
+    return snap
+
+
+def collect_tree_metrics(worker: object = None, reset: bool = False) -> dict | None:
+    """:func:`snapshot_metrics`, then (``reset``) zero the counters and the replay's histograms.
+    The signature suits ``LLM.collective_rpc`` (vLLM passes the worker first)."""
+    from .state import STATE
+
+    snap = snapshot_metrics()
+    if reset:
+        if STATE.metrics is not None:
+            STATE.metrics.reset()
+        if STATE.replay is not None:
+            STATE.replay.reset()
+    return snap

@@ -12,6 +12,12 @@ Each wrapper calls the original and acts only on a runner built for ``"method": 
 * ``propose_draft_token_ids`` (4954): keeps the target's sampled hidden states for the Weaver;
 * ``sample_tokens`` (4497): clears the step state when the step ends, so profiling and dummy runs
   never see a stale tree.
+
+With ``VLLM_TFM_PROFILE=1`` (``stage_timing``) three more methods are wrapped for every runner,
+tfm or not, to time the stages of each step with CUDA events: ``execute_model`` (4111),
+``_model_forward`` (3824, the target forward) and ``_sample`` (3637); the wrappers above then
+also time ``sample_tokens`` and ``propose_draft_token_ids`` of non-tfm runners. Without the
+switch those three are not wrapped at all.
 """
 
 from __future__ import annotations
@@ -25,9 +31,10 @@ from .inputs import build_step_tree, tree_positions
 from .metrics import Metrics
 from .sampler import TFMTreeSampler, needs_native_sampler
 from .settings import force_tree_path
+from .stage_timing import TIMER
 from .state import STATE, StepTree
 
-__all__ = ["install_runner_hooks", "check_engine_config", "RUNNER_HOOKS"]
+__all__ = ["install_runner_hooks", "install_profile_hooks", "check_engine_config", "RUNNER_HOOKS", "PROFILE_HOOKS"]
 
 
 def _is_tfm(runner: Any) -> bool:
@@ -66,7 +73,14 @@ def _wrap_init(orig: Callable) -> Callable:
         check_engine_config(vllm_config)
         import vllm.v1.worker.gpu_model_runner as gmr
 
+        from ..benchmark_mode import get_acceptance_replay, warn_replay
         from .proposer import TFMProposer
+        from .replay import AcceptanceReplayer
+
+        replay_spec = get_acceptance_replay(vllm_config)
+        STATE.replay = None if replay_spec is None else AcceptanceReplayer(replay_spec, device)
+        if replay_spec is not None:
+            warn_replay(replay_spec, "worker")
 
         saved = gmr.DFlashProposer
         gmr.DFlashProposer = TFMProposer
@@ -80,7 +94,7 @@ def _wrap_init(orig: Callable) -> Callable:
                 "(use_dflash() for method 'tfm') installed in this process?"
             )
         self._tfm_enabled = True
-        self.rejection_sampler = TFMTreeSampler(self.rejection_sampler, self)
+        self.rejection_sampler = TFMTreeSampler(self.rejection_sampler, self, replay=STATE.replay)
         STATE.metrics = Metrics(max_depth=int(spec.num_speculative_tokens), device=device)
         STATE.store = type(STATE.store)()
         STATE.step = None
@@ -95,7 +109,7 @@ def _wrap_prepare_inputs(orig: Callable) -> Callable:
         if not _is_tfm(self):
             return out
         metrics = STATE.metrics
-        with metrics.timed("prepare_inputs.tree"):
+        with metrics.timed("prepare_inputs.tree"), TIMER.span("prepare_tree"):
             batch = self.input_batch
             num_req = batch.num_reqs
             step = build_step_tree(
@@ -104,7 +118,7 @@ def _wrap_prepare_inputs(orig: Callable) -> Callable:
                 scheduler_output.scheduled_spec_decode_tokens,
                 STATE.store,
                 allow_trees=not needs_native_sampler(batch.sampling_metadata),
-                force_tree_path=force_tree_path(),
+                force_tree_path=force_tree_path() or STATE.replay is not None,  # replay verifies chains too
                 device=self.device,
             )
             if step.tree_active:
@@ -174,7 +188,7 @@ def _wrap_update_states_after(orig: Callable) -> Callable:
         if _is_tfm(self):
             step = STATE.step
             if step is not None and step.tree_active:
-                with STATE.metrics.timed("commit"):
+                with STATE.metrics.timed("commit"), TIMER.span("commit"):
                     commit_step(self, step)
         return orig(self, output_token_ids, scheduler_output)
 
@@ -186,11 +200,12 @@ def _wrap_propose(orig: Callable) -> Callable:
     def propose_draft_token_ids(self: Any, scheduler_output: Any, sampled_token_ids: Any, sampling_metadata: Any,
                                 hidden_states: Any, sample_hidden_states: Any, *args: Any, **kwargs: Any) -> Any:
         if not _is_tfm(self):
-            return orig(self, scheduler_output, sampled_token_ids, sampling_metadata, hidden_states,
-                        sample_hidden_states, *args, **kwargs)
+            with TIMER.span("propose"):
+                return orig(self, scheduler_output, sampled_token_ids, sampling_metadata, hidden_states,
+                            sample_hidden_states, *args, **kwargs)
         STATE.final_hidden = sample_hidden_states
         try:
-            with STATE.metrics.timed("propose"):
+            with STATE.metrics.timed("propose"), TIMER.span("propose"):
                 return orig(self, scheduler_output, sampled_token_ids, sampling_metadata, hidden_states,
                             sample_hidden_states, *args, **kwargs)
         finally:
@@ -203,9 +218,10 @@ def _wrap_sample_tokens(orig: Callable) -> Callable:
     @functools.wraps(orig)
     def sample_tokens(self: Any, *args: Any, **kwargs: Any) -> Any:
         if not _is_tfm(self):
-            return orig(self, *args, **kwargs)
+            with TIMER.span("sample_tokens"):
+                return orig(self, *args, **kwargs)
         try:
-            with STATE.metrics.timed("sample_tokens"):
+            with STATE.metrics.timed("sample_tokens"), TIMER.span("sample_tokens"):
                 return orig(self, *args, **kwargs)
         finally:
             STATE.step = None
@@ -222,6 +238,41 @@ RUNNER_HOOKS: dict[str, tuple[Callable[[Callable], Callable], str]] = {
 }
 
 
+def _wrap_execute_model(orig: Callable) -> Callable:
+    @functools.wraps(orig)
+    def execute_model(self: Any, scheduler_output: Any, *args: Any, **kwargs: Any) -> Any:
+        TIMER.note_batch(len(scheduler_output.num_scheduled_tokens), scheduler_output.total_num_scheduled_tokens)
+        with TIMER.span("execute_model"):
+            return orig(self, scheduler_output, *args, **kwargs)
+
+    return execute_model
+
+
+def _wrap_model_forward(orig: Callable) -> Callable:
+    @functools.wraps(orig)
+    def _model_forward(self: Any, *args: Any, **kwargs: Any) -> Any:
+        with TIMER.span("target_forward"):
+            return orig(self, *args, **kwargs)
+
+    return _model_forward
+
+
+def _wrap_sample(orig: Callable) -> Callable:
+    @functools.wraps(orig)
+    def _sample(self: Any, *args: Any, **kwargs: Any) -> Any:
+        with TIMER.span("sample"):
+            return orig(self, *args, **kwargs)
+
+    return _sample
+
+
+PROFILE_HOOKS: dict[str, tuple[Callable[[Callable], Callable], str]] = {
+    "execute_model": (_wrap_execute_model, "VLLM_TFM_PROFILE: time the step's forward half, note the batch shape"),
+    "_model_forward": (_wrap_model_forward, "VLLM_TFM_PROFILE: time the target forward"),
+    "_sample": (_wrap_sample, "VLLM_TFM_PROFILE: time the (tree) rejection sampler"),
+}
+
+
 def install_runner_hooks() -> None:
     """Wrap the GPUModelRunner methods above through the plugin's patch registry (idempotent)."""
     from vllm.v1.worker.gpu_model_runner import GPUModelRunner
@@ -230,3 +281,17 @@ def install_runner_hooks() -> None:
 
     for name, (wrap, reason) in RUNNER_HOOKS.items():
         replace_attribute(GPUModelRunner, name, wrap, reason=reason)
+
+
+def install_profile_hooks() -> bool:
+    """The stage-timing wrappers of :data:`PROFILE_HOOKS`, only when ``VLLM_TFM_PROFILE`` is on
+    (returns whether they are installed; idempotent)."""
+    if not TIMER.enabled:
+        return False
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+    from ..patching import replace_attribute
+
+    for name, (wrap, reason) in PROFILE_HOOKS.items():
+        replace_attribute(GPUModelRunner, name, wrap, reason=reason)
+    return True

@@ -35,6 +35,7 @@ from ..options import get_drafter_dir, get_tfm_options
 from .drafter_inputs import bonus_rows, dflash_context_order
 from .sampler import needs_native_sampler
 from .settings import settings_from_options
+from .stage_timing import TIMER
 from .state import STATE
 from .tree_builder_gpu import chain_trees, ddtree_trees, weaver_trees
 
@@ -155,27 +156,31 @@ class TFMProposer(DFlashProposer):
         settings = self.tfm_settings.current()
         budget = int(num_speculative_tokens)
         depth = min(settings.max_depth, budget)
-        super().propose(
-            depth,
-            target_token_ids,
-            target_positions,
-            target_hidden_states,
-            next_token_ids,
-            token_indices_to_sample,
-            common_attn_metadata,
-            sampling_metadata,
-            mm_embed_inputs=mm_embed_inputs,
-            num_rejected_tokens_gpu=num_rejected_tokens_gpu,
-            slot_mappings=slot_mappings,
-        )
+        with TIMER.span("draft"):
+            super().propose(
+                depth,
+                target_token_ids,
+                target_positions,
+                target_hidden_states,
+                next_token_ids,
+                token_indices_to_sample,
+                common_attn_metadata,
+                sampling_metadata,
+                mm_embed_inputs=mm_embed_inputs,
+                num_rejected_tokens_gpu=num_rejected_tokens_gpu,
+                slot_mappings=slot_mappings,
+            )
         num_req = next_token_ids.shape[0]
         logits = self._marginal_logits
         if logits is None:
             raise RuntimeError("vllm-tfm: the DFlash forward produced no marginals")
         logits = logits.view(num_req, depth, -1)
+        if STATE.replay is not None:  # benchmark-only: spine-first marginals (runtime/replay.py)
+            with TIMER.span("replay_shaping"):
+                logits = STATE.replay.shape(logits)
         native = needs_native_sampler(self._tfm_runner.input_batch.sampling_metadata)
         proposal = "chain" if native else settings.proposal
-        with metrics.timed(f"tree_build.{proposal}") if metrics is not None else nullcontext():
+        with metrics.timed(f"tree_build.{proposal}") if metrics is not None else nullcontext(), TIMER.span("tree_build"):
             tokens, parents = self._build(proposal, logits, next_token_ids, budget, depth, num_rejected_tokens_gpu)
         req_ids = list(self._tfm_runner.input_batch.req_ids[:num_req])
         STATE.store.put(req_ids, tokens, parents)

@@ -14,11 +14,15 @@ drafts, then the bonus token, then -1. ``TFMTreeSampler`` keeps that contract:
 
 The accepted paths are kept in the step state for the commit (KV compaction, GDN state) and for
 the drafter (which reorders root + accepted path first).
+
+In acceptance-replay mode (benchmarks only, ``vllm_plugin.benchmark_mode``) the real verification
+still runs (its cost stays in the step), then the spec requests' outcome is replaced by a path
+whose depth is drawn from the recorded profile (``runtime.replay``).
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -29,7 +33,11 @@ from vllm_tfm.verify.accept_result import AcceptResult
 from vllm_tfm.verify.logits_processing import TreeSamplingParams
 from vllm_tfm.verify.sampling import verify_tree
 
+from .stage_timing import TIMER
 from .state import STATE, StepTree
+
+if TYPE_CHECKING:
+    from .replay import AcceptanceReplayer
 
 __all__ = ["TFMTreeSampler", "tree_sampling_params", "needs_native_sampler", "output_token_ids", "sample_trees"]
 
@@ -100,11 +108,14 @@ def output_token_ids(result: AcceptResult, max_spec_len: int) -> Tensor:
 class TFMTreeSampler(nn.Module):
     """Drop-in for ``GPUModelRunner.rejection_sampler`` (see the module docstring)."""
 
-    def __init__(self, inner: nn.Module, runner: Any, method: str = "target_only") -> None:
+    def __init__(
+        self, inner: nn.Module, runner: Any, method: str = "target_only", replay: AcceptanceReplayer | None = None
+    ) -> None:
         super().__init__()
         self.inner = inner
         self._runner = [runner]  # a list keeps nn.Module from treating the runner as an attribute to track
         self.method = method
+        self.replay = replay
 
     def forward(self, metadata: Any, draft_probs: Tensor | None, logits: Tensor, sampling_metadata: Any) -> Any:
         step = STATE.step
@@ -143,6 +154,10 @@ class TFMTreeSampler(nn.Module):
         trees = sample_trees(step, metadata.draft_token_ids)
         generators = sampling_metadata.generators or None
         result = verify_tree(logits, trees, params, method=self.method, generator=generators)
+        if self.replay is not None:
+            with TIMER.span("replay_accept"):
+                is_spec = torch.from_numpy(step.is_spec & (step.num_draft > 0)).to(logits.device)
+                result = self.replay.accept(trees, logits, result, is_spec)
         step.accept = result
         if STATE.metrics is not None:
             STATE.metrics.record_accept(step, result)

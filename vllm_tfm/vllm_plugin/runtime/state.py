@@ -27,6 +27,7 @@ if TYPE_CHECKING:
     from vllm_tfm.verify.accept_result import AcceptResult
 
     from .metrics import Metrics
+    from .replay import AcceptanceReplayer
     from .settings import TreeSettings
 
 __all__ = ["TreeRecord", "ProposalStore", "GDNStash", "AttnTree", "StepTree", "RuntimeState", "STATE"]
@@ -210,6 +211,7 @@ class RuntimeState:
         self.target_attn_layers: frozenset[str] = frozenset()
         self.metrics: "Metrics | None" = None
         self.final_hidden: Tensor | None = None  # target final hidden states of the step (Weaver prompt)
+        self.replay: "AcceptanceReplayer | None" = None  # benchmark-only acceptance replay
 
     def current_step(self) -> StepTree | None:
         return self.step

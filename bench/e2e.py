@@ -1,0 +1,494 @@
+#!/usr/bin/env python3
+"""Decode speed at Qwen3.6-27B shape on one GPU: no speculation vs vLLM's DFlash vs tfm (issue 7).
+
+One command on the GPU host (``bash bench/run_gpu_e2e.sh``, which installs the bundle and calls
+this script) measures, for each arm, output tokens/s at batch 1 and batch 8:
+
+  nospec         vLLM without speculation (eager, like every arm unless named otherwise)
+  dflash         vLLM's in-tree DFlash, chain of K = 15 drafts, ``rejection_sample_method
+                 "synthetic"`` with ``synthetic_acceptance_rates`` from the profile's chain entry
+  tfm16/32/64    vllm-tfm, Weaver trees of B = 16 / 32 / 64 nodes, acceptance replay of the
+                 profile's tfm entry at that budget (``vllm_tfm/vllm_plugin/benchmark_mode.py``)
+  nospec-graphs  (optional) vLLM without speculation with torch.compile + CUDA graphs [1, 2, 4, 8]
+
+The target is written here with the exact Qwen3.6-27B text shape (``bench/e2e_models.py``) and
+loaded with dummy weights (``load_format="dummy"``, bf16, about 54 GB), the drafter is the
+published 27B DFlash shape (dummy weights) plus a random Weaver. Dummy weights accept nothing, so
+acceptance comes from a profile (``--profile``: a ``vllm-tfm eval`` results JSON or an acceptance
+profile JSON; default ``bench/results/acceptance.json`` when it exists, otherwise a built-in
+geometric profile that every output labels as NOT measured).
+
+Each arm runs in its own subprocess (a 27B engine per process, memory freed on exit), with
+``VLLM_ENABLE_V1_MULTIPROCESSING=0`` (engine and worker in that process) and
+``VLLM_TFM_PROFILE=1``. Per arm: engine start (timed), a warm-up, then per batch size one run
+with CUDA-event stage timings (about 20 event records per step, read through
+``LLM.collective_rpc``), whose tokens/s is reported; ``--clean-run`` adds a run with the timing
+paused before it and reports that run's tokens/s instead. Fixed random prompts of
+``--prompt-len`` token ids, ``--output-len`` tokens each, ``ignore_eos``.
+
+Time: the whole command must end within the host's 10 minutes. ``--deadline-s`` bounds this
+script; before each arm it estimates the arm's cost (engine start as measured on earlier arms,
+150 s before any, plus its runs) and skips arms that do not fit, printing them and the command
+that runs them. A running arm is killed at the deadline; what it had measured is kept.
+
+Results: OUT/e2e_27b.json (``format: vllm-tfm-e2e/1``, machine, settings, profile, per-arm runs,
+skipped arms), OUT/e2e.md (``bench/e2e_report.py`` tables), OUT/arms.log (every engine's log).
+
+usage (GPU host, repository root):  bash bench/run_gpu_e2e.sh [--arms nospec,dflash,tfm32] [...]
+   or, after `source .gpu-bundle/install.sh`:  python3 bench/e2e.py --out OUT [options]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import subprocess
+import sys
+import time
+import traceback
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+T0 = time.time()
+REPO = Path(__file__).resolve().parents[1]
+BENCH = Path(__file__).resolve().parent
+for p in (str(REPO), str(BENCH)):
+    if p not in sys.path:
+        sys.path.insert(0, p)
+
+__all__ = ["Arm", "ARMS", "DEFAULT_ARMS", "parse_arms", "arm_estimate_s", "measure_estimate_s", "fits",
+           "resolve_profile", "arm_profile", "engine_kwargs", "measured_mal", "decode_rate", "main"]
+
+RESULTS_FORMAT = "vllm-tfm-e2e/1"
+DFLASH_K = 15  # in-tree DFlash chain length: the drafter's block 16 minus the bonus slot
+FIRST_START_GUESS_S = 150.0  # engine start before any was measured (JIT caches cold)
+START_MARGIN_S = 20.0  # process start + imports on top of a measured engine start
+
+
+@dataclass(frozen=True)
+class Arm:
+    name: str
+    kind: str  # nospec | dflash | tfm
+    budget: int | None = None  # tfm tree budget B
+    graphs: bool = False
+
+    @property
+    def num_speculative_tokens(self) -> int:
+        return {"nospec": 0, "dflash": DFLASH_K}.get(self.kind, self.budget or 0)
+
+
+ARMS: dict[str, Arm] = {
+    "nospec": Arm("nospec", "nospec"),
+    "dflash": Arm("dflash", "dflash"),
+    "tfm16": Arm("tfm16", "tfm", 16),
+    "tfm32": Arm("tfm32", "tfm", 32),
+    "tfm64": Arm("tfm64", "tfm", 64),
+    "nospec-graphs": Arm("nospec-graphs", "nospec", graphs=True),
+}
+DEFAULT_ARMS = "nospec,dflash,tfm32,tfm64,tfm16"
+
+
+def log(*args: object) -> None:
+    print(f"[e2e {time.time() - T0:6.1f}s]", *args, flush=True)
+
+
+# ---------------------------------------------------------------------------------------- planning
+def parse_arms(text: str) -> list[Arm]:
+    names = [n.strip() for n in text.split(",") if n.strip()]
+    bad = [n for n in names if n not in ARMS]
+    if bad or not names:
+        raise ValueError(f"unknown arm {bad[0] if bad else '(none)'!r}; arms: {', '.join(ARMS)}")
+    return [ARMS[n] for n in dict.fromkeys(names)]
+
+
+def measure_estimate_s(arm: Arm, batches: list[int], output_len: int, mal: float, clean_run: bool) -> float:
+    """Seconds of an arm's warm-up and runs: a step of the eager 27B target is ~35 ms (more with
+    drafting), a run needs output_len / MAL steps, plus a few seconds of prefill and bookkeeping."""
+    step_s = 0.035 if arm.kind == "nospec" else 0.06
+    runs = 2 if clean_run else 1
+    per_run = output_len / max(mal, 1.0) * step_s + 3.0
+    return 10.0 + runs * len(batches) * per_run
+
+
+def arm_estimate_s(arm: Arm, measured_starts: list[float], batches: list[int], output_len: int, mal: float,
+                   clean_run: bool) -> float:
+    start = (max(measured_starts) if measured_starts else FIRST_START_GUESS_S) + START_MARGIN_S
+    if arm.graphs:
+        start += 120.0  # torch.compile + graph capture
+    return start + measure_estimate_s(arm, batches, output_len, mal, clean_run)
+
+
+def fits(remaining_s: float, estimate_s: float) -> bool:
+    return remaining_s >= estimate_s
+
+
+# ---------------------------------------------------------------------------------------- profile
+def resolve_profile(arg: str | None, temperature: float) -> tuple[Any, str]:
+    """(AcceptanceProfile, path or 'builtin'): --profile, else bench/results/acceptance.json, else builtin."""
+    from vllm_tfm.verify.acceptance_profile import (
+        builtin_geometric_profile,
+        load_profile,
+    )
+
+    if arg and arg != "builtin":
+        return load_profile(arg), arg
+    default = REPO / "bench" / "results" / "acceptance.json"
+    if arg is None and default.is_file():
+        return load_profile(default), str(default.relative_to(REPO))
+    return builtin_geometric_profile(temperatures=(temperature,)), "builtin"
+
+
+def arm_profile(arm: Arm, profile: Any, temperature: float, depth: int) -> dict[str, Any]:
+    """The profile entry an arm uses, its MAL at the arm's drafted depth, and the DFlash rates."""
+    from vllm_tfm.verify.acceptance_profile import (
+        mean_accepted_length,
+        resize_pmf,
+        synthetic_acceptance_rates,
+    )
+
+    if arm.kind == "nospec":
+        return {}
+    if arm.kind == "dflash":
+        entry = profile.select_chain(DFLASH_K, temperature)
+        return {"entry": entry, "label": entry.label(), "rates": synthetic_acceptance_rates(entry.accepted_pmf, DFLASH_K),
+                "mal": mean_accepted_length(resize_pmf(entry.accepted_pmf, DFLASH_K))}
+    entry = profile.select("tfm", arm.budget, temperature)
+    return {"entry": entry, "label": entry.label(), "mal": mean_accepted_length(resize_pmf(entry.accepted_pmf, depth))}
+
+
+# ---------------------------------------------------------------------------------------- child
+def engine_kwargs(arm: Arm, s: dict[str, Any], plan: dict[str, Any]) -> dict[str, Any]:
+    kw: dict[str, Any] = {
+        "model": s["target"], "load_format": "dummy", "dtype": "bfloat16", "skip_tokenizer_init": True, "seed": s["seed"],
+        "gpu_memory_utilization": s["gpu_memory_utilization"], "max_model_len": s["max_model_len"],
+        "max_num_seqs": max(s["batches"]), "max_num_batched_tokens": s["max_num_batched_tokens"],
+        "enable_prefix_caching": False, "attention_backend": "TRITON_ATTN", "mamba_ssm_cache_dtype": "float32",
+        "additional_config": {"gdn_prefill_backend": "triton"}, "disable_log_stats": False,
+        "enforce_eager": not arm.graphs, "compilation_config": {"custom_ops": ["none"]},
+    }
+    if arm.graphs:
+        kw["compilation_config"] = {"custom_ops": ["none"], "cudagraph_capture_sizes": [1, 2, 4, 8]}
+    if arm.kind == "dflash":
+        kw["speculative_config"] = {
+            "method": "dflash", "model": s["drafter"], "num_speculative_tokens": DFLASH_K,
+            "attention_backend": "TRITON_ATTN", "rejection_sample_method": "synthetic",
+            "synthetic_acceptance_rates": plan["rates"],
+        }
+    elif arm.kind == "tfm":
+        kw["speculative_config"] = {"method": "tfm", "model": s["drafter"], "num_speculative_tokens": arm.budget,
+                                    "attention_backend": "TRITON_ATTN"}
+    return kw
+
+
+def prompts(n: int, length: int, vocab: int, seed: int) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(10, vocab - 10) for _ in range(length)] for _ in range(n)]
+
+
+def spec_counters(llm: Any) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    try:
+        for m in llm.get_metrics():
+            if m.name.startswith("vllm:spec_decode"):
+                out[m.name] = list(m.values) if isinstance(getattr(m, "values", None), list) else getattr(m, "value", None)
+    except Exception as e:  # noqa: BLE001 - counters are diagnostics
+        out["error"] = f"{type(e).__name__}: {e}"
+    return out
+
+
+def measured_mal(before: dict[str, Any], after: dict[str, Any]) -> float | None:
+    """1 + accepted drafts / verify steps (vLLM's spec-decode counters; None without speculation)."""
+    def delta(name: str) -> float | None:
+        a, b = before.get(name), after.get(name)
+        return None if not isinstance(b, (int, float)) else b - (a if isinstance(a, (int, float)) else 0)
+
+    drafts = delta("vllm:spec_decode_num_drafts")
+    acc = delta("vllm:spec_decode_num_accepted_tokens")
+    return None if not drafts or acc is None else 1.0 + acc / drafts
+
+
+def decode_rate(outs: list[Any]) -> float | None:
+    """Output tokens after each request's first, per second from the last first token to the last
+    token (vLLM's per-request engine timestamps); None when vLLM gives no timestamps."""
+    firsts, lasts, tokens = [], [], 0
+    for o in outs:
+        m = getattr(o, "metrics", None)
+        if m is None or not getattr(m, "first_token_ts", 0) or not getattr(m, "last_token_ts", 0):
+            return None
+        firsts.append(m.first_token_ts)
+        lasts.append(m.last_token_ts)
+        tokens += len(o.outputs[0].token_ids) - 1
+    window = max(lasts) - max(firsts)
+    return tokens / window if window > 0 and tokens > 0 else None
+
+
+def one_run(llm: Any, batch_prompts: list[list[int]], params: Any) -> dict[str, Any]:
+    t = time.perf_counter()
+    outs = llm.generate([{"prompt_token_ids": p} for p in batch_prompts], params, use_tqdm=False)
+    wall = time.perf_counter() - t
+    n = sum(len(o.outputs[0].token_ids) for o in outs)
+    rate = decode_rate(outs)
+    return {"output_tokens": n, "wall_s": round(wall, 4), "tokens_per_s": round(n / wall, 3),
+            "decode_tokens_per_s": None if rate is None else round(rate, 3)}
+
+
+def run_arm(arm: Arm, settings_path: Path) -> int:
+    """Child: one engine, warm-up, the (clean and) timed runs per batch size -> work/arm_<name>.json."""
+    s = json.loads(settings_path.read_text())
+    plan = s["plans"].get(arm.name, {})
+    res: dict[str, Any] = {"arm": arm.name, "kind": arm.kind, "budget": arm.budget, "graphs": arm.graphs,
+                           "num_speculative_tokens": arm.num_speculative_tokens, "status": "started",
+                           "profile_entry": plan.get("label"), "profile_mal": plan.get("mal"), "batches": {}}
+    path = Path(s["work"]) / f"arm_{arm.name}.json"
+
+    def save() -> None:
+        path.write_text(json.dumps(res, indent=1, default=str))
+
+    save()
+    try:
+        import torch
+        import vllm
+        from e2e_models import gdn_state_bytes_per_request
+        from vllm import LLM, SamplingParams
+
+        import vllm_tfm
+        from vllm_tfm.vllm_plugin.runtime import collect_tree_metrics
+        from vllm_tfm.vllm_plugin.runtime.stage_timing import (
+            collect_stage_timings,
+            set_stage_timing,
+        )
+
+        vllm_tfm.register()
+        res["machine"] = {"device": torch.cuda.get_device_name(0), "torch": torch.__version__, "vllm": vllm.__version__,
+                          "cuda": torch.version.cuda}
+        res["gdn_state_gib_per_request"] = round(gdn_state_bytes_per_request(arm.num_speculative_tokens) / 2**30, 3)
+        kw = engine_kwargs(arm, s, plan)
+        res["engine_kwargs"] = kw
+        log(f"{arm.name}: starting the engine")
+        t = time.perf_counter()
+        llm = LLM(**kw)
+        res["engine_start_s"] = round(time.perf_counter() - t, 1)
+        free, total = torch.cuda.mem_get_info()
+        res["gpu_memory_gib"] = {"free_after_start": round(free / 2**30, 2), "total": round(total / 2**30, 2)}
+        cache = getattr(getattr(llm.llm_engine, "vllm_config", None), "cache_config", None)
+        res["num_gpu_blocks"] = getattr(cache, "num_gpu_blocks", None)
+        log(f"{arm.name}: engine up in {res['engine_start_s']} s; {res['num_gpu_blocks']} KV blocks; "
+            f"GDN state per request {res['gdn_state_gib_per_request']} GiB")
+        save()
+        ps = prompts(max(s["batches"]), s["prompt_len"], s["vocab"], s["seed"])
+        params = SamplingParams(temperature=s["temperature"], max_tokens=s["output_len"], ignore_eos=True, detokenize=False)
+        warm = SamplingParams(temperature=s["temperature"], max_tokens=s["warmup_tokens"], ignore_eos=True, detokenize=False)
+        t = time.perf_counter()
+        for b in sorted(s["batches"], reverse=True):
+            llm.generate([{"prompt_token_ids": p} for p in ps[:b]], warm, use_tqdm=False)
+        res["warmup_s"] = round(time.perf_counter() - t, 1)
+        for b in s["batches"]:
+            run: dict[str, Any] = {}
+            res["batches"][str(b)] = run
+            llm.collective_rpc(collect_tree_metrics, kwargs={"reset": True})
+            before = spec_counters(llm)
+            if s["clean_run"]:  # stage timing paused: tokens/s without the (small) cost of the events
+                llm.collective_rpc(set_stage_timing, kwargs={"enabled": False, "reset": True})
+                run.update(one_run(llm, ps[:b], params))
+                log(f"{arm.name} b{b} clean: {run['tokens_per_s']} tok/s (decode {run['decode_tokens_per_s']})")
+            llm.collective_rpc(set_stage_timing, kwargs={"enabled": True, "reset": True})
+            prof = one_run(llm, ps[:b], params)
+            prof.update(llm.collective_rpc(collect_stage_timings, kwargs={"reset": True})[0])
+            llm.collective_rpc(set_stage_timing, kwargs={"enabled": False})
+            if not s["clean_run"]:
+                run.update({k: prof[k] for k in ("output_tokens", "wall_s", "tokens_per_s", "decode_tokens_per_s")})
+            run["profiled"] = prof
+            run["max_concurrency"] = (prof.get("batch_requests") or {}).get("max")
+            run["mal"] = measured_mal(before, spec_counters(llm))
+            run["tree_metrics"] = llm.collective_rpc(collect_tree_metrics, kwargs={"reset": True})[0]
+            fwd = (prof["stages"].get("target_forward") or {}).get("per_step_ms")
+            log(f"{arm.name} b{b}: {run['tokens_per_s']} tok/s (decode {run['decode_tokens_per_s']}), MAL {run['mal']}, "
+                f"{prof['steps']} steps, target forward {fwd} ms/step, max batch {run['max_concurrency']}")
+            save()
+        res["status"] = "ok"
+    except Exception as e:  # noqa: BLE001 - record the failure, the driver goes on with the next arm
+        res["status"] = "error"
+        res["error"] = f"{type(e).__name__}: {e}"
+        res["traceback"] = traceback.format_exc()
+        print(res["traceback"], flush=True)
+    save()
+    return 0 if res["status"] == "ok" else 1
+
+
+# ---------------------------------------------------------------------------------------- driver
+def write_models(work: Path) -> dict[str, Any]:
+    from e2e_models import TARGET_SHAPE, write_drafter, write_target
+
+    t = time.perf_counter()
+    target = write_target(work / "target")
+    drafter = write_drafter(work / "drafter")
+    return {"target": str(target), "drafter": str(drafter), "vocab": TARGET_SHAPE["vocab_size"],
+            "seconds": round(time.perf_counter() - t, 1)}
+
+
+def run_child(arm: Arm, settings_path: Path, out: Path, timeout_s: float, env: dict[str, str]) -> int:
+    logf = out / "arms.log"
+    cmd = [sys.executable, str(Path(__file__).resolve()), "--child", arm.name, "--settings", str(settings_path)]
+    with open(logf, "a") as f:
+        f.write(f"\n===== {arm.name} (timeout {timeout_s:.0f} s) =====\n")
+        f.flush()
+        start = f.tell()
+        try:
+            rc = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, env=env, timeout=timeout_s, check=False).returncode
+        except subprocess.TimeoutExpired:
+            rc = -9
+            f.write(f"\n{arm.name} killed at the deadline ({timeout_s:.0f} s)\n")
+    text = logf.read_text(errors="replace")[start:]
+    keep = ("[e2e", "Traceback", "Error", "error:", "killed", "ACCEPTANCE REPLAY")
+    shown = [ln for ln in text.splitlines() if any(k in ln for k in keep)]
+    print("\n".join(shown[-60:]), flush=True)
+    return rc
+
+
+def child_env(arm: Arm, s: dict[str, Any], work: Path) -> dict[str, str]:
+    from vllm_tfm.vllm_plugin.benchmark_mode import BENCHMARK_ENV_VARS
+
+    env = {k: v for k, v in os.environ.items() if k not in BENCHMARK_ENV_VARS}
+    env.update(VLLM_ENABLE_V1_MULTIPROCESSING="0", VLLM_TFM_PROFILE="1", E2E_T0=str(T0), PYTHONUNBUFFERED="1")
+    if arm.kind == "tfm":
+        env.update(VLLM_TFM_BENCHMARK_ACCEPTANCE_REPLAY=str(work / f"profile_{arm.name}.json"),
+                   VLLM_TFM_I_AM_BENCHMARKING="1", VLLM_TFM_BENCHMARK_REPLAY_SEED=str(s["seed"]))
+    return env
+
+
+def driver(args: argparse.Namespace) -> int:
+    from e2e_models import DRAFT_BLOCK
+    from e2e_report import render_markdown
+
+    from vllm_tfm.verify.acceptance_profile import AcceptanceProfile, save_profile
+
+    out, work = Path(args.out), Path(args.work)
+    out.mkdir(parents=True, exist_ok=True)
+    work.mkdir(parents=True, exist_ok=True)
+    arms = parse_arms(args.arms)
+    batches = sorted({int(b) for b in args.batches.split(",")})
+    profile, profile_path = resolve_profile(args.profile, args.temperature)
+    if not profile.measured:
+        log(f"NOTE: acceptance profile NOT measured: {profile.source}")
+    depth = DRAFT_BLOCK - 1  # every tfm budget here (>= 16) drafts D = min(B, 15) = 15 deep
+    settings: dict[str, Any] = {
+        "target": "Qwen3.6-27B text shape (64 layers: 48 GDN + 16 gated attention, hidden 5120, GDN H=16 HV=48 K=V=128, "
+                  "vocab 248320)",
+        "batches": batches, "prompt_len": args.prompt_len, "output_len": args.output_len,
+        "warmup_tokens": args.warmup_tokens, "temperature": args.temperature, "seed": args.seed,
+        "gpu_memory_utilization": args.gpu_memory_utilization, "clean_run": args.clean_run,
+        "max_model_len": args.prompt_len + args.output_len + 2 * max(a.num_speculative_tokens for a in arms) + 64,
+        "max_num_batched_tokens": max(4096, max(batches) * args.prompt_len), "eager": True,
+        "deadline_s": args.deadline_s, "work": str(work), "plans": {},
+    }
+    results: dict[str, Any] = {
+        "format": RESULTS_FORMAT,
+        "command": os.environ.get("E2E_COMMAND") or "python3 bench/e2e.py " + " ".join(sys.argv[1:]),
+        "machine": {}, "settings": settings,
+        "profile": {"path": profile_path, "source": profile.source, "measured": profile.measured,
+                    "temperature": args.temperature},
+        "arms": {}, "skipped": [],
+    }
+    res_path, md_path = out / "e2e_27b.json", out / "e2e.md"
+
+    def save() -> None:
+        res_path.write_text(json.dumps(results, indent=1, default=str) + "\n")
+
+    for arm in arms:
+        try:
+            plan = arm_profile(arm, profile, args.temperature, depth)
+        except ValueError as e:
+            results["arms"][arm.name] = {"arm": arm.name, "kind": arm.kind, "status": "error", "error": str(e)}
+            log(f"{arm.name}: {e}")
+            continue
+        if "entry" in plan:
+            entry = plan.pop("entry")
+            if arm.kind == "tfm":
+                save_profile(AcceptanceProfile(source=profile.source, measured=profile.measured, entries=[entry]),
+                             work / f"profile_{arm.name}.json")
+        settings["plans"][arm.name] = plan
+    models = write_models(work)
+    settings.update(target_dir=models["target"], drafter_dir=models["drafter"])
+    log(f"models written in {models['seconds']} s: {models['target']}, {models['drafter']}")
+    child_settings = dict(settings, target=models["target"], drafter=models["drafter"], vocab=models["vocab"])
+    settings_path = work / "settings.json"
+    settings_path.write_text(json.dumps(child_settings, indent=1))
+    save()
+
+    starts: list[float] = []
+    for arm in arms:
+        if results["arms"].get(arm.name, {}).get("status") == "error":
+            continue
+        remaining = args.deadline_s - (time.time() - T0)
+        mal = settings["plans"].get(arm.name, {}).get("mal", 1.0)
+        est = arm_estimate_s(arm, starts, batches, args.output_len, mal, settings["clean_run"])
+        if not fits(remaining, est):
+            reason = f"deadline: {remaining:.0f} s left, the arm needs about {est:.0f} s"
+            results["skipped"].append({"arm": arm.name, "reason": reason})
+            results["arms"][arm.name] = {"arm": arm.name, "kind": arm.kind, "status": "skipped", "reason": reason}
+            log(f"SKIP {arm.name}: {reason}")
+            save()
+            continue
+        log(f"arm {arm.name}: estimated {est:.0f} s, {remaining:.0f} s left")
+        rc = run_child(arm, settings_path, out, max(30.0, remaining - 5.0), child_env(arm, settings, work))
+        arm_file = work / f"arm_{arm.name}.json"
+        arm_res = json.loads(arm_file.read_text()) if arm_file.is_file() else {"arm": arm.name, "status": "error"}
+        if rc != 0 and arm_res.get("status") == "started":
+            arm_res["status"] = "partial" if arm_res.get("batches") else "error"
+            arm_res.setdefault("error", f"the arm's process ended with code {rc}")
+        results["arms"][arm.name] = arm_res
+        results["machine"] = results["machine"] or arm_res.get("machine", {})
+        if arm_res.get("engine_start_s"):
+            starts.append(float(arm_res["engine_start_s"]))
+        save()
+
+    table = render_markdown(results)
+    md_path.write_text(table)
+    print("=" * 100)
+    print(table)
+    skipped = [x["arm"] for x in results["skipped"]]
+    if skipped:
+        again = ",".join(dict.fromkeys(["nospec", *skipped]))
+        print(f"NOT RUN (deadline): {', '.join(skipped)}. Next command: bash bench/run_gpu_e2e.sh --arms {again}")
+    bad = [n for n, a in results["arms"].items() if a.get("status") not in ("ok", "skipped")]
+    if bad:
+        print(f"FAILED or partial arms: {', '.join(bad)} (see {out / 'arms.log'})")
+    print(f"results: {res_path}, table: {md_path}")
+    return 1 if bad else 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    global T0
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", default=os.environ.get("OUT", "/tmp/tfm-e2e27-out"))
+    ap.add_argument("--work", default="/tmp/tfm-e2e27", help="model directories, per-arm files")
+    ap.add_argument("--arms", default=DEFAULT_ARMS, help=f"comma list of {', '.join(ARMS)} (default {DEFAULT_ARMS})")
+    ap.add_argument("--batches", default="1,8")
+    ap.add_argument("--prompt-len", type=int, default=256)
+    ap.add_argument("--output-len", type=int, default=256)
+    ap.add_argument("--warmup-tokens", type=int, default=16)
+    ap.add_argument("--temperature", type=float, default=1.0)
+    ap.add_argument("--profile", default=None,
+                    help="acceptance profile or `vllm-tfm eval` results JSON; 'builtin' for the geometric one "
+                         "(default: bench/results/acceptance.json if present, else builtin)")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--gpu-memory-utilization", type=float, default=0.92)
+    ap.add_argument("--deadline-s", type=float, default=500.0, help="bound on this script's wall time")
+    ap.add_argument("--clean-run", action="store_true",
+                    help="per batch, first a run with stage timing paused (its tokens/s is reported), then the timed run")
+    ap.add_argument("--child", help=argparse.SUPPRESS)
+    ap.add_argument("--settings", help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    if "E2E_T0" in os.environ:
+        T0 = float(os.environ["E2E_T0"])
+    if args.child:
+        return run_arm(ARMS[args.child], Path(args.settings))
+    return driver(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
+

@@ -1,0 +1,266 @@
+"""Benchmark-only switches of the plugin: acceptance replay (refused without the confirmation flag,
+carried to the workers, applied by the tree sampler) and the per-stage timer (off = nothing)."""
+
+from __future__ import annotations
+
+import json
+import logging
+import pickle
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+from vllm_tfm.verify.acceptance_profile import (
+    AcceptanceProfile,
+    ProfileEntry,
+    geometric_pmf,
+    resize_pmf,
+    save_profile,
+)
+from vllm_tfm.vllm_plugin.benchmark_mode import (
+    CONFIRM_ENV,
+    REPLAY_ENV,
+    SEED_ENV,
+    SPINE_ENV,
+    get_acceptance_replay,
+    resolve_acceptance_replay,
+)
+from vllm_tfm.vllm_plugin.runtime.stage_timing import StageTimer, summarize
+
+REFUSAL = (
+    "VLLM_TFM_BENCHMARK_ACCEPTANCE_REPLAY is set, but acceptance replay is a benchmark mode: accepted paths are "
+    "drawn from a recorded profile instead of being checked against the target, so the output is NOT the model's; "
+    "set VLLM_TFM_I_AM_BENCHMARKING=1 to run it, or unset VLLM_TFM_BENCHMARK_ACCEPTANCE_REPLAY"
+)
+
+
+def profile_file(tmp_path: Path, entries: list[ProfileEntry] | None = None) -> Path:
+    entries = entries or [
+        ProfileEntry(method="ddtree", budget=7, temperature=0.0, accepted_pmf=geometric_pmf(0.5, 10)),
+        ProfileEntry(method="tfm", budget=7, temperature=0.0, accepted_pmf=geometric_pmf(0.7, 10)),
+    ]
+    path = tmp_path / "profile.json"
+    save_profile(AcceptanceProfile(source="test profile", measured=True, entries=entries), path)
+    return path
+
+
+# ------------------------------------------------------------------ resolution (no vLLM)
+
+
+def test_replay_is_off_without_the_variable_and_refused_without_confirmation(tmp_path: Path) -> None:
+    path = profile_file(tmp_path)
+    assert resolve_acceptance_replay("tfm", 7, 7, environ={}) is None
+    assert resolve_acceptance_replay("tfm", 7, 7, environ={CONFIRM_ENV: "1"}) is None
+    for confirm in ({}, {CONFIRM_ENV: "0"}, {CONFIRM_ENV: "yes"}):
+        with pytest.raises(ValueError) as info:
+            resolve_acceptance_replay("tfm", 7, 7, environ={REPLAY_ENV: str(path), **confirm})
+        assert str(info.value) == REFUSAL
+
+
+def test_confirmed_replay_selects_the_engines_entry(tmp_path: Path) -> None:
+    path = profile_file(tmp_path)
+    env = {REPLAY_ENV: str(path), CONFIRM_ENV: "1"}
+    spec = resolve_acceptance_replay("ddtree", 7, 7, environ=env)
+    assert spec is not None and spec.entry == "ddtree B=7 T=0" and spec.measured
+    assert spec.accepted_pmf == pytest.approx(resize_pmf(geometric_pmf(0.5, 10), 7))  # the engine drafts 7 deep
+    assert (spec.seed, spec.spine_top1) == (0, 0.9)
+    spec = resolve_acceptance_replay("tfm", 7, 7, environ={**env, SEED_ENV: "5", SPINE_ENV: "none"})
+    assert spec is not None and (spec.entry, spec.seed, spec.spine_top1) == ("tfm B=7 T=0", 5, None)
+    with pytest.raises(ValueError, match=r"has no entry for tfm B=8"):
+        resolve_acceptance_replay("tfm", 8, 7, environ=env)
+    with pytest.raises(ValueError, match=r"VLLM_TFM_BENCHMARK_REPLAY_SEED='x': expected an integer"):
+        resolve_acceptance_replay("tfm", 7, 7, environ={**env, SEED_ENV: "x"})
+    with pytest.raises(ValueError, match=r"VLLM_TFM_BENCHMARK_SPINE_TOP1='1.5': expected a probability"):
+        resolve_acceptance_replay("tfm", 7, 7, environ={**env, SPINE_ENV: "1.5"})
+    with pytest.raises(ValueError, match=r"no such file"):
+        resolve_acceptance_replay("tfm", 7, 7, environ={**env, REPLAY_ENV: str(tmp_path / "nope.json")})
+
+
+# ------------------------------------------------------------------ through vLLM's config path
+
+
+@pytest.fixture(scope="module")
+def vllm_env(tmp_path_factory: pytest.TempPathFactory) -> Any:
+    from _vllm_plugin_env import vllm_cpu_session, write_drafter, write_qwen35_target
+
+    root = tmp_path_factory.mktemp("bench_mode")
+    with vllm_cpu_session(root / "vllm-cache"):
+        from vllm.engine.arg_utils import EngineArgs
+
+        target = write_qwen35_target(root / "target")
+        drafter = write_drafter(root / "drafter")  # plain DFlash drafter: proposal ddtree
+        model_config = EngineArgs(model=str(target), skip_tokenizer_init=True).create_model_config()
+        yield {"root": root, "target": target, "drafter": drafter, "model_config": model_config}
+
+
+@pytest.fixture()
+def clean_env(monkeypatch: pytest.MonkeyPatch) -> pytest.MonkeyPatch:
+    import os
+
+    for name in list(os.environ):
+        if name.startswith("VLLM_TFM_"):
+            monkeypatch.delenv(name)
+    return monkeypatch
+
+
+def build_tfm(env: Any) -> Any:
+    from vllm.config import ParallelConfig
+    from vllm.engine.arg_utils import EngineArgs
+
+    spec = {"method": "tfm", "model": str(env["drafter"]), "num_speculative_tokens": 7}
+    args = EngineArgs(model=str(env["target"]), skip_tokenizer_init=True, speculative_config=spec)
+    return args.create_speculative_config(env["model_config"], ParallelConfig())
+
+
+def test_engine_config_refuses_replay_without_confirmation(vllm_env: Any, clean_env: pytest.MonkeyPatch) -> None:
+    clean_env.setenv(REPLAY_ENV, str(profile_file(vllm_env["root"])))
+    with pytest.raises(ValueError) as info:
+        build_tfm(vllm_env)
+    assert str(info.value) == REFUSAL
+
+
+def test_engine_config_carries_the_confirmed_replay_to_workers(
+    vllm_env: Any, clean_env: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    cfg = build_tfm(vllm_env)
+    assert get_acceptance_replay(cfg) is None  # off by default, and said so explicitly to the workers
+    clean_env.setenv(REPLAY_ENV, str(profile_file(vllm_env["root"])))
+    clean_env.setenv(CONFIRM_ENV, "1")
+    logging.getLogger("vllm_tfm").addHandler(caplog.handler)
+    try:
+        with caplog.at_level(logging.WARNING, logger="vllm_tfm"):
+            cfg = build_tfm(vllm_env)
+    finally:
+        logging.getLogger("vllm_tfm").removeHandler(caplog.handler)
+    assert any("ACCEPTANCE REPLAY" in r.getMessage() and "NOT the model's" in r.getMessage() for r in caplog.records)
+    spec = get_acceptance_replay(pickle.loads(pickle.dumps(cfg)))  # what a worker process receives
+    assert spec is not None and spec.entry == "ddtree B=7 T=0"
+    assert spec.accepted_pmf == pytest.approx(resize_pmf(geometric_pmf(0.5, 10), 7))
+
+
+# ------------------------------------------------------------------ the sampler with replay
+
+
+def test_tree_sampler_replays_spec_requests_after_the_real_verification(monkeypatch: pytest.MonkeyPatch) -> None:
+    pytest.importorskip("vllm")
+    from vllm_tfm.vllm_plugin.benchmark_mode import ReplaySpec
+    from vllm_tfm.vllm_plugin.runtime import sampler as sampler_mod
+    from vllm_tfm.vllm_plugin.runtime.inputs import build_step_tree
+    from vllm_tfm.vllm_plugin.runtime.replay import AcceptanceReplayer
+    from vllm_tfm.vllm_plugin.runtime.state import STATE, ProposalStore
+
+    store = ProposalStore()
+    # r0: root -> 1 -> 2, plus 3 under the root; r1: a chain of 3
+    store.put(["r0", "r1"], torch.tensor([[5, 6, 7], [1, 2, 3]]), torch.tensor([[-1, 0, 1, 0], [-1, 0, 1, 2]]))
+    spec = {"r0": [5, 6, 7], "r1": [1, 2, 3]}
+    step = build_step_tree(["p", "r0", "r1"], np.array([4, 4, 4]), spec, store, allow_trees=True)
+    STATE.step = step
+    try:
+        vocab = 10
+        logits = torch.zeros(int(step.sample_cu[-1]), vocab)
+        logits[:, 9] = 1.0  # the target's argmax is 9 everywhere: real verification accepts nothing
+        calls = []
+        real = sampler_mod.verify_tree
+        monkeypatch.setattr(sampler_mod, "verify_tree", lambda *a, **k: calls.append(1) or real(*a, **k))
+        replay = AcceptanceReplayer(ReplaySpec(profile="p", profile_source="s", measured=True, entry="tfm B=3 T=0",
+                                               accepted_pmf=[0.0, 0.0, 1.0, 0.0], profile_mean_accepted_length=3.0,
+                                               seed=0, spine_top1=None), "cpu")
+        runner = SimpleNamespace(input_batch=SimpleNamespace(temperature_cpu=np.zeros(3, dtype=np.float32),
+                                                             top_k_cpu=np.full(3, 100), top_p_cpu=np.ones(3, dtype=np.float32)))
+        smd = SimpleNamespace(top_k=None, top_p=None, generators={},
+                              logitsprocs=SimpleNamespace(argmax_invariant=[], non_argmax_invariant=[]))
+        md = SimpleNamespace(num_draft_tokens=list(step.num_draft), draft_token_ids=torch.tensor([5, 6, 7, 1, 2, 3]),
+                             max_spec_len=3)
+        out = sampler_mod.TFMTreeSampler(torch.nn.Identity(), runner, replay=replay)(md, None, logits, smd)
+    finally:
+        STATE.step = None
+    assert calls == [1]  # the real verification ran (its cost stays in the step)
+    ids = out.sampled_token_ids.tolist()
+    assert ids[0][0] == 9 and ids[0][1:] == [-1, -1, -1]  # the prefill request: its own sampled token
+    assert ids[1] == [5, 6, 9, -1]  # r0: A = 2 along the deepest path root -> 1 -> 2, bonus = argmax
+    assert ids[2] == [1, 2, 9, -1]  # r1: A = 2 along the chain
+    snap = replay.snapshot()
+    assert snap["drawn_hist"] == [0, 0, 2, 0] and snap["realised_hist"] == [0, 0, 2, 0] and snap["clamped"] == 0
+    assert snap["realised_mean_accepted_length"] == 3.0
+
+
+# ------------------------------------------------------------------ stage timing
+
+
+def test_disabled_timer_records_nothing_and_returns_one_shared_null_context() -> None:
+    timer = StageTimer(enabled=False, use_cuda=False)
+    a, b = timer.span("draft"), timer.span("commit")
+    assert a is b
+    with a:
+        pass
+    timer.note_batch(8, 100)
+    got = timer.collect()
+    assert got["stages"] == {} and got["steps"] == 0 and got["batch_requests"] is None
+
+
+def test_enabled_timer_aggregates_by_stage_and_step() -> None:
+    timer = StageTimer(enabled=True, use_cuda=False)
+    for ms in (10.0, 12.0, 11.0, 30.0):
+        timer.add("execute_model", ms)
+        timer.add("target_forward", ms - 2.0)
+    timer.add("commit", 1.0)
+    timer.note_batch(1, 65)
+    timer.note_batch(8, 520)
+    with timer.span("draft"):
+        pass  # CPU: wall time
+    got = timer.collect(reset=True)
+    assert got["steps"] == 4 and got["clock"] == "wall"
+    fwd = got["stages"]["target_forward"]
+    assert (fwd["count"], fwd["total_ms"], fwd["median_ms"], fwd["min_ms"], fwd["max_ms"]) == (4, 55.0, 9.5, 8.0, 28.0)
+    assert fwd["per_step_ms"] == 55.0 / 4
+    assert got["stages"]["commit"]["per_step_ms"] == 0.25
+    assert got["stages"]["draft"]["count"] == 1
+    assert got["batch_requests"] == {"max": 8, "mean": 4.5} and got["batch_tokens_mean"] == 292.5
+    assert timer.collect()["stages"] == {}  # reset
+
+
+def test_summarize_quantiles_by_hand() -> None:
+    s = summarize([float(x) for x in range(1, 12)])  # 1..11
+    assert (s["median_ms"], s["p10_ms"], s["p90_ms"], s["mean_ms"]) == (6.0, 2.0, 10.0, 6.0)
+
+
+def test_profile_hooks_are_installed_only_when_profiling(monkeypatch: pytest.MonkeyPatch) -> None:
+    pytest.importorskip("vllm")
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+    from vllm_tfm.vllm_plugin import patching
+    from vllm_tfm.vllm_plugin.runtime import hooks
+    from vllm_tfm.vllm_plugin.runtime.stage_timing import (
+        TIMER,
+        collect_stage_timings,
+        set_stage_timing,
+    )
+
+    keys = {f"{GPUModelRunner.__module__}.GPUModelRunner.{n}" for n in hooks.PROFILE_HOOKS}
+    monkeypatch.setattr(TIMER, "enabled", False)
+    assert hooks.install_profile_hooks() is False
+    assert not keys & set(patching.installed_patches())
+    monkeypatch.setattr(TIMER, "enabled", True)
+    try:
+        assert hooks.install_profile_hooks() is True
+        assert keys <= set(patching.installed_patches())
+        assert GPUModelRunner.__dict__["_model_forward"].__wrapped__ is patching.original(GPUModelRunner, "_model_forward")
+        set_stage_timing(None, reset=True)
+        wrapped = hooks._wrap_model_forward(lambda self, x: x + 1)
+        assert wrapped(object(), 41) == 42
+        got = collect_stage_timings(None, reset=True)  # the collective_rpc signature: worker first
+        assert got["stages"]["target_forward"]["count"] == 1
+    finally:
+        patching.restore(keys)
+    assert not keys & set(patching.installed_patches())
+
+
+def test_results_are_json(tmp_path: Path) -> None:
+    from vllm_tfm.vllm_plugin.runtime.stage_timing import dump_stage_timings
+
+    data = dump_stage_timings(tmp_path / "t.json")
+    assert json.loads((tmp_path / "t.json").read_text()) == data

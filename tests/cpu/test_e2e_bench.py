@@ -1,0 +1,379 @@
+"""bench/e2e.py and its helpers on CPU: the 27B-shaped configs (exact shapes, layer pattern and
+parameter count from an independent hand count), the engine configs vLLM 0.26 must accept, the
+arm planning under the deadline, and the markdown tables of a results file."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
+import e2e  # noqa: E402
+import e2e_models  # noqa: E402
+import e2e_report  # noqa: E402
+
+from vllm_tfm.verify.acceptance_profile import (  # noqa: E402
+    builtin_geometric_profile,
+    geometric_pmf,
+    mean_accepted_length,
+    resize_pmf,
+    synthetic_acceptance_rates,
+)
+
+# ------------------------------------------------------------------ the 27B shape
+
+
+def hand_count_qwen36_27b() -> int:
+    """Parameters of the Qwen3.6-27B text decoder, counted from its published dimensions."""
+    d, v, inter = 5120, 248_320, 17_408
+    # Gated DeltaNet: qkv (2 x 16 key heads + 48 value heads, of 128), z gate, a and b (one per value
+    # head), depthwise conv over the qkv channels (width 4, no bias), A_log, dt_bias, gated RMSNorm
+    # over a head (128), output projection from 48 x 128
+    qkv = 2 * 16 * 128 + 48 * 128
+    gdn = d * qkv + d * 48 * 128 + 2 * d * 48 + qkv * 4 + 48 + 48 + 128 + 48 * 128 * d
+    # gated attention: q and its output gate (2 x 24 heads of 256), k and v (4 heads of 256), o,
+    # per-head q / k RMSNorm
+    attn = d * 2 * 24 * 256 + 2 * d * 4 * 256 + 24 * 256 * d + 2 * 256
+    mlp = 3 * d * inter
+    norms = 2 * d
+    return 48 * (gdn + mlp + norms) + 16 * (attn + mlp + norms) + 2 * v * d + d
+
+
+def test_target_config_has_the_27b_shape_and_parameter_count(tmp_path: Path) -> None:
+    from transformers import AutoConfig, Qwen3_5ForCausalLM
+
+    cfg = AutoConfig.from_pretrained(e2e_models.write_target(tmp_path / "t"))
+    assert cfg.architectures == ["Qwen3_5ForCausalLM"]
+    assert (cfg.num_hidden_layers, cfg.hidden_size, cfg.vocab_size, cfg.intermediate_size) == (64, 5120, 248_320, 17_408)
+    assert (cfg.linear_num_key_heads, cfg.linear_num_value_heads, cfg.linear_key_head_dim, cfg.linear_value_head_dim) == (16, 48, 128, 128)
+    assert (cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim) == (24, 4, 256)
+    assert cfg.layer_types == (["linear_attention"] * 3 + ["full_attention"]) * 16
+    assert cfg.mamba_ssm_dtype == "float32" and not cfg.tie_word_embeddings
+    assert cfg.rope_parameters["rope_theta"] == 1e7 and cfg.rope_parameters["partial_rotary_factor"] == 0.25
+    with torch.device("meta"):
+        model = Qwen3_5ForCausalLM(cfg)
+    assert sum(p.numel() for p in model.parameters()) == hand_count_qwen36_27b() == 26_895_998_464
+    gdn = model.model.layers[0].linear_attn
+    assert tuple(gdn.conv1d.weight.shape) == (10240, 1, 4) and tuple(gdn.out_proj.weight.shape) == (5120, 6144)
+
+
+def test_drafter_matches_the_target_and_the_weaver_width(tmp_path: Path) -> None:
+    from vllm_tfm.models.dflash import DFlashConfig
+    from vllm_tfm.models.tfm_config import TfmConfig
+    from vllm_tfm.vllm_plugin.drafter_checks import (
+        check_drafter_against_target,
+        check_weaver_shape,
+    )
+
+    d = e2e_models.write_drafter(tmp_path / "d", weaver=False)
+    raw = json.loads((d / "config.json").read_text())
+    block = check_drafter_against_target(raw, "config.json", target_vocab_size=248_320, target_hidden_size=5120,
+                                         target_num_layers=64)
+    assert block == 16
+    cfg = DFlashConfig.from_dict(raw)
+    assert (cfg.num_hidden_layers, cfg.fc_in_features, cfg.mask_token_id) == (5, 5 * 5120, 248_070)
+    check_weaver_shape(TfmConfig.model_validate({"weaver": {"d_model": 5120, "max_depth": 15}}), "t", 5120, 15)
+
+
+def test_gdn_state_bytes_by_hand() -> None:
+    ssm = 48 * 128 * 128 * 4
+    conv = 10240 * 2
+    assert e2e_models.gdn_state_bytes_per_request(0) == 48 * (ssm + 3 * conv)
+    assert e2e_models.gdn_state_bytes_per_request(64) == 48 * 65 * (ssm + 67 * conv)
+
+
+# ------------------------------------------------------------------ engine configs through vLLM
+
+
+@pytest.fixture(scope="module")
+def big(tmp_path_factory: pytest.TempPathFactory) -> Any:
+    from _vllm_plugin_env import vllm_cpu_session, write_placeholder_safetensors
+
+    root = tmp_path_factory.mktemp("e2e27")
+    with vllm_cpu_session(root / "vllm-cache"):
+        target = e2e_models.write_target(root / "target")
+        drafter = e2e_models.write_drafter(root / "drafter", weaver=False)
+        (drafter / "tfm_config.json").write_text(json.dumps({"proposal": "tfm", "weaver": {"d_model": 5120, "max_depth": 15}}))
+        write_placeholder_safetensors(drafter / "tfm" / "weaver.safetensors")  # presence is what the config checks
+        yield {"root": root, "target": str(target), "drafter": str(drafter)}
+
+
+def settings(big: Any) -> dict[str, Any]:
+    return {"target": big["target"], "drafter": big["drafter"], "seed": 0, "gpu_memory_utilization": 0.9,
+            "max_model_len": 704, "batches": [1, 8], "max_num_batched_tokens": 4096}
+
+
+def spec_config(kw: dict[str, Any]) -> Any:
+    from vllm.config import ParallelConfig
+    from vllm.engine.arg_utils import EngineArgs
+
+    args = EngineArgs(**kw)
+    return args.create_speculative_config(args.create_model_config(), ParallelConfig())
+
+
+def test_dflash_arm_config_is_vllms_synthetic_chain(big: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    prof = builtin_geometric_profile(temperatures=(1.0,))
+    plan = e2e.arm_profile(e2e.ARMS["dflash"], prof, 1.0, 15)
+    kw = e2e.engine_kwargs(e2e.ARMS["dflash"], settings(big), plan)
+    cfg = spec_config(kw)
+    assert cfg.method == "dflash" and cfg.num_speculative_tokens == 15
+    assert cfg.rejection_sample_method == "synthetic"
+    assert cfg.synthetic_acceptance_rates == synthetic_acceptance_rates(geometric_pmf(0.75, 15), 15)
+    assert plan["mal"] == pytest.approx(mean_accepted_length(geometric_pmf(0.75, 15)))
+
+
+def test_tfm_arm_config_replays_its_profile_entry(big: Any, monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    from vllm_tfm.verify.acceptance_profile import AcceptanceProfile, save_profile
+    from vllm_tfm.vllm_plugin.benchmark_mode import get_acceptance_replay
+    from vllm_tfm.vllm_plugin.options import get_tfm_options
+
+    prof = builtin_geometric_profile(temperatures=(1.0,))
+    arm = e2e.ARMS["tfm64"]
+    plan = e2e.arm_profile(arm, prof, 1.0, 15)
+    save_profile(AcceptanceProfile(source=prof.source, measured=False, entries=[plan["entry"]]), tmp_path / "p.json")
+    for k, v in e2e.child_env(arm, {"seed": 3}, tmp_path).items():
+        if k.startswith("VLLM_TFM_"):
+            monkeypatch.setenv(k, v)
+    monkeypatch.setenv("VLLM_TFM_BENCHMARK_ACCEPTANCE_REPLAY", str(tmp_path / "p.json"))
+    cfg = spec_config(e2e.engine_kwargs(arm, settings(big), plan))
+    assert cfg.method == "tfm" and cfg.num_speculative_tokens == 64
+    assert get_tfm_options(cfg).proposal == "tfm"
+    replay = get_acceptance_replay(cfg)
+    assert replay is not None and replay.entry == "tfm B=64 T=1" and replay.seed == 3 and not replay.measured
+    assert replay.accepted_pmf == pytest.approx(resize_pmf(geometric_pmf(0.87, 15), 15))
+    assert plan["mal"] == pytest.approx(replay.mean_accepted_length)
+    monkeypatch.delenv("VLLM_TFM_I_AM_BENCHMARKING")
+    with pytest.raises(ValueError, match="set VLLM_TFM_I_AM_BENCHMARKING=1 to run it"):
+        spec_config(e2e.engine_kwargs(arm, settings(big), plan))
+
+
+# ------------------------------------------------------------------ planning and measurement helpers
+
+
+def test_arm_parsing_and_deadline_planning() -> None:
+    arms = e2e.parse_arms("tfm64,nospec,tfm64")
+    assert [a.name for a in arms] == ["tfm64", "nospec"]
+    assert [a.num_speculative_tokens for a in arms] == [64, 0]
+    with pytest.raises(ValueError, match="unknown arm 'tfm8'"):
+        e2e.parse_arms("nospec,tfm8")
+    nospec, tfm = e2e.ARMS["nospec"], e2e.ARMS["tfm32"]
+    # before any engine started the first-start guess applies; after, the slowest measured start
+    first = e2e.arm_estimate_s(nospec, [], [1, 8], 256, 1.0, clean_run=False)
+    assert first == e2e.FIRST_START_GUESS_S + e2e.START_MARGIN_S + e2e.measure_estimate_s(nospec, [1, 8], 256, 1.0, False)
+    later = e2e.arm_estimate_s(tfm, [40.0, 70.0], [1, 8], 256, 6.0, clean_run=False)
+    assert later == 70.0 + e2e.START_MARGIN_S + e2e.measure_estimate_s(tfm, [1, 8], 256, 6.0, False)
+    assert e2e.measure_estimate_s(tfm, [1, 8], 256, 6.0, True) > e2e.measure_estimate_s(tfm, [1, 8], 256, 6.0, False)
+    assert e2e.fits(later, later) and not e2e.fits(later - 1, later)
+
+
+def test_measured_mal_and_decode_rate() -> None:
+    before = {"vllm:spec_decode_num_drafts": 10, "vllm:spec_decode_num_accepted_tokens": 30}
+    after = {"vllm:spec_decode_num_drafts": 30, "vllm:spec_decode_num_accepted_tokens": 110}
+    assert e2e.measured_mal(before, after) == 1 + 80 / 20
+    assert e2e.measured_mal({}, {}) is None
+
+    def out(n: int, first: float, last: float) -> Any:
+        return SimpleNamespace(outputs=[SimpleNamespace(token_ids=list(range(n)))],
+                               metrics=SimpleNamespace(first_token_ts=first, last_token_ts=last))
+
+    # 2 requests, 11 tokens each: 20 decode tokens from t = 2.0 (the later first token) to t = 6.0
+    assert e2e.decode_rate([out(11, 1.0, 5.0), out(11, 2.0, 6.0)]) == 20 / 4.0
+    assert e2e.decode_rate([SimpleNamespace(outputs=[], metrics=None)]) is None
+
+
+# ------------------------------------------------------------------ tables
+
+
+def stages(forward: float, draft: float = 0.0, tree: float = 0.0, propose: float = 0.0, sample: float = 0.5,
+           commit: float = 0.0, prepare: float = 0.0, shaping: float = 0.0, replay: float = 0.0) -> dict:
+    out = {"target_forward": forward, "sample": sample}
+    for name, v in (("draft", draft), ("tree_build", tree), ("propose", propose), ("commit", commit),
+                    ("prepare_tree", prepare), ("replay_shaping", shaping), ("replay_accept", replay)):
+        if v:
+            out[name] = v
+    return {k: {"per_step_ms": v} for k, v in out.items()}
+
+
+def results() -> dict:
+    def arm(kind: str, tps: dict[int, float], st: dict[int, dict] | None = None, **kw: Any) -> dict:
+        batches = {str(b): {"tokens_per_s": v * 0.9, "decode_tokens_per_s": v, "max_concurrency": b, "mal": kw.get("mal"),
+                            "profiled": {"stages": (st or {}).get(b, {})}} for b, v in tps.items()}
+        return {"kind": kind, "status": "ok", "batches": batches, "engine_start_s": 50.0, **kw}
+
+    return {
+        "format": "vllm-tfm-e2e/1", "command": "bash bench/run_gpu_e2e.sh", "machine": {"device": "GPU"},
+        "settings": {"batches": [1, 8], "prompt_len": 256, "output_len": 256, "temperature": 1.0},
+        "profile": {"measured": False, "source": "builtin"},
+        "arms": {
+            "nospec": arm("nospec", {1: 20.0, 8: 120.0}),
+            "dflash": arm("dflash", {1: 50.0, 8: 300.0}, num_speculative_tokens=15, mal=3.9, profile_mal=3.96),
+            "tfm64": arm("tfm", {1: 100.0, 8: 360.0},
+                         {1: stages(20.0, draft=1.0, tree=0.5, propose=2.0, sample=0.7, commit=0.3, prepare=0.2,
+                                    shaping=0.1, replay=0.2)},
+                         budget=64, num_speculative_tokens=64, mal=6.8, profile_mal=6.86),
+            "tfm16": {"kind": "tfm", "status": "skipped", "reason": "deadline"},
+        },
+        "skipped": [{"arm": "tfm16", "reason": "deadline"}],
+    }
+
+
+def test_stage_breakdown_by_hand() -> None:
+    d = e2e_report.stage_breakdown(results()["arms"]["tfm64"]["batches"]["1"]["profiled"]["stages"])
+    # overhead = (propose 2.0 - shaping 0.1) + (sample 0.7 - replay 0.2) + commit 0.3 + prepare 0.2 = 2.9
+    assert d["overhead"] == pytest.approx(2.9) and d["overhead_fraction"] == pytest.approx(2.9 / 20.0)
+    assert d["other_drafting"] == pytest.approx(2.0 - 1.0 - 0.5 - 0.1) and d["replay"] == pytest.approx(0.3)
+    dflash = e2e_report.stage_breakdown(stages(20.0, propose=1.5, sample=0.4))
+    assert dflash["draft"] == 1.5 and dflash["overhead"] == pytest.approx(1.9)
+
+
+def test_render_markdown_ratios_goals_and_skips() -> None:
+    res = results()
+    summ = e2e_report.summarize(res)
+    assert summ["batches"]["1"]["metric"] == "decode"
+    assert summ["batches"]["1"]["x_nospec"]["tfm64"] == 5.0 and summ["batches"]["1"]["x_dflash"]["tfm64"] == 2.0
+    assert summ["batches"]["8"]["x_nospec"]["tfm64"] == 3.0 and summ["batches"]["8"]["x_dflash"]["tfm64"] == pytest.approx(1.2)
+    g = summ["goals"]["tfm64"]
+    assert g["overhead_ok"] is True and g["x_nospec_ok_b1"] is True and g["x_dflash_ok_b1"] is True
+    assert "tfm16" not in summ["goals"]
+    md = e2e_report.render_markdown(res)
+    row = next(line for line in md.splitlines() if line.startswith("| tfm64"))
+    assert "| 100.0 | 5.00x | 2.00x | 360.0 | 3.00x | 1.20x |" in row and "| 6.86 | 6.80 |" in row
+    assert "NOT measured (synthetic)" in md
+    assert "- tfm64: overhead 14.5% (met), 5.00x over no-spec (met), 2.00x over DFlash (met)" in md
+    assert "Not run: tfm16 (deadline)" in md
+    # e2e tokens/s when one arm lacks vLLM's per-request timestamps
+    res["arms"]["nospec"]["batches"]["1"]["decode_tokens_per_s"] = None
+    assert e2e_report.summarize(res)["batches"]["1"]["metric"] == "e2e"
+    with pytest.raises(ValueError, match="not a bench/e2e.py results file"):
+        e2e_report.render_markdown({"format": "x"})
+
+
+def test_write_doc_replaces_between_the_markers(tmp_path: Path) -> None:
+    doc = tmp_path / "e2e.md"
+    doc.write_text(f"# Title\nprose\n{e2e_report.BEGIN}\nold table\n{e2e_report.END}\nafter\n")
+    (tmp_path / "r.json").write_text(json.dumps(results()))
+    assert e2e_report.main([str(tmp_path / "r.json"), "--write", str(doc)]) == 0
+    text = doc.read_text()
+    assert text.startswith("# Title\nprose\n") and text.endswith(f"{e2e_report.END}\nafter\n")
+    assert "old table" not in text and "| tfm64" in text
+    with pytest.raises(ValueError, match="missing the markers"):
+        e2e_report.write_doc(tmp_path / "r.json", "x", "r.json")
+
+
+# ------------------------------------------------------------------ the child and the driver, with a fake engine
+
+
+class FakeLLM:
+    """Stands in for vllm.LLM: generate() returns timestamped outputs and records a few stage spans;
+    spec-decode counters grow by 10 drafts / 30 accepted tokens per generate (MAL 4)."""
+
+    def __init__(self, **kw: Any) -> None:
+        self.kw = kw
+        self.llm_engine = SimpleNamespace(vllm_config=SimpleNamespace(cache_config=SimpleNamespace(num_gpu_blocks=123)))
+        self.drafts = self.accepted = 0
+
+    def generate(self, prompts: list, params: Any, use_tqdm: bool = False) -> list:
+        from vllm_tfm.vllm_plugin.runtime.stage_timing import TIMER
+
+        n = params.max_tokens
+        for _ in range(3):
+            TIMER.note_batch(len(prompts), len(prompts))
+            with TIMER.span("execute_model"), TIMER.span("target_forward"):
+                pass
+        self.drafts += 10
+        self.accepted += 30
+        return [SimpleNamespace(outputs=[SimpleNamespace(token_ids=list(range(n)))],
+                                metrics=SimpleNamespace(first_token_ts=1.0, last_token_ts=1.0 + 0.01 * (n - 1)))
+                for _ in prompts]
+
+    def collective_rpc(self, fn: Any, kwargs: dict | None = None) -> list:
+        return [fn(None, **(kwargs or {}))]
+
+    def get_metrics(self) -> list:
+        return [SimpleNamespace(name="vllm:spec_decode_num_drafts", value=self.drafts),
+                SimpleNamespace(name="vllm:spec_decode_num_accepted_tokens", value=self.accepted)]
+
+
+@pytest.fixture()
+def fake_engine(monkeypatch: pytest.MonkeyPatch) -> None:
+    vllm = pytest.importorskip("vllm")
+    from vllm_tfm.vllm_plugin.runtime.stage_timing import TIMER
+
+    monkeypatch.setattr(vllm, "LLM", FakeLLM)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "FakeGPU")
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda *a: (2**34, 2**37))
+    monkeypatch.setattr(TIMER, "enabled", False)
+
+
+def write_fast_models(work: Path) -> dict[str, Any]:
+    target = e2e_models.write_target(work / "target")
+    drafter = e2e_models.write_drafter(work / "drafter", weaver=False)
+    return {"target": str(target), "drafter": str(drafter), "vocab": 248_320, "seconds": 0.0}
+
+
+def test_driver_runs_arms_and_renders_what_they_measured(fake_engine: None, monkeypatch: pytest.MonkeyPatch,
+                                                         tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    import time
+
+    monkeypatch.setattr(e2e, "write_models", write_fast_models)
+    seen_env: dict[str, dict] = {}
+
+    def run_child(arm: Any, settings_path: Path, out: Path, timeout_s: float, env: dict) -> int:
+        seen_env[arm.name] = env
+        return e2e.run_arm(arm, settings_path)  # in-process, with the fake engine
+
+    monkeypatch.setattr(e2e, "run_child", run_child)
+    monkeypatch.setattr(e2e, "T0", time.time())
+    out, work = tmp_path / "out", tmp_path / "work"
+    rc = e2e.main(["--out", str(out), "--work", str(work), "--arms", "nospec,dflash,tfm32", "--batches", "1,8",
+                   "--output-len", "11", "--profile", "builtin", "--deadline-s", "1000"])
+    assert rc == 0
+    res = json.loads((out / "e2e_27b.json").read_text())
+    assert res["format"] == "vllm-tfm-e2e/1" and res["machine"]["device"] == "FakeGPU"
+    assert not res["profile"]["measured"] and res["skipped"] == []
+    for name in ("nospec", "dflash", "tfm32"):
+        arm = res["arms"][name]
+        assert arm["status"] == "ok" and arm["num_gpu_blocks"] == 123
+        for b in (1, 8):
+            run = arm["batches"][str(b)]
+            assert run["output_tokens"] == 11 * b and run["decode_tokens_per_s"] == pytest.approx(100.0 * b)
+            assert run["mal"] == 4.0 and run["max_concurrency"] == b
+            assert run["profiled"]["stages"]["target_forward"]["count"] == 3
+    assert res["arms"]["dflash"]["engine_kwargs"]["speculative_config"]["rejection_sample_method"] == "synthetic"
+    assert res["arms"]["tfm32"]["profile_entry"] == "tfm B=32 T=1"
+    replay = seen_env["tfm32"]["VLLM_TFM_BENCHMARK_ACCEPTANCE_REPLAY"]
+    assert json.loads(Path(replay).read_text())["entries"][0]["budget"] == 32
+    assert seen_env["tfm32"]["VLLM_TFM_I_AM_BENCHMARKING"] == "1"
+    assert "VLLM_TFM_BENCHMARK_ACCEPTANCE_REPLAY" not in seen_env["nospec"]
+    assert seen_env["nospec"]["VLLM_TFM_PROFILE"] == "1"
+    md = (out / "e2e.md").read_text()
+    assert md == e2e_report.render_markdown(res) and "| tfm32: tfm (Weaver trees), B=32 |" in md
+
+    # a deadline that fits nothing: every arm is skipped, said so, with the command that runs them
+    monkeypatch.setattr(e2e, "T0", time.time())
+    rc = e2e.main(["--out", str(out), "--work", str(work), "--arms", "dflash,tfm64", "--profile", "builtin",
+                   "--deadline-s", "60"])
+    res = json.loads((out / "e2e_27b.json").read_text())
+    assert rc == 0 and [x["arm"] for x in res["skipped"]] == ["dflash", "tfm64"]
+    assert "Next command: bash bench/run_gpu_e2e.sh --arms nospec,dflash,tfm64" in capsys.readouterr().out
+
+
+def test_child_records_an_engine_failure(fake_engine: None, monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    import vllm
+
+    def broken(**kw: Any) -> None:
+        raise RuntimeError("no memory")
+
+    monkeypatch.setattr(vllm, "LLM", broken)
+    settings = {"plans": {}, "work": str(tmp_path), "target": "t", "drafter": "d", "seed": 0, "gpu_memory_utilization": 0.9,
+                "max_model_len": 704, "batches": [1], "max_num_batched_tokens": 4096}
+    (tmp_path / "s.json").write_text(json.dumps(settings))
+    assert e2e.run_arm(e2e.ARMS["nospec"], tmp_path / "s.json") == 1
+    res = json.loads((tmp_path / "arm_nospec.json").read_text())
+    assert res["status"] == "error" and res["error"] == "RuntimeError: no memory" and res["batches"] == {}
