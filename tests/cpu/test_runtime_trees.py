@@ -110,3 +110,44 @@ def test_weaver_trees_equal_build_weaver_per_request():
         n = ref.num_nodes
         assert tok[i, : n - 1].tolist() == ref.tokens[1:].tolist()
         assert par[i, :n].tolist() == ref.parents.tolist()
+
+
+def previous_weaver_trees(weaver, logits, dflash_hidden, verifier, roots, embed, lm_head, budget, top_k, width, cpn):
+    """The runtime's former per-request loop, written out: build_weaver per request with its own
+    WeaverTreeScorer, then missing nodes as a chain of the best depth-1 candidate."""
+    r, depth, _ = logits.shape
+    cand_logits, cand_ids = torch.topk(logits.float(), min(top_k, logits.shape[-1]), dim=-1)
+    tokens, parents = [], []
+    for i in range(r):
+        scorer = weaver.tree_scorer(verifier[i], dflash_hidden[i], cand_ids[i], cand_logits[i].to(dflash_hidden.dtype),
+                                    embed, lm_head)
+        tree = build_weaver(int(roots[i]), cand_ids[i], scorer, budget, depth, width, cpn)
+        n = tree.num_nodes
+        filler = int(cand_ids[i, 0, 0])
+        tokens.append(tree.tokens[1:].tolist() + [filler] * (budget + 1 - n))
+        parents.append(tree.parents.tolist() + list(range(n - 1, budget)))
+    return tokens, parents
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_weaver_trees_equal_the_per_request_loop_over_many_settings(dtype):
+    cfg = WeaverConfig(d_model=16, d_rank=8, n_layers=2, n_heads=2, d_mlp=12, max_depth=5)
+    gen = torch.Generator().manual_seed(11)
+    vocab, r = 40, 5
+    for case, (depth, budget, top_k, width, cpn) in enumerate(
+        [(5, 17, 8, 2, 3), (3, 6, 2, 4, 1), (4, 1, 5, 1, 8), (5, 30, 40, 3, 8), (2, 12, 3, 2, 2), (5, 9, 1, 1, 1)]
+    ):
+        torch.manual_seed(case)
+        weaver = Weaver(cfg).to(dtype).eval()
+        embed = torch.randn(vocab, 16, generator=gen, dtype=torch.float64).to(dtype)
+        lm_head = torch.randn(vocab, 16, generator=gen, dtype=torch.float64).to(dtype)
+        logits = torch.randn(r, depth, vocab, generator=gen, dtype=torch.float64).to(dtype) * 3
+        dflash_hidden = torch.randn(r, depth, 16, generator=gen, dtype=torch.float64).to(dtype)
+        verifier = torch.randn(r, 16, generator=gen, dtype=torch.float64).to(dtype)
+        roots = torch.randint(0, vocab, (r,), generator=gen)
+        tok, par = weaver_trees(weaver, logits, dflash_hidden, verifier, roots, embed, lm_head,
+                                budget=budget, top_k=top_k, width=width, children_per_node=cpn)
+        want_tok, want_par = previous_weaver_trees(weaver, logits, dflash_hidden, verifier, roots, embed, lm_head,
+                                                   budget, top_k, width, cpn)
+        assert tok.tolist() == want_tok, f"case {case}"
+        assert par.tolist() == want_par, f"case {case}"

@@ -27,7 +27,7 @@ from .common import RMSNorm, as_weight, compute_dtype
 from .io import read_state, target_text_config, write_state
 from .tfm_config import TFM_CONFIG_NAME, TREEFLASH_WEIGHTS_NAME, TfmConfig, TreeFlashConfig
 
-__all__ = ["TreeFlashApproximator", "TreeFlashTransitionScorer"]
+__all__ = ["BatchedTreeFlashTransitionScorer", "TreeFlashApproximator", "TreeFlashTransitionScorer"]
 
 
 class TreeFlashApproximator(nn.Module):
@@ -148,6 +148,48 @@ class TreeFlashTransitionScorer:
             ids = prev_tokens.to(self.hidden.device)
             e = self.embed[ids] if isinstance(self.embed, Tensor) else self.embed(ids)
             h = self.hidden[depth].expand(ids.shape[0], -1)
+            h2 = self.approximator(e.to(h.dtype), h, self.final_norm)
+            logits = _head(self.lm_head, self.final_norm(h2))
+            return torch.log_softmax(logits.to(compute_dtype(logits.dtype)) / self.temperature, dim=-1)
+
+
+class BatchedTreeFlashTransitionScorer(TreeFlashTransitionScorer):
+    """``transition_scorer(depth, prev_tokens [R, M]) -> [R, M, V]`` for R blocks at once
+    (``vllm_tfm.tree.build_treeflash_padded``); row r is ``TreeFlashTransitionScorer`` of block r.
+
+    Args: as ``TreeFlashTransitionScorer`` but ``block_hidden_prenorm`` is [R, gamma, H].
+    """
+
+    def __init__(
+        self,
+        approximator: TreeFlashApproximator,
+        final_norm: nn.Module,
+        block_hidden_prenorm: Tensor,
+        embed: nn.Module | Tensor,
+        lm_head: nn.Module | Tensor,
+        temperature: float = 1.0,
+    ) -> None:
+        if block_hidden_prenorm.dim() != 3 or block_hidden_prenorm.shape[1] < 2:
+            raise ValueError(
+                f"block_hidden_prenorm must be [R, gamma >= 2, H], got shape {tuple(block_hidden_prenorm.shape)}"
+            )
+        super().__init__(approximator, final_norm, block_hidden_prenorm[0], embed, lm_head, temperature)
+        self.hidden = block_hidden_prenorm
+
+    @property
+    def max_depth(self) -> int:
+        return self.hidden.shape[1] - 1
+
+    def __call__(self, depth: int, prev_tokens: Tensor) -> Tensor:
+        if not 1 <= depth <= self.max_depth:
+            raise ValueError(f"depth must be in 1..{self.max_depth}, got {depth}")
+        r = self.hidden.shape[0]
+        if prev_tokens.dim() != 2 or prev_tokens.shape[0] != r:
+            raise ValueError(f"prev_tokens must be [R={r}, M], got shape {tuple(prev_tokens.shape)}")
+        with torch.no_grad():
+            ids = prev_tokens.to(self.hidden.device)
+            e = self.embed[ids] if isinstance(self.embed, Tensor) else self.embed(ids)  # [R, M, H]
+            h = self.hidden[:, depth, None, :].expand(-1, ids.shape[1], -1)
             h2 = self.approximator(e.to(h.dtype), h, self.final_norm)
             logits = _head(self.lm_head, self.final_norm(h2))
             return torch.log_softmax(logits.to(compute_dtype(logits.dtype)) / self.temperature, dim=-1)

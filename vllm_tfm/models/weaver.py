@@ -44,7 +44,7 @@ from .common import RMSNormWithBias, apply_rope, as_weight, compute_dtype, maske
 from .io import read_state, target_text_config, write_state
 from .tfm_config import TFM_CONFIG_NAME, WEAVER_WEIGHTS_NAME, TfmConfig, WeaverConfig
 
-__all__ = ["Weaver", "WeaverTreeScorer", "weaver_param_count", "candidate_logprobs"]
+__all__ = ["Weaver", "WeaverTreeScorer", "BatchedWeaverTreeScorer", "weaver_param_count", "candidate_logprobs"]
 
 
 def weaver_param_count(config: WeaverConfig) -> int:
@@ -209,6 +209,21 @@ class Weaver(nn.Module):
         lm_head: nn.Module | Tensor,
     ) -> WeaverTreeScorer:
         return WeaverTreeScorer(self, verifier_hidden, dflash_hidden, cand_ids, cand_logits, embed, lm_head)
+
+    def batched_tree_scorer(
+        self,
+        verifier_hidden: Tensor,
+        dflash_hidden: Tensor,
+        cand_ids: Tensor,
+        cand_logits: Tensor,
+        embed: nn.Module | Tensor,
+        lm_head: nn.Module | Tensor,
+        max_nodes: int,
+        validate: bool = False,
+    ) -> BatchedWeaverTreeScorer:
+        return BatchedWeaverTreeScorer(
+            self, verifier_hidden, dflash_hidden, cand_ids, cand_logits, embed, lm_head, max_nodes, validate
+        )
 
     # ------------------------------------------------------------------ files
     def save_pretrained(self, directory: str | Path) -> None:
@@ -395,3 +410,150 @@ class WeaverTreeScorer:
                 x = layer.finish(x, attn)
             qry = wv.query(x)  # [w, H]
             return candidate_logprobs(qry, self.cand_rows[dep], self.cand_logits[dep])
+
+
+class BatchedWeaverTreeScorer:
+    """Weaver scoring for R trees at once, in the lockstep builder's protocol
+    (``vllm_tfm.tree.build_weaver_padded``); per request the same function as ``WeaverTreeScorer``.
+
+    ``scorer(node_ids, parent_ids, tokens, depths [R, w] int64, valid [R, w] bool) -> [R, w, K]``:
+    row [r, i] (when valid) = log-probabilities over ``cand_ids[r, depths[r, i]]`` given node
+    i's root..node path in request r; invalid rows are computed on clamped inputs and mean
+    nothing. Node ids index a per-request buffer of ``max_nodes`` slots (the tree's 1 + B nodes):
+    per layer, every scored node's K/V ``[R, max_nodes, heads, head_dim]`` and an ancestor-or-self
+    mask ``[R, max_nodes, max_nodes]`` (row of a node = its parent's row plus itself). A node
+    attends to its request's prompt plus the slots its mask row names: the same keys as
+    ``WeaverTreeScorer`` (prompt + root..node path), summed in a different order, so outputs agree
+    to rounding (float32: ~1e-6), not bit for bit. One call = one Weaver step of R x w nodes with
+    fixed shapes and no host sync.
+
+    Protocol (not checked unless ``validate``, which syncs with the host): the first call holds
+    the roots (node 0, parent -1, depth 0) of every request; a valid node's parent was valid in an
+    EARLIER call (never in the same call: the lockstep builder never scores a node with its
+    parent) and its depth is the parent's + 1 < D; node ids are < max_nodes and not reused.
+
+    Args:
+        verifier_hidden: [R, H]; dflash_hidden: [R, D, H] (DFlash slots 1..D, after the final norm).
+        cand_ids: [R, D, K] int64; cand_logits: [R, D, K] raw DFlash logits of those candidates.
+        embed, lm_head: the target's input embedding and lm_head (modules or [V, H] weights).
+        max_nodes: node slots per request (1 + the largest budget).
+    """
+
+    def __init__(
+        self,
+        weaver: Weaver,
+        verifier_hidden: Tensor,
+        dflash_hidden: Tensor,
+        cand_ids: Tensor,
+        cand_logits: Tensor,
+        embed: nn.Module | Tensor,
+        lm_head: nn.Module | Tensor,
+        max_nodes: int,
+        validate: bool = False,
+    ) -> None:
+        self.weaver = weaver
+        depth = weaver._check_prompt(verifier_hidden, dflash_hidden)
+        if verifier_hidden.dim() != 2:
+            raise ValueError(f"verifier_hidden must be [R, H], got shape {tuple(verifier_hidden.shape)}")
+        r = verifier_hidden.shape[0]
+        if cand_ids.dim() != 3 or tuple(cand_ids.shape[:2]) != (r, depth) or cand_logits.shape != cand_ids.shape:
+            raise ValueError(
+                f"cand_ids and cand_logits must both be [R={r}, D={depth}, K], "
+                f"got shapes {tuple(cand_ids.shape)} and {tuple(cand_logits.shape)}"
+            )
+        if isinstance(max_nodes, bool) or not isinstance(max_nodes, int) or max_nodes < 1:
+            raise ValueError(f"max_nodes must be an integer >= 1, got {max_nodes!r}")
+        self.num_requests, self.depth, self.max_nodes, self.validate = r, depth, max_nodes, validate
+        self.embed = embed
+        self.lm_head = as_weight(lm_head, "lm_head")
+        self.n_embed_rows = as_weight(embed, "embed").shape[0]
+        self.cand_ids = cand_ids
+        self.cand_logits = cand_logits
+        cfg = weaver.config
+        with torch.no_grad():
+            x = weaver.prompt_inputs(verifier_hidden, dflash_hidden)  # [R, 1 + D, d]
+            dev = x.device
+            cos, sin = weaver._rope(torch.arange(1 + depth, device=dev), x.dtype)
+            causal = torch.ones(1 + depth, 1 + depth, dtype=torch.bool, device=dev).tril()
+            self.prompt_kv: list[tuple[Tensor, Tensor]] = []
+            for layer in weaver.layers:
+                q, k, v = layer.qkv_rope(x, cos, sin)
+                self.prompt_kv.append((k, v))
+                x = layer.finish(x, masked_attention(q, k, v, causal, layer.head_dim**-0.5))
+            # slot max_nodes of every buffer is a write-only trash slot for invalid rows
+            shape = (r, max_nodes + 1, cfg.n_heads, cfg.head_dim)
+            self.k_cache = [x.new_zeros(shape) for _ in weaver.layers]
+            self.v_cache = [x.new_zeros(shape) for _ in weaver.layers]
+        self.ancestors = torch.zeros(r, max_nodes + 1, max_nodes, dtype=torch.bool, device=dev)
+        self._scored = torch.zeros(r, max_nodes, dtype=torch.bool, device=dev) if validate else None
+        self._depths = torch.zeros(r, max_nodes, dtype=torch.long, device=dev) if validate else None
+
+    def _check(self, node_ids: Tensor, parent_ids: Tensor, tokens: Tensor, depths: Tensor, valid: Tensor) -> None:
+        """The protocol of the class docstring, for the valid rows (host sync)."""
+        first = not bool(self._scored.any())
+        for r, i in valid.nonzero().tolist():
+            nid, pid, tok, dep = (int(t[r, i]) for t in (node_ids, parent_ids, tokens, depths))
+            if not 0 <= nid < self.max_nodes:
+                raise ValueError(f"request {r}: node id {nid} outside 0..{self.max_nodes - 1}")
+            if bool(self._scored[r, nid]):
+                raise ValueError(f"request {r}: node {nid} was already scored")
+            if not 0 <= tok < self.n_embed_rows:
+                raise ValueError(f"request {r}: token {tok} outside [0, {self.n_embed_rows})")
+            if first != (pid == -1):
+                raise ValueError(f"request {r}: node {nid} with parent {pid}: the first call holds the roots (parent -1) only")
+            if pid == -1:
+                if dep != 0 or nid != 0:
+                    raise ValueError(f"request {r}: the root must be node 0 at depth 0, got node {nid} at depth {dep}")
+            else:
+                if not (0 <= pid < self.max_nodes and bool(self._scored[r, pid])):
+                    raise ValueError(f"request {r}: node {nid} has parent {pid}, which was not scored in an earlier call")
+                if dep != int(self._depths[r, pid]) + 1:
+                    raise ValueError(f"request {r}: node {nid} has depth {dep}, its parent {pid} has depth {int(self._depths[r, pid])}")
+            if dep >= self.depth:
+                raise ValueError(f"request {r}: node {nid} at depth {dep} has no candidates (D = {self.depth})")
+        rows, cols = valid.nonzero().unbind(1)
+        self._scored[rows, node_ids[rows, cols]] = True
+        self._depths[rows, node_ids[rows, cols]] = depths[rows, cols]
+
+    def __call__(self, node_ids: Tensor, parent_ids: Tensor, tokens: Tensor, depths: Tensor, valid: Tensor) -> Tensor:
+        r = self.num_requests
+        if node_ids.dim() != 2 or node_ids.shape[0] != r or node_ids.shape[1] == 0:
+            raise ValueError(f"node_ids must be [R={r}, w >= 1], got shape {tuple(node_ids.shape)}")
+        for name, t in (("parent_ids", parent_ids), ("tokens", tokens), ("depths", depths), ("valid", valid)):
+            if t.shape != node_ids.shape:
+                raise ValueError(f"{name} must be {list(node_ids.shape)} like node_ids, got shape {tuple(t.shape)}")
+        if self.validate:
+            self._check(node_ids, parent_ids, tokens, depths, valid)
+        wv, n = self.weaver, self.max_nodes
+        w = node_ids.shape[1]
+        dev = self.ancestors.device
+        with torch.no_grad():
+            valid = valid.to(dev)
+            slot = torch.where(valid, node_ids.to(dev), n)  # invalid rows write to the trash slot
+            parent = torch.where(valid, parent_ids.to(dev), -1)
+            dep = torch.where(valid, depths.to(dev), 0).clamp(0, self.depth - 1)
+            # ancestor-or-self rows: the parent's row (none for the root) plus the node itself
+            prow = self.ancestors.gather(1, parent.clamp(min=0)[..., None].expand(r, w, n)) & (parent >= 0)[..., None]
+            own = torch.arange(n, device=dev) == slot[..., None]
+            row = prow | own
+            self.ancestors.scatter_(1, slot[..., None].expand(r, w, n), row)
+            toks = torch.where(valid, tokens.to(dev), 0).clamp(0, self.n_embed_rows - 1)
+            x = wv.token_inputs(toks, self.embed)  # [R, w, d]
+            cos, sin = wv._rope(dep + 1, x.dtype)
+            mask = torch.cat([torch.ones(r, w, 1 + self.depth, dtype=torch.bool, device=dev), row], dim=2)
+            idx = slot[..., None, None]
+            for li, layer in enumerate(wv.layers):
+                q, k, v = layer.qkv_rope(x, cos, sin)  # [R, w, heads, hd]
+                kc, vc = self.k_cache[li], self.v_cache[li]
+                kc.scatter_(1, idx.expand_as(k), k)
+                vc.scatter_(1, idx.expand_as(v), v)
+                pk, pv = self.prompt_kv[li]
+                keys = torch.cat([pk, kc[:, :n]], dim=1)  # [R, 1 + D + n, heads, hd]
+                vals = torch.cat([pv, vc[:, :n]], dim=1)
+                x = layer.finish(x, masked_attention(q, keys, vals, mask, layer.head_dim**-0.5))
+            qry = wv.query(x)  # [R, w, H]
+            k_cand = self.cand_ids.shape[2]
+            gather = dep[..., None].expand(r, w, k_cand)
+            ids = self.cand_ids.gather(1, gather)  # [R, w, K]
+            logits = self.cand_logits.gather(1, gather)
+            return candidate_logprobs(qry, self.lm_head[ids], logits)

@@ -17,8 +17,10 @@ ran dry) is completed by ``fill_to_budget``.
   ties exactly like the reference), and the final B nodes are the B smallest keys of the union.
   Same tokens, parents and order as ``vllm_tfm.tree.build_ddtree`` (tested against it).
 * ``weaver_trees``: the TfM proposal; the Weaver re-scores the DFlash top-K candidates along each
-  node's path (``vllm_tfm.models.Weaver``) and ``vllm_tfm.tree.build_weaver`` grows the tree, one
-  request at a time (the batched, graph-captured Weaver is future work).
+  node's path (``vllm_tfm.models.BatchedWeaverTreeScorer``) while ``vllm_tfm.tree.build_weaver_padded``
+  grows all requests' trees in lockstep: one Weaver call per step for every request, about
+  ceil(B / w) steps, one host sync at the end (``vllm_tfm.models.proposal_trees``). Same trees as
+  ``vllm_tfm.tree.build_weaver`` per request (to Weaver rounding). CUDA-graph capture is future work.
 
 Determinism: sorts are stable and scores are accumulated in float64 in a fixed order, so equal
 inputs give equal trees on every tensor-parallel rank.
@@ -29,7 +31,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
-from vllm_tfm.tree.weaver import build_weaver
+from vllm_tfm.models.proposal_trees import weaver_draft_trees
+from vllm_tfm.tree.padded import fill_to_budget
 
 __all__ = ["chain_trees", "ddtree_trees", "fill_to_budget", "weaver_trees", "ranked_top"]
 
@@ -56,22 +59,6 @@ def ranked_top(logprobs: Tensor, k: int) -> tuple[Tensor, Tensor]:
         vals = torch.cat([vals, vals.new_full((*vals.shape[:-1], pad), NEG_INF)], dim=-1)
         idx = torch.cat([idx, idx.new_zeros((*idx.shape[:-1], pad))], dim=-1)
     return vals, idx
-
-
-def fill_to_budget(tokens: Tensor, parents: Tensor, num_nodes: Tensor, filler: Tensor) -> tuple[Tensor, Tensor]:
-    """Complete trees of ``num_nodes`` [R] nodes (root included) to 1 + B nodes.
-
-    The missing nodes hang as a chain under the last real node (a chain stays a chain), each
-    carrying ``filler`` [R] (any token: verification is exact for any draft token).
-    tokens [R, B], parents [R, 1 + B] -> same shapes.
-    """
-    n = parents.shape[1]
-    col = torch.arange(n, device=parents.device)
-    missing = col[None, :] >= num_nodes[:, None]
-    parents = torch.where(missing, (col - 1)[None, :].expand_as(parents), parents)
-    tok_missing = missing[:, 1:]
-    tokens = torch.where(tok_missing, filler[:, None].to(tokens.dtype).expand_as(tokens), tokens)
-    return tokens, parents
 
 
 def chain_trees(logprobs: Tensor, budget: int) -> tuple[Tensor, Tensor]:
@@ -167,29 +154,16 @@ def weaver_trees(
     width: int,
     children_per_node: int,
 ) -> tuple[Tensor, Tensor]:
-    """TfM trees: Weaver-scored best-first growth (``vllm_tfm.tree.build_weaver``), per request.
+    """TfM trees: Weaver-scored best-first growth of all requests at once (module docstring).
 
     dflash_logits: [R, D, V] raw DFlash logits; dflash_hidden: [R, D, H] DFlash outputs (after
     its final norm) at block slots 1..D; verifier_hidden: [R, H] the target's final hidden state
     at the row that produced each root (bonus) token; root_tokens: [R].
-    Returns tokens [R, B], parents [R, 1 + B] (completed by ``fill_to_budget``).
+    Returns tokens [R, B], parents [R, 1 + B] (completed by ``fill_to_budget``). The candidates'
+    DFlash logits are held in the Weaver's dtype (``dflash_hidden.dtype``) before scoring.
     """
     _check(dflash_logits, budget)
-    r, depth, vocab = dflash_logits.shape
-    dev = dflash_logits.device
-    k = min(top_k, vocab)
-    cand_logits, cand_ids = torch.topk(dflash_logits.float(), k, dim=-1)
-    tokens = torch.zeros(r, budget, dtype=torch.long, device=dev)
-    parents = torch.arange(-1, budget, device=dev).expand(r, budget + 1).clone()
-    num_nodes = torch.ones(r, dtype=torch.long, device=dev)
-    roots = root_tokens.tolist()
-    for i in range(r):
-        scorer = weaver.tree_scorer(
-            verifier_hidden[i], dflash_hidden[i], cand_ids[i], cand_logits[i].to(dflash_hidden.dtype), embed, lm_head
-        )
-        tree = build_weaver(int(roots[i]), cand_ids[i], scorer, budget, depth, width, children_per_node)
-        n = tree.num_nodes
-        tokens[i, : n - 1] = tree.tokens[1:].to(dev)
-        parents[i, :n] = tree.parents.to(dev)
-        num_nodes[i] = n
-    return fill_to_budget(tokens, parents, num_nodes, cand_ids[:, 0, 0])
+    return weaver_draft_trees(
+        weaver, dflash_logits, dflash_hidden, verifier_hidden, root_tokens, embed, lm_head,
+        budget, top_k, width, children_per_node, logits_dtype=dflash_hidden.dtype,
+    )

@@ -1,0 +1,139 @@
+"""Draft trees of R requests (or R evaluation anchors) from the drafter outputs, in one batch.
+
+The glue between the drafter models and the lockstep tree builders of ``vllm_tfm.tree``, shared
+by the vLLM runtime (``vllm_plugin.runtime.tree_builder_gpu``) and offline evaluation:
+
+* ``weaver_padded_trees`` / ``weaver_draft_trees``: TfM trees. DFlash top-K candidates per depth
+  (``torch.topk`` of the raw logits, as the reference decoder's ``DFlashProposer`` does), one
+  ``BatchedWeaverTreeScorer`` for all requests, ``build_weaver_padded``.
+* ``treeflash_padded_trees`` / ``treeflash_draft_trees``: TreeFlash trees from the marginals and a
+  ``BatchedTreeFlashTransitionScorer``, ``build_treeflash_padded``.
+
+``*_padded_trees`` return ``PaddedTrees`` (scores and draft log-probabilities included);
+``*_draft_trees`` return the runtime layout: tokens [R, B] (node j + 1 in column j) and parents
+[R, 1 + B], every tree completed to B draft nodes (``fill_to_budget``).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor, nn
+
+from vllm_tfm.tree.padded import PaddedTrees
+from vllm_tfm.tree.treeflash_padded import build_treeflash_padded
+from vllm_tfm.tree.weaver_padded import build_weaver_padded
+
+from .treeflash import BatchedTreeFlashTransitionScorer, TreeFlashApproximator
+from .weaver import Weaver
+
+__all__ = ["treeflash_draft_trees", "treeflash_padded_trees", "weaver_draft_trees", "weaver_padded_trees"]
+
+
+def _candidates(dflash_logits: Tensor, top_k: int) -> tuple[Tensor, Tensor]:
+    """(cand_logits, cand_ids) [R, D, K]: topk of the logits in float32 (float64 stays float64)."""
+    if dflash_logits.dim() != 3 or 0 in dflash_logits.shape:
+        raise ValueError(f"dflash_logits must be [R, D, V] and non-empty, got {tuple(dflash_logits.shape)}")
+    if isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 1:
+        raise ValueError(f"top_k must be an integer >= 1, got {top_k!r}")
+    logits = dflash_logits if dflash_logits.dtype == torch.float64 else dflash_logits.float()
+    return torch.topk(logits, min(top_k, logits.shape[-1]), dim=-1)
+
+
+def weaver_padded_trees(
+    weaver: Weaver,
+    dflash_logits: Tensor,
+    dflash_hidden: Tensor,
+    verifier_hidden: Tensor,
+    root_tokens: Tensor,
+    embed: nn.Module | Tensor,
+    lm_head: nn.Module | Tensor,
+    budget: int,
+    top_k: int,
+    width: int,
+    children_per_node: int,
+    logits_dtype: torch.dtype | None = None,
+) -> tuple[PaddedTrees, Tensor]:
+    """TfM trees of R requests, ``max_depth`` = D: (trees, cand_ids [R, D, K]).
+
+    dflash_logits: [R, D, V] raw DFlash logits of depths 1..D; dflash_hidden: [R, D, H] the DFlash
+    outputs (after its final norm) at block slots 1..D; verifier_hidden: [R, H] the target's final
+    hidden state at the row that produced each root token; root_tokens: [R].
+    ``logits_dtype``: dtype the candidates' DFlash logits are rounded to before scoring (None: the
+    float32 / float64 of the topk, like the reference decoder).
+    Per request the tree equals ``build_weaver`` with ``weaver.tree_scorer`` (to scorer rounding).
+    """
+    cand_logits, cand_ids = _candidates(dflash_logits, top_k)
+    if logits_dtype is not None:
+        cand_logits = cand_logits.to(logits_dtype)
+    scorer = weaver.batched_tree_scorer(
+        verifier_hidden, dflash_hidden, cand_ids, cand_logits, embed, lm_head, max_nodes=1 + budget
+    )
+    trees = build_weaver_padded(
+        root_tokens, cand_ids, scorer, budget, dflash_logits.shape[1], width, children_per_node, check=False
+    )
+    return trees, cand_ids
+
+
+def weaver_draft_trees(
+    weaver: Weaver,
+    dflash_logits: Tensor,
+    dflash_hidden: Tensor,
+    verifier_hidden: Tensor,
+    root_tokens: Tensor,
+    embed: nn.Module | Tensor,
+    lm_head: nn.Module | Tensor,
+    budget: int,
+    top_k: int,
+    width: int,
+    children_per_node: int,
+    logits_dtype: torch.dtype | None = None,
+) -> tuple[Tensor, Tensor]:
+    """``weaver_padded_trees`` in the runtime layout: tokens [R, B], parents [R, 1 + B]; a tree
+    smaller than B is completed with the best depth-1 candidate."""
+    trees, cand_ids = weaver_padded_trees(
+        weaver, dflash_logits, dflash_hidden, verifier_hidden, root_tokens, embed, lm_head,
+        budget, top_k, width, children_per_node, logits_dtype,
+    )
+    return trees.draft_layout(cand_ids[:, 0, 0])
+
+
+def treeflash_padded_trees(
+    approximator: TreeFlashApproximator,
+    final_norm: nn.Module,
+    block_hidden_prenorm: Tensor,
+    marginal_logprobs: Tensor,
+    root_tokens: Tensor,
+    embed: nn.Module | Tensor,
+    lm_head: nn.Module | Tensor,
+    budget: int,
+    max_depth: int,
+    top_m: int,
+    temperature: float = 1.0,
+) -> PaddedTrees:
+    """TreeFlash trees of R requests. block_hidden_prenorm: [R, gamma, H] DFlash residual streams
+    (slot d = depth d); marginal_logprobs: [R, D, V] log-probabilities of depths 1..D.
+    Per request the tree equals ``build_treeflash`` with ``TreeFlashTransitionScorer``."""
+    scorer = BatchedTreeFlashTransitionScorer(approximator, final_norm, block_hidden_prenorm, embed, lm_head, temperature)
+    return build_treeflash_padded(root_tokens, marginal_logprobs, scorer, budget, max_depth, top_m, check=False)
+
+
+def treeflash_draft_trees(
+    approximator: TreeFlashApproximator,
+    final_norm: nn.Module,
+    block_hidden_prenorm: Tensor,
+    marginal_logprobs: Tensor,
+    root_tokens: Tensor,
+    embed: nn.Module | Tensor,
+    lm_head: nn.Module | Tensor,
+    budget: int,
+    max_depth: int,
+    top_m: int,
+    temperature: float = 1.0,
+) -> tuple[Tensor, Tensor]:
+    """``treeflash_padded_trees`` in the runtime layout: tokens [R, B], parents [R, 1 + B]; a tree
+    smaller than B is completed with the depth-1 marginal's argmax."""
+    trees = treeflash_padded_trees(
+        approximator, final_norm, block_hidden_prenorm, marginal_logprobs, root_tokens, embed, lm_head,
+        budget, max_depth, top_m, temperature,
+    )
+    return trees.draft_layout(marginal_logprobs[:, 0].argmax(-1))
