@@ -125,3 +125,49 @@ def test_sampled_continuations_follow_the_target_distribution(models):
     ids = target_continuations(target, [prompt, [7, 7, 2, 1]], 6, temperature=0.0, seed=0)
     assert ids[0, 4:].tolist() == greedy_continuation(target, prompt, 6)
     assert ids[1, 4:].tolist() == greedy_continuation(target, [7, 7, 2, 1], 6)
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_batched_trees_equal_the_per_anchor_trees(models, method):
+    """The lockstep builders give every anchor the tree DFlashProposer.tree_from_block builds."""
+    from vllm_tfm.reference.replay import accepted_depths_padded, batched_trees, target_states
+
+    target, bundle = models
+    gen = torch.Generator().manual_seed(17)
+    ids = torch.randint(3, target.config.vocab_size, (2, 30), generator=gen)
+    final, taps = target_states(target, ids, bundle.dflash.config.target_layer_ids)
+    for budget in (1, 5, 23):
+        proposer = make_proposer(method, bundle, target, gamma=GAMMA)
+        drafter = proposer.drafter
+        anchors = [(0, 7), (1, 12), (0, 20), (1, 25)]
+        ctx_all = [drafter.context_kv(taps[i], torch.arange(ids.shape[1])) for i in range(2)]
+        prenorms, want, conts = [], [], []
+        for i, a in anchors:
+            proposer._ctx_kv = [(k[:a], v[:a]) for k, v in ctx_all[i]]
+            x = DraftInputs(root=int(ids[i, a]), position=a, verifier_hidden=final[i, a - 1], tokens=ids[i, : a + 1])
+            want.append(proposer.propose(x, budget))
+            block = drafter.block_tokens(ids[i, a : a + 1])[:, :GAMMA]
+            cu = torch.tensor([0, a])
+            prenorms.append(drafter.forward_batch_prenorm(proposer._ctx_kv, cu, block, torch.arange(a, a + GAMMA)[None], proposer.embed)[0])
+            conts.append(ids[i, a + 1 : a + GAMMA])
+        roots = torch.tensor([int(ids[i, a]) for i, a in anchors])
+        vh = torch.stack([final[i, a - 1] for i, a in anchors])
+        tokens, parents, num_nodes = batched_trees(proposer, torch.stack(prenorms), roots, vh, budget)
+        for r, tree in enumerate(want):
+            n = int(num_nodes[r])
+            assert n == tree.num_nodes, (method, budget, r)
+            assert tokens[r, :n].tolist() == tree.tokens.tolist(), (method, budget, r)
+            assert parents[r, :n].tolist() == tree.parents.tolist(), (method, budget, r)
+        # the padded acceptance walk equals the per-tree walk on a continuation that follows each
+        # tree's last node (so every tree has a deep accepted path)
+        cont = torch.zeros(len(want), GAMMA - 1, dtype=torch.long)
+        for r, tree in enumerate(want):
+            j = tree.num_nodes - 1
+            path = []
+            while j > 0:
+                path.append(int(tree.tokens[j]))
+                j = int(tree.parents[j])
+            cont[r, : len(path)] = torch.tensor(path[::-1])
+        got = accepted_depths_padded(tokens, parents, num_nodes, cont).tolist()
+        assert got == [accepted_depth(t, cont[r].tolist()) for r, t in enumerate(want)]
+        assert max(got) >= 1

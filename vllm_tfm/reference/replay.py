@@ -37,13 +37,24 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from vllm_tfm.models import DrafterBundle
+from vllm_tfm.models import DrafterBundle, marginal_logits
+from vllm_tfm.models.proposal_trees import treeflash_padded_trees, weaver_padded_trees
+from vllm_tfm.tree.marginal_padded import ddtree_trees
 from vllm_tfm.tree.types import Tree
+from vllm_tfm.tree.weaver import default_weaver_width
 
 from .drafters import DFlashProposer, DraftInputs, ProposalBias, make_proposer
 from .hf_compat import capture_final_hidden, capture_layer_outputs
 
-__all__ = ["target_continuations", "target_states", "accepted_depth", "replay_cell", "replay_cells"]
+__all__ = [
+    "accepted_depth",
+    "accepted_depths_padded",
+    "batched_trees",
+    "replay_cell",
+    "replay_cells",
+    "target_continuations",
+    "target_states",
+]
 
 
 @torch.no_grad()
@@ -126,6 +137,79 @@ def accepted_depth(tree: Tree, continuation: Sequence[int]) -> int:
     return best
 
 
+def accepted_depths_padded(tokens: Tensor, parents: Tensor, num_nodes: Tensor, continuation: Tensor) -> Tensor:
+    """:func:`accepted_depth` for R padded trees at once: tokens / parents [R, N] (node 0 the root,
+    nodes in topological order, columns >= num_nodes [R] ignored), continuation [R, D] -> [R]."""
+    n = tokens.shape[1]
+    dmax = continuation.shape[1]
+    dev = tokens.device
+    valid = torch.arange(n, device=dev)[None, :] < num_nodes[:, None]
+    par = parents.clamp(min=0)
+    depth = torch.zeros_like(tokens)
+    for _ in range(n - 1):  # depth of a node = depth of its parent + 1; stops changing after max depth rounds
+        nxt = torch.where(parents >= 0, depth.gather(1, par) + 1, 0)
+        if torch.equal(nxt, depth):
+            break
+        depth = nxt
+    want = continuation.gather(1, (depth - 1).clamp(0, dmax - 1))
+    match = valid & (depth >= 1) & (depth <= dmax) & (tokens == want)
+    ok = torch.zeros_like(match)
+    ok[:, 0] = True
+    for d in range(1, int(depth.max()) + 1):
+        ok = ok | (match & (depth == d) & ok.gather(1, par))
+    return (depth * ok).amax(dim=1)
+
+
+@torch.no_grad()
+def batched_trees(
+    proposer: DFlashProposer,
+    prenorm: Tensor,
+    roots: Tensor,
+    verifier_hidden: Tensor,
+    budget: int,
+    bias: Tensor | None = None,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """The trees :meth:`DFlashProposer.tree_from_block` builds, for R anchors in one batch.
+
+    prenorm [R, gamma, H] (DFlash residual streams), roots [R], verifier_hidden [R, H], bias
+    [R, D, V] or None (added to the marginal logits, as ``proposal_bias``). Returns tokens and
+    parents [R, N] (node 0 = root, the builder's node order, N = the largest tree) and num_nodes
+    [R]. Uses the lockstep builders (``vllm_tfm.tree.marginal_padded``, ``build_weaver_padded``,
+    ``build_treeflash_padded``), which give each request the per-request builder's tree.
+    """
+    drafter = proposer.drafter
+    hidden = drafter.norm(prenorm)
+    logits = marginal_logits(hidden, proposer.lm_head)
+    logits = logits.to(torch.float64 if logits.dtype == torch.float64 else torch.float32)
+    if bias is not None:
+        if proposer.method == "treeflash":
+            raise ValueError("batched TreeFlash trees take no proposal bias (use the per-anchor path)")
+        logits = logits + bias.to(logits)
+    r, d, _ = logits.shape
+    dev = logits.device
+    method = proposer.method
+    if method == "chain":
+        n = min(d, budget)
+        tokens = torch.cat([roots[:, None], logits.argmax(-1)[:, :n]], dim=1)
+        parents = torch.arange(-1, n, device=dev).expand(r, n + 1)
+        return tokens, parents, torch.full((r,), n + 1, dtype=torch.long, device=dev)
+    if method == "ddtree":
+        draft, parents, num_nodes = ddtree_trees(torch.log_softmax(logits, -1), budget)
+        return torch.cat([roots[:, None], draft], dim=1), parents, num_nodes
+    if method == "treeflash":
+        trees = treeflash_padded_trees(
+            proposer.treeflash, drafter.norm, prenorm, torch.log_softmax(logits, -1), roots,
+            proposer.embed, proposer.lm_head, budget, d, proposer.top_m,
+        )
+        return trees.tokens, trees.parents, trees.num_nodes
+    width = proposer.width if proposer.width is not None else default_weaver_width(budget)
+    trees, _ = weaver_padded_trees(
+        proposer.weaver, logits, hidden[:, 1:], verifier_hidden.to(proposer.dtype), roots,
+        proposer.embed, proposer.lm_head, budget, proposer.top_k, width, proposer.children_per_node,
+    )
+    return trees.tokens, trees.parents, trees.num_nodes
+
+
 @torch.no_grad()
 def replay_cell(
     proposer: DFlashProposer,
@@ -135,8 +219,13 @@ def replay_cell(
     taps: Tensor,
     prompt_len: int,
     max_new_tokens: int,
+    batched: bool = True,
 ) -> dict[str, Any]:
     """Accepted counts per step of every prompt for one (proposer, budget) over continuations ``ids``.
+
+    ``batched``: build the round's trees with :func:`batched_trees` (one call for all live prompts)
+    instead of one :meth:`DFlashProposer.tree_from_block` per prompt (used anyway for TreeFlash
+    with a proposal bias).
 
     ids [P, L] (prompt + continuation, L >= prompt_len + max_new_tokens + max_depth - 1), final /
     taps: :func:`target_states` of ids. Returns {"accepted_per_step": [[int]], "tree_nodes_per_step":
@@ -169,15 +258,30 @@ def replay_cell(
         block = drafter.block_tokens(roots)[:, :gamma]
         blk_pos = torch.tensor(pos, device=device)[live][:, None] + torch.arange(gamma, device=device)
         prenorm = drafter.forward_batch_prenorm(ctx, cu, block, blk_pos, proposer.embed)
-        for r, i in enumerate(live):
-            a = pos[i]
-            inputs = DraftInputs(root=ids_host[i][a], position=a, verifier_hidden=final[i, a - 1], tokens=ids[i, : a + 1])
-            tree = proposer.tree_from_block(inputs, prenorm[r], budget)
-            d = accepted_depth(tree, ids_host[i][a + 1 : a + 1 + depth])
-            accepted[i].append(d)
-            nodes[i].append(tree.num_nodes)
+        inputs = [
+            DraftInputs(root=ids_host[i][pos[i]], position=pos[i], verifier_hidden=final[i, pos[i] - 1], tokens=ids[i, : pos[i] + 1])
+            for i in live
+        ]
+        if batched and not (proposer.method == "treeflash" and proposer.proposal_bias is not None):
+            bias = None
+            if proposer.proposal_bias is not None:
+                bias = torch.stack([proposer.proposal_bias(x, depth) for x in inputs]).to(device)
+            vh = torch.stack([x.verifier_hidden for x in inputs])
+            tokens, parents, num_nodes = batched_trees(proposer, prenorm, roots, vh, budget, bias)
+            cont = torch.stack([ids[i, pos[i] + 1 : pos[i] + 1 + depth] for i in live])
+            got = accepted_depths_padded(tokens, parents, num_nodes, cont).tolist()
+            sizes = num_nodes.tolist()
+        else:
+            got, sizes = [], []
+            for r, (i, x) in enumerate(zip(live, inputs)):
+                tree = proposer.tree_from_block(x, prenorm[r], budget)
+                got.append(accepted_depth(tree, ids_host[i][pos[i] + 1 : pos[i] + 1 + depth]))
+                sizes.append(tree.num_nodes)
+        for i, d, n in zip(live, got, sizes):
+            accepted[i].append(int(d))
+            nodes[i].append(int(n))
             emitted[i] += d + 1
-            pos[i] = a + d + 1
+            pos[i] += d + 1
     return {"accepted_per_step": accepted, "tree_nodes_per_step": nodes, "seconds": time.perf_counter() - t0}
 
 
