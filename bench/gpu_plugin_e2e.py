@@ -168,6 +168,8 @@ def engine_kwargs(spec: bool) -> dict:
         attention_backend="TRITON_ATTN", compilation_config={"custom_ops": ["none"]},
         additional_config={"gdn_prefill_backend": "triton"}, disable_log_stats=False,
     )
+    if os.environ.get("TFM_E2E_KV_BYTES"):  # fixed KV cache: no memory profiling (GPU shared with other jobs)
+        kw["kv_cache_memory_bytes"] = int(float(os.environ["TFM_E2E_KV_BYTES"]))
     if spec:
         kw["speculative_config"] = {"method": "tfm", "model": str(DRAFTER), "num_speculative_tokens": BUDGET,
                                     "attention_backend": "TRITON_ATTN"}

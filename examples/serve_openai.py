@@ -47,6 +47,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--max-model-len", type=int, default=2048)
     p.add_argument("--gpu-memory-utilization", type=float, default=0.3)
     p.add_argument("--max-num-seqs", type=int, default=16, help="each request holds 1 + B GDN state slots")
+    p.add_argument("--kv-cache-memory-bytes", default=None,
+                   help="fixed KV cache size (e.g. 4G): skips vLLM's memory profiling, for a GPU shared with other jobs")
     p.add_argument("--startup-timeout", type=float, default=900.0)
     return p.parse_args()
 
@@ -68,6 +70,8 @@ def server_command(args: argparse.Namespace, target: str, drafter: str, random: 
         "--gpu-memory-utilization", str(args.gpu_memory_utilization),
         "--max-num-seqs", str(args.max_num_seqs),
     ]  # fmt: skip
+    if args.kv_cache_memory_bytes is not None:
+        cmd += ["--kv-cache-memory-bytes", str(args.kv_cache_memory_bytes)]
     if random:
         cmd += ["--load-format", "dummy"]
     return cmd

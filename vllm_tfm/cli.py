@@ -369,3 +369,7 @@ def _eval(args: argparse.Namespace) -> int:
     if random_models:
         print("NOTE: these results come from RANDOM models (\"models\": \"random\" in the JSON).")
     return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
