@@ -3,7 +3,7 @@
 
 Usage, from the repository root (CPU, or on the GPU host with ``--device cuda``):
 
-    python3 bench/tree_build.py [--device cpu|cuda] [--out results.json] [--quick]
+    python3 bench/tree_build.py [--device cpu|cuda] [--out results.json] [--quick] [--threads 1]
 
 Measures, at R requests (default 8), budget B (default 64), w = ceil(B / 16), children_per_node 8,
 K = 512 Weaver candidates, D = 15 depths:
@@ -19,7 +19,11 @@ K = 512 Weaver candidates, D = 15 depths:
   GPU) that ``build_weaver_padded`` issues per growth round outside the scorer, counted with a
   TorchDispatchMode at two budgets (the slope removes the fixed setup).
 
-Times: median wall time of ``--repeats`` runs after one warm-up, CUDA synchronised.
+* ``eval_throughput``: trees per second of ``weaver_padded_trees`` / ``treeflash_padded_trees``
+  for a chunk of R anchors (CUDA: 64, CPU: 8) at B = 16, 32, 64, 128 (offline evaluation builds
+  one tree per anchor position).
+
+Times: best of ``--repeats`` runs after one warm-up, CUDA synchronised.
 """
 
 from __future__ import annotations
@@ -28,7 +32,6 @@ import argparse
 import json
 import math
 import platform
-import statistics
 import sys
 import time
 from collections.abc import Callable
@@ -51,6 +54,7 @@ from vllm_tfm.tree import (
 
 
 def timed(fn: Callable[[], object], repeats: int, device: torch.device) -> float:
+    """Best of ``repeats`` wall times after one warm-up (the minimum: robust on a shared CPU)."""
     fn()
     out = []
     for _ in range(repeats):
@@ -61,7 +65,7 @@ def timed(fn: Callable[[], object], repeats: int, device: torch.device) -> float
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         out.append(time.perf_counter() - t0)
-    return statistics.median(out)
+    return min(out)
 
 
 class OpCounter(TorchDispatchMode):
@@ -148,24 +152,68 @@ def previous_weaver_trees(weaver, logits, hidden, verifier, roots, embed, head, 
     return trees
 
 
-def weaver_end_to_end(r: int, b: int, w: int, cpn: int, k: int, d: int, device: torch.device, repeats: int) -> dict:
+def model_inputs(r: int, d: int, device: torch.device, seed: int) -> dict:
+    """Random target embedding / lm_head, DFlash logits and hidden states, Weaver and TreeFlash."""
+    from vllm_tfm.models import TreeFlashApproximator, TreeFlashConfig
+    from vllm_tfm.models.common import RMSNorm
+
     if device.type == "cuda":
         h, vocab, dtype, cfg = 5120, 151936, torch.bfloat16, WeaverConfig(d_model=5120, max_depth=d)
+        inter = 4096
     else:
         h, vocab, dtype = 256, 4096, torch.float32
         cfg = WeaverConfig(d_model=h, d_rank=128, n_layers=2, n_heads=4, d_mlp=384, max_depth=d)
-    torch.manual_seed(3)
+        inter = 256
+    torch.manual_seed(seed)
     weaver = Weaver(cfg).to(device=device, dtype=dtype).eval()
-    gen = torch.Generator(device=device).manual_seed(4)
+    approx = TreeFlashApproximator(TreeFlashConfig(hidden_size=h, intermediate_size=inter))
+    torch.nn.init.normal_(approx.down.weight, std=0.02)
+    approx = approx.to(device=device, dtype=dtype).eval()
+    norm = RMSNorm(h).to(device=device, dtype=dtype)
+    gen = torch.Generator(device=device).manual_seed(seed + 1)
     embed = torch.randn(vocab, h, generator=gen, device=device).to(dtype)
     head = (torch.randn(vocab, h, generator=gen, device=device) * 0.05).to(dtype)
-    logits = (torch.randn(r, d, vocab, generator=gen, device=device) * 3).to(dtype)
-    hidden = torch.randn(r, d, h, generator=gen, device=device).to(dtype)
-    verifier = torch.randn(r, h, generator=gen, device=device).to(dtype)
-    roots = torch.randint(0, vocab, (r,), generator=gen, device=device)
+    pre = torch.randn(r, d + 1, h, generator=gen, device=device).to(dtype)
+    with torch.no_grad():
+        hidden = norm(pre[:, 1:])
+        logits = (hidden @ head.T) * 3
+    return {
+        "weaver": weaver, "approx": approx, "norm": norm, "embed": embed, "head": head, "pre": pre,
+        "hidden": hidden, "logits": logits, "marg": torch.log_softmax(logits.float(), -1),
+        "verifier": torch.randn(r, h, generator=gen, device=device).to(dtype),
+        "roots": torch.randint(0, vocab, (r,), generator=gen, device=device),
+        "desc": {"d_model": h, "d_rank": cfg.d_rank, "n_layers": cfg.n_layers, "vocab": vocab, "dtype": str(dtype),
+                 "treeflash_intermediate": inter},
+    }
+
+
+def eval_throughput(r: int, d: int, cpn: int, k: int, m: int, device: torch.device, repeats: int) -> dict:
+    from vllm_tfm.models import treeflash_padded_trees, weaver_padded_trees
+
+    x = model_inputs(r, d, device, seed=7)
+    out = {"requests": r, "models": x["desc"], "weaver_trees_per_s": {}, "treeflash_trees_per_s": {}}
+    for b in (16, 32, 64, 128):
+        w = math.ceil(b / 16)
+        t = timed(lambda b=b, w=w: weaver_padded_trees(
+            x["weaver"], x["logits"], x["hidden"], x["verifier"], x["roots"], x["embed"], x["head"], b, k, w, cpn
+        ), repeats, device)
+        out["weaver_trees_per_s"][b] = r / t
+        t = timed(lambda b=b: treeflash_padded_trees(
+            x["approx"], x["norm"], x["pre"], x["marg"], x["roots"], x["embed"], x["head"], b, d, m
+        ), repeats, device)
+        out["treeflash_trees_per_s"][b] = r / t
+    return out
+
+
+def weaver_end_to_end(r: int, b: int, w: int, cpn: int, k: int, d: int, device: torch.device, repeats: int) -> dict:
+    x = model_inputs(r, d, device, seed=3)
+    weaver, logits, hidden, verifier, roots, embed, head = (
+        x[n] for n in ("weaver", "logits", "hidden", "verifier", "roots", "embed", "head")
+    )
 
     def new() -> tuple:
-        return weaver_draft_trees(weaver, logits, hidden, verifier, roots, embed, head, b, k, w, cpn, logits_dtype=dtype)
+        return weaver_draft_trees(weaver, logits, hidden, verifier, roots, embed, head, b, k, w, cpn,
+                                  logits_dtype=hidden.dtype)
 
     def old() -> list:
         return previous_weaver_trees(weaver, logits, hidden, verifier, roots, embed, head, b, k, w, cpn)
@@ -176,7 +224,7 @@ def weaver_end_to_end(r: int, b: int, w: int, cpn: int, k: int, d: int, device: 
         for i, t in enumerate(old())
     )
     return {
-        "weaver": {"d_model": h, "d_rank": cfg.d_rank, "n_layers": cfg.n_layers, "vocab": vocab, "dtype": str(dtype)},
+        "models": x["desc"],
         "per_request_s": timed(old, repeats, device),
         "padded_s": timed(new, repeats, device),
         "trees_equal": f"{agree}/{r}",
@@ -191,8 +239,10 @@ def main() -> None:
     ap.add_argument("--budget", type=int, default=64)
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--threads", type=int, default=1, help="CPU threads (1: steadier timings on a shared machine)")
     args = ap.parse_args()
     device = torch.device(args.device)
+    torch.set_num_threads(args.threads)
     r, b, cpn, k, d, m = args.requests, args.budget, 8, 512, 15, 16
     w = math.ceil(b / 16)
     repeats = 2 if args.quick else args.repeats
@@ -207,6 +257,7 @@ def main() -> None:
     res["treeflash_growth"] = treeflash_growth(r, b, m, d, 4096 if device.type == "cpu" else 151936, device, repeats)
     res["weaver_trees"] = weaver_end_to_end(r, b, w, cpn, k, d, device, repeats)
     res["ops_per_round"] = weaver_ops_per_round(r, w, cpn, k, d)
+    res["eval_throughput"] = eval_throughput(64 if device.type == "cuda" else 8, d, cpn, k, m, device, repeats)
     print(json.dumps(res, indent=2))
     if args.out:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)

@@ -420,9 +420,10 @@ class BatchedWeaverTreeScorer:
     row [r, i] (when valid) = log-probabilities over ``cand_ids[r, depths[r, i]]`` given node
     i's root..node path in request r; invalid rows are computed on clamped inputs and mean
     nothing. Node ids index a per-request buffer of ``max_nodes`` slots (the tree's 1 + B nodes):
-    per layer, every scored node's K/V ``[R, max_nodes, heads, head_dim]`` and an ancestor-or-self
-    mask ``[R, max_nodes, max_nodes]`` (row of a node = its parent's row plus itself). A node
-    attends to its request's prompt plus the slots its mask row names: the same keys as
+    per layer, K/V ``[R, 1 + D + max_nodes, heads, head_dim]`` (the prompt's, then every scored
+    node's) and one key mask per node slot ``[R, max_nodes, 1 + D + max_nodes]`` (the prompt, then
+    ancestors-or-self: the parent's row plus the node itself). A node attends to the keys its
+    mask row names: the same keys as
     ``WeaverTreeScorer`` (prompt + root..node path), summed in a different order, so outputs agree
     to rounding (float32: ~1e-6), not bit for bit. One call = one Weaver step of R x w nodes with
     fixed shapes and no host sync.
@@ -469,22 +470,24 @@ class BatchedWeaverTreeScorer:
         self.n_embed_rows = as_weight(embed, "embed").shape[0]
         self.cand_ids = cand_ids
         self.cand_logits = cand_logits
-        cfg = weaver.config
         with torch.no_grad():
             x = weaver.prompt_inputs(verifier_hidden, dflash_hidden)  # [R, 1 + D, d]
             dev = x.device
             cos, sin = weaver._rope(torch.arange(1 + depth, device=dev), x.dtype)
             causal = torch.ones(1 + depth, 1 + depth, dtype=torch.bool, device=dev).tril()
-            self.prompt_kv: list[tuple[Tensor, Tensor]] = []
+            # per layer, keys / values of [prompt (1 + D) | node slots (max_nodes) | trash slot]
+            p0 = 1 + depth
+            self.k_cache: list[Tensor] = []
+            self.v_cache: list[Tensor] = []
             for layer in weaver.layers:
                 q, k, v = layer.qkv_rope(x, cos, sin)
-                self.prompt_kv.append((k, v))
+                self.k_cache.append(torch.cat([k, k.new_zeros(r, max_nodes + 1, *k.shape[2:])], dim=1))
+                self.v_cache.append(torch.cat([v, v.new_zeros(r, max_nodes + 1, *v.shape[2:])], dim=1))
                 x = layer.finish(x, masked_attention(q, k, v, causal, layer.head_dim**-0.5))
-            # slot max_nodes of every buffer is a write-only trash slot for invalid rows
-            shape = (r, max_nodes + 1, cfg.n_heads, cfg.head_dim)
-            self.k_cache = [x.new_zeros(shape) for _ in weaver.layers]
-            self.v_cache = [x.new_zeros(shape) for _ in weaver.layers]
-        self.ancestors = torch.zeros(r, max_nodes + 1, max_nodes, dtype=torch.bool, device=dev)
+        # key mask of every node slot (and the trash slot): the whole prompt, then its
+        # ancestors-or-self among the node slots
+        self.ancestors = torch.zeros(r, max_nodes + 1, p0 + max_nodes, dtype=torch.bool, device=dev)
+        self.ancestors[:, :, :p0] = True
         self._scored = torch.zeros(r, max_nodes, dtype=torch.bool, device=dev) if validate else None
         self._depths = torch.zeros(r, max_nodes, dtype=torch.long, device=dev) if validate else None
 
@@ -532,28 +535,27 @@ class BatchedWeaverTreeScorer:
             slot = torch.where(valid, node_ids.to(dev), n)  # invalid rows write to the trash slot
             parent = torch.where(valid, parent_ids.to(dev), -1)
             dep = torch.where(valid, depths.to(dev), 0).clamp(0, self.depth - 1)
-            # ancestor-or-self rows: the parent's row (none for the root) plus the node itself
-            prow = self.ancestors.gather(1, parent.clamp(min=0)[..., None].expand(r, w, n)) & (parent >= 0)[..., None]
-            own = torch.arange(n, device=dev) == slot[..., None]
-            row = prow | own
-            self.ancestors.scatter_(1, slot[..., None].expand(r, w, n), row)
+            p0 = 1 + self.depth
+            # key mask: the parent's row (the prompt only, for the root) plus the node itself
+            row = self.ancestors.gather(1, parent.clamp(min=0)[..., None].expand(r, w, p0 + n))
+            cols = torch.arange(p0 + n, device=dev)
+            row = (row & ((parent >= 0)[..., None] | (cols < p0))) | (cols == p0 + slot[..., None])
+            self.ancestors.scatter_(1, slot[..., None].expand(r, w, p0 + n), row)
             toks = torch.where(valid, tokens.to(dev), 0).clamp(0, self.n_embed_rows - 1)
             x = wv.token_inputs(toks, self.embed)  # [R, w, d]
             cos, sin = wv._rope(dep + 1, x.dtype)
-            mask = torch.cat([torch.ones(r, w, 1 + self.depth, dtype=torch.bool, device=dev), row], dim=2)
-            idx = slot[..., None, None]
+            idx = (p0 + slot)[..., None, None]
             for li, layer in enumerate(wv.layers):
                 q, k, v = layer.qkv_rope(x, cos, sin)  # [R, w, heads, hd]
                 kc, vc = self.k_cache[li], self.v_cache[li]
                 kc.scatter_(1, idx.expand_as(k), k)
                 vc.scatter_(1, idx.expand_as(v), v)
-                pk, pv = self.prompt_kv[li]
-                keys = torch.cat([pk, kc[:, :n]], dim=1)  # [R, 1 + D + n, heads, hd]
-                vals = torch.cat([pv, vc[:, :n]], dim=1)
-                x = layer.finish(x, masked_attention(q, keys, vals, mask, layer.head_dim**-0.5))
+                keys, vals = kc[:, : p0 + n], vc[:, : p0 + n]  # [R, 1 + D + n, heads, hd], views
+                x = layer.finish(x, masked_attention(q, keys, vals, row, layer.head_dim**-0.5))
             qry = wv.query(x)  # [R, w, H]
             k_cand = self.cand_ids.shape[2]
             gather = dep[..., None].expand(r, w, k_cand)
             ids = self.cand_ids.gather(1, gather)  # [R, w, K]
             logits = self.cand_logits.gather(1, gather)
-            return candidate_logprobs(qry, self.lm_head[ids], logits)
+            rows = self.lm_head.index_select(0, ids.flatten()).view(*ids.shape, -1)  # [R, w, K, H]
+            return candidate_logprobs(qry, rows, logits)

@@ -24,7 +24,7 @@ from torch import Tensor
 
 from .types import Tree, TreeBatch
 
-__all__ = ["PaddedTrees", "RankPathCode", "fill_to_budget", "sort_by_key", "stable_topk"]
+__all__ = ["PaddedTrees", "RankPathCode", "fill_to_budget", "per_request_tensor", "sort_by_key", "stable_topk"]
 
 DEAD_BIT = 1 << 62
 
@@ -56,6 +56,13 @@ class RankPathCode:
         value = (rank + 1) << shift
         w = torch.arange(self.words, device=position.device)
         return torch.where(word[..., None] == w, value[..., None], torch.zeros_like(value)[..., None])
+
+
+def per_request_tensor(values: list[int], device: torch.device) -> Tensor:
+    """[R] int64 on ``device``; a fill (no host-to-device copy, so no stream sync) when all are equal."""
+    if all(v == values[0] for v in values):
+        return torch.full((len(values),), values[0], dtype=torch.long, device=device)
+    return torch.tensor(values, dtype=torch.long, device=device)
 
 
 def sort_by_key(score: Tensor, words: Tensor, alive: Tensor, dead_in_words: bool = False) -> Tensor:

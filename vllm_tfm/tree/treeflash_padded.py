@@ -45,7 +45,7 @@ from ._common import (
     out_dtype,
     per_request,
 )
-from .padded import PaddedTrees, RankPathCode, sort_by_key, stable_topk
+from .padded import PaddedTrees, RankPathCode, per_request_tensor, sort_by_key, stable_topk
 from .weaver_padded import root_token_tensor
 
 __all__ = ["BatchedTransitionScorer", "build_treeflash_padded"]
@@ -101,8 +101,8 @@ def build_treeflash_padded(
     bmax, dmax = max(budgets), max(depths)
     lay = bmax  # nodes kept per depth
     f64, i64 = torch.float64, torch.long
-    budget_t = torch.tensor(budgets, dtype=i64, device=dev)
-    depth_t = torch.tensor(depths, dtype=i64, device=dev)
+    budget_t = per_request_tensor(budgets, dev)
+    depth_t = per_request_tensor(depths, dev)
     code = RankPathCode(m, dmax)
     nw = code.words
     ar_m = torch.arange(m, device=dev)

@@ -54,7 +54,7 @@ from ._common import (
     out_dtype,
     per_request,
 )
-from .padded import DEAD_BIT, PaddedTrees, RankPathCode, sort_by_key, stable_topk
+from .padded import DEAD_BIT, PaddedTrees, RankPathCode, per_request_tensor, sort_by_key, stable_topk
 
 __all__ = ["BatchedWeaverScorer", "build_weaver_padded", "root_token_tensor"]
 
@@ -145,9 +145,9 @@ def build_weaver_padded(
     code = RankPathCode(c, dmax)
     nw = code.words
     f64, i64 = torch.float64, torch.long
-    budget_t = torch.tensor(budgets, dtype=i64, device=dev)
-    depth_t = torch.tensor(depths, dtype=i64, device=dev)
-    width_t = torch.tensor(widths, dtype=i64, device=dev)
+    budget_t = per_request_tensor(budgets, dev)
+    depth_t = per_request_tensor(depths, dev)
+    width_t = per_request_tensor(widths, dev)
     ar_w = torch.arange(w, device=dev)
     ar_c = torch.arange(c, device=dev)
     cand_flat = candidates.reshape(r_, d_rows * k)
