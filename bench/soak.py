@@ -512,7 +512,9 @@ def verdict(res: dict[str, Any]) -> dict[str, Any]:
         s = run["summary"]
         v["errors"] = s["errors"]
         v["errors_zero"] = s["errors"] == 0
-        v["disconnects_done"] = s["disconnects_done"] == s["disconnects_planned"]
+        planned, done, first = s["disconnects_planned"], s["disconnects_done"], s["disconnects_finished_first"]
+        v["disconnects"] = f"{done} of {planned} dropped mid-stream, {first} finished first"
+        v["disconnects_done"] = planned == 0 or (done > 0 and done + first == planned)
         v["drained"] = bool(run["drain"].get("drained")) and run["drain"].get("kv_cache_usage") == 0
         d = run.get("memory_delta_mib")
         v["memory_delta_mib"] = d

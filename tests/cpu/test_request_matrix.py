@@ -121,8 +121,9 @@ def sampling_params(fields: dict[str, Any]):
     return params
 
 
-def input_batch(params_list: list[Any]):
-    """A real vLLM InputBatch on CPU holding one request per SamplingParams (ids r0, r1, ...)."""
+def input_batch(params_list: list[Any], generated: int = 0):
+    """A real vLLM InputBatch on CPU holding one request per SamplingParams (ids r0, r1, ...), each
+    with ``generated`` output tokens so far."""
     from vllm.v1.sample.logits_processor import LogitsProcessors
     from vllm.v1.sample.logits_processor.builtin import MinTokensLogitsProcessor
     from vllm.v1.worker.gpu_input_batch import CachedRequestState, InputBatch
@@ -136,7 +137,8 @@ def input_batch(params_list: list[Any]):
         p.update_from_generation_config({}, 1)  # the input processor adds the EOS id (input_processor.py:323)
         gen = torch.Generator().manual_seed(p.seed) if p.seed is not None else None
         batch.add_request(CachedRequestState(req_id=f"r{i}", prompt_token_ids=[5, 6, 7], mm_features=[], sampling_params=p,
-                                             generator=gen, block_ids=([0],), num_computed_tokens=3, output_token_ids=[]))
+                                             generator=gen, block_ids=([0],), num_computed_tokens=3 + generated,
+                                             output_token_ids=[9] * generated))
     batch.refresh_metadata()
     return batch
 
@@ -270,3 +272,12 @@ def test_a_chain_row_turns_the_whole_batch_to_chains_for_that_step(env: Any, cpu
     mixed = input_batch([SamplingParams(temperature=0.0) for _ in range(2)] + [sampling_params(CASES["logprobs"])])
     assert step_decision(mixed, runtime_state) == (False, True)
     assert runtime_state.step.is_tree.tolist() == [False, False, False]  # every request's tree read as a chain
+
+
+def test_min_tokens_verifies_trees_again_once_reached(env: Any, cpu_batches: None, runtime_state: Any) -> None:
+    from vllm import SamplingParams
+
+    below = input_batch([SamplingParams(temperature=0.0), sampling_params(CASES["min_tokens"])], generated=3)
+    assert step_decision(below, runtime_state) == (False, True)
+    reached = input_batch([SamplingParams(temperature=0.0), sampling_params(CASES["min_tokens"])], generated=4)
+    assert step_decision(reached, runtime_state) == (True, False)

@@ -76,7 +76,7 @@ def test_workload_is_deterministic_bounded_and_mixed() -> None:
         assert (s.seed is None) == s.greedy
     drops = [s for s in a if s.disconnect_after_tokens is not None]
     assert len(drops) == 20  # exactly 5% of 400
-    assert all(s.stream and s.max_tokens >= 32 and 1 <= s.disconnect_after_tokens <= s.max_tokens // 2 for s in drops)
+    assert all(s.stream and s.max_tokens >= 48 and 1 <= s.disconnect_after_tokens <= s.max_tokens // 3 for s in drops)
     near = [s for s in a if s.kind == "near_max"]
     assert near and all(len(s.prompt) + s.max_tokens >= 512 - 3 for s in near)
     assert any(len(s.prompt) + s.max_tokens == 512 for s in near)  # some end exactly at max_model_len
@@ -135,7 +135,7 @@ def test_load_counts_disconnects_records_latency_and_finds_no_error() -> None:
     assert state.finished["abort"] == 6  # the server saw each disconnect
     summ = sc.summarize(specs, results, wall)
     assert summ["errors"] == 0 and summ["status_counts"] == {"disconnected": 6, "ok": 54}
-    assert summ["disconnects_planned"] == summ["disconnects_done"] == 6
+    assert summ["disconnects_planned"] == summ["disconnects_done"] == 6 and summ["disconnects_finished_first"] == 0
     lat = [r.latency_s for r in results if r.status == "ok"]
     assert summ["latency_s"]["n"] == 54
     assert summ["latency_s"]["p50"] == pytest.approx(float(np.percentile(lat, 50)))
@@ -284,3 +284,19 @@ def test_prometheus_parsing_and_spec_decode_summary() -> None:
     assert delta["vllm:request_success_total{finished_reason=abort}"] == 4.0
     assert "vllm:request_success_total{finished_reason=length}" not in delta  # unchanged
     assert "vllm:num_requests_running" not in delta  # gauges are not deltas
+
+
+def test_a_stream_that_ends_in_the_chunk_crossing_its_drop_point_counts_as_finished() -> None:
+    specs = [sc.RequestSpec(i, (500 + i, 1), 60, 0.0, stream=True, disconnect_after_tokens=10) for i in range(3)]
+    state = StandinState(chunk_tokens=1000)  # the whole answer in one event
+
+    async def go():
+        async with Standin(state) as s:
+            return await sc.run_load(s.url, "m", specs, concurrency=3, stop_launching_at=time.monotonic() + 30,
+                                     hard_stop_at=time.monotonic() + 40)
+
+    results, wall = run(go())
+    assert [r.status for r in results] == ["ok"] * 3 and all(len(r.token_ids) == 60 for r in results)
+    summ = sc.summarize(specs, results, wall)
+    assert (summ["disconnects_planned"], summ["disconnects_done"], summ["disconnects_finished_first"]) == (3, 0, 3)
+    assert state.finished == {"length": 3, "abort": 0}
