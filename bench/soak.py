@@ -499,8 +499,37 @@ def _finish(res: dict[str, Any], servers: Sequence[Server], path: Path) -> dict[
         res.setdefault("server_logs", {})[s.role.name] = {**facts, "exit_code": codes[s.role.name]}
     res["verdict"] = verdict(res)
     _save(path, res)
-    log("verdict:", json.dumps(res["verdict"]))
+    print(summary_text(res), flush=True)
     return res
+
+
+def summary_text(res: dict[str, Any]) -> str:
+    """A few lines for the console: per server errors, latency, throughput, memory; then the verdict."""
+    lines = ["=" * 100, f"soak phase {res.get('phase')}: {res.get('fatal', 'completed')}"]
+    for role in ("tfm", "tfm_small", "nospec"):
+        run = res.get(role)
+        if not run:
+            continue
+        s, sd = run["summary"], run["spec_decode"]
+        lines.append(
+            f"{role:9s} {s['status_counts']} errors={s['errors']} p50={_fmt(s['latency_s']['p50'])}s "
+            f"p99={_fmt(s['latency_s']['p99'])}s tok/s={_fmt(s['throughput_tokens_per_s'])} "
+            f"memory {run['memory_source']}: {_fmt(run['memory_delta_mib'])} MiB (peak {_fmt(run['memory_peak_mib'])}) "
+            f"preemptions={run['preemptions']:.0f} mean accepted length={_fmt(sd['mean_accepted_length'])}"
+        )
+        if s["error_kinds"]:
+            lines.append(f"          errors: {s['error_kinds']}")
+    cmp = res.get("greedy_vs_nospec")
+    if cmp:
+        lines.append(f"greedy identical to no-spec: {cmp['identical']}/{cmp['compared']}")
+        for d in cmp["divergences"][:5]:
+            lines.append(f"   request {d['index']} ({d['kind']}) diverges at {d['pos']}: {d['a']} vs {d['b']}, "
+                         f"no-spec check {d.get('nospec_check', {}).get('top2_margin')}")
+    if res.get("ratios"):
+        lines.append("tfm / no-spec: " + ", ".join(f"{k} {_fmt(v)}" for k, v in res["ratios"].items()))
+    lines.append("verdict: " + json.dumps(res["verdict"]))
+    lines.append("=" * 100)
+    return "\n".join(lines)
 
 
 def verdict(res: dict[str, Any]) -> dict[str, Any]:
