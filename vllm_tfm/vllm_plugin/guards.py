@@ -20,7 +20,10 @@ runtime's tree-masked attention replaces that backend.
 Per request (``SamplingParams._validate_spec_decode``, run by vLLM's input processor before a
 request reaches the engine, so the client gets an HTTP 400): structured output, prompt logprobs,
 and the output-history penalties / bad words, which are defined on a chain of previous tokens and
-would differ between the branches of a tree.
+would differ between the branches of a tree. vLLM's own check runs first and refuses ``min_p`` and
+``logit_bias`` for every speculative method. The complete request-parameter matrix (trees, chain
+verification through vLLM's sampler, or refusal) is docs/guarantees.md, checked row by row by
+tests/cpu/test_request_matrix.py.
 """
 
 from __future__ import annotations

@@ -1,0 +1,271 @@
+"""The soak driver (bench/soak.py, soak_server.py, soak_probes.py) on CPU.
+
+* The ``vllm serve`` command it builds parses with vLLM 0.26's own serve parser into the engine
+  arguments the GPU host needs (tfm and no-spec roles).
+* Helpers against hand-computed values: the KV-cache estimate, nvidia-smi parsing, the process
+  tree, facts from a vLLM log.
+* Both phases end to end against stand-in servers (subprocesses of tests/cpu/_openai_standin.py
+  that answer like vLLM and emulate tfm's refusals): the JSON result, the verdict lines, a planted
+  greedy divergence found and explained, preemptions counted, every server stopped.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("aiohttp", reason="aiohttp (a vLLM dependency) is needed by the soak client")
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "bench"))
+import soak
+import soak_client as sc
+import soak_probes
+import soak_server
+
+STANDIN = Path(__file__).resolve().parent / "_openai_standin.py"
+
+
+def free_port_block(n: int) -> int:
+    """A port p such that p .. p + n - 1 are free on 127.0.0.1 right now."""
+    for _ in range(50):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            base = s.getsockname()[1]
+        if base + n >= 65535:
+            continue
+        ok = True
+        for p in range(base, base + n):
+            with socket.socket() as s:
+                try:
+                    s.bind(("127.0.0.1", p))
+                except OSError:
+                    ok = False
+                    break
+        if ok:
+            return base
+    raise RuntimeError("no free port block")
+
+
+# ----------------------------------------------------------------------------------- the command
+def test_vllm_command_parses_with_vllm_serve_parser(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    pytest.importorskip("vllm", reason="the serve parser needs vLLM 0.26")
+    from vllm.platforms import current_platform
+
+    monkeypatch.setattr(current_platform, "device_type", "cpu")  # building the parser needs a device type
+    from vllm.engine.arg_utils import AsyncEngineArgs
+    from vllm.entrypoints.openai.cli_args import (
+        make_arg_parser,
+        validate_parsed_serve_args,
+    )
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    cfg = soak.SoakConfig(out=tmp_path, target="/models/target", drafter="/models/drafter", budget=12, proposal="ddtree")
+    parser = make_arg_parser(FlexibleArgumentParser())
+    for role in (soak.Role("tfm", 8400, True, 3 << 30, 2048), soak.Role("nospec", 8401, False, 1 << 30, 1024)):
+        cmd = soak.vllm_command(role, cfg)
+        assert cmd[:5] == [sys.executable, "-m", "vllm.entrypoints.cli.main", "serve", "/models/target"]
+        args = parser.parse_args(cmd[4:])  # after "serve": the model, then the options
+        validate_parsed_serve_args(args)
+        assert (args.host, args.port, args.served_model_name) == ("127.0.0.1", role.port, ["soak"])
+        assert args.disable_uvicorn_access_log and args.generation_config == "vllm"
+        args.model = args.model_tag
+        ea = AsyncEngineArgs.from_cli_args(args)
+        assert ea.model == "/models/target" and ea.dtype == "float32" and ea.enforce_eager
+        assert ea.kv_cache_memory_bytes == role.kv_cache_bytes and ea.max_model_len == role.max_model_len
+        assert ea.enable_prefix_caching is False and ea.gpu_memory_utilization == 0.3 and ea.max_num_seqs == 64
+        assert str(ea.attention_backend) == "TRITON_ATTN" or getattr(ea.attention_backend, "name", "") == "TRITON_ATTN"
+        assert ea.additional_config == {"gdn_prefill_backend": "triton"}
+        if role.spec:
+            assert ea.speculative_config == {"method": "tfm", "model": "/models/drafter", "num_speculative_tokens": 12,
+                                             "attention_backend": "TRITON_ATTN", "proposal": "ddtree"}
+        else:
+            assert ea.speculative_config is None
+
+
+# ----------------------------------------------------------------------------------- helpers
+def test_kv_estimate_by_hand(tmp_path: Path) -> None:
+    t, d = tmp_path / "t", tmp_path / "d"
+    t.mkdir()
+    d.mkdir()
+    (t / "config.json").write_text(json.dumps({
+        "num_hidden_layers": 8, "full_attention_interval": 4, "linear_num_key_heads": 2, "linear_num_value_heads": 4,
+        "linear_key_head_dim": 64, "linear_value_head_dim": 64, "linear_conv_kernel_dim": 4, "num_key_value_heads": 2,
+        "head_dim": 64, "hidden_size": 256, "num_attention_heads": 4}))
+    (d / "config.json").write_text(json.dumps({"num_hidden_layers": 3, "num_key_value_heads": 2, "head_dim": 64,
+                                               "hidden_size": 256, "num_attention_heads": 4}))
+    # 6 GDN layers x 17 slots x (ssm 4*64*64*4 + conv (2*2*64 + 4*64) * (3 + 16) * 4)
+    # + (1024 + 17) tokens x (2 target + 3 drafter attention layers) x 2 * 2 * 64 * 4 bytes
+    expect = 17 * 6 * (65536 + 512 * 19 * 4) + 1041 * 5 * 1024
+    assert soak.estimate_request_kv_bytes(str(t), str(d), budget=16, max_model_len=1024) == expect
+    cfg = json.loads((t / "config.json").read_text())
+    cfg["layer_types"] = ["linear_attention"] * 7 + ["full_attention"]
+    (t / "config.json").write_text(json.dumps(cfg))
+    assert soak.estimate_request_kv_bytes(str(t), str(d), budget=16, max_model_len=1024) == (
+        17 * 7 * (65536 + 512 * 19 * 4) + 1041 * 4 * 1024)
+
+
+def test_nvidia_smi_parsing_and_process_tree() -> None:
+    text = "1234, 2048\n1234, 16\n99, 512\nNo running processes found\n"
+    assert soak_server.parse_compute_apps(text) == {1234: 2064.0, 99: 512.0}
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
+    try:
+        tree = soak_server.process_tree(os.getpid())
+        assert os.getpid() in tree and child.pid in tree
+        assert soak_server.process_tree(child.pid) == {child.pid}
+    finally:
+        child.kill()
+        child.wait()
+
+
+def test_memory_change_prefers_the_server_processes() -> None:
+    before = {"mib": 1000.0, "gpu_used_mib": 5000.0}
+    during = [{"mib": 1300.0, "gpu_used_mib": 5300.0}, {"mib": None, "gpu_used_mib": 9000.0}]
+    after = {"mib": 1010.0, "gpu_used_mib": 5020.0}
+    assert soak.memory_change(before, during, after) == {"memory_delta_mib": 10.0, "memory_peak_mib": 1300.0,
+                                                         "memory_source": "server processes"}
+    no_pids = [{k: v for k, v in m.items() if k != "mib"} for m in (before, *during, after)]
+    assert soak.memory_change(no_pids[0], no_pids[1:3], no_pids[3]) == {"memory_delta_mib": 20.0, "memory_peak_mib": 9000.0,
+                                                                        "memory_source": "whole GPU"}
+    assert soak.memory_change({}, [], {})["memory_delta_mib"] is None
+
+
+def test_log_facts() -> None:
+    text = (
+        "INFO 11-29 [kv_cache_utils.py:1300] GPU KV cache size: 12,345 tokens\n"
+        "(EngineCore_DP0 pid=7) INFO 11-29 [kv_cache_utils.py:1305] Maximum concurrency for 1,024 tokens per request: 3.21x\n"
+        "WARNING 11-29 [guards.py:150] vllm-tfm: method 'tfm' runs without CUDA graphs for now; setting enforce_eager=True\n"
+        "(APIServer pid=5) ERROR 11-29 [serving.py:495] Error in completion stream generator.\n"
+        "(APIServer pid=5) Traceback (most recent call last):\n"
+        '(APIServer pid=5)   File "serving.py", line 300, in completion_stream_generator\n'
+        "(APIServer pid=5)     async for prompt_idx, res in result_generator:\n"
+        "(APIServer pid=5) ValueError: presence_penalty is not supported with speculative method 'tfm'\n"
+        "(EngineCore_DP0 pid=7) ERROR 11-29 [core.py:1] EngineCore encountered a fatal error.\n"
+        "(EngineCore_DP0 pid=7) Traceback (most recent call last):\n"
+        '(EngineCore_DP0 pid=7)   File "hooks.py", line 1, in commit_step\n'
+        "(EngineCore_DP0 pid=7) RuntimeError: vllm-tfm: 3 of 6 GDN layers ran the tree verify this step\n"
+    )
+    facts = soak_server.log_facts(text, expected_errors=["is not supported with speculative method 'tfm'"])
+    assert facts["kv_cache_tokens"] == 12345
+    assert facts["max_concurrency"] == {"tokens_per_request": 1024, "x": 3.21}
+    assert facts["error_lines"] == 2 and facts["tracebacks"] == 2 and facts["tracebacks_unexpected"] == 1
+    assert facts["unexpected_exceptions"] == ["RuntimeError: vllm-tfm: 3 of 6 GDN layers ran the tree verify this step"]
+    assert len(facts["tfm_lines"]) == 2  # the warning and the RuntimeError line
+    assert soak_server.log_facts(text)["tracebacks_unexpected"] == 2
+
+
+def test_probe_judging() -> None:
+    refused = sc.Outcome(http_status=400, error="presence_penalty is not supported with speculative method 'tfm'", error_code=400)
+    wrong_message = sc.Outcome(http_status=400, error="something else", error_code=400)
+    streamed = sc.Outcome(http_status=200, error="structured output is not supported with speculative method 'tfm'",
+                          error_code=400, streamed_error=True, done=True)
+    full = {i: sc.Choice(token_ids=list(range(soak_probes.PROBE_MAX_TOKENS))) for i in range(2)}
+    ok2 = sc.Outcome(http_status=200, done=True, choices=full)
+    differs = sc.Outcome(http_status=200, done=True, choices={**full, 1: sc.Choice(token_ids=[7] * soak_probes.PROBE_MAX_TOKENS)})
+    short = sc.Outcome(http_status=200, done=True, choices={0: sc.Choice(token_ids=[1, 2])})
+    tfm = {"presence_penalty": refused, "frequency_penalty": wrong_message, "structured_output/stream": streamed,
+           "beam_search": ok2, "logprobs": short}
+    rows = {r["probe"]: r for r in soak_probes.judge_probes(tfm, {"beam_search": ok2, "logprobs": short})}
+    assert rows["presence_penalty"]["ok"] and rows["presence_penalty"]["how"] == "HTTP 400"
+    assert not rows["frequency_penalty"]["ok"]
+    assert rows["structured_output/stream"]["ok"] and rows["structured_output/stream"]["how"].startswith("stream error event")
+    assert rows["beam_search"]["ok"] and rows["beam_search"]["identical_to_nospec"]
+    assert not rows["logprobs"]["ok"]  # 2 of 12 tokens
+    assert not rows["min_p"]["ok"] and rows["min_p"]["why"] == "not sent"
+    rows = {r["probe"]: r for r in soak_probes.judge_probes({"beam_search": ok2}, {"beam_search": differs})}
+    assert not rows["beam_search"]["ok"] and rows["beam_search"]["identical_to_nospec"] is False
+
+
+# ----------------------------------------------------------------------------------- phases, end to end
+def _prompts() -> sc.PromptSource:
+    import itertools
+
+    counter = itertools.count(10_000)
+    return lambda rng, n: [next(counter)] + [rng.randrange(3, 900) for _ in range(n - 1)]
+
+
+def _launcher(extra: dict[str, list[str]]):
+    def launch(role: soak.Role, cfg: soak.SoakConfig) -> list[str]:
+        cmd = [sys.executable, str(STANDIN), "--port", str(role.port)]
+        if role.spec:
+            cmd.append("--spec")
+        return cmd + extra.get(role.name, [])
+
+    return launch
+
+
+def _cfg(tmp_path: Path, **kw) -> soak.SoakConfig:
+    base = {
+        "out": tmp_path, "target": "unused", "drafter": "unused", "requests": 80, "concurrency": 8, "max_model_len": 300,
+        "deadline_s": 150.0, "startup_timeout_s": 30.0, "port": free_port_block(4), "settle_s": 0.0, "probe_delay_s": 0.3,
+        "preempt_requests": 16, "preempt_max_model_len": 300,
+    }
+    base.update(kw)
+    return soak.SoakConfig(**base)
+
+
+def _all_stopped(res: dict) -> bool:
+    return all(v["exit_code"] is not None for v in res["server_logs"].values())
+
+
+def test_soak_phase_end_to_end_finds_a_planted_divergence(tmp_path: Path) -> None:
+    cfg = _cfg(tmp_path)
+    prompts = _prompts()
+    specs = sc.make_workload(cfg.requests, _prompts(), seed=cfg.seed, max_model_len=cfg.max_model_len)
+    victim = next(s for s in specs if s.greedy and s.max_tokens >= 8 and s.disconnect_after_tokens is None)
+    # the phase builds its workload from a fresh source with the same counter start: same first tokens
+    res = soak.phase_soak(cfg, prompts, {"kind": "test"}, launch=_launcher({"tfm": ["--corrupt", str(victim.prompt[0])]}),
+                          started_at=time.monotonic())
+    assert json.loads((tmp_path / "soak.json").read_text())["verdict"] == res["verdict"]
+    assert _all_stopped(res) and (tmp_path / "tfm.log").is_file() and (tmp_path / "nospec.log").is_file()
+    v = res["verdict"]
+    assert v["completed"] and v["errors_zero"] and v["disconnects_done"] and v["drained"] and v["probes_ok"], v
+    assert v["still_serving"] and v["memory_flat"] is None  # no nvidia-smi on CPU
+    assert v["greedy_identical"] is False and not v["all_ok"]
+    cmp = res["greedy_vs_nospec"]
+    assert cmp["identical"] == cmp["compared"] - 1
+    (d,) = cmp["divergences"]
+    assert d["index"] == victim.index and d["pos"] == 2
+    # the stand-in's top log-probabilities are -0.1 (its token) and -2.5: margin 2.4, rerun = the no-spec prefix
+    assert d["nospec_check"]["top2_margin"] == pytest.approx(2.4)
+    assert d["nospec_check"]["rerun_tokens"] == d["b"][:3]
+    tfm = res["tfm"]["summary"]
+    assert tfm["requests"] == 80 and tfm["status_counts"] == {"disconnected": 4, "ok": 76}
+    assert res["nospec_requests"] == 80 and res["nospec"]["summary"]["errors"] == 0
+    assert res["tfm"]["spec_decode"]["drafts"] > 0 and res["nospec"]["spec_decode"]["drafts"] == 0
+    assert res["tfm"]["counters"]["vllm:request_success_total{finished_reason=abort}"] >= 4
+    assert set(res["ratios"]) == {"throughput_tfm_over_nospec", "p50_latency_tfm_over_nospec", "p99_latency_tfm_over_nospec",
+                                  "p50_tpot_tfm_over_nospec"}
+    probes = {p["probe"]: p for p in res["probes"]}
+    assert set(probes) == {p.name for p in soak_probes.PROBES}
+    assert probes["min_p"]["how"] == "HTTP 400" and probes["presence_penalty/stream"]["streamed_error"]
+    assert probes["beam_search"]["identical_to_nospec"] and probes["n=3 sampled"]["choices"] == 3
+
+
+def test_preempt_phase_end_to_end(tmp_path: Path) -> None:
+    cfg = _cfg(tmp_path)
+    res = soak.phase_preempt(cfg, _prompts(), {"kind": "test"}, launch=_launcher({"tfm_small": ["--preemptions-per-request", "1"]}),
+                             kv_small=123456, started_at=time.monotonic())
+    assert json.loads((tmp_path / "preempt.json").read_text())["verdict"] == res["verdict"]
+    v = res["verdict"]
+    assert v["all_ok"] and v["preempted"] and v["greedy_identical"] and v["preemptions"] >= 16, v
+    assert res["tfm_small"]["summary"]["requests"] == 16 and _all_stopped(res)
+    assert "kv_estimate" not in res  # given explicitly
+
+
+def test_a_server_that_never_starts_is_reported(tmp_path: Path) -> None:
+    cfg = _cfg(tmp_path, startup_timeout_s=3.0)
+
+    def launch(role: soak.Role, c: soak.SoakConfig) -> list[str]:
+        return [sys.executable, "-c", "import sys; print('boom'); sys.exit(3)"] if role.spec else _launcher({})(role, c)
+
+    res = soak.phase_soak(cfg, _prompts(), {"kind": "test"}, launch=launch, started_at=time.monotonic())
+    assert res["fatal"] == "the tfm server did not become healthy"
+    assert res["startup"]["tfm"]["healthy"] is False and res["server_logs"]["tfm"]["exit_code"] == 3
+    assert res["verdict"]["completed"] is False and not res["verdict"]["all_ok"]
