@@ -247,6 +247,7 @@ def main() -> None:
     w = math.ceil(b / 16)
     repeats = 2 if args.quick else args.repeats
     res = {
+        "command": "python3 bench/tree_build.py " + " ".join(sys.argv[1:]),
         "machine": {"python": platform.python_version(), "torch": torch.__version__, "device": str(device),
                     "threads": torch.get_num_threads(), "host": platform.node()},
         "shape": {"requests": r, "budget": b, "width": w, "children_per_node": cpn, "top_k": k, "depth": d, "top_m": m},

@@ -23,7 +23,7 @@ import sys
 import time
 from collections.abc import Sequence
 
-__all__ = ["main", "build_parser"]
+__all__ = ["build_parser", "main"]
 
 
 def _ids(text: str) -> list[int]:
@@ -101,7 +101,12 @@ def _demo(args: argparse.Namespace) -> int:
 
     from vllm_tfm.reference.decoder import SamplingConfig, SpeculativeDecoder
     from vllm_tfm.reference.drafters import METHODS, make_proposer
-    from vllm_tfm.reference.zoo import is_zoo, load_zoo, random_demo_models, zoo_search_paths
+    from vllm_tfm.reference.zoo import (
+        is_zoo,
+        load_zoo,
+        random_demo_models,
+        zoo_search_paths,
+    )
 
     if args.method not in METHODS:
         raise ValueError(f"unknown method {args.method!r}; choose one of {', '.join(METHODS)}")
@@ -241,6 +246,8 @@ def _add_eval_parser(sub) -> None:
     ev.add_argument("--data-root", action="append", default=None,
                     help="corpus root(s) of the held-out files (repeatable; default: the zoo's recorded roots, else site-packages)")
     ev.add_argument("--threads", type=int, default=1, help="torch CPU threads (default 1)")
+    ev.add_argument("--per-step", action="store_true",
+                    help="keep every step's accepted count and tree size in the JSON (default: histograms per cell)")
     ev.add_argument("--quality-anchors", type=int, default=32,
                     help="anchors per prompt for the drafter-quality analysis (default 32)")
     ev.add_argument("--deadline-minutes", type=float, default=None,
@@ -281,6 +288,7 @@ def _eval(args: argparse.Namespace) -> int:
     from vllm_tfm.reference.drafters import METHODS
     from vllm_tfm.reference.evaluate import (
         EvalConfig,
+        compact_cells,
         environment_info,
         evaluate,
         finite_or_none,
@@ -290,7 +298,12 @@ def _eval(args: argparse.Namespace) -> int:
         recorded_data_roots,
         write_plots,
     )
-    from vllm_tfm.reference.zoo import is_zoo, load_zoo, random_demo_models, zoo_search_paths
+    from vllm_tfm.reference.zoo import (
+        is_zoo,
+        load_zoo,
+        random_demo_models,
+        zoo_search_paths,
+    )
 
     methods = args.methods if args.methods is not None else list(METHODS)
     for name, v in (("--prompts", args.prompts), ("--max-new-tokens", args.max_new_tokens),
@@ -356,6 +369,8 @@ def _eval(args: argparse.Namespace) -> int:
         "machine": environment_info(device),
         **results,
     }
+    if not args.per_step:
+        results = compact_cells(results)
     plots = write_plots(results, args.plots_dir)
     results["plots"] = plots
     out = Path(args.out)

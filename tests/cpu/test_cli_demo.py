@@ -103,7 +103,7 @@ def test_demo_uses_the_committed_zoo_by_default(capsys):
     rows = table_rows(out)
     assert set(METHODS) <= set(rows)
     for m in METHODS:
-        tokens_s, mal, steps, same = rows[m][:4]
+        _tokens_s, mal, _steps, same = rows[m][:4]
         assert same == "yes", m
         assert float(mal) > 1.0, m
     assert float(rows["tfm"][1]) > float(rows["chain"][1])

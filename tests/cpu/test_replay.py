@@ -130,7 +130,11 @@ def test_sampled_continuations_follow_the_target_distribution(models):
 @pytest.mark.parametrize("method", METHODS)
 def test_batched_trees_equal_the_per_anchor_trees(models, method):
     """The lockstep builders give every anchor the tree DFlashProposer.tree_from_block builds."""
-    from vllm_tfm.reference.replay import accepted_depths_padded, batched_trees, target_states
+    from vllm_tfm.reference.replay import (
+        accepted_depths_padded,
+        batched_trees,
+        target_states,
+    )
 
     target, bundle = models
     gen = torch.Generator().manual_seed(17)

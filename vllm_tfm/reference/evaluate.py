@@ -51,18 +51,19 @@ from .replay import replay_cells
 __all__ = [
     "EvalConfig",
     "PromptSet",
-    "total_variation",
-    "topk_coverage",
-    "random_prompts",
-    "held_out_prompts",
-    "recorded_data_roots",
     "acceptance_cells",
+    "compact_cells",
     "drafter_quality",
-    "evaluate",
-    "markdown_tables",
-    "write_plots",
     "environment_info",
+    "evaluate",
     "finite_or_none",
+    "held_out_prompts",
+    "markdown_tables",
+    "random_prompts",
+    "recorded_data_roots",
+    "topk_coverage",
+    "total_variation",
+    "write_plots",
 ]
 
 DEFAULT_BUDGETS = (16, 32, 64, 128)
@@ -436,6 +437,30 @@ def evaluate(
     out = {"config": cfg, "prompts": prompts.info, "acceptance": cells, "drafter_quality": quality}
     if skipped:
         out["skipped_cells"] = skipped
+    return out
+
+
+def compact_cells(results: dict[str, Any]) -> dict[str, Any]:
+    """The results with each acceptance cell's per-step lists replaced by what the numbers need:
+    ``accepted_histogram`` (steps with 0, 1, ..., max_depth accepted drafts; MAL and acceptance by
+    depth follow from it), ``steps_per_prompt`` and ``tree_nodes_mean``. A copy; the input is kept."""
+    out = dict(results)
+    cells = []
+    for c in results["acceptance"]:
+        c = dict(c)
+        per = c.pop("accepted_per_step", None)
+        nodes = c.pop("tree_nodes_per_step", None)
+        if per is not None:
+            hist = [0] * (int(c["max_depth"]) + 1)
+            for a in (a for p in per for a in p):
+                hist[a] += 1
+            c["accepted_histogram"] = hist
+            c["steps_per_prompt"] = [len(p) for p in per]
+        if nodes is not None:
+            flat = [n for p in nodes for n in p]
+            c["tree_nodes_mean"] = sum(flat) / len(flat) if flat else float("nan")
+        cells.append(c)
+    out["acceptance"] = cells
     return out
 
 

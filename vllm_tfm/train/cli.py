@@ -30,7 +30,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-__all__ = ["train_main", "STAGES"]
+__all__ = ["STAGES", "train_main"]
 
 STAGES = ("tokenizer", "target", "dflash", "weaver", "treeflash")
 EXIT_PARTIAL = 3

@@ -233,21 +233,30 @@ class AcceptanceProfile(BaseModel):
 
 
 def profile_from_eval(results: Mapping[str, Any], source: str) -> AcceptanceProfile:
-    """Entries from ``vllm-tfm eval`` results: one per acceptance cell, pmf from ``accepted_per_step``."""
+    """Entries from ``vllm-tfm eval`` results: one per acceptance cell, pmf from ``accepted_per_step``
+    (``--per-step`` files) or from ``accepted_histogram`` (the default, compact files)."""
     cells = results.get("acceptance")
     if not isinstance(cells, list) or not cells:
         raise ValueError(f"{source}: no 'acceptance' cells (not a `vllm-tfm eval` results file?)")
     entries = []
     for i, c in enumerate(cells):
         try:
-            per_step = [a for per_prompt in c["accepted_per_step"] for a in per_prompt]
+            if "accepted_per_step" in c:
+                per_step = [a for per_prompt in c["accepted_per_step"] for a in per_prompt]
+                pmf, steps = pmf_from_counts(per_step, int(c["max_depth"])), len(per_step)
+            else:
+                hist = [int(h) for h in c["accepted_histogram"]]
+                if len(hist) != int(c["max_depth"]) + 1 or min(hist) < 0 or sum(hist) == 0:
+                    raise ValueError(f"accepted_histogram must hold max_depth + 1 counts, not all 0, got {hist}")
+                steps = sum(hist)
+                pmf = [h / steps for h in hist]
             entries.append(
                 ProfileEntry(
                     method=str(c["method"]),
                     budget=int(c["budget"]),
                     temperature=float(c["temperature"]),
-                    accepted_pmf=pmf_from_counts(per_step, int(c["max_depth"])),
-                    steps=len(per_step),
+                    accepted_pmf=pmf,
+                    steps=steps,
                 )
             )
         except (KeyError, TypeError, ValueError, ValidationError) as e:
