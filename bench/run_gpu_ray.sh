@@ -14,7 +14,8 @@
 # next to vLLM, then runs the phases: random tiny models (or --target/--drafter, e.g. zoo/target
 # and zoo/drafter), default executor, Ray executor, Ray Serve. Logs and ray_results.json go to
 # $OUT (the device tool's output folder; /tmp/tfm-ray-out otherwise). Bounded by
-# TFM_RAY_DEADLINE_S (default 500 s) plus the install (about a minute on a fresh machine).
+# TFM_RAY_DEADLINE_S (default 450 s) plus the install (about a minute on a fresh machine): under
+# 9 minutes in all.
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.." || exit 1
 OUT=${OUT:-/tmp/tfm-ray-out}
