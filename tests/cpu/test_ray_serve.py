@@ -153,6 +153,8 @@ def test_the_plugin_entry_point_is_required(monkeypatch: pytest.MonkeyPatch) -> 
     check_plugin_loadable({"VLLM_PLUGINS": "other,tfm"})
     one_line_error(ValueError, check_plugin_loadable, {"VLLM_PLUGINS": "other"}, match=r"VLLM_PLUGINS='other' leaves out 'tfm'")
     one_line_error(ValueError, build_llm_config, base(env={"VLLM_PLUGINS": "lora"}), environ={}, match=r"leaves out 'tfm'")
+    one_line_error(ValueError, build_llm_config, base(), environ={"VLLM_PLUGINS": "lora"}, match=r"VLLM_PLUGINS='lora' leaves out")
+    build_llm_config(base(env={"VLLM_PLUGINS": "tfm"}), environ={"VLLM_PLUGINS": "lora"})  # the replicas' own wins
     other = EntryPoint(name="tfm", value="someone_else:register", group=ENTRY_POINT.group)
     for found in ([], [other]):
         monkeypatch.setattr(environment, "entry_points", lambda group, found=found: found)

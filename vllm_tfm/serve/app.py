@@ -28,6 +28,7 @@ same resolution as the plugin: ``tfm_config.json`` < ``VLLM_TFM_*`` < ``tree``).
 
 from __future__ import annotations
 
+import os
 from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -119,7 +120,9 @@ def build_llm_config(config: TfmServeConfig | Mapping[str, Any], environ: Mappin
     Refuses an environment without vllm-tfm's entry point (see ``environment.check_plugin_loadable``).
     """
     data = llm_config_dict(config, environ)
-    check_plugin_loadable(data["runtime_env"]["env_vars"])
+    # VLLM_PLUGINS of the replicas: theirs, else the builder's (a local cluster inherits it)
+    plugins = data["runtime_env"]["env_vars"].get("VLLM_PLUGINS", (os.environ if environ is None else environ).get("VLLM_PLUGINS"))
+    check_plugin_loadable({} if plugins is None else {"VLLM_PLUGINS": plugins})
     serve_llm = _ray_serve_llm()
     try:
         return serve_llm.LLMConfig.model_validate(data)
