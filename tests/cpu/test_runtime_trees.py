@@ -151,3 +151,12 @@ def test_weaver_trees_equal_the_per_request_loop_over_many_settings(dtype):
                                                    budget, top_k, width, cpn)
         assert tok.tolist() == want_tok, f"case {case}"
         assert par.tolist() == want_par, f"case {case}"
+
+
+def test_ddtree_on_a_large_vocabulary_with_ties_matches_the_reference():
+    """V = 3000 > 4 * B takes ranked_top's topk path (no full-row sort); logits rounded to a
+    coarse grid make many exact ties, which must still break toward the lower token id."""
+    gen = torch.Generator().manual_seed(5)
+    for budget in (5, 31):
+        logits = torch.round(4 * torch.randn(2, 3, 3000, generator=gen)) / 4
+        check_against_reference(torch.log_softmax(logits, -1), budget)

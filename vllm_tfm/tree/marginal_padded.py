@@ -24,7 +24,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from .padded import fill_to_budget
+from .padded import fill_to_budget, stable_topk
 
 __all__ = ["chain_trees", "check_marginals", "ddtree_trees", "ranked_top"]
 
@@ -41,11 +41,13 @@ def check_marginals(logprobs: Tensor, budget: int) -> None:
 def ranked_top(logprobs: Tensor, k: int) -> tuple[Tensor, Tensor]:
     """The k best entries of every depth, best first: (values [R, D, k] float64, token ids [R, D, k]).
 
-    Stable descending sort (ties: lower token id first), like ``vllm_tfm.tree._common.ranked``;
-    a full sort because ``topk`` leaves the order of ties unspecified. Columns past V hold -inf.
+    The order of a stable descending sort (ties: lower token id first), like
+    ``vllm_tfm.tree._common.ranked``, without sorting whole vocabulary rows (``stable_topk``: one
+    ``topk`` over distinct int64 keys for float32/16 rows of more than 1024 entries, a sort
+    otherwise). Columns past V hold -inf.
     """
-    vals, idx = torch.sort(logprobs, dim=-1, descending=True, stable=True)
-    vals, idx = vals[..., :k].to(torch.float64), idx[..., :k]
+    vals, idx = stable_topk(logprobs, k)
+    vals = vals.to(torch.float64)
     if vals.shape[-1] < k:
         pad = k - vals.shape[-1]
         vals = torch.cat([vals, vals.new_full((*vals.shape[:-1], pad), NEG_INF)], dim=-1)
