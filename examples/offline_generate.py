@@ -14,6 +14,7 @@ TRITON_ATTN for the target and the drafter, triton GDN prefill, eager mode.
 usage (GPU host, after ``source .gpu-bundle/install.sh`` and installing this project)::
 
     python3 examples/offline_generate.py                          # random tiny models
+    python3 examples/offline_generate.py --target zoo/target --drafter zoo/drafter --dtype float32  # the toy zoo
     python3 examples/offline_generate.py --proposal chain --budget 7 --also-dflash
     python3 examples/offline_generate.py --target Qwen/Qwen3.6-27B --drafter DIR --budget 64
     python3 examples/offline_generate.py --check-config           # CPU: build the configs only

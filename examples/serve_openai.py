@@ -14,6 +14,7 @@ the point is that serving works end to end. Settings follow the GPU test host bu
 usage (GPU host, after ``source .gpu-bundle/install.sh`` and installing this project)::
 
     python3 examples/serve_openai.py
+    python3 examples/serve_openai.py --target zoo/target --drafter zoo/drafter --budget 32   # the toy zoo (run on the H200: bench/results/serve_zoo.json)
     python3 examples/serve_openai.py --target Qwen/Qwen3.6-27B --drafter DIR --budget 64 --proposal tfm
 """
 
