@@ -34,6 +34,8 @@ if ! python3 -m pip install -q --no-deps --no-index --no-build-isolation --targe
   tail -5 "$OUT/pip.log"
   exit 2
 fi
+# shellcheck disable=SC1091
+source bench/install_serve_wheels.sh   # jmespath + supervisor for vLLM's OpenAI server (carry .serve-wheels)
 export PYTHONPATH="$PWD:$PYTHONPATH"
 export HF_HUB_OFFLINE=1
 python3 -c "import ray, vllm, vllm_tfm.serve as s; print('ray', ray.__version__, 'vllm', vllm.__version__, 'tfm entry point', s.plugin_entry_point_installed())" || exit 2

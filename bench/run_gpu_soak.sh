@@ -5,7 +5,8 @@
 #   bash bench/run_gpu_soak.sh soak     [soak.py args]   # load + disconnects + parameter probes, tfm vs no-spec
 #   bash bench/run_gpu_soak.sh preempt  [soak.py args]   # small KV cache: preemption with trees in flight
 #
-# (device tool, repository root, carry .gpu-bundle; add --random while the toy zoo is not committed)
+# (device tool, repository root, carry .gpu-bundle and .serve-wheels from bench/fetch_serve_wheels.sh;
+# --random uses random tiny models instead of the committed toy zoo)
 # Unpacks the vLLM bundle, installs this checkout next to it (the plugin loads in `vllm serve`
 # through its entry point), then runs the phase. Results: $OUT/soak.json or $OUT/preempt.json,
 # server logs $OUT/<role>.log.
@@ -25,6 +26,8 @@ if ! python3 -m pip install -q --no-deps --no-index --no-build-isolation --targe
   tail -5 "$OUT/pip.log"
   exit 2
 fi
+# shellcheck disable=SC1091
+source bench/install_serve_wheels.sh   # jmespath + supervisor for `vllm serve` (carry .serve-wheels)
 unset VLLM_ENABLE_V1_MULTIPROCESSING
 nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv,noheader || true
 echo "== soak phase $phase ($(( $(date +%s) - start )) s)"

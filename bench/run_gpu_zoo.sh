@@ -2,7 +2,7 @@
 # One GPU-host command for the trained toy zoo (zoo/): acceptance evaluation, the vLLM plugin in
 # bfloat16, and `vllm serve` with tfm, side by side on the one H200 (one 10-minute host command).
 #
-#   run (device tool, repository root, carry .gpu-bundle):  bash bench/run_gpu_zoo.sh
+#   run (device tool, repository root, carry .gpu-bundle and .serve-wheels):  bash bench/run_gpu_zoo.sh
 #
 # 1. `vllm-tfm eval` (reference models in PyTorch on CUDA, acceptance by replay): 100 held-out
 #    prompts x 256 new tokens, chain / ddtree / treeflash / tfm at B = 16, 32, 64, 128, T = 0 and 1,
@@ -23,6 +23,8 @@ start=$(date +%s)
 source .gpu-bundle/install.sh
 python3 -m pip install -q --no-deps --no-index --no-build-isolation --target "$GPU_SITE" . >/tmp/pip.log 2>&1 \
   || { echo "pip install of the checkout failed; using the checkout on PYTHONPATH"; tail -3 /tmp/pip.log; }
+# shellcheck disable=SC1091
+source bench/install_serve_wheels.sh   # jmespath + supervisor for `vllm serve` (carry .serve-wheels)
 export PYTHONPATH="$PWD:$PYTHONPATH" VLLM_ENABLE_V1_MULTIPROCESSING=0 PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv,noheader || true
 echo "== setup $(( $(date +%s) - start )) s"
