@@ -94,6 +94,38 @@ def test_every_cell_with_mal_and_depths_matching_the_step_counts(results):
         assert all(1 <= n <= c["budget"] + 1 for per in c["tree_nodes_per_step"] for n in per)
 
 
+def test_compact_results_keep_the_numbers_and_feed_acceptance_profiles(results):
+    """The CLI's default JSON: per-cell histograms instead of per-step lists. MAL and acceptance by
+    depth recomputed from the histogram equal the cell's, and a profile read from the compact file
+    has the same accepted-length distribution as one read from the full per-step file."""
+    from vllm_tfm.reference.evaluate import compact_cells
+    from vllm_tfm.verify.acceptance_profile import profile_from_eval
+
+    compact = compact_cells(results)
+    assert "accepted_per_step" in results["acceptance"][0]  # the input is not modified
+    for full, c in zip(results["acceptance"], compact["acceptance"]):
+        assert "accepted_per_step" not in c and "tree_nodes_per_step" not in c
+        hist = c["accepted_histogram"]
+        n = sum(hist)
+        assert n == c["steps"] and c["steps_per_prompt"] == [len(p) for p in full["accepted_per_step"]]
+        assert sum((a + 1) * k for a, k in enumerate(hist)) / n == pytest.approx(c["mal"], abs=1e-12)
+        by_depth = [sum(hist[d:]) / n for d in range(1, len(hist))]
+        assert by_depth == pytest.approx(c["acceptance_by_depth"], abs=1e-12)
+        flat = [x for p in full["tree_nodes_per_step"] for x in p]
+        assert c["tree_nodes_mean"] == pytest.approx(sum(flat) / len(flat))
+    a = profile_from_eval(results, "full")
+    b = profile_from_eval(compact, "compact")
+    assert [(e.method, e.budget, e.temperature, e.steps) for e in a.entries] == [
+        (e.method, e.budget, e.temperature, e.steps) for e in b.entries
+    ]
+    for ea, eb in zip(a.entries, b.entries):
+        assert ea.accepted_pmf == pytest.approx(eb.accepted_pmf, abs=1e-12)
+    bad = compact_cells(results)
+    bad["acceptance"][0]["accepted_histogram"] = [0] * len(bad["acceptance"][0]["accepted_histogram"])
+    with pytest.raises(ValueError, match="accepted_histogram must hold"):
+        profile_from_eval(bad, "bad")
+
+
 def test_drafter_quality_is_in_range_and_coverage_monotone(results):
     q = results["drafter_quality"]
     assert q["depths"] == GAMMA - 1 and q["anchors"] == 2 * NEW
