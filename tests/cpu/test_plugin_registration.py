@@ -207,3 +207,32 @@ def test_text_only_qwen35_is_registered_hybrid(vllm: Any, tmp_path: Path) -> Non
     for hook in ("get_mamba_state_dtype_from_config", "get_mamba_state_shape_from_config", "get_mamba_state_copy_func"):
         assert getattr(cls, hook).__func__ is getattr(Qwen3_5ForConditionalGeneration, hook).__func__
         assert getattr(cls, hook).__self__ is cls
+
+
+def test_text_only_qwen35_takes_the_checkpoint_ssm_dtype(vllm: Any, tmp_path: Path) -> None:
+    """vLLM applies a Qwen3.5 checkpoint's ``mamba_ssm_dtype`` through a config hook keyed by
+    architecture name; the plugin gives the text-only names the VL classes' hook, so a text-only
+    checkpoint asking for a float32 GDN state gets one (as the same weights under the VL class)."""
+    import json
+    from types import SimpleNamespace
+
+    from vllm.config import CacheConfig
+    from vllm.engine.arg_utils import EngineArgs
+    from vllm.model_executor.models.config import MODELS_CONFIG_MAP
+
+    from vllm_tfm.vllm_plugin.models_registry import register_config_hooks
+
+    target = write_qwen35_target(tmp_path / "t")
+    cfg = json.loads((target / "config.json").read_text())
+    cfg["mamba_ssm_dtype"] = "float32"
+    (target / "config.json").write_text(json.dumps(cfg))
+    mc = EngineArgs(model=str(target), skip_tokenizer_init=True).create_model_config()
+    assert mc.architecture == "Qwen3_5ForCausalLM"
+    hook = MODELS_CONFIG_MAP.get(mc.architecture)  # the lookup VllmConfig does
+    assert hook is MODELS_CONFIG_MAP["Qwen3_5ForConditionalGeneration"]
+    assert MODELS_CONFIG_MAP["Qwen3_5MoeForCausalLM"] is MODELS_CONFIG_MAP["Qwen3_5MoeForConditionalGeneration"]
+    fake = SimpleNamespace(cache_config=CacheConfig(), model_config=mc)
+    assert fake.cache_config.mamba_ssm_cache_dtype == "auto"
+    hook.verify_and_update_config(fake)
+    assert fake.cache_config.mamba_ssm_cache_dtype == "float32"
+    assert register_config_hooks() == []  # idempotent

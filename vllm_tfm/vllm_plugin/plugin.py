@@ -64,13 +64,14 @@ def register() -> None:
         from .config_patch import install_config_patches, install_direct_construction, install_predicate_patches
         from .fp32_prefill import install_fp32_prefill
         from .guards import install_request_guard
-        from .models_registry import register_models
+        from .models_registry import register_config_hooks, register_models
 
         install_config_patches()
         install_predicate_patches()
         install_direct_construction()
         install_request_guard()
         register_models()
+        register_config_hooks()
         install_fp32_prefill()
         install_runtime()
         _REGISTERED = True
