@@ -288,6 +288,31 @@ def test_target_architectures(env: Any) -> None:
     assert build(env, tfm(d), model_config=qwen3_mc).method == "tfm"
 
 
+def test_vision_language_qwen35_with_mrope_is_accepted(env: Any) -> None:
+    """Qwen/Qwen3.6-27B's architecture: the VL class (hybrid, multimodal, M-RoPE) takes tfm at
+    config time like the text-only class (the runtime's M-RoPE depth positions are GPU-tested)."""
+    import json
+
+    from transformers import Qwen3_5Config
+    from vllm.engine.arg_utils import EngineArgs
+
+    text = json.loads((env["target"] / "config.json").read_text())
+    text.pop("architectures", None)
+    text["rope_parameters"] = {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5,
+                               "mrope_section": [2, 1, 1], "mrope_interleaved": True}
+    vision = {"depth": 1, "hidden_size": 32, "intermediate_size": 64, "num_heads": 2, "out_hidden_size": text["hidden_size"]}
+    cfg = Qwen3_5Config(text_config=text, vision_config=vision)
+    cfg.architectures = ["Qwen3_5ForConditionalGeneration"]
+    vl = env["root"] / "vl-target"
+    cfg.save_pretrained(vl)
+    mc = EngineArgs(model=str(vl), skip_tokenizer_init=True).create_model_config()
+    assert (mc.architecture, mc.is_hybrid, mc.is_multimodal_model, mc.uses_mrope) == (
+        "Qwen3_5ForConditionalGeneration", True, True, True,
+    )
+    spec = build(env, tfm(drafter(env, "vl-drafter")), model_config=mc)
+    assert (spec.method, spec.num_speculative_tokens) == ("tfm", 7)
+
+
 def test_other_methods_are_untouched(env: Any) -> None:
     """Unknown keys and values stay vLLM's business when the method is not tfm."""
     import pydantic
