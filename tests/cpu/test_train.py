@@ -576,3 +576,28 @@ def test_vllm_tfm_train_dispatches_to_the_trainer_cli(capsys) -> None:
         main(["train", "--help"])
     assert e.value.code == 0
     assert "Train the vllm-tfm toy model zoo" in capsys.readouterr().out
+
+
+def test_keep_going_trains_later_stages_on_a_partial_one(tmp_path, corpus, config_dir, zoo, capsys):
+    """`all` stops at the first stage that ends early (exit 3) unless --keep-going, which trains the
+    next stages on the partial model, marks every such card "partial" and still exits 3."""
+    import shutil
+
+    out = tmp_path / "zoo"
+    out.mkdir()
+    for d in ("tokenizer", "target"):
+        shutil.copytree(zoo["dir"] / d, out / d)
+    argv = [
+        "all", "--stages", "dflash,weaver,treeflash", "--data-root", str(corpus), "--out", str(out),
+        "--config-dir", str(config_dir), "--work-dir", str(tmp_path / "work"), "--device", "cpu",
+        "--no-progress", "--stop-after", "1",
+    ]  # fmt: skip
+    assert train_main(argv) == 3
+    assert not (out / "drafter" / "training_weaver.json").exists()
+    capsys.readouterr()
+    shutil.rmtree(out / "drafter")
+    assert train_main(argv + ["--keep-going", "--work-dir", str(tmp_path / "work2")]) == 3
+    text = capsys.readouterr().out
+    assert text.count("--keep-going: next stage") == 3
+    for stage in ("dflash", "weaver", "treeflash"):
+        assert json.loads((out / "drafter" / f"training_{stage}.json").read_text())["status"] == "partial"
