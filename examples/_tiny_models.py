@@ -127,3 +127,19 @@ def write_drafter(directory: Path, proposal: str, dtype: str) -> Path:
 def make_tiny_models(root: Path, proposal: str, dtype: str = "bfloat16") -> tuple[Path, Path]:
     """(target_dir, drafter_dir) under ``root``."""
     return write_target(root / "tiny-qwen35", dtype), write_drafter(root / "tiny-dflash", proposal, dtype)
+
+
+def resolve_models(target: str | None, drafter: str | None, proposal: str | None, prefix: str) -> tuple[str, str, bool]:
+    """(target, drafter, random) for an example's --target/--drafter: both given, or neither (then
+    random tiny models are written to a fresh temporary directory and announced)."""
+    import sys
+    import tempfile
+
+    if (target is None) != (drafter is None):
+        sys.exit("give both --target and --drafter, or neither (random tiny models)")
+    if target is not None:
+        return target, drafter, False
+    root = Path(tempfile.mkdtemp(prefix=prefix))
+    t, d = make_tiny_models(root, proposal or "ddtree")
+    print(f"serving RANDOM tiny models (dummy weights: the text is gibberish) from {root}")
+    return str(t), str(d), True

@@ -25,7 +25,6 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -107,17 +106,9 @@ def wait_running(name: str, timeout: float) -> None:
 
 def main() -> int:
     args = parse_args()
-    if (args.target is None) != (args.drafter is None):
-        sys.exit("give both --target and --drafter, or neither (random tiny models)")
-    random = args.target is None
-    if random:
-        from _tiny_models import make_tiny_models
+    from _tiny_models import resolve_models
 
-        root = Path(tempfile.mkdtemp(prefix="vllm-tfm-ray-serve-"))
-        target, drafter = (str(p) for p in make_tiny_models(root, args.proposal or "ddtree"))
-        print(f"serving RANDOM tiny models (dummy weights: the text is gibberish) from {root}")
-    else:
-        target, drafter = args.target, args.drafter
+    target, drafter, random = resolve_models(args.target, args.drafter, args.proposal, "vllm-tfm-ray-serve-")
 
     from vllm_tfm.serve import build_tfm_openai_app, llm_config_dict
 

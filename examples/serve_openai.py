@@ -27,7 +27,6 @@ import re
 import signal
 import subprocess
 import sys
-import tempfile
 import time
 import urllib.request
 from pathlib import Path
@@ -106,17 +105,9 @@ def spec_counters(base: str) -> dict[str, float]:
 
 def main() -> int:
     args = parse_args()
-    if (args.target is None) != (args.drafter is None):
-        sys.exit("give both --target and --drafter, or neither (random tiny models)")
-    random = args.target is None
-    if random:
-        from _tiny_models import make_tiny_models
+    from _tiny_models import resolve_models
 
-        root = Path(tempfile.mkdtemp(prefix="vllm-tfm-serve-"))
-        target, drafter = (str(p) for p in make_tiny_models(root, args.proposal or "ddtree"))
-        print(f"serving RANDOM tiny models (dummy weights: the text is gibberish) from {root}")
-    else:
-        target, drafter = args.target, args.drafter
+    target, drafter, random = resolve_models(args.target, args.drafter, args.proposal, "vllm-tfm-serve-")
 
     cmd = server_command(args, target, drafter, random)
     print("$", " ".join(cmd))

@@ -46,7 +46,7 @@ from vllm_tfm.models import DrafterBundle, TreeFlashTransitionScorer, marginal_l
 from .decoder import SamplingConfig, SpeculativeDecoder
 from .drafters import METHODS, DraftInputs, ProposalBias, make_proposer
 from .hf_compat import capture_final_hidden, capture_layer_outputs
-from .replay import replay_cells
+from .replay import acceptance_record, replay_cells
 
 __all__ = [
     "EvalConfig",
@@ -250,25 +250,10 @@ def acceptance_cells(
                     nodes.append([s.tree_nodes for s in res.steps])
                     seconds += res.total_s
                     tokens += len(res.tokens)
-                flat = [a for per in accepted for a in per]
-                n = len(flat)
-                depth = proposer.max_depth
-                cells.append({
-                    "method": method,
-                    "budget": budget,
-                    "temperature": temp,
-                    "steps": n,
-                    "mal": (sum(a + 1 for a in flat) / n) if n else float("nan"),
-                    "acceptance_by_depth": [sum(a >= d for a in flat) / n if n else float("nan") for d in range(1, depth + 1)],
-                    "max_depth": depth,
-                    "tokens": tokens,
-                    "seconds": seconds,
-                    "accepted_per_step": accepted,
-                    "tree_nodes_per_step": nodes,
-                })
+                cells.append(acceptance_record(method, budget, temp, proposer.max_depth, accepted, nodes, tokens, seconds))
                 if progress is not None:
                     c = cells[-1]
-                    progress(f"{method:<10} B={budget:<4} T={temp:g}: MAL {c['mal']:.3f} over {n} steps")
+                    progress(f"{method:<10} B={budget:<4} T={temp:g}: MAL {c['mal']:.3f} over {c['steps']} steps")
     return cells
 
 

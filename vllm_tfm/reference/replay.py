@@ -47,6 +47,7 @@ from .drafters import DFlashProposer, DraftInputs, ProposalBias, make_proposer
 from .hf_compat import capture_final_hidden, capture_layer_outputs
 
 __all__ = [
+    "acceptance_record",
     "accepted_depth",
     "accepted_depths_padded",
     "batched_trees",
@@ -55,6 +56,37 @@ __all__ = [
     "target_continuations",
     "target_states",
 ]
+
+
+def acceptance_record(
+    method: str,
+    budget: int,
+    temperature: float,
+    max_depth: int,
+    accepted: list[list[int]],
+    nodes: list[list[int]],
+    tokens: int,
+    seconds: float,
+    **extra: Any,
+) -> dict[str, Any]:
+    """One acceptance cell of ``vllm-tfm eval`` from per-prompt, per-step accepted counts: steps,
+    MAL = mean(accepted + 1), acceptance by depth d = fraction of steps with accepted >= d."""
+    flat = [a for per in accepted for a in per]
+    n = len(flat)
+    return {
+        "method": method,
+        "budget": budget,
+        "temperature": temperature,
+        **extra,
+        "steps": n,
+        "mal": (sum(a + 1 for a in flat) / n) if n else float("nan"),
+        "acceptance_by_depth": [sum(a >= d for a in flat) / n if n else float("nan") for d in range(1, max_depth + 1)],
+        "max_depth": max_depth,
+        "tokens": tokens,
+        "seconds": seconds,
+        "accepted_per_step": accepted,
+        "tree_nodes_per_step": nodes,
+    }
 
 
 @torch.no_grad()
@@ -333,23 +365,13 @@ def replay_cells(
         ids, final, taps = states[temp]
         proposer = make_proposer(method, bundle, target, gamma=gamma, proposal_bias=proposal_bias)
         rec = replay_cell(proposer, budget, ids, final, taps, prompt_len, max_new_tokens)
-        flat = [a for per in rec["accepted_per_step"] for a in per]
-        n = len(flat)
-        done[(temp, method, budget)] = {
-            "method": method,
-            "budget": budget,
-            "temperature": temp,
-            "mode": "replay",
-            "steps": n,
-            "mal": (sum(a + 1 for a in flat) / n) if n else float("nan"),
-            "acceptance_by_depth": [sum(a >= d for a in flat) / n if n else float("nan") for d in range(1, depth + 1)],
-            "max_depth": depth,
-            "tokens": sum(min(sum(a + 1 for a in per) + 1, max_new_tokens) for per in rec["accepted_per_step"]),
-            "seconds": rec["seconds"],
-            "accepted_per_step": rec["accepted_per_step"],
-            "tree_nodes_per_step": rec["tree_nodes_per_step"],
-        }
+        per_prompt = rec["accepted_per_step"]
+        done[(temp, method, budget)] = acceptance_record(
+            method, budget, temp, depth, per_prompt, rec["tree_nodes_per_step"],
+            tokens=sum(min(sum(a + 1 for a in per) + 1, max_new_tokens) for per in per_prompt),
+            seconds=rec["seconds"], mode="replay",
+        )
         if progress is not None:
             c = done[(temp, method, budget)]
-            progress(f"{method:<10} B={budget:<4} T={temp:g}: MAL {c['mal']:.3f} over {n} steps ({c['seconds']:.1f} s)")
+            progress(f"{method:<10} B={budget:<4} T={temp:g}: MAL {c['mal']:.3f} over {c['steps']} steps ({c['seconds']:.1f} s)")
     return [done[c] for c in canonical if c in done]
