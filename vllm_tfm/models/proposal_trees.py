@@ -24,6 +24,7 @@ from vllm_tfm.tree.treeflash_padded import build_treeflash_padded
 from vllm_tfm.tree.weaver_padded import build_weaver_padded
 
 from .treeflash import BatchedTreeFlashTransitionScorer, TreeFlashApproximator
+from .vocab_table import VocabTable
 from .weaver import Weaver
 
 __all__ = ["treeflash_draft_trees", "treeflash_padded_trees", "weaver_draft_trees", "weaver_padded_trees"]
@@ -45,8 +46,8 @@ def weaver_padded_trees(
     dflash_hidden: Tensor,
     verifier_hidden: Tensor,
     root_tokens: Tensor,
-    embed: nn.Module | Tensor,
-    lm_head: nn.Module | Tensor,
+    embed: VocabTable,
+    lm_head: VocabTable,
     budget: int,
     top_k: int,
     width: int,
@@ -80,8 +81,8 @@ def weaver_draft_trees(
     dflash_hidden: Tensor,
     verifier_hidden: Tensor,
     root_tokens: Tensor,
-    embed: nn.Module | Tensor,
-    lm_head: nn.Module | Tensor,
+    embed: VocabTable,
+    lm_head: VocabTable,
     budget: int,
     top_k: int,
     width: int,

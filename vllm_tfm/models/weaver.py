@@ -41,6 +41,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from .common import RMSNormWithBias, apply_rope, as_weight, compute_dtype, masked_attention, rope_cos_sin
+from .vocab_table import ShardedVocabTable, VocabTable, candidate_residual, table_num_rows, table_rows
 from .io import read_state, target_text_config, write_state
 from .tfm_config import TFM_CONFIG_NAME, WEAVER_WEIGHTS_NAME, TfmConfig, WeaverConfig
 
@@ -67,8 +68,8 @@ def candidate_logprobs(queries: Tensor, cand_rows: Tensor, cand_logits: Tensor) 
     return torch.log_softmax(cand_logits.to(cd) + residual, dim=-1)
 
 
-def _lookup(embed: nn.Module | Tensor, ids: Tensor) -> Tensor:
-    return embed[ids] if isinstance(embed, Tensor) else embed(ids)
+def _lookup(embed: VocabTable, ids: Tensor) -> Tensor:
+    return table_rows(embed, ids)
 
 
 class WeaverBlock(nn.Module):
@@ -137,7 +138,7 @@ class Weaver(nn.Module):
         seq = torch.cat([verifier_hidden.unsqueeze(-2), dflash_hidden], dim=-2)
         return self.proposal_in(self.output_norm(seq))
 
-    def token_inputs(self, tokens: Tensor, embed: nn.Module | Tensor) -> Tensor:
+    def token_inputs(self, tokens: Tensor, embed: VocabTable) -> Tensor:
         """tokens [...] -> token_in(embed_norm(E_target[tokens])) [..., d]. Precomputable per vocab row."""
         return self.token_in(self.embed_norm(_lookup(embed, tokens)))
 
@@ -216,8 +217,8 @@ class Weaver(nn.Module):
         dflash_hidden: Tensor,
         cand_ids: Tensor,
         cand_logits: Tensor,
-        embed: nn.Module | Tensor,
-        lm_head: nn.Module | Tensor,
+        embed: VocabTable,
+        lm_head: VocabTable,
         max_nodes: int,
         validate: bool = False,
     ) -> BatchedWeaverTreeScorer:
@@ -280,7 +281,8 @@ class WeaverTreeScorer:
         verifier_hidden: [H]; dflash_hidden: [D, H] (DFlash block slots 1..D, after the final norm).
         cand_ids: [D, K] int64, row d - 1 = the DFlash top-K tokens of depth d.
         cand_logits: [D, K], their raw DFlash logits.
-        embed, lm_head: the target's input embedding and lm_head (modules or [V, H] weights).
+        embed, lm_head: the target's input embedding and lm_head (modules, [V, H] weights, or
+            ``ShardedVocabTable`` for vocabulary-split weights under tensor parallelism).
     """
 
     def __init__(
@@ -436,7 +438,8 @@ class BatchedWeaverTreeScorer:
     Args:
         verifier_hidden: [R, H]; dflash_hidden: [R, D, H] (DFlash slots 1..D, after the final norm).
         cand_ids: [R, D, K] int64; cand_logits: [R, D, K] raw DFlash logits of those candidates.
-        embed, lm_head: the target's input embedding and lm_head (modules or [V, H] weights).
+        embed, lm_head: the target's input embedding and lm_head (modules, [V, H] weights, or
+            ``ShardedVocabTable`` for vocabulary-split weights under tensor parallelism).
         max_nodes: node slots per request (1 + the largest budget).
     """
 
@@ -447,8 +450,8 @@ class BatchedWeaverTreeScorer:
         dflash_hidden: Tensor,
         cand_ids: Tensor,
         cand_logits: Tensor,
-        embed: nn.Module | Tensor,
-        lm_head: nn.Module | Tensor,
+        embed: VocabTable,
+        lm_head: VocabTable,
         max_nodes: int,
         validate: bool = False,
     ) -> None:
@@ -466,8 +469,8 @@ class BatchedWeaverTreeScorer:
             raise ValueError(f"max_nodes must be an integer >= 1, got {max_nodes!r}")
         self.num_requests, self.depth, self.max_nodes, self.validate = r, depth, max_nodes, validate
         self.embed = embed
-        self.lm_head = as_weight(lm_head, "lm_head")
-        self.n_embed_rows = as_weight(embed, "embed").shape[0]
+        self.lm_head = lm_head if isinstance(lm_head, ShardedVocabTable) else as_weight(lm_head, "lm_head")
+        self.n_embed_rows = table_num_rows(embed, "embed")
         self.cand_ids = cand_ids
         self.cand_logits = cand_logits
         with torch.no_grad():
@@ -557,5 +560,5 @@ class BatchedWeaverTreeScorer:
             gather = dep[..., None].expand(r, w, k_cand)
             ids = self.cand_ids.gather(1, gather)  # [R, w, K]
             logits = self.cand_logits.gather(1, gather)
-            rows = self.lm_head.index_select(0, ids.flatten()).view(*ids.shape, -1)  # [R, w, K, H]
-            return candidate_logprobs(qry, rows, logits)
+            residual = candidate_residual(self.lm_head, ids, qry)  # lm_head[ids] . qry: [R, w, K]
+            return torch.log_softmax(logits.to(residual.dtype) + residual, dim=-1)

@@ -43,6 +43,8 @@ class Metrics:
         self.seconds: dict[str, float] = defaultdict(float)
         self.steps = 0
         self.tree_steps = 0
+        self.tp_tree_checks = 0  # proposals found identical on every TP rank (VLLM_TFM_CHECK_TP_TREES)
+        self.tp_accept_checks = 0  # verifications found identical on every TP rank
         self.tree_requests = 0
         self.tree_nodes = 0
         self.spec_requests = 0
@@ -96,6 +98,8 @@ class Metrics:
         return {
             "steps": self.steps,
             "tree_steps": self.tree_steps,
+            "tp_tree_checks": self.tp_tree_checks,
+            "tp_accept_checks": self.tp_accept_checks,
             "tree_requests": self.tree_requests,
             "tree_nodes": self.tree_nodes,
             "verified_spec_requests": n,

@@ -31,24 +31,18 @@ from torch import Tensor
 
 from vllm.v1.spec_decode.dflash import DFlashProposer
 
+from vllm_tfm.models.vocab_table import VocabTable
+
 from ..options import get_drafter_dir, get_tfm_options
 from .drafter_inputs import bonus_rows, dflash_context_order
 from .sampler import needs_native_sampler
 from .settings import settings_from_options
 from .stage_timing import TIMER
 from .state import STATE
+from .tensor_parallel import check_same_on_tp_ranks, check_tp_trees_enabled, target_vocab_table, tp_world_size
 from .tree_builder_gpu import chain_trees, ddtree_trees, weaver_trees
 
 __all__ = ["TFMProposer"]
-
-
-def _submodule_weight(model: torch.nn.Module, names: tuple[str, ...], what: str) -> Tensor:
-    for name in names:
-        try:
-            return model.get_submodule(name).weight
-        except AttributeError:
-            continue
-    raise ValueError(f"vllm-tfm: cannot find the target's {what} (looked for {', '.join(names)})")
 
 
 class TFMProposer(DFlashProposer):
@@ -78,8 +72,10 @@ class TFMProposer(DFlashProposer):
         self._marginal_logits: Tensor | None = None
         self._dflash_out: Tensor | None = None
         self.weaver: torch.nn.Module | None = None
-        self._target_embed: Tensor | None = None
-        self._target_lm_head: Tensor | None = None
+        self._target_embed: VocabTable | None = None
+        self._target_lm_head: VocabTable | None = None
+        STATE.check_tp = check_tp_trees_enabled() and vllm_config.parallel_config.tensor_parallel_size > 1
+        STATE.check_step = 0
 
     # ------------------------------------------------------------------ load
     def load_model(self, target_model: torch.nn.Module) -> None:
@@ -107,18 +103,17 @@ class TFMProposer(DFlashProposer):
         settings = self.tfm_settings
         if settings.tfm.weaver is None or settings.drafter_dir is None:
             raise ValueError("tfm proposal 'tfm' needs a local drafter directory whose tfm_config.json has a 'weaver' section")
-        if self.vllm_config.parallel_config.tensor_parallel_size > 1:
-            raise ValueError("vllm-tfm: the Weaver proposal runs with tensor_parallel_size 1 only in this version")
         if settings.tfm.weaver.max_depth < settings.max_depth:
             raise ValueError(
                 f"the Weaver scores depths 1..{settings.tfm.weaver.max_depth} but the drafter is asked for "
                 f"{settings.max_depth}; lower num_speculative_tokens or the DFlash block size"
             )
         self.weaver = Weaver.from_pretrained(settings.drafter_dir, dtype=self.dtype, device=self.device).eval()
-        self._target_embed = _submodule_weight(
-            target_model, ("model.embed_tokens", "language_model.model.embed_tokens"), "input embedding"
+        tp = tp_world_size()
+        self._target_embed = target_vocab_table(
+            target_model, ("model.embed_tokens", "language_model.model.embed_tokens"), "input embedding", tp
         )
-        self._target_lm_head = _submodule_weight(target_model, ("lm_head", "language_model.lm_head"), "lm_head")
+        self._target_lm_head = target_vocab_table(target_model, ("lm_head", "language_model.lm_head"), "lm_head", tp)
 
     # ------------------------------------------------------------------ marginals
     def _sample_draft_tokens(self, hidden_states: Tensor, sampling_metadata: Any) -> tuple[Tensor, Tensor | None]:
@@ -183,6 +178,11 @@ class TFMProposer(DFlashProposer):
         with metrics.timed(f"tree_build.{proposal}") if metrics is not None else nullcontext(), TIMER.span("tree_build"):
             tokens, parents = self._build(proposal, logits, next_token_ids, budget, depth, num_rejected_tokens_gpu)
         req_ids = list(self._tfm_runner.input_batch.req_ids[:num_req])
+        if STATE.check_tp:
+            STATE.check_step += 1
+            check_same_on_tp_ranks("draft trees (tokens, parents)", [tokens, parents], req_ids, STATE.check_step)
+            if metrics is not None:
+                metrics.tp_tree_checks += 1
         STATE.store.put(req_ids, tokens, parents)
         STATE.store.retain(self._tfm_runner.requests)
         if metrics is not None:

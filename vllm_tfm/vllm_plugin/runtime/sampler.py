@@ -34,6 +34,7 @@ from vllm_tfm.verify.logits_processing import TreeSamplingParams
 from vllm_tfm.verify.sampling import verify_tree
 
 from .stage_timing import TIMER
+from .tensor_parallel import check_same_on_tp_ranks
 from .state import STATE, StepTree
 
 if TYPE_CHECKING:
@@ -159,6 +160,11 @@ class TFMTreeSampler(nn.Module):
                 is_spec = torch.from_numpy(step.is_spec & (step.num_draft > 0)).to(logits.device)
                 result = self.replay.accept(trees, logits, result, is_spec)
         step.accept = result
+        if STATE.check_tp:
+            req_ids = list(batch.req_ids[:r])
+            check_same_on_tp_ranks("accepted paths", [result.accepted_nodes, result.output_tokens], req_ids, STATE.check_step)
+            if STATE.metrics is not None:
+                STATE.metrics.tp_accept_checks += 1
         if STATE.metrics is not None:
             STATE.metrics.record_accept(step, result)
         return SamplerOutput(sampled_token_ids=output_token_ids(result, metadata.max_spec_len), logprobs_tensors=None)

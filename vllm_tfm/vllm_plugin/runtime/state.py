@@ -212,6 +212,8 @@ class RuntimeState:
         self.metrics: "Metrics | None" = None
         self.final_hidden: Tensor | None = None  # target final hidden states of the step (Weaver prompt)
         self.replay: "AcceptanceReplayer | None" = None  # benchmark-only acceptance replay
+        self.check_tp = False  # VLLM_TFM_CHECK_TP_TREES on a TP > 1 engine (runtime/tensor_parallel.py)
+        self.check_step = 0  # steps checked so far (named in a mismatch error)
 
     def current_step(self) -> StepTree | None:
         return self.step

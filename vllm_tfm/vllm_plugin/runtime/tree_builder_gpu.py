@@ -22,6 +22,7 @@ from __future__ import annotations
 from torch import Tensor, nn
 
 from vllm_tfm.models.proposal_trees import weaver_draft_trees
+from vllm_tfm.models.vocab_table import VocabTable
 from vllm_tfm.tree.marginal_padded import (
     chain_trees,
     check_marginals,
@@ -39,8 +40,8 @@ def weaver_trees(
     dflash_hidden: Tensor,
     verifier_hidden: Tensor,
     root_tokens: Tensor,
-    embed: nn.Module | Tensor,
-    lm_head: nn.Module | Tensor,
+    embed: VocabTable,
+    lm_head: VocabTable,
     budget: int,
     top_k: int,
     width: int,
