@@ -157,6 +157,7 @@ def step_decision(batch, state) -> tuple[bool, bool]:
     state.store, state.metrics, state.step = ProposalStore(), Metrics(max_depth=BUDGET), None
     state.store.put(ids, drafts, torch.tensor([TREE_PARENTS] * n))
     runner = SimpleNamespace(_tfm_enabled=True, input_batch=batch, uses_mrope=False, device="cpu",
+                             model_config=SimpleNamespace(is_hybrid=False),  # GDN offsets: tested elsewhere
                              positions=torch.arange(3, 3 + n * (BUDGET + 1)))
     scheduled = SimpleNamespace(scheduled_spec_decode_tokens={rid: drafts[i].tolist() for i, rid in enumerate(ids)})
     _wrap_prepare_inputs(lambda *a: None)(runner, scheduled, np.full(n, BUDGET + 1))

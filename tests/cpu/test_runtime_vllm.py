@@ -224,6 +224,7 @@ def test_prepare_inputs_hook_writes_depth_positions_and_the_commit_moves_kv():
                          thinking_budget_state_holder=None)
     positions = torch.tensor([20, 21, 22, 23, 50, 51, 52, 53, 0, 0])
     runner = SimpleNamespace(_tfm_enabled=True, device="cpu", uses_mrope=False, positions=positions,
+                             model_config=SimpleNamespace(is_hybrid=False),  # GDN offsets: test_accepted_offsets.py
                              input_batch=SimpleNamespace(num_reqs=2, req_ids=["a", "b"], sampling_metadata=md))
     so = SimpleNamespace(scheduled_spec_decode_tokens={"a": [5, 6, 7], "b": [1, 2, 3]})
     out = _wrap_prepare_inputs(lambda self, s, n: "vllm")(runner, so, np.array([4, 4]))

@@ -23,9 +23,14 @@ switch those three are not wrapped at all.
 from __future__ import annotations
 
 import functools
+import logging
 from collections.abc import Callable
 from typing import Any
 
+import numpy as np
+import torch
+
+from .accepted_offsets import move_states_to_slot0, plan_offsets
 from .commit import commit_gdn_layer, compact_kv, compaction_rows, spec_accepted
 from .inputs import build_step_tree, tree_positions
 from .metrics import Metrics
@@ -35,6 +40,8 @@ from .stage_timing import TIMER
 from .state import STATE, StepTree
 
 __all__ = ["install_runner_hooks", "install_profile_hooks", "check_engine_config", "RUNNER_HOOKS", "PROFILE_HOOKS"]
+
+logger = logging.getLogger("vllm_tfm")
 
 
 def _is_tfm(runner: Any) -> bool:
@@ -109,6 +116,8 @@ def _wrap_prepare_inputs(orig: Callable) -> Callable:
         if not _is_tfm(self):
             return out
         metrics = STATE.metrics
+        if self.model_config.is_hybrid:
+            fix_accepted_offsets(self, scheduler_output, num_scheduled_tokens)
         with metrics.timed("prepare_inputs.tree"), TIMER.span("prepare_tree"):
             batch = self.input_batch
             num_req = batch.num_reqs
@@ -132,6 +141,70 @@ def _wrap_prepare_inputs(orig: Callable) -> Callable:
         return out
 
     return _prepare_inputs
+
+
+def _gdn_groups(runner: Any) -> list[tuple[int, list[Any]]]:
+    """(KV-cache group id, GDN layers in it) for the hybrid target's mamba groups, computed once."""
+    groups = getattr(runner, "_tfm_gdn_groups", None)
+    if groups is None:
+        from vllm.model_executor.layers.mamba.gdn.qwen_gdn_linear_attn import QwenGatedDeltaNetAttention
+
+        ctx = runner.compilation_config.static_forward_context
+        groups = []
+        for gid, group in enumerate(runner.kv_cache_config.kv_cache_groups):
+            layers = [ctx[n] for n in group.layer_names if isinstance(ctx.get(n), QwenGatedDeltaNetAttention)]
+            if layers:
+                groups.append((gid, layers))
+        runner._tfm_gdn_groups = groups
+    return groups
+
+
+def fix_accepted_offsets(runner: Any, scheduler_output: Any, num_scheduled_tokens: np.ndarray) -> None:
+    """Give back ``num_accepted_tokens`` to rows vLLM re-added, and move committed GDN states that
+    vLLM would read from slot 0 there (runtime/accepted_offsets.py). Runs after vLLM's
+    ``_prepare_inputs`` synced ``num_accepted_tokens`` and before the attention metadata is built."""
+    from .gdn import _layer_states
+
+    batch = runner.input_batch
+    n = batch.num_reqs
+    req_ids = list(batch.req_ids[:n])
+    resumed = set(scheduler_output.scheduled_cached_reqs.resumed_req_ids)
+    continuing = STATE.offsets.begin_step(req_ids, resumed, runner.requests)
+    spec = scheduler_output.scheduled_spec_decode_tokens
+    nst = np.asarray(num_scheduled_tokens[:n])
+    spec_rows = np.array([rid in spec and nst[i] == len(spec[rid]) + 1 for i, rid in enumerate(req_ids)], dtype=bool)
+    decode_rows = spec_rows | (nst == 1)
+    current = runner.num_accepted_tokens.np[:n]
+    plan = plan_offsets(req_ids, current, continuing, spec_rows, decode_rows, STATE.offsets.records)
+    if not plan:
+        return
+    dev = runner.num_accepted_tokens.gpu.device
+    if plan.restore_rows:
+        rows, vals = plan.restore_rows, plan.restore_values
+        runner.num_accepted_tokens.np[rows] = vals
+        batch.num_accepted_tokens_cpu[rows] = vals
+        runner.num_accepted_tokens.gpu[torch.tensor(rows, device=dev)] = torch.tensor(vals, dtype=torch.int32, device=dev)
+        STATE.metrics.accepted_restored += len(rows)
+    if plan.move_rows:
+        rows = plan.move_rows
+        accepted = torch.tensor(plan.move_from, dtype=torch.long, device=dev)
+        for gid, layers in _gdn_groups(runner):
+            table = batch.block_table[gid].get_numpy_array()[rows, : max(plan.move_from)]
+            slots = torch.from_numpy(np.ascontiguousarray(table)).to(device=dev, dtype=torch.long)
+            states = [_layer_states(layer) for layer in layers]
+            width = int(layers[0].conv1d.weight.shape[-1])
+            move_states_to_slot0([c for c, _ in states], [s for _, s in states], slots, accepted, width)
+        runner.num_accepted_tokens.np[rows] = 1
+        batch.num_accepted_tokens_cpu[rows] = 1
+        runner.num_accepted_tokens.gpu[torch.tensor(rows, device=dev)] = 1
+        STATE.metrics.states_moved += len(rows)
+    if not STATE.offsets.reported:
+        STATE.offsets.reported = True
+        logger.info(
+            "vllm-tfm: kept the GDN state offsets of requests vLLM re-added to its batch (%d restored, %d moved to "
+            "slot 0); counted in the tree metrics as accepted_restored / states_moved", len(plan.restore_rows),
+            len(plan.move_rows),
+        )
 
 
 def _kv_groups(runner: Any) -> list[tuple[int, list[Any]]]:
@@ -190,6 +263,11 @@ def _wrap_update_states_after(orig: Callable) -> Callable:
             if step is not None and step.tree_active:
                 with STATE.metrics.timed("commit"), TIMER.span("commit"):
                     commit_step(self, step)
+            out = orig(self, output_token_ids, scheduler_output)
+            if self.model_config.is_hybrid:
+                n = self.input_batch.num_reqs
+                STATE.offsets.end_step(list(self.input_batch.req_ids[:n]), self.num_accepted_tokens.gpu)
+            return out
         return orig(self, output_token_ids, scheduler_output)
 
     return _update_states_after_model_execute

@@ -45,6 +45,8 @@ class Metrics:
         self.tree_steps = 0
         self.tp_tree_checks = 0  # proposals found identical on every TP rank (VLLM_TFM_CHECK_TP_TREES)
         self.tp_accept_checks = 0  # verifications found identical on every TP rank
+        self.accepted_restored = 0  # rows whose num_accepted_tokens vLLM reset on re-adding them (accepted_offsets.py)
+        self.states_moved = 0  # rows whose committed GDN state was moved to slot 0 (accepted_offsets.py)
         self.tree_requests = 0
         self.tree_nodes = 0
         self.spec_requests = 0
@@ -100,6 +102,8 @@ class Metrics:
             "tree_steps": self.tree_steps,
             "tp_tree_checks": self.tp_tree_checks,
             "tp_accept_checks": self.tp_accept_checks,
+            "accepted_restored": self.accepted_restored,
+            "states_moved": self.states_moved,
             "tree_requests": self.tree_requests,
             "tree_nodes": self.tree_nodes,
             "verified_spec_requests": n,

@@ -23,6 +23,8 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from .accepted_offsets import AcceptedOffsets
+
 if TYPE_CHECKING:
     from vllm_tfm.verify.accept_result import AcceptResult
 
@@ -212,6 +214,7 @@ class RuntimeState:
         self.metrics: "Metrics | None" = None
         self.final_hidden: Tensor | None = None  # target final hidden states of the step (Weaver prompt)
         self.replay: "AcceptanceReplayer | None" = None  # benchmark-only acceptance replay
+        self.offsets = AcceptedOffsets()  # GDN state offsets across vLLM's batch removals (accepted_offsets.py)
         self.check_tp = False  # VLLM_TFM_CHECK_TP_TREES on a TP > 1 engine (runtime/tensor_parallel.py)
         self.check_step = 0  # steps checked so far (named in a mismatch error)
 
