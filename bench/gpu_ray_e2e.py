@@ -113,7 +113,16 @@ def worker_info(worker: Any) -> dict[str, Any]:
     """Run inside each vLLM worker (collective_rpc): what the worker process sees."""
     import os
 
-    info: dict[str, Any] = {"pid": os.getpid(), "tfm_env": {k: v for k, v in os.environ.items() if k.startswith("VLLM_TFM_")}}
+    info: dict[str, Any] = {"pid": os.getpid(), "tfm_env": {k: v for k, v in os.environ.items() if k.startswith("VLLM_TFM_")},
+                            "rank": getattr(worker, "rank", None), "local_rank": getattr(worker, "local_rank", None)}
+    try:
+        import torch
+
+        d = torch.cuda.current_device()
+        info["cuda_device"] = d
+        info["cuda_pci_bus_id"] = getattr(torch.cuda.get_device_properties(d), "pci_bus_id", None)
+    except Exception as e:  # noqa: BLE001
+        info["cuda_device"] = f"error: {e}"
     try:
         import ray
 
@@ -154,7 +163,8 @@ def phase_engine(args: argparse.Namespace, executor: str) -> None:
     res: dict[str, Any] = {"executor": executor}
     path = WORK / f"{executor}.json"
     try:
-        kw = dict(engine_settings(), model=target, skip_tokenizer_init=True, speculative_config=spec(drafter))
+        kw = dict(engine_settings(), model=target, skip_tokenizer_init=True, speculative_config=spec(drafter),
+                  disable_log_stats=False)  # LLM turns stats off by default: spec_counters would read nothing
         if executor == "ray":
             import ray
 

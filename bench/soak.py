@@ -68,6 +68,7 @@ from soak_server import (
     log_facts,
     start_servers,
     stop_servers,
+    visible_gpu_args,
     wait_drained,
 )
 
@@ -359,7 +360,8 @@ def env_info() -> dict[str, Any]:
             info[dist] = metadata.version(dist)
         except metadata.PackageNotFoundError:
             info[dist] = None
-    smi = _nvidia_smi(["--query-gpu=name,memory.total,driver_version", "--format=csv,noheader"])
+    smi = _nvidia_smi([*visible_gpu_args(), "--query-gpu=name,memory.total,driver_version", "--format=csv,noheader"])
+    info["cuda_visible_devices"] = os.environ.get("CUDA_VISIBLE_DEVICES")
     info["gpu"] = smi.strip() if smi else None
     return info
 
@@ -630,7 +632,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     if args.random:
-        root = Path("/tmp/tfm-soak-models")
+        root = Path(f"/tmp/tfm-soak-models-{args.phase}")  # per phase: both phases may run at once (run_gpu_soak.sh both)
         log("writing random models to", root)
         target, drafter = (str(p) for p in write_random_models(root))
     else:

@@ -93,6 +93,13 @@ def parse_compute_apps(text: str) -> dict[int, float]:
     return out
 
 
+def visible_gpu_args(env: dict[str, str] | None = None) -> list[str]:
+    """``-i <CUDA_VISIBLE_DEVICES>`` for per-GPU nvidia-smi queries (nvidia-smi ignores that variable),
+    so a phase sharing the host with another phase on another GPU reads its own GPU only."""
+    cvd = (os.environ if env is None else env).get("CUDA_VISIBLE_DEVICES", "").strip()
+    return ["-i", cvd] if cvd else []
+
+
 def _nvidia_smi(args: list[str]) -> str | None:
     try:
         return subprocess.run(["nvidia-smi", *args], capture_output=True, text=True, timeout=20, check=True).stdout
@@ -103,7 +110,7 @@ def _nvidia_smi(args: list[str]) -> str | None:
 def gpu_memory(pids: set[int]) -> dict[str, Any]:
     """GPU memory (MiB) of the processes ``pids`` (per-process, from nvidia-smi) and of the whole GPU."""
     apps_text = _nvidia_smi(["--query-compute-apps=pid,used_memory", "--format=csv,noheader,nounits"])
-    total_text = _nvidia_smi(["--query-gpu=memory.used", "--format=csv,noheader,nounits"])
+    total_text = _nvidia_smi([*visible_gpu_args(), "--query-gpu=memory.used", "--format=csv,noheader,nounits"])
     apps = parse_compute_apps(apps_text) if apps_text is not None else None
     mine = None if apps is None else {p: m for p, m in apps.items() if p in pids}
     total = None
