@@ -6,11 +6,14 @@ place inside the Ray Serve LLM replica (through Ray Serve LLM's own engine-class
 
 * real: the local Ray cluster, Serve's HTTP proxy, the OpenAI ingress built by
   ``ray.serve.llm.build_openai_app``, the ``LLMServer`` replica and its runtime_env, the
-  ``LLMConfig`` made by ``vllm_tfm.serve``; the vLLM engine config, built in the replica by Ray
-  Serve LLM's own function ``_get_vllm_engine_config`` (the one ``VLLMEngine.start`` calls), which
-  constructs ``AsyncEngineArgs``, so vLLM loads vllm-tfm through its entry point in the replica and
-  resolves the tree options there (``VLLM_TFM_*`` from the runtime_env); the per-request check is
-  vLLM's ``SamplingParams.verify`` against that config (the plugin's request guard included).
+  ``LLMConfig`` made by ``vllm_tfm.serve``; the vLLM engine config, built as on GPUs by Ray Serve
+  LLM's own function ``_get_vllm_engine_config`` in a Ray task with the replica's runtime_env (it
+  constructs ``AsyncEngineArgs``, so vLLM loads vllm-tfm through its entry point in that task and
+  resolves the tree options there, ``VLLM_TFM_*`` from the runtime_env), then handed to the
+  replica, which never loads vLLM plugins itself; the per-request check is vLLM's
+  ``SamplingParams.verify`` against that config in the replica, where only the LLMConfig's
+  callback (``vllm_tfm.serve.replica``), run as ``VLLMEngine.start`` runs it, installed the plugin's
+  request guard.
 * stood in: token generation. Instead of vLLM's GPU engine, vllm-tfm's reference tree speculative
   decoder (``vllm_tfm.reference``: a ``transformers`` target and the drafter directory) runs with
   the proposal, budget and tree options read back from the built config. Greedy requests only.
@@ -46,6 +49,15 @@ def _error(message: str, code: int = 400) -> ErrorResponse:
     return ErrorResponse(error=ErrorInfo(message=message, type="invalid_request_error", code=code))
 
 
+def build_engine_config(llm_config: Any) -> Any:
+    """Ray Serve LLM's own ``_get_vllm_engine_config`` (run as a Ray task, like on GPUs)."""
+    from ray.llm._internal.serve.engines.vllm.vllm_engine import _get_vllm_engine_config
+    from vllm.model_executor.models import registry
+
+    registry._run_in_subprocess = lambda fn: fn()  # stand-in shortcut (see the module docstring)
+    return _get_vllm_engine_config(llm_config, device_type="cpu")[1]
+
+
 class CpuStandInEngine(LLMEngine):
     """See the module docstring: real Ray Serve + vLLM config path, reference decoder for tokens."""
 
@@ -57,12 +69,17 @@ class CpuStandInEngine(LLMEngine):
     async def start(self) -> None:
         from importlib.metadata import entry_points
 
-        from ray.llm._internal.serve.engines.vllm.vllm_engine import _get_vllm_engine_config
-        from vllm.model_executor.models import registry
+        import ray
 
-        registry._run_in_subprocess = lambda fn: fn()  # stand-in shortcut (see the module docstring)
+        callback = self.llm_config.get_or_create_callback()  # as VLLMEngine.start does, before the engine
+        await callback.run_callback("on_before_node_init")
         t0 = time.time()
-        _, self.vllm_config = _get_vllm_engine_config(self.llm_config, device_type="cpu")
+        # As VLLMEngine does on GPUs (engines/vllm/vllm_engine.py, requires_remote_initialization):
+        # the config is built in a Ray task with the replica's runtime_env, and this process never
+        # calls vLLM's load_general_plugins() itself (only the LLMConfig's callback, run above, registers
+        # vllm-tfm here).
+        task = ray.remote(build_engine_config).options(num_cpus=0, runtime_env=ray.get_runtime_context().runtime_env)
+        self.vllm_config = ray.get(task.remote(self.llm_config))
         config_s = time.time() - t0
 
         from vllm.ray.ray_env import get_env_vars_to_copy

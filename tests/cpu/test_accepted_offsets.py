@@ -123,8 +123,10 @@ def test_runner_hooks_restore_and_move_on_a_fake_hybrid_runner(monkeypatch):
     runner = SimpleNamespace(_tfm_enabled=True, model_config=SimpleNamespace(is_hybrid=True), input_batch=batch,
                              num_accepted_tokens=acc, requests={"a": 0, "b": 0, "c": 0})
     STATE.metrics, STATE.offsets = Metrics(max_depth=3), type(STATE.offsets)()
-    so = SimpleNamespace(scheduled_cached_reqs=SimpleNamespace(resumed_req_ids=set()), scheduled_spec_decode_tokens={})
+    so = SimpleNamespace(scheduled_cached_reqs=SimpleNamespace(resumed_req_ids={"a"}), scheduled_spec_decode_tokens={})
     hooks.fix_accepted_offsets(runner, so, np.array([4, 4, 4]))  # step 1: nothing known, nothing to do
+    assert STATE.metrics.snapshot()["resumed_requests"] == {"a": 1}  # counted per request id
+    so.scheduled_cached_reqs.resumed_req_ids = set()
     STATE.offsets.end_step(["a", "b", "c"], torch.tensor([3, 2, 4, 1], dtype=torch.int32))
     # step 2: only a runs (b and c were left out); then b comes back with drafts, c without
     batch.num_reqs, batch.req_ids = 1, ["a"]

@@ -95,6 +95,9 @@ def test_llm_config_holds_the_tfm_speculative_config_scaling_and_environment() -
         "HF_HOME": "/hf",
         "VLLM_USE_FLASHINFER_SAMPLER": "0",
     }
+    # vLLM never loads plugins in the replica (Ray Serve LLM hands it a config built in a Ray task):
+    # the callback registers vllm-tfm there, so the request guard runs (vllm_tfm/serve/replica.py)
+    assert d["callback_config"] == {"callback_class": "vllm_tfm.serve.replica_callback.TfmReplicaCallback"}
     no_backend = llm_config_dict(base(drafter_attention_backend=None), environ={})
     assert "attention_backend" not in no_backend["engine_kwargs"]["speculative_config"]
     assert no_backend["model_loading_config"]["model_id"] == "/models/target"  # like `vllm serve`
@@ -347,7 +350,7 @@ def test_serve_answers_an_openai_completion_end_to_end_with_a_cpu_stand_in_engin
             assert [m["id"] for m in json.loads(r.read())["data"]] == ["tiny-tfm"]
 
         report = json.loads(report_path.read_text())
-        assert report["pid"] != os.getpid()  # the engine config was built in the replica actor
+        assert report["pid"] != os.getpid()  # the replica actor (its engine config came from a Ray task)
         assert "tfm=vllm_tfm:register" in report["entry_points"] and report["plugin_registered"]
         assert report["method"] == "tfm" and report["num_speculative_tokens"] == 6
         opts = report["tfm_options"]

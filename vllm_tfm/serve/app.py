@@ -18,7 +18,10 @@ What the LLMConfig holds for tfm:
 * ``deployment_config.autoscaling_config``: ``min_replicas`` / ``max_replicas`` /
   ``target_ongoing_requests``;
 * ``runtime_env.env_vars``: the ``VLLM_TFM_*`` variables of the builder's environment plus
-  ``TfmServeConfig.env`` (see ``vllm_tfm.serve.environment``).
+  ``TfmServeConfig.env`` (see ``vllm_tfm.serve.environment``);
+* ``callback_config.callback_class``: ``vllm_tfm.serve.replica_callback.TfmReplicaCallback``,
+  which registers the plugin in the replica process, where vLLM's request validation runs but
+  vLLM itself never loads plugins (``vllm_tfm.serve.replica``).
 
 Before anything is deployed the builder refuses, in one line: an unknown field or tree option,
 engine arguments it sets itself, a ``VLLM_TFM_*`` typo, an environment without vllm-tfm's entry
@@ -39,6 +42,7 @@ from vllm_tfm.vllm_plugin.options import resolve_tfm_options
 
 from .config import TfmServeConfig, load_serve_config
 from .environment import check_plugin_loadable, replica_env_vars
+from .replica import CALLBACK_CLASS
 
 if TYPE_CHECKING:
     from ray.serve.deployment import Application
@@ -98,6 +102,7 @@ def llm_config_dict(config: TfmServeConfig | Mapping[str, Any], environ: Mapping
         "engine_kwargs": engine_kwargs,
         "deployment_config": {**cfg.deployment_config, "autoscaling_config": autoscaling},
         "runtime_env": {**cfg.runtime_env, "env_vars": env},
+        "callback_config": {"callback_class": CALLBACK_CLASS},
     }
     if cfg.accelerator_type is not None:
         out["accelerator_type"] = cfg.accelerator_type

@@ -169,6 +169,7 @@ def fix_accepted_offsets(runner: Any, scheduler_output: Any, num_scheduled_token
     n = batch.num_reqs
     req_ids = list(batch.req_ids[:n])
     resumed = set(scheduler_output.scheduled_cached_reqs.resumed_req_ids)
+    STATE.metrics.resumed.update(resumed)
     continuing = STATE.offsets.begin_step(req_ids, resumed, runner.requests)
     spec = scheduler_output.scheduled_spec_decode_tokens
     nst = np.asarray(num_scheduled_tokens[:n])

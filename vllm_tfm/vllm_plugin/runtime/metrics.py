@@ -47,6 +47,7 @@ class Metrics:
         self.tp_accept_checks = 0  # verifications found identical on every TP rank
         self.accepted_restored = 0  # rows whose num_accepted_tokens vLLM reset on re-adding them (accepted_offsets.py)
         self.states_moved = 0  # rows whose committed GDN state was moved to slot 0 (accepted_offsets.py)
+        self.resumed: Counter[str] = Counter()  # request id -> times vLLM resumed it after a preemption
         self.tree_requests = 0
         self.tree_nodes = 0
         self.spec_requests = 0
@@ -104,6 +105,7 @@ class Metrics:
             "tp_accept_checks": self.tp_accept_checks,
             "accepted_restored": self.accepted_restored,
             "states_moved": self.states_moved,
+            "resumed_requests": dict(self.resumed),
             "tree_requests": self.tree_requests,
             "tree_nodes": self.tree_nodes,
             "verified_spec_requests": n,
