@@ -167,16 +167,20 @@ def fix_accepted_offsets(runner: Any, scheduler_output: Any, num_scheduled_token
 
     batch = runner.input_batch
     n = batch.num_reqs
-    req_ids = list(batch.req_ids[:n])
-    resumed = set(scheduler_output.scheduled_cached_reqs.resumed_req_ids)
-    STATE.metrics.resumed.update(resumed)
+    req_ids = batch.req_ids[:n]
+    resumed = scheduler_output.scheduled_cached_reqs.resumed_req_ids
+    if resumed:
+        STATE.metrics.resumed.update(resumed)
     continuing = STATE.offsets.begin_step(req_ids, resumed, runner.requests)
-    spec = scheduler_output.scheduled_spec_decode_tokens
     nst = np.asarray(num_scheduled_tokens[:n])
+    current = runner.num_accepted_tokens.np[:n]
+    # a row with one scheduled token verifies no draft: it reads slot 0 (a spec row has >= 2 tokens)
+    if continuing.all() and not ((nst == 1) & (current > 1)).any():
+        return  # the usual step: no row came back, no row reads a stale slot 0 (no Python loop)
+    spec = scheduler_output.scheduled_spec_decode_tokens
     spec_rows = np.array([rid in spec and nst[i] == len(spec[rid]) + 1 for i, rid in enumerate(req_ids)], dtype=bool)
     decode_rows = spec_rows | (nst == 1)
-    current = runner.num_accepted_tokens.np[:n]
-    plan = plan_offsets(req_ids, current, continuing, spec_rows, decode_rows, STATE.offsets.records)
+    plan = plan_offsets(list(req_ids), current, continuing, spec_rows, decode_rows, STATE.offsets.records)
     if not plan:
         return
     dev = runner.num_accepted_tokens.gpu.device
