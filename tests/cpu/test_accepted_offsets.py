@@ -110,7 +110,7 @@ def test_runner_hooks_restore_and_move_on_a_fake_hybrid_runner(monkeypatch):
     from vllm_tfm.vllm_plugin.runtime.metrics import Metrics
     from vllm_tfm.vllm_plugin.runtime.state import STATE
 
-    width, slots_per_req = 4, 4
+    width = 4
     conv = torch.randn(16, 3, width - 1 + 3)  # dim-first [slots, conv_dim, L]
     ssm = torch.randn(16, 2, 2, 2)
     layer = SimpleNamespace(conv1d=SimpleNamespace(weight=torch.zeros(3, 1, width)))
