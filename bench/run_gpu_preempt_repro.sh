@@ -1,0 +1,48 @@
+#!/usr/bin/env bash
+# The one GPU-host command that tells apart the causes of the greedy divergences of tfm under
+# preemption (bench/results/preempt_zoo.json): offline LLM.generate on the toy zoo, float32, seven
+# arms in their own subprocesses (bench/gpu_preempt_repro.py: nospec_big reference, tfm_small,
+# nospec_small, dflash_small, tfm_big, tfm_small_torch, tfm_small_chain_forced).
+#
+#   device tool, kind nvidia-h200, repository root, carry ['.gpu-bundle'], timeout 600:
+#       bash bench/run_gpu_preempt_repro.sh
+#
+# Installs this checkout next to vLLM (its entry point loads the plugin), then runs the arms.
+# Results in $OUT: preempt_repro.json (commit it as bench/results/preempt_repro_zoo.json; rewritten
+# after every arm), arms.tar.gz (every arm's JSON with all tokens, and its log), run.log, pip.log.
+# Bounded by TFM_PREEMPT_DEADLINE_S (default 500 s) counted from this script's start, install
+# included: arms that would start with under 45 s left are skipped. Knobs: TFM_PREEMPT_ARMS
+# (comma list), TFM_PREEMPT_PROMPTS, TFM_PREEMPT_MAX_TOKENS, TFM_PREEMPT_CAPACITY.
+set -uo pipefail
+cd "$(dirname "${BASH_SOURCE[0]}")/.." || exit 1
+OUT=${OUT:-/tmp/tfm-preempt-out}
+mkdir -p "$OUT"
+export TFM_PREEMPT_T0=${TFM_PREEMPT_T0:-$(date +%s)}
+export TFM_PREEMPT_COMMAND="bash bench/run_gpu_preempt_repro.sh${*:+ $*}"
+start=$TFM_PREEMPT_T0
+
+main() {
+  echo "== bundle"
+  # shellcheck disable=SC1091
+  source .gpu-bundle/install.sh || return 2
+  echo "== install vllm-tfm ($(( $(date +%s) - start )) s)"
+  if ! python3 -m pip install -q --no-deps --no-index --no-build-isolation --target "$GPU_SITE" --upgrade . >"$OUT/pip.log" 2>&1; then
+    echo "pip install of the checkout failed (see pip.log): the tfm method would not be registered" >&2
+    tail -5 "$OUT/pip.log"
+    return 2
+  fi
+  export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+  export HF_HUB_OFFLINE=1
+  export VLLM_ENABLE_V1_MULTIPROCESSING=0
+  python3 -c "import vllm, vllm_tfm; print('vllm', vllm.__version__, 'vllm_tfm', vllm_tfm.__file__)" || return 2
+  nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv,noheader || true
+  echo "== arms ($(( $(date +%s) - start )) s)"
+  python3 bench/gpu_preempt_repro.py --out "$OUT" --arm all "$@"
+  rc=$?
+  echo "== done in $(( $(date +%s) - start )) s, exit code $rc; files in $OUT:"
+  ls -la "$OUT"
+  return $rc
+}
+
+main "$@" 2>&1 | tee "$OUT/run.log"
+exit "${PIPESTATUS[0]}"
