@@ -24,6 +24,8 @@ from __future__ import annotations
 
 import functools
 import logging
+import os
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -42,6 +44,7 @@ from .state import STATE, StepTree
 __all__ = ["install_runner_hooks", "install_profile_hooks", "check_engine_config", "RUNNER_HOOKS", "PROFILE_HOOKS"]
 
 logger = logging.getLogger("vllm_tfm")
+stats_logger = logging.getLogger("vllm.tfm")  # under vLLM's logger: printed next to its own stats lines
 
 
 def _is_tfm(runner: Any) -> bool:
@@ -105,6 +108,13 @@ def _wrap_init(orig: Callable) -> Callable:
         STATE.metrics = Metrics(max_depth=int(spec.num_speculative_tokens), device=device)
         STATE.store = type(STATE.store)()
         STATE.step = None
+        from vllm.distributed import get_tensor_model_parallel_rank
+
+        try:
+            STATE.log_stats = get_tensor_model_parallel_rank() == 0
+        except AssertionError:  # no tensor-parallel group (a runner built outside a vLLM worker)
+            STATE.log_stats = True
+        STATE.log_stats_interval_s = float(os.environ.get("VLLM_LOG_STATS_INTERVAL", "10"))
 
     return __init__
 
@@ -308,8 +318,19 @@ def _wrap_sample_tokens(orig: Callable) -> Callable:
                 return orig(self, *args, **kwargs)
         finally:
             STATE.step = None
+            _log_interval_stats()
 
     return sample_tokens
+
+
+def _log_interval_stats() -> None:
+    """Every ``VLLM_LOG_STATS_INTERVAL`` seconds (vLLM's own stats interval, default 10), one line on
+    tfm's steps (docs/metrics.md), from tensor-parallel rank 0 only."""
+    if STATE.metrics is None or not STATE.log_stats:
+        return
+    line = STATE.metrics.interval_report(time.monotonic(), STATE.log_stats_interval_s)
+    if line is not None:
+        stats_logger.info(line)
 
 
 RUNNER_HOOKS: dict[str, tuple[Callable[[Callable], Callable], str]] = {

@@ -54,6 +54,8 @@ class Metrics:
         # accepted drafts per verified spec request, on the device: [max_depth + 1]
         self._accepted_hist = torch.zeros(self.max_depth + 1, dtype=torch.long, device=self.device)
         self.last_shapes: dict[str, object] = {}
+        self._report_t: float | None = None  # interval_report: time and counters of the last report
+        self._report_base: tuple[int, int, Counter[str], dict[str, float]] = (0, 0, Counter(), {})
 
     def hook(self, name: str) -> None:
         self.hooks[name] += 1
@@ -90,6 +92,34 @@ class Metrics:
         acc = result.num_accepted.index_select(0, idx).clamp(max=self.max_depth)
         self.spec_requests += step.num_spec_reqs
         self._accepted_hist.index_add_(0, acc.to(self._accepted_hist.device), torch.ones_like(acc, device=self._accepted_hist.device))
+
+    def interval_report(self, now: float, interval_s: float) -> str | None:
+        """One log line on the steps since the last report, once ``interval_s`` has passed (else None).
+
+        Counts are exact; the per-step times are host wall-clock per stage (device time only with
+        ``profile``), which is what shows Python overhead on the hot path.
+        """
+        if self._report_t is None:
+            self._report_t = now
+            return None
+        if now - self._report_t < interval_s:
+            return None
+        steps0, trees0, hooks0, secs0 = self._report_base
+        steps, trees = self.steps - steps0, self.tree_steps - trees0
+        span = now - self._report_t
+        self._report_t = now
+        self._report_base = (self.steps, self.tree_steps, Counter(self.hooks), dict(self.seconds))
+        if steps <= 0:
+            return None
+        proposals = {k.split(".", 1)[1]: v - hooks0.get(k, 0) for k, v in sorted(self.hooks.items()) if k.startswith("proposer.")}
+        proposals = {k: v for k, v in proposals.items() if v > 0 and k != "context_reorder"}
+        per_step = {k: (v - secs0.get(k, 0.0)) * 1e3 / steps for k, v in sorted(self.seconds.items())}
+        return (
+            f"vllm-tfm: last {span:.1f} s: {steps} steps, {trees} with trees; proposals: "
+            + (", ".join(f"{k} {v}" for k, v in proposals.items()) or "none")
+            + "; host ms per step: "
+            + (", ".join(f"{k} {v:.1f}" for k, v in per_step.items() if v > 0) or "none")
+        )
 
     def snapshot(self) -> dict:
         """Plain-Python summary (reads the device histogram once)."""

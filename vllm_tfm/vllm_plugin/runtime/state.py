@@ -215,6 +215,8 @@ class RuntimeState:
         self.final_hidden: Tensor | None = None  # target final hidden states of the step (Weaver prompt)
         self.replay: "AcceptanceReplayer | None" = None  # benchmark-only acceptance replay
         self.offsets = AcceptedOffsets()  # GDN state offsets across vLLM's batch removals (accepted_offsets.py)
+        self.log_stats = False  # the periodic tfm stats line (hooks._log_interval_stats); rank 0 only
+        self.log_stats_interval_s = 10.0
         self.check_tp = False  # VLLM_TFM_CHECK_TP_TREES on a TP > 1 engine (runtime/tensor_parallel.py)
         self.check_step = 0  # steps checked so far (named in a mismatch error)
 

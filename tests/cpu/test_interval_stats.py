@@ -1,0 +1,28 @@
+"""The periodic tfm stats line (runtime/metrics.py ``interval_report``): counts are the deltas since
+the previous line, per-step times are per step of the interval, nothing before the interval."""
+
+from __future__ import annotations
+
+from vllm_tfm.vllm_plugin.runtime.metrics import Metrics
+
+
+def _steps(m: Metrics, n: int, trees: int, proposal: str, propose_s: float) -> None:
+    for i in range(n):
+        m.steps += 1
+        m.tree_steps += int(i < trees)
+        m.hook(f"proposer.{proposal}")
+        m.seconds["propose"] += propose_s
+
+
+def test_interval_report_gives_deltas_once_per_interval():
+    m = Metrics(max_depth=4)
+    assert m.interval_report(100.0, 10.0) is None  # starts the clock
+    _steps(m, 6, 2, "tfm", 0.05)
+    m.hook("proposer.context_reorder")
+    assert m.interval_report(105.0, 10.0) is None  # interval not over
+    line = m.interval_report(110.0, 10.0)
+    assert line == "vllm-tfm: last 10.0 s: 6 steps, 2 with trees; proposals: tfm 6; host ms per step: propose 50.0"
+    _steps(m, 4, 0, "chain", 0.01)
+    line = m.interval_report(121.0, 10.0)
+    assert line == "vllm-tfm: last 11.0 s: 4 steps, 0 with trees; proposals: chain 4; host ms per step: propose 10.0"
+    assert m.interval_report(140.0, 10.0) is None  # no step in the interval: no line
