@@ -253,8 +253,14 @@ def log_facts(text: str, expected_errors: Sequence[str] = ()) -> dict[str, Any]:
     facts["exceptions"] = sorted(set(exceptions))[:20]
     facts["unexpected_exceptions"] = unexpected[:10]
     facts["error_examples"] = [ln[-300:] for ln in errors[:10]]
-    facts["tfm_lines"] = [ln[-300:] for ln in lines if "vllm-tfm" in ln or "vllm_tfm" in ln][:15]
+    stats = [ln for ln in lines if any(k in ln for k in _STATS_LINES)]
+    facts["tfm_lines"] = [ln[-300:] for ln in lines if ("vllm-tfm" in ln or "vllm_tfm" in ln) and ln not in stats][:15]
+    # the periodic throughput / acceptance lines of vLLM and tfm, in order: where the time went
+    facts["stats_lines"] = [ln[ln.find("] ") + 2 :][-400:] if "] " in ln else ln[-400:] for ln in stats][:300]
     return facts
+
+
+_STATS_LINES = ("Avg generation throughput", "SpecDecoding metrics", "vllm-tfm: last ")
 
 
 def start_servers(servers: Sequence[Server], until: float) -> dict[str, bool]:

@@ -150,6 +150,10 @@ def test_log_facts() -> None:
         "(EngineCore_DP0 pid=7) Traceback (most recent call last):\n"
         '(EngineCore_DP0 pid=7)   File "hooks.py", line 1, in commit_step\n'
         "(EngineCore_DP0 pid=7) RuntimeError: vllm-tfm: 3 of 6 GDN layers ran the tree verify this step\n"
+        "(APIServer pid=5) INFO 11-29 13:41:12 [loggers.py:310] Engine 000: Avg prompt throughput: 884.8 tokens/s, "
+        "Avg generation throughput: 201.6 tokens/s, Running: 31 reqs\n"
+        "(EngineCore_DP0 pid=7) INFO 11-29 13:41:12 [hooks.py:9] vllm-tfm: last 10.0 s: 60 steps, 12 with trees; "
+        "proposals: chain 48, tfm 12; host ms per step: propose 20.4\n"
     )
     facts = soak_server.log_facts(text, expected_errors=["is not supported with speculative method 'tfm'"])
     assert facts["kv_cache_tokens"] == 12345
@@ -157,6 +161,10 @@ def test_log_facts() -> None:
     assert facts["error_lines"] == 2 and facts["tracebacks"] == 2 and facts["tracebacks_unexpected"] == 1
     assert facts["unexpected_exceptions"] == ["RuntimeError: vllm-tfm: 3 of 6 GDN layers ran the tree verify this step"]
     assert len(facts["tfm_lines"]) == 2  # the warning and the RuntimeError line
+    assert facts["stats_lines"] == [  # vLLM's and tfm's periodic lines, prefixes cut, in order
+        "Engine 000: Avg prompt throughput: 884.8 tokens/s, Avg generation throughput: 201.6 tokens/s, Running: 31 reqs",
+        "vllm-tfm: last 10.0 s: 60 steps, 12 with trees; proposals: chain 48, tfm 12; host ms per step: propose 20.4",
+    ]
     assert soak_server.log_facts(text)["tracebacks_unexpected"] == 2
 
 
