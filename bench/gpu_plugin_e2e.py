@@ -20,6 +20,16 @@ the others. Results: OUT/results.json (written after every case), OUT/*.log, a s
 Optional sampling check (TFM_E2E_SAMPLING=1, TFM_E2E_SAMPLES=2000): at temperature 1.0 the
 distribution of the first 2 generated tokens of prompt 0 under ddtree and tfm speculation equals
 the no-spec one (two-sample chi-square homogeneity test, bench/chisquare.py; results "sampling").
+Target variants (the make phase writes them under TFM_E2E_DIR; bench/vl_checkpoint.py):
+  TFM_E2E_VL=1               the target converted to Qwen3_5ForConditionalGeneration (Qwen3.6-27B's
+                             architecture: text_config + tiny random vision tower, M-RoPE), run with
+                             text-only prompts and the image/video limits at 0 (no encoder profiling);
+  TFM_E2E_SSM_DTYPE=float32  mamba_ssm_dtype in the target config: vLLM keeps the GDN state in float32
+                             (the NVRTC tree kernels read float32 states; bf16 states use the references).
+No-spec controls (TFM_E2E_CONTROL, a comma list; default "shuffled,alone" unless TFM_E2E_DTYPE is
+float32): the baseline decodes the prompts again in a shuffled batch order / each alone, and records
+which prompts differ from the batch-8 run (bench/e2e_controls.py; results "nospec_control").
+Every case records which GDN path ran ("gdn_path": kernels / reference, from counted reference calls).
 
 usage (GPU host, repository root):  bash bench/run_gpu_plugin.sh    (sets everything up)
         or:  python3 bench/gpu_plugin_e2e.py --out OUT [--phase all|make|baseline|tfm|summary]
@@ -45,6 +55,8 @@ if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))  # the checkout, also without PYTHONPATH
 ROOT = Path(os.environ.get("TFM_E2E_DIR", "/tmp/tfm-e2e"))
 TARGET, DRAFTER = ROOT / "target", ROOT / "drafter"
+VL = os.environ.get("TFM_E2E_VL", "0") == "1"
+SSM_DTYPE = os.environ.get("TFM_E2E_SSM_DTYPE") or None
 VOCAB, HIDDEN = 4096, 512
 # TFM_E2E_ZOO=<dir>: run on a trained toy zoo (<dir>/target, <dir>/drafter) instead of random
 # models; prompts are then windows of this repository's own Python files, tokenized with the zoo's
@@ -56,6 +68,9 @@ if ZOO:
     VOCAB = json.loads((TARGET / "config.json").read_text())["vocab_size"]
     HIDDEN = json.loads((TARGET / "config.json").read_text())["hidden_size"]
     os.environ.setdefault("TFM_E2E_BLOCK", str(json.loads((DRAFTER / "config.json").read_text())["block_size"]))
+SOURCE_TARGET = TARGET  # what make writes (or the zoo's); TARGET is what the engines load
+if VL or SSM_DTYPE:
+    TARGET = ROOT / (("target-vl" if VL else "target-text") + (f"-ssm-{SSM_DTYPE}" if SSM_DTYPE else ""))
 # Size of the run, from the environment (defaults: the quick smoke run):
 #   TFM_E2E_PROMPTS (8), TFM_E2E_MAX_TOKENS (32), TFM_E2E_BUDGET (7), TFM_E2E_BLOCK (8),
 #   TFM_E2E_DTYPE (float32), TFM_E2E_MAX_SEQS (16: the engine's batch), TFM_E2E_CASES (all; a
@@ -69,6 +84,9 @@ _N_PROMPTS = int(os.environ.get("TFM_E2E_PROMPTS", "8"))
 PROMPT_LENS = [5, 9, 17, 33, 3, 12, 64, 7][:_N_PROMPTS] + [
     random.Random(99 + i).randint(1, 100) for i in range(max(0, _N_PROMPTS - 8))]
 DEADLINE_S = float(os.environ.get("TFM_E2E_DEADLINE_S", "400"))  # whole run, from the first phase
+CONTROL = [c for c in os.environ.get("TFM_E2E_CONTROL", "" if DTYPE == "float32" else "shuffled,alone").split(",") if c]
+if set(CONTROL) - {"shuffled", "alone"}:
+    raise SystemExit(f"TFM_E2E_CONTROL={','.join(CONTROL)}: the controls are 'shuffled' and 'alone'")
 
 
 def log(*args: object) -> None:
@@ -81,7 +99,7 @@ def prompts() -> list[list[int]]:
         return [[rng.randrange(2, VOCAB - 2) for _ in range(n)] for n in PROMPT_LENS]
     from tokenizers import Tokenizer
 
-    tok = Tokenizer.from_file(str(TARGET / "tokenizer.json"))
+    tok = Tokenizer.from_file(str(SOURCE_TARGET / "tokenizer.json"))
     texts = [p.read_text() for p in sorted((REPO / "vllm_tfm").rglob("*.py")) if p.stat().st_size > 4000]
     out = []
     for i, n in enumerate(PROMPT_LENS):
@@ -94,8 +112,21 @@ def prompts() -> list[list[int]]:
 # ---------------------------------------------------------------------------------------- make
 def phase_make() -> None:
     if ZOO:
-        log("TFM_E2E_ZOO:", ZOO, "(trained zoo; nothing to make)")
-        return
+        log("TFM_E2E_ZOO:", ZOO, "(trained zoo; no models to make)")
+    else:
+        make_random_models()
+    if TARGET != SOURCE_TARGET:
+        bench = str(Path(__file__).resolve().parent)
+        if bench not in sys.path:
+            sys.path.insert(0, bench)
+        from vl_checkpoint import prepare_target
+
+        info = prepare_target(SOURCE_TARGET, TARGET, vl=VL, ssm_dtype=SSM_DTYPE)
+        (ROOT / "prepared_target.json").write_text(json.dumps(info))
+        log("target prepared:", info)
+
+
+def make_random_models() -> None:
     import torch
     from transformers import Qwen3_5ForCausalLM, Qwen3_5TextConfig
 
@@ -114,8 +145,8 @@ def phase_make() -> None:
     torch.manual_seed(0)
     model = Qwen3_5ForCausalLM(cfg)
     randomize_(model, seed=0)  # unit-scale weights: decisive argmax (few near-ties)
-    model.float().save_pretrained(TARGET)
-    log("target written:", TARGET, f"{sum(p.numel() for p in model.parameters()) / 1e6:.1f}M params",
+    model.float().save_pretrained(SOURCE_TARGET)
+    log("target written:", SOURCE_TARGET, f"{sum(p.numel() for p in model.parameters()) / 1e6:.1f}M params",
         "layer types:", getattr(cfg, "layer_types", None))
 
     torch.manual_seed(1)
@@ -168,6 +199,8 @@ def engine_kwargs(spec: bool) -> dict:
         attention_backend="TRITON_ATTN", compilation_config={"custom_ops": ["none"]},
         additional_config={"gdn_prefill_backend": "triton"}, disable_log_stats=False,
     )
+    if VL:  # text-only prompts: no vision encoder, no multimodal profiling (the tower's weights are skipped)
+        kw["limit_mm_per_prompt"] = {"image": 0, "video": 0}
     if os.environ.get("TFM_E2E_KV_BYTES"):  # fixed KV cache: no memory profiling (GPU shared with other jobs)
         kw["kv_cache_memory_bytes"] = int(float(os.environ["TFM_E2E_KV_BYTES"]))
     if spec:
@@ -326,7 +359,11 @@ def phase_baseline(out: Path) -> None:
     b8 = generate(llm, ps, logprobs=2)
     b1 = generate(llm, ps[:1], logprobs=2)
     log(f"baseline generated in {time.time() - t:.1f}s")
-    (out / "baseline.json").write_text(json.dumps({"prompts": ps, "b8": b8, "b1": b1, "plugin": info}))
+    base = {"prompts": ps, "b8": b8, "b1": b1, "plugin": info}
+    (out / "baseline.json").write_text(json.dumps(base))
+    if CONTROL:
+        base["control"] = nospec_control(llm, ps, [item["tokens"] for item in b8])
+        (out / "baseline.json").write_text(json.dumps(base))
     for i, item in enumerate(b8):
         m = [x for x in item["margins"] if x is not None]
         log(f"baseline prompt {i}: {item['tokens'][:12]}... min top-2 margin {min(m):.3g}")
@@ -336,6 +373,43 @@ def phase_baseline(out: Path) -> None:
         except Exception as e:  # noqa: BLE001 - the greedy baseline above stays usable
             log("sampling baseline FAILED:", f"{type(e).__name__}: {e}")
             traceback.print_exc()
+
+
+def nospec_control(llm, ps: list[list[int]], b8_tokens: list[list[int]]) -> dict:
+    """No-spec again, in a shuffled batch order and/or each prompt alone, vs the batch-8 run."""
+    bench = str(Path(__file__).resolve().parent)
+    if bench not in sys.path:
+        sys.path.insert(0, bench)
+    from e2e_controls import compare_runs, control_orders
+
+    res: dict = {}
+    for kind in CONTROL:
+        t = time.time()
+        if time.time() - T0 > DEADLINE_S - 250:  # leave the tfm phase its time
+            res[kind] = {"skipped": "time budget"}
+            continue
+        try:
+            if kind == "shuffled":
+                order = control_orders(len(ps))
+                got = generate(llm, [ps[i] for i in order])
+                toks: list = [None] * len(ps)
+                for pos, i in enumerate(order):
+                    toks[i] = got[pos]["tokens"]
+                res[kind] = {"order": order, **compare_runs(b8_tokens, toks)}
+            else:  # each prompt alone, as many as the time budget allows (compared over those)
+                toks = []
+                for p in ps:
+                    if time.time() - T0 > DEADLINE_S - 200:
+                        break
+                    toks.append(generate(llm, [p])[0]["tokens"])
+                res[kind] = compare_runs(b8_tokens[: len(toks)], toks)
+                if len(toks) < len(ps):
+                    res[kind]["partial"] = f"{len(toks)} of {len(ps)} prompts (time budget)"
+        except Exception as e:  # noqa: BLE001 - the greedy baseline stays usable
+            res[kind] = {"error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc()}
+        res[kind]["seconds"] = round(time.time() - t, 2)
+        log(f"no-spec control {kind}:", {k: v for k, v in res[kind].items() if k not in ("order", "traceback")})
+    return res
 
 
 # ---------------------------------------------------------------------------------------- GPU units
@@ -575,6 +649,13 @@ def phase_tfm(out: Path) -> None:
     def save() -> None:
         res_path.write_text(json.dumps(results, indent=1, default=str))
 
+    bench = str(Path(__file__).resolve().parent)
+    if bench not in sys.path:
+        sys.path.insert(0, bench)
+    from e2e_controls import ReferenceCounter, gdn_path, overlap_with_control
+
+    refs = ReferenceCounter()
+    refs.install()  # before the runtime resolves its GDN operations
     results["env"]["torch"] = torch.__version__
     results["env"]["device"] = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu"
     results["plugin"] = load_plugin()
@@ -603,6 +684,12 @@ def phase_tfm(out: Path) -> None:
     save()
 
     baseline = json.loads((out / "baseline.json").read_text())
+    if "control" in baseline:
+        results["nospec_control"] = baseline["control"]
+    prepared = ROOT / "prepared_target.json"
+    results["target"] = json.loads(prepared.read_text()) if TARGET != SOURCE_TARGET and prepared.is_file() else {
+        "directory": str(TARGET)}
+    results["target"]["config_architecture"] = json.loads((TARGET / "config.json").read_text())["architectures"][0]
     from vllm import LLM
 
     from vllm_tfm.vllm_plugin import runtime
@@ -626,13 +713,26 @@ def phase_tfm(out: Path) -> None:
     if STATE.metrics is not None:
         STATE.metrics.profile = True  # per-stage timings include the device work
     results["env"]["target_attn_layers"] = sorted(STATE.target_attn_layers)
+    try:
+        mc = llm.llm_engine.vllm_config.model_config
+        cc = llm.llm_engine.vllm_config.cache_config
+        results["env"]["model"] = {"architecture": mc.architecture, "is_hybrid": mc.is_hybrid,
+                                   "is_multimodal_model": mc.is_multimodal_model, "uses_mrope": mc.uses_mrope,
+                                   "mamba_ssm_cache_dtype": str(cc.mamba_ssm_cache_dtype),
+                                   "mamba_cache_dtype": str(cc.mamba_cache_dtype)}
+    except Exception as e:  # noqa: BLE001 - a record only
+        results["env"]["model"] = {"error": f"{type(e).__name__}: {e}"}
+    log("target model:", results["env"]["model"])
     oracle = Oracle(baseline)
     oracle.install()
     ps = baseline["prompts"]
     wanted = [c for c in os.environ.get("TFM_E2E_CASES", "").split(",") if c]
     results["size"] = {"prompts": len(ps), "max_tokens": MAX_TOKENS, "budget": BUDGET, "block": BLOCK,
-                       "dtype": DTYPE, "max_num_seqs": MAX_SEQS, "models": f"zoo {ZOO}" if ZOO else "random"}
-    results["command"] = (("TFM_E2E_ZOO=zoo " if ZOO else "") + "TFM_E2E_PROMPTS={} TFM_E2E_MAX_TOKENS={} TFM_E2E_BUDGET={} TFM_E2E_BLOCK={} "
+                       "dtype": DTYPE, "max_num_seqs": MAX_SEQS, "models": f"zoo {ZOO}" if ZOO else "random",
+                       "vl": VL, "ssm_dtype": SSM_DTYPE, "control": CONTROL}
+    variant = ("TFM_E2E_VL=1 " if VL else "") + (f"TFM_E2E_SSM_DTYPE={SSM_DTYPE} " if SSM_DTYPE else "") + (
+        f"TFM_E2E_CONTROL={','.join(CONTROL)} " if CONTROL else "")
+    results["command"] = variant + ("TFM_E2E_ZOO=zoo " if ZOO else "") + ("TFM_E2E_PROMPTS={} TFM_E2E_MAX_TOKENS={} TFM_E2E_BUDGET={} TFM_E2E_BLOCK={} "
                           "TFM_E2E_DTYPE={} TFM_E2E_MAX_SEQS={} TFM_E2E_CASES={} bash bench/run_gpu_plugin.sh").format(
         len(ps), MAX_TOKENS, BUDGET, BLOCK, DTYPE, MAX_SEQS, ",".join(wanted) or "all")
     if SAMPLING:
@@ -655,6 +755,7 @@ def phase_tfm(out: Path) -> None:
             if STATE.metrics is not None:
                 STATE.metrics.reset()
             before = spec_counters(llm)
+            refs_before = refs.snapshot()
             t = time.time()
             try:
                 got = generate(llm, ps if batch == "b8" else ps[:1])
@@ -676,14 +777,32 @@ def phase_tfm(out: Path) -> None:
             case["spec_counters"] = diff_counters(before, spec_counters(llm))
             case["oracle_planted_tokens"] = oracle.planted
             tm = case["tree_metrics"] or {}
+            case["gdn_reference_calls"] = {k: v - refs_before.get(k, 0) for k, v in refs.snapshot().items()}
+            case["gdn_path"] = gdn_path(case["gdn_reference_calls"], tm.get("hooks") or {})
+            if batch == "b8" and "nospec_control" in results and "divergences" in case:
+                case["vs_nospec_control"] = overlap_with_control([int(i) for i in case["divergences"]],
+                                                                 results["nospec_control"])
             log(f"case {name:22s} {batch}: equal={case.get('equal')} error={case.get('error')} "
                 f"{case['seconds']}s tree_steps={tm.get('tree_steps')}/{tm.get('steps')} "
-                f"mean_acc_len={tm.get('mean_accepted_length')} hooks={tm.get('hooks')} planted={oracle.planted}")
+                f"mean_acc_len={tm.get('mean_accepted_length')} hooks={tm.get('hooks')} planted={oracle.planted} "
+                f"gdn_path={case['gdn_path']} {case.get('vs_nospec_control', '')}")
             for i, d in case.get("divergences", {}).items():
                 log(f"   prompt {i} diverges: {d}")
             save()
     set_proposal_override(None)
     oracle.mode = None
+    results["fallback_warnings"] = fallback_warnings()
+    save()
+
+
+def fallback_warnings() -> list[str]:
+    """The kernels' one-time "falls back to the torch reference" reasons seen in this process."""
+    try:
+        from vllm_tfm.kernels import loader
+
+        return sorted(k.replace("\0", ": ") for k in getattr(loader, "_warned", ()))
+    except Exception as e:  # noqa: BLE001 - a record only
+        return [f"unavailable: {type(e).__name__}: {e}"]
 
 
 # ---------------------------------------------------------------------------------------- driver
@@ -696,6 +815,12 @@ def summary(out: Path) -> int:
     print("=" * 100)
     print("tfm e2e summary  env:", res.get("env"))
     print("units:", {k: v.get("ok") for k, v in res.get("units", {}).items()})
+    print("target:", res.get("target"), "model:", (res.get("env") or {}).get("model"))
+    for kind, ctl in (res.get("nospec_control") or {}).items():
+        print(f"no-spec control {kind}: prompts differing {ctl.get('prompts_differing')}/{ctl.get('prompts')} "
+              f"{ctl.get('differing', '')} {ctl.get('skipped', '')}{ctl.get('error', '')}")
+    if res.get("fallback_warnings"):
+        print("kernel fallbacks:", res["fallback_warnings"])
     if "engine_error" in res:
         print("ENGINE ERROR:", res["engine_error"])
         return 1
@@ -706,7 +831,7 @@ def summary(out: Path) -> int:
         bad += status in ("ERROR", "DIVERGED")
         print(f"{status:8s} {c['case']:22s} {c['batch']}  {c.get('seconds', '-')}s  tree_steps={tm.get('tree_steps')}"
               f"/{tm.get('steps')}  mean_acc_len={tm.get('mean_accepted_length')}  planted={c.get('oracle_planted_tokens')}"
-              f"  {c.get('error', '')}")
+              f"  gdn={c.get('gdn_path')}  {c.get('vs_nospec_control', '')}  {c.get('error', '')}")
         for i, d in (c.get("divergences") or {}).items():
             print(f"           prompt {i}: {d}")
     if "sampling" in res:

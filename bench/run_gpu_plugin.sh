@@ -9,6 +9,10 @@
 # tree path), ddtree and tfm, with and without oracle-planted branches, batch 8 and 1, float32.
 # Logs and results.json go to $OUT (the device tool's output folder; /tmp/tfm-e2e-out otherwise).
 # Budget: about 7 minutes (two engine starts); TFM_E2E_DEADLINE_S (default 400) bounds the run.
+# Variants (environment; see bench/gpu_plugin_e2e.py's docstring): TFM_E2E_VL=1 runs the target as
+# Qwen3_5ForConditionalGeneration (bench/vl_checkpoint.py converts it in the make phase);
+# TFM_E2E_SSM_DTYPE=float32 sets mamba_ssm_dtype (float32 GDN state); TFM_E2E_CONTROL=shuffled,alone
+# (the default off float32) adds no-spec batch-composition controls to the baseline.
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 OUT=${OUT:-/tmp/tfm-e2e-out}
