@@ -22,11 +22,9 @@ echo "== bundle"
 # shellcheck disable=SC1091
 source .gpu-bundle/install.sh
 echo "== install vllm-tfm ($(( $(date +%s) - start )) s)"
-if ! python3 -m pip install -q --no-deps --no-index --no-build-isolation --target "$GPU_SITE" . >"$OUT/pip.log" 2>&1; then
-  echo "pip install of the checkout failed (see pip.log); using the checkout on PYTHONPATH without entry points"
-  tail -5 "$OUT/pip.log"
-fi
-export PYTHONPATH="$PWD:$PYTHONPATH"
+# shellcheck disable=SC1091
+source bench/install_checkout.sh
+install_checkout "$OUT/pip.log" || echo "using the checkout on PYTHONPATH without entry points"
 export VLLM_ENABLE_V1_MULTIPROCESSING=0
 nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv,noheader || true
 echo "== e2e ($(( $(date +%s) - start )) s)"

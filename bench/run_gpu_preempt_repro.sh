@@ -26,12 +26,9 @@ main() {
   # shellcheck disable=SC1091
   source .gpu-bundle/install.sh || return 2
   echo "== install vllm-tfm ($(( $(date +%s) - start )) s)"
-  if ! python3 -m pip install -q --no-deps --no-index --no-build-isolation --target "$GPU_SITE" --upgrade . >"$OUT/pip.log" 2>&1; then
-    echo "pip install of the checkout failed (see pip.log): the tfm method would not be registered" >&2
-    tail -5 "$OUT/pip.log"
-    return 2
-  fi
-  export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+  # shellcheck disable=SC1091
+  source bench/install_checkout.sh
+  install_checkout "$OUT/pip.log" || return 2   # the tfm method is registered through the entry point
   export HF_HUB_OFFLINE=1
   export VLLM_ENABLE_V1_MULTIPROCESSING=0
   python3 -c "import vllm, vllm_tfm; print('vllm', vllm.__version__, 'vllm_tfm', vllm_tfm.__file__)" || return 2

@@ -29,14 +29,11 @@ fi
 # shellcheck disable=SC1091
 source .ray-bundle/install.sh || exit 2   # vLLM (from .gpu-bundle or /tmp/gpu-site), then Ray
 echo "== install vllm-tfm ($(( $(date +%s) - start )) s)"
-if ! python3 -m pip install -q --no-deps --no-index --no-build-isolation --target "$GPU_SITE" --upgrade . >"$OUT/pip.log" 2>&1; then
-  echo "pip install of the checkout failed (see pip.log): Ray actors would start without the entry point" >&2
-  tail -5 "$OUT/pip.log"
-  exit 2
-fi
+# shellcheck disable=SC1091
+source bench/install_checkout.sh
+install_checkout "$OUT/pip.log" || exit 2   # Ray actors load the plugin through its entry point
 # shellcheck disable=SC1091
 source bench/install_serve_wheels.sh   # jmespath + supervisor for vLLM's OpenAI server (carry .serve-wheels)
-export PYTHONPATH="$PWD:$PYTHONPATH"
 export HF_HUB_OFFLINE=1
 python3 -c "import ray, vllm, vllm_tfm.serve as s; print('ray', ray.__version__, 'vllm', vllm.__version__, 'tfm entry point', s.plugin_entry_point_installed())" || exit 2
 nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv,noheader || true

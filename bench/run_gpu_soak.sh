@@ -65,11 +65,9 @@ echo "== bundle"
 # shellcheck disable=SC1091
 source .gpu-bundle/install.sh
 echo "== install vllm-tfm ($(( $(date +%s) - start )) s)"
-if ! python3 -m pip install -q --no-deps --no-index --no-build-isolation --target "$GPU_SITE" . >"$OUT/pip.log" 2>&1; then
-  echo "pip install of the checkout failed (see pip.log): vllm serve would not load the plugin"
-  tail -5 "$OUT/pip.log"
-  exit 2
-fi
+# shellcheck disable=SC1091
+source bench/install_checkout.sh
+install_checkout "$OUT/pip.log" || exit 2   # `vllm serve` loads the plugin through its entry point
 # shellcheck disable=SC1091
 source bench/install_serve_wheels.sh   # jmespath + supervisor for `vllm serve` (carry .serve-wheels)
 unset VLLM_ENABLE_V1_MULTIPROCESSING

@@ -37,12 +37,9 @@ main() {
   # shellcheck disable=SC1091
   source .ray-bundle/install.sh || return 2   # vLLM (from .gpu-bundle or /tmp/gpu-site), then Ray
   echo "== install vllm-tfm ($(( $(date +%s) - start )) s)"
-  if ! python3 -m pip install -q --no-deps --no-index --no-build-isolation --target "$GPU_SITE" --upgrade . >/tmp/tfm-tp2-pip.log 2>&1; then
-    echo "pip install of the checkout failed: Ray actors would start without the entry point" >&2
-    tail -20 /tmp/tfm-tp2-pip.log
-    return 2
-  fi
-  export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+  # shellcheck disable=SC1091
+  source bench/install_checkout.sh
+  install_checkout /tmp/tfm-tp2-pip.log || return 2   # Ray actors load the plugin through its entry point
   export HF_HUB_OFFLINE=1
   python3 -c "import ray, vllm, vllm_tfm.serve as s; print('ray', ray.__version__, 'vllm', vllm.__version__, 'tfm entry point', s.plugin_entry_point_installed())" || return 2
   gpus=$(python3 -c "import torch; print(torch.cuda.device_count())")

@@ -21,11 +21,12 @@ exec > >(tee "$OUT/run.log") 2>&1
 start=$(date +%s)
 # shellcheck disable=SC1091
 source .gpu-bundle/install.sh
-python3 -m pip install -q --no-deps --no-index --no-build-isolation --target "$GPU_SITE" . >/tmp/pip.log 2>&1 \
-  || { echo "pip install of the checkout failed; using the checkout on PYTHONPATH"; tail -3 /tmp/pip.log; }
+# shellcheck disable=SC1091
+source bench/install_checkout.sh
+install_checkout /tmp/pip.log || echo "using the checkout on PYTHONPATH"
 # shellcheck disable=SC1091
 source bench/install_serve_wheels.sh   # jmespath + supervisor for `vllm serve` (carry .serve-wheels)
-export PYTHONPATH="$PWD:$PYTHONPATH" VLLM_ENABLE_V1_MULTIPROCESSING=0 PYTHONUNBUFFERED=1
+export VLLM_ENABLE_V1_MULTIPROCESSING=0 PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv,noheader || true
 echo "== setup $(( $(date +%s) - start )) s"
 
