@@ -34,12 +34,7 @@ GAMMA, PROMPT_LEN, NEW = 4, 6, 8
 BUDGETS, TEMPS = (4, 8), (0.0, 1.0)
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")

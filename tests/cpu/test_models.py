@@ -12,6 +12,8 @@ import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 
+from _models import randomize
+
 from vllm_tfm.models import (
     DFlashConfig,
     DFlashDrafter,
@@ -30,13 +32,7 @@ F64 = torch.float64
 V, H = 64, 32  # tiny target: vocab, hidden
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Tiny shapes: intra-op threads only add overhead (40x on a busy 2-core box)."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def tiny_dflash_config(causal: bool | None = None, attention_bias: bool = False) -> DFlashConfig:
@@ -57,17 +53,6 @@ def tiny_dflash_config(causal: bool | None = None, attention_bias: bool = False)
         rope_theta=10000.0,
         max_position_embeddings=256,
     )
-
-
-def randomize(module: torch.nn.Module, seed: int, scale: float = 0.3) -> torch.nn.Module:
-    """Random weights everywhere (norm weights around 1), float64."""
-    g = torch.Generator().manual_seed(seed)
-    module.double()
-    with torch.no_grad():
-        for name, p in module.named_parameters():
-            noise = torch.randn(p.shape, generator=g, dtype=F64) * scale
-            p.copy_(1.0 + noise if name.endswith("norm.weight") else noise)
-    return module
 
 
 def tiny_target(seed: int = 1) -> tuple[torch.nn.Embedding, torch.nn.Linear]:

@@ -6,6 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from _models import randomize
+
 from vllm_tfm.models import (
     BatchedTreeFlashTransitionScorer,
     BatchedWeaverTreeScorer,
@@ -26,22 +28,7 @@ F64 = torch.float64
 V, H = 64, 32
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
-def randomize(module: torch.nn.Module, seed: int, scale: float = 0.3) -> torch.nn.Module:
-    g = torch.Generator().manual_seed(seed)
-    module.double()
-    with torch.no_grad():
-        for name, p in module.named_parameters():
-            noise = torch.randn(p.shape, generator=g, dtype=F64) * scale
-            p.copy_(1.0 + noise if name.endswith("norm.weight") else noise)
-    return module
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def weaver_inputs(r: int, depth: int, seed: int, dtype: torch.dtype):

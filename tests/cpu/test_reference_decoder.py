@@ -23,12 +23,7 @@ from vllm_tfm.reference.toy_drafters import random_drafters
 from vllm_tfm.reference.toy_targets import tiny_qwen3, tiny_qwen3_5
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)  # tiny ops: threading only adds overhead on a shared 2-core box
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 _CACHE: dict = {}

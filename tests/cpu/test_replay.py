@@ -26,12 +26,7 @@ from vllm_tfm.tree.types import Tree
 GAMMA, PROMPT_LEN, NEW = 5, 6, 12
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")

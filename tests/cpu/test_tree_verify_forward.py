@@ -28,12 +28,7 @@ from vllm_tfm.verify.gdn import gdn_chain_recurrence, gdn_gates
 REL_TOL = 1e-5
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)  # tiny ops: threading only adds overhead on a shared 2-core box
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:

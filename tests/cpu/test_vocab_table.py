@@ -16,6 +16,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from _models import randomize
+
 from vllm_tfm.models import Weaver, WeaverConfig, weaver_draft_trees
 from vllm_tfm.models.vocab_table import ShardedVocabTable, candidate_residual, table_num_rows, table_rows
 
@@ -81,19 +83,9 @@ def test_sharded_table_refuses_inconsistent_shards():
 
 
 # ------------------------------------------------------------------ two ranks over torch.distributed
-def _randomize(module: torch.nn.Module, seed: int) -> torch.nn.Module:
-    g = torch.Generator().manual_seed(seed)
-    module.double()
-    with torch.no_grad():
-        for name, p in module.named_parameters():
-            noise = torch.randn(p.shape, generator=g, dtype=F64) * 0.3
-            p.copy_(1.0 + noise if name.endswith("norm.weight") else noise)
-    return module
-
-
 def _inputs(seed: int):
     g = torch.Generator().manual_seed(seed)
-    w = _randomize(Weaver(WeaverConfig(d_model=H, d_rank=16, n_layers=2, n_heads=2, d_mlp=24, max_depth=6)), seed).eval()
+    w = randomize(Weaver(WeaverConfig(d_model=H, d_rank=16, n_layers=2, n_heads=2, d_mlp=24, max_depth=6)), seed).eval()
     embed = torch.randn(V, H, generator=g, dtype=F64)
     head = torch.randn(V, H, generator=g, dtype=F64) * 0.5
     logits = torch.randn(4, 5, V, generator=g, dtype=F64) * 2
