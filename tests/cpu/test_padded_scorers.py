@@ -16,7 +16,6 @@ from vllm_tfm.models import (
     TreeFlashTransitionScorer,
     Weaver,
     WeaverConfig,
-    treeflash_draft_trees,
     treeflash_padded_trees,
     weaver_draft_trees,
     weaver_padded_trees,
@@ -59,7 +58,7 @@ def test_batched_weaver_scorer_equals_per_request_scorer_call_by_call(dtype, ato
     r_, depth, k, budgets = 4, 5, 9, [20, 7, 33, 1]
     w, embed, head, logits, dh, vh, roots = weaver_inputs(r_, depth, seed=3, dtype=dtype)
     cl, cand = logits.topk(k, dim=-1)
-    batched = Recorder(w.batched_tree_scorer(vh, dh, cand, cl, embed, head, max_nodes=1 + max(budgets), validate=True))
+    batched = Recorder(BatchedWeaverTreeScorer(w, vh, dh, cand, cl, embed, head, max_nodes=1 + max(budgets), validate=True))
     build_weaver_padded(roots, cand, batched, budgets, depth, [3, 2, 4, 1], children_per_node=3)
     assert len(batched.calls) >= 8
     compared = 0
@@ -123,7 +122,7 @@ def test_batched_weaver_scorer_refuses_protocol_violations_when_validating():
     cl, cand = logits.topk(4, dim=-1)
     t = lambda x: torch.tensor(x, dtype=torch.long)
     ok = torch.ones(2, 1, dtype=torch.bool)
-    s = w.batched_tree_scorer(vh, dh, cand, cl, embed, head, max_nodes=5, validate=True)
+    s = BatchedWeaverTreeScorer(w, vh, dh, cand, cl, embed, head, max_nodes=5, validate=True)
     with pytest.raises(ValueError, match=r"request 0: node 1 with parent 0: the first call holds the roots"):
         s(t([[1], [1]]), t([[0], [0]]), t([[3], [3]]), t([[1], [1]]), ok)
     s(t([[0], [0]]), t([[-1], [-1]]), t([[3], [4]]), t([[0], [0]]), ok)
@@ -171,7 +170,7 @@ def test_batched_treeflash_scorer_equals_per_request_and_drives_the_padded_build
             got = trees.tree(r)
             assert got.tokens.tolist() == ref.tokens.tolist() and got.parents.tolist() == ref.parents.tolist()
             torch.testing.assert_close(got.scores, ref.scores, rtol=0, atol=1e-11)
-        tok, par = treeflash_draft_trees(approx, norm, pre, marg, roots, embed, head, budget, depth, top_m)
+        tok, par = treeflash_padded_trees(approx, norm, pre, marg, roots, embed, head, budget, depth, top_m).draft_layout(marg[:, 0].argmax(-1))
         assert tok.shape == (r_, budget) and par.shape == (r_, budget + 1)
     with pytest.raises(ValueError, match=r"prev_tokens must be \[R=4, M\]"):
         batched(1, prev[:2])

@@ -12,7 +12,7 @@ import math
 import pytest
 import torch
 
-from vllm_tfm.models import Weaver, WeaverConfig
+from vllm_tfm.models import BatchedWeaverTreeScorer, Weaver, WeaverConfig
 from vllm_tfm.tree import (
     build_treeflash,
     build_treeflash_padded,
@@ -71,7 +71,7 @@ def test_batched_weaver_scorer_bf16_on_cuda_matches_the_per_request_scorer():
     verifier = torch.randn(r_, h, device=DEV).bfloat16()
     cl, cand = logits.topk(k, dim=-1)
     calls = []
-    batched = w.batched_tree_scorer(verifier, hidden, cand, cl, embed, head, max_nodes=1 + budget, validate=True)
+    batched = BatchedWeaverTreeScorer(w, verifier, hidden, cand, cl, embed, head, max_nodes=1 + budget, validate=True)
 
     def recording(*args):
         out = batched(*args)

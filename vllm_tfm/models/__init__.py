@@ -6,7 +6,7 @@ turns their outputs into draft trees for R requests at once."""
 from .dflash import DFLASH_ARCHITECTURE, ContextKV, DFlashConfig, DFlashDrafter, marginal_logits
 from .drafter_dir import DrafterBundle, load_drafter_dir
 from .tfm_config import TfmConfig, TreeFlashConfig, WeaverConfig
-from .proposal_trees import treeflash_draft_trees, treeflash_padded_trees, weaver_draft_trees, weaver_padded_trees
+from .proposal_trees import treeflash_padded_trees, weaver_draft_trees, weaver_padded_trees
 from .treeflash import BatchedTreeFlashTransitionScorer, TreeFlashApproximator, TreeFlashTransitionScorer
 from .weaver import BatchedWeaverTreeScorer, Weaver, WeaverTreeScorer, candidate_logprobs, weaver_param_count
 
@@ -32,5 +32,4 @@ __all__ = [
     "weaver_padded_trees",
     "weaver_draft_trees",
     "treeflash_padded_trees",
-    "treeflash_draft_trees",
 ]

@@ -6,7 +6,7 @@ by the vLLM runtime (``vllm_plugin.runtime.tree_builder_gpu``) and offline evalu
 * ``weaver_padded_trees`` / ``weaver_draft_trees``: TfM trees. DFlash top-K candidates per depth
   (``torch.topk`` of the raw logits, as the reference decoder's ``DFlashProposer`` does), one
   ``BatchedWeaverTreeScorer`` for all requests, ``build_weaver_padded``.
-* ``treeflash_padded_trees`` / ``treeflash_draft_trees``: TreeFlash trees from the marginals and a
+* ``treeflash_padded_trees``: TreeFlash trees from the marginals and a
   ``BatchedTreeFlashTransitionScorer``, ``build_treeflash_padded``.
 
 ``*_padded_trees`` return ``PaddedTrees`` (scores and draft log-probabilities included);
@@ -25,9 +25,9 @@ from vllm_tfm.tree.weaver_padded import build_weaver_padded
 
 from .treeflash import BatchedTreeFlashTransitionScorer, TreeFlashApproximator
 from .vocab_table import VocabTable
-from .weaver import Weaver
+from .weaver import BatchedWeaverTreeScorer, Weaver
 
-__all__ = ["treeflash_draft_trees", "treeflash_padded_trees", "weaver_draft_trees", "weaver_padded_trees"]
+__all__ = ["treeflash_padded_trees", "weaver_draft_trees", "weaver_padded_trees"]
 
 
 def _candidates(dflash_logits: Tensor, top_k: int) -> tuple[Tensor, Tensor]:
@@ -66,8 +66,8 @@ def weaver_padded_trees(
     cand_logits, cand_ids = _candidates(dflash_logits, top_k)
     if logits_dtype is not None:
         cand_logits = cand_logits.to(logits_dtype)
-    scorer = weaver.batched_tree_scorer(
-        verifier_hidden, dflash_hidden, cand_ids, cand_logits, embed, lm_head, max_nodes=1 + budget
+    scorer = BatchedWeaverTreeScorer(
+        weaver, verifier_hidden, dflash_hidden, cand_ids, cand_logits, embed, lm_head, max_nodes=1 + budget
     )
     trees = build_weaver_padded(
         root_tokens, cand_ids, scorer, budget, dflash_logits.shape[1], width, children_per_node, check=False
@@ -117,24 +117,3 @@ def treeflash_padded_trees(
     scorer = BatchedTreeFlashTransitionScorer(approximator, final_norm, block_hidden_prenorm, embed, lm_head, temperature)
     return build_treeflash_padded(root_tokens, marginal_logprobs, scorer, budget, max_depth, top_m, check=False)
 
-
-def treeflash_draft_trees(
-    approximator: TreeFlashApproximator,
-    final_norm: nn.Module,
-    block_hidden_prenorm: Tensor,
-    marginal_logprobs: Tensor,
-    root_tokens: Tensor,
-    embed: nn.Module | Tensor,
-    lm_head: nn.Module | Tensor,
-    budget: int,
-    max_depth: int,
-    top_m: int,
-    temperature: float = 1.0,
-) -> tuple[Tensor, Tensor]:
-    """``treeflash_padded_trees`` in the runtime layout: tokens [R, B], parents [R, 1 + B]; a tree
-    smaller than B is completed with the depth-1 marginal's argmax."""
-    trees = treeflash_padded_trees(
-        approximator, final_norm, block_hidden_prenorm, marginal_logprobs, root_tokens, embed, lm_head,
-        budget, max_depth, top_m, temperature,
-    )
-    return trees.draft_layout(marginal_logprobs[:, 0].argmax(-1))

@@ -211,21 +211,6 @@ class Weaver(nn.Module):
     ) -> WeaverTreeScorer:
         return WeaverTreeScorer(self, verifier_hidden, dflash_hidden, cand_ids, cand_logits, embed, lm_head)
 
-    def batched_tree_scorer(
-        self,
-        verifier_hidden: Tensor,
-        dflash_hidden: Tensor,
-        cand_ids: Tensor,
-        cand_logits: Tensor,
-        embed: VocabTable,
-        lm_head: VocabTable,
-        max_nodes: int,
-        validate: bool = False,
-    ) -> BatchedWeaverTreeScorer:
-        return BatchedWeaverTreeScorer(
-            self, verifier_hidden, dflash_hidden, cand_ids, cand_logits, embed, lm_head, max_nodes, validate
-        )
-
     # ------------------------------------------------------------------ files
     def save_pretrained(self, directory: str | Path) -> None:
         """Write tfm/weaver.safetensors and set the ``weaver`` section of tfm_config.json."""
