@@ -38,8 +38,6 @@ import json
 import math
 import os
 import random
-import signal
-import subprocess
 import sys
 import tarfile
 import time
@@ -56,6 +54,7 @@ for _p in (BENCH, REPO):
         sys.path.insert(0, str(_p))
 
 import preempt_reading as pr
+from phase_process import echo_log, run_phase_process  # noqa: E402
 
 WORK = Path(os.environ.get("TFM_PREEMPT_DIR", "/tmp/tfm-preempt"))  # per-arm JSON and logs (tarred into OUT)
 DEADLINE_S = float(os.environ.get("TFM_PREEMPT_DEADLINE_S", "500"))  # from T0 (the runner's start)
@@ -328,23 +327,9 @@ def run_one(args: argparse.Namespace, name: str) -> dict[str, Any]:
     log(f"arm {name} (timeout {timeout:.0f} s) -> {logf.name}")
     cmd = [sys.executable, __file__, "--arm", name, "--out", str(out), "--target", args.target, "--drafter", args.drafter]
     t = time.time()
-    with open(logf, "w") as f:
-        proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=dict(os.environ, TFM_PREEMPT_T0=str(T0)),
-                                start_new_session=True, cwd=REPO)  # fmt: skip
-        try:
-            rc = proc.wait(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            rc = -9
-            f.write(f"\narm {name} killed after {timeout:.0f} s\n")
-        try:
-            os.killpg(proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-        proc.wait()
-    lines = logf.read_text(errors="replace").splitlines()
-    print("\n".join([ln for ln in lines if "[tfm-preempt" in ln or "Error" in ln or "killed" in ln][-20:]), flush=True)
-    if rc != 0:
-        print(f"--- last 25 lines of {logf.name} ---", *lines[-25:], sep="\n", flush=True)
+    rc, _ = run_phase_process(cmd, logf, timeout, dict(os.environ, TFM_PREEMPT_T0=str(T0)), f"arm {name}", cwd=REPO)
+    rc = -9 if rc is None else rc
+    echo_log(logf, ("[tfm-preempt", "Error", "stopped:"), 20, tail_lines=25 if rc != 0 else 0)
     log(f"arm {name} exit code {rc}")
     return {"rc": rc, "wall_s": round(time.time() - t, 1), "timeout_s": round(timeout)}
 

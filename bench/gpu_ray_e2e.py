@@ -35,8 +35,6 @@ import importlib.util
 import json
 import os
 import random
-import signal
-import subprocess
 import sys
 import time
 import traceback
@@ -49,6 +47,9 @@ T0 = float(os.environ.get("TFM_RAY_T0", time.time()))
 REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "bench"))
+from phase_process import echo_log, run_phase_process  # noqa: E402
+
 ROOT = Path(os.environ.get("TFM_RAY_DIR", "/tmp/tfm-ray-e2e"))
 WORK = ROOT / "phases"  # per-phase JSON (OUT keeps the logs and ray_results.json: at most 8 files come back)
 BUDGET = int(os.environ.get("TFM_RAY_BUDGET", "7"))
@@ -357,25 +358,9 @@ def run_phase(args: argparse.Namespace, phase: str) -> int:
     cmd = [sys.executable, __file__, "--phase", phase, "--out", str(out)]
     if args.target:
         cmd += ["--target", args.target, "--drafter", args.drafter]
-    with open(logf, "w") as f:
-        # its own process group: whatever the phase started (a local Ray cluster) ends with it
-        proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=dict(os.environ, TFM_RAY_T0=str(T0)),
-                                start_new_session=True)  # fmt: skip
-        try:
-            rc = proc.wait(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            rc = -9
-            f.write(f"\nphase {phase} killed after {timeout:.0f} s\n")
-        try:
-            os.killpg(proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-        proc.wait()
-    lines = logf.read_text(errors="replace").splitlines()
-    keep = ("[tfm-ray", "Traceback", "Error", "killed")
-    print("\n".join([ln for ln in lines if any(k in ln for k in keep)][-60:]), flush=True)
-    if rc != 0:
-        print(f"--- last 30 lines of {logf.name} ---", *lines[-30:], sep="\n", flush=True)
+    rc, _ = run_phase_process(cmd, logf, timeout, dict(os.environ, TFM_RAY_T0=str(T0)), f"phase {phase}")
+    rc = -9 if rc is None else rc
+    echo_log(logf, ("[tfm-ray", "Traceback", "Error", "stopped:"), 60, tail_lines=30 if rc != 0 else 0)
     log(f"phase {phase} exit code {rc}")
     return rc
 

@@ -31,7 +31,6 @@ import argparse
 import json
 import os
 import random
-import signal
 import subprocess
 import sys
 import tarfile
@@ -48,6 +47,7 @@ for _p in (BENCH, REPO):
     if str(_p) not in sys.path:
         sys.path.insert(0, str(_p))
 import gpu_ray_e2e as ray_e2e  # engine settings, worker_info, spec_counters, dump_ray_logs
+from phase_process import echo_log, run_phase_process  # noqa: E402
 from tp_verdicts import tokens_digest, tp_verdicts
 
 WORK = Path(os.environ.get("TFM_TP2_DIR", "/tmp/tfm-tp2")) / "phases"  # per-phase JSON with all tokens
@@ -187,35 +187,10 @@ def run_phase(args: argparse.Namespace, name: str) -> dict[str, Any]:
     log(f"phase {name} (timeout {timeout:.0f} s) -> {logf.name}")
     cmd = [sys.executable, __file__, "--phase", name, "--out", str(out), "--target", args.target, "--drafter", args.drafter]
     t = time.time()
-    seen_json: float | None = None
-    rc: int | None = None
-    with open(logf, "w") as f:
-        proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=dict(os.environ, TFM_TP2_T0=str(T0)),
-                                start_new_session=True)  # fmt: skip
-        while True:
-            rc = proc.poll()
-            if rc is not None:
-                break
-            now = time.time()
-            if seen_json is None and result.is_file():
-                seen_json = now
-            if now - t > timeout or (seen_json is not None and now - seen_json > EXIT_GRACE_S):
-                why = "timeout" if now - t > timeout else f"still running {EXIT_GRACE_S:.0f} s after writing its JSON"
-                f.write(f"\nphase {name} stopped: {why}\n")
-                f.flush()
-                break
-            time.sleep(1.0)
-        try:
-            os.killpg(proc.pid, signal.SIGKILL)  # whatever the phase started (a local Ray cluster) ends with it
-        except ProcessLookupError:
-            pass
-        proc.wait()
+    rc, _ = run_phase_process(cmd, logf, timeout, dict(os.environ, TFM_TP2_T0=str(T0)), f"phase {name}",
+                              done_file=result, exit_grace_s=EXIT_GRACE_S)  # fmt: skip
     wall = round(time.time() - t, 1)
-    lines = logf.read_text(errors="replace").splitlines()
-    keep = ("[tfm-tp2", "Traceback", "Error", "stopped:", "mismatch")
-    print("\n".join([ln for ln in lines if any(k in ln for k in keep)][-40:]), flush=True)
-    if not result.is_file():
-        print(f"--- last 40 lines of {logf.name} ---", *lines[-40:], sep="\n", flush=True)
+    echo_log(logf, ("[tfm-tp2", "Traceback", "Error", "stopped:", "mismatch"), 40, tail_lines=0 if result.is_file() else 40)
     log(f"phase {name}: exit code {rc}, {wall} s")
     return {"rc": rc, "wall_s": wall, "timeout_s": round(timeout)}
 
