@@ -1,4 +1,5 @@
-"""Random tiny models for the examples: a text-only Qwen3.5 hybrid target and a DFlash drafter.
+"""What the examples share: their model arguments, random tiny models (a text-only Qwen3.5 hybrid
+target and a DFlash drafter), and the OpenAI client check of the two serving examples.
 
 Config files only (vLLM fills the target and DFlash weights with ``load_format="dummy"``), plus:
 
@@ -17,7 +18,9 @@ output, not speed.
 
 from __future__ import annotations
 
+import argparse
 import json
+import time
 from pathlib import Path
 
 VOCAB = 4096
@@ -143,3 +146,30 @@ def resolve_models(target: str | None, drafter: str | None, proposal: str | None
     t, d = make_tiny_models(root, proposal or "ddtree")
     print(f"serving RANDOM tiny models (dummy weights: the text is gibberish) from {root}")
     return str(t), str(d), True
+
+
+def add_model_args(p: argparse.ArgumentParser) -> None:
+    """--target, --drafter, --budget, --proposal: the model arguments every example takes."""
+    p.add_argument("--target", help="target model dir or hub id (default: random tiny Qwen3.5 hybrid)")
+    p.add_argument("--drafter", help="drafter directory (default: random tiny DFlash drafter)")
+    p.add_argument("--budget", type=int, default=16, help="tree budget B = num_speculative_tokens")
+    p.add_argument("--proposal", choices=["chain", "ddtree", "tfm"], help="override tfm_config.json's proposal")
+
+
+def query_and_check_refusal(base_url: str, model: str, max_tokens: int) -> bool:
+    """Two greedy OpenAI completions (printed), then a ``prompt_logprobs`` request that tfm must
+    refuse with HTTP 400; True when it was refused."""
+    from openai import BadRequestError, OpenAI
+
+    client = OpenAI(base_url=base_url, api_key="unused")
+    for prompt in ("def fibonacci(n):", "The capital of France is"):
+        t1 = time.time()
+        resp = client.completions.create(model=model, prompt=prompt, max_tokens=max_tokens, temperature=0.0)
+        print(f"{prompt!r} -> {resp.choices[0].text!r} ({resp.usage.completion_tokens} tokens, {time.time() - t1:.2f} s)")
+    try:
+        client.completions.create(model=model, prompt="x", max_tokens=4, extra_body={"prompt_logprobs": 1})
+    except BadRequestError as e:
+        print(f"refused as expected (HTTP {e.status_code}): {e.message}")
+        return True
+    print("UNEXPECTED: a prompt_logprobs request was accepted")
+    return False

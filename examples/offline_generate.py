@@ -34,6 +34,8 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from _tiny_models import add_model_args, make_tiny_models  # noqa: E402
+
 DEFAULT_PROMPTS = [
     "def fibonacci(n):",
     "The quick brown fox",
@@ -43,10 +45,7 @@ DEFAULT_PROMPTS = [
 
 def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--target", help="target model dir or hub id (default: random tiny Qwen3.5 hybrid)")
-    p.add_argument("--drafter", help="drafter directory (default: random tiny DFlash drafter)")
-    p.add_argument("--budget", type=int, default=16, help="tree budget B = num_speculative_tokens")
-    p.add_argument("--proposal", choices=["chain", "ddtree", "tfm"], help="override tfm_config.json's proposal")
+    add_model_args(p)
     p.add_argument("--max-tokens", type=int, default=48)
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--max-model-len", type=int, default=2048)
@@ -64,7 +63,6 @@ def resolve_models(args: argparse.Namespace) -> tuple[str, str, bool]:
         sys.exit("give both --target and --drafter, or neither (random tiny models)")
     if args.target is not None:
         return args.target, args.drafter, False
-    from _tiny_models import make_tiny_models
 
     root = Path(tempfile.mkdtemp(prefix="vllm-tfm-example-"))
     target, drafter = make_tiny_models(root, args.proposal or "ddtree", args.dtype)

@@ -31,15 +31,14 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from _tiny_models import add_model_args, query_and_check_refusal, resolve_models  # noqa: E402
+
 MODEL_ID = "tfm-demo"
 
 
 def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--target", help="target model dir or hub id (default: random tiny Qwen3.5 hybrid)")
-    p.add_argument("--drafter", help="drafter directory (default: random tiny DFlash drafter)")
-    p.add_argument("--budget", type=int, default=16, help="tree budget B = num_speculative_tokens")
-    p.add_argument("--proposal", choices=["chain", "ddtree", "tfm"], help="override tfm_config.json's proposal")
+    add_model_args(p)
     p.add_argument("--accelerator-type", help="Ray accelerator type the replicas need, e.g. H200")
     p.add_argument("--tensor-parallel-size", type=int, default=1)
     p.add_argument("--min-replicas", type=int, default=1)
@@ -106,7 +105,6 @@ def wait_running(name: str, timeout: float) -> None:
 
 def main() -> int:
     args = parse_args()
-    from _tiny_models import resolve_models
 
     target, drafter, random = resolve_models(args.target, args.drafter, args.proposal, "vllm-tfm-ray-serve-")
 
@@ -129,20 +127,7 @@ def main() -> int:
         wait_running("tfm", args.startup_timeout)
         print(f"application RUNNING after {time.time() - t0:.0f} s")
 
-        from openai import BadRequestError, OpenAI
-
-        client = OpenAI(base_url=f"http://127.0.0.1:{args.port}/v1", api_key="unused")
-        for prompt in ("def fibonacci(n):", "The capital of France is"):
-            t1 = time.time()
-            resp = client.completions.create(model=MODEL_ID, prompt=prompt, max_tokens=args.max_tokens, temperature=0.0)
-            print(f"{prompt!r} -> {resp.choices[0].text!r} ({resp.usage.completion_tokens} tokens, {time.time() - t1:.2f} s)")
-        try:
-            client.completions.create(model=MODEL_ID, prompt="x", max_tokens=4, extra_body={"prompt_logprobs": 1})
-            print("UNEXPECTED: a prompt_logprobs request was accepted")
-            ok = False
-        except BadRequestError as e:
-            print(f"refused as expected (HTTP {e.status_code}): {e.message}")
-            ok = True
+        ok = query_and_check_refusal(f"http://127.0.0.1:{args.port}/v1", MODEL_ID, args.max_tokens)
         if args.keep_serving:
             print(f"serving on http://<this host>:{args.port}/v1 (model {MODEL_ID!r}); Ctrl-C to stop")
             while True:

@@ -33,15 +33,14 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from _tiny_models import add_model_args, query_and_check_refusal, resolve_models  # noqa: E402
+
 MODEL_NAME = "tfm-demo"
 
 
 def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--target", help="target model dir or hub id (default: random tiny Qwen3.5 hybrid)")
-    p.add_argument("--drafter", help="drafter directory (default: random tiny DFlash drafter)")
-    p.add_argument("--budget", type=int, default=16, help="tree budget B = num_speculative_tokens")
-    p.add_argument("--proposal", choices=["chain", "ddtree", "tfm"], help="override tfm_config.json's proposal")
+    add_model_args(p)
     p.add_argument("--port", type=int, default=8011)
     p.add_argument("--max-tokens", type=int, default=32)
     p.add_argument("--max-model-len", type=int, default=2048)
@@ -105,7 +104,6 @@ def spec_counters(base: str) -> dict[str, float]:
 
 def main() -> int:
     args = parse_args()
-    from _tiny_models import resolve_models
 
     target, drafter, random = resolve_models(args.target, args.drafter, args.proposal, "vllm-tfm-serve-")
 
@@ -118,20 +116,7 @@ def main() -> int:
         wait_healthy(proc, base, args.startup_timeout)
         print(f"server healthy after {time.time() - t0:.0f} s")
 
-        from openai import BadRequestError, OpenAI
-
-        client = OpenAI(base_url=f"{base}/v1", api_key="unused")
-        for prompt in ("def fibonacci(n):", "The capital of France is"):
-            t1 = time.time()
-            resp = client.completions.create(model=MODEL_NAME, prompt=prompt, max_tokens=args.max_tokens, temperature=0.0)
-            print(f"{prompt!r} -> {resp.choices[0].text!r} ({resp.usage.completion_tokens} tokens, {time.time() - t1:.2f} s)")
-        try:
-            client.completions.create(model=MODEL_NAME, prompt="x", max_tokens=4, extra_body={"prompt_logprobs": 1})
-            print("UNEXPECTED: a prompt_logprobs request was accepted")
-            ok = False
-        except BadRequestError as e:
-            print(f"refused as expected (HTTP {e.status_code}): {e.message}")
-            ok = True
+        ok = query_and_check_refusal(f"{base}/v1", MODEL_NAME, args.max_tokens)
         counts = spec_counters(base)
         print("spec decode counters:", counts)
         if counts.get("num_drafts"):
