@@ -43,7 +43,6 @@ from .state import STATE, StepTree
 
 __all__ = ["install_runner_hooks", "install_profile_hooks", "check_engine_config", "RUNNER_HOOKS", "PROFILE_HOOKS"]
 
-logger = logging.getLogger("vllm_tfm")
 stats_logger = logging.getLogger("vllm.tfm")  # under vLLM's logger: printed next to its own stats lines
 
 
@@ -215,7 +214,7 @@ def fix_accepted_offsets(runner: Any, scheduler_output: Any, num_scheduled_token
         STATE.metrics.states_moved += len(rows)
     if not STATE.offsets.reported:
         STATE.offsets.reported = True
-        logger.info(
+        stats_logger.info(  # under vLLM's logger: INFO lines of "vllm_tfm" are not printed by default
             "vllm-tfm: kept the GDN state offsets of requests vLLM re-added to its batch (%d restored, %d moved to "
             "slot 0); counted in the tree metrics as accepted_restored / states_moved", len(plan.restore_rows),
             len(plan.move_rows),
