@@ -17,7 +17,13 @@ from vllm_tfm.kernels.gdn import DTYPE_CODE, NOT_CUDA, _check_out
 from vllm_tfm.kernels.loader import get_kernel, kernels_unavailable_reason, launch, warn_fallback
 from vllm_tfm.kernels.plan import CommitIndices, TreePlan
 
-__all__ = ["tree_causal_conv1d", "tree_causal_conv1d_planned", "tree_conv_commit", "tree_conv_commit_planned"]
+__all__ = [
+    "conv_unsupported_reason",
+    "tree_causal_conv1d",
+    "tree_causal_conv1d_planned",
+    "tree_conv_commit",
+    "tree_conv_commit_planned",
+]
 
 SOURCE = "tree_conv.cu"
 THREADS = 256
@@ -41,6 +47,15 @@ def _unsupported(x: Tensor, conv_state: Tensor, width: int, *others: Tensor | No
     if not 1 <= width <= MAX_WIDTH:
         return f"conv width {width} is outside the kernel's 1..{MAX_WIDTH}"
     return kernels_unavailable_reason(x.device.index)
+
+
+def conv_unsupported_reason(x: Tensor, conv_state: Tensor, width: int, *others: Tensor | None) -> str | None:
+    """None when the conv kernels take these tensors (dtypes, shapes, width, device), else why not.
+
+    Host-side checks of tensor metadata only (no device synchronisation), for callers of the
+    ``*_planned`` variants that validated the tree once per step themselves.
+    """
+    return _unsupported(x, conv_state, width, *others)
 
 
 def _dev_index(t: Tensor) -> int:

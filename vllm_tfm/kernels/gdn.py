@@ -36,6 +36,8 @@ __all__ = [
     "verify_smem_bytes",
     "commit_smem_bytes",
     "choose_block_v",
+    "verify_unsupported_reason",
+    "commit_unsupported_reason",
     "verify_launches",
     "VERIFY_VARIANTS",
     "DEFAULT_VERIFY_VARIANT",
@@ -118,6 +120,20 @@ def _verify_unsupported(q: Tensor, k: Tensor, v: Tensor, ssm_state: Tensor) -> s
     if ssm_state.stride(-1) != 1 or any(s % 4 for s in ssm_state.stride()[:3]) or not _is_16_aligned(ssm_state):
         return "ssm_state needs a contiguous last dimension, strides that are multiples of 4 and 16-byte alignment"
     return kernels_unavailable_reason(v.device.index)
+
+
+def verify_unsupported_reason(q: Tensor, k: Tensor, v: Tensor, ssm_state: Tensor) -> str | None:
+    """None when the verify kernel takes these tensors (dtypes, shapes, strides, device), else why not.
+
+    Host-side checks of tensor metadata only (no device synchronisation), for callers of
+    :func:`gdn_tree_verify_planned` that validated the tree once per step themselves.
+    """
+    return _verify_unsupported(q, k, v, ssm_state)
+
+
+def commit_unsupported_reason(k: Tensor, delta: Tensor, ssm_state: Tensor) -> str | None:
+    """As :func:`verify_unsupported_reason`, for :func:`gdn_tree_commit_planned`."""
+    return _commit_unsupported(k, delta, ssm_state)
 
 
 def _check_out(out: Tensor | None, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device, name: str) -> Tensor:

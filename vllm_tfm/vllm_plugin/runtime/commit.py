@@ -25,10 +25,13 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from vllm_tfm.kernels import conv as kconv
+from vllm_tfm.kernels import gdn as kgdn
 from vllm_tfm.verify.accept_result import AcceptResult
 
 from .kernels_or_reference import tree_ops
 from .state import GDNStash, StepTree
+from .step_kernels import StepKernels
 
 __all__ = ["compaction_rows", "compact_kv", "commit_gdn_layer", "spec_accepted"]
 
@@ -72,22 +75,51 @@ def spec_accepted(step: StepTree, accept: AcceptResult) -> tuple[Tensor, Tensor]
     return accept.last_node.index_select(0, idx), accept.num_accepted.index_select(0, idx)
 
 
-def commit_gdn_layer(stash: GDNStash, parents: Tensor, cu_nodes: Tensor, last_node: Tensor, num_accepted: Tensor) -> None:
+def commit_gdn_layer(
+    stash: GDNStash,
+    parents: Tensor,
+    cu_nodes: Tensor,
+    last_node: Tensor,
+    num_accepted: Tensor,
+    kernels: StepKernels | None = None,
+) -> None:
     """Write one GDN layer's committed SSM state and conv window (module docstring).
 
     parents / cu_nodes: the spec rows' tree (as given to the verify); last_node, num_accepted:
     [Rs] from ``spec_accepted``. Source: SSM slot [n, prev - 1] and conv columns prev - 1.. (prev =
     vLLM's num_accepted_tokens before the step); destination: SSM slot [n, p] and conv columns
-    p.. of slot [n, 0], p = accepted drafts.
+    p.. of slot [n, 0], p = accepted drafts. kernels: this step's kernel tables (the planned
+    kernels with indices computed once per step and group), else the per-call operations.
     """
-    ops = tree_ops()
+    group = None if kernels is None else kernels.group_of(stash.state_indices)
+    if group is not None:
+        gdn_idx, conv_idx = kernels.commit_indices(group, last_node, num_accepted)
+        if kgdn.commit_unsupported_reason(stash.k, stash.delta, stash.ssm_state) is None:
+            kgdn.gdn_tree_commit_planned(kernels.plan, stash.k, stash.g, stash.delta, gdn_idx, stash.ssm_state)
+        else:
+            _commit_state_per_call(stash, parents, cu_nodes, last_node, num_accepted)
+        if kconv.conv_unsupported_reason(stash.x, stash.conv_state, stash.width) is None:
+            kconv.tree_conv_commit_planned(kernels.plan, stash.x, conv_idx, stash.conv_state, stash.width)
+        else:
+            _commit_window_per_call(stash, parents, cu_nodes, last_node, num_accepted)
+        return
+    _commit_state_per_call(stash, parents, cu_nodes, last_node, num_accepted)
+    _commit_window_per_call(stash, parents, cu_nodes, last_node, num_accepted)
+
+
+def _commit_state_per_call(stash: GDNStash, parents: Tensor, cu_nodes: Tensor, last_node: Tensor, num_accepted: Tensor) -> None:
     slots = stash.state_indices
     prev = stash.prev_accepted - 1
     p = num_accepted.to(torch.long)
     src = slots.gather(1, prev[:, None]).squeeze(1)
     dst = slots.gather(1, p[:, None]).squeeze(1)
-    ops.gdn_tree_commit(stash.k, stash.g, stash.delta, parents, cu_nodes, last_node, stash.ssm_state, src, dst)
-    conv_slot = slots[:, 0]
-    ops.tree_conv_commit(
-        stash.x, parents, cu_nodes, last_node, stash.conv_state, conv_slot, conv_slot, stash.width, prev, p
+    tree_ops().gdn_tree_commit(stash.k, stash.g, stash.delta, parents, cu_nodes, last_node, stash.ssm_state, src, dst)
+
+
+def _commit_window_per_call(stash: GDNStash, parents: Tensor, cu_nodes: Tensor, last_node: Tensor, num_accepted: Tensor) -> None:
+    conv_slot = stash.state_indices[:, 0]
+    tree_ops().tree_conv_commit(
+        stash.x, parents, cu_nodes, last_node, stash.conv_state, conv_slot, conv_slot, stash.width,
+        stash.prev_accepted - 1, num_accepted.to(torch.long),
     )
+

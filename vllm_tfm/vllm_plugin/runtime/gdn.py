@@ -27,10 +27,13 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from vllm_tfm.kernels import conv as kconv
+from vllm_tfm.kernels import gdn as kgdn
 from vllm_tfm.verify.gdn import gdn_gates
 
 from .kernels_or_reference import tree_ops
 from .state import STATE, GDNStash
+from .step_kernels import StepKernels, step_kernels
 
 __all__ = ["spec_tree_gdn", "tree_forward_core", "install_gdn_patch"]
 
@@ -56,6 +59,7 @@ def spec_tree_gdn(
     head_k_dim: int,
     num_v_heads: int,
     head_v_dim: int,
+    kernels: StepKernels | None = None,
 ) -> tuple[Tensor, GDNStash]:
     """Outputs of the spec rows of one GDN layer and the stash for the commit. Writes no state.
 
@@ -64,28 +68,49 @@ def spec_tree_gdn(
     ssm_state: [slots, HV, V, K]; state_indices: [Rs, 1 + S] vLLM's spec_state_indices_tensor;
     prev_accepted: [Rs] vLLM's num_accepted_tokens of the spec requests (>= 1);
     conv_weight: [conv_dim, W]. Head counts are per tensor-parallel rank.
+    kernels: this step's kernel tables (``step_kernels``): the planned NVRTC kernels run for the
+    tensors they take, with the tree plan and slots computed once per step; None (or tensors the
+    kernels do not take): the per-call operations of ``tree_ops()``.
     Returns o [Ts, HV, V] in x.dtype.
     """
     ops = tree_ops()
-    slots = state_indices.to(torch.long)
-    start = prev_accepted.to(torch.long) - 1
+    if kernels is not None:
+        grp = kernels.group(state_indices, prev_accepted)
+        slots, start, s0, conv_slot, prev = grp.slots, grp.start32, grp.read_slot, grp.conv_slot, grp.prev_accepted
+    else:
+        slots = state_indices.to(torch.long)
+        prev = prev_accepted.to(torch.long)
+        start = prev - 1
+        s0 = slots.gather(1, start[:, None]).squeeze(1)
+        conv_slot = slots[:, 0]
     act = "silu" if activation in ("silu", "swish") else activation
-    y = ops.tree_causal_conv1d(x, parents, cu_nodes, conv_state, slots[:, 0], conv_weight, conv_bias, act, start)
+    width = conv_weight.shape[1]
+    if kernels is not None and act in ("silu", None) and kconv.conv_unsupported_reason(x, conv_state, width, conv_weight, conv_bias) is None:
+        y = kconv.tree_causal_conv1d_planned(kernels.plan, x, conv_state, conv_slot, conv_weight, conv_bias, act, start)
+    else:
+        y = ops.tree_causal_conv1d(x, parents, cu_nodes, conv_state, conv_slot, conv_weight, conv_bias, act, start)
     kd, vd = num_k_heads * head_k_dim, num_v_heads * head_v_dim
     q, k, v = torch.split(y, [kd, kd, vd], dim=-1)
     q = q.reshape(-1, num_k_heads, head_k_dim)
     k = k.reshape(-1, num_k_heads, head_k_dim)
     v = v.reshape(-1, num_v_heads, head_v_dim)
     g, beta = gdn_gates(a, b, A_log, dt_bias)
-    s0 = slots.gather(1, start[:, None]).squeeze(1)
-    o, delta = ops.gdn_tree_verify(q, k, v, g, beta, parents, cu_nodes, ssm_state, s0, return_delta=True)
+    block_v = None
+    if kernels is not None and kgdn.verify_unsupported_reason(q, k, v, ssm_state) is None:
+        block_v = kernels.block_v(num_v_heads, head_k_dim, head_v_dim)
+    if block_v is not None:
+        o, delta = kgdn.gdn_tree_verify_planned(
+            kernels.plan, q, k, v, g, beta, ssm_state, s0, return_delta=True, block_v=block_v
+        )
+    else:
+        o, delta = ops.gdn_tree_verify(q, k, v, g, beta, parents, cu_nodes, ssm_state, s0, return_delta=True)
     stash = GDNStash(
         x=x,
         k=k,
         g=g,
         delta=delta,
         state_indices=slots,
-        prev_accepted=prev_accepted.to(torch.long),
+        prev_accepted=prev,
         conv_state=conv_state,
         ssm_state=ssm_state,
         width=conv_weight.shape[1],
@@ -151,6 +176,7 @@ def tree_forward_core(self: Any, mixed_qkv: Tensor, b: Tensor, a: Tensor, core_a
         self.head_k_dim,
         self.num_v_heads // self.tp_size,
         self.head_v_dim,
+        kernels=step_kernels(step, mixed_qkv.device),
     )
     step.gdn[self.prefix] = stash
     if spec_idx is None:

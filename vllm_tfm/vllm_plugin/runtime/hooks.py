@@ -40,6 +40,7 @@ from .sampler import TFMTreeSampler, needs_native_sampler
 from .settings import force_tree_path
 from .stage_timing import TIMER
 from .state import STATE, StepTree
+from .step_kernels import step_kernels
 
 __all__ = ["install_runner_hooks", "install_profile_hooks", "check_engine_config", "RUNNER_HOOKS", "PROFILE_HOOKS"]
 
@@ -264,8 +265,9 @@ def commit_step(runner: Any, step: StepTree) -> None:
     if step.gdn:
         last, num_acc = spec_accepted(step, accept)
         parents, cu = step.dev("spec_parents"), step.dev("spec_cu")
+        kernels = step_kernels(step, last.device)
         for stash in step.gdn.values():
-            commit_gdn_layer(stash, parents, cu, last, num_acc)
+            commit_gdn_layer(stash, parents, cu, last, num_acc, kernels)
     STATE.metrics.hook("commit")
 
 

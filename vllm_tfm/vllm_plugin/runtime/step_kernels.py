@@ -1,0 +1,140 @@
+"""The NVRTC tree kernels' tables, built once per tree-active step and shared by every GDN layer.
+
+The public kernel entry points (``vllm_tfm.kernels.gdn_tree_verify`` and the three others) are
+library calls: each validates its arguments and builds a ``TreePlan``, with device-to-host copies
+of the tree, the slot indices and the accepted nodes. The runtime calls four of them per GDN layer
+per step (192 calls per step at Qwen3.6-27B's 48 GDN layers), so doing that work per call would
+put hundreds of host synchronisations and plan builds into every decode step. Here:
+
+* the plan is built once per step from the host copy of the spec requests' trees
+  (``StepTree.spec_parents`` / ``spec_cu``, numpy: validated on the host, one host-to-device
+  copy, no synchronisation);
+* the state slots each GDN layer reads (``[n, num_accepted - 1]``) and the commit indices are
+  computed once per step and KV-cache group on the device (vLLM gives every layer of a group the
+  same metadata tensors), without a synchronisation;
+* every layer then launches the ``*_planned`` kernels.
+
+The commit indices carry no snapshot: every running request owns its own 1 + S GDN state blocks
+(vLLM's mamba_cache_mode "none"), so no request's source slot is another request's destination,
+the case the library's snapshot exists for. Layers whose tensors the kernels do not take (e.g. a
+bfloat16 SSM state) use the library calls as before, which fall back to the torch references with
+their one-time warning.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor
+
+from vllm_tfm.kernels.plan import CommitIndices, TreePlan
+
+from .kernels_or_reference import tree_ops
+from .state import StepTree
+
+__all__ = ["GroupSlots", "StepKernels", "step_kernels"]
+
+
+@dataclass
+class GroupSlots:
+    """The slots of one KV-cache group's GDN layers this step (spec requests, batch order).
+
+    slots: [Rs, 1 + S] int64 (vLLM's spec_state_indices_tensor); prev_accepted: [Rs] int64 (vLLM's
+    num_accepted_tokens, >= 1); start: prev_accepted - 1, the committed column / slot offset;
+    read_slot: [Rs] the SSM slot the verify starts from; conv_slot: [Rs] int32, the conv window
+    slot; start32: start as int32 (the conv kernel's column offsets).
+    """
+
+    slots: Tensor
+    prev_accepted: Tensor
+    start: Tensor
+    read_slot: Tensor
+    conv_slot: Tensor
+    start32: Tensor
+    source: Tensor  # the metadata tensor these were derived from (kept alive: its id is the key)
+    commit: tuple[CommitIndices, CommitIndices] | None = field(default=None)
+
+
+class StepKernels:
+    """Kernel tables of one tree-active step (module docstring)."""
+
+    def __init__(self, step: StepTree, device: torch.device) -> None:
+        self.step = step
+        self.device = device
+        self.plan = TreePlan.build(
+            torch.from_numpy(step.spec_parents), torch.from_numpy(step.spec_cu), device=device
+        )
+        self._groups: dict[int, GroupSlots] = {}
+        self._block_v: dict[tuple[int, int, int], int | None] = {}
+
+    def group(self, state_indices: Tensor, num_accepted: Tensor) -> GroupSlots:
+        """The slots of the group whose metadata holds ``state_indices`` [Rs, 1 + S] (computed once)."""
+        found = self._groups.get(id(state_indices))
+        if found is not None:
+            return found
+        slots = state_indices.to(torch.long)
+        prev = num_accepted.to(torch.long)
+        start = prev - 1
+        g = GroupSlots(
+            slots=slots,
+            prev_accepted=prev,
+            start=start,
+            read_slot=slots.gather(1, start[:, None]).squeeze(1),
+            conv_slot=slots[:, 0].to(torch.int32),
+            start32=start.to(torch.int32),
+            source=state_indices,
+        )
+        self._groups[id(state_indices)] = g
+        return g
+
+    def group_of(self, slots: Tensor) -> GroupSlots | None:
+        """The group whose ``slots`` tensor this is (a stash keeps it), else None."""
+        for g in self._groups.values():
+            if g.slots is slots:
+                return g
+        return None
+
+    def block_v(self, v_heads: int, k_dim: int, v_dim: int) -> int | None:
+        """V columns per CTA of the verify kernel for this step's trees (None: a tree does not fit)."""
+        key = (v_heads, k_dim, v_dim)
+        if key not in self._block_v:
+            from vllm_tfm.kernels.gdn import choose_block_v
+            from vllm_tfm.kernels.loader import device_smem_optin
+
+            index = self.device.index if self.device.index is not None else torch.cuda.current_device()
+            sms = torch.cuda.get_device_properties(index).multi_processor_count
+            self._block_v[key] = choose_block_v(self.plan, v_heads, k_dim, v_dim, device_smem_optin(index), sms)
+        return self._block_v[key]
+
+    def commit_indices(self, group: GroupSlots, last_node: Tensor, num_accepted: Tensor) -> tuple[CommitIndices, CommitIndices]:
+        """(GDN state, conv window) commit indices of the group, computed once per step on the device.
+
+        last_node, num_accepted: [Rs] the deepest accepted node and the accepted draft count p.
+        GDN: slot [n, prev - 1] -> slot [n, p]; conv: slot [n, 0], columns prev - 1 .. -> p ...
+        """
+        if group.commit is None:
+            acc = last_node.to(device=self.device, dtype=torch.int32)
+            p = num_accepted.to(device=self.device, dtype=torch.long)
+            dst = group.slots.gather(1, p[:, None]).squeeze(1).to(torch.int32)
+            zeros = torch.zeros_like(acc)
+            conv = group.conv_slot
+            group.commit = (
+                CommitIndices(acc, group.read_slot.to(torch.int32), dst, zeros, zeros, None),
+                CommitIndices(acc, conv, conv, group.start32, p.to(torch.int32), None),
+            )
+        return group.commit
+
+
+_CURRENT: dict[str, StepKernels | None] = {"tables": None}
+
+
+def step_kernels(step: StepTree, device: torch.device) -> StepKernels | None:
+    """This step's tables when the four tree operations run as kernels in this process, else None."""
+    if set(tree_ops().sources.values()) != {"kernels"} or device.type != "cuda":
+        return None
+    tables = _CURRENT["tables"]
+    if tables is None or tables.step is not step:
+        tables = StepKernels(step, device)
+        _CURRENT["tables"] = tables
+    return tables
