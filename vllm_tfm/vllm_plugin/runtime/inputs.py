@@ -98,7 +98,9 @@ def build_step_tree(
         drafts = spec_tokens.get(rid, ())
         d = len(drafts)
         num_draft[r] = d
-        is_spec[r] = use_spec and n == d + 1
+        # vLLM's spec-decode rows (gpu_model_runner.py:2226-2235): scheduled drafts and nothing else;
+        # a running request that got one token and no drafts (token budget) is a non-spec row there
+        is_spec[r] = use_spec and rid in spec_tokens and n == d + 1
         chain = np.arange(-1, n - 1, dtype=np.int64)
         par, dep = chain, np.arange(n, dtype=np.int64)
         if is_spec[r] and d > 0 and allow_trees:

@@ -167,7 +167,7 @@ class StepTree:
     num_draft: np.ndarray  # [R]
     row_base: np.ndarray  # [R] row of each request's root (its first logits row)
     req_index: np.ndarray  # [T] request of each row
-    is_spec: np.ndarray  # [R] bool: num_scheduled == num_draft + 1 (vLLM's spec-decode rows)
+    is_spec: np.ndarray  # [R] bool: vLLM's spec-decode rows (in scheduled_spec_decode_tokens, num_scheduled == num_draft + 1)
     is_tree: np.ndarray  # [R] bool: spec row whose tree is not a chain
     local_parent: np.ndarray  # [T] int64, -1 at each request's first row
     depth: np.ndarray  # [T] int64
