@@ -77,7 +77,7 @@ def test_step_records_tell_every_case_apart():
 def test_paths_of_steps_without_trees():
     store = _store({"a": ([1, 2], [-1, 0, 1])})  # a chain proposal
     step = build_step_tree(["a"], np.array([3]), {"a": [1, 2]}, store, allow_trees=True)
-    kw = dict(new=set(), resumed=set(), last=None, num_computed=np.array([9]), num_output=[3], temperature=np.array([0.0]))
+    kw = {"new": set(), "resumed": set(), "last": None, "num_computed": np.array([9]), "num_output": [3], "temperature": np.array([0.0])}
     assert step_records(0, ["a"], step, native_sampler=False, **kw)[0]["path"] == "chains"
     step = build_step_tree(["a"], np.array([3]), {"a": [1, 2]}, store, allow_trees=False)
     rec = step_records(0, ["a"], step, native_sampler=True, **kw)[0]
@@ -117,7 +117,10 @@ def test_runner_hooks_write_the_records_of_each_step(tmp_path, no_pinning, runti
     from vllm.v1.sample.logits_processor import LogitsProcessors
     from vllm.v1.worker.gpu_input_batch import CachedRequestState, InputBatch
 
-    from vllm_tfm.vllm_plugin.runtime.hooks import _wrap_prepare_inputs, _wrap_update_states_after
+    from vllm_tfm.vllm_plugin.runtime.hooks import (
+        _wrap_prepare_inputs,
+        _wrap_update_states_after,
+    )
     from vllm_tfm.vllm_plugin.runtime.metrics import Metrics
 
     state = runtime_state
