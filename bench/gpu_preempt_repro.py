@@ -193,6 +193,7 @@ class SchedulerLog:
         self.left_out: Counter[str] = Counter()
         self.steps = 0
         self.error: str | None = None
+        self.scheduler: Any = None  # the engine's scheduler, seen at its first step (generate's aborts)
 
     def install(self) -> None:
         from vllm.v1.core.sched.scheduler import Scheduler
@@ -215,6 +216,7 @@ class SchedulerLog:
 
         def schedule(sched: Any, *args: Any, **kw: Any) -> Any:
             out = orig_schedule(sched, *args, **kw)
+            obs.scheduler = sched
             try:
                 obs.steps += 1
                 scheduled = set(out.num_scheduled_tokens)
@@ -255,25 +257,27 @@ def metric_values(llm: Any) -> dict[str, Any]:
     return out
 
 
-def generate(llm: Any, prompts: list[list[int]], params: list[Any], abort_after: dict[int, int]) -> dict[str, Any]:
-    """All requests submitted at once through the engine's own loop (what ``LLM.generate`` does),
-    aborting request i once it has ``abort_after[i]`` output tokens (a client gone mid-stream).
-    Returns tokens, external request ids and top-k lists in prompt order, and the aborted indices."""
+def generate(llm: Any, prompts: list[list[int]], params: list[Any], abort_after: dict[int, int], obs: SchedulerLog) -> dict[str, Any]:
+    """``LLM.generate`` opened up: the requests go in through ``LLM.enqueue`` (all at once, as
+    ``generate`` does) and the engine is stepped here, so that request i can be aborted once the
+    scheduler (``obs.scheduler``, this process) counts ``abort_after[i]`` output tokens for it: a
+    client gone mid-stream. Returns tokens, request ids and top-k lists in prompt order, and the
+    aborted indices (their tokens are whatever the engine returned, often none)."""
+    internal = list(llm.enqueue([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False))
+    external = [rid.rpartition("-")[0] or rid for rid in internal]
+    index = {rid: i for i, rid in enumerate(external)} | {rid: i for i, rid in enumerate(internal)}
     engine = llm.llm_engine
-    ext_ids = [str(i) for i in range(len(prompts))]
-    internal = {}
-    for i, (p, sp) in enumerate(zip(prompts, params, strict=True)):
-        internal[i] = engine.add_request(ext_ids[i], {"prompt_token_ids": p}, sp)
-    index = {rid: i for i, rid in enumerate(ext_ids)} | {rid: i for i, rid in internal.items()}
     final: dict[int, Any] = {}
     aborted: list[int] = []
     while engine.has_unfinished_requests():
         for o in engine.step():
             i = index.get(o.request_id)  # RequestOutput carries the external id (output_processor.py:371)
-            if i is None:
-                continue
-            final[i] = o
-            if i in abort_after and i not in aborted and not o.finished and len(o.outputs[0].token_ids) >= abort_after[i]:
+            if i is not None and o.finished:
+                final[i] = o
+        sched = obs.scheduler
+        for i, n in abort_after.items():
+            req = None if sched is None or i in aborted else sched.requests.get(internal[i])
+            if req is not None and len(req.output_token_ids) >= n:
                 engine.abort_request([internal[i]], internal=True)
                 aborted.append(i)
     tokens = [list(final[i].outputs[0].token_ids) if i in final else [] for i in range(len(prompts))]
@@ -281,8 +285,7 @@ def generate(llm: Any, prompts: list[list[int]], params: list[Any], abort_after:
     if any(i in final and final[i].outputs[0].logprobs for i in range(len(prompts))):
         topk = [[sorted(([int(tok), float(lp.logprob)] for tok, lp in step.items()), key=lambda x: -x[1])
                  for step in (final[i].outputs[0].logprobs or [])] if i in final else [] for i in range(len(prompts))]  # fmt: skip
-    return {"tokens": tokens, "request_ids": ext_ids, "internal_ids": [internal[i] for i in range(len(prompts))],
-            "aborted": sorted(aborted), "topk": topk}  # fmt: skip
+    return {"tokens": tokens, "request_ids": external, "internal_ids": internal, "aborted": sorted(aborted), "topk": topk}
 
 
 def run_arm(name: str, args: argparse.Namespace) -> None:
@@ -331,7 +334,7 @@ def run_arm(name: str, args: argparse.Namespace) -> None:
         abort_after = {i: max(1, int(k["abort_after"] * m)) for i, (k, m) in enumerate(zip(kinds, max_tokens, strict=True))
                        if "abort_after" in k}  # fmt: skip
         t = time.time()
-        out = generate(llm, prompts, params, abort_after)
+        out = generate(llm, prompts, params, abort_after, obs)
         res["generate_s"] = round(time.time() - t, 2)
         res.update({k: out[k] for k in ("request_ids", "internal_ids", "tokens", "aborted")})
         if name == "nospec_big":

@@ -219,46 +219,53 @@ def test_driver_summary_of_a_traced_mixed_arm(tmp_path, monkeypatch) -> None:
     assert gpu_preempt_repro.tfm_diverged({"nospec_big": {}}) is None
 
 
-class _FakeEngine:
-    """vLLM's LLMEngine loop as gpu_preempt_repro.generate uses it: each step adds one token to every
-    running request and returns cumulative outputs under the external id; abort_request takes
-    internal ids ("<external>-<suffix>")."""
+class _FakeLLM:
+    """What gpu_preempt_repro.generate uses of vLLM 0.26's LLM, one token per request per step:
+    ``enqueue`` returns internal ids ("<counter>-<suffix>"), ``llm_engine.step`` returns final
+    outputs only (LLM's FINAL_ONLY) under the external id, ``abort_request`` takes internal ids;
+    the scheduler's requests count their output tokens."""
 
     def __init__(self) -> None:
         from types import SimpleNamespace
 
         self.ns = SimpleNamespace
-        self.reqs: dict[str, dict] = {}
+        self.reqs: dict[str, SimpleNamespace] = {}
+        self.llm_engine = self
+        self.scheduler = SimpleNamespace(requests=self.reqs)
 
-    def add_request(self, rid, prompt, params):
-        self.reqs[rid] = {"prompt": prompt["prompt_token_ids"], "max": params.max_tokens, "out": [], "done": False}
-        return f"{rid}-0badf00d"
+    def enqueue(self, prompts, params, use_tqdm=True):
+        for i, (p, sp) in enumerate(zip(prompts, params)):
+            self.reqs[f"{i}-0badf00d"] = self.ns(prompt=p["prompt_token_ids"], max=sp.max_tokens, output_token_ids=[], done=False)
+        return list(self.reqs)
 
     def has_unfinished_requests(self):
-        return any(not r["done"] for r in self.reqs.values())
+        return any(not r.done for r in self.reqs.values())
 
     def abort_request(self, ids, internal=False):
         assert internal
         for rid in ids:
-            self.reqs[rid.rpartition("-")[0]]["done"] = True
+            self.reqs.pop(rid)
 
     def step(self):
         outs = []
         for rid, r in self.reqs.items():
-            if r["done"]:
+            if r.done:
                 continue
-            r["out"].append(r["prompt"][0] * 100 + len(r["out"]))
-            r["done"] = len(r["out"]) >= r["max"]
-            outs.append(self.ns(request_id=rid, finished=r["done"], outputs=[self.ns(token_ids=list(r["out"]), logprobs=None)]))
+            r.output_token_ids.append(r.prompt[0] * 100 + len(r.output_token_ids))
+            r.done = len(r.output_token_ids) >= r.max
+            if r.done:
+                outs.append(self.ns(request_id=rid.rpartition("-")[0], finished=True,
+                                    outputs=[self.ns(token_ids=list(r.output_token_ids), logprobs=None)]))
         return outs
 
 
 def test_generate_aborts_requests_mid_stream_and_keeps_prompt_order() -> None:
     from types import SimpleNamespace
 
-    llm = SimpleNamespace(llm_engine=_FakeEngine())
+    llm = _FakeLLM()
     params = [SimpleNamespace(max_tokens=m) for m in (5, 9, 4)]
-    out = gpu_preempt_repro.generate(llm, [[1], [2], [3]], params, abort_after={1: 3})
-    assert out["tokens"] == [[100, 101, 102, 103, 104], [200, 201, 202], [300, 301, 302, 303]]
+    obs = SimpleNamespace(scheduler=llm.scheduler)
+    out = gpu_preempt_repro.generate(llm, [[1], [2], [3]], params, {1: 3}, obs)
+    assert out["tokens"] == [[100, 101, 102, 103, 104], [], [300, 301, 302, 303]]
     assert out["aborted"] == [1] and out["request_ids"] == ["0", "1", "2"] and out["topk"] is None
     assert out["internal_ids"] == ["0-0badf00d", "1-0badf00d", "2-0badf00d"]
