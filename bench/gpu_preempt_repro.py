@@ -1,31 +1,59 @@
 #!/usr/bin/env python3
 """Why greedy tfm diverges from no-spec under preemption (bench/results/preempt_zoo.json): one GPU command.
 
-Offline ``LLM.generate`` (engine core in this process: VLLM_ENABLE_V1_MULTIPROCESSING=0), toy zoo,
-float32, TRITON_ATTN, eager, prefix caching off. Workload: ``TFM_PREEMPT_PROMPTS`` (32) greedy
-prompts (windows of the standard library's Python files in the zoo tokenizer, lengths 16..700) x
-``TFM_PREEMPT_MAX_TOKENS`` (256) tokens, ignore_eos, all in one generate, max_num_seqs 64. "small"
-arms get a KV cache for about ``TFM_PREEMPT_CAPACITY`` (8) of the longest requests of that arm
-(bench/soak.py's estimate, per method: a no-spec request holds 1 GDN slot, a tfm one 1 + B), so
-vLLM preempts; "big" arms get 4 GiB.
+Offline engines (engine core in this process: VLLM_ENABLE_V1_MULTIPROCESSING=0), toy zoo, float32,
+TRITON_ATTN, eager, prefix caching off, max_model_len 1024, B = 16. Workload: ``TFM_PREEMPT_PROMPTS``
+(12) prompts (windows of the standard library's Python files in the zoo tokenizer): three quarters
+short (16..96 tokens), a quarter medium (128..``TFM_PREEMPT_MAX_PROMPT``, 256), the last one ending
+0..3 tokens before ``max_model_len`` minus its output (vLLM caps its drafts near the end); each with
+``max_tokens`` in [9/10, 1] x ``TFM_PREEMPT_MAX_TOKENS`` (768), ignore_eos, all submitted at once.
+"small" arms get a KV cache for ``TFM_PREEMPT_CAPACITY`` (6) of the workload's longest requests
+(bench/soak.py's estimate, per method); "big" arms 4 GiB.
 
-Arms, in this order, each in its own subprocess with a time cap, all within
-``TFM_PREEMPT_DEADLINE_S`` (500 s) of the runner's start (install included); arms that would start
-with less than ``MIN_START_S`` left are recorded as skipped:
+Calibration (why the first version saw no tfm preemption: 32 prompts of 16..700 tokens x 256
+outputs, capacity 8). vLLM 0.26's scheduler (v1/core/sched/scheduler.py) admits a waiting request
+only if its whole prompt fits now (``allocate_slots(..., full_sequence_must_fit=True)``: prompt
+plus ``num_lookahead_tokens``, which is B + 1 = 17 for ``use_dflash()`` methods, 425-1000) and
+preempts only when a *running* request cannot get the block its next step needs (running loop,
+562-603). A tfm request holds 1 + B = 17 GDN state blocks from admission on (mamba_cache_mode
+"none": ``MambaManager.get_num_blocks_to_allocate`` adds ``num_speculative_blocks`` blocks; the toy's
+6 GDN layers are one KV-cache group, its 2 target and 3 drafter attention layers share the other
+group's blocks), while its attention grows by one 112-token block per 112 tokens. So admission
+spends most of the pool on fixed state blocks, stops one admission short of full, and 256 new
+tokens (about 2.3 blocks per request) never outgrow that slack: the engine ran 8 requests at a
+time instead of preempting (no-spec: 1 state block per group and 80-token blocks, so its requests
+outgrow the slack and get preempted). Preemption needs the running requests' growth to exceed
+the slack: short prompts and long outputs of similar length, so that the admitted requests grow
+together. A model of that scheduling (admission and growth as above, B + 1 = 17 new tokens and 17
+lookahead slots per decode step, 2.8 tokens per step) gives, for this workload at capacity 6 over
+10 workload seeds x 3 acceptance seeds, tfm 3-20 preemptions (median 6), no-spec 5-9, dflash
+3-30; for the first version's workload it gave tfm 2 where the H200 saw 0 (no-spec: 10 vs 9
+seen), so expect a couple fewer. ``max_num_seqs`` (64) is not binding: about 7 tfm requests fit.
+
+Arms, in this order, each in its own subprocess with a time cap (engine start plus generation; the
+first engine of a fresh machine takes ~50 s to start), all within ``TFM_PREEMPT_DEADLINE_S`` (470 s)
+of the runner's start (install included); arms that would start with less than ``MIN_START_S``
+left are recorded as skipped:
   nospec_big             reference, with the top-5 log-probabilities of every output position;
-  tfm_small              tfm, B=16, small KV;
+  tfm_small              tfm, all greedy, small KV, request trace on;
+  tfm_mixed              the soak's conditions offline: small KV, two thirds greedy, the others at
+                         temperature 0.8 / 1.3 with seeds, two sampled requests aborted a third
+                         into their output (rows freed mid-batch), request trace on; its greedy
+                         requests are compared;
   nospec_small           no speculation, small KV: does vLLM itself diverge under preemption?
   dflash_small           vLLM's in-tree chain "dflash" (15 drafts), small KV;
-  tfm_big                tfm, 4 GiB KV: no preemption, same batch;
-  tfm_small_torch        tfm small KV with VLLM_TFM_KERNELS=0 (torch reference ops);
-  tfm_small_chain_forced tfm small KV, VLLM_TFM_PROPOSAL=chain, VLLM_TFM_FORCE_TREE_PATH=1.
+  tfm_small_torch        tfm small KV with VLLM_TFM_KERNELS=0 (torch reference ops) - only when
+                         tfm_small or tfm_mixed diverged;
+  tfm_small_chain_forced tfm small KV, VLLM_TFM_PROPOSAL=chain, VLLM_TFM_FORCE_TREE_PATH=1 - same;
+  tfm_big                tfm, 4 GiB KV: no preemption, same batch (last: skipped if time is short).
 Every arm records its tokens, vLLM's ``vllm:num_preemptions``, a scheduler-side log of each
 preemption (request id, output tokens so far: the position the resumed request restarts from) and
-of steps where a running request was left out (the persistent-batch removals of hypothesis d);
-tfm arms also the workers' tree metrics (``resumed_requests``, ``accepted_restored``,
-``states_moved``). The driver compares each arm with nospec_big (bench/preempt_reading.py) and
-writes OUT/preempt_repro.json (per-arm summary, divergences, the reading) after every arm; every
-arm's JSON (all tokens) and log go to OUT/arms.tar.gz.
+of steps where a running request was left out; tfm arms also the workers' tree metrics
+(``resumed_requests``, ``accepted_restored``, ``states_moved``), and traced arms the request trace
+(``VLLM_TFM_TRACE``, docs/metrics.md) read at every divergence (bench/trace_reading.py). The
+driver compares each arm with nospec_big (bench/preempt_reading.py) and writes
+OUT/preempt_repro.json (per-arm summary, divergences with their trace, the reading) after every
+arm; every arm's JSON (all tokens), log and trace go to OUT/arms.tar.gz.
 
 usage (GPU host, repository root):  bash bench/run_gpu_preempt_repro.sh
    or:  python3 bench/gpu_preempt_repro.py --out OUT [--arm all|<arm>|summary] [--arms a,b,...]
@@ -54,30 +82,37 @@ for _p in (BENCH, REPO):
         sys.path.insert(0, str(_p))
 
 import preempt_reading as pr
+import trace_reading as tr
 from phase_process import echo_log, run_phase_process  # noqa: E402
 
-WORK = Path(os.environ.get("TFM_PREEMPT_DIR", "/tmp/tfm-preempt"))  # per-arm JSON and logs (tarred into OUT)
-DEADLINE_S = float(os.environ.get("TFM_PREEMPT_DEADLINE_S", "500"))  # from T0 (the runner's start)
-N_PROMPTS = int(os.environ.get("TFM_PREEMPT_PROMPTS", "32"))
-MAX_TOKENS = int(os.environ.get("TFM_PREEMPT_MAX_TOKENS", "256"))
-MAX_PROMPT = int(os.environ.get("TFM_PREEMPT_MAX_PROMPT", "700"))
-CAPACITY = float(os.environ.get("TFM_PREEMPT_CAPACITY", "8"))
+WORK = Path(os.environ.get("TFM_PREEMPT_DIR", "/tmp/tfm-preempt"))  # per-arm JSON, logs and traces (tarred into OUT)
+DEADLINE_S = float(os.environ.get("TFM_PREEMPT_DEADLINE_S", "470"))  # from T0 (the runner's start)
+N_PROMPTS = int(os.environ.get("TFM_PREEMPT_PROMPTS", "12"))
+MAX_TOKENS = int(os.environ.get("TFM_PREEMPT_MAX_TOKENS", "768"))
+MAX_PROMPT = int(os.environ.get("TFM_PREEMPT_MAX_PROMPT", "256"))
+CAPACITY = float(os.environ.get("TFM_PREEMPT_CAPACITY", "6"))
 BUDGET = 16
 DFLASH_K = 15  # the drafter's block size 16 minus the bonus slot
 BIG_KV = 4 << 30
 MAX_MODEL_LEN = 1024
 MIN_START_S = 45.0
+COLD_START_S = 75.0  # the first engine on a fresh machine (Triton/NVRTC caches empty): ~50 s seen
+WARM_START_S = 40.0  # later engines: 7 s seen, 35 s for the first tfm engine (kernel compilation)
 TOPK = 5
+MIXED_SEED = 1000
 ARMS: dict[str, dict[str, Any]] = {
-    "nospec_big": {"method": None, "kv": "big", "cap_s": 90},
-    "tfm_small": {"method": "tfm", "kv": "small", "cap_s": 300},
-    "nospec_small": {"method": None, "kv": "small", "cap_s": 90},
-    "dflash_small": {"method": "dflash", "kv": "small", "cap_s": 120},
-    "tfm_big": {"method": "tfm", "kv": "big", "cap_s": 150},
-    "tfm_small_torch": {"method": "tfm", "kv": "small", "cap_s": 200, "env": {"VLLM_TFM_KERNELS": "0"}},
-    "tfm_small_chain_forced": {"method": "tfm", "kv": "small", "cap_s": 170,
+    "nospec_big": {"method": None, "kv": "big", "gen_s": 60},
+    "tfm_small": {"method": "tfm", "kv": "small", "gen_s": 150, "trace": True},
+    "tfm_mixed": {"method": "tfm", "kv": "small", "gen_s": 150, "trace": True, "mixed": True},
+    "nospec_small": {"method": None, "kv": "small", "gen_s": 60},
+    "dflash_small": {"method": "dflash", "kv": "small", "gen_s": 70},
+    "tfm_small_torch": {"method": "tfm", "kv": "small", "gen_s": 200, "env": {"VLLM_TFM_KERNELS": "0"},
+                        "only_if_tfm_diverged": True},
+    "tfm_small_chain_forced": {"method": "tfm", "kv": "small", "gen_s": 170, "only_if_tfm_diverged": True,
                                "env": {"VLLM_TFM_PROPOSAL": "chain", "VLLM_TFM_FORCE_TREE_PATH": "1"}},
+    "tfm_big": {"method": "tfm", "kv": "big", "gen_s": 90},
 }  # fmt: skip
+TFM_SMALL_ARMS = ("tfm_small", "tfm_mixed")  # a divergence in one of these runs the only_if_tfm_diverged arms
 
 
 def log(*args: object) -> None:
@@ -85,8 +120,11 @@ def log(*args: object) -> None:
 
 
 # ---------------------------------------------------------------------------------------- workload
-def make_prompts(target: str, n: int = N_PROMPTS, max_prompt: int = MAX_PROMPT, seed: int = 7) -> dict[str, Any]:
-    """Mixed-length prompts: a quarter short (16..64), half medium (65..400), a quarter long (401..max_prompt)."""
+def make_prompts(
+    target: str, n: int = N_PROMPTS, max_prompt: int = MAX_PROMPT, max_tokens: int = MAX_TOKENS, seed: int = 7
+) -> dict[str, Any]:
+    """The workload (module docstring): prompts, their lengths and each request's max_tokens. The
+    last request ends 0..3 tokens before ``MAX_MODEL_LEN``."""
     rng = random.Random(seed)
     try:
         import soak
@@ -97,16 +135,35 @@ def make_prompts(target: str, n: int = N_PROMPTS, max_prompt: int = MAX_PROMPT, 
         vocab = json.loads((Path(target) / "config.json").read_text())["vocab_size"]
         stream = [rng.randrange(3, vocab - 2) for _ in range(50_000)]
         kind = f"random token ids 3..{vocab - 3} (tokenizer failed: {type(e).__name__}: {e})"
-    lens = []
-    for i in range(n):
-        band = i % 4
-        lens.append(rng.randint(16, 64) if band == 0 else rng.randint(401, max_prompt) if band == 3 else rng.randint(65, 400))
-    rng.shuffle(lens)
+    outs = [rng.randint(max_tokens * 9 // 10, max_tokens) for _ in range(n)]
+    lens = [rng.randint(128, max_prompt) if i % 4 == 3 else rng.randint(16, 96) for i in range(n)]
+    lens[-1] = max(1, MAX_MODEL_LEN - outs[-1] - rng.randint(0, 3))  # near max_model_len
     prompts = []
     for n_tok in lens:
         start = rng.randrange(len(stream))
         prompts.append([stream[(start + j) % len(stream)] for j in range(n_tok)])
-    return {"kind": kind, "prompts": prompts, "lengths": lens}
+    return {"kind": kind, "prompts": prompts, "lengths": lens, "max_tokens": outs}
+
+
+def sampling_kinds(n: int, mixed: bool) -> list[dict[str, Any]]:
+    """Per request: temperature and seed (greedy everywhere, or for ``mixed`` two thirds greedy and
+    the others at 0.8 / 1.3 with seeds), and for ``mixed`` the output count after which two sampled
+    requests are aborted (``abort_after``, fraction of max_tokens)."""
+    kinds: list[dict[str, Any]] = []
+    for i in range(n):
+        if not mixed or i % 3 != 1:
+            kinds.append({"temperature": 0.0})
+        else:
+            kinds.append({"temperature": 0.8 if i % 6 == 1 else 1.3, "seed": MIXED_SEED + i})
+    if mixed:
+        for i in [i for i, k in enumerate(kinds) if k["temperature"] > 0][:2]:
+            kinds[i]["abort_after"] = 1 / 3
+    return kinds
+
+
+def kind_label(k: dict[str, Any]) -> str:
+    label = "greedy" if not k["temperature"] else f"t={k['temperature']:g} seed={k['seed']}"
+    return label + (" aborted" if "abort_after" in k else "")
 
 
 def kv_bytes(arm: str, target: str, drafter: str, longest: int) -> dict[str, Any]:
@@ -136,6 +193,7 @@ class SchedulerLog:
         self.left_out: Counter[str] = Counter()
         self.steps = 0
         self.error: str | None = None
+        self.scheduler: Any = None  # the engine's scheduler, seen at its first step (generate's aborts)
 
     def install(self) -> None:
         from vllm.v1.core.sched.scheduler import Scheduler
@@ -158,6 +216,7 @@ class SchedulerLog:
 
         def schedule(sched: Any, *args: Any, **kw: Any) -> Any:
             out = orig_schedule(sched, *args, **kw)
+            obs.scheduler = sched
             try:
                 obs.steps += 1
                 scheduled = set(out.num_scheduled_tokens)
@@ -198,17 +257,55 @@ def metric_values(llm: Any) -> dict[str, Any]:
     return out
 
 
+def generate(llm: Any, prompts: list[list[int]], params: list[Any], abort_after: dict[int, int], obs: SchedulerLog) -> dict[str, Any]:
+    """``LLM.generate`` opened up: the requests go in through ``LLM.enqueue`` (all at once, as
+    ``generate`` does) and the engine is stepped here, so that request i can be aborted once the
+    scheduler (``obs.scheduler``, this process) counts ``abort_after[i]`` output tokens for it: a
+    client gone mid-stream. Returns tokens, request ids and top-k lists in prompt order, and the
+    aborted indices (their tokens are whatever the engine returned, often none)."""
+    internal = list(llm.enqueue([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False))
+    external = [rid.rpartition("-")[0] or rid for rid in internal]
+    index = {rid: i for i, rid in enumerate(external)} | {rid: i for i, rid in enumerate(internal)}
+    engine = llm.llm_engine
+    final: dict[int, Any] = {}
+    aborted: list[int] = []
+    while engine.has_unfinished_requests():
+        for o in engine.step():
+            i = index.get(o.request_id)  # RequestOutput carries the external id (output_processor.py:371)
+            if i is not None and o.finished:
+                final[i] = o
+        sched = obs.scheduler
+        for i, n in abort_after.items():
+            req = None if sched is None or i in aborted else sched.requests.get(internal[i])
+            if req is not None and len(req.output_token_ids) >= n:
+                engine.abort_request([internal[i]], internal=True)
+                aborted.append(i)
+    tokens = [list(final[i].outputs[0].token_ids) if i in final else [] for i in range(len(prompts))]
+    topk = None
+    if any(i in final and final[i].outputs[0].logprobs for i in range(len(prompts))):
+        topk = [[sorted(([int(tok), float(lp.logprob)] for tok, lp in step.items()), key=lambda x: -x[1])
+                 for step in (final[i].outputs[0].logprobs or [])] if i in final else [] for i in range(len(prompts))]  # fmt: skip
+    return {"tokens": tokens, "request_ids": external, "internal_ids": internal, "aborted": sorted(aborted), "topk": topk}
+
+
 def run_arm(name: str, args: argparse.Namespace) -> None:
     spec = ARMS[name]
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # engine core here: scheduler log, get_metrics, collective_rpc
     os.environ.update(spec.get("env", {}))
-    res: dict[str, Any] = {"arm": name, "method": spec["method"], "env": spec.get("env", {})}
+    trace_dir = WORK / f"trace_{name}"
+    if spec.get("trace"):
+        os.environ["VLLM_TFM_TRACE"] = str(trace_dir)
+    res: dict[str, Any] = {"arm": name, "method": spec["method"], "env": spec.get("env", {}),
+                           "trace_dir": str(trace_dir) if spec.get("trace") else None}  # fmt: skip
     path = WORK / f"{name}.json"
     try:
         w = json.loads((WORK / "prompts.json").read_text())
-        prompts = w["prompts"]
-        longest = max(len(p) for p in prompts) + MAX_TOKENS
-        res["kv"] = kv_bytes(name, args.target, args.drafter, longest)
+        prompts, max_tokens = w["prompts"], w["max_tokens"]
+        kinds = sampling_kinds(len(prompts), bool(spec.get("mixed")))
+        res["kinds"] = [kind_label(k) for k in kinds]
+        res["greedy"] = [i for i, k in enumerate(kinds) if not k["temperature"]]
+        longest = max(len(p) + m for p, m in zip(prompts, max_tokens, strict=True))
+        res["kv"] = kv_bytes(name, args.target, args.drafter, min(longest, MAX_MODEL_LEN))
         import gpu_ray_e2e
 
         kw = dict(gpu_ray_e2e.engine_settings(), model=args.target, dtype="float32", skip_tokenizer_init=True,
@@ -231,19 +328,17 @@ def run_arm(name: str, args: argparse.Namespace) -> None:
         cc = llm.llm_engine.vllm_config.cache_config
         res["kv"].update({"num_gpu_blocks": cc.num_gpu_blocks, "block_size": cc.block_size})
         log(f"{name}: engine up in {res['engine_start_s']} s, KV {res['kv']}")
-        params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True, detokenize=False,
-                                logprobs=TOPK if name == "nospec_big" else None)  # fmt: skip
+        params = [SamplingParams(temperature=k["temperature"], seed=k.get("seed"), max_tokens=m, ignore_eos=True,
+                                 detokenize=False, logprobs=TOPK if name == "nospec_big" else None)
+                  for k, m in zip(kinds, max_tokens, strict=True)]  # fmt: skip
+        abort_after = {i: max(1, int(k["abort_after"] * m)) for i, (k, m) in enumerate(zip(kinds, max_tokens, strict=True))
+                       if "abort_after" in k}  # fmt: skip
         t = time.time()
-        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+        out = generate(llm, prompts, params, abort_after, obs)
         res["generate_s"] = round(time.time() - t, 2)
-        res["request_ids"] = [o.request_id for o in outs]
-        res["tokens"] = [list(o.outputs[0].token_ids) for o in outs]
+        res.update({k: out[k] for k in ("request_ids", "internal_ids", "tokens", "aborted")})
         if name == "nospec_big":
-            try:  # the reference's top-5 log-probabilities: the margin at every divergence
-                res["topk"] = [[sorted(([int(tok), float(lp.logprob)] for tok, lp in step.items()), key=lambda x: -x[1])
-                                for step in (o.outputs[0].logprobs or [])] for o in outs]  # fmt: skip
-            except Exception as e:  # noqa: BLE001
-                res["topk_error"] = f"{type(e).__name__}: {e}"
+            res["topk"] = out["topk"]
         res["preempt_log"] = obs.preemptions
         res["left_out_steps"] = dict(obs.left_out)
         res["scheduler_steps"] = obs.steps
@@ -253,8 +348,12 @@ def run_arm(name: str, args: argparse.Namespace) -> None:
         path.write_text(json.dumps(res, default=str))  # the tokens are safe before the workers are asked
         if spec["method"] == "tfm":
             res["tree_metrics"] = llm.collective_rpc(worker_metrics)
-        log(f"{name}: {len(outs)} outputs in {res['generate_s']} s, {res['preemptions']} preemptions, "
-            f"{len(obs.preemptions)} logged")  # fmt: skip
+            if spec.get("trace"):
+                from vllm_tfm.vllm_plugin.runtime import flush_trace
+
+                res["trace_files"] = llm.collective_rpc(flush_trace)
+        log(f"{name}: {len(out['tokens'])} outputs in {res['generate_s']} s, {res['preemptions']} preemptions, "
+            f"{len(obs.preemptions)} logged, aborted {out['aborted']}")  # fmt: skip
     except Exception as e:  # noqa: BLE001 - recorded; the driver goes on with the next arm
         res["error"] = f"{type(e).__name__}: {e}"
         res["traceback"] = traceback.format_exc()
@@ -268,6 +367,21 @@ def load(name: str) -> dict[str, Any] | None:
     return json.loads(p.read_text()) if p.is_file() else None
 
 
+def trace_divergences(a: dict[str, Any], cmp: dict[str, Any], limit: int = 8) -> dict[str, Any] | None:
+    """The request trace at each divergence of a traced arm (bench/trace_reading.py), in place."""
+    if not a.get("trace_dir") or not cmp["divergent"]:
+        return None
+    files = sorted(Path(a["trace_dir"]).glob("trace-*.jsonl"))
+    if not files:
+        return {"error": "no trace file"}
+    index_of = tr.index_from_map(pr.prompt_index_of(a["request_ids"]))
+    kinds = dict(enumerate(a.get("kinds") or []))
+    ex = tr.extract(files, index_of, [d["index"] for d in cmp["divergent"][:limit]])
+    for d in cmp["divergent"][:limit]:
+        d["trace"] = tr.explain(ex, d["index"], d["pos"], index_of, kinds, max_records=60, mate_steps=4)
+    return {"files": [p.name for p in files], "records": ex.records, "truncated": ex.truncated}
+
+
 def arm_summary(name: str, run: dict[str, Any], ref: dict[str, Any] | None) -> dict[str, Any]:
     """What the result file keeps of one arm (no tokens), with its comparison against nospec_big."""
     if "skipped" in run:
@@ -277,7 +391,8 @@ def arm_summary(name: str, run: dict[str, Any], ref: dict[str, Any] | None) -> d
     if a is None:
         s["error"] = "no result: the arm was killed or crashed before writing (see its log in arms.tar.gz)"
         return s
-    for k in ("error", "engine_start_s", "generate_s", "preemptions", "kv", "metrics", "observer_error", "scheduler_steps"):
+    for k in ("error", "engine_start_s", "generate_s", "preemptions", "kv", "metrics", "observer_error", "scheduler_steps",
+              "aborted"):
         if k in a:
             s[k] = a[k]
     tms = a.get("tree_metrics") or []
@@ -294,10 +409,14 @@ def arm_summary(name: str, run: dict[str, Any], ref: dict[str, Any] | None) -> d
     s["preempted_prompts"] = {str(k): v for k, v in sorted(pre.items())}
     s["left_out_prompts"] = {str(k): v for k, v in sorted(left.items())}
     if name != "nospec_big" and ref is not None and "tokens" in ref:
+        only = a.get("greedy") if len(a.get("greedy") or []) < len(a["tokens"]) else None
         cmp = pr.compare_arm(ref["tokens"], a["tokens"], ref_topk=ref.get("topk"), preemptions=pre,
-                             resumed=resumed if tm is not None else None)  # fmt: skip
+                             resumed=resumed if tm is not None else None, only=only)  # fmt: skip
         for d in cmp["divergent"]:
             d["left_out_steps"] = left.get(d["index"], 0)
+        trace = trace_divergences(a, cmp)
+        if trace is not None:
+            s["trace"] = trace
         s["comparison"] = cmp
     return s
 
@@ -309,20 +428,39 @@ def summary(out: Path, runs: dict[str, dict[str, Any]], workload: dict[str, Any]
         "command": command, "device": "nvidia-h200", "settings": {
             "prompts": N_PROMPTS, "max_tokens": MAX_TOKENS, "max_prompt": MAX_PROMPT, "capacity_requests": CAPACITY,
             "budget": BUDGET, "dflash_k": DFLASH_K, "max_model_len": MAX_MODEL_LEN, "dtype": "float32",
-            "deadline_s": DEADLINE_S, "workload": workload.get("kind"), "prompt_lengths": workload.get("lengths")},
+            "deadline_s": DEADLINE_S, "workload": workload.get("kind"), "prompt_lengths": workload.get("lengths"),
+            "request_max_tokens": workload.get("max_tokens"),
+            "mixed_kinds": [kind_label(k) for k in sampling_kinds(len(workload.get("lengths") or []), True)]},
         "arms": arms, "reading": pr.reading(arms), "elapsed_s": round(time.time() - T0, 1),
     }  # fmt: skip
     (out / "preempt_repro.json").write_text(json.dumps(res, indent=1, default=str))
     return res
 
 
-def run_one(args: argparse.Namespace, name: str) -> dict[str, Any]:
+def tfm_diverged(runs: dict[str, dict[str, Any]]) -> bool | None:
+    """Whether tfm_small or tfm_mixed diverged from the reference (None: neither compared)."""
+    ref = load("nospec_big")
+    states = []
+    for name in TFM_SMALL_ARMS:
+        if name in runs:
+            cmp = arm_summary(name, runs[name], ref).get("comparison")
+            if cmp is not None:
+                states.append(bool(cmp["divergent"]))
+    return any(states) if states else None
+
+
+def arm_timeout(name: str, first: bool) -> float:
+    """Engine start (cold for the run's first engine) plus the arm's generation cap."""
+    return (COLD_START_S if first else WARM_START_S) + ARMS[name]["gen_s"]
+
+
+def run_one(args: argparse.Namespace, name: str, first: bool) -> dict[str, Any]:
     out = Path(args.out)
     left = DEADLINE_S - (time.time() - T0)
     if left < MIN_START_S:
         log(f"arm {name} skipped: {left:.0f} s left")
         return {"skipped": f"{left:.0f} s left of TFM_PREEMPT_DEADLINE_S={DEADLINE_S:.0f}"}
-    timeout = min(ARMS[name]["cap_s"], left)
+    timeout = min(arm_timeout(name, first), left)
     logf = WORK / f"{name}.log"
     log(f"arm {name} (timeout {timeout:.0f} s) -> {logf.name}")
     cmd = [sys.executable, __file__, "--arm", name, "--out", str(out), "--target", args.target, "--drafter", args.drafter]
@@ -335,10 +473,11 @@ def run_one(args: argparse.Namespace, name: str) -> dict[str, Any]:
 
 
 def pack(out: Path) -> None:
-    """Every arm's JSON (all tokens) and log into OUT/arms.tar.gz (at most 8 files come back from OUT)."""
+    """Every arm's JSON (all tokens), log and request trace into OUT/arms.tar.gz (at most 8 files come
+    back from OUT)."""
     with tarfile.open(out / "arms.tar.gz", "w:gz") as tar:
-        for p in sorted(WORK.glob("*.json")) + sorted(WORK.glob("*.log")):
-            tar.add(p, arcname=p.name)
+        for p in sorted(WORK.glob("*.json")) + sorted(WORK.glob("*.log")) + sorted(WORK.glob("trace_*/*.jsonl")):
+            tar.add(p, arcname=str(p.relative_to(WORK)))
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -372,13 +511,18 @@ def main(argv: list[str] | None = None) -> int:
         workload = json.loads((WORK / "prompts.json").read_text())
         runs = {name: {} for name in args.arm_list if (WORK / f"{name}.json").is_file()}
     else:
-        for stale in list(WORK.glob("*.json")) + list(WORK.glob("*.log")):
+        for stale in list(WORK.glob("*.json")) + list(WORK.glob("*.log")) + list(WORK.glob("trace_*/*.jsonl")):
             stale.unlink()
         workload = make_prompts(args.target)
         (WORK / "prompts.json").write_text(json.dumps(workload))
-        log(f"workload: {len(workload['prompts'])} prompts ({workload['kind']}), lengths {sorted(workload['lengths'])}")
-        for name in args.arm_list:
-            runs[name] = run_one(args, name)
+        log(f"workload: {len(workload['prompts'])} prompts ({workload['kind']}), lengths {workload['lengths']}, "
+            f"max_tokens {workload['max_tokens']}")  # fmt: skip
+        for k, name in enumerate(args.arm_list):
+            if ARMS[name].get("only_if_tfm_diverged") and not tfm_diverged(runs):
+                runs[name] = {"skipped": "tfm_small and tfm_mixed did not diverge (or were not compared)"}
+                log(f"arm {name} skipped: {runs[name]['skipped']}")
+                continue
+            runs[name] = run_one(args, name, first=k == 0)
             summary(out, runs, workload, command)  # after every arm: a later kill keeps what was learnt
             pack(out)
     res = summary(out, runs, workload, command)
@@ -390,6 +534,10 @@ def main(argv: list[str] | None = None) -> int:
             f"{c['identical']}/{c['compared']} identical, divergent {[(d['index'], d['pos'], d['preempted_at']) for d in c['divergent']]}"
             if c else "reference")  # fmt: skip
         print(f"{name:24s} preemptions={s.get('preemptions')} gen={s.get('generate_s')}s  {what}")
+        for d in (c or {}).get("divergent", [])[:6]:
+            line = ((d.get("trace") or {}).get("reading") or {}).get("line")
+            if line:
+                print(f"    prompt {d['index']}: {line}")
     print(*res["reading"]["lines"], sep="\n")
     print(json.dumps(res["reading"]["support"], indent=1))
     print("=" * 100)

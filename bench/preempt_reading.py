@@ -18,18 +18,19 @@ Hypotheses (the names used in the result file):
   b  a write with a wrong slot/block corrupts live data when the small pool recycles blocks
      (KV compaction, GDN commit, drafter context writes);
   c  vLLM's own decoding under preemption diverges too (no speculation, or its chain "dflash");
-  d  GDN state offsets lost when vLLM removes / re-adds a request in its persistent batch.
+  d  GDN state offsets lost when vLLM removes / re-adds a request in its persistent batch;
+  mixed  greedy requests go wrong only next to sampled ones / aborted ones (the soak's batches).
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from typing import Any
 
 Tokens = Sequence[Sequence[int]]
 TopK = Sequence[Sequence[Sequence[float]]]  # per prompt, per position: [[token, logprob], ...] best first
 NEAR_TIE = 1e-3  # a reference top-2 margin below this is within float32 prefill-vs-decode noise
-SPEC_ARMS = ("tfm_small", "tfm_big", "tfm_small_torch", "tfm_small_chain_forced", "dflash_small")
+SPEC_ARMS = ("tfm_small", "tfm_mixed", "tfm_big", "tfm_small_torch", "tfm_small_chain_forced", "dflash_small")
 TFM_SMALL_VARIANTS = ("tfm_small_torch", "tfm_small_chain_forced")
 
 
@@ -92,8 +93,10 @@ def compare_arm(
     ref_topk: TopK | None = None,
     preemptions: Mapping[int, Sequence[int]] | None = None,
     resumed: Mapping[int, int] | None = None,
+    only: Collection[int] | None = None,
 ) -> dict[str, Any]:
-    """One arm against the reference, prompt by prompt.
+    """One arm against the reference, prompt by prompt (``only``: these prompts, e.g. the greedy
+    ones of a mixed arm).
 
     Per divergent prompt: ``pos`` (first divergence), ``ref``/``arm`` tokens there, ``preempted_at``
     (output positions of its preemptions, scheduler log), ``resumed`` (worker count, tfm only),
@@ -107,7 +110,11 @@ def compare_arm(
     if len(ref) != len(arm):
         raise ValueError(f"{len(ref)} reference prompts but {len(arm)} in the arm")
     divergent: list[dict[str, Any]] = []
-    for i, (a, b) in enumerate(zip(ref, arm, strict=True)):
+    compared = sorted(set(only)) if only is not None else list(range(len(ref)))
+    if compared and not 0 <= compared[0] <= compared[-1] < len(ref):
+        raise ValueError(f"prompts {compared} outside the {len(ref)} compared")
+    for i in compared:
+        a, b = ref[i], arm[i]
         pos = first_divergence(a, b)
         if pos is None:
             continue
@@ -127,8 +134,8 @@ def compare_arm(
         divergent.append(d)
     preempted_prompts = sorted(k for k, v in pre.items() if k >= 0 and v)
     return {
-        "compared": len(ref),
-        "identical": len(ref) - len(divergent),
+        "compared": len(compared),
+        "identical": len(compared) - len(divergent),
         "divergent_indices": [d["index"] for d in divergent],
         "divergent": divergent,
         "preempted_prompts": preempted_prompts,
@@ -154,6 +161,22 @@ def _state(arms: Mapping[str, Mapping[str, Any]], name: str) -> str:
     return "identical" if cmp["identical"] == cmp["compared"] else "diverged"
 
 
+def _mixed_line(arms: Mapping[str, Mapping[str, Any]], st: Mapping[str, str], preempted: Any) -> str | None:
+    """One line on tfm_mixed (greedy requests among sampled ones, with aborts), or None if absent."""
+    s = st["tfm_mixed"]
+    if s == "absent":
+        return None
+    if s not in ("identical", "diverged"):
+        return f"tfm_mixed: {s}"
+    c = arms["tfm_mixed"]["comparison"]
+    pre = "" if preempted("tfm_mixed") else " but saw NO preemption (inconclusive)"
+    if s == "identical":
+        return f"tfm_mixed: greedy {c['identical']}/{c['compared']} identical ({arms['tfm_mixed'].get('preemptions')} preemptions){pre}"
+    return (f"tfm_mixed: greedy {c['identical']}/{c['compared']} identical, divergent {c['divergent_indices']} "
+            f"({c['divergent_after_preemption']} after a preemption of that request, {c['divergent_near_tie']} near ties; "
+            f"{arms['tfm_mixed'].get('preemptions')} preemptions){pre}")  # fmt: skip
+
+
 def _real(cmp: Mapping[str, Any]) -> list[Mapping[str, Any]]:
     """Divergences that are not near-ties of the reference (unknown margin counts as real)."""
     return [d for d in cmp["divergent"] if d["ref_margin"] is None or d["ref_margin"] >= NEAR_TIE]
@@ -162,7 +185,8 @@ def _real(cmp: Mapping[str, Any]) -> list[Mapping[str, Any]]:
 def reading(arms: Mapping[str, Mapping[str, Any]]) -> dict[str, Any]:
     """Which hypotheses the per-arm pattern supports. ``arms[name]`` holds ``comparison`` (compare_arm's
     result), ``preemptions`` (vLLM's counter), ``skipped`` / ``error``, and for tfm arms ``tree_metrics``."""
-    st = {name: _state(arms, name) for name in ("tfm_small", "nospec_small", "dflash_small", "tfm_big", *TFM_SMALL_VARIANTS)}
+    st = {name: _state(arms, name)
+          for name in ("tfm_small", "tfm_mixed", "nospec_small", "dflash_small", "tfm_big", *TFM_SMALL_VARIANTS)}
     lines: list[str] = []
     support: dict[str, str] = {}
 
@@ -170,8 +194,11 @@ def reading(arms: Mapping[str, Mapping[str, Any]]) -> dict[str, Any]:
         return bool((arms.get(name) or {}).get("preemptions"))
 
     small = st["tfm_small"]
+    mixed_line = _mixed_line(arms, st, preempted)
     if small in ("absent", "skipped", "failed"):
         lines.append(f"tfm_small {small}: no reading")
+        if mixed_line:
+            lines.append(mixed_line)
         return {"states": st, "support": support, "lines": lines}
     if not preempted("tfm_small"):
         lines.append("tfm_small saw no preemption: the workload did not reproduce the condition; lower the KV capacity")
@@ -195,6 +222,15 @@ def reading(arms: Mapping[str, Mapping[str, Any]]) -> dict[str, Any]:
                             "so live data of running requests changed")  # fmt: skip
         else:
             support["b"] = "not indicated: no real divergence in a request that was not preempted first"
+    if mixed_line:
+        lines.append(mixed_line)
+    if st["tfm_mixed"] == "diverged" and small == "identical":
+        support["mixed"] = ("supported: greedy requests diverge only in the mixed batch (sampled neighbours, aborts), "
+                            "not in the all-greedy one")  # fmt: skip
+    elif st["tfm_mixed"] == "identical" and small == "diverged":
+        support["mixed"] = "not needed: the all-greedy batch diverges, the mixed one does not"
+    elif st["tfm_mixed"] == "diverged" and small == "diverged":
+        support["mixed"] = "not specific: both the all-greedy and the mixed batch diverge"
     # vLLM's own paths under the same small pool
     vllm_side = []
     for name in ("nospec_small", "dflash_small"):

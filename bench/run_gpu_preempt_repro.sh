@@ -1,18 +1,23 @@
 #!/usr/bin/env bash
 # The one GPU-host command that tells apart the causes of the greedy divergences of tfm under
-# preemption (bench/results/preempt_zoo.json): offline LLM.generate on the toy zoo, float32, seven
-# arms in their own subprocesses (bench/gpu_preempt_repro.py: nospec_big reference, tfm_small,
-# nospec_small, dflash_small, tfm_big, tfm_small_torch, tfm_small_chain_forced).
+# preemption (bench/results/preempt_zoo.json): offline engines on the toy zoo, float32, arms in
+# their own subprocesses (bench/gpu_preempt_repro.py: nospec_big reference, tfm_small, tfm_mixed
+# (greedy among seeded sampled requests, two aborts, as in the soak), nospec_small, dflash_small,
+# then tfm_small_torch and tfm_small_chain_forced only if a tfm small arm diverged, tfm_big last).
+# The workload is calibrated so that tfm really preempts (short prompts, long outputs; the
+# reasoning is in gpu_preempt_repro.py's docstring); tfm arms run with the request trace on.
 #
 #   device tool, kind nvidia-h200, repository root, carry ['.gpu-bundle'], timeout 600:
 #       bash bench/run_gpu_preempt_repro.sh
 #
 # Installs this checkout next to vLLM (its entry point loads the plugin), then runs the arms.
 # Results in $OUT: preempt_repro.json (commit it as bench/results/preempt_repro_zoo.json; rewritten
-# after every arm), arms.tar.gz (every arm's JSON with all tokens, and its log), run.log, pip.log.
-# Bounded by TFM_PREEMPT_DEADLINE_S (default 500 s) counted from this script's start, install
-# included: arms that would start with under 45 s left are skipped. Knobs: TFM_PREEMPT_ARMS
-# (comma list), TFM_PREEMPT_PROMPTS, TFM_PREEMPT_MAX_TOKENS, TFM_PREEMPT_CAPACITY.
+# after every arm), arms.tar.gz (every arm's JSON with all tokens, its log and its request trace),
+# run.log, pip.log. Bounded by TFM_PREEMPT_DEADLINE_S (default 470 s) counted from this script's
+# start, install included: each arm's cap is its engine start (75 s for the first engine on a
+# fresh machine, 40 s after) plus its generation, cut to what is left; arms that would start with
+# under 45 s left are skipped. Knobs: TFM_PREEMPT_ARMS (comma list), TFM_PREEMPT_PROMPTS (12),
+# TFM_PREEMPT_MAX_TOKENS (768), TFM_PREEMPT_MAX_PROMPT (256), TFM_PREEMPT_CAPACITY (6).
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.." || exit 1
 OUT=${OUT:-/tmp/tfm-preempt-out}

@@ -21,7 +21,11 @@ requests (``--kv-cache-memory-bytes`` estimated from the model shapes; the log's
 concurrency" line is recorded) and a no-spec server; 40 concurrent requests with long outputs
 (mostly greedy, some sampled, 10% disconnecting) overflow the cache, so vLLM preempts running
 requests and later recomputes them while their trees are in flight. ``vllm:num_preemptions_total``
-must grow and greedy outputs must equal no-spec.
+must grow and greedy outputs must equal no-spec. The tfm server runs with the request trace on
+(``VLLM_TFM_TRACE``, docs/metrics.md) and every load request carries ``X-Request-Id: load-<index>``;
+each greedy divergence gets the trace records of its request up to a few steps past the
+divergence, the other requests of those steps and a reading (bench/trace_reading.py); the trace
+itself is packed into ``OUT/tfm_small_trace.jsonl.gz``.
 
 Models: ``--target zoo/target --drafter zoo/drafter`` (defaults, the trained toy zoo), or
 ``--random``: a random float32 tiny Qwen3.5 hybrid target with decisive logits, a byte-level
@@ -58,6 +62,7 @@ for _p in (BENCH, REPO):  # the bench modules, and vllm_tfm from this checkout (
         sys.path.insert(0, str(_p))
 
 import soak_client as sc
+import trace_reading as tr
 from soak_probes import EXPECTED_ERRORS, MODEL_NAME, judge_probes, run_probes
 from soak_server import (
     MemorySampler,
@@ -99,11 +104,15 @@ class SoakConfig:
     preempt_capacity: float = 12.0  # estimated max-length requests the small KV cache holds
     random_models: bool = False
     command: str = ""
+    trace_max_mb: float = 128.0  # bound of the tfm_small server's request trace (VLLM_TFM_TRACE_MAX_MB)
     settle_s: float = 2.0  # wait after a load has drained before reading memory
     probe_delay_s: float = 10.0  # the probes start this long after the load (capped at a quarter of its budget)
 
 
 Launcher = Callable[[Role, SoakConfig], list[str]]
+LOAD_ID_PREFIX = "load-"
+"""``X-Request-Id`` of load request i is ``load-<i>``: vLLM names it ``cmpl-load-<i>-0-<8 hex>``."""
+TRACE_ARCHIVE = "tfm_small_trace.jsonl.gz"
 
 
 def vllm_command(role: Role, cfg: SoakConfig) -> list[str]:
@@ -159,7 +168,8 @@ def load_on(
     async def main() -> tuple[list[sc.RequestResult], float]:
         load = sc.run_load(server.base_url, MODEL_NAME, specs, concurrency=cfg.concurrency,
                            stop_launching_at=t_launch_stop, hard_stop_at=t_hard_stop,
-                           request_timeout_s=cfg.request_timeout_s, on_progress=progress)
+                           request_timeout_s=cfg.request_timeout_s, on_progress=progress,
+                           request_id_prefix=LOAD_ID_PREFIX)
         if probe_prompt is None:
             return await load
         (results, wall), probes = await asyncio.gather(load, run_probes(server.base_url, probe_prompt, min(cfg.probe_delay_s, budget_s / 4)))
@@ -442,8 +452,14 @@ def phase_preempt(
                              long_fraction=0.7)
     res["workload"] = _workload_stats(specs)
     roles = [Role("tfm_small", cfg.port + 2, True, kv_small, mml), Role("nospec", cfg.port + 3, False, cfg.kv_cache_bytes, mml)]
-    servers = [Server(r, launch(r, cfg), cfg.out, cwd=REPO) for r in roles]
+    trace_dir = cfg.out / "trace_tfm_small"  # the tfm server's request trace (VLLM_TFM_TRACE), packed at the end
+    if trace_dir.is_dir():
+        for stale in trace_dir.glob("*.jsonl"):
+            stale.unlink()
+    trace_env = {"VLLM_TFM_TRACE": str(trace_dir), "VLLM_TFM_TRACE_MAX_MB": f"{cfg.trace_max_mb:g}"}
+    servers = [Server(r, launch(r, cfg), cfg.out, cwd=REPO, env=trace_env if r.spec else None) for r in roles]
     small, nospec = servers
+    res["trace"] = {"dir": str(trace_dir), "max_mb": cfg.trace_max_mb, "request_id": f"X-Request-Id: {LOAD_ID_PREFIX}<index>"}
     try:
         up = start_servers(servers, min(deadline - 60, time.monotonic() + cfg.startup_timeout_s))
         res["startup"] = {s.role.name: {"healthy": up[s.role.name], "seconds": s.startup_s} for s in servers}
@@ -471,7 +487,53 @@ def phase_preempt(
         res["fatal"] = f"{type(e).__name__}: {e}"
         res["traceback"] = traceback.format_exc()
         log("FAILED:", res["fatal"])
-    return _finish(res, servers, path)
+    # the trace is read once the server has stopped (its last lines are written at exit)
+    return _finish(res, servers, path, after_stop=lambda r: trace_divergences(r, specs, trace_dir, cfg.out / TRACE_ARCHIVE))
+
+
+def request_kind(spec: sc.RequestSpec) -> str:
+    """greedy / t=<temperature> [top_p=..] [top_k=..], then stream / drop@<tokens> (the trace's step mates)."""
+    kind = "greedy" if spec.greedy else f"t={spec.temperature:g}"
+    if spec.top_p is not None:
+        kind += f" top_p={spec.top_p:g}"
+    if spec.top_k is not None:
+        kind += f" top_k={spec.top_k}"
+    if spec.disconnect_after_tokens is not None:
+        kind += f" drop@{spec.disconnect_after_tokens}"
+    elif spec.stream:
+        kind += " stream"
+    return kind
+
+
+def trace_divergences(res: dict[str, Any], specs: Sequence[sc.RequestSpec], trace_dir: Path, archive: Path,
+                      limit: int = 12) -> None:
+    """Each greedy divergence gets the trace at it (``trace_reading.explain``): the request's
+    records, the other requests of those steps and a reading. Then the trace files go into one
+    gzip archive beside the results (what comes back from the GPU host is at most 8 files)."""
+    import gzip
+    import shutil
+
+    info = res.setdefault("trace", {})
+    files = sorted(trace_dir.glob("trace-*.jsonl")) if trace_dir.is_dir() else []
+    info["files"] = [p.name for p in files]
+    info["bytes"] = sum(p.stat().st_size for p in files)
+    divs = (res.get("greedy_vs_nospec") or {}).get("divergences") or []
+    if files and divs:
+        index_of = tr.index_from_header(LOAD_ID_PREFIX)
+        kinds = {s.index: request_kind(s) for s in specs}
+        ex = tr.extract(files, index_of, [d["index"] for d in divs[:limit]])
+        info.update({"records": ex.records, "truncated": ex.truncated})
+        for d in divs[:limit]:
+            d["trace"] = tr.explain(ex, d["index"], d["pos"], index_of, kinds, max_records=60, mate_steps=4)
+    elif not files:
+        info["error"] = "no trace file (was the plugin's VLLM_TFM_TRACE honoured?)"
+    if files:
+        with gzip.open(archive, "wt", encoding="utf-8") as out:
+            for p in files:
+                with open(p, encoding="utf-8") as fh:
+                    shutil.copyfileobj(fh, out)
+        shutil.rmtree(trace_dir, ignore_errors=True)
+        info["archive"] = archive.name
 
 
 def _still_serving(server: Server, specs: Sequence[sc.RequestSpec], results: Sequence[sc.RequestResult]) -> dict[str, Any]:
@@ -490,10 +552,17 @@ def _still_serving(server: Server, specs: Sequence[sc.RequestSpec], results: Seq
     return out
 
 
-def _finish(res: dict[str, Any], servers: Sequence[Server], path: Path) -> dict[str, Any]:
-    """Read the server logs, stop the servers (their shutdown output is reported apart), write the verdict."""
+def _finish(res: dict[str, Any], servers: Sequence[Server], path: Path,
+            after_stop: Callable[[dict[str, Any]], None] | None = None) -> dict[str, Any]:
+    """Read the server logs, stop the servers (their shutdown output is reported apart), run
+    ``after_stop`` (errors recorded, not raised), write the verdict."""
     running = {s.role.name: s.log_text() for s in servers}
     codes = stop_servers(servers)
+    if after_stop is not None:
+        try:
+            after_stop(res)
+        except Exception as e:  # noqa: BLE001 - a diagnostic must not lose the measurements
+            res["after_stop_error"] = f"{type(e).__name__}: {e}"
     for s in servers:
         text = s.log_text()
         facts = log_facts(running[s.role.name], EXPECTED_ERRORS)
@@ -527,6 +596,9 @@ def summary_text(res: dict[str, Any]) -> str:
         for d in cmp["divergences"][:5]:
             lines.append(f"   request {d['index']} ({d['kind']}) diverges at {d['pos']}: {d['a']} vs {d['b']}, "
                          f"no-spec check {d.get('nospec_check', {}).get('top2_margin')}")
+            t = d.get("trace") or {}
+            if t:
+                lines.append("      trace: " + ((t.get("reading") or {}).get("line") or t.get("error", "")))
     if res.get("ratios"):
         lines.append("tfm / no-spec: " + ", ".join(f"{k} {_fmt(v)}" for k, v in res["ratios"].items()))
     lines.append("verdict: " + json.dumps(res["verdict"]))

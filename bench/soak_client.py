@@ -255,12 +255,14 @@ async def complete(
     *,
     disconnect_after_tokens: int | None = None,
     timeout_s: float = 120.0,
+    request_id: str | None = None,
 ) -> Outcome:
     """POST ``body`` to ``url`` (a ``/v1/completions`` URL) and read the whole answer.
 
     Streaming bodies are read event by event (``data: {...}`` lines, until ``data: [DONE]``);
     with ``disconnect_after_tokens`` the connection is closed (not drained) as soon as that many
-    tokens arrived, as a client that goes away does.
+    tokens arrived, as a client that goes away does. ``request_id`` goes in the ``X-Request-Id``
+    header (vLLM 0.26 names the engine request ``cmpl-<request_id>-<choice>-<8 hex>`` after it).
     """
     import aiohttp
 
@@ -272,7 +274,8 @@ async def complete(
             out.ttft_s = time.perf_counter() - t0
 
     try:
-        async with session.post(url, json=body, timeout=aiohttp.ClientTimeout(total=timeout_s)) as resp:
+        headers = None if request_id is None else {"X-Request-Id": request_id}
+        async with session.post(url, json=body, headers=headers, timeout=aiohttp.ClientTimeout(total=timeout_s)) as resp:
             out.http_status = resp.status
             if resp.status != 200 or not body.get("stream"):
                 raw = await resp.read()
@@ -404,12 +407,14 @@ async def run_load(
     hard_stop_at: float,
     request_timeout_s: float = 120.0,
     on_progress: Callable[[int, int], None] | None = None,
+    request_id_prefix: str | None = None,
 ) -> tuple[list[RequestResult], float]:
     """Send ``specs`` in order through ``concurrency`` clients; (results in spec order, wall seconds).
 
     ``stop_launching_at`` / ``hard_stop_at`` are ``time.monotonic()`` values: no request starts
     after the first; requests still running at the second are cancelled (connection dropped) and
-    reported as ``cut``.
+    reported as ``cut``. With ``request_id_prefix`` each request carries ``X-Request-Id:
+    <prefix><spec.index>`` (so a server-side trace names it).
     """
     import aiohttp
 
@@ -433,6 +438,7 @@ async def run_load(
                 out = await complete(
                     session, url, request_body(spec, model), disconnect_after_tokens=spec.disconnect_after_tokens,
                     timeout_s=request_timeout_s,
+                    request_id=None if request_id_prefix is None else f"{request_id_prefix}{spec.index}",
                 )
             except asyncio.CancelledError:
                 results[spec.index] = RequestResult(spec.index, "cut", started_s=started)

@@ -126,10 +126,11 @@ def gpu_memory(pids: set[int]) -> dict[str, Any]:
 class Server:
     """A server subprocess in its own session (so its whole process group can be stopped)."""
 
-    def __init__(self, role: Role, cmd: list[str], out: Path, cwd: Path | None = None) -> None:
+    def __init__(self, role: Role, cmd: list[str], out: Path, cwd: Path | None = None, env: dict[str, str] | None = None) -> None:
         self.role = role
         self.cwd = cwd
         self.cmd = cmd
+        self.env = dict(env or {})  # on top of this process's environment
         self.log_path = out / f"{role.name}.log"
         self.base_url = f"http://127.0.0.1:{role.port}"
         self.proc: subprocess.Popen | None = None
@@ -139,8 +140,9 @@ class Server:
     def start(self) -> None:
         env = dict(os.environ, VLLM_USE_FLASHINFER_SAMPLER="0")
         env.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)  # vllm serve runs its engine in its own process
+        env.update(self.env)
         self.started_at = time.monotonic()
-        log(f"start {self.role.name}: {' '.join(self.cmd)}")
+        log(f"start {self.role.name}: {' '.join(f'{k}={v}' for k, v in self.env.items())} {' '.join(self.cmd)}")
         with open(self.log_path, "w") as f:
             self.proc = subprocess.Popen(self.cmd, stdout=f, stderr=subprocess.STDOUT, env=env, start_new_session=True,
                                          cwd=None if self.cwd is None else str(self.cwd))

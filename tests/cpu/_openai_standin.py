@@ -12,6 +12,10 @@ token changed), ``short`` (those prompts lose their last token). ``spec=True`` r
 'tfm' refuses, with the same messages, and counts spec-decode drafts. Client disconnects are
 counted (a write to a closed connection fails) and reported as ``finished_reason="abort"``.
 
+A spec stand-in started with ``VLLM_TFM_TRACE=<dir>`` in its environment writes trace records in
+the shape of tfm's request trace there (``_write_trace``), named after the ``X-Request-Id``
+header as vLLM names its requests.
+
 Run as a script for a subprocess server: ``python _openai_standin.py --port P [--spec] ...``.
 """
 
@@ -50,6 +54,8 @@ class StandinState:
     drafts: int = 0
     accepted: int = 0
     preemptions: int = 0
+    trace_path: str | None = None  # VLLM_TFM_TRACE of a spec stand-in: trace records like tfm's
+    trace_step: int = 0
 
 
 def output_tokens(prompt: list[int], n_tokens: int, temperature: float, seed: int | None, choice: int) -> list[int]:
@@ -94,6 +100,36 @@ def _choices(state: StandinState, body: dict[str, Any]) -> list[list[int]]:
     return out
 
 
+def _write_trace(state: StandinState, request_id: str, body: dict[str, Any], choices: list[list[int]]) -> None:
+    """Records in the shape of tfm's request trace (vllm_tfm/vllm_plugin/runtime/trace.py) for one
+    completion: two tokens per 'step', the first step a new request's prefill; with
+    ``preemptions_per_request`` the second step is the request resumed after a preemption."""
+    import os
+    import random
+
+    if state.trace_path is None:
+        return
+    os.makedirs(state.trace_path, exist_ok=True)
+    path = os.path.join(state.trace_path, f"trace-{os.getpid()}.jsonl")
+    lines = [] if os.path.exists(path) else [json.dumps({"trace": "vllm-tfm", "version": 1})]
+    temperature = float(body.get("temperature") or 0.0)
+    for c, toks in enumerate(choices):
+        rid = f"cmpl-{request_id}-{c}-{random.getrandbits(32):08x}"
+        for j, start in enumerate(range(0, len(toks), 2)):
+            out = toks[start : start + 2]
+            rec: dict[str, Any] = {"s": state.trace_step, "ts": 0.0, "r": rid, "row": 0, "n": 17 if j else len(body["prompt"]),
+                                   "d": 16 if j else 0, "spec": int(j > 0), "path": "tree", "no": start, "t": temperature,
+                                   "acc": len(out) - 1, "out": out}  # fmt: skip
+            if j == 0:
+                rec["new"] = 1
+            elif j == 1 and state.preemptions_per_request:
+                rec.update(res=1, n=len(body["prompt"]) + 2, d=0, spec=0)
+            lines.append(json.dumps(rec))
+            state.trace_step += 1
+    with open(path, "a") as f:
+        f.write("\n".join(lines) + "\n")
+
+
 def _logprobs(toks: list[int]) -> dict[str, Any]:
     return {"tokens": [f"token_id:{t}" for t in toks], "top_logprobs": [{f"token_id:{t}": -0.1, "token_id:0": -2.5} for t in toks]}
 
@@ -135,6 +171,7 @@ def make_app(state: StandinState) -> web.Application:
             return web.json_response(err, status=400)
         if refusal is None:
             choices = _choices(state, body)
+            _write_trace(state, request.headers.get("X-Request-Id") or "anon", body, choices)
         state.running += 1
         state.preemptions += state.preemptions_per_request
         try:
@@ -197,7 +234,10 @@ def main() -> None:
     ap.add_argument("--preemptions-per-request", type=int, default=0)
     ap.add_argument("--startup-delay", type=float, default=0.0)
     args = ap.parse_args()
-    state = StandinState(spec=args.spec, corrupt=set(args.corrupt), preemptions_per_request=args.preemptions_per_request)
+    import os
+
+    state = StandinState(spec=args.spec, corrupt=set(args.corrupt), preemptions_per_request=args.preemptions_per_request,
+                         trace_path=(os.environ.get("VLLM_TFM_TRACE") or None) if args.spec else None)
     if args.startup_delay:
         import time
 

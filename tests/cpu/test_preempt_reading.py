@@ -137,7 +137,135 @@ def test_driver_args_and_workload() -> None:
     assert args.arm_list == ["nospec_big", "tfm_small", "tfm_big"]  # the reference first, canonical order
     with pytest.raises(SystemExit):
         gpu_preempt_repro.parse_args(["--arms", "tfm_smal"])
-    w = gpu_preempt_repro.make_prompts(str(ROOT / "zoo" / "target"), n=8, max_prompt=700)
-    assert [len(p) for p in w["prompts"]] == w["lengths"] and len(w["lengths"]) == 8
-    assert min(w["lengths"]) >= 16 and max(w["lengths"]) <= 700
-    assert sum(n > 400 for n in w["lengths"]) == 2 and sum(n <= 64 for n in w["lengths"]) == 2
+    w = gpu_preempt_repro.make_prompts(str(ROOT / "zoo" / "target"), n=8, max_prompt=256, max_tokens=768)
+    lens, outs = w["lengths"], w["max_tokens"]
+    assert [len(p) for p in w["prompts"]] == lens and len(lens) == 8 and len(outs) == 8
+    assert all(691 <= m <= 768 for m in outs)
+    assert all(16 <= n <= 96 for i, n in enumerate(lens[:-1]) if i % 4 != 3) and 128 <= lens[3] <= 256
+    assert 1021 <= lens[-1] + outs[-1] <= 1024  # the last request ends just short of max_model_len
+    assert gpu_preempt_repro.arm_timeout("nospec_big", first=True) == gpu_preempt_repro.COLD_START_S + 60
+    assert gpu_preempt_repro.arm_timeout("tfm_small", first=False) == gpu_preempt_repro.WARM_START_S + 150
+
+
+def test_sampling_kinds_of_the_mixed_arm() -> None:
+    plain = gpu_preempt_repro.sampling_kinds(12, mixed=False)
+    assert plain == [{"temperature": 0.0}] * 12
+    mixed = gpu_preempt_repro.sampling_kinds(12, mixed=True)
+    sampled = [i for i, k in enumerate(mixed) if k["temperature"]]
+    assert sampled == [1, 4, 7, 10] and [mixed[i]["temperature"] for i in sampled] == [0.8, 1.3, 0.8, 1.3]
+    assert [mixed[i]["seed"] for i in sampled] == [1001, 1004, 1007, 1010]
+    assert [i for i, k in enumerate(mixed) if "abort_after" in k] == [1, 4]
+    assert [gpu_preempt_repro.kind_label(mixed[i]) for i in (0, 1, 7)] == ["greedy", "t=0.8 seed=1001 aborted",
+                                                                           "t=0.8 seed=1007"]
+
+
+def test_compare_only_the_greedy_prompts_of_a_mixed_arm() -> None:
+    arm_tokens = planted({0: 1, 1: 2, 3: 0})  # prompt 1 is sampled there: its difference is not a divergence
+    cmp = pr.compare_arm(REF, arm_tokens, only=[0, 2, 3])
+    assert cmp["compared"] == 3 and cmp["identical"] == 1 and cmp["divergent_indices"] == [0, 3]
+    with pytest.raises(ValueError, match="outside the 4 compared"):
+        pr.compare_arm(REF, arm_tokens, only=[0, 4])
+
+
+def test_reading_of_the_mixed_arm() -> None:
+    same = [list(t) for t in REF]
+    mixed = {"comparison": pr.compare_arm(REF, planted({2: 3}), ref_topk=topk({}), preemptions={2: [1]}, only=[0, 2, 3]),
+             "preemptions": 4.0}
+    r = pr.reading({"tfm_small": arm(same, {1: [2]}, 2.0), "tfm_mixed": mixed})
+    assert r["support"]["mixed"].startswith("supported: greedy requests diverge only in the mixed batch")
+    assert "tfm_mixed: greedy 2/3 identical, divergent [2] (1 after a preemption of that request, 0 near ties; 4.0 preemptions)" in r["lines"]
+    r = pr.reading({"tfm_small": arm(planted({1: 3}), {1: [2]}, 2.0), "tfm_mixed": arm(same, {}, 0.0)})
+    assert r["support"]["mixed"].startswith("not needed")
+    assert any(ln.startswith("tfm_mixed: greedy 4/4 identical") and ln.endswith("(inconclusive)") for ln in r["lines"])
+    r = pr.reading({"tfm_small": {"skipped": "x"}, "tfm_mixed": mixed})
+    assert r["lines"][0] == "tfm_small skipped: no reading" and r["lines"][1].startswith("tfm_mixed: greedy 2/3")
+
+
+def test_driver_summary_of_a_traced_mixed_arm(tmp_path, monkeypatch) -> None:
+    """arm_summary on written arm files: the mixed arm is compared on its greedy prompts only, its
+    divergence gets the request trace read at it; a divergence makes the conditional arms run."""
+    import json
+
+    monkeypatch.setattr(gpu_preempt_repro, "WORK", tmp_path)
+    ids = ["0", "1", "2", "3"]
+    (tmp_path / "nospec_big.json").write_text(json.dumps({"tokens": REF, "request_ids": ids}))
+    trace = tmp_path / "trace_tfm_mixed"
+    trace.mkdir()
+    recs = [{"s": 0, "r": "2-0a0b0c0d", "row": 0, "n": 30, "d": 0, "spec": 0, "path": "plain", "no": 0, "out": [13], "acc": 0,
+             "new": 1, "t": 0.0},
+            {"s": 0, "r": "1-11111111", "row": 1, "n": 9, "d": 0, "spec": 0, "path": "plain", "no": 0, "out": [7], "acc": 0,
+             "new": 1, "t": 0.8},
+            {"s": 3, "r": "2-0a0b0c0d", "row": 0, "n": 17, "d": 16, "spec": 1, "path": "tree", "tree": 1, "dep": 3, "no": 1,
+             "out": [14, 15, 99], "acc": 2, "back": 1, "a0": 1, "a": 3, "fix": "restore", "t": 0.0}]  # fmt: skip
+    (trace / "trace-9.jsonl").write_text("\n".join(json.dumps(r) for r in recs) + "\n")
+    mixed = {"tokens": planted({1: 0, 2: 3}), "request_ids": ids, "greedy": [0, 2, 3],
+             "kinds": ["greedy", "t=0.8 seed=1001", "greedy", "greedy"], "trace_dir": str(trace), "preemptions": 3.0,
+             "preempt_log": [{"request_id": "2-0a0b0c0d", "num_output_tokens": 1}]}  # fmt: skip
+    (tmp_path / "tfm_mixed.json").write_text(json.dumps(mixed))
+    (tmp_path / "tfm_small.json").write_text(json.dumps({"tokens": REF, "request_ids": ids, "preemptions": 2.0}))
+    runs = {"nospec_big": {}, "tfm_small": {"rc": 0}, "tfm_mixed": {"rc": 0}}
+    s = gpu_preempt_repro.arm_summary("tfm_mixed", runs["tfm_mixed"], json.loads((tmp_path / "nospec_big.json").read_text()))
+    c = s["comparison"]
+    assert c["compared"] == 3 and c["divergent_indices"] == [2] and s["trace"]["records"] == 3
+    (d,) = c["divergent"]
+    assert d["pos"] == 3 and d["preempted_at"] == [1] and d["since_resume"] == 2
+    rd = d["trace"]["reading"]
+    assert rd["step"] == 3 and rd["token_in_step"] == 2 and rd["token_kind"] == "bonus"
+    assert rd["left_out_before"] == [3] and rd["offsets_fixed_before"] == ["3:restore"]
+    assert d["trace"]["step_mates"][0]["others"] == [{"i": 1, "kind": "t=0.8 seed=1001", "n": 9, "d": 0, "t": 0.8, "new": 1,
+                                                      "acc": 0}]  # fmt: skip
+    assert gpu_preempt_repro.tfm_diverged(runs) is True
+    assert gpu_preempt_repro.tfm_diverged({"nospec_big": {}, "tfm_small": {"rc": 0}}) is False
+    assert gpu_preempt_repro.tfm_diverged({"nospec_big": {}}) is None
+
+
+class _FakeLLM:
+    """What gpu_preempt_repro.generate uses of vLLM 0.26's LLM, one token per request per step:
+    ``enqueue`` returns internal ids ("<counter>-<suffix>"), ``llm_engine.step`` returns final
+    outputs only (LLM's FINAL_ONLY) under the external id, ``abort_request`` takes internal ids;
+    the scheduler's requests count their output tokens."""
+
+    def __init__(self) -> None:
+        from types import SimpleNamespace
+
+        self.ns = SimpleNamespace
+        self.reqs: dict[str, SimpleNamespace] = {}
+        self.llm_engine = self
+        self.scheduler = SimpleNamespace(requests=self.reqs)
+
+    def enqueue(self, prompts, params, use_tqdm=True):
+        for i, (p, sp) in enumerate(zip(prompts, params)):
+            self.reqs[f"{i}-0badf00d"] = self.ns(prompt=p["prompt_token_ids"], max=sp.max_tokens, output_token_ids=[], done=False)
+        return list(self.reqs)
+
+    def has_unfinished_requests(self):
+        return any(not r.done for r in self.reqs.values())
+
+    def abort_request(self, ids, internal=False):
+        assert internal
+        for rid in ids:
+            self.reqs.pop(rid)
+
+    def step(self):
+        outs = []
+        for rid, r in self.reqs.items():
+            if r.done:
+                continue
+            r.output_token_ids.append(r.prompt[0] * 100 + len(r.output_token_ids))
+            r.done = len(r.output_token_ids) >= r.max
+            if r.done:
+                outs.append(self.ns(request_id=rid.rpartition("-")[0], finished=True,
+                                    outputs=[self.ns(token_ids=list(r.output_token_ids), logprobs=None)]))
+        return outs
+
+
+def test_generate_aborts_requests_mid_stream_and_keeps_prompt_order() -> None:
+    from types import SimpleNamespace
+
+    llm = _FakeLLM()
+    params = [SimpleNamespace(max_tokens=m) for m in (5, 9, 4)]
+    obs = SimpleNamespace(scheduler=llm.scheduler)
+    out = gpu_preempt_repro.generate(llm, [[1], [2], [3]], params, {1: 3}, obs)
+    assert out["tokens"] == [[100, 101, 102, 103, 104], [], [300, 301, 302, 303]]
+    assert out["aborted"] == [1] and out["request_ids"] == ["0", "1", "2"] and out["topk"] is None
+    assert out["internal_ids"] == ["0-0badf00d", "1-0badf00d", "2-0badf00d"]

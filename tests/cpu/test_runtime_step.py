@@ -78,6 +78,27 @@ def test_build_step_tree_lays_out_a_mixed_batch():
     assert t.bias.shape == (6 + BIAS_PAD_ROWS, 6) and t.bias.stride(0) == 6 and not t.bias[6:].any()
 
 
+def test_a_decode_row_without_drafts_is_not_a_spec_row_when_others_verify_trees():
+    """vLLM 0.26 marks a row as a spec decode only when the scheduler put it in
+    ``scheduled_spec_decode_tokens`` (gpu_model_runner.py:2226-2235, ``num_decode_draft_tokens``
+    -1 otherwise); a running request that got a single token (the step's token budget ran out on
+    it) is absent there and goes through the GDN's non-spec path. The tree metadata must count
+    the same spec rows, or the GDN tree verify sees a different number of spec requests than vLLM
+    and the step fails."""
+    tree = [-1, 0, 0, 1]
+    store = store_with({"tree": ([11, 12, 13], tree), "short": ([21, 22, 23], tree)})
+    req_ids = ["tree", "short", "tail"]
+    spec = {"tree": [11, 12, 13], "short": [21]}  # "short": budget cut to 2 tokens; "tail": 1 token, no drafts
+    step = build_step_tree(req_ids, np.array([4, 2, 1]), spec, store, allow_trees=True)
+    # what vLLM's GDN metadata builder counts as spec rows: in the dict and num_scheduled == drafts + 1
+    vllm_spec = [rid in spec and n == len(spec[rid]) + 1 for rid, n in zip(req_ids, [4, 2, 1])]
+    assert step.is_spec.tolist() == vllm_spec == [True, True, False]
+    assert step.spec_req_index.tolist() == [0, 1] and step.spec_cu.tolist() == [0, 4, 6]
+    assert step.num_spec_tokens == 6 and step.spec_parents.tolist() == tree + [-1, 0]
+    assert step.sample_cu.tolist() == [0, 4, 6, 7]  # the tail row still has its one logits row
+    assert step.tree_active and step.is_tree.tolist() == [True, False, False]
+
+
 def test_build_step_tree_without_trees():
     store = store_with({"tree": ([11, 12], [-1, 0, 0])})
     spec = {"tree": [11, 12]}

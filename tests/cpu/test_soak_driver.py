@@ -267,6 +267,33 @@ def test_preempt_phase_end_to_end(tmp_path: Path) -> None:
     assert "kv_estimate" not in res  # given explicitly
 
 
+def test_preempt_phase_puts_the_trace_of_a_divergence_into_the_result(tmp_path: Path) -> None:
+    """The tfm server runs with VLLM_TFM_TRACE under the phase's OUT; the stand-in writes its trace
+    there under the X-Request-Id the load sends (two tokens a step, the second step a resume after
+    a preemption); the planted divergence at output 2 is read from it."""
+    cfg = _cfg(tmp_path)
+    specs = sc.make_workload(cfg.preempt_requests, _prompts(), seed=cfg.seed + 1, max_model_len=cfg.preempt_max_model_len,
+                             max_new_tokens=800, long_max_new_tokens=900, greedy_fraction=0.85, disconnect_fraction=0.1,
+                             near_max_fraction=0.1, long_fraction=0.7)  # the phase's own workload, same prompt counter
+    victim = next(s for s in specs if s.greedy and s.max_tokens >= 10 and s.disconnect_after_tokens is None)
+    launch = _launcher({"tfm_small": ["--preemptions-per-request", "1", "--corrupt", str(victim.prompt[0])]})
+    res = soak.phase_preempt(cfg, _prompts(), {"kind": "test"}, launch=launch, kv_small=123456, started_at=time.monotonic())
+    (d,) = res["greedy_vs_nospec"]["divergences"]
+    assert d["index"] == victim.index and d["pos"] == 2
+    t = d["trace"]
+    recs = t["records"]
+    assert [r["no"] for r in recs] == [0, 2, 4, 6, 8][: len(recs)] and len(recs) == 5  # up to 3 steps past the divergent one
+    assert all(r["r"].startswith(f"cmpl-load-{victim.index}-0-") for r in recs)
+    rd = t["reading"]
+    assert t["divergent_step"] == recs[1]["s"] and rd["step"] == recs[1]["s"] and rd["token_in_step"] == 0
+    assert rd["resumed_before"] == [recs[1]["s"]] and not rd["none_of_these"]
+    assert "resumed after a preemption at step" in rd["line"] and "(the divergent step itself)" in rd["line"]
+    assert res["trace"]["files"] and res["trace"]["records"] > 0 and res["trace"]["archive"] == soak.TRACE_ARCHIVE
+    assert (tmp_path / soak.TRACE_ARCHIVE).is_file() and not (tmp_path / "trace_tfm_small").exists()
+    saved = json.loads((tmp_path / "preempt.json").read_text())
+    assert saved["greedy_vs_nospec"]["divergences"][0]["trace"]["reading"]["line"] == rd["line"]
+
+
 def test_a_server_that_never_starts_is_reported(tmp_path: Path) -> None:
     cfg = _cfg(tmp_path, startup_timeout_s=3.0)
 

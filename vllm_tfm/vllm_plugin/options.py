@@ -71,6 +71,8 @@ NON_OPTION_ENV_VARS: frozenset[str] = frozenset(
         "VLLM_TFM_KERNELS",  # runtime: 0 forces the torch references instead of the kernels
         "VLLM_TFM_PROFILE",  # runtime: per-stage CUDA-event timings (runtime/stage_timing.py)
         "VLLM_TFM_CHECK_TP_TREES",  # runtime: all-gather and compare trees / accepted paths over the TP group (runtime/tensor_parallel.py)
+        "VLLM_TFM_TRACE",  # runtime: per-request step records into a directory (runtime/trace.py)
+        "VLLM_TFM_TRACE_MAX_MB",  # runtime: size bound of that trace per process
         "VLLM_TFM_BENCHMARK_ACCEPTANCE_REPLAY",  # benchmark_mode: replay a recorded acceptance profile
         "VLLM_TFM_I_AM_BENCHMARKING",  # benchmark_mode: required to allow the replay
         "VLLM_TFM_BENCHMARK_REPLAY_SEED",  # benchmark_mode: seed of the replay draws

@@ -29,14 +29,15 @@ One decode step of a tfm engine (sync scheduling, eager):
 Steps without a non-chain tree run vLLM's native chain path unchanged (set
 ``VLLM_TFM_FORCE_TREE_PATH=1`` to route them through the tree path too).
 
-Benchmark switches: ``VLLM_TFM_PROFILE=1`` times every stage with CUDA events
+Debugging switch: ``VLLM_TFM_TRACE=<dir>`` writes one JSON line per request per step
+(``trace.py``). Benchmark switches: ``VLLM_TFM_PROFILE=1`` times every stage with CUDA events
 (``stage_timing.py``); acceptance replay (``vllm_plugin/benchmark_mode.py``, ``replay.py``)
 replaces the verification outcome by draws from a recorded profile.
 """
 
 from __future__ import annotations
 
-__all__ = ["install", "is_installed", "snapshot_metrics", "collect_tree_metrics"]
+__all__ = ["install", "is_installed", "snapshot_metrics", "collect_tree_metrics", "flush_trace"]
 
 
 def install() -> None:
@@ -88,3 +89,14 @@ def collect_tree_metrics(worker: object = None, reset: bool = False) -> dict | N
         if STATE.replay is not None:
             STATE.replay.reset()
     return snap
+
+
+def flush_trace(worker: object = None) -> str | None:
+    """Write out what the request trace (``VLLM_TFM_TRACE``) buffered in this process; its file, or
+    None when no trace is on here. The signature suits ``LLM.collective_rpc``."""
+    from .state import STATE
+
+    if STATE.trace is None:
+        return None
+    STATE.trace.flush()
+    return str(STATE.trace.path)

@@ -13,6 +13,10 @@ Each wrapper calls the original and acts only on a runner built for ``"method": 
 * ``sample_tokens`` (4497): clears the step state when the step ends, so profiling and dummy runs
   never see a stale tree.
 
+With ``VLLM_TFM_TRACE=<dir>`` the ``_prepare_inputs`` and ``_update_states_after_model_execute``
+wrappers also hand each step to the request trace (``trace.py``); without it they test one
+attribute.
+
 With ``VLLM_TFM_PROFILE=1`` (``stage_timing``) three more methods are wrapped for every runner,
 tfm or not, to time the stages of each step with CUDA events: ``execute_model`` (4111),
 ``_model_forward`` (3824, the target forward) and ``_sample`` (3637); the wrappers above then
@@ -32,7 +36,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from .accepted_offsets import move_states_to_slot0, plan_offsets
+from .accepted_offsets import OffsetPlan, move_states_to_slot0, plan_offsets
 from .commit import commit_gdn_layer, compact_kv, compaction_rows, spec_accepted
 from .inputs import build_step_tree, tree_positions
 from .metrics import Metrics
@@ -115,6 +119,15 @@ def _wrap_init(orig: Callable) -> Callable:
         except AssertionError:  # no tensor-parallel group (a runner built outside a vLLM worker)
             STATE.log_stats = True
         STATE.log_stats_interval_s = float(os.environ.get("VLLM_LOG_STATS_INTERVAL", "10"))
+        if STATE.trace is not None:
+            STATE.trace.close()
+        STATE.trace = None
+        if STATE.log_stats:  # VLLM_TFM_TRACE: rank 0 writes the per-request step records (trace.py)
+            from .trace import Tracer
+
+            settings = self.drafter.tfm_settings
+            STATE.trace = Tracer.from_settings({"budget": settings.budget, "proposal": settings.proposal,
+                                                "max_depth": settings.max_depth, "hybrid": bool(self.model_config.is_hybrid)})
 
     return __init__
 
@@ -126,17 +139,22 @@ def _wrap_prepare_inputs(orig: Callable) -> Callable:
         if not _is_tfm(self):
             return out
         metrics = STATE.metrics
+        trace = STATE.trace
+        accepted_read, plan = None, None
         if self.model_config.is_hybrid:
-            fix_accepted_offsets(self, scheduler_output, num_scheduled_tokens)
+            if trace is not None:
+                accepted_read = self.num_accepted_tokens.np[: self.input_batch.num_reqs].copy()
+            plan = fix_accepted_offsets(self, scheduler_output, num_scheduled_tokens)
         with metrics.timed("prepare_inputs.tree"), TIMER.span("prepare_tree"):
             batch = self.input_batch
             num_req = batch.num_reqs
+            native = needs_native_sampler(batch.sampling_metadata)
             step = build_step_tree(
                 batch.req_ids[:num_req],
                 num_scheduled_tokens,
                 scheduler_output.scheduled_spec_decode_tokens,
                 STATE.store,
-                allow_trees=not needs_native_sampler(batch.sampling_metadata),
+                allow_trees=not native,
                 force_tree_path=force_tree_path() or STATE.replay is not None,  # replay verifies chains too
                 device=self.device,
             )
@@ -148,6 +166,8 @@ def _wrap_prepare_inputs(orig: Callable) -> Callable:
                 metrics.hook("prepare_inputs.depth_positions")
             STATE.step = step
             metrics.record_step(step)
+        if trace is not None:
+            trace.begin(self, scheduler_output, step, native, accepted_read, plan)
         return out
 
     return _prepare_inputs
@@ -169,10 +189,11 @@ def _gdn_groups(runner: Any) -> list[tuple[int, list[Any]]]:
     return groups
 
 
-def fix_accepted_offsets(runner: Any, scheduler_output: Any, num_scheduled_tokens: np.ndarray) -> None:
+def fix_accepted_offsets(runner: Any, scheduler_output: Any, num_scheduled_tokens: np.ndarray) -> OffsetPlan | None:
     """Give back ``num_accepted_tokens`` to rows vLLM re-added, and move committed GDN states that
     vLLM would read from slot 0 there (runtime/accepted_offsets.py). Runs after vLLM's
-    ``_prepare_inputs`` synced ``num_accepted_tokens`` and before the attention metadata is built."""
+    ``_prepare_inputs`` synced ``num_accepted_tokens`` and before the attention metadata is built.
+    Returns the plan when it acted (None when no row needed it)."""
     from .gdn import _layer_states
 
     batch = runner.input_batch
@@ -186,13 +207,13 @@ def fix_accepted_offsets(runner: Any, scheduler_output: Any, num_scheduled_token
     current = runner.num_accepted_tokens.np[:n]
     # a row with one scheduled token verifies no draft: it reads slot 0 (a spec row has >= 2 tokens)
     if continuing.all() and not ((nst == 1) & (current > 1)).any():
-        return  # the usual step: no row came back, no row reads a stale slot 0 (no Python loop)
+        return None  # the usual step: no row came back, no row reads a stale slot 0 (no Python loop)
     spec = scheduler_output.scheduled_spec_decode_tokens
     spec_rows = np.array([rid in spec and nst[i] == len(spec[rid]) + 1 for i, rid in enumerate(req_ids)], dtype=bool)
     decode_rows = spec_rows | (nst == 1)
     plan = plan_offsets(list(req_ids), current, continuing, spec_rows, decode_rows, STATE.offsets.records)
     if not plan:
-        return
+        return None
     dev = runner.num_accepted_tokens.gpu.device
     if plan.restore_rows:
         rows, vals = plan.restore_rows, plan.restore_values
@@ -220,6 +241,7 @@ def fix_accepted_offsets(runner: Any, scheduler_output: Any, num_scheduled_token
             "slot 0); counted in the tree metrics as accepted_restored / states_moved", len(plan.restore_rows),
             len(plan.move_rows),
         )
+    return plan
 
 
 def _kv_groups(runner: Any) -> list[tuple[int, list[Any]]]:
@@ -283,6 +305,8 @@ def _wrap_update_states_after(orig: Callable) -> Callable:
             if self.model_config.is_hybrid:
                 n = self.input_batch.num_reqs
                 STATE.offsets.end_step(list(self.input_batch.req_ids[:n]), self.num_accepted_tokens.gpu)
+            if STATE.trace is not None:
+                STATE.trace.end(self, output_token_ids)
             return out
         return orig(self, output_token_ids, scheduler_output)
 

@@ -26,7 +26,7 @@ from torch import Tensor
 
 from vllm_tfm.tree.types import ancestor_mask
 
-from .state import AttnTree, ProposalStore, StepTree
+from .state import LOOKUP_OFF, AttnTree, ProposalStore, StepTree
 
 __all__ = ["build_step_tree", "tree_positions", "depths_of", "ancestor_bias", "BIAS_PAD_ROWS"]
 
@@ -93,16 +93,22 @@ def build_step_tree(
     sample_parents: list[np.ndarray] = []
     sample_depth: list[np.ndarray] = []
     trees: list[tuple[int, np.ndarray]] = []
+    lookup = np.zeros(num_req, dtype=np.int8)
+    proposal_len = np.zeros(num_req, dtype=np.int64)
     for r, rid in enumerate(req_ids):
         n = int(num_scheduled[r])
         drafts = spec_tokens.get(rid, ())
         d = len(drafts)
         num_draft[r] = d
-        is_spec[r] = use_spec and n == d + 1
+        # vLLM's spec-decode rows (gpu_model_runner.py:2226-2235): scheduled drafts and nothing else;
+        # a running request that got one token and no drafts (token budget) is a non-spec row there
+        is_spec[r] = use_spec and rid in spec_tokens and n == d + 1
         chain = np.arange(-1, n - 1, dtype=np.int64)
         par, dep = chain, np.arange(n, dtype=np.int64)
-        if is_spec[r] and d > 0 and allow_trees:
-            rec = store.lookup(rid, list(drafts))
+        if is_spec[r] and d > 0 and not allow_trees:
+            lookup[r] = LOOKUP_OFF
+        elif is_spec[r] and d > 0:
+            rec, lookup[r], proposal_len[r] = store.match(rid, list(drafts))
             if rec is not None and not rec.is_chain:
                 par = rec.parents.astype(np.int64)
                 dep = depths_of(par)
@@ -144,6 +150,8 @@ def build_step_tree(
         spec_cu=spec_cu,
         spec_req_index=spec_idx,
         device=device,
+        lookup=lookup,
+        proposal_len=proposal_len,
     )
     if tree_active:
         step.attn_trees = [

@@ -12,6 +12,11 @@ them into ``TreeSettings`` here. Two in-process switches come on top:
   through the tree path (tree GDN verify + commit, tree sampler) instead of vLLM's native chain
   path, so a ``chain`` run exercises every tfm hook.
 
+One debugging switch is read once, when a tfm model runner is built (``trace_settings``):
+
+* ``VLLM_TFM_TRACE=<dir>``: one JSON line per request per step into ``<dir>/trace-<pid>.jsonl``
+  (``runtime/trace.py``), at most ``VLLM_TFM_TRACE_MAX_MB`` (default 256) MiB per process.
+
 The budget B (draft nodes per request, root excluded) is vLLM's ``num_speculative_tokens``, the
 number of draft tokens that travel to the scheduler every step. The drafter is queried for
 ``max_depth = min(B, dflash block_size - 1)`` depths of marginals (B when the drafter config names
@@ -33,6 +38,8 @@ __all__ = [
     "set_proposal_override",
     "proposal_override",
     "force_tree_path",
+    "trace_settings",
+    "TRACE_MAX_MB_DEFAULT",
 ]
 
 _OVERRIDE: dict[str, str | None] = {"proposal": None}
@@ -51,6 +58,24 @@ def proposal_override() -> str | None:
 
 def force_tree_path() -> bool:
     return os.environ.get("VLLM_TFM_FORCE_TREE_PATH", "0") not in ("", "0", "false", "False")
+
+
+TRACE_MAX_MB_DEFAULT = 256
+
+
+def trace_settings() -> tuple[str, int] | None:
+    """(directory, byte bound) of the request trace (``VLLM_TFM_TRACE``), or None when it is off."""
+    directory = os.environ.get("VLLM_TFM_TRACE", "").strip()
+    if not directory or directory in ("0", "false", "False"):
+        return None
+    raw = os.environ.get("VLLM_TFM_TRACE_MAX_MB", "").strip() or str(TRACE_MAX_MB_DEFAULT)
+    try:
+        mb = float(raw)
+    except ValueError:
+        raise ValueError(f"VLLM_TFM_TRACE_MAX_MB must be a number of MiB, got {raw!r}") from None
+    if mb <= 0:
+        raise ValueError(f"VLLM_TFM_TRACE_MAX_MB must be positive, got {raw!r}")
+    return directory, int(mb * (1 << 20))
 
 
 @dataclass(frozen=True)

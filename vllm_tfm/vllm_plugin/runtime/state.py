@@ -31,8 +31,12 @@ if TYPE_CHECKING:
     from .metrics import Metrics
     from .replay import AcceptanceReplayer
     from .settings import TreeSettings
+    from .trace import Tracer
 
-__all__ = ["TreeRecord", "ProposalStore", "GDNStash", "AttnTree", "StepTree", "RuntimeState", "STATE"]
+__all__ = [
+    "TreeRecord", "ProposalStore", "GDNStash", "AttnTree", "StepTree", "RuntimeState", "STATE", "LOOKUP_NAMES",
+    "LOOKUP_NONE", "LOOKUP_FULL", "LOOKUP_CUT", "LOOKUP_MISS", "LOOKUP_ABSENT", "LOOKUP_OFF",
+]
 
 
 @dataclass(frozen=True)
@@ -42,6 +46,14 @@ class TreeRecord:
     tokens: tuple[int, ...]
     parents: np.ndarray
     is_chain: bool
+
+
+LOOKUP_NONE, LOOKUP_FULL, LOOKUP_CUT, LOOKUP_MISS, LOOKUP_ABSENT, LOOKUP_OFF = range(6)
+LOOKUP_NAMES = ("", "full", "cut", "miss", "absent", "off")
+"""How a request's scheduled drafts were matched to its stored proposal in a step (``StepTree.lookup``):
+none (no drafts, or not a spec row), the whole proposal, a prefix of it (the scheduler truncated the
+tree: token budget or ``max_model_len``), not a prefix (zeroed or stale drafts: verified as a chain),
+no proposal stored, trees off this step (the batch needs vLLM's sampler)."""
 
 
 def _is_chain(parents: np.ndarray) -> bool:
@@ -102,15 +114,22 @@ class ProposalStore:
         The returned record is cut to the scheduled prefix: 1 + len(drafts) parents (a prefix of a
         topological order is a tree).
         """
+        return self.match(req_id, drafts)[0]
+
+    def match(self, req_id: str, drafts: list[int]) -> tuple[TreeRecord | None, int, int]:
+        """``lookup`` plus how it went: (record or None, one of the ``LOOKUP_*`` codes, length of
+        the stored proposal or 0)."""
         self._ingest()
         rec = self._records.get(req_id)
-        n = len(drafts)
-        if rec is None or n > len(rec.tokens) or tuple(drafts) != rec.tokens[:n]:
-            return None
-        if n == len(rec.tokens):
-            return rec
+        if rec is None:
+            return None, LOOKUP_ABSENT, 0
+        n, full = len(drafts), len(rec.tokens)
+        if n > full or tuple(drafts) != rec.tokens[:n]:
+            return None, LOOKUP_MISS, full
+        if n == full:
+            return rec, LOOKUP_FULL, full
         p = rec.parents[: n + 1]
-        return TreeRecord(rec.tokens[:n], p, _is_chain(p))
+        return TreeRecord(rec.tokens[:n], p, _is_chain(p)), LOOKUP_CUT, full
 
     def retain(self, live_req_ids: set[str] | dict) -> None:
         """Forget requests that are gone (finished or aborted)."""
@@ -167,7 +186,7 @@ class StepTree:
     num_draft: np.ndarray  # [R]
     row_base: np.ndarray  # [R] row of each request's root (its first logits row)
     req_index: np.ndarray  # [T] request of each row
-    is_spec: np.ndarray  # [R] bool: num_scheduled == num_draft + 1 (vLLM's spec-decode rows)
+    is_spec: np.ndarray  # [R] bool: vLLM's spec-decode rows (in scheduled_spec_decode_tokens, num_scheduled == num_draft + 1)
     is_tree: np.ndarray  # [R] bool: spec row whose tree is not a chain
     local_parent: np.ndarray  # [T] int64, -1 at each request's first row
     depth: np.ndarray  # [T] int64
@@ -178,6 +197,8 @@ class StepTree:
     spec_cu: np.ndarray  # [Rs + 1]
     spec_req_index: np.ndarray  # [Rs] batch index of each spec request
     device: torch.device | str = "cpu"
+    lookup: np.ndarray | None = None  # [R] int8 LOOKUP_* code of each request
+    proposal_len: np.ndarray | None = None  # [R] length of the stored proposal its drafts matched (0: none)
     attn_trees: list[AttnTree] = field(default_factory=list)
     seq_positions: Tensor | None = None  # sequential positions of the T rows (for the drafter)
     accept: "AcceptResult | None" = None
@@ -219,6 +240,7 @@ class RuntimeState:
         self.log_stats_interval_s = 10.0
         self.check_tp = False  # VLLM_TFM_CHECK_TP_TREES on a TP > 1 engine (runtime/tensor_parallel.py)
         self.check_step = 0  # steps checked so far (named in a mismatch error)
+        self.trace: "Tracer | None" = None  # VLLM_TFM_TRACE: per-request step records (runtime/trace.py), rank 0
 
     def current_step(self) -> StepTree | None:
         return self.step
