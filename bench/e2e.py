@@ -10,6 +10,10 @@ this script) measures, for each arm, output tokens/s at batch 1 and batch 8:
   tfm16/32/64    vllm-tfm, Weaver trees of B = 16 / 32 / 64 nodes, acceptance replay of the
                  profile's tfm entry at that budget (``vllm_tfm/vllm_plugin/benchmark_mode.py``)
   nospec-graphs  (optional) vLLM without speculation with torch.compile + CUDA graphs [1, 2, 4, 8]
+                 (vLLM's default mode, FULL_AND_PIECEWISE)
+  tfm16/32/64-graphs  (optional) the tfm arms with torch.compile + piecewise CUDA graphs (opt-in cudagraph_mode PIECEWISE):
+                 PIECEWISE target and DFlash graphs, capture sizes k * (B + 1) for k <= max batch
+                 (vllm_tfm/vllm_plugin/cuda_graphs.py); Weaver and the tree build stay eager
 
 The target is written here with the exact Qwen3.6-27B text shape (``bench/e2e_models.py``) and
 loaded with dummy weights (``load_format="dummy"``, bf16, about 54 GB), the drafter is the
@@ -87,6 +91,9 @@ ARMS: dict[str, Arm] = {
     "tfm32": Arm("tfm32", "tfm", 32),
     "tfm64": Arm("tfm64", "tfm", 64),
     "nospec-graphs": Arm("nospec-graphs", "nospec", graphs=True),
+    "tfm16-graphs": Arm("tfm16-graphs", "tfm", 16, graphs=True),
+    "tfm32-graphs": Arm("tfm32-graphs", "tfm", 32, graphs=True),
+    "tfm64-graphs": Arm("tfm64-graphs", "tfm", 64, graphs=True),
 }
 DEFAULT_ARMS = "nospec,dflash,tfm32,tfm64,tfm16"
 
@@ -169,8 +176,10 @@ def engine_kwargs(arm: Arm, s: dict[str, Any], plan: dict[str, Any]) -> dict[str
         "additional_config": {"gdn_prefill_backend": "triton"}, "disable_log_stats": False,
         "enforce_eager": not arm.graphs, "compilation_config": {"custom_ops": ["none"]},
     }
-    if arm.graphs:
+    if arm.graphs and arm.kind == "nospec":
         kw["compilation_config"] = {"custom_ops": ["none"], "cudagraph_capture_sizes": [1, 2, 4, 8]}
+    if arm.graphs and arm.kind == "tfm":  # the opt-in; tfm picks its capture sizes
+        kw["compilation_config"] = {"custom_ops": ["none"], "cudagraph_mode": "PIECEWISE"}
     if arm.kind == "dflash":
         kw["speculative_config"] = {
             "method": "dflash", "model": s["drafter"], "num_speculative_tokens": DFLASH_K,
@@ -273,6 +282,9 @@ def run_arm(arm: Arm, settings_path: Path) -> int:
         res["engine_start_s"] = round(time.perf_counter() - t, 1)
         free, total = torch.cuda.mem_get_info()
         res["gpu_memory_gib"] = {"free_after_start": round(free / 2**30, 2), "total": round(total / 2**30, 2)}
+        comp = getattr(getattr(llm.llm_engine, "vllm_config", None), "compilation_config", None)
+        res["cudagraph_mode"] = str(getattr(comp, "cudagraph_mode", None))
+        res["cudagraph_capture_sizes"] = list(getattr(comp, "cudagraph_capture_sizes", None) or [])
         cache = getattr(getattr(llm.llm_engine, "vllm_config", None), "cache_config", None)
         res["num_gpu_blocks"] = getattr(cache, "num_gpu_blocks", None)
         log(f"{arm.name}: engine up in {res['engine_start_s']} s; {res['num_gpu_blocks']} KV blocks; "

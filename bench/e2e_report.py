@@ -150,7 +150,7 @@ def _arm_desc(arm: dict[str, Any]) -> str:
         return "no speculation" + (" (CUDA graphs)" if arm.get("graphs") else "")
     if kind == "dflash":
         return f"vLLM DFlash chain, K={arm.get('num_speculative_tokens')}"
-    return f"tfm (Weaver trees), B={arm.get('budget')}"
+    return f"tfm (Weaver trees), B={arm.get('budget')}" + (" (CUDA graphs)" if arm.get("graphs") else "")
 
 
 def render_markdown(results: dict[str, Any]) -> str:

@@ -153,6 +153,33 @@ def test_tfm_arm_config_replays_its_profile_entry(big: Any, monkeypatch: pytest.
         spec_config(e2e.engine_kwargs(arm, settings(big), plan))
 
 
+def test_tfm_graphs_arm_gets_piecewise_graphs_with_tree_step_sizes(big: Any, monkeypatch: pytest.MonkeyPatch,
+                                                                   tmp_path: Path) -> None:
+    from vllm.config import ParallelConfig
+    from vllm.engine.arg_utils import EngineArgs
+
+    from vllm_tfm.verify.acceptance_profile import AcceptanceProfile, save_profile
+
+    prof = builtin_geometric_profile(temperatures=(1.0,))
+    for name, mode, sizes, eager in (
+        ("tfm64-graphs", "PIECEWISE", [1, 2, 4, 8, *(65 * k for k in range(1, 9))], False),
+        ("tfm64", None, None, True),
+    ):
+        arm = e2e.ARMS[name]
+        plan = e2e.arm_profile(arm, prof, 1.0, 15)
+        save_profile(AcceptanceProfile(source=prof.source, measured=False, entries=[plan["entry"]]), tmp_path / "p.json")
+        for k, v in e2e.child_env(arm, {"seed": 3}, tmp_path).items():
+            if k.startswith("VLLM_TFM_"):
+                monkeypatch.setenv(k, v)
+        monkeypatch.setenv("VLLM_TFM_BENCHMARK_ACCEPTANCE_REPLAY", str(tmp_path / "p.json"))
+        args = EngineArgs(**e2e.engine_kwargs(arm, settings(big), plan))
+        args.create_speculative_config(args.create_model_config(), ParallelConfig())
+        got = args.compilation_config.cudagraph_mode
+        assert (None if got is None else got.name) == mode and args.enforce_eager is eager
+        assert args.compilation_config.cudagraph_capture_sizes == sizes
+    assert e2e_report._arm_desc({"kind": "tfm", "budget": 64, "graphs": True}) == "tfm (Weaver trees), B=64 (CUDA graphs)"
+
+
 # ------------------------------------------------------------------ planning and measurement helpers
 
 

@@ -25,6 +25,7 @@ from vllm_tfm.vllm_plugin import runtime  # noqa: E402
 from vllm_tfm.vllm_plugin.runtime import gdn as gdn_mod  # noqa: E402
 from vllm_tfm.vllm_plugin.runtime.attention import TFMTritonAttentionBackend, TFMTritonAttentionImpl  # noqa: E402
 from vllm_tfm.vllm_plugin.patching import original  # noqa: E402
+from vllm_tfm.vllm_plugin.runtime.graph_dispatch import GRAPH_HOOKS  # noqa: E402
 from vllm_tfm.vllm_plugin.runtime.hooks import RUNNER_HOOKS, check_engine_config  # noqa: E402
 from vllm_tfm.vllm_plugin.runtime.inputs import build_step_tree  # noqa: E402
 from vllm_tfm.vllm_plugin.runtime.sampler import TFMTreeSampler  # noqa: E402
@@ -47,7 +48,8 @@ def test_install_patches_once():
     assert runtime.is_installed()
     assert set(RUNNER_HOOKS) == {"__init__", "_prepare_inputs", "_update_states_after_model_execute",
                                  "propose_draft_token_ids", "sample_tokens"}
-    for name in RUNNER_HOOKS:  # wrapped exactly once, the original kept in the plugin's registry
+    assert set(GRAPH_HOOKS) == {"_determine_batch_execution_and_padding"}
+    for name in (*RUNNER_HOOKS, *GRAPH_HOOKS):  # wrapped exactly once, the original kept in the plugin's registry
         assert GPUModelRunner.__dict__[name].__wrapped__ is original(GPUModelRunner, name)
         assert original(GPUModelRunner, name).__module__ == "vllm.v1.worker.gpu_model_runner"  # vLLM's own
     assert QwenGatedDeltaNetAttention.__dict__["_forward_core"] is gdn_mod.tree_forward_core
@@ -70,8 +72,8 @@ def engine_config(**over):
 
 def test_engine_config_refusals():
     check_engine_config(engine_config())
-    with pytest.raises(ValueError, match="enforce_eager=True"):
-        check_engine_config(engine_config(compilation_config=SimpleNamespace(cudagraph_mode=SimpleNamespace(name="FULL_AND_PIECEWISE"))))
+    with pytest.raises(ValueError, match=r"does not support cudagraph_mode=FULL \(a full graph replays"):
+        check_engine_config(engine_config(compilation_config=SimpleNamespace(cudagraph_mode=SimpleNamespace(name="FULL"))))
     with pytest.raises(ValueError, match="mamba_cache_mode 'none'"):
         check_engine_config(engine_config(cache_config=SimpleNamespace(mamba_cache_mode="align")))
     with pytest.raises(ValueError, match="pipeline parallelism"):
@@ -201,6 +203,41 @@ def test_gdn_patch_runs_spec_rows_as_trees_and_prefills_through_vllm(monkeypatch
         torch.testing.assert_close(out[2 + i], o[-1], rtol=1e-10, atol=1e-10)
     stash = STATE.step.gdn[layer.prefix]
     assert stash.prev_accepted.tolist() == [2] and stash.width == W
+
+
+@pytest.mark.parametrize("graph_mode", ["NONE", "PIECEWISE"])
+def test_gdn_stash_outlives_a_cuda_graph_piece(graph_mode):
+    """Under piecewise CUDA graphs the op's inputs are graph-pool memory that later pieces reuse:
+    the pre-conv rows kept for the commit must be a copy there (a view is fine without graphs)."""
+    from vllm.config import CUDAGraphMode
+    from vllm.forward_context import ForwardContext, override_forward_context
+
+    gen = torch.Generator().manual_seed(1)
+    layer = fake_gdn_layer(gen, num_slots=6)
+    parents = random_tree_parents(1 + S, gen, "random")
+    store = ProposalStore()
+    store.put(["t"], torch.tensor([[3, 4, 5]]), parents[None])
+    STATE.step = build_step_tree(["t"], np.array([1 + S]), {"t": [3, 4, 5]}, store, allow_trees=True)
+    md = gdn_metadata(num_spec_decodes=1, num_spec_decode_tokens=1 + S, num_actual_tokens=1 + S,
+                      spec_sequence_masks=torch.tensor([True]), spec_token_indx=torch.arange(0, 1 + S, dtype=torch.int32),
+                      non_spec_token_indx=torch.zeros(0, dtype=torch.int32),
+                      spec_state_indices_tensor=torch.tensor([[2, 5, 1, 3]], dtype=torch.int32),
+                      num_accepted_tokens=torch.tensor([1], dtype=torch.int32),
+                      spec_query_start_loc=torch.tensor([0, 1 + S], dtype=torch.int32))
+    padded = 8  # the graph's padded size: rows past 1 + S are padding
+    mixed = torch.randn(padded, D, generator=gen, dtype=F64)
+    a, b = torch.randn(padded, HV, generator=gen, dtype=F64), torch.randn(padded, HV, generator=gen, dtype=F64)
+    out = torch.zeros(padded, HV, V, dtype=F64)
+    ctx = ForwardContext(no_compile_layers={}, attn_metadata={layer.prefix: md}, slot_mapping={},
+                         cudagraph_runtime_mode=CUDAGraphMode[graph_mode])
+    with override_forward_context(ctx):
+        gdn_mod.tree_forward_core(layer, mixed, b, a, out)
+    x = STATE.step.gdn[layer.prefix].x
+    assert torch.equal(x, mixed[: 1 + S])
+    assert (x.data_ptr() == mixed.data_ptr()) is (graph_mode == "NONE")
+    mixed.fill_(float("nan"))  # what a later graph piece does to that memory at replay
+    assert bool(torch.isnan(x).all()) is (graph_mode == "NONE")
+    assert torch.all(out[1 + S :] == 0)  # padding rows untouched
 
 
 def test_gdn_patch_delegates_outside_tree_steps(monkeypatch):

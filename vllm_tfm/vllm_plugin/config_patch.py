@@ -10,7 +10,8 @@ Patches (each applied once per process through ``patching.replace_attribute``):
 
 * ``EngineArgs.create_speculative_config`` (process 0; the only ``SpeculativeConfig(...)`` call in
   vLLM 0.26): splits the tree options out of the speculative config, runs the config-time checks
-  (``guards``, ``drafter_checks``, ``options``), builds the config as dflash, sets "tfm".
+  (``guards``, ``drafter_checks``, ``options``, ``cuda_graphs``), builds the config as dflash,
+  sets "tfm".
 * ``SpeculativeConfig.__post_init__`` plus a widened ``method`` Literal (schema rebuilt), so that
   ``SpeculativeConfig(method="tfm", model=DIR, num_speculative_tokens=B, target_model_config=...,
   target_parallel_config=...)`` also works (same checks, no engine-wide ones).
@@ -38,7 +39,7 @@ from typing import Any, Literal
 
 from vllm_tfm.models.tfm_config import TFM_CONFIG_NAME, TfmConfig
 
-from . import benchmark_mode, drafter_checks, guards
+from . import benchmark_mode, cuda_graphs, drafter_checks, guards
 from .options import (
     HF_DRAFTER_DIR_ATTR,
     HF_OPTIONS_ATTR,
@@ -114,6 +115,8 @@ def prepare_tfm(
     if is_local and str(load_format) != "dummy":
         drafter_checks.check_drafter_weights(directory)
     options = resolve_tfm_options(directory, inline, num_speculative_tokens)
+    if engine_args is not None:
+        cuda_graphs.configure_engine_graphs(engine_args, target_model_config, options.budget)
     depth = draft_depth(options.budget, block)
     drafter_checks.check_weaver_shape(options, str(directory / TFM_CONFIG_NAME), hidden, depth)
     drafter_checks.check_proposal_files(directory, options)

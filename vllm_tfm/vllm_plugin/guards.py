@@ -13,9 +13,9 @@ Config time (the process that builds the engine config, from ``config_patch``):
   ``rejection_sample_method`` and the synthetic rates (use the tfm option ``sampling``), the
   per-batch-size dynamic budget, heterogeneous vocabularies.
 
-``enforce_eager`` is forced on (with a warning) while the runtime hooks are eager-only, and the
-target's attention backend is set to ``TRITON_ATTN`` when left unset (any other is refused): the
-runtime's tree-masked attention replaces that backend.
+The target's attention backend is set to ``TRITON_ATTN`` when left unset (any other is refused):
+the runtime's tree-masked attention replaces that backend. CUDA graph settings (which cudagraph
+modes tfm runs, its default mode and capture sizes) are decided in ``cuda_graphs``.
 
 Per request (``SamplingParams._validate_spec_decode``, run by vLLM's input processor before a
 request reaches the engine, so the client gets an HTTP 400): structured output, prompt logprobs,
@@ -39,7 +39,6 @@ __all__ = [
     "TFM_METHOD",
     "SUPPORTED_TARGET_ARCHITECTURES",
     "HYBRID_TARGET_ARCHITECTURES",
-    "EAGER_ONLY",
     "REFUSED_SPEC_KEYS",
     "check_spec_keys",
     "check_target",
@@ -65,9 +64,6 @@ SUPPORTED_TARGET_ARCHITECTURES: Mapping[str, str] = {
 attention, if any, is ``QwenGatedDeltaNetAttention`` (the layer the GDN tree hook replaces)."""
 
 HYBRID_TARGET_ARCHITECTURES = frozenset(a for a in SUPPORTED_TARGET_ARCHITECTURES if a != "Qwen3ForCausalLM")
-
-EAGER_ONLY = True
-"""The runtime hooks run without CUDA graphs for now: tfm engines get enforce_eager=True."""
 
 _REFUSED_SPEC_VALUES: Mapping[str, tuple[Any, str]] = {
     # key: (the only accepted value, what to use instead)
@@ -118,7 +114,7 @@ def check_model_runner_env() -> None:
 
 
 def check_engine_args(engine_args: Any, target_model_config: Any) -> None:
-    """Engine-wide settings (from ``EngineArgs``); forces enforce_eager while :data:`EAGER_ONLY`."""
+    """Engine-wide settings (from ``EngineArgs``); CUDA graphs: ``cuda_graphs.configure_engine_graphs``."""
     if getattr(engine_args, "async_scheduling", None) is True:
         raise ValueError("method 'tfm' runs with synchronous scheduling in vLLM 0.26; drop async_scheduling=True")
     if getattr(target_model_config, "is_hybrid", False):
@@ -130,10 +126,6 @@ def check_engine_args(engine_args: Any, target_model_config: Any) -> None:
         if mode not in (None, "none"):
             raise ValueError(f"method 'tfm' needs mamba_cache_mode='none' on a hybrid (GDN) target, got {mode!r}")
     _check_attention_backend(engine_args)
-    if EAGER_ONLY and not target_model_config.enforce_eager:
-        logger.warning("vllm-tfm: method 'tfm' runs without CUDA graphs for now; setting enforce_eager=True")
-        target_model_config.enforce_eager = True
-        engine_args.enforce_eager = True
 
 
 TARGET_ATTENTION_BACKEND = "TRITON_ATTN"

@@ -9,9 +9,12 @@ patches, once per process:
 * ``QwenGatedDeltaNetAttention._forward_core`` -> ``gdn.tree_forward_core``: tree conv1d + exact
   rollback-free tree verify for the spec rows, no state written;
 * ``GPUModelRunner`` methods (``hooks.py``): the tfm drafter and tree sampler, per-step tree
-  metadata and depth positions, the commit after acceptance, step-state lifetime.
+  metadata and depth positions, the commit after acceptance, step-state lifetime;
+* ``GPUModelRunner._determine_batch_execution_and_padding`` (``graph_dispatch.py``): steps that
+  verify trees never replay a full CUDA graph (``vllm_plugin/cuda_graphs.py`` for the modes).
 
-One decode step of a tfm engine (sync scheduling, eager):
+One decode step of a tfm engine (sync scheduling; eager, or with piecewise CUDA graphs of the
+target and drafter forwards, the tree code running between the graph pieces):
 
 1. ``_prepare_inputs``: vLLM gathers the scheduled drafts (B per request) and computes sequential
    positions and KV slots; the wrapper looks up each request's tree by request id, and on a
@@ -45,11 +48,13 @@ def install() -> None:
     (``vllm_tfm.vllm_plugin.patching``). Called by ``vllm_tfm.register()`` after its version check."""
     from .attention import install_attention_backend
     from .gdn import install_gdn_patch
+    from .graph_dispatch import install_graph_dispatch
     from .hooks import install_profile_hooks, install_runner_hooks
 
     install_attention_backend()
     install_gdn_patch()
     install_runner_hooks()
+    install_graph_dispatch()
     install_profile_hooks()  # only with VLLM_TFM_PROFILE=1 (stage_timing.py)
 
 
@@ -58,10 +63,11 @@ def is_installed() -> bool:
     from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
     from ..patching import is_patched
+    from .graph_dispatch import GRAPH_HOOKS
     from .hooks import RUNNER_HOOKS
 
     return is_patched(QwenGatedDeltaNetAttention, "_forward_core") and all(
-        is_patched(GPUModelRunner, name) for name in RUNNER_HOOKS
+        is_patched(GPUModelRunner, name) for name in (*RUNNER_HOOKS, *GRAPH_HOOKS)
     )
 
 

@@ -17,6 +17,11 @@ During a tree-active step the patched ``_forward_core`` handles the spec rows it
 Rows that are not spec decodes (prefills, reclassified plain decodes) go through vLLM's own
 ``_forward_core`` on a copy of the metadata restricted to them. Steps that are not tree-active
 are vLLM's code path, untouched.
+
+Under piecewise CUDA graphs this runs inside the splitting op ``vllm::qwen_gdn_attention_core``,
+eagerly, every step; its inputs are outputs of the previous graph piece (graph-pool memory that
+later pieces overwrite), so the pre-conv inputs kept for the commit are copied then
+(``graph_dispatch.piece_outputs_are_reused``).
 """
 
 from __future__ import annotations
@@ -31,6 +36,7 @@ from vllm_tfm.kernels import conv as kconv
 from vllm_tfm.kernels import gdn as kgdn
 from vllm_tfm.verify.gdn import gdn_gates
 
+from .graph_dispatch import piece_outputs_are_reused
 from .kernels_or_reference import tree_ops
 from .state import STATE, GDNStash
 from .step_kernels import StepKernels, step_kernels
@@ -157,8 +163,11 @@ def tree_forward_core(self: Any, mixed_qkv: Tensor, b: Tensor, a: Tensor, core_a
 
     conv_state, ssm_state = _layer_states(self)
     w = self.conv1d.weight
+    x = spec_rows(mixed_qkv)
+    if spec_idx is None and piece_outputs_are_reused():
+        x = x.clone()  # kept for the commit: a view of a CUDA-graph piece's output would be overwritten
     out, stash = spec_tree_gdn(
-        spec_rows(mixed_qkv),
+        x,
         spec_rows(a),
         spec_rows(b),
         step.dev("spec_parents"),

@@ -57,12 +57,9 @@ def _is_tfm(runner: Any) -> bool:
 
 def check_engine_config(vllm_config: Any) -> None:
     """One-line ValueError for the settings the tree runtime cannot run with."""
-    comp = vllm_config.compilation_config
-    mode = getattr(comp.cudagraph_mode, "name", str(comp.cudagraph_mode))
-    if mode != "NONE":
-        raise ValueError(
-            f"vllm-tfm needs enforce_eager=True: tree verification does not support CUDA graphs yet (cudagraph_mode={mode})"
-        )
+    from ..cuda_graphs import check_graph_config
+
+    check_graph_config(vllm_config)  # CUDA graphs: tree code outside the graphs (cuda_graphs.py)
     if vllm_config.model_config.is_hybrid and vllm_config.cache_config.mamba_cache_mode != "none":
         raise ValueError(
             "vllm-tfm needs prefix caching off for hybrid models (mamba_cache_mode 'none'), "

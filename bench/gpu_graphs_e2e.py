@@ -1,0 +1,308 @@
+#!/usr/bin/env python3
+"""GPU check of tfm with CUDA graphs: greedy tokens with graphs == without, and == no speculation.
+
+On the trained toy zoo (zoo/target in float32, zoo/drafter with its Weaver: proposal "tfm"),
+tree budget B (TFM_GRAPHS_BUDGET, 32), engines in parallel subprocesses on the one GPU (fixed KV
+cache, no memory profiling), each generating greedily P prompts (TFM_GRAPHS_PROMPTS, 32) x T new
+tokens (TFM_GRAPHS_TOKENS, 64) twice: batch 8 (all prompts in one call, max_num_seqs 8) and
+batch 1 (each prompt alone):
+
+  nospec-eager   vLLM without speculation, enforce_eager=True
+  nospec-graphs  vLLM without speculation, torch.compile + PIECEWISE CUDA graphs (vLLM's sizes)
+  tfm-eager      tfm, enforce_eager=True
+  tfm-graphs     tfm with its default: PIECEWISE graphs of target and drafter, tfm's capture sizes
+  tfm-fullpw     tfm with FULL_AND_PIECEWISE (tree steps must replay piecewise graphs)
+
+Verdicts (all must hold for exit code 0): tfm-graphs == nospec-graphs, tfm-graphs == tfm-eager,
+tfm-eager == nospec-eager, tfm-fullpw == nospec-graphs (batch 8 and batch 1, every prompt,
+every token); tfm-graphs and tfm-fullpw ran their tree steps in piecewise graphs (the runtime's
+``cudagraph.tree.PIECEWISE`` counter > 0) and never in a full graph. nospec-graphs vs
+nospec-eager (compiled vs eager numerics) is reported, not required. A divergence is reported
+with its position and the no-spec top-2 log-probability margin there.
+
+Results: OUT/graphs.json (verdicts, per-engine timings, graph counters, final cudagraph mode and
+capture sizes), OUT/<engine>.log, OUT/<engine>.json. TFM_GRAPHS_DEADLINE_S (420) bounds the run.
+
+usage (GPU host, repository root):  bash bench/run_gpu_graphs.sh
+   or, after `source .gpu-bundle/install.sh`:  python3 bench/gpu_graphs_e2e.py --out OUT
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import sys
+import time
+import traceback
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+T0 = time.time()
+REPO = Path(__file__).resolve().parents[1]
+BENCH = Path(__file__).resolve().parent
+for _p in (str(REPO), str(BENCH)):
+    if _p not in sys.path:
+        sys.path.insert(0, _p)
+
+__all__ = ["ENGINES", "REQUIRED", "engine_kwargs", "graph_usage", "main", "verdicts"]
+
+ZOO = REPO / "zoo"
+BUDGET = int(os.environ.get("TFM_GRAPHS_BUDGET", "32"))
+N_PROMPTS = int(os.environ.get("TFM_GRAPHS_PROMPTS", "32"))
+MAX_TOKENS = int(os.environ.get("TFM_GRAPHS_TOKENS", "64"))
+DEADLINE_S = float(os.environ.get("TFM_GRAPHS_DEADLINE_S", "420"))
+MAX_SEQS = 8
+
+ENGINES: dict[str, dict[str, Any]] = {
+    "nospec-eager": {"spec": False, "eager": True},
+    "nospec-graphs": {"spec": False, "eager": False, "compilation_config": {"cudagraph_mode": "PIECEWISE"}},
+    "tfm-eager": {"spec": True, "eager": True},
+    "tfm-graphs": {"spec": True, "eager": False, "compilation_config": {"cudagraph_mode": "PIECEWISE"}},  # the opt-in
+    "tfm-fullpw": {"spec": True, "eager": False, "compilation_config": {"cudagraph_mode": "FULL_AND_PIECEWISE"}},
+}
+REQUIRED: tuple[tuple[str, str], ...] = (
+    ("tfm-graphs", "nospec-graphs"),
+    ("tfm-graphs", "tfm-eager"),
+    ("tfm-eager", "nospec-eager"),
+    ("tfm-fullpw", "nospec-graphs"),
+)
+INFORMATIONAL: tuple[tuple[str, str], ...] = (("nospec-graphs", "nospec-eager"),)
+GRAPH_ENGINES = ("tfm-graphs", "tfm-fullpw")
+
+
+def log(*args: object) -> None:
+    print(f"[graphs {time.time() - T0:6.1f}s]", *args, flush=True)
+
+
+def prompts(n: int, seed: int = 1234) -> list[list[int]]:
+    """Windows of this repository's Python files, tokenized with the zoo's tokenizer, 5..100 tokens."""
+    from tokenizers import Tokenizer
+
+    rng = random.Random(seed)
+    tok = Tokenizer.from_file(str(ZOO / "target" / "tokenizer.json"))
+    texts = [p.read_text() for p in sorted((REPO / "vllm_tfm").rglob("*.py")) if p.stat().st_size > 4000]
+    out = []
+    for i in range(n):
+        ids = tok.encode(texts[i % len(texts)], add_special_tokens=False).ids
+        length = rng.randint(5, 100)
+        start = rng.randrange(0, max(1, len(ids) - length))
+        out.append(ids[start : start + length])
+    return out
+
+
+def engine_kwargs(name: str, target: str, drafter: str, budget: int) -> dict[str, Any]:
+    e = ENGINES[name]
+    kw: dict[str, Any] = {
+        "model": target, "dtype": "float32", "skip_tokenizer_init": True, "seed": 0, "gpu_memory_utilization": 0.12,
+        "kv_cache_memory_bytes": 2_000_000_000, "max_model_len": 512, "max_num_seqs": MAX_SEQS,
+        "enable_prefix_caching": False, "attention_backend": "TRITON_ATTN",
+        "additional_config": {"gdn_prefill_backend": "triton"}, "disable_log_stats": True, "enforce_eager": e["eager"],
+    }
+    if e["eager"]:
+        kw["compilation_config"] = {"custom_ops": ["none"]}
+    else:
+        kw["compilation_config"] = dict(e["compilation_config"])
+    if e["spec"]:
+        kw["speculative_config"] = {"method": "tfm", "model": drafter, "num_speculative_tokens": budget,
+                                    "attention_backend": "TRITON_ATTN"}
+    return kw
+
+
+# ---------------------------------------------------------------------------------------- child
+def top2_margin(position_logprobs: dict[int, Any]) -> float | None:
+    """Top-1 minus top-2 log-probability at one position (None with fewer than two)."""
+    vals = sorted((lp.logprob for lp in position_logprobs.values()), reverse=True)
+    return vals[0] - vals[1] if len(vals) > 1 else None
+
+
+def run_engine(name: str, settings_path: Path) -> int:
+    s = json.loads(settings_path.read_text())
+    res: dict[str, Any] = {"engine": name, "status": "started"}
+    path = Path(s["out"]) / f"{name}.json"
+
+    def save() -> None:
+        path.write_text(json.dumps(res, indent=1, default=str))
+
+    save()
+    try:
+        import torch
+        import vllm
+        from vllm import LLM, SamplingParams
+
+        import vllm_tfm
+        from vllm_tfm.vllm_plugin.runtime import collect_tree_metrics
+
+        vllm_tfm.register()
+        res["machine"] = {"device": torch.cuda.get_device_name(0), "torch": torch.__version__, "vllm": vllm.__version__}
+        kw = engine_kwargs(name, s["target"], s["drafter"], s["budget"])
+        res["engine_kwargs"] = kw
+        t = time.perf_counter()
+        llm = LLM(**kw)
+        res["engine_start_s"] = round(time.perf_counter() - t, 1)
+        cc = getattr(getattr(llm.llm_engine, "vllm_config", None), "compilation_config", None)
+        res["cudagraph_mode"] = str(getattr(cc, "cudagraph_mode", None))
+        res["compilation_mode"] = str(getattr(cc, "mode", None))
+        res["cudagraph_capture_sizes"] = list(getattr(cc, "cudagraph_capture_sizes", None) or [])
+        log(f"{name}: engine up in {res['engine_start_s']} s, cudagraph_mode {res['cudagraph_mode']}, "
+            f"sizes {res['cudagraph_capture_sizes']}")
+        save()
+        ps = s["prompts"]
+        logprobs = 2 if name == "nospec-eager" else None  # no-spec margins for divergence reports
+        params = SamplingParams(temperature=0.0, max_tokens=s["max_tokens"], ignore_eos=True, detokenize=False,
+                                logprobs=logprobs)
+
+        def gen(batch: list[list[int]]) -> list[Any]:
+            return [o.outputs[0] for o in llm.generate([{"prompt_token_ids": p} for p in batch], params, use_tqdm=False)]
+
+        spec = ENGINES[name]["spec"]
+        for label, batches in (("b8", [ps]), ("b1", [[p] for p in ps])):
+            if spec:
+                llm.collective_rpc(collect_tree_metrics, kwargs={"reset": True})
+            t = time.perf_counter()
+            outs = [c for b in batches for c in gen(b)]
+            res[f"{label}_s"] = round(time.perf_counter() - t, 2)
+            res[label] = [list(c.token_ids) for c in outs]
+            if logprobs:
+                res[f"{label}_margins"] = [[top2_margin(pos) for pos in (c.logprobs or [])] for c in outs]
+            if spec:
+                snap = llm.collective_rpc(collect_tree_metrics, kwargs={"reset": True})[0] or {}
+                res[f"{label}_tree_metrics"] = {k: snap.get(k) for k in ("steps", "tree_steps", "mean_accepted_length")}
+                res[f"{label}_graph_steps"] = {k: v for k, v in (snap.get("hooks") or {}).items() if k.startswith("cudagraph.")}
+            log(f"{name} {label}: {sum(map(len, res[label]))} tokens in {res[f'{label}_s']} s "
+                f"{res.get(f'{label}_tree_metrics', '')} {res.get(f'{label}_graph_steps', '')}")
+            save()
+        res["status"] = "ok"
+    except Exception as e:  # noqa: BLE001 - recorded; the driver reports it
+        res["status"] = "error"
+        res["error"] = f"{type(e).__name__}: {e}"
+        res["traceback"] = traceback.format_exc()
+        print(res["traceback"], flush=True)
+    save()
+    return 0 if res["status"] == "ok" else 1
+
+
+# ---------------------------------------------------------------------------------------- verdicts
+def _first_divergences(ref: list[list[int]], got: list[list[int]], margins: list[list[float | None]] | None) -> list[dict]:
+    out = []
+    for i, (a, b) in enumerate(zip(ref, got)):
+        pos = next((j for j, (x, y) in enumerate(zip(a, b)) if x != y), None)
+        if pos is None and len(a) != len(b):
+            pos = min(len(a), len(b))
+        if pos is not None:
+            m = margins[i][pos] if margins and i < len(margins) and pos < len(margins[i]) else None
+            out.append({"prompt": i, "pos": pos, "expected": a[max(0, pos - 2): pos + 3],
+                        "got": b[max(0, pos - 2): pos + 3], "nospec_top2_margin": m})
+    return out
+
+
+def verdicts(runs: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    """Token equality of the engine pairs (REQUIRED and INFORMATIONAL) whose two engines were run,
+    batch 8 and batch 1; an engine that ran but has no tokens (it failed) makes its pairs unequal."""
+    from e2e_controls import compare_runs
+
+    margins = runs.get("nospec-eager", {})
+    out: dict[str, Any] = {}
+    for pair in (*REQUIRED, *INFORMATIONAL):
+        a, b = pair
+        if a not in runs or b not in runs:
+            continue
+        key = f"{a} == {b}"
+        item: dict[str, Any] = {"required": pair in REQUIRED}
+        for label in ("b8", "b1"):
+            ra, rb = runs.get(a, {}).get(label), runs.get(b, {}).get(label)
+            if ra is None or rb is None:
+                item[label] = {"missing": [n for n, r in ((a, ra), (b, rb)) if r is None]}
+                continue
+            cmp = compare_runs(rb, ra)
+            cmp["equal"] = cmp["prompts_differing"] == 0 and len(ra) == len(rb)
+            cmp["divergences"] = _first_divergences(rb, ra, margins.get(f"{label}_margins"))[:8]
+            item[label] = cmp
+        item["equal"] = all(isinstance(item.get(k), dict) and item[k].get("equal") for k in ("b8", "b1"))
+        out[key] = item
+    return out
+
+
+def graph_usage(runs: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    """Per graph engine: tree steps per cudagraph runtime mode; ok iff some tree steps replayed
+    piecewise graphs and none a full graph."""
+    out: dict[str, Any] = {}
+    for name in (n for n in GRAPH_ENGINES if n in runs):
+        r = runs[name]
+        counts: dict[str, int] = {}
+        for label in ("b8", "b1"):
+            for k, v in (r.get(f"{label}_graph_steps") or {}).items():
+                counts[k] = counts.get(k, 0) + int(v)
+        ok = counts.get("cudagraph.tree.PIECEWISE", 0) > 0 and counts.get("cudagraph.tree.FULL", 0) == 0
+        out[name] = {"counts": counts, "cudagraph_mode": r.get("cudagraph_mode"), "ok": ok}
+    return out
+
+
+# ---------------------------------------------------------------------------------------- driver
+def driver(args: argparse.Namespace) -> int:
+    from phase_process import run_phase_process
+
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    names = [n.strip() for n in args.engines.split(",") if n.strip()]
+    bad = [n for n in names if n not in ENGINES]
+    if bad:
+        raise SystemExit(f"unknown engine {bad[0]!r}; engines: {', '.join(ENGINES)}")
+    settings = {"out": str(out), "target": str(ZOO / "target"), "drafter": str(ZOO / "drafter"), "budget": BUDGET,
+                "max_tokens": MAX_TOKENS, "prompts": prompts(N_PROMPTS)}
+    settings_path = out / "settings.json"
+    settings_path.write_text(json.dumps(settings))
+    log(f"{len(names)} engines in parallel: {', '.join(names)}; B={BUDGET}, {N_PROMPTS} prompts x {MAX_TOKENS} tokens")
+    env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="0", PYTHONUNBUFFERED="1")
+    remaining = DEADLINE_S - (time.time() - T0)
+
+    def one(name: str) -> tuple[int | None, str | None]:
+        cmd = [sys.executable, str(Path(__file__).resolve()), "--child", name, "--settings", str(settings_path)]
+        return run_phase_process(cmd, out / f"{name}.log", max(30.0, remaining), env, name,
+                                 done_file=None)
+
+    with ThreadPoolExecutor(max_workers=len(names)) as pool:
+        ended = dict(zip(names, pool.map(one, names)))
+    runs = {}
+    for name in names:
+        f = out / f"{name}.json"
+        runs[name] = json.loads(f.read_text()) if f.is_file() else {"status": "error", "error": "no result file"}
+        rc, why = ended[name]
+        runs[name]["exit"] = {"code": rc, "stopped": why}
+        log(f"{name}: {runs[name]['status']} (exit {rc}{', ' + why if why else ''}) {runs[name].get('error', '')}")
+    result = {"command": "bash bench/run_gpu_graphs.sh", "budget": BUDGET, "prompts": N_PROMPTS, "max_tokens": MAX_TOKENS,
+              "machine": next((r.get("machine") for r in runs.values() if r.get("machine")), {}),
+              "verdicts": verdicts(runs), "graph_usage": graph_usage(runs),
+              "engines": {n: {k: v for k, v in r.items() if k not in ("b8", "b1", "b8_margins", "b1_margins", "traceback")}
+                          for n, r in runs.items()}}
+    required = [v["equal"] for v in result["verdicts"].values() if v["required"]]
+    ok = bool(required) and all(required) and all(g["ok"] for g in result["graph_usage"].values())
+    result["ok"] = ok
+    (out / "graphs.json").write_text(json.dumps(result, indent=1, default=str) + "\n")
+    for key, v in result["verdicts"].items():
+        parts = [f"{lb}: " + ("EQUAL" if v[lb].get("equal") else f"DIFF {v[lb]}") if isinstance(v.get(lb), dict) else lb
+                 for lb in ("b8", "b1")]
+        log(f"{'REQUIRED' if v['required'] else 'info    '} {key}: " + "; ".join(
+            p if len(p) < 400 else p[:400] + "..." for p in parts))
+    for name, g in result["graph_usage"].items():
+        log(f"graphs {name}: {'OK' if g['ok'] else 'FAIL'} mode {g['cudagraph_mode']} {g['counts']}")
+    log(("OK" if ok else "FAIL") + f": results in {out / 'graphs.json'}")
+    return 0 if ok else 1
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", default=os.environ.get("OUT", "/tmp/tfm-graphs-out"))
+    ap.add_argument("--engines", default=",".join(ENGINES))
+    ap.add_argument("--child", help=argparse.SUPPRESS)
+    ap.add_argument("--settings", help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    if args.child:
+        return run_engine(args.child, Path(args.settings))
+    return driver(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

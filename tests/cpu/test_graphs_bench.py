@@ -1,0 +1,82 @@
+"""bench/gpu_graphs_e2e.py on CPU: the engine configs it asks vLLM for (through the plugin's
+config-time decisions) and its verdicts on made-up runs (equal, diverging, failed, graphs unused)."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
+import gpu_graphs_e2e as g
+
+pytestmark = pytest.mark.vllm
+
+
+@pytest.fixture(scope="module")
+def session(tmp_path_factory: pytest.TempPathFactory) -> Any:
+    from _vllm_plugin_env import vllm_cpu_session
+
+    with vllm_cpu_session(tmp_path_factory.mktemp("graphs-bench") / "vllm-cache"):
+        yield
+
+
+def test_engine_configs(session: Any) -> None:
+    from vllm.config import ParallelConfig
+    from vllm.engine.arg_utils import EngineArgs
+
+    def args(name: str) -> Any:
+        a = EngineArgs(**g.engine_kwargs(name, str(g.ZOO / "target"), str(g.ZOO / "drafter"), 32))
+        a.create_speculative_config(a.create_model_config(), ParallelConfig())
+        return a
+
+    def mode(a: Any) -> str | None:
+        m = a.compilation_config.cudagraph_mode
+        return None if m is None else m.name
+
+    tfm = args("tfm-graphs")
+    assert mode(tfm) == "PIECEWISE" and not tfm.enforce_eager and tfm.dtype == "float32"
+    assert tfm.compilation_config.cudagraph_capture_sizes == [1, 2, 4, 8, *(33 * k for k in range(1, 9))]
+    assert args("tfm-eager").enforce_eager and mode(args("tfm-fullpw")) == "FULL_AND_PIECEWISE"
+    nospec = args("nospec-graphs")
+    assert mode(nospec) == "PIECEWISE" and nospec.compilation_config.cudagraph_capture_sizes is None  # vLLM's own
+    assert args("nospec-eager").speculative_config is None
+
+
+def run(b8: list[list[int]], b1: list[list[int]] | None = None, **extra: Any) -> dict[str, Any]:
+    return {"status": "ok", "b8": b8, "b1": b1 if b1 is not None else b8, **extra}
+
+
+def test_verdicts_and_graph_usage() -> None:
+    ref = [[1, 2, 3, 4], [5, 6, 7, 8]]
+    piecewise = {"b8_graph_steps": {"cudagraph.tree.PIECEWISE": 5, "cudagraph.other.PIECEWISE": 2},
+                 "b1_graph_steps": {"cudagraph.tree.PIECEWISE": 9}}
+    runs = {
+        "nospec-eager": run(ref, b8_margins=[[0.5] * 4, [0.5, 0.5, 1e-6, 0.5]]),
+        "nospec-graphs": run(ref),
+        "tfm-eager": run([[1, 2, 3, 4], [5, 6, 0, 8]], ref),  # a near-tie flip at batch 8
+        "tfm-graphs": run(ref, [[1, 2, 3, 4], [5, 6, 9, 8]], **piecewise),
+    }
+    v = g.verdicts(runs)
+    assert set(v) == {"tfm-graphs == nospec-graphs", "tfm-graphs == tfm-eager", "tfm-eager == nospec-eager",
+                      "nospec-graphs == nospec-eager"}  # tfm-fullpw was not run: its pair is left out
+    assert v["nospec-graphs == nospec-eager"]["equal"] and v["nospec-graphs == nospec-eager"]["required"] is False
+    flip = v["tfm-eager == nospec-eager"]
+    assert not flip["equal"] and not flip["b8"]["equal"] and flip["b1"]["equal"]
+    assert flip["b8"]["divergences"] == [{"prompt": 1, "pos": 2, "expected": [5, 6, 7, 8], "got": [5, 6, 0, 8],
+                                          "nospec_top2_margin": 1e-6}]
+    bad = v["tfm-graphs == nospec-graphs"]
+    assert not bad["equal"] and bad["b8"]["equal"] and bad["b1"]["prompts_differing"] == 1
+    assert bad["b1"]["divergences"] == [{"prompt": 1, "pos": 2, "expected": [5, 6, 7, 8], "got": [5, 6, 9, 8],
+                                         "nospec_top2_margin": None}]  # margins were recorded for b8 only
+    usage = g.graph_usage(runs)
+    assert usage == {"tfm-graphs": {"counts": {"cudagraph.tree.PIECEWISE": 14, "cudagraph.other.PIECEWISE": 2},
+                                    "cudagraph_mode": None, "ok": True}}
+    # an engine that failed has no tokens: its pairs are unequal; tree steps without graphs fail the usage check
+    runs["tfm-fullpw"] = {"status": "error", "b8_graph_steps": {"cudagraph.tree.NONE": 3}}
+    v = g.verdicts(runs)
+    assert not v["tfm-fullpw == nospec-graphs"]["equal"]
+    assert v["tfm-fullpw == nospec-graphs"]["b8"] == {"missing": ["tfm-fullpw"]}
+    assert g.graph_usage(runs)["tfm-fullpw"]["ok"] is False
