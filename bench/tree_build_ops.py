@@ -92,8 +92,10 @@ def zoo_shapes() -> dict[str, Any]:
     }
 
 
+# ops that launch nothing on the device: metadata, allocation, CPU scalars (``where(c, x, 0)``)
 NO_KERNEL = {"aten._unsafe_view.default", "aten.detach.default", "aten.alias.default", "aten.empty.memory_format",
-             "aten.empty_like.default", "aten.empty_strided.default", "aten.lift_fresh.default"}
+             "aten.empty_like.default", "aten.empty_strided.default", "aten.lift_fresh.default",
+             "aten.scalar_tensor.default"}
 
 
 class OpLog(TorchDispatchMode):
