@@ -1,24 +1,33 @@
 #!/usr/bin/env python3
-"""Host cost of one TfM (Weaver) tree build: aten ops dispatched, host syncs, CPU wall time.
+"""Host cost of one TfM (Weaver) tree build: aten ops dispatched, host syncs, wall time.
 
-Usage, from the repository root (CPU; no GPU needed):
+Usage, from the repository root:
 
     python3 bench/tree_build_ops.py --label after [--out bench/results/tree_build_ops_cpu.json]
         [--requests 1,8,32] [--budgets 16,32,64] [--repeats 5] [--threads 1]
+    # on the GPU host (bench/run_gpu_tree_build_ops.sh runs both implementations and the graphs):
+    python3 bench/tree_build_ops.py --device cuda --graphs --label after --out $OUT/tree_build_ops_cuda.json
+    python3 bench/tree_build_ops.py --device cuda --impl before --label before --out $OUT/tree_build_ops_cuda.json
 
 One build = the runtime's call ``vllm_plugin.runtime.tree_builder_gpu.weaver_trees`` (DFlash top-K
 candidates, ``BatchedWeaverTreeScorer`` set-up, lockstep growth, ``fill_to_budget``) on random
 inputs of the zoo drafter's shapes (``zoo/drafter/config.json`` and ``tfm_config.json``: d_model
 256, Weaver d_rank 128 / 2 layers / 4 heads / d_mlp 384, vocabulary 8192, top_k 512,
 children_per_node 8, D = min(block_size - 1, B), width = ceil(B / 16) like the runtime's
-default), float32, under ``torch.inference_mode`` like vLLM's model runner.
+default), float32, under ``torch.inference_mode`` like vLLM's model runner. ``--impl before``
+runs the previous lockstep builder and scorer instead (the frozen copy in
+``tests/cpu/_weaver_before.py``, on today's shared model code: its RMSNorm no longer dispatches
+no-op casts, so it issues a few ops fewer than the original). ``--graphs`` (CUDA) also times the
+same builds replayed as CUDA graphs (``runtime/weaver_graphs.py``, one bucket = R).
 
 Per (R, B) it reports:
 
-* ``ops``: aten operators dispatched (a ``TorchDispatchMode`` counts them; on a GPU each one is
-  at most one kernel launch, and most are one), split into ``setup`` (before the root scorer
-  call), ``rounds`` (everything after it) and per growth round (``per_round``: from one scorer
-  call to the next; ``scorer_per_call``: inside the scorer);
+* ``ops``: aten operators dispatched under inference_mode (a ``TorchDispatchMode`` counts them:
+  the host-side torch calls), split into ``setup`` (before the root scorer call), ``rounds``
+  (everything after it) and per growth round (``per_round``: from one scorer call to the next;
+  ``scorer_per_call``: inside the scorer; ``builder_per_round``: the rest);
+* ``kernels``: the same count under no_grad, where composite operators decompose, without views
+  and metadata / allocation-only operators: about one device kernel launch each on a GPU;
 * ``syncs``: operations that make the host wait for the device on CUDA (``.item()`` / ``bool()``
   / ``int()`` of a tensor = ``aten._local_scalar_dense``, ``.tolist()``, ``nonzero``,
   ``masked_select``, boolean-mask indexing, ``unique``, ``repeat_interleave`` without an output
@@ -26,10 +35,14 @@ Per (R, B) it reports:
   ``aten.lift_fresh`` of a tensor with >= 1 dim: PyTorch synchronises the stream after a
   non-pinned copy, and a CUDA graph cannot hold it; the 0-dim ``lift_fresh`` of ``t[...] = 3`` is
   a fill, not counted), each with the source line that issued it and whether it ran inside the
-  growth rounds;
-* ``host_ms``: CPU wall time of the build without the counter (best and median of ``--repeats``
-  after one warm-up; CPU kernels included, so it is an upper bound on the GPU host time only in
-  shape, not in value).
+  growth rounds; on CUDA also ``cuda_syncs``, the synchronisations PyTorch itself reports
+  (``torch.cuda.set_sync_debug_mode``) during one build;
+* ``host_ms``: wall time of the build without the counter, best and median of ``--repeats``
+  after one warm-up (CUDA: synchronised before, and the build ends with its one host sync, so
+  this is the time until the trees are known on the host); with ``--graphs`` also
+  ``graph_host_ms`` (the capture is in the warm-up) and ``graph_equals_eager``;
+* ``trees_sha256``: a digest of the trees (tokens, parents): equal digests across labels mean the
+  same trees for the same inputs (CPU; CUDA kernels may round differently).
 
 The JSON file keeps one entry per ``--label`` (running ``--label after`` leaves ``before`` in
 place) and a ``command`` field per entry.
@@ -45,6 +58,7 @@ import statistics
 import sys
 import time
 import traceback
+import warnings
 from collections import Counter
 from itertools import pairwise
 from pathlib import Path
@@ -54,10 +68,12 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 REPO = Path(__file__).resolve().parents[1]
-if str(REPO) not in sys.path:
-    sys.path.insert(0, str(REPO))
+for _path in (REPO, REPO / "tests" / "cpu"):  # tests/cpu: the frozen previous implementation
+    if str(_path) not in sys.path:
+        sys.path.insert(0, str(_path))
 
 from vllm_tfm.models import weaver as weaver_module
+from vllm_tfm.models.proposal_trees import _candidates
 from vllm_tfm.models.tfm_config import WeaverConfig
 from vllm_tfm.models.weaver import Weaver
 from vllm_tfm.vllm_plugin.runtime.tree_builder_gpu import weaver_trees
@@ -135,9 +151,15 @@ def _site() -> str:
     return "?"
 
 
+def _scorer_classes() -> list[type]:
+    import _weaver_before
+
+    return [weaver_module.BatchedWeaverTreeScorer, _weaver_before.BatchedWeaverTreeScorerBefore]
+
+
 class Instrumented:
     """Within the block: ``Tensor.tolist`` (not an aten op on CPU) is logged as a sync and every
-    ``BatchedWeaverTreeScorer`` call records the op index at its start and end."""
+    batched Weaver scorer call records the op counts at its start and end."""
 
     def __init__(self, log: OpLog) -> None:
         self.log = log
@@ -146,32 +168,63 @@ class Instrumented:
     def __enter__(self) -> Self:
         log, calls = self.log, self.calls
         self._tolist = torch.Tensor.tolist
-        self._call = weaver_module.BatchedWeaverTreeScorer.__call__
-        tolist, call = self._tolist, self._call
+        self._calls = {cls: cls.__call__ for cls in _scorer_classes()}
+        tolist = self._tolist
 
         def logged_tolist(t: torch.Tensor) -> Any:
             log.sync(".tolist()")
             return tolist(t)
 
-        def logged_call(scorer: Any, *args: Any, **kwargs: Any) -> Any:
-            start = (log.ops, log.kernels)
-            out = call(scorer, *args, **kwargs)
-            calls.append((start, (log.ops, log.kernels)))
-            return out
+        def logged(call: Any) -> Any:
+            def logged_call(scorer: Any, *args: Any, **kwargs: Any) -> Any:
+                start = (log.ops, log.kernels)
+                out = call(scorer, *args, **kwargs)
+                calls.append((start, (log.ops, log.kernels)))
+                return out
+
+            return logged_call
 
         torch.Tensor.tolist = logged_tolist  # type: ignore[method-assign]
-        weaver_module.BatchedWeaverTreeScorer.__call__ = logged_call  # type: ignore[method-assign]
+        for cls, call in self._calls.items():
+            cls.__call__ = logged(call)  # type: ignore[method-assign]
         log.__enter__()
         return self
 
     def __exit__(self, *exc: object) -> None:
         self.log.__exit__(*exc)
         torch.Tensor.tolist = self._tolist  # type: ignore[method-assign]
-        weaver_module.BatchedWeaverTreeScorer.__call__ = self._call  # type: ignore[method-assign]
+        for cls, call in self._calls.items():
+            cls.__call__ = call  # type: ignore[method-assign]
 
 
-def make_inputs(r: int, depth: int, zoo: dict[str, Any], seed: int) -> dict[str, Any]:
-    """Random Weaver weights, target embedding / lm_head, DFlash logits and hidden states."""
+def cuda_syncs(fn: Any) -> list[str]:
+    """The synchronisations PyTorch reports while ``fn`` runs (CUDA)."""
+    torch.cuda.synchronize()
+    with warnings.catch_warnings(record=True) as rec:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            fn()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    return [str(w.message).splitlines()[0] for w in rec if "synchroniz" in str(w.message).lower()]
+
+
+def before_trees(weaver, logits, hidden, verifier, roots, embed, head, budget, top_k, width, cpn):
+    """The previous implementation end to end, like the runtime called it then."""
+    from _weaver_before import BatchedWeaverTreeScorerBefore, build_weaver_padded_before
+
+    cand_logits, cand_ids = _candidates(logits, top_k)
+    scorer = BatchedWeaverTreeScorerBefore(
+        weaver, verifier, hidden, cand_ids, cand_logits.to(hidden.dtype), embed, head, max_nodes=1 + budget
+    )
+    trees = build_weaver_padded_before(roots, cand_ids, scorer, budget, logits.shape[1], width, cpn, check=False)
+    return trees.draft_layout(cand_ids[:, 0, 0])
+
+
+def make_inputs(r: int, depth: int, zoo: dict[str, Any], seed: int, device: torch.device) -> dict[str, Any]:
+    """Random Weaver weights, target embedding / lm_head, DFlash logits and hidden states (drawn
+    on the CPU, so the inputs do not depend on the device)."""
     cfg = WeaverConfig(**zoo["weaver"])
     h, vocab = cfg.d_model, zoo["vocab"]
     torch.manual_seed(seed)
@@ -183,8 +236,7 @@ def make_inputs(r: int, depth: int, zoo: dict[str, Any], seed: int) -> dict[str,
     embed = torch.randn(vocab, h, generator=gen)
     head = torch.randn(vocab, h, generator=gen) * 0.05
     hidden = torch.randn(r, depth, h, generator=gen)
-    return {
-        "weaver": weaver,
+    x = {
         "logits": (hidden @ head.T) * 3,
         "hidden": hidden,
         "verifier": torch.randn(r, h, generator=gen),
@@ -192,6 +244,7 @@ def make_inputs(r: int, depth: int, zoo: dict[str, Any], seed: int) -> dict[str,
         "embed": embed,
         "head": head,
     }
+    return {"weaver": weaver.to(device), **{k: v.to(device) for k, v in x.items()}}
 
 
 def _phases(log: OpLog, calls: list[tuple[tuple[int, int], tuple[int, int]]], which: int) -> dict[str, Any]:
@@ -211,17 +264,28 @@ def _phases(log: OpLog, calls: list[tuple[tuple[int, int], tuple[int, int]]], wh
     }
 
 
-def measure(r: int, b: int, zoo: dict[str, Any], repeats: int) -> dict[str, Any]:
+def _timed(fn: Any, repeats: int, device: torch.device) -> dict[str, float]:
+    times = []
+    for _ in range(repeats):
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return {"best": 1e3 * min(times), "median": 1e3 * statistics.median(times)}
+
+
+def measure(r: int, b: int, zoo: dict[str, Any], repeats: int, device: torch.device, impl: str, graphs: bool) -> dict[str, Any]:
     depth = min(zoo["block_size"] - 1, b)
     width = zoo["width"] if zoo["width"] is not None else -(-b // 16)
-    x = make_inputs(r, depth, zoo, seed=1000 * r + b)
+    x = make_inputs(r, depth, zoo, seed=1000 * r + b, device=device)
+    args = (x["weaver"], x["logits"], x["hidden"], x["verifier"], x["roots"], x["embed"], x["head"],
+            b, zoo["top_k"], width, zoo["children_per_node"])
+    fn = weaver_trees if impl == "current" else before_trees
 
     def build(inference: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
         with torch.inference_mode() if inference else torch.no_grad():
-            return weaver_trees(
-                x["weaver"], x["logits"], x["hidden"], x["verifier"], x["roots"], x["embed"], x["head"],
-                b, zoo["top_k"], width, zoo["children_per_node"],
-            )
+            return fn(*args)
 
     tokens, parents = build()  # warm-up
     # pass 1, under inference_mode like vLLM: host-side torch calls (composite ops count once)
@@ -234,11 +298,6 @@ def measure(r: int, b: int, zoo: dict[str, Any], repeats: int) -> dict[str, Any]
         tok3, par3 = build(inference=False)
     for t, p in ((tok2, par2), (tok3, par3)):
         assert torch.equal(tokens, t) and torch.equal(parents, p)
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        build()
-        times.append(time.perf_counter() - t0)
     loop_start = inst.calls[0][0][0] if inst.calls else log.ops
     sites: Counter[str] = Counter()
     loop_sites: Counter[str] = Counter()
@@ -246,8 +305,8 @@ def measure(r: int, b: int, zoo: dict[str, Any], repeats: int) -> dict[str, Any]
         sites[f"{what} @ {where}"] += 1
         if at >= loop_start:
             loop_sites[f"{what} @ {where}"] += 1
-    digest = hashlib.sha256(tokens.numpy().tobytes() + parents.numpy().tobytes()).hexdigest()[:16]
-    return {
+    digest = hashlib.sha256(tokens.cpu().numpy().tobytes() + parents.cpu().numpy().tobytes()).hexdigest()[:16]
+    res: dict[str, Any] = {
         "requests": r,
         "budget": b,
         "depth": depth,
@@ -260,9 +319,22 @@ def measure(r: int, b: int, zoo: dict[str, Any], repeats: int) -> dict[str, Any]
             "in_rounds": sum(loop_sites.values()),
             "sites": dict(sorted(sites.items())),
         },
-        "host_ms": {"best": 1e3 * min(times), "median": 1e3 * statistics.median(times)},
+        "host_ms": _timed(build, repeats, device),
         "trees_sha256": digest,
     }
+    if device.type == "cuda":
+        res["cuda_syncs"] = cuda_syncs(build)
+    if graphs:
+        from vllm_tfm.vllm_plugin.runtime.weaver_graphs import WeaverGraphs
+
+        g = WeaverGraphs((r,))
+        with torch.inference_mode():
+            gtok, gpar = g.weaver_trees(*args)  # captures
+            res["graph_equals_eager"] = bool(torch.equal(gtok, tokens) and torch.equal(gpar, parents))
+            res["graph_host_ms"] = _timed(lambda: g.weaver_trees(*args), repeats, device)
+            res["graph_cuda_syncs"] = cuda_syncs(lambda: g.weaver_trees(*args))
+        res["graph_replays"] = g.replays
+    return res
 
 
 def main() -> None:
@@ -274,27 +346,37 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--threads", type=int, default=1, help="CPU threads (1: steadier timings on a shared machine)")
     ap.add_argument("--note", default="", help="appended to the recorded command (e.g. the machine)")
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--impl", choices=("current", "before"), default="current",
+                    help="before: the previous builder and scorer (tests/cpu/_weaver_before.py)")
+    ap.add_argument("--graphs", action="store_true", help="CUDA: also time the builds replayed as CUDA graphs")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
+    device = torch.device(args.device)
+    if args.graphs and device.type != "cuda":
+        ap.error("--graphs needs --device cuda")
     zoo = zoo_shapes()
     cases = []
     for r in (int(v) for v in args.requests.split(",")):
         for b in (int(v) for v in args.budgets.split(",")):
-            res = measure(r, b, zoo, args.repeats)
+            res = measure(r, b, zoo, args.repeats, device, args.impl, args.graphs)
             ops, ker, syn = res["ops"], res["kernels"], res["syncs"]
             print(
                 f"R={r:3d} B={b:3d} w={res['width']} calls={res['scorer_calls']:3d} ops={ops['total']:6d} "
                 f"(setup {ops['setup']}, per round {ops['per_round']} = builder {ops['builder_per_round']} "
                 f"+ scorer {ops['scorer_per_call']}) kernels={ker['total']} (per round {ker['per_round']}) "
                 f"syncs={syn['total']} (in rounds {syn['in_rounds']}) host={res['host_ms']['best']:.1f} ms "
-                f"trees {res['trees_sha256']}",
+                f"trees {res['trees_sha256']}"
+                + (f" graph={res['graph_host_ms']['best']:.2f} ms same={res['graph_equals_eager']}" if args.graphs else ""),
                 flush=True,
             )
             cases.append(res)
     cmd = "python3 bench/tree_build_ops.py " + " ".join(sys.argv[1:])
     entry = {
         "command": cmd + (f"  ({args.note})" if args.note else ""),
-        "machine": {"python": platform.python_version(), "torch": torch.__version__, "threads": torch.get_num_threads()},
+        "machine": {"python": platform.python_version(), "torch": torch.__version__, "threads": torch.get_num_threads(),
+                    "device": str(device), "impl": args.impl,
+                    **({"gpu": torch.cuda.get_device_name(device)} if device.type == "cuda" else {})},
         "shapes": {k: v for k, v in zoo.items()},
         "cases": cases,
     }
