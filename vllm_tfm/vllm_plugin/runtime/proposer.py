@@ -204,10 +204,10 @@ class TFMProposer(DFlashProposer):
         depth: int,
         num_rejected: Tensor | None,
     ) -> tuple[Tensor, Tensor]:
-        logprobs = torch.log_softmax(logits.float(), dim=-1)
-        if proposal == "chain":
-            return chain_trees(logprobs, budget)
-        if proposal == "ddtree":
+        if proposal in ("chain", "ddtree"):
+            logprobs = torch.log_softmax(logits.float(), dim=-1)  # the Weaver reads raw logits
+            if proposal == "chain":
+                return chain_trees(logprobs, budget)
             tokens, parents, _ = ddtree_trees(logprobs, budget)
             return tokens, parents
         if proposal == "tfm":
