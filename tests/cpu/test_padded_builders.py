@@ -2,7 +2,8 @@
 
 ``build_weaver_padded`` / ``build_treeflash_padded`` grow R trees together; for every request the
 result must equal ``build_weaver`` / ``build_treeflash`` run alone: same tokens, parents, depths,
-node order, scores and draft log-probabilities, exactly. Scorers here are lazily drawn tables of
+node order, scores and draft log-probabilities, exactly. ``build_weaver_padded`` must also equal
+the previous lockstep implementation (``_weaver_before``) tensor for tensor. Scorers here are lazily drawn tables of
 conditional distributions keyed by the realised token path (smooth values, exact ties from a small
 set, many -inf entries), so no model rounding is involved.
 """
@@ -14,6 +15,7 @@ import random
 
 import pytest
 import torch
+from _weaver_before import build_weaver_padded_before
 
 from vllm_tfm.tree import (
     PaddedTrees,
@@ -135,6 +137,13 @@ def weaver_case(seed: int, r_: int, budgets, depths, widths, k: int, cpn: int, k
     # each request's scorer saw the same node batches, in the same order, as with the reference
     for r in range(r_):
         assert batched.calls[r] == tables[r].calls, f"request {r}"
+    # and the previous lockstep builder (frozen copy) gives the same padded tensors and calls
+    before = BatchedWeaverTable(tables, depths, dtype)
+    old = build_weaver_padded_before(torch.tensor(roots), cands, before, budgets, depths, widths, cpn)
+    for name in ("tokens", "parents", "depth", "scores", "draft_logprobs", "num_nodes"):
+        a, b = getattr(padded, name), getattr(old, name)
+        assert a.dtype == b.dtype and torch.equal(a, b), name
+    assert before.num_calls == batched.num_calls and before.calls == batched.calls
     return padded, refs, batched, tables
 
 

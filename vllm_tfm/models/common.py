@@ -78,9 +78,12 @@ class RMSNormWithBias(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         cd = compute_dtype(x.dtype)
-        xf = x.to(cd)
+        xf = x if x.dtype == cd else x.to(cd)  # no-op conversions skipped: fewer dispatches, same math
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return (xf * self.weight.to(cd) + self.bias.to(cd)).to(x.dtype)
+        weight = self.weight if self.weight.dtype == cd else self.weight.to(cd)
+        bias = self.bias if self.bias.dtype == cd else self.bias.to(cd)
+        y = xf * weight + bias
+        return y if y.dtype == x.dtype else y.to(x.dtype)
 
 
 class SwiGLU(nn.Module):

@@ -5,7 +5,8 @@ by the vLLM runtime (``vllm_plugin.runtime.tree_builder_gpu``) and offline evalu
 
 * ``weaver_padded_trees`` / ``weaver_draft_trees``: TfM trees. DFlash top-K candidates per depth
   (``torch.topk`` of the raw logits, as the reference decoder's ``DFlashProposer`` does), one
-  ``BatchedWeaverTreeScorer`` for all requests, ``build_weaver_padded``.
+  ``BatchedWeaverTreeScorer`` for all requests, ``WeaverGrowth`` (``build_weaver_padded``);
+  ``weaver_growth`` is their part without host syncs (what a CUDA graph can capture).
 * ``treeflash_padded_trees``: TreeFlash trees from the marginals and a
   ``BatchedTreeFlashTransitionScorer``, ``build_treeflash_padded``.
 
@@ -21,13 +22,13 @@ from torch import Tensor, nn
 
 from vllm_tfm.tree.padded import PaddedTrees
 from vllm_tfm.tree.treeflash_padded import build_treeflash_padded
-from vllm_tfm.tree.weaver_padded import build_weaver_padded
+from vllm_tfm.tree.weaver_padded import WeaverGrowth
 
 from .treeflash import BatchedTreeFlashTransitionScorer, TreeFlashApproximator
 from .vocab_table import VocabTable
 from .weaver import BatchedWeaverTreeScorer, Weaver
 
-__all__ = ["treeflash_padded_trees", "weaver_draft_trees", "weaver_padded_trees"]
+__all__ = ["treeflash_padded_trees", "weaver_draft_trees", "weaver_growth", "weaver_padded_trees"]
 
 
 def _candidates(dflash_logits: Tensor, top_k: int) -> tuple[Tensor, Tensor]:
@@ -38,6 +39,37 @@ def _candidates(dflash_logits: Tensor, top_k: int) -> tuple[Tensor, Tensor]:
         raise ValueError(f"top_k must be an integer >= 1, got {top_k!r}")
     logits = dflash_logits if dflash_logits.dtype == torch.float64 else dflash_logits.float()
     return torch.topk(logits, min(top_k, logits.shape[-1]), dim=-1)
+
+
+def weaver_growth(
+    weaver: Weaver,
+    dflash_logits: Tensor,
+    dflash_hidden: Tensor,
+    verifier_hidden: Tensor,
+    root_tokens: Tensor,
+    embed: VocabTable,
+    lm_head: VocabTable,
+    budget: int,
+    top_k: int,
+    width: int,
+    children_per_node: int,
+    logits_dtype: torch.dtype | None = None,
+) -> tuple[WeaverGrowth, Tensor]:
+    """The host-sync-free part of ``weaver_padded_trees``: DFlash top-K candidates, the batched
+    Weaver scorer and the first ``fixed_rounds`` rounds of growth. Returns (growth, cand_ids);
+    ``growth.run_tail()`` finishes it (one host sync), ``growth.trees()`` reads it. With fixed
+    shapes this is the part a CUDA graph captures (``vllm_plugin.runtime.weaver_graphs``)."""
+    cand_logits, cand_ids = _candidates(dflash_logits, top_k)
+    if logits_dtype is not None:
+        cand_logits = cand_logits.to(logits_dtype)
+    scorer = BatchedWeaverTreeScorer(
+        weaver, verifier_hidden, dflash_hidden, cand_ids, cand_logits, embed, lm_head, max_nodes=1 + budget
+    )
+    growth = WeaverGrowth(
+        root_tokens, cand_ids, scorer, budget, dflash_logits.shape[1], width, children_per_node, check=False
+    )
+    growth.run_fixed()
+    return growth, cand_ids
 
 
 def weaver_padded_trees(
@@ -63,16 +95,12 @@ def weaver_padded_trees(
     float32 / float64 of the topk, like the reference decoder).
     Per request the tree equals ``build_weaver`` with ``weaver.tree_scorer`` (to scorer rounding).
     """
-    cand_logits, cand_ids = _candidates(dflash_logits, top_k)
-    if logits_dtype is not None:
-        cand_logits = cand_logits.to(logits_dtype)
-    scorer = BatchedWeaverTreeScorer(
-        weaver, verifier_hidden, dflash_hidden, cand_ids, cand_logits, embed, lm_head, max_nodes=1 + budget
+    growth, cand_ids = weaver_growth(
+        weaver, dflash_logits, dflash_hidden, verifier_hidden, root_tokens, embed, lm_head,
+        budget, top_k, width, children_per_node, logits_dtype,
     )
-    trees = build_weaver_padded(
-        root_tokens, cand_ids, scorer, budget, dflash_logits.shape[1], width, children_per_node, check=False
-    )
-    return trees, cand_ids
+    growth.run_tail()
+    return growth.trees(), cand_ids
 
 
 def weaver_draft_trees(

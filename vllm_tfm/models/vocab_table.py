@@ -107,5 +107,7 @@ def candidate_residual(lm_head: VocabTable, ids: Tensor, queries: Tensor) -> Ten
     if isinstance(lm_head, ShardedVocabTable):
         return lm_head.dots(ids, queries, cd)
     weight = as_weight(lm_head, "lm_head")
-    rows = weight.index_select(0, ids.reshape(-1).to(weight.device)).view(*ids.shape, -1)
-    return torch.einsum("...h,...kh->...k", queries.to(cd), rows.to(cd))
+    flat = ids.reshape(-1)
+    rows = weight.index_select(0, flat if flat.device == weight.device else flat.to(weight.device)).view(*ids.shape, -1)
+    queries, rows = (t if t.dtype == cd else t.to(cd) for t in (queries, rows))
+    return torch.einsum("...h,...kh->...k", queries, rows)

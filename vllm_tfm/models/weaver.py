@@ -472,10 +472,21 @@ class BatchedWeaverTreeScorer:
                 self.k_cache.append(torch.cat([k, k.new_zeros(r, max_nodes + 1, *k.shape[2:])], dim=1))
                 self.v_cache.append(torch.cat([v, v.new_zeros(r, max_nodes + 1, *v.shape[2:])], dim=1))
                 x = layer.finish(x, masked_attention(q, k, v, causal, layer.head_dim**-0.5))
-        # key mask of every node slot (and the trash slot): the whole prompt, then its
-        # ancestors-or-self among the node slots
-        self.ancestors = torch.zeros(r, max_nodes + 1, p0 + max_nodes, dtype=torch.bool, device=dev)
+        # views of the keys / values a node may attend to (the trash slot excluded), made once
+        self._keys = [kc[:, : p0 + max_nodes] for kc in self.k_cache]
+        self._values = [vc[:, : p0 + max_nodes] for vc in self.v_cache]
+        # key mask of every node slot, the trash slot (row max_nodes) and the root's parent (row
+        # max_nodes + 1, the prompt only): the whole prompt, then its ancestors-or-self among the
+        # node slots
+        self.ancestors = torch.zeros(r, max_nodes + 2, p0 + max_nodes, dtype=torch.bool, device=dev)
         self.ancestors[:, :, :p0] = True
+        # row s: key column of node slot s alone (row max_nodes, the trash slot: none)
+        cols = torch.arange(p0 + max_nodes, device=dev)
+        self._self_key = cols == p0 + torch.arange(max_nodes + 1, device=dev)[:, None]
+        # RoPE of the node positions 1..D, cos and sin stacked: [D, 2, 1, 1, head_dim], indexed by
+        # depth (the same values as rope_cos_sin of the positions, computed once)
+        cos_n, sin_n = weaver._rope(torch.arange(1, 1 + depth, device=dev), x.dtype)
+        self._rope_nodes = torch.stack([cos_n, sin_n], dim=1)[:, :, None, None, :]
         self._scored = torch.zeros(r, max_nodes, dtype=torch.bool, device=dev) if validate else None
         self._depths = torch.zeros(r, max_nodes, dtype=torch.long, device=dev) if validate else None
 
@@ -518,32 +529,65 @@ class BatchedWeaverTreeScorer:
         wv, n = self.weaver, self.max_nodes
         w = node_ids.shape[1]
         dev = self.ancestors.device
+        if node_ids.device != dev:
+            node_ids, parent_ids, tokens, depths, valid = (t.to(dev) for t in (node_ids, parent_ids, tokens, depths, valid))
         with torch.no_grad():
-            valid = valid.to(dev)
-            slot = torch.where(valid, node_ids.to(dev), n)  # invalid rows write to the trash slot
-            parent = torch.where(valid, parent_ids.to(dev), -1)
-            dep = torch.where(valid, depths.to(dev), 0).clamp(0, self.depth - 1)
+            # invalid rows: computed on clamped inputs, written to the trash slot, ignored
+            slot = torch.where(valid, node_ids, n)
+            dep = depths.clamp(0, self.depth - 1)
+            toks = tokens.clamp(0, self.n_embed_rows - 1)
             p0 = 1 + self.depth
-            # key mask: the parent's row (the prompt only, for the root) plus the node itself
-            row = self.ancestors.gather(1, parent.clamp(min=0)[..., None].expand(r, w, p0 + n))
-            cols = torch.arange(p0 + n, device=dev)
-            row = (row & ((parent >= 0)[..., None] | (cols < p0))) | (cols == p0 + slot[..., None])
-            self.ancestors.scatter_(1, slot[..., None].expand(r, w, p0 + n), row)
-            toks = torch.where(valid, tokens.to(dev), 0).clamp(0, self.n_embed_rows - 1)
+            # key mask: the parent's row (row n + 1 = the prompt only, for the root's parent -1)
+            # plus the node itself
+            span = p0 + n
+            row = self.ancestors.gather(1, parent_ids.remainder(n + 2)[..., None].expand(r, w, span))
+            row.logical_or_(self._self_key[slot])
+            self.ancestors.scatter_(1, slot[..., None].expand(r, w, span), row)
+            hidden = row.logical_not().unsqueeze(-3)  # [R, 1, w, S]: keys each node may not see
             x = wv.token_inputs(toks, self.embed)  # [R, w, d]
-            cos, sin = wv._rope(dep + 1, x.dtype)
+            rope = self._rope_nodes[dep]  # [R, w, 2, 1, 1, hd]
+            cos, sin = rope[:, :, 0], rope[:, :, 1]
             idx = (p0 + slot)[..., None, None]
             for li, layer in enumerate(wv.layers):
-                q, k, v = layer.qkv_rope(x, cos, sin)  # [R, w, heads, hd]
+                q, k, v = _qkv_rope_pair(layer, x, cos, sin)  # [R, w, heads, hd]
                 kc, vc = self.k_cache[li], self.v_cache[li]
                 kc.scatter_(1, idx.expand_as(k), k)
                 vc.scatter_(1, idx.expand_as(v), v)
-                keys, vals = kc[:, : p0 + n], vc[:, : p0 + n]  # [R, 1 + D + n, heads, hd], views
-                x = layer.finish(x, masked_attention(q, keys, vals, row, layer.head_dim**-0.5))
+                attn = _hidden_masked_attention(q, self._keys[li], self._values[li], hidden, layer.head_dim**-0.5)
+                x = layer.finish(x, attn)
             qry = wv.query(x)  # [R, w, H]
             k_cand = self.cand_ids.shape[2]
             gather = dep[..., None].expand(r, w, k_cand)
             ids = self.cand_ids.gather(1, gather)  # [R, w, K]
             logits = self.cand_logits.gather(1, gather)
             residual = candidate_residual(self.lm_head, ids, qry)  # lm_head[ids] . qry: [R, w, K]
-            return torch.log_softmax(logits.to(residual.dtype) + residual, dim=-1)
+            if logits.dtype != residual.dtype:
+                logits = logits.to(residual.dtype)
+            return torch.log_softmax(logits + residual, dim=-1)
+
+
+def _qkv_rope_pair(layer: WeaverBlock, x: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """``layer.qkv_rope`` with q and k rotated together: cos / sin [..., T, 1, 1, hd].
+
+    The same elementwise operations on the same values as ``apply_rope`` (``x * cos +
+    rotate_half(x) * sin``), so bit for bit the same q and k; q is returned contiguous, as
+    ``apply_rope`` returns it, so that the attention matmuls see the same layout.
+    """
+    hd = layer.head_dim
+    qkv = layer.qkv(layer.attn_norm(x)).unflatten(-1, (3, layer.n_heads, hd))  # [..., T, 3, heads, hd]
+    qk = qkv[..., :2, :, :]
+    rot = torch.cat([-qk[..., hd // 2 :], qk[..., : hd // 2]], dim=-1)
+    qk = qk * cos + rot * sin
+    return qk[..., 0, :, :].contiguous(), qk[..., 1, :, :], qkv[..., 2, :, :]
+
+
+def _hidden_masked_attention(q: Tensor, k: Tensor, v: Tensor, hidden: Tensor, scale: float) -> Tensor:
+    """``common.masked_attention`` (equal query and key/value heads) given the complement of the
+    mask, ``hidden`` [..., 1, Q, S] (True = the query does not see the key), without the no-op
+    dtype conversions: the same operations, so the same values bit for bit."""
+    cd = compute_dtype(q.dtype)
+    qc, kc, vc = (t if t.dtype == cd else t.to(cd) for t in (q, k, v))
+    scores = torch.einsum("...qhd,...shd->...hqs", qc, kc) * scale
+    scores.masked_fill_(hidden, float("-inf"))
+    out = torch.einsum("...hqs,...shd->...qhd", torch.softmax(scores, dim=-1), vc)
+    return out if out.dtype == q.dtype else out.to(q.dtype)

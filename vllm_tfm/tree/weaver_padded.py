@@ -4,16 +4,22 @@ The same trees as ``vllm_tfm.tree.build_weaver`` run once per request (same toke
 node order, scores, draft log-probabilities; tested against it), with all requests' state in
 padded tensors and no per-request Python:
 
-* nodes [R, 1 + B] (token, parent, depth, path score, log q, rank-path code) and a frontier of
-  fixed slots [R, (1 + B) * c] (c = min(children_per_node, K)): slot ``j * c + r`` holds the
-  rank-r child that node j published when it was expanded, with its path score, candidate column
-  and rank-path code, and an alive flag (published, finite, not yet materialised);
+* a frontier of fixed slots [R, (2 + B) * c] (c = min(children_per_node, K)): slot ``j * c + r``
+  holds the rank-r child that node j published when it was expanded (token, depth, rank-path
+  code with ``DEAD_BIT`` in word 0 unless alive, path score, log q); the c slots of node 1 + B
+  are a write-only trash area; ``node_slot`` [R, 2 + B] records which slot became node j;
 * one round = one step of every request's reference loop: sort the frontier slots by
   ``(-path score, rank path)`` (``padded.sort_by_key``), materialise the first
   ``min(width, budget left, alive slots)`` of each request as new nodes, then ONE batched scorer
   call for the new nodes of every request that are shallower than max_depth (masked ``valid``;
-  a request that reached its budget expands nothing), whose stable top-c rows become new slots;
+  a request that reached its budget expands nothing), whose stable top-c rows become the new
+  nodes' slots (dead entries for a node that is not expanded);
 * path scores are float64 sums ``score(parent) + log q`` like the reference's Python floats.
+
+Every state tensor is allocated once (``WeaverGrowth.__init__``) and updated in place, the round
+has fixed shapes and reads nothing back on the host, and the work per round does not depend on R
+(one batched operation per step, no loop over requests or nodes): with fixed (R, B, width) the
+first rounds can be captured in a CUDA graph (``vllm_tfm.vllm_plugin.runtime.weaver_graphs``).
 
 Rounds. With ``S = max_r ceil(B_r / w_r)`` the first S rounds run without any host sync (each
 request needs at least ceil(B_r / w_r) steps to place B_r nodes; a request that is done just
@@ -30,8 +36,9 @@ Batched scorer protocol::
     scorer(node_ids [R, w], parent_ids [R, w], tokens [R, w], depths [R, w], valid [R, w]) -> [R, w, K]
 
 * int64 tensors (``valid`` bool) on ``candidates.device``; only rows with ``valid`` True are
-  nodes to score, other rows hold arbitrary in-range values (node ids <= 1 + max budget, depths
-  <= max max_depth, tokens from ``candidates``) and their outputs are ignored;
+  nodes to score, other rows hold arbitrary in-range values (node ids and parent ids in
+  0..1 + max budget, depths <= max max_depth, tokens >= 0 taken from ``candidates`` or 0) and
+  their outputs are ignored;
 * call 1: the roots, node_ids 0, parent_ids -1, tokens = root tokens, depths 0, all valid (w = 1);
 * later calls: the nodes materialised in one round (w = min(max width, max budget) columns, valid
   ones in ascending node id order); a valid node's parent was always valid in an earlier call;
@@ -54,9 +61,16 @@ from ._common import (
     out_dtype,
     per_request,
 )
-from .padded import DEAD_BIT, PaddedTrees, RankPathCode, per_request_tensor, sort_by_key, stable_topk
+from .padded import (
+    DEAD_BIT,
+    PaddedTrees,
+    RankPathCode,
+    per_request_tensor,
+    sort_by_key,
+    stable_topk,
+)
 
-__all__ = ["BatchedWeaverScorer", "build_weaver_padded", "root_token_tensor"]
+__all__ = ["BatchedWeaverScorer", "WeaverGrowth", "build_weaver_padded", "root_token_tensor"]
 
 BatchedWeaverScorer = Callable[[Tensor, Tensor, Tensor, Tensor, Tensor], Tensor]
 """scorer(node_ids, parent_ids, tokens, depths [R, w] int64, valid [R, w] bool) -> [R, w, K]."""
@@ -99,6 +113,215 @@ def _check_candidates(candidates: Tensor, depths: list[int]) -> None:
         raise ValueError(f"candidates of request {r}, depth {d + 1} contain a repeated token id")
 
 
+class WeaverGrowth:
+    """The lockstep growth of ``build_weaver_padded`` as an object, one call per round.
+
+    ``start()`` scores the roots and materialises round 1; ``advance()`` scores the nodes of the
+    last round and materialises the next one; after ``fixed_rounds`` rounds (``run_fixed``)
+    ``pending()`` (one host sync) says whether any request still has work, ``run_tail()`` runs
+    those extra rounds, ``trees()`` reads the result. ``start`` / ``advance`` / ``trees`` issue
+    no host sync and keep every persistent tensor in place: with equal per-request limits and a
+    scorer that does the same, ``start(); advance() x (fixed_rounds - 1); trees()`` can be
+    captured in a CUDA graph and replayed. Arguments as ``build_weaver_padded``.
+    """
+
+    def __init__(
+        self,
+        root_tokens: Tensor | Sequence[int],
+        candidates: Tensor,
+        scorer: BatchedWeaverScorer,
+        budget: int | Sequence[int],
+        max_depth: int | Sequence[int],
+        width: int | Sequence[int],
+        children_per_node: int = 8,
+        check: bool = True,
+    ) -> None:
+        num_req = batch_size(candidates, "candidates", "[R, D, K]", 3)
+        budgets = per_request(budget, num_req, "budget")
+        depths = per_request(max_depth, num_req, "max_depth")
+        widths = per_request(width, num_req, "width")
+        cpn = check_positive_int(children_per_node, "children_per_node")
+        dev = candidates.device
+        if check:
+            _check_candidates(candidates, depths)
+        else:
+            check_depth_rows(candidates.shape[1], max(depths), "candidates")
+        self.roots = root_token_tensor(root_tokens, num_req, dev, check)
+        self.scorer = scorer
+        r_, _, k = candidates.shape
+        self.r, self.k = r_, k
+        self.c = c = min(cpn, k)
+        bmax, self.dmax = max(budgets), max(depths)
+        self.n_cap = n_cap = 1 + bmax  # node columns; column n_cap is a write-only trash column
+        self.w = w = min(max(widths), bmax)
+        self.fixed_rounds = max(-(-b // wd) for b, wd in zip(budgets, widths))
+        self.max_rounds = 2 * bmax + 1  # every round with work places a node or empties a frontier
+        code = RankPathCode(c, self.dmax)
+        self.nw = nw = code.words
+        self.ci = ci = 2 + nw
+        self.trash_slot = n_cap * c  # slots n_cap * c .. + c - 1 belong to the trash node
+        i64, f64 = torch.long, torch.float64
+        # Per-request limits: Python ints when every request has the same (no index ops per round)
+        self._width: int | Tensor = widths[0] if len(set(widths)) == 1 else per_request_tensor(widths, dev)
+        self._depth: int | Tensor = depths[0] if len(set(depths)) == 1 else per_request_tensor(depths, dev)[:, None]
+        self.ar_w = torch.arange(w, device=dev)
+        self.ar_c = torch.arange(c, device=dev)
+        if len(set(budgets)) == 1:
+            self._budget1: int | Tensor = budgets[0] + 1
+            self._base = self.ar_w + (budgets[0] + 1)  # node id of column i = budget + 1 - left + i
+        else:
+            self._budget1 = per_request_tensor(budgets, dev) + 1
+            self._base = self._budget1[:, None] + self.ar_w
+        # candidates of depths 1..dmax and one spare row, so that depth dmax indexes in range
+        cand = candidates[:, : self.dmax]
+        self.cand_flat = torch.cat([cand, cand[:, :1]], dim=1).reshape(r_, (self.dmax + 1) * k)
+        # digit[p, r]: rank-path words of rank r at position p; row dmax (no child) adds nothing
+        pos = torch.arange(self.dmax, device=dev)
+        digit = code.digit(pos[:, None].expand(self.dmax, c), self.ar_c.expand(self.dmax, c))
+        self.digit = torch.cat([digit, digit.new_zeros(1, c, nw)])  # [dmax + 1, c, W]
+
+        # Persistent state, updated in place only. Frontier: fi [R, F, 2 + W] int64 = (token,
+        # depth, rank-path words with DEAD_BIT in word 0 unless alive); ff [R, F, 2] float64 =
+        # (path score, log q). node_slot [R, n_cap + 1]: the slot each node came from.
+        f_len = (n_cap + 1) * c
+        self.fi = torch.zeros(r_, f_len, ci, dtype=i64, device=dev)
+        self.ff = torch.zeros(r_, f_len, 2, dtype=f64, device=dev)
+        self.key0 = self.fi[:, :, 2]  # views, made once: word 0 of every slot, all words, scores
+        self.key0.fill_(DEAD_BIT)
+        self._words = self.fi[:, :, 2:]
+        self._scores = self.ff[:, :, 0]
+        self.node_slot = torch.full((r_, n_cap + 1), self.trash_slot, dtype=i64, device=dev)
+        self.left = per_request_tensor(budgets, dev)  # nodes each request may still place
+        self.fine = torch.ones((), dtype=torch.bool, device=dev)  # every valid scorer row <= 0, no NaN
+        self.out_dtype: torch.dtype | None = None
+        self.calls = 0
+        self.rounds = 0
+
+    # ------------------------------------------------------------------ rounds
+    def start(self) -> None:
+        """Score the roots, publish their children, materialise round 1."""
+        r_, dev = self.r, self.fi.device
+        zeros = torch.zeros(r_, 1, dtype=torch.long, device=dev)
+        valid = torch.ones(r_, 1, dtype=torch.bool, device=dev)
+        out = self.scorer(zeros, torch.full_like(zeros, -1), self.roots[:, None], zeros, valid)
+        words = torch.zeros(r_, 1, self.nw, dtype=torch.long, device=dev)
+        self._push(out, zeros, zeros, words, torch.zeros(r_, 1, dtype=torch.float64, device=dev), valid)
+        self._materialise()
+
+    def advance(self) -> None:
+        """Score the nodes of the last round, publish their children, materialise the next round."""
+        out = self.scorer(self.node, self.parent, self.tok, self.d, self.expand)
+        self._push(out, self.node, self.d, self.words, self.score, self.expand)
+        self._materialise()
+
+    def run_fixed(self) -> None:
+        """The first ``fixed_rounds`` rounds (no host sync)."""
+        self.start()
+        for _ in range(self.fixed_rounds - 1):
+            self.advance()
+
+    def pending(self, rows: int | None = None) -> bool:
+        """Host sync: does any request (of the first ``rows``) still have work after this round?
+        Raises ValueError if a valid scorer row so far was not log-probabilities."""
+        more = self.room & ((self.n_alive > self.take) | self.expand.any(1))
+        if rows is not None:
+            more = more[:rows]
+        more_any, bad = torch.stack([more.any(), ~self.fine]).tolist()
+        if bad:
+            raise ValueError("scorer output must be log-probabilities (<= 0, no NaN) in every valid row")
+        return bool(more_any)
+
+    def run_tail(self, rows: int | None = None) -> None:
+        """Rounds until no request (of the first ``rows``) has work: one host sync per round."""
+        while self.pending(rows):
+            if self.rounds >= self.max_rounds:
+                raise RuntimeError("Weaver growth did not finish: this is a bug")
+            self.advance()
+
+    def num_nodes(self) -> Tensor:
+        """[R] nodes placed per request, root included."""
+        return self._budget1 - self.left
+
+    def trees(self) -> PaddedTrees:
+        """The trees so far: [R, 1 + max budget] (no host sync)."""
+        r_, n = self.r, self.n_cap
+        ns = self.node_slot[:, :n]
+        idx = ns[..., None]
+        gi = self.fi.gather(1, idx.expand(r_, n, self.ci))
+        gf = self.ff.gather(1, idx.expand(r_, n, 2))
+        num_nodes = self.num_nodes()
+        col = torch.arange(n, device=ns.device)
+        real = (col < num_nodes[:, None]) & (col > 0)  # placed draft nodes; the root is column 0
+        tokens = torch.where(real, gi[..., 0], 0)
+        tokens[:, 0] = self.roots
+        dt = self.out_dtype or torch.float32
+        return PaddedTrees(
+            tokens,
+            torch.where(real, ns // self.c, -1),
+            torch.where(real, gi[..., 1], 0),
+            torch.where(real, gf[..., 0], 0.0).to(dt),
+            torch.where(real, gf[..., 1], 0.0).to(dt),
+            num_nodes,
+        )
+
+    # ------------------------------------------------------------------ one round
+    def _push(self, out: Tensor, node: Tensor, d: Tensor, words: Tensor, score: Tensor, valid: Tensor) -> None:
+        """Check a scorer output; the top-c children of every node of the call become its slots
+        ``node * c + rank`` (dead unless the node is valid and the child's log q is finite)."""
+        self.calls += 1
+        r_, m, c = self.r, node.shape[1], self.c
+        want = (r_, m, self.k)
+        if not isinstance(out, Tensor) or tuple(out.shape) != want:
+            got = tuple(out.shape) if isinstance(out, Tensor) else type(out).__name__
+            raise ValueError(f"scorer output (call {self.calls}) must have shape [{want[0]}, {want[1]}, {want[2]}], got {got}")
+        if not out.is_floating_point():
+            raise ValueError(f"scorer output (call {self.calls}) must be floating log-probabilities, got dtype {out.dtype}")
+        if self.out_dtype is None:
+            self.out_dtype = out_dtype(out.dtype)
+        valid = valid[..., None]
+        x = torch.where(valid, out, 0)
+        self.fine.logical_and_((x <= 0).all())  # NaN or a positive entry in a valid row clears it
+        vals, cols = stable_topk(x, c)  # [R, m, c], best first
+        vals = vals.to(torch.float64)
+        alive = (vals > NEG_INF) & valid
+        child = words[:, :, None, :] + self.digit[d]  # [R, m, c, W]
+        child[..., 0].bitwise_or_(torch.where(alive, 0, DEAD_BIT))
+        tok = self.cand_flat.gather(1, ((d * self.k)[..., None] + cols).view(r_, m * c))
+        depth = (d + 1)[..., None, None].expand(r_, m, c, 1)
+        new_i = torch.cat([tok.view(r_, m, c, 1), depth, child], dim=-1).view(r_, m * c, self.ci)
+        new_f = torch.stack([score[..., None] + vals, vals], dim=-1).view(r_, m * c, 2)
+        slot = ((node * c)[..., None] + self.ar_c).view(r_, m * c, 1)
+        self.fi.scatter_(1, slot.expand(r_, m * c, self.ci), new_i)
+        self.ff.scatter_(1, slot.expand(r_, m * c, 2), new_f)
+
+    def _materialise(self) -> None:
+        """One step of every request: the best frontier slots become nodes; which to expand."""
+        r_, w = self.r, self.w
+        alive = self.key0 < DEAD_BIT
+        n_alive = alive.sum(1)
+        if isinstance(self._width, int):
+            cap = self.left.clamp(max=self._width)
+        else:
+            cap = torch.minimum(self.left, self._width)
+        take = torch.minimum(cap, n_alive)
+        sel = sort_by_key(self._scores, self._words, alive, dead_in_words=True)[:, :w]  # best first
+        ok = self.ar_w < take[:, None]
+        idx = sel[..., None]
+        gi = self.fi.gather(1, idx.expand(r_, w, self.ci))
+        gf = self.ff.gather(1, idx.expand(r_, w, 2))
+        node = torch.where(ok, self._base - self.left[:, None], self.n_cap)
+        self.node_slot.scatter_(1, node, sel)
+        self.key0.scatter_(1, torch.where(ok, sel, self.trash_slot), DEAD_BIT)
+        self.left.sub_(take)
+        room = self.left > 0
+        d = gi[..., 1].clamp(max=self.dmax)
+        self.expand = ok & (d < self._depth) & room[:, None]
+        self.node, self.parent, self.tok, self.d = node, sel // self.c, gi[..., 0], d
+        self.words, self.score = gi[..., 2:], gf[..., 0]
+        self.n_alive, self.take, self.room = n_alive, take, room
+        self.rounds += 1
+
+
 def build_weaver_padded(
     root_tokens: Tensor | Sequence[int],
     candidates: Tensor,
@@ -124,123 +347,7 @@ def build_weaver_padded(
     Returns a ``PaddedTrees`` of [R, 1 + max budget]; request r's first ``num_nodes[r]`` columns
     equal ``build_weaver(root_tokens[r], candidates[r], ..., budget[r], max_depth[r], width[r])``.
     """
-    num_req = batch_size(candidates, "candidates", "[R, D, K]", 3)
-    budgets = per_request(budget, num_req, "budget")
-    depths = per_request(max_depth, num_req, "max_depth")
-    widths = per_request(width, num_req, "width")
-    cpn = check_positive_int(children_per_node, "children_per_node")
-    dev = candidates.device
-    if check:
-        _check_candidates(candidates, depths)
-    else:
-        check_depth_rows(candidates.shape[1], max(depths), "candidates")
-    roots = root_token_tensor(root_tokens, num_req, dev, check)
-
-    r_, d_rows, k = candidates.shape
-    c = min(cpn, k)
-    bmax, dmax = max(budgets), max(depths)
-    n_cap = 1 + bmax  # node columns; column n_cap is a write-only trash slot
-    f_cap = n_cap * c  # frontier slots; slot f_cap is a write-only trash slot
-    w = min(max(widths), bmax)
-    code = RankPathCode(c, dmax)
-    nw = code.words
-    f64, i64 = torch.float64, torch.long
-    budget_t = per_request_tensor(budgets, dev)
-    depth_t = per_request_tensor(depths, dev)
-    width_t = per_request_tensor(widths, dev)
-    ar_w = torch.arange(w, device=dev)
-    ar_c = torch.arange(c, device=dev)
-    cand_flat = candidates.reshape(r_, d_rows * k)
-    # digit[p, r]: the rank-path words of rank r at position p (a child of a node at depth p)
-    pos = torch.arange(dmax, device=dev)
-    digit = code.digit(pos[:, None].expand(dmax, c), ar_c.expand(dmax, c))  # [dmax, c, W]
-
-    # Packed state (few tensors, so one gather / scatter moves a whole row):
-    # nodes: ni [R, N+1, 3 + W] int64 = (token, parent, depth, rank-path words); nf [R, N+1, 2]
-    # float64 = (path score, log q). Frontier slots: ei [R, F+1, 1 + W] int64 = (candidate column,
-    # rank-path words with DEAD_BIT in word 0 unless alive); ef [R, F+1, 2] float64 = (score, log q).
-    ni = torch.zeros(r_, n_cap + 1, 3 + nw, dtype=i64, device=dev)
-    ni[:, :, 1] = -1
-    ni[:, 0, 0] = roots
-    nf = torch.zeros(r_, n_cap + 1, 2, dtype=f64, device=dev)
-    ei = torch.zeros(r_, f_cap + 1, 1 + nw, dtype=i64, device=dev)
-    ei[:, :, 1] = DEAD_BIT
-    ef = torch.zeros(r_, f_cap + 1, 2, dtype=f64, device=dev)
-    num_nodes = torch.ones(r_, dtype=i64, device=dev)
-    bad = torch.zeros((), dtype=torch.bool, device=dev)
-    dtype: list[torch.dtype] = []
-    calls = 0
-
-    def push(out: Tensor, ids: Tensor, valid: Tensor) -> None:
-        """Check a scorer output; the top-c children of every valid node become slots ids * c + rank."""
-        nonlocal bad, calls
-        calls += 1
-        m = ids.shape[1]
-        want = (r_, m, k)
-        if not isinstance(out, Tensor) or tuple(out.shape) != want:
-            got = tuple(out.shape) if isinstance(out, Tensor) else type(out).__name__
-            raise ValueError(f"scorer output (call {calls}) must have shape [{want[0]}, {want[1]}, {want[2]}], got {got}")
-        if not out.is_floating_point():
-            raise ValueError(f"scorer output (call {calls}) must be floating log-probabilities, got dtype {out.dtype}")
-        if not dtype:
-            dtype.append(out_dtype(out.dtype))
-        x = torch.where(valid[..., None], out, 0)
-        bad = bad | (~(x <= 0)).any()  # NaN or positive in a valid row
-        vals, cols = stable_topk(x, c)  # [R, m, c], best first
-        vals = vals.to(f64)
-        nid = torch.where(valid, ids, 0)
-        node = ni.gather(1, nid[..., None].expand(r_, m, 3 + nw))  # the expanded nodes' rows
-        alive = valid[..., None] & (vals > NEG_INF)
-        words = node[:, :, None, 3:] + digit[node[..., 2].clamp(max=dmax - 1)]  # [R, m, c, W]
-        words[..., 0] += torch.where(alive, 0, DEAD_BIT)
-        slot = torch.where(valid[..., None], nid[..., None] * c + ar_c, f_cap).reshape(r_, m * c, 1)
-        new_i = torch.cat([cols[..., None], words], dim=-1).reshape(r_, m * c, 1 + nw)
-        pscore = nf[:, :, 0].gather(1, nid)
-        new_f = torch.stack([pscore[..., None] + vals, vals], dim=-1).reshape(r_, m * c, 2)
-        ei.scatter_(1, slot.expand(r_, m * c, 1 + nw), new_i)
-        ef.scatter_(1, slot.expand(r_, m * c, 2), new_f)
-
-    def materialise() -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
-        """One step of every request: new nodes and which of them to expand."""
-        nonlocal num_nodes
-        alive = ei[:, :, 1] < DEAD_BIT
-        n_alive = alive.sum(1)
-        take = torch.minimum(torch.minimum(width_t, budget_t - num_nodes + 1), n_alive)
-        sel = sort_by_key(ef[:, :, 0], ei[:, :, 1:], alive, dead_in_words=True)[:, :w]  # best first
-        ok = ar_w < take[:, None]
-        got_i = ei.gather(1, sel[..., None].expand(r_, w, 1 + nw))
-        got_f = ef.gather(1, sel[..., None].expand(r_, w, 2))
-        parent = sel // c
-        d = ni[:, :, 2].gather(1, parent) + 1
-        tok = cand_flat.gather(1, (d - 1).clamp(0, d_rows - 1) * k + got_i[..., 0])
-        node = torch.where(ok, num_nodes[:, None] + ar_w, n_cap)
-        ni.scatter_(1, node[..., None].expand(r_, w, 3 + nw), torch.cat([torch.stack([tok, parent, d], -1), got_i[..., 1:]], -1))
-        nf.scatter_(1, node[..., None].expand(r_, w, 2), got_f)
-        ei[:, :, 1].scatter_(1, torch.where(ok, sel, f_cap), DEAD_BIT)
-        num_nodes = num_nodes + take
-        room = num_nodes <= budget_t
-        expand = ok & (d < depth_t[:, None]) & room[:, None]
-        more = room & ((n_alive > take) | expand.any(1))
-        return node, parent, tok, d.clamp(max=dmax), expand, more
-
-    zeros = torch.zeros(r_, 1, dtype=i64, device=dev)
-    all_ok = torch.ones(r_, 1, dtype=torch.bool, device=dev)
-    push(scorer(zeros, zeros - 1, roots[:, None], zeros, all_ok), zeros, all_ok)
-    fixed_rounds = max(-(-b // wd) for b, wd in zip(budgets, widths))
-    for rnd in range(1, 2 * bmax + 2):
-        node, parent, tok, d, expand, more = materialise()
-        if rnd >= fixed_rounds:
-            more_any, is_bad = torch.stack([more.any(), bad]).tolist()
-            if is_bad:
-                raise ValueError("scorer output must be log-probabilities (<= 0, no NaN) in every valid row")
-            if not more_any:
-                break
-        push(scorer(node, parent, tok, d, expand), node, expand)
-    else:  # every round with work places a node or empties a frontier
-        raise RuntimeError("Weaver growth did not finish: this is a bug")
-
-    cols = slice(0, n_cap)
-    dt = dtype[0]
-    return PaddedTrees(
-        ni[:, cols, 0], ni[:, cols, 1], ni[:, cols, 2], nf[:, cols, 0].to(dt), nf[:, cols, 1].to(dt), num_nodes
-    )
+    growth = WeaverGrowth(root_tokens, candidates, scorer, budget, max_depth, width, children_per_node, check)
+    growth.run_fixed()
+    growth.run_tail()
+    return growth.trees()

@@ -70,6 +70,8 @@ NON_OPTION_ENV_VARS: frozenset[str] = frozenset(
         "VLLM_TFM_FORCE_TREE_PATH",  # runtime: chains go through the tree path too
         "VLLM_TFM_KERNELS",  # runtime: 0 forces the torch references instead of the kernels
         "VLLM_TFM_PROFILE",  # runtime: per-stage CUDA-event timings (runtime/stage_timing.py)
+        "VLLM_TFM_WEAVER_GRAPHS",  # runtime: CUDA graphs of the Weaver tree build (runtime/weaver_graphs.py)
+        "VLLM_TFM_WEAVER_GRAPH_BUCKETS",  # runtime: their batch-size buckets
         "VLLM_TFM_CHECK_TP_TREES",  # runtime: all-gather and compare trees / accepted paths over the TP group (runtime/tensor_parallel.py)
         "VLLM_TFM_TRACE",  # runtime: per-request step records into a directory (runtime/trace.py)
         "VLLM_TFM_TRACE_MAX_MB",  # runtime: size bound of that trace per process

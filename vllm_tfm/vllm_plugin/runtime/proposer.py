@@ -17,7 +17,8 @@ states). Per step (``propose``):
    ``_sample_draft_tokens`` (llm_base_proposer.py:468) keeps the logits [R * D, V] and the
    DFlash outputs instead of sampling.
 3. Trees. ``chain`` / ``ddtree`` (batched on the device) or ``tfm`` (Weaver), B draft nodes per
-   request; requests in a batch that needs vLLM's own sampler get chains. The tokens go back to
+   request; requests in a batch that needs vLLM's own sampler get chains. With
+   ``VLLM_TFM_WEAVER_GRAPHS=1`` the Weaver build replays CUDA graphs (``weaver_graphs``). The tokens go back to
    vLLM ([R, B]), the parents to the ``ProposalStore`` keyed by request id.
 """
 
@@ -41,6 +42,7 @@ from .stage_timing import TIMER
 from .state import STATE
 from .tensor_parallel import check_same_on_tp_ranks, check_tp_trees_enabled, target_vocab_table, tp_world_size
 from .tree_builder_gpu import chain_trees, ddtree_trees, weaver_trees
+from .weaver_graphs import weaver_graphs_from_env
 
 __all__ = ["TFMProposer"]
 
@@ -74,6 +76,8 @@ class TFMProposer(DFlashProposer):
         self.weaver: torch.nn.Module | None = None
         self._target_embed: VocabTable | None = None
         self._target_lm_head: VocabTable | None = None
+        # opt-in CUDA graphs of the Weaver build (VLLM_TFM_WEAVER_GRAPHS, runtime/weaver_graphs.py)
+        self._weaver_graphs = weaver_graphs_from_env()
         STATE.check_tp = check_tp_trees_enabled() and vllm_config.parallel_config.tensor_parallel_size > 1
         STATE.check_step = 0
 
@@ -200,10 +204,10 @@ class TFMProposer(DFlashProposer):
         depth: int,
         num_rejected: Tensor | None,
     ) -> tuple[Tensor, Tensor]:
-        logprobs = torch.log_softmax(logits.float(), dim=-1)
-        if proposal == "chain":
-            return chain_trees(logprobs, budget)
-        if proposal == "ddtree":
+        if proposal in ("chain", "ddtree"):
+            logprobs = torch.log_softmax(logits.float(), dim=-1)  # the Weaver reads raw logits
+            if proposal == "chain":
+                return chain_trees(logprobs, budget)
             tokens, parents, _ = ddtree_trees(logprobs, budget)
             return tokens, parents
         if proposal == "tfm":
@@ -213,7 +217,8 @@ class TFMProposer(DFlashProposer):
             dflash_hidden = self._dflash_out.view(num_req, depth, -1)
             verifier = self._verifier_hidden(num_req, num_rejected)
             s = self.tfm_settings
-            return weaver_trees(
+            build = weaver_trees if self._weaver_graphs is None else self._weaver_graphs.weaver_trees
+            return build(
                 self.weaver,
                 logits,
                 dflash_hidden,

@@ -11,7 +11,9 @@ ran dry) is completed by ``fill_to_budget``.
   node's path (``vllm_tfm.models.BatchedWeaverTreeScorer``) while ``vllm_tfm.tree.build_weaver_padded``
   grows all requests' trees in lockstep: one Weaver call per step for every request, about
   ceil(B / w) steps, one host sync at the end (``vllm_tfm.models.proposal_trees``). Same trees as
-  ``vllm_tfm.tree.build_weaver`` per request (to Weaver rounding). CUDA-graph capture is future work.
+  ``vllm_tfm.tree.build_weaver`` per request (to Weaver rounding). The steps before that sync have
+  fixed shapes and update their state in place: ``weaver_graphs`` replays them as CUDA graphs
+  (opt-in, ``VLLM_TFM_WEAVER_GRAPHS=1``).
 
 Determinism: sorts are stable and scores are accumulated in float64 in a fixed order, so equal
 inputs give equal trees on every tensor-parallel rank.

@@ -1,0 +1,265 @@
+"""CUDA graphs of the TfM (Weaver) tree build, one per (request bucket, tree shape): opt-in.
+
+Off by default. ``VLLM_TFM_WEAVER_GRAPHS=1`` turns it on in the worker;
+``VLLM_TFM_WEAVER_GRAPH_BUCKETS`` (e.g. ``1,2,4,8,16,32,64``, default :data:`DEFAULT_BUCKETS`)
+lists the batch sizes that get a graph. Larger batches, CPU tensors and vocabulary-split
+(tensor-parallel) embeddings build eagerly as before.
+
+Why it works: with fixed (R, B, top_k, width, children_per_node) the Weaver build up to its first
+host sync, ``models.proposal_trees.weaver_growth`` (DFlash top-K, the batched scorer's prompt
+pass, the ``fixed_rounds`` growth rounds) plus ``trees().draft_layout``, has static shapes and
+reads nothing back on the host (``tree.weaver_padded``: every state tensor is updated in place).
+So a batch of R requests is padded up to the smallest bucket >= R:
+
+1. the R real rows are copied into static input buffers [bucket, ...] (the other rows keep
+   earlier inputs, zeros at first: finite values whose trees are computed and dropped);
+2. the graph is replayed (captured lazily on the first batch of its key: one eager warm-up on a
+   side stream, then the capture);
+3. one host sync, exactly as in the eager build, asks whether a real request needs rounds past
+   the fixed ones (a short frontier: small ``children_per_node``, -inf scores, max_depth
+   binding); those run eagerly on the graph's state tensors (the next replay re-initialises
+   them) and the outputs are re-read;
+4. the first R rows of the outputs are copied out (the graph's buffers are reused next step).
+
+The growth object's Python attributes (last-round tensors, counters) are restored from a snapshot
+taken at capture after every replay, so the eager tail always starts from the graph's tensors.
+
+All graphs share one memory pool: the build of one key reads only its static inputs, the weights
+and what it writes itself, and its outputs are copied out before another graph is replayed, so
+replaying another graph in between (which may reuse the same memory) breaks nothing.
+
+Numerics: a replay runs the kernels of the eager build at R = bucket, so its trees equal the
+eager build of the padded batch exactly (``tests/gpu/test_weaver_graphs_gpu.py``). Against the
+eager build of the R rows alone a tree can differ only where a GEMM picks a different kernel
+for a different row count (last-bit differences in the Weaver scores), i.e. at near-exact ties;
+verification is exact for any tree.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from vllm_tfm.models.proposal_trees import weaver_growth
+from vllm_tfm.models.vocab_table import ShardedVocabTable, VocabTable
+from vllm_tfm.tree.marginal_padded import check_marginals
+from vllm_tfm.tree.weaver_padded import WeaverGrowth
+
+from .tree_builder_gpu import weaver_trees
+
+__all__ = [
+    "BUCKETS_ENV",
+    "DEFAULT_BUCKETS",
+    "GRAPHS_ENV",
+    "StaticInputs",
+    "WeaverGraphs",
+    "bucket_for",
+    "graph_buckets",
+    "weaver_graphs_from_env",
+]
+
+GRAPHS_ENV = "VLLM_TFM_WEAVER_GRAPHS"
+BUCKETS_ENV = "VLLM_TFM_WEAVER_GRAPH_BUCKETS"
+DEFAULT_BUCKETS: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64, 128)
+
+
+def graph_buckets(text: str | None) -> tuple[int, ...]:
+    """Bucket sizes from ``"1,2,4,..."`` (None or blank: :data:`DEFAULT_BUCKETS`), sorted, unique."""
+    if text is None or not text.strip():
+        return DEFAULT_BUCKETS
+    try:
+        sizes = sorted({int(part) for part in text.split(",") if part.strip()})
+    except ValueError:
+        raise ValueError(f"{BUCKETS_ENV}={text!r}: expected comma-separated integers >= 1") from None
+    if not sizes or sizes[0] < 1:
+        raise ValueError(f"{BUCKETS_ENV}={text!r}: expected comma-separated integers >= 1")
+    return tuple(sizes)
+
+
+def weaver_graphs_from_env(environ: Mapping[str, str] | None = None) -> WeaverGraphs | None:
+    """A ``WeaverGraphs`` when ``VLLM_TFM_WEAVER_GRAPHS`` is set (not 0 / false), else None."""
+    env = os.environ if environ is None else environ
+    if env.get(GRAPHS_ENV, "0").strip() in ("", "0", "false", "False"):
+        return None
+    return WeaverGraphs(graph_buckets(env.get(BUCKETS_ENV)))
+
+
+def bucket_for(num_requests: int, buckets: Sequence[int]) -> int | None:
+    """The smallest bucket >= ``num_requests`` (``buckets`` sorted ascending), None if none is."""
+    for size in buckets:
+        if size >= num_requests:
+            return size
+    return None
+
+
+@dataclass(frozen=True)
+class StaticInputs:
+    """Input buffers of one graph, [bucket, ...]; rows past the batch keep their last values."""
+
+    logits: Tensor  # [bucket, D, V] raw DFlash logits
+    hidden: Tensor  # [bucket, D, H] DFlash outputs
+    verifier: Tensor  # [bucket, H] target hidden state at the root rows
+    roots: Tensor  # [bucket] root tokens
+
+    @classmethod
+    def zeros_like(cls, bucket: int, logits: Tensor, hidden: Tensor, verifier: Tensor, roots: Tensor) -> StaticInputs:
+        def buf(x: Tensor) -> Tensor:
+            return torch.zeros((bucket, *x.shape[1:]), dtype=x.dtype, device=x.device)
+
+        return cls(buf(logits), buf(hidden), buf(verifier), buf(roots))
+
+    @property
+    def bucket(self) -> int:
+        return int(self.roots.shape[0])
+
+    def fill(self, logits: Tensor, hidden: Tensor, verifier: Tensor, roots: Tensor) -> None:
+        """Copy a batch of R <= bucket requests into rows 0..R-1 (no host sync)."""
+        r = int(roots.shape[0])
+        if r > self.bucket:
+            raise ValueError(f"a batch of {r} requests does not fit a graph bucket of {self.bucket}")
+        for dst, src in ((self.logits, logits), (self.hidden, hidden), (self.verifier, verifier), (self.roots, roots)):
+            if tuple(src.shape) != (r, *dst.shape[1:]):
+                raise ValueError(f"input of shape {tuple(src.shape)} does not fit buffer rows of shape {tuple(dst.shape[1:])}")
+            dst[:r].copy_(src)
+
+
+@dataclass
+class _Captured:
+    graph: torch.cuda.CUDAGraph
+    inputs: StaticInputs
+    growth: WeaverGrowth
+    snapshot: dict[str, Any]  # growth.__dict__ right after the capture
+    filler: Tensor  # [bucket] best depth-1 candidate (completes short trees)
+    tokens: Tensor  # [bucket, B] graph outputs
+    parents: Tensor  # [bucket, 1 + B]
+
+    def restore(self) -> WeaverGrowth:
+        self.growth.__dict__.clear()
+        self.growth.__dict__.update(self.snapshot)
+        return self.growth
+
+
+def _build(
+    weaver: nn.Module, inputs: StaticInputs, embed: VocabTable, lm_head: VocabTable, budget: int, top_k: int, width: int, cpn: int
+) -> tuple[WeaverGrowth, Tensor, Tensor, Tensor]:
+    """The capturable part of ``tree_builder_gpu.weaver_trees`` on the static inputs."""
+    growth, cand_ids = weaver_growth(
+        weaver, inputs.logits, inputs.hidden, inputs.verifier, inputs.roots, embed, lm_head,
+        budget, top_k, width, cpn, logits_dtype=inputs.hidden.dtype,
+    )
+    filler = cand_ids[:, 0, 0]
+    tokens, parents = growth.trees().draft_layout(filler)
+    return growth, filler, tokens, parents
+
+
+def _table_key(table: VocabTable) -> tuple[int, int]:
+    weight = table if isinstance(table, Tensor) else getattr(table, "weight", None)
+    return id(table), weight.data_ptr() if isinstance(weight, Tensor) else 0
+
+
+class WeaverGraphs:
+    """Weaver tree builds through CUDA graphs, one per key (module docstring)."""
+
+    def __init__(self, buckets: Sequence[int] = DEFAULT_BUCKETS) -> None:
+        self.buckets = tuple(sorted(set(buckets)))
+        if not self.buckets or self.buckets[0] < 1:
+            raise ValueError(f"graph buckets must be integers >= 1, got {buckets!r}")
+        self._graphs: dict[tuple[Any, ...], _Captured] = {}
+        self._pool: Any = None
+        self.replays = 0
+        self.tail_rounds = 0
+        self.eager_builds = 0
+
+    def bucket(self, dflash_logits: Tensor, embed: VocabTable, lm_head: VocabTable) -> int | None:
+        """The bucket this batch replays in, or None when it builds eagerly (CPU tensors, a
+        capture already under way, vocabulary-split tables, more requests than the largest
+        bucket)."""
+        if dflash_logits.device.type != "cuda" or not torch.cuda.is_available():
+            return None
+        if torch.cuda.is_current_stream_capturing():  # inside someone else's capture: no nesting
+            return None
+        if isinstance(embed, ShardedVocabTable) or isinstance(lm_head, ShardedVocabTable):
+            return None
+        return bucket_for(int(dflash_logits.shape[0]), self.buckets)
+
+    def weaver_trees(
+        self,
+        weaver: nn.Module,
+        dflash_logits: Tensor,
+        dflash_hidden: Tensor,
+        verifier_hidden: Tensor,
+        root_tokens: Tensor,
+        embed: VocabTable,
+        lm_head: VocabTable,
+        budget: int,
+        top_k: int,
+        width: int,
+        children_per_node: int,
+    ) -> tuple[Tensor, Tensor]:
+        """``tree_builder_gpu.weaver_trees`` through a graph when the batch fits a bucket:
+        tokens [R, B], parents [R, 1 + B] (fresh tensors)."""
+        bucket = self.bucket(dflash_logits, embed, lm_head)
+        if bucket is None:
+            self.eager_builds += 1
+            return weaver_trees(weaver, dflash_logits, dflash_hidden, verifier_hidden, root_tokens, embed, lm_head,
+                                budget, top_k, width, children_per_node)
+        check_marginals(dflash_logits, budget)
+        r = int(root_tokens.shape[0])
+        key = (
+            bucket, budget, top_k, width, children_per_node, tuple(dflash_logits.shape[1:]), tuple(dflash_hidden.shape[1:]),
+            dflash_logits.dtype, dflash_hidden.dtype, verifier_hidden.dtype, dflash_logits.device,
+            id(weaver), _table_key(embed), _table_key(lm_head),
+        )
+        with torch.inference_mode():
+            cap = self._graphs.get(key)
+            if cap is None:
+                cap = self._capture(bucket, weaver, dflash_logits, dflash_hidden, verifier_hidden, root_tokens, embed,
+                                    lm_head, budget, top_k, width, children_per_node)
+                self._graphs[key] = cap
+            cap.inputs.fill(dflash_logits, dflash_hidden, verifier_hidden, root_tokens)
+            cap.graph.replay()
+            self.replays += 1
+            growth = cap.restore()
+            fixed = growth.rounds
+            growth.run_tail(rows=r)  # the one host sync of the build
+            if growth.rounds == fixed:
+                tokens, parents = cap.tokens, cap.parents
+            else:
+                self.tail_rounds += growth.rounds - fixed
+                tokens, parents = growth.trees().draft_layout(cap.filler)
+            return tokens[:r].clone(), parents[:r].clone()
+
+    def _capture(
+        self,
+        bucket: int,
+        weaver: nn.Module,
+        dflash_logits: Tensor,
+        dflash_hidden: Tensor,
+        verifier_hidden: Tensor,
+        root_tokens: Tensor,
+        embed: VocabTable,
+        lm_head: VocabTable,
+        budget: int,
+        top_k: int,
+        width: int,
+        cpn: int,
+    ) -> _Captured:
+        dev = dflash_logits.device
+        inputs = StaticInputs.zeros_like(bucket, dflash_logits, dflash_hidden, verifier_hidden, root_tokens.to(torch.long))
+        inputs.fill(dflash_logits, dflash_hidden, verifier_hidden, root_tokens)
+        side = torch.cuda.Stream(dev)
+        side.wait_stream(torch.cuda.current_stream(dev))
+        with torch.cuda.stream(side):  # warm-up: lazy initialisations happen outside the capture
+            _build(weaver, inputs, embed, lm_head, budget, top_k, width, cpn)
+        torch.cuda.current_stream(dev).wait_stream(side)
+        if self._pool is None:
+            self._pool = torch.cuda.graph_pool_handle()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
+            growth, filler, tokens, parents = _build(weaver, inputs, embed, lm_head, budget, top_k, width, cpn)
+        return _Captured(graph, inputs, growth, dict(growth.__dict__), filler, tokens, parents)
