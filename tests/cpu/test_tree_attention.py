@@ -253,7 +253,7 @@ def test_kernel_under_cpu_emulation_matches_the_reference(tmp_path, monkeypatch)
     cases = [  # dtype, hq, hkv, dim, block_size, splits, tolerance
         (torch.float32, 4, 2, 32, 16, 1, 1e-5),
         (torch.bfloat16, 4, 2, 32, 48, 3, 3e-3),
-        (torch.float16, 3, 1, 64, 32, 1, 1e-3),
+        (torch.float16, 3, 1, 64, 112, 1, 1e-3),
         (torch.float32, 2, 2, 32, 80, 5, 1e-5),
     ]
     # split partials of empty splits are never read: a NaN-poisoned workspace must not leak

@@ -8,11 +8,18 @@ block (rows indexed by the query's position inside its request), shared by every
 launch, so a per-request mask needs one launch per request (VLLM_HOOKS.md section 4, option a).
 
 ``TFMTritonAttentionImpl.forward`` therefore runs vLLM's batched forward for the whole batch
-(exact for prefill rows and chain requests) and then, for each request whose tree is not a chain,
-recomputes its rows with a one-request ``unified_attention`` call carrying the request's
-[n, n] bias (0 on ancestor-or-self pairs, -inf elsewhere). Only the target model's attention
-layers are masked: the DFlash drafter's layers (same backend class) and every step that is not
-tree-active fall straight through to vLLM.
+(exact for prefill rows and chain requests) and then recomputes the rows of every request whose
+tree is not a chain:
+
+* kernel path (default): ONE launch of ``vllm_tfm.kernels.tree_attention`` for all of them, reading
+  the step's ``TreeAttentionPlan`` (ancestor bitmasks, built once per step, ``inputs.py``);
+* fallback (no NVRTC / CUDA kernels, ``set_kernels_enabled(False)``, or a configuration the kernel
+  does not take: sliding window, soft-cap, ALiBi, sinks, quantised KV cache, head size not a
+  multiple of 32 up to 256): one ``unified_attention`` call per tree request carrying the
+  request's [n, n] bias (0 on ancestor-or-self pairs, -inf elsewhere). Said once, with the reason.
+
+Only the target model's attention layers are masked: the DFlash drafter's layers (same backend
+class) and every step that is not tree-active fall straight through to vLLM.
 
 The KV of the step was written to the paged cache before ``forward`` (TRITON_ATTN updates the
 cache in ``do_kv_cache_update``), at sequential slots ``ctx + j``: the one-request call reads the
@@ -28,9 +35,20 @@ from vllm.utils.torch_utils import is_quantized_kv_cache
 from vllm.v1.attention.backends.triton_attn import TritonAttentionBackend, TritonAttentionImpl
 from vllm.v1.attention.ops.triton_unified_attention import unified_attention
 
-from .state import STATE, AttnTree
+from vllm_tfm.kernels.loader import warn_fallback
+from vllm_tfm.kernels.tree_attention import NOT_CUDA, tree_attention_planned, tree_attention_unsupported
 
-__all__ = ["TFMTritonAttentionBackend", "TFMTritonAttentionImpl", "BACKEND_PATH", "install_attention_backend"]
+from .kernels_or_reference import kernels_enabled
+from .state import STATE, AttnTree, StepTree
+
+__all__ = [
+    "TFMTritonAttentionBackend",
+    "TFMTritonAttentionImpl",
+    "BACKEND_PATH",
+    "install_attention_backend",
+    "kernel_tree_attention",
+    "masked_tree_attention",
+]
 
 BACKEND_PATH = "vllm_tfm.vllm_plugin.runtime.attention.TFMTritonAttentionBackend"
 
@@ -83,6 +101,50 @@ def masked_tree_attention(
         )
 
 
+def _config_unsupported(impl: TritonAttentionImpl) -> str | None:
+    """Why the tree attention kernel cannot run this layer's configuration (None when it can)."""
+    if is_quantized_kv_cache(impl.kv_cache_dtype) or impl._is_per_token_head_quant:
+        return f"kv_cache_dtype={impl.kv_cache_dtype!r} (the kernel reads unquantised caches)"
+    if tuple(impl.sliding_window) != (-1, -1):
+        return f"sliding window {impl.sliding_window}"
+    if impl.logits_soft_cap:
+        return f"logit soft-cap {impl.logits_soft_cap}"
+    if impl.alibi_slopes is not None:
+        return "ALiBi slopes"
+    if impl.sinks is not None:
+        return "attention sinks"
+    if getattr(impl, "chunk_lookback", -1) != -1:
+        return f"chunked attention (chunk_lookback={impl.chunk_lookback})"
+    return None
+
+
+def kernel_tree_attention(
+    impl: TritonAttentionImpl,
+    query: Tensor,
+    kv_cache: Tensor,
+    attn_metadata: object,
+    output: Tensor,
+    step: StepTree,
+) -> bool:
+    """Every tree request's rows of ``output`` in one kernel launch; False (nothing done) when the
+    kernel cannot run here, after saying why once."""
+    if not kernels_enabled():
+        return False
+    reason = impl.__dict__.get("_tfm_config_reason", False)
+    if reason is False:
+        reason = impl._tfm_config_reason = _config_unsupported(impl)
+    key_cache, value_cache = kv_cache.transpose(1, 2).split(impl.head_size, dim=-1)
+    if reason is None:
+        reason = tree_attention_unsupported(query, key_cache, value_cache, output)
+    if reason is not None:
+        if reason != NOT_CUDA:
+            warn_fallback("tree attention (one Triton call per tree request instead)", reason)
+        return False
+    tree_attention_planned(step.attn_plan, query, key_cache, value_cache, attn_metadata.block_table,
+                           attn_metadata.seq_lens, impl.scale, output, int(attn_metadata.max_seq_len))
+    return True
+
+
 class TFMTritonAttentionImpl(TritonAttentionImpl):
     """TRITON_ATTN with the tree mask on the target's layers during tree-active steps."""
 
@@ -102,15 +164,20 @@ class TFMTritonAttentionImpl(TritonAttentionImpl):
             layer, query, key, value, kv_cache, attn_metadata, output, output_scale, output_block_scale
         )
         step = STATE.step
-        if step is None or not step.tree_active or not step.attn_trees or attn_metadata is None:
+        if step is None or not step.tree_active or step.attn_plan is None or attn_metadata is None:
             return out
         if getattr(layer, "layer_name", None) not in STATE.target_attn_layers:
             return out
         if output_scale is not None:
             raise ValueError("vllm-tfm tree attention does not support fused output quantisation")
-        if STATE.metrics is not None:
-            STATE.metrics.hook("attention.tree_mask")
-        masked_tree_attention(self, layer, query, kv_cache, attn_metadata, output, step.attn_trees)
+        metrics = STATE.metrics
+        if metrics is not None:
+            metrics.hook("attention.tree_mask")
+        if kernel_tree_attention(self, query, kv_cache, attn_metadata, output, step):
+            if metrics is not None:
+                metrics.hook("attention.tree_kernel")
+        else:
+            masked_tree_attention(self, layer, query, kv_cache, attn_metadata, output, step.attn_trees)
         return out
 
 

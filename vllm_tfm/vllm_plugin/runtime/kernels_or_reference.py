@@ -1,5 +1,6 @@
 """The four GDN tree operations, from ``vllm_tfm.kernels`` when its NVRTC kernels can run, else the
 torch references in ``vllm_tfm.verify`` (same signatures; the kernels are tested against them).
+The tree attention kernel (``runtime/attention.py``) follows the same switch.
 
 ``set_kernels_enabled(False)`` forces the references in this process (a diagnostic: it tells a
 kernel bug from a hook bug; the GPU bench uses it when its kernel check fails).
@@ -13,7 +14,7 @@ from types import SimpleNamespace
 from vllm_tfm.verify import conv as _conv
 from vllm_tfm.verify import gdn as _gdn
 
-__all__ = ["tree_ops", "kernels_in_use", "set_kernels_enabled"]
+__all__ = ["tree_ops", "kernels_in_use", "kernels_enabled", "set_kernels_enabled"]
 
 _NAMES = ("tree_causal_conv1d", "tree_conv_commit", "gdn_tree_verify", "gdn_tree_commit")
 _STATE: dict[str, object] = {"enabled": True, "ops": None}
@@ -23,6 +24,11 @@ def set_kernels_enabled(enabled: bool) -> None:
     """Use the CUDA kernels when they can run (True, the default) or always the references."""
     _STATE["enabled"] = bool(enabled)
     _STATE["ops"] = None
+
+
+def kernels_enabled() -> bool:
+    """False after ``set_kernels_enabled(False)`` (tree attention then keeps vLLM's Triton path too)."""
+    return bool(_STATE["enabled"])
 
 
 def _reference() -> dict[str, Callable]:
