@@ -176,3 +176,18 @@ def test_settings_from_options_bound_depth_by_the_block_and_switch_proposals():
         set_proposal_override("beam")
     with pytest.raises(ValueError, match="block_size must be an integer >= 2"):
         settings_from_options(TfmConfig(proposal="chain"), None, 7, {"block_size": 1})
+
+
+def test_kernels_env_switch_forces_the_references(monkeypatch):
+    from vllm_tfm.vllm_plugin.runtime import kernels_or_reference as kor
+
+    monkeypatch.setitem(kor._STATE, "ops", None)
+    monkeypatch.setitem(kor._STATE, "enabled", None)  # not decided yet: the environment decides
+    monkeypatch.setenv("VLLM_TFM_KERNELS", "0")
+    assert not kor.kernels_enabled()
+    assert set(kor.kernels_in_use().values()) == {"reference"}
+    monkeypatch.setitem(kor._STATE, "enabled", None)
+    monkeypatch.setenv("VLLM_TFM_KERNELS", "1")
+    assert kor.kernels_enabled()
+    kor.set_kernels_enabled(False)  # an explicit call wins over the environment
+    assert not kor.kernels_enabled()

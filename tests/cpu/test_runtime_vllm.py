@@ -89,7 +89,7 @@ def fake_attention_impl(**over):
     return impl
 
 
-def tree_attention_call(monkeypatch, impl, reason=None, enabled=True):
+def tree_attention_call(monkeypatch, impl, reason=None, enabled=True, kernel=None):
     """Run TFMTritonAttentionImpl.forward on a tree step (vLLM's own forward stubbed); return the
     kernel calls and the per-request fallback calls it made."""
     from vllm.v1.attention.backends.triton_attn import TritonAttentionImpl
@@ -105,7 +105,7 @@ def tree_attention_call(monkeypatch, impl, reason=None, enabled=True):
     monkeypatch.setattr(TritonAttentionImpl, "forward", lambda self, layer, q, k, v, kv, md, out, *a: out)
     kernel_calls, loop_calls = [], []
     monkeypatch.setattr(attn_mod, "tree_attention_unsupported", lambda *a: reason)
-    monkeypatch.setattr(attn_mod, "tree_attention_planned", lambda *a: kernel_calls.append(a))
+    monkeypatch.setattr(attn_mod, "tree_attention_planned", kernel or (lambda *a: kernel_calls.append(a)))
     monkeypatch.setattr(attn_mod, "masked_tree_attention", lambda *a: loop_calls.append(a))
     monkeypatch.setitem(kor._STATE, "enabled", enabled)
     layer = SimpleNamespace(layer_name="model.layers.3.self_attn.attn")
@@ -134,10 +134,11 @@ def test_tree_attention_falls_back_to_one_call_per_tree_and_says_why(monkeypatch
     import warnings
 
     from vllm_tfm.kernels import loader
+    from vllm_tfm.vllm_plugin.runtime import attention as attn_mod
 
-    loader._warned.clear()
+    attn_mod._said.clear()
     impl = fake_attention_impl(sliding_window=(127, 0))
-    with pytest.warns(RuntimeWarning, match=r"tree attention .*falls back.*sliding window \(127, 0\)"):
+    with pytest.warns(RuntimeWarning, match=r"one Triton call per tree request .*: sliding window \(127, 0\)"):
         kernel_calls, loop_calls, _ = tree_attention_call(monkeypatch, impl)
     assert kernel_calls == [] and len(loop_calls) == 1
     (t,) = loop_calls[0][-1]  # the per-request masks, built on first use from the plan
@@ -151,7 +152,28 @@ def test_tree_attention_falls_back_to_one_call_per_tree_and_says_why(monkeypatch
     assert kernel_calls == [] and len(loop_calls) == 1
     kernel_calls, loop_calls, _ = tree_attention_call(monkeypatch, impl, enabled=False)  # set_kernels_enabled(False)
     assert kernel_calls == [] and len(loop_calls) == 1
-    loader._warned.clear()
+    monkeypatch.setenv("VLLM_TFM_TREE_ATTENTION", "triton")  # the A/B switch (read once per layer)
+    with pytest.warns(RuntimeWarning, match="VLLM_TFM_TREE_ATTENTION=triton"):
+        kernel_calls, loop_calls, _ = tree_attention_call(monkeypatch, fake_attention_impl())
+    assert kernel_calls == [] and len(loop_calls) == 1
+    monkeypatch.setenv("VLLM_TFM_TREE_ATTENTION", "fast")
+    with pytest.raises(ValueError, match="VLLM_TFM_TREE_ATTENTION must be 'kernel' or 'triton', got 'fast'"):
+        tree_attention_call(monkeypatch, fake_attention_impl())
+    monkeypatch.delenv("VLLM_TFM_TREE_ATTENTION")
+    # a kernel that fails to compile: this step and every later one take the per-request path
+    attempts = []
+
+    def broken(*a):
+        attempts.append(a)
+        raise loader.KernelCompileError("tree_attention.cu", ["-DTA_D=64"], "error: no such intrinsic")
+
+    impl = fake_attention_impl()
+    with pytest.warns(RuntimeWarning, match="(?s)KernelCompileError.*no such intrinsic"):
+        _, loop_calls, _ = tree_attention_call(monkeypatch, impl, kernel=broken)
+    assert len(attempts) == 1 and len(loop_calls) == 1
+    _, loop_calls, _ = tree_attention_call(monkeypatch, impl, kernel=broken)
+    assert len(attempts) == 1 and len(loop_calls) == 1
+    attn_mod._said.clear()
 
 
 # ---------------------------------------------------------------- sampler

@@ -52,6 +52,8 @@ MIN_TILES_PER_SPLIT = 4  # a split of the keys is worth its merge only past a fe
 DTYPE_CODE = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 NOT_CUDA = "inputs are not CUDA tensors"  # the reference is the CPU implementation: no warning
 LOG2E = 1.4426950408889634
+MIN_COMPUTE_CAPABILITY = (8, 0)
+STATIC_SMEM_BYTES = 4 * BLOCK_M * MAX_SPLITS + 16  # s_w and s_last in the source
 
 
 def tree_attention_smem_bytes(head_dim: int, block_n: int, dtype: torch.dtype) -> int:
@@ -167,8 +169,12 @@ def tree_attention_unsupported(q: Tensor, key_cache: Tensor, value_cache: Tensor
     if reason is None:
         dev_index = q.device.index if q.device.index is not None else torch.cuda.current_device()
         smem = tree_attention_smem_bytes(dim, choose_block_n(dim, q.dtype), q.dtype)
-        if smem > device_smem_optin(dev_index):
-            reason = f"the kernel needs {smem} bytes of shared memory; the device allows {device_smem_optin(dev_index)}"
+        cc = torch.cuda.get_device_capability(dev_index)
+        if cc < MIN_COMPUTE_CAPABILITY:
+            reason = f"compute capability {cc[0]}.{cc[1]}: the kernel needs 8.0 (cp.async, ldmatrix, bf16 mma.sync)"
+        elif smem + STATIC_SMEM_BYTES > device_smem_optin(dev_index):
+            reason = (f"the kernel needs {smem + STATIC_SMEM_BYTES} bytes of shared memory; "
+                      f"the device allows {device_smem_optin(dev_index)}")
     return reason
 
 

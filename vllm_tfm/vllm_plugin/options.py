@@ -69,6 +69,7 @@ NON_OPTION_ENV_VARS: frozenset[str] = frozenset(
         "VLLM_TFM_SKIP_VERSION_CHECK",  # vllm_plugin/version.py
         "VLLM_TFM_FORCE_TREE_PATH",  # runtime: chains go through the tree path too
         "VLLM_TFM_KERNELS",  # runtime: 0 forces the torch references instead of the kernels
+        "VLLM_TFM_TREE_ATTENTION",  # runtime: "triton" keeps one Triton call per tree request (runtime/attention.py)
         "VLLM_TFM_PROFILE",  # runtime: per-stage CUDA-event timings (runtime/stage_timing.py)
         "VLLM_TFM_CHECK_TP_TREES",  # runtime: all-gather and compare trees / accepted paths over the TP group (runtime/tensor_parallel.py)
         "VLLM_TFM_BENCHMARK_ACCEPTANCE_REPLAY",  # benchmark_mode: replay a recorded acceptance profile

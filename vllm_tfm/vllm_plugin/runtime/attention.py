@@ -13,10 +13,11 @@ tree is not a chain:
 
 * kernel path (default): ONE launch of ``vllm_tfm.kernels.tree_attention`` for all of them, reading
   the step's ``TreeAttentionPlan`` (ancestor bitmasks, built once per step, ``inputs.py``);
-* fallback (no NVRTC / CUDA kernels, ``set_kernels_enabled(False)``, or a configuration the kernel
-  does not take: sliding window, soft-cap, ALiBi, sinks, quantised KV cache, head size not a
-  multiple of 32 up to 256): one ``unified_attention`` call per tree request carrying the
-  request's [n, n] bias (0 on ancestor-or-self pairs, -inf elsewhere). Said once, with the reason.
+* fallback (no NVRTC / CUDA kernels, ``set_kernels_enabled(False)`` or ``VLLM_TFM_KERNELS=0``,
+  ``VLLM_TFM_TREE_ATTENTION=triton``, or a configuration the kernel does not take: sliding
+  window, soft-cap, ALiBi, sinks, quantised KV cache, head size not a multiple of 32 up to 256):
+  one ``unified_attention`` call per tree request carrying the request's [n, n] bias (0 on
+  ancestor-or-self pairs, -inf elsewhere). Said once, with the reason.
 
 Only the target model's attention layers are masked: the DFlash drafter's layers (same backend
 class) and every step that is not tree-active fall straight through to vLLM.
@@ -28,6 +29,10 @@ same cache through the request's block table row.
 
 from __future__ import annotations
 
+import logging
+import os
+import warnings
+
 import torch
 from torch import Tensor
 
@@ -35,7 +40,7 @@ from vllm.utils.torch_utils import is_quantized_kv_cache
 from vllm.v1.attention.backends.triton_attn import TritonAttentionBackend, TritonAttentionImpl
 from vllm.v1.attention.ops.triton_unified_attention import unified_attention
 
-from vllm_tfm.kernels.loader import warn_fallback
+from vllm_tfm.kernels.loader import KernelCompileError, KernelLaunchError
 from vllm_tfm.kernels.tree_attention import NOT_CUDA, tree_attention_planned, tree_attention_unsupported
 
 from .kernels_or_reference import kernels_enabled
@@ -51,6 +56,19 @@ __all__ = [
 ]
 
 BACKEND_PATH = "vllm_tfm.vllm_plugin.runtime.attention.TFMTritonAttentionBackend"
+
+logger = logging.getLogger("vllm.tfm")  # under vLLM's logger, so the notice shows in its output
+_said: set[str] = set()
+
+
+def _say_fallback(reason: str) -> None:
+    """Tell once per reason that tree attention takes the per-request Triton path."""
+    if reason in _said:
+        return
+    _said.add(reason)
+    msg = f"vllm_tfm: tree attention runs one Triton call per tree request instead of one kernel launch: {reason}"
+    logger.warning(msg)
+    warnings.warn(msg, RuntimeWarning, stacklevel=3)
 
 
 def masked_tree_attention(
@@ -101,8 +119,16 @@ def masked_tree_attention(
         )
 
 
+TREE_ATTENTION_ENV = "VLLM_TFM_TREE_ATTENTION"
+
+
 def _config_unsupported(impl: TritonAttentionImpl) -> str | None:
     """Why the tree attention kernel cannot run this layer's configuration (None when it can)."""
+    choice = os.environ.get(TREE_ATTENTION_ENV, "kernel")
+    if choice not in ("kernel", "triton"):
+        raise ValueError(f"{TREE_ATTENTION_ENV} must be 'kernel' or 'triton', got {choice!r}")
+    if choice == "triton":
+        return f"{TREE_ATTENTION_ENV}=triton"
     if is_quantized_kv_cache(impl.kv_cache_dtype) or impl._is_per_token_head_quant:
         return f"kv_cache_dtype={impl.kv_cache_dtype!r} (the kernel reads unquantised caches)"
     if tuple(impl.sliding_window) != (-1, -1):
@@ -138,10 +164,15 @@ def kernel_tree_attention(
         reason = tree_attention_unsupported(query, key_cache, value_cache, output)
     if reason is not None:
         if reason != NOT_CUDA:
-            warn_fallback("tree attention (one Triton call per tree request instead)", reason)
+            _say_fallback(reason)
         return False
-    tree_attention_planned(step.attn_plan, query, key_cache, value_cache, attn_metadata.block_table,
-                           attn_metadata.seq_lens, impl.scale, output, int(attn_metadata.max_seq_len))
+    try:
+        tree_attention_planned(step.attn_plan, query, key_cache, value_cache, attn_metadata.block_table,
+                               attn_metadata.seq_lens, impl.scale, output, int(attn_metadata.max_seq_len))
+    except (KernelCompileError, KernelLaunchError) as exc:  # nothing was launched: this layer falls back for good
+        impl._tfm_config_reason = f"{type(exc).__name__}: {exc}"
+        _say_fallback(impl._tfm_config_reason)
+        return False
     return True
 
 
