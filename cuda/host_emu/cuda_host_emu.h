@@ -3,8 +3,11 @@
 // Not a simulator of timing or of the memory model: every CUDA thread of a block is a std::thread,
 // __syncthreads is a std::barrier over the block, warp shuffles exchange through a per-warp buffer
 // between two warp barriers, __shared__ variables are process-wide statics (blocks run one after
-// another), and dynamic shared memory is one buffer per block launch. A kernel source is compiled
-// as C++20 with this header force-included and TFM_HOST_EMU defined (see emulate.py beside this).
+// another), and dynamic shared memory is one buffer per block launch. The warp-level matrix ops
+// of cuda/tfm_mma.cuh (ldmatrix, mma.sync m16n8k16) exchange their operands through a per-warp
+// buffer and follow the PTX ISA's fragment layouts; cp.async copies at once; atomics are host
+// atomics. A kernel source is compiled as C++20 with this header force-included and TFM_HOST_EMU
+// defined (see emulate.py beside this).
 // What it checks: indexing, bounds (with -fsanitize=address), barrier placement, the host-side
 // sizes (shared memory words) and the arithmetic, against the torch reference.
 #pragma once
@@ -33,6 +36,7 @@
 #define __shared__ static
 
 struct dim3 { unsigned x = 1, y = 1, z = 1; };
+struct alignas(8) float2 { float x, y; };
 struct alignas(16) float4 { float x, y, z, w; };
 struct alignas(8) uint2 { unsigned x, y; };
 struct alignas(16) uint4 { unsigned x, y, z, w; };
@@ -43,6 +47,7 @@ struct BlockCtx {
   std::barrier<>* block_bar;
   std::vector<std::unique_ptr<std::barrier<>>>* warp_bars;
   std::vector<float>* shfl_buf;  // [warps * 32]
+  std::vector<std::uint64_t>* xchg;  // [threads * 8]: operands of the warp-collective matrix ops
   unsigned char* smem;
   unsigned smem_bytes;
 };
@@ -97,6 +102,7 @@ inline int __shfl_sync(unsigned /*mask*/, int v, int src) {
 }
 
 inline float __uint_as_float(unsigned u) { float f; std::memcpy(&f, &u, 4); return f; }
+inline float __int_as_float(int i) { float f; std::memcpy(&f, &i, 4); return f; }
 inline unsigned __float_as_uint(float f) { unsigned u; std::memcpy(&u, &f, 4); return u; }
 inline float f16_bits_to_f32(unsigned b) {
   _Float16 h; unsigned short s = (unsigned short)b; std::memcpy(&h, &s, 2); return (float)h;
@@ -104,6 +110,92 @@ inline float f16_bits_to_f32(unsigned b) {
 inline unsigned short f32_to_f16_bits(float x) {
   _Float16 h = (_Float16)x; unsigned short s; std::memcpy(&s, &h, 2); return s;
 }
+inline void __syncwarp(unsigned /*mask*/ = 0xffffffffu) {
+  (*tfm_emu::t_ctx->warp_bars)[threadIdx.x / 32]->arrive_and_wait();
+}
+
+// Global atomics and fences (blocks run one after another; the threads of a block concurrently).
+inline int atomicAdd(int* p, int v) { return __atomic_fetch_add(p, v, __ATOMIC_SEQ_CST); }
+inline int atomicExch(int* p, int v) { return __atomic_exchange_n(p, v, __ATOMIC_SEQ_CST); }
+inline void __threadfence() { std::atomic_thread_fence(std::memory_order_seq_cst); }
+
+// cp.async: the copy happens at once (a later wait_group has nothing left to wait for).
+inline void tfm_emu_copy16(void* dst, const void* src) { std::memcpy(dst, src, 16); }
+
+namespace tfm_emu {
+// Every lane of the warp publishes `n` words, the warp synchronises, `body` reads any lane's words
+// (slot(lane, k)), the warp synchronises again.
+template <typename F>
+inline void warp_exchange(const std::uint64_t* mine, int n, F&& body) {
+  const unsigned tid = threadIdx.x, warp = tid / 32;
+  auto& buf = *t_ctx->xchg;
+  auto& bar = *(*t_ctx->warp_bars)[warp];
+  for (int k = 0; k < n; ++k) buf[tid * 8 + k] = mine[k];
+  bar.arrive_and_wait();
+  body([&](unsigned lane, int k) { return buf[(warp * 32 + lane) * 8 + k]; });
+  bar.arrive_and_wait();
+}
+inline float half_bits_to_float(unsigned bits, bool bf16) {
+  return bf16 ? __uint_as_float((bits & 0xffffu) << 16) : f16_bits_to_f32(bits & 0xffffu);
+}
+}  // namespace tfm_emu
+
+// ldmatrix.sync.aligned.m8n8.x4(.trans).shared.b16, from the PTX ISA: lanes 8i..8i+7 give the
+// addresses of the 8 rows (8 x 16 bits each) of matrix i; register i of lane l holds matrix i's
+// elements (row l/4, columns 2(l%4), 2(l%4)+1), or with .trans (rows 2(l%4), 2(l%4)+1, column l/4);
+// the first element in the low 16 bits.
+inline void tfm_emu_ldmatrix_x4(unsigned (&r)[4], const void* row, bool trans) {
+  const std::uint64_t mine = reinterpret_cast<std::uintptr_t>(row);
+  const unsigned lane = threadIdx.x % 32;
+  tfm_emu::warp_exchange(&mine, 1, [&](auto slot) {
+    auto elem = [&](unsigned mat, unsigned rr, unsigned cc) -> unsigned {
+      const auto* p = reinterpret_cast<const unsigned short*>(static_cast<std::uintptr_t>(slot(mat * 8 + rr, 0)));
+      return p[cc];
+    };
+    for (unsigned i = 0; i < 4; ++i) {
+      unsigned lo, hi;
+      if (!trans) {
+        lo = elem(i, lane / 4, 2 * (lane % 4));
+        hi = elem(i, lane / 4, 2 * (lane % 4) + 1);
+      } else {
+        lo = elem(i, 2 * (lane % 4), lane / 4);
+        hi = elem(i, 2 * (lane % 4) + 1, lane / 4);
+      }
+      r[i] = lo | (hi << 16);
+    }
+  });
+}
+
+// mma.sync.aligned.m16n8k16.row.col.f32.{bf16|f16}: c += A (16x16) B (16x8), fragments as in the
+// PTX ISA (see cuda/tfm_mma.cuh). Products of 16-bit values are exact in float64; the sum is rounded
+// once to float32 (the tensor core's internal accumulation order is not specified).
+inline void tfm_emu_mma_16816(float (&c)[4], const unsigned (&a)[4], unsigned b0, unsigned b1, bool bf16) {
+  const std::uint64_t mine[6] = {a[0], a[1], a[2], a[3], b0, b1};
+  const unsigned lane = threadIdx.x % 32;
+  float d[4];
+  tfm_emu::warp_exchange(mine, 6, [&](auto slot) {
+    // A[row][k]: owner lane (row % 8) * 4 + (k % 8) / 2, register (row >= 8) + 2 (k >= 8), half k % 2
+    auto A = [&](unsigned row, unsigned k) {
+      const unsigned owner = (row % 8) * 4 + (k % 8) / 2;
+      const unsigned reg = (row >= 8 ? 1u : 0u) + (k >= 8 ? 2u : 0u);
+      return tfm_emu::half_bits_to_float(static_cast<unsigned>(slot(owner, reg) >> (16 * (k % 2))), bf16);
+    };
+    // B[k][col]: owner lane col * 4 + (k % 8) / 2, register 4 + (k >= 8), half k % 2
+    auto B = [&](unsigned k, unsigned col) {
+      const unsigned owner = col * 4 + (k % 8) / 2;
+      const unsigned reg = 4u + (k >= 8 ? 1u : 0u);
+      return tfm_emu::half_bits_to_float(static_cast<unsigned>(slot(owner, reg) >> (16 * (k % 2))), bf16);
+    };
+    for (unsigned e = 0; e < 4; ++e) {
+      const unsigned row = lane / 4 + (e >= 2 ? 8u : 0u), col = 2 * (lane % 4) + (e % 2);
+      double acc = 0.0;
+      for (unsigned k = 0; k < 16; ++k) acc += static_cast<double>(A(row, k)) * static_cast<double>(B(k, col));
+      d[e] = static_cast<float>(static_cast<double>(c[e]) + acc);
+    }
+  });
+  for (int e = 0; e < 4; ++e) c[e] = d[e];
+}
+
 using std::min;
 using std::max;
 
@@ -125,9 +217,10 @@ inline void run(dim3 grid, dim3 block, unsigned smem_bytes, const std::function<
         std::vector<std::unique_ptr<std::barrier<>>> warp_bars;
         for (unsigned w = 0; w < nthreads / 32; ++w) warp_bars.emplace_back(new std::barrier<>(32));
         std::vector<float> shfl(nthreads);
+        std::vector<std::uint64_t> xchg(nthreads * 8);
         // poison shared memory so that a read of something nothing wrote shows up as NaN
         std::memset(smem.data(), 0xff, smem.size());
-        BlockCtx ctx{&block_bar, &warp_bars, &shfl, smem.data(), smem_bytes};
+        BlockCtx ctx{&block_bar, &warp_bars, &shfl, &xchg, smem.data(), smem_bytes};
         std::vector<std::thread> threads;
         threads.reserve(nthreads);
         for (unsigned t = 0; t < nthreads; ++t) {

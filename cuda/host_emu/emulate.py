@@ -30,13 +30,16 @@ KERNELS = {
     "gdn_tree_verify.cu": ["gdn_tree_pairs", "gdn_tree_verify_main"],
     "gdn_tree_commit.cu": ["gdn_tree_commit"],
     "tree_conv.cu": ["tree_conv1d", "tree_conv_commit"],
+    "tree_attention.cu": ["tree_attention"],
 }
+WRAPPERS = ("gdn", "conv", "tree_attention")  # vllm_tfm.kernels modules that launch kernels
 
 
 def build(source: str, options: list[str], out_dir: Path, sanitize: bool = False) -> Path:
     """Compile ``source`` (from cuda/) with its -D options into a shared library; cached by content."""
     defines = [o for o in options if o.startswith("-D")]
-    text = (CUDA_DIR / source).read_text() + (CUDA_DIR / "tfm_common.cuh").read_text() + (HERE / "cuda_host_emu.h").read_text()
+    headers = "".join(p.read_text() for p in sorted(CUDA_DIR.glob("*.cuh")))
+    text = (CUDA_DIR / source).read_text() + headers + (HERE / "cuda_host_emu.h").read_text()
     key = hashlib.sha256((text + " ".join(defines) + str(sanitize)).encode()).hexdigest()[:20]
     lib = out_dir / f"{Path(source).stem}-{key}.so"
     if lib.is_file():
@@ -91,10 +94,14 @@ def emulated_kernels(out_dir: Path | None = None, sanitize: bool = False) -> Ite
     class _Props:
         multi_processor_count = 132
 
-    with mock.patch.object(loader, "get_kernel", get_kernel), mock.patch.object(loader, "launch", launch), \
-            mock.patch("vllm_tfm.kernels.gdn.get_kernel", get_kernel), mock.patch("vllm_tfm.kernels.gdn.launch", launch), \
-            mock.patch("vllm_tfm.kernels.conv.get_kernel", get_kernel), mock.patch("vllm_tfm.kernels.conv.launch", launch), \
-            mock.patch("vllm_tfm.kernels.gdn.device_smem_optin", lambda i: 227 * 1024), \
-            mock.patch("torch.cuda.current_device", lambda: 0), \
-            mock.patch("torch.cuda.get_device_properties", lambda i: _Props()):
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(mock.patch.object(loader, "get_kernel", get_kernel))
+        stack.enter_context(mock.patch.object(loader, "launch", launch))
+        for mod in WRAPPERS:
+            stack.enter_context(mock.patch(f"vllm_tfm.kernels.{mod}.get_kernel", get_kernel))
+            stack.enter_context(mock.patch(f"vllm_tfm.kernels.{mod}.launch", launch))
+        stack.enter_context(mock.patch("vllm_tfm.kernels.gdn.device_smem_optin", lambda i: 227 * 1024))
+        stack.enter_context(mock.patch("vllm_tfm.kernels.tree_attention.device_smem_optin", lambda i: 227 * 1024))
+        stack.enter_context(mock.patch("torch.cuda.current_device", lambda: 0))
+        stack.enter_context(mock.patch("torch.cuda.get_device_properties", lambda i: _Props()))
         yield launches

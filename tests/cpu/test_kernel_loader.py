@@ -174,6 +174,9 @@ VARIANTS = [
     ("gdn_tree_commit.cu", ["-DTFM_IN=0", "-DGDN_K=32", "-DGDN_V=32"]),
     ("tree_conv.cu", ["-DTFM_IN=1", "-DCONV_ST=1", "-DCONV_WT=1"]),
     ("tree_conv.cu", ["-DTFM_IN=0", "-DCONV_ST=2", "-DCONV_WT=0"]),
+    ("tree_attention.cu", ["-DTFM_IN=1", "-DTA_D=256", "-DTA_BN=32", "-DTA_MINB=2"]),
+    ("tree_attention.cu", ["-DTFM_IN=2", "-DTA_D=128", "-DTA_BN=64", "-DTA_MINB=2"]),
+    ("tree_attention.cu", ["-DTFM_IN=0", "-DTA_D=64", "-DTA_BN=32", "-DTA_MINB=1"]),
 ]
 
 

@@ -11,6 +11,8 @@ MATH_MODULES = [
     "vllm_tfm.verify.conv",
     "vllm_tfm.verify.sampling",
     "vllm_tfm.verify.logits_processing",
+    "vllm_tfm.verify.tree_attention",
+    "vllm_tfm.kernels.tree_attention",
     "vllm_tfm.models",
 ]
 

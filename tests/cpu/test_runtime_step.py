@@ -69,7 +69,13 @@ def test_build_step_tree_lays_out_a_mixed_batch():
     assert step.spec_req_index.tolist() == [1, 2, 3, 4]
     assert step.spec_cu.tolist() == [0, 6, 12, 18, 19]
     assert step.spec_parents.tolist() == tree + chain(6) + chain(6) + [-1]
-    # attention: one masked request, bias 0 exactly on ancestor-or-self pairs
+    # attention plan: one masked request, its bitmask rows exactly its ancestor-or-self sets
+    plan = step.attn_plan
+    assert plan.tree_req.tolist() == [1] and plan.tree_start.tolist() == [4] and plan.tree_size.tolist() == [6]
+    assert [[bool((int(plan.bits[i, 0]) >> j) & 1) for j in range(6)] for i in range(6)] == [
+        [brute_ancestor(tree, i, j) for j in range(6)] for i in range(6)]
+    assert plan.meta.tolist() == [1, 4, 6, 0]
+    # the fallback's per-request form: bias 0 exactly on ancestor-or-self pairs
     (t,) = step.attn_trees
     assert (t.req_index, t.start, t.n) == (1, 4, 6)
     expect = torch.tensor([[0.0 if brute_ancestor(tree, i, j) else float("-inf") for j in range(6)] for i in range(6)])
@@ -109,9 +115,33 @@ def test_build_step_tree_without_trees():
     step = build_step_tree(["c"], np.array([3]), {"c": [1, 2]}, chain_store, allow_trees=True)
     assert not step.tree_active
     step = build_step_tree(["c"], np.array([3]), {"c": [1, 2]}, chain_store, allow_trees=True, force_tree_path=True)
-    assert step.tree_active and step.attn_trees == []  # chains need no mask
+    assert step.tree_active and step.attn_trees == [] and step.attn_plan is None  # chains need no mask
     with pytest.raises(ValueError, match=r"num_scheduled must have shape \[1\]"):
         build_step_tree(["c"], np.array([3, 1]), {}, chain_store, allow_trees=True)
+
+
+def test_attention_plan_covers_every_tree_request_in_batch_order():
+    gen = torch.Generator().manual_seed(5)
+    trees = {f"t{k}": random_tree_parents(n, gen, kind).tolist()
+             for k, (n, kind) in enumerate([(9, "random"), (70, "deep"), (5, "star")])}
+    store = ProposalStore()
+    for k, (rid, p) in enumerate(trees.items()):  # proposals of different sizes: one put each
+        store.put([rid], torch.tensor([list(range(10 * k, 10 * k + len(p) - 1))]), torch.tensor([p]))
+    req_ids = ["t0", "pre", "t1", "t2"]
+    num_sched = np.array([9, 3, 70, 5])
+    spec = {rid: list(range(10 * k, 10 * k + len(p) - 1)) for k, (rid, p) in enumerate(trees.items())}
+    step = build_step_tree(req_ids, num_sched, spec, store, allow_trees=True)
+    plan = step.attn_plan
+    assert plan.tree_req.tolist() == [0, 2, 3] and plan.tree_start.tolist() == [0, 12, 82]
+    assert plan.tree_size.tolist() == [9, 70, 5] and plan.words == 2
+    row = 0
+    for rid in ("t0", "t1", "t2"):
+        par = trees[rid]
+        for i in range(len(par)):
+            for j in range(128):
+                assert bool((int(plan.bits[row, j // 64]) >> (j % 64)) & 1) == (j < len(par) and brute_ancestor(par, i, j))
+            row += 1
+    assert [t.start for t in step.attn_trees] == [0, 12, 82]  # the fallback form agrees
 
 
 def test_tree_positions_are_root_position_plus_depth():
@@ -167,3 +197,18 @@ def test_settings_from_options_bound_depth_by_the_block_and_switch_proposals():
         set_proposal_override("beam")
     with pytest.raises(ValueError, match="block_size must be an integer >= 2"):
         settings_from_options(TfmConfig(proposal="chain"), None, 7, {"block_size": 1})
+
+
+def test_kernels_env_switch_forces_the_references(monkeypatch):
+    from vllm_tfm.vllm_plugin.runtime import kernels_or_reference as kor
+
+    monkeypatch.setitem(kor._STATE, "ops", None)
+    monkeypatch.setitem(kor._STATE, "enabled", None)  # not decided yet: the environment decides
+    monkeypatch.setenv("VLLM_TFM_KERNELS", "0")
+    assert not kor.kernels_enabled()
+    assert set(kor.kernels_in_use().values()) == {"reference"}
+    monkeypatch.setitem(kor._STATE, "enabled", None)
+    monkeypatch.setenv("VLLM_TFM_KERNELS", "1")
+    assert kor.kernels_enabled()
+    kor.set_kernels_enabled(False)  # an explicit call wins over the environment
+    assert not kor.kernels_enabled()

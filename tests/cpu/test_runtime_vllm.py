@@ -80,6 +80,116 @@ def test_engine_config_refusals():
         check_engine_config(engine_config(parallel_config=SimpleNamespace(pipeline_parallel_size=2, decode_context_parallel_size=1)))
 
 
+# ---------------------------------------------------------------- tree attention dispatch
+def fake_attention_impl(**over):
+    impl = object.__new__(TFMTritonAttentionImpl)  # only the attributes the tree path reads
+    attrs = {"kv_cache_dtype": "auto", "_is_per_token_head_quant": False, "sliding_window": (-1, -1),
+             "logits_soft_cap": 0, "alibi_slopes": None, "sinks": None, "chunk_lookback": -1, "head_size": 16,
+             "scale": 0.25}
+    attrs.update(over)
+    impl.__dict__.update(attrs)
+    return impl
+
+
+def tree_attention_call(monkeypatch, impl, reason=None, enabled=True, kernel=None):
+    """Run TFMTritonAttentionImpl.forward on a tree step (vLLM's own forward stubbed); return the
+    kernel calls and the per-request fallback calls it made."""
+    from vllm.v1.attention.backends.triton_attn import TritonAttentionImpl
+
+    from vllm_tfm.vllm_plugin.runtime import attention as attn_mod
+    from vllm_tfm.vllm_plugin.runtime import kernels_or_reference as kor
+
+    store = ProposalStore()
+    store.put(["a", "b"], torch.tensor([[5, 6, 7], [1, 2, 3]]), torch.tensor([[-1, 0, 0, 1], [-1, 0, 1, 2]]))
+    STATE.step = build_step_tree(["p", "a", "b"], np.array([2, 4, 4]), {"a": [5, 6, 7], "b": [1, 2, 3]}, store,
+                                 allow_trees=True)
+    monkeypatch.setattr(STATE, "target_attn_layers", frozenset({"model.layers.3.self_attn.attn"}))
+    monkeypatch.setattr(TritonAttentionImpl, "forward", lambda self, layer, q, k, v, kv, md, out, *a: out)
+    kernel_calls, loop_calls = [], []
+    monkeypatch.setattr(attn_mod, "tree_attention_unsupported", lambda *a: reason)
+    monkeypatch.setattr(attn_mod, "tree_attention_planned", kernel or (lambda *a: kernel_calls.append(a)))
+    monkeypatch.setattr(attn_mod, "masked_tree_attention", lambda *a: loop_calls.append(a))
+    monkeypatch.setitem(kor._STATE, "enabled", enabled)
+    layer = SimpleNamespace(layer_name="model.layers.3.self_attn.attn")
+    query, output = torch.randn(10, 4, 16), torch.zeros(10, 4, 16)
+    kv_cache = torch.randn(6, 2, 16, 32)  # vLLM's logical [blocks, Hkv, block, 2D]
+    md = SimpleNamespace(block_table=torch.zeros(3, 4, dtype=torch.int32), seq_lens=torch.tensor([9, 20, 30]),
+                         max_seq_len=30)
+    impl.forward(layer, query, None, None, kv_cache, md, output)
+    return kernel_calls, loop_calls, (query, kv_cache, md, output)
+
+
+def test_tree_attention_default_is_one_call_per_tree_without_a_warning(monkeypatch):
+    import warnings
+
+    monkeypatch.delenv("VLLM_TFM_TREE_ATTENTION", raising=False)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        kernel_calls, loop_calls, _ = tree_attention_call(monkeypatch, fake_attention_impl())
+    assert kernel_calls == [] and len(loop_calls) == 1
+
+
+def test_tree_attention_runs_one_kernel_call_for_every_tree(monkeypatch):
+    monkeypatch.setenv("VLLM_TFM_TREE_ATTENTION", "kernel")
+    impl = fake_attention_impl()
+    kernel_calls, loop_calls, (query, kv_cache, md, output) = tree_attention_call(monkeypatch, impl)
+    assert loop_calls == [] and len(kernel_calls) == 1
+    plan, q, key_cache, value_cache, bt, seq_lens, scale, out, max_len = kernel_calls[0]
+    assert plan is STATE.step.attn_plan and plan.tree_req.tolist() == [1] and plan.tree_start.tolist() == [2]
+    assert q is query and out is output and bt is md.block_table and seq_lens is md.seq_lens
+    assert scale == 0.25 and max_len == 30
+    # the caches are the TRITON_ATTN split: [blocks, block, Hkv, D] views of K and V
+    assert key_cache.shape == (6, 16, 2, 16) and torch.equal(key_cache[1, 3, 1], kv_cache[1, 1, 3, :16])
+    assert torch.equal(value_cache[4, 5, 0], kv_cache[4, 0, 5, 16:])
+
+
+def test_tree_attention_falls_back_to_one_call_per_tree_and_says_why(monkeypatch):
+    import warnings
+
+    from vllm_tfm.kernels import loader
+    from vllm_tfm.vllm_plugin.runtime import attention as attn_mod
+
+    attn_mod._said.clear()
+    monkeypatch.setenv("VLLM_TFM_TREE_ATTENTION", "kernel")
+    impl = fake_attention_impl(sliding_window=(127, 0))
+    with pytest.warns(RuntimeWarning, match=r"one Triton call per tree request .*: sliding window \(127, 0\)"):
+        kernel_calls, loop_calls, _ = tree_attention_call(monkeypatch, impl)
+    assert kernel_calls == [] and len(loop_calls) == 1
+    (t,) = loop_calls[0][-1]  # the per-request masks, built on first use from the plan
+    assert (t.req_index, t.start, t.n) == (1, 2, 4) and t.bias.shape[1] == 4
+    with warnings.catch_warnings():  # the reason is said once
+        warnings.simplefilter("error")
+        tree_attention_call(monkeypatch, impl)
+    impl = fake_attention_impl()
+    with pytest.warns(RuntimeWarning, match="no NVRTC here"):
+        kernel_calls, loop_calls, _ = tree_attention_call(monkeypatch, impl, reason="no NVRTC here")
+    assert kernel_calls == [] and len(loop_calls) == 1
+    kernel_calls, loop_calls, _ = tree_attention_call(monkeypatch, impl, enabled=False)  # set_kernels_enabled(False)
+    assert kernel_calls == [] and len(loop_calls) == 1
+    monkeypatch.setenv("VLLM_TFM_TREE_ATTENTION", "triton")  # the A/B switch (read once per layer)
+    with pytest.warns(RuntimeWarning, match="VLLM_TFM_TREE_ATTENTION=triton"):
+        kernel_calls, loop_calls, _ = tree_attention_call(monkeypatch, fake_attention_impl())
+    assert kernel_calls == [] and len(loop_calls) == 1
+    monkeypatch.setenv("VLLM_TFM_TREE_ATTENTION", "fast")
+    with pytest.raises(ValueError, match="VLLM_TFM_TREE_ATTENTION must be 'kernel' or 'triton', got 'fast'"):
+        tree_attention_call(monkeypatch, fake_attention_impl())
+    monkeypatch.setenv("VLLM_TFM_TREE_ATTENTION", "kernel")
+    # a kernel that fails to compile: this step and every later one take the per-request path
+    attempts = []
+
+    def broken(*a):
+        attempts.append(a)
+        raise loader.KernelCompileError("tree_attention.cu", ["-DTA_D=64"], "error: no such intrinsic")
+
+    impl = fake_attention_impl()
+    with pytest.warns(RuntimeWarning, match="(?s)KernelCompileError.*no such intrinsic"):
+        _, loop_calls, _ = tree_attention_call(monkeypatch, impl, kernel=broken)
+    assert len(attempts) == 1 and len(loop_calls) == 1
+    _, loop_calls, _ = tree_attention_call(monkeypatch, impl, kernel=broken)
+    assert len(attempts) == 1 and len(loop_calls) == 1
+    attn_mod._said.clear()
+
+
 # ---------------------------------------------------------------- sampler
 def fake_runner(num_req):
     batch = SimpleNamespace(temperature_cpu=np.zeros(num_req, dtype=np.float32),

@@ -8,11 +8,22 @@ block (rows indexed by the query's position inside its request), shared by every
 launch, so a per-request mask needs one launch per request (VLLM_HOOKS.md section 4, option a).
 
 ``TFMTritonAttentionImpl.forward`` therefore runs vLLM's batched forward for the whole batch
-(exact for prefill rows and chain requests) and then, for each request whose tree is not a chain,
-recomputes its rows with a one-request ``unified_attention`` call carrying the request's
-[n, n] bias (0 on ancestor-or-self pairs, -inf elsewhere). Only the target model's attention
-layers are masked: the DFlash drafter's layers (same backend class) and every step that is not
-tree-active fall straight through to vLLM.
+(exact for prefill rows and chain requests) and then recomputes the rows of every request whose
+tree is not a chain:
+
+* kernel path (``VLLM_TFM_TREE_ATTENTION=kernel``; the default once it has passed its GPU check,
+  :data:`DEFAULT_TREE_ATTENTION`): ONE launch of ``vllm_tfm.kernels.tree_attention`` for all of
+  them, reading the step's ``TreeAttentionPlan`` (ancestor bitmasks, built once per step,
+  ``inputs.py``);
+* per-request path (the default for now; and the fallback: no NVRTC / CUDA kernels,
+  ``set_kernels_enabled(False)`` or ``VLLM_TFM_KERNELS=0``, ``VLLM_TFM_TREE_ATTENTION=triton``, or
+  a configuration the kernel does not take: sliding
+  window, soft-cap, ALiBi, sinks, quantised KV cache, head size not a multiple of 32 up to 256):
+  one ``unified_attention`` call per tree request carrying the request's [n, n] bias (0 on
+  ancestor-or-self pairs, -inf elsewhere). Said once, with the reason.
+
+Only the target model's attention layers are masked: the DFlash drafter's layers (same backend
+class) and every step that is not tree-active fall straight through to vLLM.
 
 The KV of the step was written to the paged cache before ``forward`` (TRITON_ATTN updates the
 cache in ``do_kv_cache_update``), at sequential slots ``ctx + j``: the one-request call reads the
@@ -21,6 +32,10 @@ same cache through the request's block table row.
 
 from __future__ import annotations
 
+import logging
+import os
+import warnings
+
 import torch
 from torch import Tensor
 
@@ -28,11 +43,35 @@ from vllm.utils.torch_utils import is_quantized_kv_cache
 from vllm.v1.attention.backends.triton_attn import TritonAttentionBackend, TritonAttentionImpl
 from vllm.v1.attention.ops.triton_unified_attention import unified_attention
 
-from .state import STATE, AttnTree
+from vllm_tfm.kernels.loader import KernelCompileError, KernelLaunchError
+from vllm_tfm.kernels.tree_attention import NOT_CUDA, tree_attention_planned, tree_attention_unsupported
 
-__all__ = ["TFMTritonAttentionBackend", "TFMTritonAttentionImpl", "BACKEND_PATH", "install_attention_backend"]
+from .kernels_or_reference import kernels_enabled
+from .state import STATE, AttnTree, StepTree
+
+__all__ = [
+    "TFMTritonAttentionBackend",
+    "TFMTritonAttentionImpl",
+    "BACKEND_PATH",
+    "install_attention_backend",
+    "kernel_tree_attention",
+    "masked_tree_attention",
+]
 
 BACKEND_PATH = "vllm_tfm.vllm_plugin.runtime.attention.TFMTritonAttentionBackend"
+
+logger = logging.getLogger("vllm.tfm")  # under vLLM's logger, so the notice shows in its output
+_said: set[str] = set()
+
+
+def _say_fallback(reason: str) -> None:
+    """Tell once per reason that tree attention takes the per-request Triton path."""
+    if reason in _said:
+        return
+    _said.add(reason)
+    msg = f"vllm_tfm: tree attention runs one Triton call per tree request instead of one kernel launch: {reason}"
+    logger.warning(msg)
+    warnings.warn(msg, RuntimeWarning, stacklevel=3)
 
 
 def masked_tree_attention(
@@ -83,6 +122,69 @@ def masked_tree_attention(
         )
 
 
+TREE_ATTENTION_ENV = "VLLM_TFM_TREE_ATTENTION"
+DEFAULT_TREE_ATTENTION = "triton"
+"""The path when ``VLLM_TFM_TREE_ATTENTION`` is unset: the per-request Triton calls until the kernel
+has passed its GPU check (``bash bench/run_gpu_tree_attention.sh``: tests against float64,
+compute-sanitizer, runtime path == Triton path); ``VLLM_TFM_TREE_ATTENTION=kernel`` opts in."""
+_DEFAULT_CHOICE = "the default path (VLLM_TFM_TREE_ATTENTION unset)"  # not warned about
+
+
+def _config_unsupported(impl: TritonAttentionImpl) -> str | None:
+    """Why the tree attention kernel cannot run this layer's configuration (None when it can)."""
+    raw = os.environ.get(TREE_ATTENTION_ENV) or None
+    choice = raw or DEFAULT_TREE_ATTENTION
+    if choice not in ("kernel", "triton"):
+        raise ValueError(f"{TREE_ATTENTION_ENV} must be 'kernel' or 'triton', got {choice!r}")
+    if choice == "triton":
+        return f"{TREE_ATTENTION_ENV}=triton" if raw else _DEFAULT_CHOICE
+    if is_quantized_kv_cache(impl.kv_cache_dtype) or impl._is_per_token_head_quant:
+        return f"kv_cache_dtype={impl.kv_cache_dtype!r} (the kernel reads unquantised caches)"
+    if tuple(impl.sliding_window) != (-1, -1):
+        return f"sliding window {impl.sliding_window}"
+    if impl.logits_soft_cap:
+        return f"logit soft-cap {impl.logits_soft_cap}"
+    if impl.alibi_slopes is not None:
+        return "ALiBi slopes"
+    if impl.sinks is not None:
+        return "attention sinks"
+    if getattr(impl, "chunk_lookback", -1) != -1:
+        return f"chunked attention (chunk_lookback={impl.chunk_lookback})"
+    return None
+
+
+def kernel_tree_attention(
+    impl: TritonAttentionImpl,
+    query: Tensor,
+    kv_cache: Tensor,
+    attn_metadata: object,
+    output: Tensor,
+    step: StepTree,
+) -> bool:
+    """Every tree request's rows of ``output`` in one kernel launch; False (nothing done) when the
+    kernel cannot run here, after saying why once."""
+    if not kernels_enabled():
+        return False
+    reason = impl.__dict__.get("_tfm_config_reason", False)
+    if reason is False:
+        reason = impl._tfm_config_reason = _config_unsupported(impl)
+    key_cache, value_cache = kv_cache.transpose(1, 2).split(impl.head_size, dim=-1)
+    if reason is None:
+        reason = tree_attention_unsupported(query, key_cache, value_cache, output)
+    if reason is not None:
+        if reason not in (NOT_CUDA, _DEFAULT_CHOICE):
+            _say_fallback(reason)
+        return False
+    try:
+        tree_attention_planned(step.attn_plan, query, key_cache, value_cache, attn_metadata.block_table,
+                               attn_metadata.seq_lens, impl.scale, output, int(attn_metadata.max_seq_len))
+    except (KernelCompileError, KernelLaunchError) as exc:  # nothing was launched: this layer falls back for good
+        impl._tfm_config_reason = f"{type(exc).__name__}: {exc}"
+        _say_fallback(impl._tfm_config_reason)
+        return False
+    return True
+
+
 class TFMTritonAttentionImpl(TritonAttentionImpl):
     """TRITON_ATTN with the tree mask on the target's layers during tree-active steps."""
 
@@ -102,15 +204,20 @@ class TFMTritonAttentionImpl(TritonAttentionImpl):
             layer, query, key, value, kv_cache, attn_metadata, output, output_scale, output_block_scale
         )
         step = STATE.step
-        if step is None or not step.tree_active or not step.attn_trees or attn_metadata is None:
+        if step is None or not step.tree_active or step.attn_plan is None or attn_metadata is None:
             return out
         if getattr(layer, "layer_name", None) not in STATE.target_attn_layers:
             return out
         if output_scale is not None:
             raise ValueError("vllm-tfm tree attention does not support fused output quantisation")
-        if STATE.metrics is not None:
-            STATE.metrics.hook("attention.tree_mask")
-        masked_tree_attention(self, layer, query, kv_cache, attn_metadata, output, step.attn_trees)
+        metrics = STATE.metrics
+        if metrics is not None:
+            metrics.hook("attention.tree_mask")
+        if kernel_tree_attention(self, query, kv_cache, attn_metadata, output, step):
+            if metrics is not None:
+                metrics.hook("attention.tree_kernel")
+        else:
+            masked_tree_attention(self, layer, query, kv_cache, attn_metadata, output, step.attn_trees)
         return out
 
 

@@ -6,8 +6,11 @@ sequential positions, the slot mapping (node j of a request keeps the sequential
 
 * ``build_step_tree`` looks up each spec request's tree (``ProposalStore``) and lays out, in batch
   order, local parents and depths of every scheduled row, the same for the logits rows the
-  sampler sees, the spec-request subset the GDN layers see, and the ancestor biases of the
-  requests whose tree is not a chain (attention).
+  sampler sees, the spec-request subset the GDN layers see, and, for the requests whose tree is
+  not a chain, the tree attention plan: request indices, first rows, sizes and ancestor bitmasks
+  of all of them, built with whole-array operations and copied to the device in one transfer
+  (``vllm_tfm.kernels.tree_attention.TreeAttentionPlan``). The per-request biases of the fallback
+  attention path (``per_request_trees``) are only built if that path runs.
 * ``tree_positions`` turns positions into ``position(root) + depth`` (RoPE of a node = its place on
   its own root..node path); vLLM's ``_preprocess`` reads the positions buffer after this.
 
@@ -24,11 +27,20 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from vllm_tfm.kernels.tree_attention import TreeAttentionPlan
 from vllm_tfm.tree.types import ancestor_mask
 
 from .state import LOOKUP_OFF, AttnTree, ProposalStore, StepTree
 
-__all__ = ["build_step_tree", "tree_positions", "depths_of", "ancestor_bias", "BIAS_PAD_ROWS"]
+__all__ = [
+    "build_step_tree",
+    "tree_positions",
+    "depths_of",
+    "ancestor_bias",
+    "attention_plan",
+    "per_request_trees",
+    "BIAS_PAD_ROWS",
+]
 
 
 def depths_of(parents: np.ndarray) -> np.ndarray:
@@ -56,6 +68,43 @@ def ancestor_bias(parents: np.ndarray, device: torch.device | str) -> Tensor:
     bias = torch.zeros(n + BIAS_PAD_ROWS, n, dtype=torch.float32)
     bias[:n].masked_fill_(~m, float("-inf"))
     return bias.to(device, non_blocking=True)
+
+
+def _bias_from_bits(bits: np.ndarray, n: int, device: torch.device | str) -> Tensor:
+    """``ancestor_bias`` of one tree from its bitmask rows [n, W] (int64)."""
+    j = np.arange(n)
+    vis = ((bits[:, j // 64] >> (j % 64)) & 1).astype(bool)
+    bias = torch.zeros(n + BIAS_PAD_ROWS, n, dtype=torch.float32)
+    bias[:n].masked_fill_(~torch.from_numpy(vis), float("-inf"))
+    return bias.to(device, non_blocking=True)
+
+
+def attention_plan(step: StepTree) -> TreeAttentionPlan | None:
+    """The tree attention plan of a step: every request whose tree is not a chain, vectorised.
+
+    Rows of tree request r are ``query_start[r] .. + num_scheduled[r] - 1`` (its tree in node
+    order); their local parents come from ``step.local_parent``. None when no request needs a mask.
+    """
+    reqs = np.nonzero(step.is_tree)[0].astype(np.int64)
+    if reqs.size == 0:
+        return None
+    sizes = step.num_scheduled[reqs]
+    starts = step.query_start[reqs]
+    cu = np.zeros(reqs.size + 1, dtype=np.int64)
+    np.cumsum(sizes, out=cu[1:])
+    rows = np.repeat(starts - cu[:-1], sizes) + np.arange(int(cu[-1]), dtype=np.int64)
+    return TreeAttentionPlan.from_parents(reqs, starts, sizes, step.local_parent[rows], step.device)
+
+
+def per_request_trees(plan: TreeAttentionPlan, device: torch.device | str) -> list[AttnTree]:
+    """The plan as one ``AttnTree`` (bias [n + pad, n], cu_q) per request, for the fallback path."""
+    trees = []
+    off = 0
+    for r, s, n in zip(plan.tree_req.tolist(), plan.tree_start.tolist(), plan.tree_size.tolist()):
+        cu_q = torch.tensor([0, n], dtype=torch.int32).to(device, non_blocking=True)
+        trees.append(AttnTree(r, s, n, _bias_from_bits(plan.bits[off : off + n], n, device), cu_q))
+        off += n
+    return trees
 
 
 def build_step_tree(
@@ -92,7 +141,6 @@ def build_step_tree(
     depth: list[np.ndarray] = []
     sample_parents: list[np.ndarray] = []
     sample_depth: list[np.ndarray] = []
-    trees: list[tuple[int, np.ndarray]] = []
     lookup = np.zeros(num_req, dtype=np.int8)
     proposal_len = np.zeros(num_req, dtype=np.int64)
     for r, rid in enumerate(req_ids):
@@ -113,7 +161,6 @@ def build_step_tree(
                 par = rec.parents.astype(np.int64)
                 dep = depths_of(par)
                 is_tree[r] = True
-                trees.append((r, par))
         local_parent.append(par)
         depth.append(dep)
         if is_spec[r]:
@@ -154,16 +201,7 @@ def build_step_tree(
         proposal_len=proposal_len,
     )
     if tree_active:
-        step.attn_trees = [
-            AttnTree(
-                r,
-                int(qs[r]),
-                int(par.shape[0]),
-                ancestor_bias(par, device),
-                torch.tensor([0, par.shape[0]], dtype=torch.int32).to(device, non_blocking=True),
-            )
-            for r, par in trees
-        ]
+        step.attn_plan = attention_plan(step)
     return step
 
 

@@ -26,6 +26,7 @@ from torch import Tensor
 from .accepted_offsets import AcceptedOffsets
 
 if TYPE_CHECKING:
+    from vllm_tfm.kernels.tree_attention import TreeAttentionPlan
     from vllm_tfm.verify.accept_result import AcceptResult
 
     from .metrics import Metrics
@@ -161,7 +162,11 @@ class GDNStash:
 
 @dataclass(frozen=True)
 class AttnTree:
-    """A request whose tree is not a chain: its rows [start, start + n) need the ancestor mask."""
+    """A request whose tree is not a chain: its rows [start, start + n) need the ancestor mask.
+
+    The per-request form the fallback path (one ``unified_attention`` call per tree) reads; the
+    kernel path reads the whole step's ``TreeAttentionPlan`` instead.
+    """
 
     req_index: int
     start: int
@@ -199,11 +204,21 @@ class StepTree:
     device: torch.device | str = "cpu"
     lookup: np.ndarray | None = None  # [R] int8 LOOKUP_* code of each request
     proposal_len: np.ndarray | None = None  # [R] length of the stored proposal its drafts matched (0: none)
-    attn_trees: list[AttnTree] = field(default_factory=list)
+    attn_plan: TreeAttentionPlan | None = None  # requests whose tree is not a chain (tree-active steps)
     seq_positions: Tensor | None = None  # sequential positions of the T rows (for the drafter)
     accept: "AcceptResult | None" = None
     gdn: dict[str, GDNStash] = field(default_factory=dict)
     _dev: dict[str, Tensor] = field(default_factory=dict, repr=False)
+    _attn_trees: list[AttnTree] | None = field(default=None, repr=False)
+
+    @property
+    def attn_trees(self) -> list[AttnTree]:
+        """Per-request masks of ``attn_plan`` for the fallback path (built, and copied, on first use)."""
+        if self._attn_trees is None:
+            from .inputs import per_request_trees
+
+            self._attn_trees = per_request_trees(self.attn_plan, self.device) if self.attn_plan is not None else []
+        return self._attn_trees
 
     def dev(self, name: str) -> Tensor:
         """A host array of this step as an int64 device tensor (uploaded once, then cached)."""

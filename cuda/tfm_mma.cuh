@@ -1,0 +1,90 @@
+// Warp-level tensor-core and asynchronous-copy primitives (sm_80 and newer), as small functions:
+//   ldsm_x4 / ldsm_x4_trans  ldmatrix.sync.aligned.m8n8.x4(.trans).shared.b16
+//   mma_16816                mma.sync.aligned.m16n8k16.row.col.f32.{bf16,f16}.{bf16,f16}.f32
+//   cp_async16 / cp_async_commit / cp_async_wait<N>   cp.async.cg (16 bytes) and its groups
+//   ld_cg / ld_cg4           ld.global.cg (L2, bypassing L1): reading what other CTAs wrote
+//
+// Fragment layouts (PTX ISA, "Matrix Fragments for mma.m16n8k16 with floating point type"; lane l,
+// g = l / 4, t = l % 4; each 32-bit register holds two 16-bit elements, the lower index in the low
+// half):
+//   A (16 x 16, row major): a0 = A[g][2t..2t+1], a1 = A[g+8][2t..], a2 = A[g][2t+8..], a3 = A[g+8][2t+8..]
+//   B (16 x 8, "col"):      b0 = B[2t..2t+1][g], b1 = B[2t+8..2t+9][g]
+//   C/D (16 x 8, float32):  c0 = C[g][2t], c1 = C[g][2t+1], c2 = C[g+8][2t], c3 = C[g+8][2t+1]
+// ldmatrix .x4: lanes 8i..8i+7 give the row addresses (16 bytes each) of 8 x 8 matrix i; register i
+// of lane l receives matrix i's row l / 4, columns 2(l % 4), 2(l % 4) + 1 (.trans: the transposed
+// matrix's, i.e. rows 2(l % 4), 2(l % 4) + 1 of column l / 4).
+//
+// Under TFM_HOST_EMU (cuda/host_emu) the same functions are implemented on the CPU from the layouts
+// above, so a kernel built on them runs, and is checked, without a GPU.
+#pragma once
+#include "tfm_common.cuh"
+
+#ifndef TFM_HOST_EMU
+__device__ __forceinline__ u32 smem_u32(const void* p) {
+  u32 r;
+  asm("{ .reg .u64 t; cvta.to.shared.u64 t, %1; cvt.u32.u64 %0, t; }" : "=r"(r) : "l"(p));
+  return r;
+}
+__device__ __forceinline__ void ldsm_x4(u32 (&r)[4], const void* row) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(smem_u32(row))
+               : "memory");
+}
+__device__ __forceinline__ void ldsm_x4_trans(u32 (&r)[4], const void* row) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(smem_u32(row))
+               : "memory");
+}
+// c += A B with A, B of 16-bit type `bf16` (true) or f16 (false).
+template <bool bf16>
+__device__ __forceinline__ void mma_16816(float (&c)[4], const u32 (&a)[4], u32 b0, u32 b1) {
+  if (bf16) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+        "{%0, %1, %2, %3};\n"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+  } else {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+        "{%0, %1, %2, %3};\n"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+  }
+}
+// 16 bytes global -> shared, asynchronous (both addresses 16-byte aligned).
+__device__ __forceinline__ void cp_async16(void* smem, const void* gmem) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(smem_u32(smem)), "l"(gmem) : "memory");
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
+// Wait until at most N of this thread's committed groups are still in flight.
+template <int N>
+__device__ __forceinline__ void cp_async_wait() {
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
+}
+__device__ __forceinline__ float ld_cg(const float* p) {
+  float v;
+  asm volatile("ld.global.cg.f32 %0, [%1];\n" : "=f"(v) : "l"(p));
+  return v;
+}
+__device__ __forceinline__ float4 ld_cg4(const float* p) {
+  float4 v;
+  asm volatile("ld.global.cg.v4.f32 {%0, %1, %2, %3}, [%4];\n" : "=f"(v.x), "=f"(v.y), "=f"(v.z), "=f"(v.w) : "l"(p));
+  return v;
+}
+#else
+__device__ __forceinline__ void ldsm_x4(u32 (&r)[4], const void* row) { tfm_emu_ldmatrix_x4(r, row, false); }
+__device__ __forceinline__ void ldsm_x4_trans(u32 (&r)[4], const void* row) { tfm_emu_ldmatrix_x4(r, row, true); }
+template <bool bf16>
+__device__ __forceinline__ void mma_16816(float (&c)[4], const u32 (&a)[4], u32 b0, u32 b1) {
+  tfm_emu_mma_16816(c, a, b0, b1, bf16);
+}
+__device__ __forceinline__ void cp_async16(void* smem, const void* gmem) { tfm_emu_copy16(smem, gmem); }
+__device__ __forceinline__ void cp_async_commit() {}
+template <int N>
+__device__ __forceinline__ void cp_async_wait() {}
+__device__ __forceinline__ float ld_cg(const float* p) { return *p; }
+__device__ __forceinline__ float4 ld_cg4(const float* p) { return *reinterpret_cast<const float4*>(p); }
+#endif
