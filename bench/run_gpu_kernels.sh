@@ -1,15 +1,24 @@
 #!/usr/bin/env bash
-# One command for the GPU host: CUDA kernel tests, compute-sanitizer (memcheck + racecheck) on a
-# small case, and the GDN tree benchmark. Run from the repository root with $OUT set (after
-# `source .gpu-bundle/install.sh` so that vLLM is importable for the per-branch baseline):
+# One command for the GPU host, per kernel family: CUDA kernel tests, compute-sanitizer (memcheck +
+# racecheck) on a small case, and the benchmark. Run from the repository root with $OUT set (after
+# `source .gpu-bundle/install.sh` so that vLLM is importable for the baselines):
 #
-#     bash bench/run_gpu_kernels.sh
+#     bash bench/run_gpu_kernels.sh                  # GDN tree verify / commit / conv (bench/gdn_tree.py)
+#     bash bench/run_gpu_kernels.sh tree_attention   # tree attention (bench/tree_attention.py)
 #
-# Writes under $OUT: pytest.log/.xml, memcheck.log, racecheck.log, bench.log, gdn_tree.json,
-# gdn_tree.txt, env.txt. Whole run bounded by TOTAL_S (default 450 s); each step gets a timeout
-# from what is left. Prints a status line per step, then the benchmark table last.
+# Writes under $OUT: pytest.log/.xml, memcheck.log, racecheck.log, bench.log, <family>.json,
+# <family>.txt (gdn_tree / tree_attention), env.txt. Whole run bounded by TOTAL_S (default 450 s);
+# each step gets a timeout from what is left. Prints a status line per step, then the benchmark
+# table last.
 set -uo pipefail
 
+FAMILY=${1:-gdn_tree}
+case "$FAMILY" in
+  gdn_tree)        TESTS=tests/gpu/test_kernels_gdn.py; T_PYTEST=180; T_MEM=90; T_RACE=100; T_BENCH=300; BENCH_SHARE=6 ;;
+  tree_attention)  TESTS=tests/gpu/test_kernels_tree_attention.py; T_PYTEST=170; T_MEM=75; T_RACE=90; T_BENCH=240; BENCH_SHARE=7 ;;
+  *) echo "usage: bash bench/run_gpu_kernels.sh [gdn_tree|tree_attention]" >&2; exit 2 ;;
+esac
+BENCH=bench/$FAMILY.py
 OUT=${OUT:-/tmp/vllm_tfm_out}
 TOTAL_S=${TOTAL_S:-450}
 mkdir -p "$OUT"
@@ -54,32 +63,33 @@ step() {
   nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,temperature.gpu,power.draw --format=csv
   python3 -c "import torch, cuda.bindings; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'cuda-bindings', cuda.bindings.__version__)"
   python3 -c "from vllm_tfm.kernels import loader; print('kernels:', loader.kernels_unavailable_reason() or 'available', 'nvrtc', loader.nvrtc_version())"
+  python3 -c "import vllm, triton; print('vllm', vllm.__version__, 'triton', triton.__version__)"
   command -v compute-sanitizer
 } > "$OUT/env.txt" 2>&1
 cat "$OUT/env.txt"
 
-# 1. kernels vs the torch reference, both verify kernel versions (compiles every variant once, into $VLLM_TFM_CACHE)
-step pytest 180 python3 -m pytest tests/gpu/test_kernels_gdn.py -q -p no:cacheprovider --junitxml="$OUT/pytest.xml"
+# 1. kernels vs the reference (compiles every variant once, into $VLLM_TFM_CACHE)
+step pytest "$T_PYTEST" python3 -m pytest "$TESTS" -q -p no:cacheprovider --junitxml="$OUT/pytest.xml"
 
-# 2. memory errors and shared-memory races on a small case (every kernel, both dtypes, all BV)
+# 2. memory errors and shared-memory races on a small case (every kernel variant once)
 export VLLM_TFM_SYNC_LAUNCH=1 PYTORCH_NO_CUDA_MEMORY_CACHING=1  # one cudaMalloc per tensor: exact bounds
-step memcheck 90 compute-sanitizer --tool memcheck --report-api-errors no --error-exitcode 3 python3 bench/gdn_tree.py --sanitize-case
-step racecheck 100 compute-sanitizer --tool racecheck --error-exitcode 3 python3 bench/gdn_tree.py --sanitize-case
+step memcheck "$T_MEM" compute-sanitizer --tool memcheck --report-api-errors no --error-exitcode 3 python3 "$BENCH" --sanitize-case
+step racecheck "$T_RACE" compute-sanitizer --tool racecheck --error-exitcode 3 python3 "$BENCH" --sanitize-case
 unset VLLM_TFM_SYNC_LAUNCH PYTORCH_NO_CUDA_MEMORY_CACHING
 
-# 3. benchmark: timing of the baselines stops at --budget-s; our kernel is timed at every size
+# 3. benchmark: configurations past --budget-s are skipped (listed in the JSON)
 bench_left=$(( $(left) - 15 ))
-(( bench_left > 300 )) && bench_left=300
-step bench "$bench_left" python3 bench/gdn_tree.py --out "$OUT/gdn_tree.json" --budget-s $(( bench_left * 6 / 10 ))
+(( bench_left > T_BENCH )) && bench_left=$T_BENCH
+step bench "$bench_left" python3 "$BENCH" --out "$OUT/$FAMILY.json" --budget-s $(( bench_left * BENCH_SHARE / 10 ))
 
 echo
 echo "== summary ($(( $(date +%s) - start ))s)"
 grep -E "passed|failed|error|skipped" "$OUT/pytest.log" | tail -n 1
 for s in "${statuses[@]}"; do echo "$s"; done
 grep -E "ERROR SUMMARY|RACECHECK SUMMARY" "$OUT/memcheck.log" "$OUT/racecheck.log" 2>/dev/null
-if [ -f "$OUT/gdn_tree.txt" ]; then
+if [ -f "$OUT/$FAMILY.txt" ]; then
   echo
-  cat "$OUT/gdn_tree.txt"
+  cat "$OUT/$FAMILY.txt"
 else
   echo "no benchmark table (see $OUT/bench.log)"
   tail -n 20 "$OUT/bench.log" 2>/dev/null

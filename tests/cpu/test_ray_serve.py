@@ -356,11 +356,9 @@ def test_serve_answers_an_openai_completion_end_to_end_with_a_cpu_stand_in_engin
         opts = report["tfm_options"]
         assert (opts["proposal"], opts["budget"], opts["top_k"]) == ("ddtree", 6, 16)  # env beat the file; tree beat both
         # tfm's CUDA-graph decision (vllm_plugin/cuda_graphs.py) was made where the config was built:
-        # graphs on, tree-step capture sizes for B = 6 (the CPU platform then turns the mode itself off)
-        from vllm_tfm.vllm_plugin.cuda_graphs import tfm_capture_sizes
-
-        assert report["enforce_eager"] is False
-        assert report["cudagraph_capture_sizes"] == tfm_capture_sizes(6, None)
+        # no cudagraph_mode given, so eager (cuda_graphs.DEFAULT_MODE) and no capture sizes
+        assert report["enforce_eager"] is True
+        assert report["cudagraph_capture_sizes"] is None
         assert report["served_model_name"] == ["tiny-tfm"] or report["served_model_name"] == "tiny-tfm"
         assert report["env"] == {"VLLM_TFM_PROPOSAL": "ddtree", "VLLM_TFM_KERNELS": "0"}
         assert report["vllm_ray_legacy_copies"] == ["VLLM_TFM_KERNELS", "VLLM_TFM_PROPOSAL"]

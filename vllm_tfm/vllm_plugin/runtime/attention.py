@@ -125,7 +125,7 @@ def masked_tree_attention(
 TREE_ATTENTION_ENV = "VLLM_TFM_TREE_ATTENTION"
 DEFAULT_TREE_ATTENTION = "triton"
 """The path when ``VLLM_TFM_TREE_ATTENTION`` is unset: the per-request Triton calls until the kernel
-has passed its GPU check (``bash bench/run_gpu_tree_attention.sh``: tests against float64,
+has passed its GPU check (``bash bench/run_gpu_kernels.sh tree_attention``: tests against float64,
 compute-sanitizer, runtime path == Triton path); ``VLLM_TFM_TREE_ATTENTION=kernel`` opts in."""
 _DEFAULT_CHOICE = "the default path (VLLM_TFM_TREE_ATTENTION unset)"  # not warned about
 
