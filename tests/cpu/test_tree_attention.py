@@ -280,3 +280,24 @@ def test_kernel_under_cpu_emulation_matches_the_reference(tmp_path, monkeypatch)
         assert len(launches) == len(cases)  # one launch per call, splits or not
     except subprocess.CalledProcessError as exc:  # a compiler without C++20 <barrier>
         pytest.skip(f"g++ could not build the emulation: {exc.stderr[:300]}")
+
+
+def test_ragged_depths_equal_walking_the_parents():
+    from _trees import TREE_KINDS, random_tree_parents
+    from vllm_tfm.tree.bitmask import ragged_depths
+
+    g = torch.Generator().manual_seed(11)
+    trees = [random_tree_parents(n, g, kind) for n in (1, 2, 17, 65, 200) for kind in TREE_KINDS]
+    cu = np.concatenate([[0], np.cumsum([t.numel() for t in trees])])
+    got = ragged_depths(torch.cat(trees).numpy(), cu)
+    want = []
+    for t in trees:
+        for i in range(t.numel()):
+            d, j = 0, i
+            while int(t[j]) >= 0:
+                j, d = int(t[j]), d + 1
+            want.append(d)
+    assert got.tolist() == want
+    assert ragged_depths(np.array([-1, -1, 0, 1]), np.array([0, 1, 4])).tolist() == [0, 0, 1, 2]  # two trees
+    with pytest.raises(ValueError, match="parent chain does not reach a root"):
+        ragged_depths(np.array([-1, 2, 1]), np.array([0, 3]))

@@ -1,17 +1,18 @@
-"""Ancestor bitmasks of a ragged tree batch, vectorised (numpy, no per-request or per-node loop).
+"""Ancestor bitmasks and depths of a ragged tree batch, vectorised (numpy, no per-request or per-node loop).
 
 Row i of the result packs node i's ancestor-or-self set within its own tree: bit ``j % 64`` of
 word ``j // 64`` for every local node j on the root..i path (the layout of
 ``vllm_tfm.tree.types.pack_bitmask``, batched). Built by pointer doubling: after round k a node's
 row holds its ancestors closer than 2^k and its jump pointer names the ancestor 2^k up, so
-ceil(log2(max depth + 1)) rounds of whole-array operations cover every path.
+ceil(log2(max depth + 1)) rounds of whole-array operations cover every path. Depths come from the
+same pointer doubling, summing the jumped distances (``ragged_depths``).
 """
 
 from __future__ import annotations
 
 import numpy as np
 
-__all__ = ["ragged_ancestor_bits"]
+__all__ = ["ragged_ancestor_bits", "ragged_depths"]
 
 
 def ragged_ancestor_bits(parents: np.ndarray, cu_nodes: np.ndarray, words: int | None = None) -> np.ndarray:
@@ -60,3 +61,28 @@ def ragged_ancestor_bits(parents: np.ndarray, cu_nodes: np.ndarray, words: int |
         jump[live] = jump[up]
         live = live[jump[live] >= 0]
     return bits.view(np.int64)
+
+
+def ragged_depths(parents: np.ndarray, cu_nodes: np.ndarray) -> np.ndarray:
+    """[T] int64 depth of every node (root 0) of a ragged batch of trees in topological order.
+
+    parents: [T] local parents (-1 at each root); cu_nodes: [R + 1] prefix sums of the node
+    counts. Pointer doubling: ``depth`` holds the distance to the node ``jump`` points at, and each
+    round adds the distance of that node and jumps twice as far.
+    """
+    par = np.asarray(parents, dtype=np.int64)
+    cu = np.asarray(cu_nodes, dtype=np.int64)
+    starts = np.repeat(cu[:-1], np.diff(cu))
+    jump = np.where(par < 0, -1, par + starts)
+    depth = (jump >= 0).astype(np.int64)
+    live = np.nonzero(jump >= 0)[0]
+    rounds = 0
+    while live.size:
+        rounds += 1
+        if rounds > 64:
+            raise ValueError("parents do not form trees (a parent chain does not reach a root)")
+        up = jump[live]
+        depth[live] += depth[up]  # right-hand sides are read before any entry is written
+        jump[live] = jump[up]
+        live = live[jump[live] >= 0]
+    return depth

@@ -28,6 +28,7 @@ import torch
 from torch import Tensor
 
 from vllm_tfm.kernels.tree_attention import TreeAttentionPlan
+from vllm_tfm.tree.bitmask import ragged_depths
 from vllm_tfm.tree.types import ancestor_mask
 
 from .state import LOOKUP_OFF, AttnTree, ProposalStore, StepTree
@@ -35,20 +36,11 @@ from .state import LOOKUP_OFF, AttnTree, ProposalStore, StepTree
 __all__ = [
     "build_step_tree",
     "tree_positions",
-    "depths_of",
     "ancestor_bias",
     "attention_plan",
     "per_request_trees",
     "BIAS_PAD_ROWS",
 ]
-
-
-def depths_of(parents: np.ndarray) -> np.ndarray:
-    """Depth of every node of one tree (parents local, topological, parents[0] = -1)."""
-    d = np.zeros(parents.shape[0], dtype=np.int64)
-    for i in range(1, parents.shape[0]):
-        d[i] = d[parents[i]] + 1
-    return d
 
 
 BIAS_PAD_ROWS = 32
@@ -138,9 +130,7 @@ def build_step_tree(
     is_spec = np.zeros(num_req, dtype=bool)
     is_tree = np.zeros(num_req, dtype=bool)
     local_parent: list[np.ndarray] = []
-    depth: list[np.ndarray] = []
     sample_parents: list[np.ndarray] = []
-    sample_depth: list[np.ndarray] = []
     lookup = np.zeros(num_req, dtype=np.int8)
     proposal_len = np.zeros(num_req, dtype=np.int64)
     for r, rid in enumerate(req_ids):
@@ -151,24 +141,17 @@ def build_step_tree(
         # vLLM's spec-decode rows (gpu_model_runner.py:2226-2235): scheduled drafts and nothing else;
         # a running request that got one token and no drafts (token budget) is a non-spec row there
         is_spec[r] = use_spec and rid in spec_tokens and n == d + 1
-        chain = np.arange(-1, n - 1, dtype=np.int64)
-        par, dep = chain, np.arange(n, dtype=np.int64)
+        par = np.arange(-1, n - 1, dtype=np.int64)  # a chain
         if is_spec[r] and d > 0 and not allow_trees:
             lookup[r] = LOOKUP_OFF
         elif is_spec[r] and d > 0:
             rec, lookup[r], proposal_len[r] = store.match(rid, list(drafts))
             if rec is not None and not rec.is_chain:
                 par = rec.parents.astype(np.int64)
-                dep = depths_of(par)
                 is_tree[r] = True
         local_parent.append(par)
-        depth.append(dep)
-        if is_spec[r]:
-            sample_parents.append(par)
-            sample_depth.append(dep)
-        else:  # the last d + 1 rows carry logits; read any drafts there as a chain
-            sample_parents.append(np.arange(-1, d, dtype=np.int64))
-            sample_depth.append(np.arange(d + 1, dtype=np.int64))
+        # the logits rows: a spec row's tree; otherwise the last d + 1 rows, any drafts read as a chain
+        sample_parents.append(par if is_spec[r] else np.arange(-1, d, dtype=np.int64))
     has_drafts = bool((is_spec & (num_draft > 0)).any())
     tree_active = bool(allow_trees and (is_tree.any() or (force_tree_path and has_drafts)))
     sample_cu = np.zeros(num_req + 1, dtype=np.int64)
@@ -177,6 +160,7 @@ def build_step_tree(
     spec_cu = np.zeros(spec_idx.shape[0] + 1, dtype=np.int64)
     np.cumsum(num_scheduled[spec_idx], out=spec_cu[1:])
     cat = lambda xs: np.concatenate(xs) if xs else np.zeros(0, dtype=np.int64)  # noqa: E731
+    parents_all, sample_parents_all = cat(local_parent), cat(sample_parents)
     step = StepTree(
         num_reqs=num_req,
         num_tokens=int(qs[-1]),
@@ -188,10 +172,10 @@ def build_step_tree(
         req_index=np.repeat(np.arange(num_req, dtype=np.int64), num_scheduled),
         is_spec=is_spec,
         is_tree=is_tree,
-        local_parent=cat(local_parent),
-        depth=cat(depth),
-        sample_parents=cat(sample_parents),
-        sample_depth=cat(sample_depth),
+        local_parent=parents_all,
+        depth=ragged_depths(parents_all, qs),  # whole-array, not per request
+        sample_parents=sample_parents_all,
+        sample_depth=ragged_depths(sample_parents_all, sample_cu),
         sample_cu=sample_cu,
         spec_parents=cat([local_parent[i] for i in spec_idx]),
         spec_cu=spec_cu,
