@@ -11,6 +11,8 @@ this script) measures, for each arm, output tokens/s at batch 1 and batch 8:
                  profile's tfm entry at that budget (``vllm_tfm/vllm_plugin/benchmark_mode.py``)
   nospec-graphs  (optional) vLLM without speculation with torch.compile + CUDA graphs [1, 2, 4, 8]
                  (vLLM's default mode, FULL_AND_PIECEWISE)
+  dflash-graphs  (optional) the dflash arm with torch.compile + vLLM's default CUDA graphs, capture
+                 sizes [1, 2, 4, 8, 16, 32, 64, 128] (a verify step is 16 tokens per request)
   tfm16/32/64-graphs  (optional) the tfm arms with torch.compile + piecewise CUDA graphs (opt-in cudagraph_mode PIECEWISE):
                  PIECEWISE target and DFlash graphs, capture sizes k * (B + 1) for k <= max batch
                  (vllm_tfm/vllm_plugin/cuda_graphs.py); Weaver and the tree build stay eager
@@ -63,7 +65,7 @@ for p in (str(REPO), str(BENCH)):
     if p not in sys.path:
         sys.path.insert(0, p)
 
-__all__ = ["Arm", "ARMS", "DEFAULT_ARMS", "parse_arms", "arm_estimate_s", "measure_estimate_s", "fits",
+__all__ = ["Arm", "ARMS", "DEFAULT_ARMS", "parse_arms", "arm_estimate_s", "measure_estimate_s", "fits", "tfm_switches",
            "resolve_profile", "arm_profile", "engine_kwargs", "measured_mal", "decode_rate", "main"]
 
 RESULTS_FORMAT = "vllm-tfm-e2e/1"
@@ -91,6 +93,7 @@ ARMS: dict[str, Arm] = {
     "tfm32": Arm("tfm32", "tfm", 32),
     "tfm64": Arm("tfm64", "tfm", 64),
     "nospec-graphs": Arm("nospec-graphs", "nospec", graphs=True),
+    "dflash-graphs": Arm("dflash-graphs", "dflash", graphs=True),
     "tfm16-graphs": Arm("tfm16-graphs", "tfm", 16, graphs=True),
     "tfm32-graphs": Arm("tfm32-graphs", "tfm", 32, graphs=True),
     "tfm64-graphs": Arm("tfm64-graphs", "tfm", 64, graphs=True),
@@ -112,9 +115,10 @@ def parse_arms(text: str) -> list[Arm]:
 
 
 def measure_estimate_s(arm: Arm, batches: list[int], output_len: int, mal: float, clean_run: bool) -> float:
-    """Seconds of an arm's warm-up and runs: a step of the eager 27B target is ~35 ms (more with
-    drafting), a run needs output_len / MAL steps, plus a few seconds of prefill and bookkeeping."""
-    step_s = 0.035 if arm.kind == "nospec" else 0.06
+    """Seconds of an arm's warm-up and runs: a step of the eager 27B target took 85-105 ms on the
+    H200 (about 0.22 s with tfm's drafting and tree verify, session 5), a run needs output_len / MAL
+    steps, plus a few seconds of prefill and bookkeeping."""
+    step_s = 0.1 if arm.kind == "nospec" else 0.22
     runs = 2 if clean_run else 1
     per_run = output_len / max(mal, 1.0) * step_s + 3.0
     return 10.0 + runs * len(batches) * per_run
@@ -122,7 +126,8 @@ def measure_estimate_s(arm: Arm, batches: list[int], output_len: int, mal: float
 
 def arm_estimate_s(arm: Arm, measured_starts: list[float], batches: list[int], output_len: int, mal: float,
                    clean_run: bool) -> float:
-    start = (max(measured_starts) if measured_starts else FIRST_START_GUESS_S) + START_MARGIN_S
+    # the latest start: the first engine fills the JIT caches (134 s on the H200), later ones took ~10 s
+    start = (measured_starts[-1] if measured_starts else FIRST_START_GUESS_S) + START_MARGIN_S
     if arm.graphs:
         start += 120.0  # torch.compile + graph capture
     return start + measure_estimate_s(arm, batches, output_len, mal, clean_run)
@@ -178,6 +183,8 @@ def engine_kwargs(arm: Arm, s: dict[str, Any], plan: dict[str, Any]) -> dict[str
     }
     if arm.graphs and arm.kind == "nospec":
         kw["compilation_config"] = {"custom_ops": ["none"], "cudagraph_capture_sizes": [1, 2, 4, 8]}
+    if arm.graphs and arm.kind == "dflash":
+        kw["compilation_config"] = {"custom_ops": ["none"], "cudagraph_capture_sizes": [1, 2, 4, 8, 16, 32, 64, 128]}
     if arm.graphs and arm.kind == "tfm":  # the opt-in; tfm picks its capture sizes
         kw["compilation_config"] = {"custom_ops": ["none"], "cudagraph_mode": "PIECEWISE"}
     if arm.kind == "dflash":
@@ -371,6 +378,14 @@ def child_env(arm: Arm, s: dict[str, Any], work: Path) -> dict[str, str]:
     return env
 
 
+def tfm_switches(environ: Any) -> dict[str, str]:
+    """The VLLM_TFM_* settings of this run that change the tfm runtime (not the benchmark's own)."""
+    from vllm_tfm.vllm_plugin.benchmark_mode import BENCHMARK_ENV_VARS
+
+    return {k: v for k, v in sorted(environ.items()) if k.startswith("VLLM_TFM_") and k not in BENCHMARK_ENV_VARS
+            and k != "VLLM_TFM_PROFILE"}
+
+
 def driver(args: argparse.Namespace) -> int:
     from e2e_models import DRAFT_BLOCK
     from e2e_report import render_markdown
@@ -395,6 +410,8 @@ def driver(args: argparse.Namespace) -> int:
         "max_model_len": args.prompt_len + args.output_len + 2 * max(a.num_speculative_tokens for a in arms) + 64,
         "max_num_batched_tokens": max(4096, max(batches) * args.prompt_len), "eager": True,
         "deadline_s": args.deadline_s, "work": str(work), "plans": {},
+        # tfm switches set for this run (e.g. VLLM_TFM_WEAVER_GRAPHS=1), benchmark-only ones excluded
+        "tfm_env": tfm_switches(os.environ),
     }
     results: dict[str, Any] = {
         "format": RESULTS_FORMAT,

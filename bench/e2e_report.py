@@ -34,6 +34,7 @@ __all__ = [
     "GOALS",
     "stage_breakdown",
     "throughput",
+    "reference_arm",
     "summarize",
     "render_markdown",
     "write_doc",
@@ -97,19 +98,26 @@ def _ratio(a: float | None, b: float | None) -> float | None:
     return a / b if a is not None and b else None
 
 
+def reference_arm(kind: str, arm: dict[str, Any], tps: dict[str, float]) -> str:
+    """The arm a ratio divides by: like for like, so a CUDA-graph arm is compared with the graph
+    run of no-spec / DFlash when that ran, and an eager arm with the eager one."""
+    graphs = f"{kind}-graphs"
+    return graphs if arm.get("graphs") and graphs in tps else kind
+
+
 def summarize(results: dict[str, Any]) -> dict[str, Any]:
-    """Ratios per batch size (vs the eager no-spec arm and the in-tree DFlash arm) and the goals."""
+    """Ratios per batch size (vs no-spec and vs vLLM's in-tree DFlash, eager or graphs like the arm)
+    and the goals."""
     batches = results.get("settings", {}).get("batches", [1, 8])
     arms = results.get("arms", {})
     out: dict[str, Any] = {"batches": {}, "goals": {}}
     for b in batches:
         metric, tps = throughput(results, b)
-        base, dfl = tps.get("nospec"), tps.get("dflash")
         out["batches"][str(b)] = {
             "metric": metric,
             "tokens_per_s": tps,
-            "x_nospec": {k: _ratio(v, base) for k, v in tps.items()},
-            "x_dflash": {k: _ratio(v, dfl) for k, v in tps.items()},
+            "x_nospec": {k: _ratio(v, tps.get(reference_arm("nospec", arms.get(k, {}), tps))) for k, v in tps.items()},
+            "x_dflash": {k: _ratio(v, tps.get(reference_arm("dflash", arms.get(k, {}), tps))) for k, v in tps.items()},
         }
     tfm = [n for n, a in arms.items() if a.get("kind") == "tfm" and a.get("status") != "skipped"]
     b1 = _batch_key(batches, 1)
@@ -149,7 +157,7 @@ def _arm_desc(arm: dict[str, Any]) -> str:
     if kind == "nospec":
         return "no speculation" + (" (CUDA graphs)" if arm.get("graphs") else "")
     if kind == "dflash":
-        return f"vLLM DFlash chain, K={arm.get('num_speculative_tokens')}"
+        return f"vLLM DFlash chain, K={arm.get('num_speculative_tokens')}" + (" (CUDA graphs)" if arm.get("graphs") else "")
     return f"tfm (Weaver trees), B={arm.get('budget')}" + (" (CUDA graphs)" if arm.get("graphs") else "")
 
 
@@ -171,6 +179,9 @@ def render_markdown(results: dict[str, Any]) -> str:
         f"{'eager (no CUDA graphs)' if s.get('eager', True) else 'CUDA graphs'} unless the arm says otherwise."),
         (f"Acceptance: {'measured' if p.get('measured') else 'NOT measured (synthetic)'} profile, {p.get('source', '?')}; "
         "tfm replays it (acceptance replay), DFlash uses vLLM's synthetic rejection mode with the chain entry."),
+        ("Ratios are like for like: a CUDA-graph arm is divided by the graph run of no-spec / DFlash where that "
+         "ran, an eager arm by the eager one."
+         + (f" tfm switches: {', '.join(f'{k}={v}' for k, v in s['tfm_env'].items())}." if s.get("tfm_env") else "")),
         "",
     ]
     metric_names = {b: summ["batches"][str(b)]["metric"] for b in batches}

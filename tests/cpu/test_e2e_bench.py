@@ -190,11 +190,12 @@ def test_arm_parsing_and_deadline_planning() -> None:
     with pytest.raises(ValueError, match="unknown arm 'tfm8'"):
         e2e.parse_arms("nospec,tfm8")
     nospec, tfm = e2e.ARMS["nospec"], e2e.ARMS["tfm32"]
-    # before any engine started the first-start guess applies; after, the slowest measured start
+    # before any engine started the first-start guess applies; after, the latest measured start (the
+    # first one fills the JIT caches)
     first = e2e.arm_estimate_s(nospec, [], [1, 8], 256, 1.0, clean_run=False)
     assert first == e2e.FIRST_START_GUESS_S + e2e.START_MARGIN_S + e2e.measure_estimate_s(nospec, [1, 8], 256, 1.0, False)
-    later = e2e.arm_estimate_s(tfm, [40.0, 70.0], [1, 8], 256, 6.0, clean_run=False)
-    assert later == 70.0 + e2e.START_MARGIN_S + e2e.measure_estimate_s(tfm, [1, 8], 256, 6.0, False)
+    later = e2e.arm_estimate_s(tfm, [130.0, 40.0], [1, 8], 256, 6.0, clean_run=False)
+    assert later == 40.0 + e2e.START_MARGIN_S + e2e.measure_estimate_s(tfm, [1, 8], 256, 6.0, False)
     assert e2e.measure_estimate_s(tfm, [1, 8], 256, 6.0, True) > e2e.measure_estimate_s(tfm, [1, 8], 256, 6.0, False)
     assert e2e.fits(later, later) and not e2e.fits(later - 1, later)
 
@@ -404,3 +405,32 @@ def test_child_records_an_engine_failure(fake_engine: None, monkeypatch: pytest.
     assert e2e.run_arm(e2e.ARMS["nospec"], tmp_path / "s.json") == 1
     res = json.loads((tmp_path / "arm_nospec.json").read_text())
     assert res["status"] == "error" and res["error"] == "RuntimeError: no memory" and res["batches"] == {}
+
+
+def test_graph_arms_are_compared_with_graph_baselines_when_those_ran() -> None:
+    def arm(kind: str, graphs: bool, tps: float) -> dict[str, Any]:
+        return {"kind": kind, "graphs": graphs, "status": "ok", "batches": {"1": {"tokens_per_s": tps, "decode_tokens_per_s": tps}}}
+
+    results = {"format": e2e_report.RESULTS_FORMAT, "settings": {"batches": [1]}, "arms": {
+        "nospec": arm("nospec", False, 10.0), "dflash": arm("dflash", False, 15.0),
+        "nospec-graphs": arm("nospec", True, 40.0), "tfm32": arm("tfm", False, 30.0),
+        "tfm32-graphs": arm("tfm", True, 120.0)}}
+    x = e2e_report.summarize(results)["batches"]["1"]
+    assert x["x_nospec"]["tfm32"] == 3.0 and x["x_nospec"]["tfm32-graphs"] == 3.0
+    assert x["x_dflash"]["tfm32"] == 2.0
+    assert x["x_dflash"]["tfm32-graphs"] == 8.0  # no DFlash graph run: the eager one is all there is
+    results["arms"]["dflash-graphs"] = arm("dflash", True, 60.0)
+    assert e2e_report.summarize(results)["batches"]["1"]["x_dflash"]["tfm32-graphs"] == 2.0
+
+
+def test_dflash_graphs_arm_captures_the_verify_step_sizes(big: Any) -> None:
+    prof = builtin_geometric_profile(temperatures=(1.0,))
+    arm = e2e.ARMS["dflash-graphs"]
+    kw = e2e.engine_kwargs(arm, settings(big), e2e.arm_profile(arm, prof, 1.0, 15))
+    assert kw["enforce_eager"] is False and kw["speculative_config"]["method"] == "dflash"
+    assert 16 in kw["compilation_config"]["cudagraph_capture_sizes"] and 128 in kw["compilation_config"]["cudagraph_capture_sizes"]
+
+
+def test_run_records_the_tfm_switches_but_not_the_benchmark_ones() -> None:
+    env = {"VLLM_TFM_WEAVER_GRAPHS": "1", "VLLM_TFM_PROFILE": "1", "VLLM_TFM_I_AM_BENCHMARKING": "1", "PATH": "/bin"}
+    assert e2e.tfm_switches(env) == {"VLLM_TFM_WEAVER_GRAPHS": "1"}

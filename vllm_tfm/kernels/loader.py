@@ -44,6 +44,7 @@ __all__ = [
     "kernels_available",
     "kernels_unavailable_reason",
     "launch",
+    "needs_smem_optin",
     "nvrtc_version",
     "read_sources",
     "warn_fallback",
@@ -268,6 +269,7 @@ class CompiledKernel:
     device_index: int
     name: str
     max_dynamic_smem: int
+    static_smem: int = 0  # the kernel's own __shared__ arrays; static + dynamic > 48 KB needs the opt-in
 
 
 _lock = threading.Lock()
@@ -315,7 +317,7 @@ def get_kernel(source_name: str, kernel_name: str, options: Sequence[str], devic
             driver.cuFuncGetAttribute(driver.CUfunction_attribute.CU_FUNC_ATTRIBUTE_SHARED_SIZE_BYTES, func),
             f"cuFuncGetAttribute({kernel_name}, SHARED_SIZE_BYTES)",
         )
-        kernel = CompiledKernel(func, device_index, kernel_name, int(optin) - int(static))
+        kernel = CompiledKernel(func, device_index, kernel_name, int(optin) - int(static), int(static))
         _kernels[kkey] = kernel
         return kernel
 
@@ -358,6 +360,16 @@ def _ctype_arg(value: Any) -> ctypes._SimpleCData:
     )
 
 
+DEFAULT_SMEM_LIMIT = 48 * 1024  # what a block may use without cuFuncSetAttribute
+
+
+def needs_smem_optin(kernel: CompiledKernel, shared_mem: int) -> bool:
+    """True when the launch needs MAX_DYNAMIC_SHARED_SIZE_BYTES raised: the block's static plus
+    dynamic shared memory passes 48 KB (the dynamic part alone may not: 46 KB dynamic + 2 KB
+    static fails with CUDA_ERROR_INVALID_VALUE without the opt-in)."""
+    return shared_mem > 0 and shared_mem + kernel.static_smem > DEFAULT_SMEM_LIMIT
+
+
 def launch(
     kernel: CompiledKernel,
     grid: tuple[int, int, int],
@@ -369,7 +381,7 @@ def launch(
 
     args: tensors (passed as device pointers), None (null pointer) and ctypes scalars, in the
     kernel's parameter order. ``shared_mem`` bytes of dynamic shared memory (the limit is raised
-    past 48 KB once per kernel). With ``VLLM_TFM_SYNC_LAUNCH=1`` the stream is synchronised after
+    once per kernel when static + dynamic pass 48 KB). With ``VLLM_TFM_SYNC_LAUNCH=1`` the stream is synchronised after
     the launch so that an asynchronous fault is reported at its launch.
     """
     driver, _ = _import_cuda()
@@ -380,7 +392,7 @@ def launch(
             f"{kernel.name} needs {shared_mem} bytes of shared memory; the device allows {kernel.max_dynamic_smem}"
         )
     skey = (id(kernel.function), kernel.name, kernel.device_index)
-    if shared_mem > 48 * 1024 and _smem_set.get(skey, 0) < shared_mem:
+    if needs_smem_optin(kernel, shared_mem) and _smem_set.get(skey, 0) < shared_mem:
         _check_cu(
             driver.cuFuncSetAttribute(
                 kernel.function,

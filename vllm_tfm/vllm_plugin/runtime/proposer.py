@@ -218,7 +218,8 @@ class TFMProposer(DFlashProposer):
             verifier = self._verifier_hidden(num_req, num_rejected)
             s = self.tfm_settings
             build = weaver_trees if self._weaver_graphs is None else self._weaver_graphs.weaver_trees
-            return build(
+            replays = 0 if self._weaver_graphs is None else self._weaver_graphs.replays
+            out = build(
                 self.weaver,
                 logits,
                 dflash_hidden,
@@ -231,6 +232,9 @@ class TFMProposer(DFlashProposer):
                 s.width,
                 s.children_per_node,
             )
+            if self._weaver_graphs is not None and STATE.metrics is not None:  # which build ran (hooks fired)
+                STATE.metrics.hook("weaver.graph" if self._weaver_graphs.replays > replays else "weaver.eager")
+            return out
         raise ValueError(f"unknown tfm proposal {proposal!r}")
 
     def _verifier_hidden(self, num_req: int, num_rejected: Tensor | None) -> Tensor:
