@@ -35,7 +35,7 @@ paused before it and reports that run's tokens/s instead. Fixed random prompts o
 Time: the whole command must end within the host's 10 minutes. ``--deadline-s`` bounds this
 script; before each arm it estimates the arm's cost (engine start as measured on earlier arms,
 150 s before any, plus its runs) and skips arms that do not fit, printing them and the command
-that runs them. A running arm is killed at the deadline; what it had measured is kept.
+that runs them (``--start-while-s S`` instead starts each arm while S seconds are left). A running arm is killed at the deadline; what it had measured is kept.
 
 Results: OUT/e2e_27b.json (``format: vllm-tfm-e2e/1``, machine, settings, profile, per-arm runs,
 skipped arms), OUT/e2e.md (``bench/e2e_report.py`` tables), OUT/arms.log (every engine's log).
@@ -454,6 +454,8 @@ def driver(args: argparse.Namespace) -> int:
         remaining = args.deadline_s - (time.time() - T0)
         mal = settings["plans"].get(arm.name, {}).get("mal", 1.0)
         est = arm_estimate_s(arm, starts, batches, args.output_len, mal, settings["clean_run"])
+        if args.start_while_s is not None:  # no estimate: start while that much time is left, keep what it measures
+            est = args.start_while_s
         if not fits(remaining, est):
             reason = f"deadline: {remaining:.0f} s left, the arm needs about {est:.0f} s"
             results["skipped"].append({"arm": arm.name, "reason": reason})
@@ -506,6 +508,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--gpu-memory-utilization", type=float, default=0.92)
     ap.add_argument("--deadline-s", type=float, default=500.0, help="bound on this script's wall time")
+    ap.add_argument("--start-while-s", type=float, default=None,
+                    help="start each arm while this many seconds are left instead of estimating its cost (a running "
+                         "arm is killed at the deadline; the batch sizes it finished are kept)")
     ap.add_argument("--clean-run", action="store_true",
                     help="per batch, first a run with stage timing paused (its tokens/s is reported), then the timed run")
     ap.add_argument("--child", help=argparse.SUPPRESS)

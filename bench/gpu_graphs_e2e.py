@@ -171,6 +171,9 @@ def run_engine(name: str, settings_path: Path) -> int:
                 snap = llm.collective_rpc(collect_tree_metrics, kwargs={"reset": True})[0] or {}
                 res[f"{label}_tree_metrics"] = {k: snap.get(k) for k in ("steps", "tree_steps", "mean_accepted_length")}
                 res[f"{label}_graph_steps"] = {k: v for k, v in (snap.get("hooks") or {}).items() if k.startswith("cudagraph.")}
+                # which runtime paths ran (Weaver graph or eager build, tree attention kernel or Triton)
+                res[f"{label}_paths"] = {k: v for k, v in (snap.get("hooks") or {}).items()
+                                         if k.startswith(("weaver.", "attention.", "proposer."))}
             log(f"{name} {label}: {sum(map(len, res[label]))} tokens in {res[f'{label}_s']} s "
                 f"{res.get(f'{label}_tree_metrics', '')} {res.get(f'{label}_graph_steps', '')}")
             save()
@@ -272,7 +275,10 @@ def driver(args: argparse.Namespace) -> int:
         rc, why = ended[name]
         runs[name]["exit"] = {"code": rc, "stopped": why}
         log(f"{name}: {runs[name]['status']} (exit {rc}{', ' + why if why else ''}) {runs[name].get('error', '')}")
-    result = {"command": "bash bench/run_gpu_graphs.sh", "budget": BUDGET, "prompts": N_PROMPTS, "max_tokens": MAX_TOKENS,
+    switches = {k: v for k, v in sorted(os.environ.items()) if k.startswith("VLLM_TFM_")}
+    result = {"command": " ".join([*(f"{k}={v}" for k, v in switches.items()), "bash bench/run_gpu_graphs.sh",
+                                   *([f"--engines {args.engines}"] if args.engines != ",".join(ENGINES) else [])]),
+              "tfm_env": switches, "budget": BUDGET, "prompts": N_PROMPTS, "max_tokens": MAX_TOKENS,
               "machine": next((r.get("machine") for r in runs.values() if r.get("machine")), {}),
               "verdicts": verdicts(runs), "graph_usage": graph_usage(runs),
               "engines": {n: {k: v for k, v in r.items() if k not in ("b8", "b1", "b8_margins", "b1_margins", "traceback")}

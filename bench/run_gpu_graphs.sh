@@ -2,7 +2,7 @@
 # The one GPU-host command for tfm with CUDA graphs (issue 7): greedy tokens with piecewise graphs
 # == eager tfm == no speculation, on the toy zoo in float32, batch 8 and batch 1.
 #
-#   run (device tool, repository root, carry .gpu-bundle):  bash bench/run_gpu_graphs.sh
+#   run (device tool, repository root, carry .gpu-bundle):  bash bench/run_gpu_graphs.sh [--engines a,b,...]
 #
 # Unpacks the vLLM bundle, installs this checkout (entry points included) next to it, runs the CPU
 # test of the graph settings (seconds), then bench/gpu_graphs_e2e.py: five engines in parallel
@@ -23,7 +23,7 @@ source bench/install_checkout.sh
 install_checkout "$OUT/pip.log" || echo "using the checkout on PYTHONPATH without entry points"
 nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv,noheader || true
 echo "== graphs e2e ($(( $(date +%s) - start )) s)"
-python3 bench/gpu_graphs_e2e.py --out "$OUT"
+python3 bench/gpu_graphs_e2e.py --out "$OUT" "$@"
 rc=$?
 echo "== done in $(( $(date +%s) - start )) s, exit code $rc; files in $OUT:"
 ls -la "$OUT"

@@ -127,7 +127,8 @@ def test_split_counters_reset_and_repeated_calls_are_identical():
     case = make_case(trees, [3000], block_size=64, seed=14)
     a = run_poisoned(case, splits=7)
     b = run_poisoned(case, splits=7)
-    assert torch.equal(a, b)
+    # rows outside the trees keep their NaN poison (NaN != NaN): compare the poison pattern and the rest bitwise
+    assert torch.equal(a.isnan(), b.isnan()) and torch.equal(a.nan_to_num(0.0), b.nan_to_num(0.0))
     assert int(kta._counters[("cuda", torch.cuda.current_device())].abs().sum()) == 0
 
 
