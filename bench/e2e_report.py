@@ -38,6 +38,7 @@ __all__ = [
     "summarize",
     "render_markdown",
     "write_doc",
+    "render_files",
 ]
 
 RESULTS_FORMAT = "vllm-tfm-e2e/1"
@@ -247,26 +248,34 @@ def _ok(v: bool | None) -> str:
     return "not measured" if v is None else ("met" if v else "not met")
 
 
-def write_doc(doc: str | Path, table: str, results_path: str) -> None:
-    """Replace the text between :data:`BEGIN` and :data:`END` of ``doc`` with ``table``."""
+def write_doc(doc: str | Path, table: str, results_path: str | None = None) -> None:
+    """Replace the text between :data:`BEGIN` and :data:`END` of ``doc`` with ``table`` (headed by
+    its source file when ``results_path`` is given)."""
     path = Path(doc)
     text = path.read_text()
     if BEGIN not in text or END not in text:
         raise ValueError(f"{path}: missing the markers {BEGIN} / {END}")
     head, rest = text.split(BEGIN, 1)
     _, tail = rest.split(END, 1)
-    path.write_text(f"{head}{BEGIN}\nFrom `{results_path}`:\n\n{table}{END}{tail}")
+    source = f"From `{results_path}`:\n\n" if results_path else ""
+    path.write_text(f"{head}{BEGIN}\n{source}{table}{END}{tail}")
+
+
+def render_files(paths: list[str]) -> str:
+    """The tables of one or more results files, each under a heading naming its file."""
+    if len(paths) == 1:
+        return render_markdown(json.loads(Path(paths[0]).read_text()))
+    return "".join(f"### `{p}`\n\n{render_markdown(json.loads(Path(p).read_text()))}\n" for p in paths)
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("results", help="a bench/e2e.py results JSON")
+    ap.add_argument("results", nargs="+", help="bench/e2e.py results JSON files")
     ap.add_argument("--write", help="a markdown doc with the e2e markers to refresh (e.g. docs/e2e.md)")
     args = ap.parse_args(argv)
-    results = json.loads(Path(args.results).read_text())
-    table = render_markdown(results)
+    table = render_files(args.results)
     if args.write:
-        write_doc(args.write, table, args.results)
+        write_doc(args.write, table, args.results[0] if len(args.results) == 1 else None)
         print(f"wrote {args.write}")
     else:
         sys.stdout.write(table)

@@ -26,7 +26,7 @@ echo "== install vllm-tfm ($(( $(date +%s) - start )) s)"
 source bench/install_checkout.sh
 install_checkout "$OUT/pip.log" || echo "using the checkout on PYTHONPATH without entry points"
 export VLLM_ENABLE_V1_MULTIPROCESSING=0
-export E2E_COMMAND="bash bench/run_gpu_e2e.sh $*"
+export E2E_COMMAND="$(env | grep "^VLLM_TFM_" | sort | tr "\n" " ")bash bench/run_gpu_e2e.sh $*"
 nvidia-smi --query-gpu=name,memory.used,memory.total,driver_version --format=csv,noheader || true
 echo "== GPU checks of the benchmark switches ($(( $(date +%s) - start )) s)"
 timeout 60 python3 -m pytest tests/gpu/test_benchmark_gpu.py -q -p no:cacheprovider 2>&1 | tail -n 3

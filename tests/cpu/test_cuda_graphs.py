@@ -93,7 +93,18 @@ def test_vllm_keeps_the_tree_step_sizes_under_full_and_piecewise() -> None:
 # ------------------------------------------------------------------------------ config time
 
 
-def test_default_is_eager_until_the_graph_path_is_checked_on_a_gpu(env: Any) -> None:
+def test_default_is_piecewise_with_tfm_capture_sizes(env: Any) -> None:
+    from vllm_tfm.vllm_plugin.cuda_graphs import tfm_capture_sizes
+
+    args = engine_args(env, b=7)
+    assert not args.enforce_eager and mode_name(args) == "PIECEWISE"
+    assert args.compilation_config.cudagraph_capture_sizes == tfm_capture_sizes(7, None)
+
+
+def test_a_none_default_would_run_eager(env: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    from vllm_tfm.vllm_plugin import cuda_graphs
+
+    monkeypatch.setattr(cuda_graphs, "DEFAULT_MODE", None)
     args = engine_args(env, b=7)
     assert args.enforce_eager and mode_name(args) is None
     assert args.compilation_config.cudagraph_capture_sizes is None
@@ -155,7 +166,8 @@ def test_splitting_ops_and_passes_that_capture_the_tree_code_are_refused(env: An
     refused(env, r"pass_config.fuse_attn_quant=True", compilation_config={**pw, "pass_config": {"fuse_attn_quant": True}})
     # the same settings without graphs are fine
     engine_args(env, compilation_config={"splitting_ops": [], "cudagraph_mode": "NONE"})
-    engine_args(env, compilation_config={"splitting_ops": []})  # unset mode: eager by default
+    refused(env, r"needs vllm::unified_attention_with_output in compilation_config.splitting_ops",
+            compilation_config={"splitting_ops": []})  # unset mode: PIECEWISE by default, so refused too
     monkeypatch.setenv("VLLM_USE_BREAKABLE_CUDAGRAPH", "1")
     refused(env, r"does not support VLLM_USE_BREAKABLE_CUDAGRAPH=1 with CUDA graphs", compilation_config=dict(pw))
     engine_args(env, enforce_eager=True)

@@ -119,10 +119,20 @@ def tree_attention_call(monkeypatch, impl, reason=None, enabled=True, kernel=Non
     return kernel_calls, loop_calls, (query, kv_cache, md, output)
 
 
-def test_tree_attention_default_is_one_call_per_tree_without_a_warning(monkeypatch):
+def test_tree_attention_default_is_one_kernel_call_for_all_trees_without_a_warning(monkeypatch):
     import warnings
 
     monkeypatch.delenv("VLLM_TFM_TREE_ATTENTION", raising=False)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        kernel_calls, loop_calls, _ = tree_attention_call(monkeypatch, fake_attention_impl())
+    assert loop_calls == [] and len(kernel_calls) == 1
+
+
+def test_tree_attention_triton_choice_is_one_call_per_tree_without_a_warning(monkeypatch):
+    import warnings
+
+    monkeypatch.setenv("VLLM_TFM_TREE_ATTENTION", "triton")
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         kernel_calls, loop_calls, _ = tree_attention_call(monkeypatch, fake_attention_impl())
@@ -166,8 +176,9 @@ def test_tree_attention_falls_back_to_one_call_per_tree_and_says_why(monkeypatch
     assert kernel_calls == [] and len(loop_calls) == 1
     kernel_calls, loop_calls, _ = tree_attention_call(monkeypatch, impl, enabled=False)  # set_kernels_enabled(False)
     assert kernel_calls == [] and len(loop_calls) == 1
-    monkeypatch.setenv("VLLM_TFM_TREE_ATTENTION", "triton")  # the A/B switch (read once per layer)
-    with pytest.warns(RuntimeWarning, match="VLLM_TFM_TREE_ATTENTION=triton"):
+    monkeypatch.setenv("VLLM_TFM_TREE_ATTENTION", "triton")  # the A/B switch (read once per layer): chosen, not warned
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
         kernel_calls, loop_calls, _ = tree_attention_call(monkeypatch, fake_attention_impl())
     assert kernel_calls == [] and len(loop_calls) == 1
     monkeypatch.setenv("VLLM_TFM_TREE_ATTENTION", "fast")

@@ -29,8 +29,9 @@ def test_bucket_is_the_smallest_size_that_holds_the_batch():
 
 
 def test_switch_and_bucket_list_from_the_environment():
-    assert weaver_graphs_from_env({}) is None
+    assert weaver_graphs_from_env({}).buckets == DEFAULT_BUCKETS  # on by default
     assert weaver_graphs_from_env({"VLLM_TFM_WEAVER_GRAPHS": "0"}) is None
+    assert weaver_graphs_from_env({"VLLM_TFM_WEAVER_GRAPHS": "off"}) is None
     assert weaver_graphs_from_env({"VLLM_TFM_WEAVER_GRAPHS": "false"}) is None
     assert weaver_graphs_from_env({"VLLM_TFM_WEAVER_GRAPHS": "1"}).buckets == DEFAULT_BUCKETS
     on = {"VLLM_TFM_WEAVER_GRAPHS": "1", "VLLM_TFM_WEAVER_GRAPH_BUCKETS": "16, 4,8,4"}

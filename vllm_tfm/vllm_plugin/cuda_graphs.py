@@ -4,9 +4,8 @@ The choice is vLLM's own: ``enforce_eager`` and ``compilation_config.cudagraph_m
 fields of vLLM's configs). tfm validates it and fills in what the user left unset:
 
 * ``enforce_eager=True`` or ``cudagraph_mode`` NONE: no graphs (the tfm runtime as before).
-* unset: eager (``enforce_eager=True``, as :data:`DEFAULT_MODE` says) until the GPU check of the
-  graph path has passed; then PIECEWISE.
-* ``PIECEWISE`` (opt-in, :data:`OPT_IN`): vLLM compiles the target and
+* unset: PIECEWISE (:data:`DEFAULT_MODE`).
+* ``PIECEWISE`` (the default; :data:`OPT_IN` asks for it explicitly): vLLM compiles the target and
   captures CUDA graphs of the pieces between its splitting ops. Everything tfm runs during the
   target forward runs inside two of those ops, eagerly, at every step: the tree-masked attention
   (``vllm::unified_attention_with_output`` calls the attention impl's ``forward``) and the GDN
@@ -14,7 +13,8 @@ fields of vLLM's configs). tfm validates it and fills in what the user left unse
   are written into the runner's persistent ``positions`` buffer, which the graphs read. Sampler,
   commit and drafter run after the forward. docs/vllm_plugin.md ("CUDA graphs") has the map.
   The DFlash drafter's forward gets vLLM's own piecewise graphs (vLLM captures drafter graphs
-  whenever the target's mode has piecewise graphs); Weaver and the tree build stay eager.
+  whenever the target's mode has piecewise graphs); the Weaver build replays graphs of its own
+  (``runtime/weaver_graphs.py``).
 * ``FULL_AND_PIECEWISE`` (accepted when asked for): a full graph holds the whole forward, so no
   Python of tfm's runs at replay. Steps that verify trees therefore never replay a full graph:
   they are dispatched to the piecewise graphs (``runtime/graph_dispatch.py``); only steps that
@@ -72,12 +72,14 @@ REFUSED_MODES: Mapping[str, str] = {
     "FULL": "a full graph replays the whole forward without tfm's tree attention and GDN tree verify",
     "FULL_DECODE_ONLY": "it has no piecewise graphs, so every tree step would run without graphs",
 }
-DEFAULT_MODE: str | None = None
+DEFAULT_MODE: str | None = "PIECEWISE"
 """The mode a tfm engine gets when ``cudagraph_mode`` is left unset (and enforce_eager is off).
-None: eager (``enforce_eager=True``, with a warning naming the opt-in), until the GPU check
-(``bash bench/run_gpu_graphs.sh``: tfm with graphs == tfm eager == no speculation) has passed; the
-intended default is PIECEWISE rather than vLLM's FULL_AND_PIECEWISE: tree steps cannot use full
-graphs, so full decode graphs would only serve chain-only steps, at twice the capture time and memory."""
+PIECEWISE since its GPU check passed on the H200 (``bash bench/run_gpu_graphs.sh``: tfm with graphs ==
+tfm eager == no speculation, batch 8 and 1, ``bench/results/graphs_zoo.json``); at Qwen3.6-27B shape
+it cut the tree-verify forward from 107 to 48 ms per step at batch 1 (``bench/results/e2e_27b_*.json``).
+Not vLLM's FULL_AND_PIECEWISE: tree steps cannot use full graphs, so full decode graphs would only
+serve chain-only steps, at twice the capture time and memory. None would mean eager
+(``enforce_eager=True``, with a warning naming the opt-in)."""
 OPT_IN = "compilation_config={'cudagraph_mode': 'PIECEWISE'}"
 DECODE_CAPTURE_REQUESTS = 16
 """Tree steps of up to this many requests get a captured size of their own (see the module doc)."""

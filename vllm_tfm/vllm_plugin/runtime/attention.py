@@ -11,13 +11,12 @@ launch, so a per-request mask needs one launch per request (VLLM_HOOKS.md sectio
 (exact for prefill rows and chain requests) and then recomputes the rows of every request whose
 tree is not a chain:
 
-* kernel path (``VLLM_TFM_TREE_ATTENTION=kernel``; the default once it has passed its GPU check,
-  :data:`DEFAULT_TREE_ATTENTION`): ONE launch of ``vllm_tfm.kernels.tree_attention`` for all of
+* kernel path (the default, :data:`DEFAULT_TREE_ATTENTION`; ``VLLM_TFM_TREE_ATTENTION=kernel``):
+  ONE launch of ``vllm_tfm.kernels.tree_attention`` for all of
   them, reading the step's ``TreeAttentionPlan`` (ancestor bitmasks, built once per step,
   ``inputs.py``);
-* per-request path (the default for now; and the fallback: no NVRTC / CUDA kernels,
-  ``set_kernels_enabled(False)`` or ``VLLM_TFM_KERNELS=0``, ``VLLM_TFM_TREE_ATTENTION=triton``, or
-  a configuration the kernel does not take: sliding
+* per-request path (``VLLM_TFM_TREE_ATTENTION=triton``, and the fallback: no NVRTC / CUDA kernels,
+  ``set_kernels_enabled(False)`` or ``VLLM_TFM_KERNELS=0``, or a configuration the kernel does not take: sliding
   window, soft-cap, ALiBi, sinks, quantised KV cache, head size not a multiple of 32 up to 256):
   one ``unified_attention`` call per tree request carrying the request's [n, n] bias (0 on
   ancestor-or-self pairs, -inf elsewhere). Said once, with the reason.
@@ -123,11 +122,14 @@ def masked_tree_attention(
 
 
 TREE_ATTENTION_ENV = "VLLM_TFM_TREE_ATTENTION"
-DEFAULT_TREE_ATTENTION = "triton"
-"""The path when ``VLLM_TFM_TREE_ATTENTION`` is unset: the per-request Triton calls until the kernel
-has passed its GPU check (``bash bench/run_gpu_kernels.sh tree_attention``: tests against float64,
-compute-sanitizer, runtime path == Triton path); ``VLLM_TFM_TREE_ATTENTION=kernel`` opts in."""
-_DEFAULT_CHOICE = "the default path (VLLM_TFM_TREE_ATTENTION unset)"  # not warned about
+DEFAULT_TREE_ATTENTION = "kernel"
+"""The path when ``VLLM_TFM_TREE_ATTENTION`` is unset: the one-launch kernel. Its GPU check passed on
+the H200 (``bash bench/run_gpu_kernels.sh tree_attention``: tests against float64, runtime path ==
+per-request Triton path, compute-sanitizer memcheck/racecheck clean; tokens of tfm with it ==
+no speculation, ``bench/results/graphs_zoo.json``) and it beat the per-request Triton calls at every
+measured size (``bench/results/tree_attention_v1.json``). ``VLLM_TFM_TREE_ATTENTION=triton`` goes
+back to the per-request calls."""
+_CHOSEN = f"{TREE_ATTENTION_ENV}=triton"  # the user's own choice: not warned about
 
 
 def _config_unsupported(impl: TritonAttentionImpl) -> str | None:
@@ -137,7 +139,7 @@ def _config_unsupported(impl: TritonAttentionImpl) -> str | None:
     if choice not in ("kernel", "triton"):
         raise ValueError(f"{TREE_ATTENTION_ENV} must be 'kernel' or 'triton', got {choice!r}")
     if choice == "triton":
-        return f"{TREE_ATTENTION_ENV}=triton" if raw else _DEFAULT_CHOICE
+        return _CHOSEN
     if is_quantized_kv_cache(impl.kv_cache_dtype) or impl._is_per_token_head_quant:
         return f"kv_cache_dtype={impl.kv_cache_dtype!r} (the kernel reads unquantised caches)"
     if tuple(impl.sliding_window) != (-1, -1):
@@ -172,7 +174,7 @@ def kernel_tree_attention(
     if reason is None:
         reason = tree_attention_unsupported(query, key_cache, value_cache, output)
     if reason is not None:
-        if reason not in (NOT_CUDA, _DEFAULT_CHOICE):
+        if reason not in (NOT_CUDA, _CHOSEN):
             _say_fallback(reason)
         return False
     try:

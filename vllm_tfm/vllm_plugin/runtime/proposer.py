@@ -17,8 +17,8 @@ states). Per step (``propose``):
    ``_sample_draft_tokens`` (llm_base_proposer.py:468) keeps the logits [R * D, V] and the
    DFlash outputs instead of sampling.
 3. Trees. ``chain`` / ``ddtree`` (batched on the device) or ``tfm`` (Weaver), B draft nodes per
-   request; requests in a batch that needs vLLM's own sampler get chains. With
-   ``VLLM_TFM_WEAVER_GRAPHS=1`` the Weaver build replays CUDA graphs (``weaver_graphs``). The tokens go back to
+   request; requests in a batch that needs vLLM's own sampler get chains. The
+   Weaver build replays CUDA graphs (``weaver_graphs``; ``VLLM_TFM_WEAVER_GRAPHS=0``: eager). The tokens go back to
    vLLM ([R, B]), the parents to the ``ProposalStore`` keyed by request id.
 """
 
@@ -76,7 +76,7 @@ class TFMProposer(DFlashProposer):
         self.weaver: torch.nn.Module | None = None
         self._target_embed: VocabTable | None = None
         self._target_lm_head: VocabTable | None = None
-        # opt-in CUDA graphs of the Weaver build (VLLM_TFM_WEAVER_GRAPHS, runtime/weaver_graphs.py)
+        # CUDA graphs of the Weaver build (on unless VLLM_TFM_WEAVER_GRAPHS=0, runtime/weaver_graphs.py)
         self._weaver_graphs = weaver_graphs_from_env()
         STATE.check_tp = check_tp_trees_enabled() and vllm_config.parallel_config.tensor_parallel_size > 1
         STATE.check_step = 0

@@ -13,7 +13,7 @@ ran dry) is completed by ``fill_to_budget``.
   ceil(B / w) steps, one host sync at the end (``vllm_tfm.models.proposal_trees``). Same trees as
   ``vllm_tfm.tree.build_weaver`` per request (to Weaver rounding). The steps before that sync have
   fixed shapes and update their state in place: ``weaver_graphs`` replays them as CUDA graphs
-  (opt-in, ``VLLM_TFM_WEAVER_GRAPHS=1``).
+  (the default; ``VLLM_TFM_WEAVER_GRAPHS=0`` builds eagerly).
 
 Determinism: sorts are stable and scores are accumulated in float64 in a fixed order, so equal
 inputs give equal trees on every tensor-parallel rank.
