@@ -27,9 +27,11 @@ geometric profile that every output labels as NOT measured).
 Each arm runs in its own subprocess (a 27B engine per process, memory freed on exit), with
 ``VLLM_ENABLE_V1_MULTIPROCESSING=0`` (engine and worker in that process) and
 ``VLLM_TFM_PROFILE=1``. Per arm: engine start (timed), a warm-up, then per batch size one run
-with CUDA-event stage timings (about 20 event records per step, read through
+with CUDA-event stage timings (about 10 spans per step, and in tfm tree steps one more per layer
+for the GDN and attention tree paths: about 240 at the 27B shape; read through
 ``LLM.collective_rpc``), whose tokens/s is reported; ``--clean-run`` adds a run with the timing
-paused before it and reports that run's tokens/s instead. Fixed random prompts of
+paused before it and reports that run's tokens/s instead (the timer's own host time per step is
+recorded as ``timer_host_ms_per_step``). Fixed random prompts of
 ``--prompt-len`` token ids, ``--output-len`` tokens each, ``ignore_eos``.
 
 Time: the whole command must end within the host's 10 minutes. ``--deadline-s`` bounds this
@@ -323,9 +325,13 @@ def run_arm(arm: Arm, settings_path: Path) -> int:
             run["max_concurrency"] = (prof.get("batch_requests") or {}).get("max")
             run["mal"] = measured_mal(before, spec_counters(llm))
             run["tree_metrics"] = llm.collective_rpc(collect_tree_metrics, kwargs={"reset": True})[0]
-            fwd = (prof["stages"].get("target_forward") or {}).get("per_step_ms")
+            per_step = {k: (prof["stages"].get(k) or {}).get("per_step_ms")
+                        for k in ("target_forward", "gdn_tree", "attention_tree")}
+            split = (f" (GDN tree {per_step['gdn_tree']}, attention tree {per_step['attention_tree']})"
+                     if per_step["gdn_tree"] is not None or per_step["attention_tree"] is not None else "")
             log(f"{arm.name} b{b}: {run['tokens_per_s']} tok/s (decode {run['decode_tokens_per_s']}), MAL {run['mal']}, "
-                f"{prof['steps']} steps, target forward {fwd} ms/step, max batch {run['max_concurrency']}")
+                f"{prof['steps']} steps, target forward {per_step['target_forward']} ms/step{split}, "
+                f"max batch {run['max_concurrency']}")
             save()
         res["status"] = "ok"
     except Exception as e:  # noqa: BLE001 - record the failure, the driver goes on with the next arm

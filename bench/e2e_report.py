@@ -17,6 +17,14 @@ from CUDA events (``vllm_tfm.vllm_plugin.runtime.stage_timing``). Drafting overh
 ``propose`` (DFlash forward, tree build and their bookkeeping) + ``sample`` (tree acceptance) +
 ``commit`` + ``prepare_tree``, minus the benchmark-only replay stages; its ratio to
 ``target_forward`` is the issue's "<= 15% at batch 1" goal.
+
+Target forward split (tfm tree steps): ``gdn_tree`` (our GDN tree path, with its tree conv and tree
+verify) and ``attention_tree`` (our tree attention rows) are sums over the layers of a step, and
+rest of forward = ``target_forward - gdn_tree - attention_tree`` (projections, MLPs, norms, vLLM's
+own batched attention, graph replays, host gaps). ``gdn_layer`` / ``attention_layer`` are the whole
+mixer ops of those layers (vLLM's GDN / Triton attention op body with our path inside). Host
+milliseconds of the tree paths are shown next to the device ones: close values mean the path is
+bound by launching its kernels.
 """
 
 from __future__ import annotations
@@ -33,6 +41,7 @@ __all__ = [
     "END",
     "GOALS",
     "stage_breakdown",
+    "forward_split",
     "throughput",
     "reference_arm",
     "summarize",
@@ -79,6 +88,34 @@ def stage_breakdown(stages: dict[str, Any]) -> dict[str, float | None]:
         "overhead_fraction": (overhead / forward) if forward > 0 else None,
         "execute_model": _per_step(stages, "execute_model"),
         "sample_tokens": _per_step(stages, "sample_tokens"),
+    }
+
+
+def _maybe(stages: dict[str, Any], name: str, key: str = "per_step_ms") -> float | None:
+    v = (stages.get(name) or {}).get(key)
+    return float(v) if v is not None else None
+
+
+def forward_split(stages: dict[str, Any]) -> dict[str, float | None]:
+    """Milliseconds per step inside the target forward: our GDN and attention tree paths (sums over
+    the step's layers; None where the stage never ran), their host time, and the rest."""
+    forward = _per_step(stages, "target_forward")
+    gdn = _maybe(stages, "gdn_tree")
+    attn = _maybe(stages, "attention_tree")
+    return {
+        "target_forward": forward,
+        "gdn_layer": _maybe(stages, "gdn_layer"),
+        "gdn_tree": gdn,
+        "gdn_tree_conv": _maybe(stages, "gdn_tree_conv"),
+        "gdn_tree_verify": _maybe(stages, "gdn_tree_verify"),
+        "gdn_tree_host": _maybe(stages, "gdn_tree", "host_per_step_ms"),
+        "attention_layer": _maybe(stages, "attention_layer"),
+        "attention_tree": attn,
+        "attention_tree_host": _maybe(stages, "attention_tree", "host_per_step_ms"),
+        "rest_of_forward": forward - (gdn or 0.0) - (attn or 0.0),
+        "tree_fraction": ((gdn or 0.0) + (attn or 0.0)) / forward if forward > 0 else None,
+        "gdn_layers_per_step": _maybe(stages, "gdn_tree", "spans_per_step"),
+        "attention_layers_per_step": _maybe(stages, "attention_tree", "spans_per_step"),
     }
 
 
@@ -227,6 +264,7 @@ def render_markdown(results: dict[str, Any]) -> str:
                 "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
                 *rows,
             ]
+        lines += _forward_split_table(arms, b)
     goals = summ["goals"]
     if goals:
         lines += ["", ("Goals (issue 7): drafting overhead <= 15% of the target forward at batch 1; >= 4.5x over no-spec "
@@ -242,6 +280,52 @@ def render_markdown(results: dict[str, Any]) -> str:
     if skipped:
         lines += ["", "Not run: " + "; ".join(f"{x['arm']} ({x['reason']})" for x in skipped)]
     return "\n".join(lines) + "\n"
+
+
+def _forward_split_table(arms: dict[str, Any], b: int) -> list[str]:
+    """Markdown lines of the target-forward split at batch ``b`` (none when no arm ran tree steps)."""
+    split_rows, any_tree = [], False
+    for name, arm in arms.items():
+        prof = (_batch(arm, b) or {}).get("profiled") or {}
+        stages = prof.get("stages")
+        if not stages:
+            continue
+        f = forward_split(stages)
+        tree = f["gdn_tree"] is not None or f["attention_tree"] is not None
+        any_tree = any_tree or tree
+        frac = f["tree_fraction"] if tree else None
+        layers = [_f(f["gdn_layers_per_step"], "{:g}"), _f(f["attention_layers_per_step"], "{:g}")]
+        cells = [
+            _f(f["target_forward"], "{:.2f}"),
+            _with_host(f["gdn_tree"], f["gdn_tree_host"]),
+            _f(f["gdn_tree_conv"], "{:.2f}"),
+            _f(f["gdn_tree_verify"], "{:.2f}"),
+            _f(f["gdn_layer"], "{:.2f}"),
+            _with_host(f["attention_tree"], f["attention_tree_host"]),
+            _f(f["attention_layer"], "{:.2f}"),
+            _f(f["rest_of_forward"], "{:.2f}"),
+            _f(None if frac is None else 100 * frac, "{:.1f}%"),
+            "/".join(layers),
+            _f(prof.get("timer_host_ms_per_step"), "{:.2f}"),
+        ]
+        split_rows.append(f"| {name} | " + " | ".join(cells) + " |")
+    if any_tree:  # arms without tree steps show their whole forward as the rest
+        return [
+            "",
+            (f"Target forward split per decode step at batch {b}, milliseconds (sums over the layers of a step; "
+             "host ms in parentheses; rest = target forward - GDN tree - attention tree):"),
+            "",
+            ("| arm | target forward | GDN tree (host) | tree conv | tree verify | GDN op | attention tree (host) | "
+             "attention op | rest of forward | tree paths / forward | layers per step (GDN/attention) | "
+             "timer host cost |"),
+            "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+            *split_rows,
+        ]
+    return []
+
+
+def _with_host(device: float | None, host: float | None) -> str:
+    return "-" if device is None else f"{device:.2f} ({_f(host, '{:.2f}')})"
 
 
 def _ok(v: bool | None) -> str:

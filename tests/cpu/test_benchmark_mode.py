@@ -29,6 +29,7 @@ from vllm_tfm.vllm_plugin.benchmark_mode import (
     get_acceptance_replay,
     resolve_acceptance_replay,
 )
+from vllm_tfm.vllm_plugin.runtime import stage_timing
 from vllm_tfm.vllm_plugin.runtime.stage_timing import StageTimer, summarize
 
 REFUSAL = (
@@ -221,6 +222,132 @@ def test_enabled_timer_aggregates_by_stage_and_step() -> None:
     assert got["stages"]["draft"]["count"] == 1
     assert got["batch_requests"] == {"max": 8, "mean": 4.5} and got["batch_tokens_mean"] == 292.5
     assert timer.collect()["stages"] == {}  # reset
+
+
+def test_layer_spans_are_summed_per_step() -> None:
+    """A per-layer stage runs many times per step: per_step_ms is its total over all steps of the
+    run, per_step_sum the distribution of its per-step sums, count / median per layer call."""
+    timer = StageTimer(enabled=True, use_cuda=False)
+    timer.note_batch(1, 256)  # step 1: a prefill, no tree
+    timer.add("execute_model", 30.0)
+    timer.add("target_forward", 25.0)
+    for layer_ms, attn_ms in (((1.0, 2.0, 3.0), 0.5), ((4.0, 4.0, 4.0), 1.5)):  # steps 2 and 3: 3 GDN, 1 attention layer
+        timer.note_batch(1, 33)
+        timer.add("execute_model", 50.0)
+        timer.add("target_forward", 40.0)
+        for ms in layer_ms:
+            timer.add("gdn_tree", ms, host_ms=ms / 2)
+        timer.add("attention_tree", attn_ms)
+    got = timer.collect()
+    assert got["steps"] == 3
+    gdn = got["stages"]["gdn_tree"]
+    assert (gdn["count"], gdn["median_ms"], gdn["max_ms"]) == (6, 3.5, 4.0)  # per layer call
+    assert gdn["per_step_ms"] == 18.0 / 3 and gdn["host_per_step_ms"] == 9.0 / 3
+    assert gdn["spans_per_step"] == 3.0
+    per_step = gdn["per_step_sum"]  # the two tree steps: 1 + 2 + 3 and 4 * 3
+    assert (per_step["count"], per_step["min_ms"], per_step["max_ms"], per_step["mean_ms"]) == (2, 6.0, 12.0, 9.0)
+    attn = got["stages"]["attention_tree"]
+    assert attn["spans_per_step"] == 1.0 and attn["per_step_ms"] == round(2.0 / 3, 4)
+    fwd = got["stages"]["target_forward"]
+    assert fwd["per_step_ms"] == 35.0 and fwd["per_step_sum"]["count"] == 3
+    # per step, the nested stages subtract: rest of the forward = 35 - 6 - 2/3
+    assert fwd["per_step_ms"] - gdn["per_step_ms"] - attn["per_step_ms"] == pytest.approx(35.0 - 6.0 - 2.0 / 3, abs=1e-4)
+    assert "gdn_tree" in stage_timing.LAYER_STAGES and "attention_tree" in stage_timing.LAYER_STAGES
+
+
+class FakeDevice:
+    """A stream the test drives: events are reached when the test says so (``reached``), each record
+    advances the device clock by 1 ms, and ``synchronize`` on an event not yet reached makes the host
+    wait (counted) until the device has caught up with everything recorded."""
+
+    def __init__(self) -> None:
+        self.clock = 0.0
+        self.seq = 0
+        self.reached = 0
+        self.waits = 0
+        self.events = 0
+        self.capturing = False
+
+    def event_class(self) -> type:
+        dev = self
+
+        class Event:
+            def __init__(self, enable_timing: bool = False) -> None:
+                assert enable_timing
+                dev.events += 1
+
+            def record(self) -> None:
+                dev.seq += 1
+                self.seq, self.t = dev.seq, dev.clock
+                dev.clock += 1.0
+
+            def query(self) -> bool:
+                return self.seq <= dev.reached
+
+            def synchronize(self) -> None:
+                if self.seq > dev.reached:
+                    dev.waits += 1
+                    dev.reached = dev.seq
+
+            def elapsed_time(self, end: Any) -> float:
+                assert self.seq <= dev.reached and end.seq <= dev.reached, "elapsed_time of an event not yet reached"
+                return end.t - self.t
+
+        return Event
+
+
+@pytest.fixture()
+def fake_device(monkeypatch: pytest.MonkeyPatch) -> FakeDevice:
+    dev = FakeDevice()
+    monkeypatch.setattr(torch.cuda, "Event", dev.event_class())
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: dev.capturing)
+    return dev
+
+
+def test_event_spans_drain_without_waiting_and_stay_bounded(fake_device: FakeDevice,
+                                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(stage_timing, "DRAIN_EVERY", 4)
+    monkeypatch.setattr(stage_timing, "MAX_PENDING", 8)
+    timer = StageTimer(enabled=True, use_cuda=True)
+    timer.note_batch(1, 33)
+    for _ in range(4):
+        with timer.span("gdn_tree"):
+            pass
+    assert len(timer._pending) == 4 and fake_device.waits == 0  # nothing reached yet: nothing resolved, no wait
+    fake_device.reached = 4  # the device is past the first two spans (events 1..4)
+    with timer.span("gdn_tree"):
+        pass
+    assert len(timer._pending) == 3 and fake_device.waits == 0  # the two reached spans resolved without waiting
+    timer.note_batch(1, 33)  # step 2: earlier spans keep their step
+    peak = 0
+    for _ in range(5):
+        with timer.span("gdn_tree"):
+            pass
+        peak = max(peak, len(timer._pending))
+    assert peak < 8 and fake_device.waits == 1 and timer._pending == []  # MAX_PENDING: the host waited once
+    with timer.span("gdn_layer"), timer.span("gdn_tree"):  # nesting: the outer pair spans the inner one
+        pass
+    fake_device.capturing = True
+    events = fake_device.events
+    with timer.span("gdn_tree"):  # inside a CUDA-graph capture: no events, nothing recorded
+        pass
+    assert fake_device.events == events
+    got = timer.collect()
+    gdn = got["stages"]["gdn_tree"]
+    assert gdn["count"] == 11 and gdn["min_ms"] == gdn["max_ms"] == 1.0  # each pair: start record, end record
+    assert got["stages"]["gdn_layer"]["total_ms"] == 3.0
+    per_step = gdn["per_step_sum"]  # step 1: 5 spans, step 2: 5 + the nested one
+    assert (per_step["count"], per_step["min_ms"], per_step["max_ms"]) == (2, 5.0, 6.0) and gdn["spans_per_step"] == 5.5
+    assert got["clock"] == "cuda_events" and got["timer_host_ms_per_step"] is None  # no execute_model spans here
+
+
+def test_disabled_timer_inside_a_step_creates_no_events(fake_device: FakeDevice) -> None:
+    timer = StageTimer(enabled=False, use_cuda=True)
+    timer.note_batch(1, 33)
+    for name in stage_timing.LAYER_STAGES:
+        with timer.span(name):
+            pass
+    assert fake_device.events == 0 and timer.collect()["stages"] == {}
 
 
 def test_summarize_quantiles_by_hand() -> None:

@@ -282,6 +282,42 @@ def test_render_markdown_ratios_goals_and_skips() -> None:
         e2e_report.render_markdown({"format": "x"})
 
 
+def forward_stages(forward: float, gdn: float, attn: float) -> dict:
+    """Stage dicts as collect_stage_timings gives them (per-step sums over 48 GDN / 16 attention layers)."""
+    return {"target_forward": {"per_step_ms": forward}, "sample": {"per_step_ms": 0.5},
+            "gdn_layer": {"per_step_ms": gdn + 1.0}, "gdn_tree": {"per_step_ms": gdn, "host_per_step_ms": gdn - 1.5,
+                                                                   "spans_per_step": 48.0},
+            "gdn_tree_conv": {"per_step_ms": 3.0}, "gdn_tree_verify": {"per_step_ms": 6.0},
+            "attention_layer": {"per_step_ms": attn + 2.5},
+            "attention_tree": {"per_step_ms": attn, "host_per_step_ms": attn - 0.5, "spans_per_step": 16.0}}
+
+
+def test_forward_split_by_hand() -> None:
+    f = e2e_report.forward_split(forward_stages(47.7, gdn=20.0, attn=4.5))
+    assert f["rest_of_forward"] == pytest.approx(47.7 - 20.0 - 4.5)
+    assert f["tree_fraction"] == pytest.approx(24.5 / 47.7)
+    assert (f["gdn_tree_host"], f["attention_tree_host"]) == (18.5, 4.0)
+    assert (f["gdn_layer"], f["attention_layer"], f["gdn_tree_conv"], f["gdn_tree_verify"]) == (21.0, 7.0, 3.0, 6.0)
+    assert (f["gdn_layers_per_step"], f["attention_layers_per_step"]) == (48.0, 16.0)
+    nospec = e2e_report.forward_split(stages(14.8))  # no tree steps: the whole forward is the rest
+    assert nospec["gdn_tree"] is None and nospec["attention_tree"] is None and nospec["rest_of_forward"] == 14.8
+
+
+def test_render_markdown_splits_the_target_forward() -> None:
+    res = results()
+    assert "Target forward split" not in e2e_report.render_markdown(res)  # no arm ran tree steps
+    res["arms"]["nospec"]["batches"]["1"]["profiled"] = {"stages": stages(14.8), "timer_host_ms_per_step": 0.03}
+    res["arms"]["tfm64"]["batches"]["1"]["profiled"] = {"stages": forward_stages(47.7, gdn=20.0, attn=4.5),
+                                                       "timer_host_ms_per_step": 1.25}
+    md = e2e_report.render_markdown(res)
+    assert "Target forward split per decode step at batch 1" in md and "Target forward split per decode step at batch 8" not in md
+    rows = {line.split(" | ")[0]: line for line in md.split("Target forward split")[1].splitlines() if line.startswith("| ")}
+    assert rows["| tfm64"] == ("| tfm64 | 47.70 | 20.00 (18.50) | 3.00 | 6.00 | 21.00 | 4.50 (4.00) | 7.00 | 23.20 | 51.4% "
+                               "| 48/16 | 1.25 |")
+    assert rows["| nospec"] == "| nospec | 14.80 | - | - | - | - | - | - | 14.80 | - | -/- | 0.03 |"
+    assert "| dflash" not in rows  # no stage timings at batch 1 in this fixture: no row
+
+
 def test_write_doc_replaces_between_the_markers(tmp_path: Path) -> None:
     doc = tmp_path / "e2e.md"
     doc.write_text(f"# Title\nprose\n{e2e_report.BEGIN}\nold table\n{e2e_report.END}\nafter\n")
@@ -298,8 +334,8 @@ def test_write_doc_replaces_between_the_markers(tmp_path: Path) -> None:
 
 
 class FakeLLM:
-    """Stands in for vllm.LLM: generate() returns timestamped outputs and records a few stage spans;
-    spec-decode counters grow by 10 drafts / 30 accepted tokens per generate (MAL 4)."""
+    """Stands in for vllm.LLM: generate() returns timestamped outputs and records a few stage spans
+    (per-layer ones for tfm); spec-decode counters grow by 10 drafts / 30 accepted tokens per generate (MAL 4)."""
 
     def __init__(self, **kw: Any) -> None:
         self.kw = kw
@@ -310,10 +346,16 @@ class FakeLLM:
         from vllm_tfm.vllm_plugin.runtime.stage_timing import TIMER
 
         n = params.max_tokens
+        tfm = (self.kw.get("speculative_config") or {}).get("method") == "tfm"
         for _ in range(3):
             TIMER.note_batch(len(prompts), len(prompts))
             with TIMER.span("execute_model"), TIMER.span("target_forward"):
-                pass
+                for _ in range(2 if tfm else 0):  # tree steps: two GDN layers, one attention layer
+                    with TIMER.span("gdn_layer"), TIMER.span("gdn_tree"):
+                        pass
+                if tfm:
+                    with TIMER.span("attention_layer"), TIMER.span("attention_tree"):
+                        pass
         self.drafts += 10
         self.accepted += 30
         return [SimpleNamespace(outputs=[SimpleNamespace(token_ids=list(range(n)))],
@@ -373,6 +415,13 @@ def test_driver_runs_arms_and_renders_what_they_measured(fake_engine: None, monk
             assert run["output_tokens"] == 11 * b and run["decode_tokens_per_s"] == pytest.approx(100.0 * b)
             assert run["mal"] == 4.0 and run["max_concurrency"] == b
             assert run["profiled"]["stages"]["target_forward"]["count"] == 3
+            assert run["profiled"]["timer_host_ms_per_step"] is not None
+            gdn = run["profiled"]["stages"].get("gdn_tree")
+            if name == "tfm32":  # the arm's JSON keeps the per-layer spans, summed per step
+                assert gdn["count"] == 6 and gdn["spans_per_step"] == 2.0 and gdn["per_step_sum"]["count"] == 3
+                assert run["profiled"]["stages"]["attention_tree"]["spans_per_step"] == 1.0
+            else:
+                assert gdn is None
     assert res["arms"]["dflash"]["engine_kwargs"]["speculative_config"]["rejection_sample_method"] == "synthetic"
     assert res["arms"]["tfm32"]["profile_entry"] == "tfm B=32 T=1"
     replay = seen_env["tfm32"]["VLLM_TFM_BENCHMARK_ACCEPTANCE_REPLAY"]
@@ -382,6 +431,8 @@ def test_driver_runs_arms_and_renders_what_they_measured(fake_engine: None, monk
     assert seen_env["nospec"]["VLLM_TFM_PROFILE"] == "1"
     md = (out / "e2e.md").read_text()
     assert md == e2e_report.render_markdown(res) and "| tfm32: tfm (Weaver trees), B=32 |" in md
+    split = md.split("Target forward split per decode step at batch 1")[1]
+    assert "\n| tfm32 | " in split and "| 2/1 |" in split
 
     # a deadline that fits nothing: every arm is skipped, said so, with the command that runs them
     monkeypatch.setattr(e2e, "T0", time.time())

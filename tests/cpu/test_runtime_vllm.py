@@ -91,7 +91,8 @@ def fake_attention_impl(**over):
     return impl
 
 
-def tree_attention_call(monkeypatch, impl, reason=None, enabled=True, kernel=None):
+def tree_attention_call(monkeypatch, impl, reason=None, enabled=True, kernel=None, vllm_forward=None, loop=None,
+                        layer_name="model.layers.3.self_attn.attn"):
     """Run TFMTritonAttentionImpl.forward on a tree step (vLLM's own forward stubbed); return the
     kernel calls and the per-request fallback calls it made."""
     from vllm.v1.attention.backends.triton_attn import TritonAttentionImpl
@@ -104,13 +105,13 @@ def tree_attention_call(monkeypatch, impl, reason=None, enabled=True, kernel=Non
     STATE.step = build_step_tree(["p", "a", "b"], np.array([2, 4, 4]), {"a": [5, 6, 7], "b": [1, 2, 3]}, store,
                                  allow_trees=True)
     monkeypatch.setattr(STATE, "target_attn_layers", frozenset({"model.layers.3.self_attn.attn"}))
-    monkeypatch.setattr(TritonAttentionImpl, "forward", lambda self, layer, q, k, v, kv, md, out, *a: out)
+    monkeypatch.setattr(TritonAttentionImpl, "forward", vllm_forward or (lambda self, layer, q, k, v, kv, md, out, *a: out))
     kernel_calls, loop_calls = [], []
     monkeypatch.setattr(attn_mod, "tree_attention_unsupported", lambda *a: reason)
     monkeypatch.setattr(attn_mod, "tree_attention_planned", kernel or (lambda *a: kernel_calls.append(a)))
-    monkeypatch.setattr(attn_mod, "masked_tree_attention", lambda *a: loop_calls.append(a))
+    monkeypatch.setattr(attn_mod, "masked_tree_attention", loop or (lambda *a: loop_calls.append(a)))
     monkeypatch.setitem(kor._STATE, "enabled", enabled)
-    layer = SimpleNamespace(layer_name="model.layers.3.self_attn.attn")
+    layer = SimpleNamespace(layer_name=layer_name)
     query, output = torch.randn(10, 4, 16), torch.zeros(10, 4, 16)
     kv_cache = torch.randn(6, 2, 16, 32)  # vLLM's logical [blocks, Hkv, block, 2D]
     md = SimpleNamespace(block_table=torch.zeros(3, 4, dtype=torch.int32), seq_lens=torch.tensor([9, 20, 30]),
@@ -199,6 +200,57 @@ def test_tree_attention_falls_back_to_one_call_per_tree_and_says_why(monkeypatch
     _, loop_calls, _ = tree_attention_call(monkeypatch, impl, kernel=broken)
     assert len(attempts) == 1 and len(loop_calls) == 1
     attn_mod._said.clear()
+
+
+def test_tree_attention_is_timed_once_per_target_layer_call(monkeypatch):
+    """VLLM_TFM_PROFILE: attention_layer holds vLLM's forward and the tree rows, attention_tree only
+    the tree rows; a layer that is not the target's records nothing."""
+    import time
+
+    from vllm_tfm.vllm_plugin.runtime import attention as attn_mod
+    from vllm_tfm.vllm_plugin.runtime.stage_timing import StageTimer
+
+    timer = StageTimer(enabled=True, use_cuda=False)
+    monkeypatch.setattr(attn_mod, "TIMER", timer)
+    monkeypatch.delenv("VLLM_TFM_TREE_ATTENTION", raising=False)
+    vllm_calls, loop_calls = [], []
+
+    def vllm_forward(self, layer, q, k, v, kv, md, out, *a):
+        vllm_calls.append(layer.layer_name)
+        time.sleep(0.02)
+        return out
+
+    def loop(*a):
+        loop_calls.append(a)
+        time.sleep(0.01)
+
+    for step in range(2):
+        timer.note_batch(2, 5)
+        for _ in range(3):  # three target attention layers in this step
+            tree_attention_call(monkeypatch, fake_attention_impl(), vllm_forward=vllm_forward, loop=loop)
+    tree_attention_call(monkeypatch, fake_attention_impl(), vllm_forward=vllm_forward, loop=loop,
+                        layer_name="drafter.layers.0.self_attn.attn")  # the drafter's layer: vLLM only, untimed
+    assert len(vllm_calls) == 7 and len(loop_calls) == 6
+    got = timer.collect()["stages"]
+    layer, tree = got["attention_layer"], got["attention_tree"]
+    assert layer["count"] == tree["count"] == 6 and layer["spans_per_step"] == tree["spans_per_step"] == 3.0
+    assert tree["min_ms"] >= 10.0 and layer["min_ms"] >= 30.0  # the tree rows inside, vLLM's forward around them
+    assert layer["total_ms"] - tree["total_ms"] >= 6 * 20.0
+
+
+def test_tree_attention_untimed_when_profiling_is_off(monkeypatch):
+    from vllm_tfm.vllm_plugin.runtime import attention as attn_mod
+    from vllm_tfm.vllm_plugin.runtime.stage_timing import StageTimer
+
+    def no_events(*a, **k):
+        raise AssertionError("a CUDA event was created with profiling off")
+
+    timer = StageTimer(enabled=False, use_cuda=True)
+    monkeypatch.setattr(attn_mod, "TIMER", timer)
+    monkeypatch.setattr(torch.cuda, "Event", no_events)
+    monkeypatch.delenv("VLLM_TFM_TREE_ATTENTION", raising=False)
+    _, loop_calls, _ = tree_attention_call(monkeypatch, fake_attention_impl())
+    assert len(loop_calls) == 1 and timer.collect()["stages"] == {}
 
 
 # ---------------------------------------------------------------- sampler
@@ -359,6 +411,98 @@ def test_gdn_stash_outlives_a_cuda_graph_piece(graph_mode):
     mixed.fill_(float("nan"))  # what a later graph piece does to that memory at replay
     assert bool(torch.isnan(x).all()) is (graph_mode == "NONE")
     assert torch.all(out[1 + S :] == 0)  # padding rows untouched
+
+
+def prefill_and_tree_step(gen):
+    """A GDN layer, its metadata and inputs for a 2-token prefill followed by one tree request."""
+    layer = fake_gdn_layer(gen, num_slots=10)
+    parents = random_tree_parents(1 + S, gen, "random")
+    store = ProposalStore()
+    store.put(["t"], torch.tensor([[3, 4, 5]]), parents[None])
+    STATE.step = build_step_tree(["p", "t"], np.array([2, 1 + S]), {"t": [3, 4, 5]}, store, allow_trees=True)
+    md = gdn_metadata(num_prefills=1, num_prefill_tokens=2, num_spec_decodes=1, num_spec_decode_tokens=1 + S,
+                      num_actual_tokens=2 + 1 + S, spec_sequence_masks=torch.tensor([False, True]),
+                      spec_token_indx=torch.arange(2, 6, dtype=torch.int32),
+                      non_spec_token_indx=torch.arange(0, 2, dtype=torch.int32),
+                      spec_state_indices_tensor=torch.tensor([[4, 7, 1, 8]], dtype=torch.int32),
+                      num_accepted_tokens=torch.tensor([2], dtype=torch.int32),
+                      spec_query_start_loc=torch.tensor([0, 1 + S], dtype=torch.int32))
+    t = 2 + 1 + S
+    inputs = (torch.randn(t, D, generator=gen, dtype=F64), torch.randn(t, HV, generator=gen, dtype=F64),
+              torch.randn(t, HV, generator=gen, dtype=F64))
+    return layer, md, inputs
+
+
+def test_gdn_tree_path_is_timed_once_per_layer_call_without_changing_outputs(monkeypatch):
+    """VLLM_TFM_PROFILE: gdn_layer holds the whole op (vLLM's prefill rows too), gdn_tree our spec
+    rows, gdn_tree_conv / gdn_tree_verify the two tree operations inside it; outputs as untimed."""
+    import time
+
+    from vllm_tfm.vllm_plugin.runtime.kernels_or_reference import tree_ops
+    from vllm_tfm.vllm_plugin.runtime.stage_timing import StageTimer
+
+    ops = tree_ops()
+
+    def slow(fn):
+        def run(*a, **k):
+            time.sleep(0.01)
+            return fn(*a, **k)
+        return run
+
+    slow_ops = SimpleNamespace(tree_causal_conv1d=slow(ops.tree_causal_conv1d), gdn_tree_verify=slow(ops.gdn_tree_verify))
+    monkeypatch.setattr(gdn_mod, "tree_ops", lambda: slow_ops)
+
+    def original(self, mixed_qkv, b, a, core_attn_out):  # vLLM's rows: the prefill
+        time.sleep(0.02)
+        core_attn_out[:2] = 7.0
+
+    monkeypatch.setitem(gdn_mod._ORIGINAL, "_forward_core", original)
+    gen = torch.Generator().manual_seed(3)
+    layer, md, (mixed, a, b) = prefill_and_tree_step(gen)
+    monkeypatch.setattr("vllm.forward_context.get_forward_context",
+                        lambda: SimpleNamespace(attn_metadata={layer.prefix: md}))
+    untimed = torch.zeros(mixed.shape[0], HV, V, dtype=F64)
+    monkeypatch.setattr(gdn_mod, "TIMER", StageTimer(enabled=False, use_cuda=False))
+    gdn_mod.tree_forward_core(layer, mixed, b, a, untimed)
+
+    timer = StageTimer(enabled=True, use_cuda=False)
+    monkeypatch.setattr(gdn_mod, "TIMER", timer)
+    for step in range(2):
+        timer.note_batch(2, 6)
+        for _ in range(3):  # three GDN layers per step
+            out = torch.zeros_like(untimed)
+            gdn_mod.tree_forward_core(layer, mixed, b, a, out)
+            assert torch.equal(out, untimed)
+    got = timer.collect()["stages"]
+    for name in ("gdn_layer", "gdn_tree", "gdn_tree_conv", "gdn_tree_verify"):
+        assert got[name]["count"] == 6 and got[name]["spans_per_step"] == 3.0, name
+        assert got[name]["per_step_sum"]["count"] == 2, name
+    assert got["gdn_tree_conv"]["min_ms"] >= 10.0 and got["gdn_tree_verify"]["min_ms"] >= 10.0
+    assert got["gdn_tree"]["total_ms"] >= got["gdn_tree_conv"]["total_ms"] + got["gdn_tree_verify"]["total_ms"]
+    assert got["gdn_layer"]["total_ms"] - got["gdn_tree"]["total_ms"] >= 6 * 20.0  # vLLM's rows: outside gdn_tree
+    assert "attention_tree" not in got
+
+
+def test_gdn_untimed_outside_tree_steps_and_when_profiling_is_off(monkeypatch):
+    from vllm_tfm.vllm_plugin.runtime.stage_timing import StageTimer
+
+    def no_events(*a, **k):
+        raise AssertionError("a CUDA event was created with profiling off")
+
+    monkeypatch.setitem(gdn_mod._ORIGINAL, "_forward_core", lambda self, **kw: None)
+    on = StageTimer(enabled=True, use_cuda=False)
+    monkeypatch.setattr(gdn_mod, "TIMER", on)
+    gdn_mod.tree_forward_core(SimpleNamespace(prefix="x"), mixed_qkv=1, b=2, a=3, core_attn_out=4)  # no tree step
+    assert on.collect()["stages"] == {}
+    off = StageTimer(enabled=False, use_cuda=True)
+    monkeypatch.setattr(gdn_mod, "TIMER", off)
+    monkeypatch.setattr(torch.cuda, "Event", no_events)
+    gen = torch.Generator().manual_seed(4)
+    layer, md, (mixed, a, b) = prefill_and_tree_step(gen)
+    monkeypatch.setattr("vllm.forward_context.get_forward_context",
+                        lambda: SimpleNamespace(attn_metadata={layer.prefix: md}))
+    gdn_mod.tree_forward_core(layer, mixed, b, a, torch.zeros(mixed.shape[0], HV, V, dtype=F64))
+    assert layer.prefix in STATE.step.gdn and off.collect()["stages"] == {}
 
 
 def test_gdn_patch_delegates_outside_tree_steps(monkeypatch):

@@ -1,6 +1,6 @@
 """The benchmark switches on CUDA (skipped without a device): acceptance replay gives the same
 result on the GPU as on the CPU for the same uniforms, and the stage timer's CUDA events measure
-device time (a sleep kernel of known length)."""
+device time (a sleep kernel of known length) without making the host wait for the device."""
 
 from __future__ import annotations
 
@@ -47,3 +47,30 @@ def test_stage_timer_events_measure_device_time() -> None:
     got = timer.collect()
     ms = got["stages"]["target_forward"]["total_ms"]
     assert got["clock"] == "cuda_events" and 15.0 < ms < 200.0
+
+
+def test_stage_timer_drain_does_not_wait_for_the_device(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every DRAIN_EVERY spans the timer folds in only the events the device has reached: spans
+    queued behind a long kernel stay pending and the host does not wait; collect() resolves them."""
+    import time
+
+    from vllm_tfm.vllm_plugin.runtime import stage_timing
+
+    monkeypatch.setattr(stage_timing, "DRAIN_EVERY", 8)
+    timer = StageTimer(enabled=True, use_cuda=True)
+    timer.note_batch(1, 1)
+    for _ in range(8):
+        with timer.span("gdn_tree"):
+            torch.cuda._sleep(1000)
+    torch.cuda.synchronize()
+    timer._drain(wait=False)
+    assert timer._pending == [] and len(timer._ms["gdn_tree"]) == 8  # all reached: all resolved
+    torch.cuda._sleep(200_000_000)  # 100-200 ms of device time ahead of the next spans
+    t0 = time.perf_counter()
+    for _ in range(8):  # the 8th close drains: nothing reached yet
+        with timer.span("gdn_tree"):
+            torch.cuda._sleep(1000)
+    host_s = time.perf_counter() - t0
+    assert len(timer._pending) == 8 and host_s < 0.05
+    got = timer.collect()
+    assert got["stages"]["gdn_tree"]["count"] == 16 and got["stages"]["gdn_tree"]["per_step_sum"]["count"] == 1

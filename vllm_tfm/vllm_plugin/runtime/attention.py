@@ -22,7 +22,9 @@ tree is not a chain:
   ancestor-or-self pairs, -inf elsewhere). Said once, with the reason.
 
 Only the target model's attention layers are masked: the DFlash drafter's layers (same backend
-class) and every step that is not tree-active fall straight through to vLLM.
+class) and every step that is not tree-active fall straight through to vLLM. With
+``VLLM_TFM_PROFILE=1`` a masked layer's ``forward`` is timed as stage ``attention_layer`` and its
+tree rows as ``attention_tree`` (``stage_timing.py``).
 
 The KV of the step was written to the paged cache before ``forward`` (TRITON_ATTN updates the
 cache in ``do_kv_cache_update``), at sequential slots ``ctx + j``: the one-request call reads the
@@ -46,6 +48,7 @@ from vllm_tfm.kernels.loader import KernelCompileError, KernelLaunchError
 from vllm_tfm.kernels.tree_attention import NOT_CUDA, tree_attention_planned, tree_attention_unsupported
 
 from .kernels_or_reference import kernels_enabled
+from .stage_timing import TIMER
 from .state import STATE, AttnTree, StepTree
 
 __all__ = [
@@ -202,24 +205,32 @@ class TFMTritonAttentionImpl(TritonAttentionImpl):
         output_scale: Tensor | None = None,
         output_block_scale: Tensor | None = None,
     ) -> Tensor:
-        out = super().forward(
-            layer, query, key, value, kv_cache, attn_metadata, output, output_scale, output_block_scale
-        )
         step = STATE.step
-        if step is None or not step.tree_active or step.attn_plan is None or attn_metadata is None:
-            return out
-        if getattr(layer, "layer_name", None) not in STATE.target_attn_layers:
-            return out
-        if output_scale is not None:
-            raise ValueError("vllm-tfm tree attention does not support fused output quantisation")
-        metrics = STATE.metrics
-        if metrics is not None:
-            metrics.hook("attention.tree_mask")
-        if kernel_tree_attention(self, query, kv_cache, attn_metadata, output, step):
-            if metrics is not None:
-                metrics.hook("attention.tree_kernel")
-        else:
-            masked_tree_attention(self, layer, query, kv_cache, attn_metadata, output, step.attn_trees)
+        if (
+            step is None
+            or not step.tree_active
+            or step.attn_plan is None
+            or attn_metadata is None
+            or getattr(layer, "layer_name", None) not in STATE.target_attn_layers
+        ):
+            return super().forward(
+                layer, query, key, value, kv_cache, attn_metadata, output, output_scale, output_block_scale
+            )
+        with TIMER.span("attention_layer"):  # a target layer in a tree step (stage_timing)
+            out = super().forward(
+                layer, query, key, value, kv_cache, attn_metadata, output, output_scale, output_block_scale
+            )
+            if output_scale is not None:
+                raise ValueError("vllm-tfm tree attention does not support fused output quantisation")
+            with TIMER.span("attention_tree"):
+                metrics = STATE.metrics
+                if metrics is not None:
+                    metrics.hook("attention.tree_mask")
+                if kernel_tree_attention(self, query, kv_cache, attn_metadata, output, step):
+                    if metrics is not None:
+                        metrics.hook("attention.tree_kernel")
+                else:
+                    masked_tree_attention(self, layer, query, kv_cache, attn_metadata, output, step.attn_trees)
         return out
 
 

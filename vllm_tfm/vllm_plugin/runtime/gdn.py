@@ -22,6 +22,10 @@ Under piecewise CUDA graphs this runs inside the splitting op ``vllm::qwen_gdn_a
 eagerly, every step; its inputs are outputs of the previous graph piece (graph-pool memory that
 later pieces overwrite), so the pre-conv inputs kept for the commit are copied then
 (``graph_dispatch.piece_outputs_are_reused``).
+
+With ``VLLM_TFM_PROFILE=1`` (``stage_timing.py``) a tree-active step's ``_forward_core`` is timed as
+stage ``gdn_layer``, the spec rows (steps 1-4 and the output scatter) as ``gdn_tree``, and inside it
+steps 1 and 3 as ``gdn_tree_conv`` and ``gdn_tree_verify``.
 """
 
 from __future__ import annotations
@@ -38,6 +42,7 @@ from vllm_tfm.verify.gdn import gdn_gates
 
 from .graph_dispatch import piece_outputs_are_reused
 from .kernels_or_reference import tree_ops
+from .stage_timing import TIMER
 from .state import STATE, GDNStash
 from .step_kernels import StepKernels, step_kernels
 
@@ -91,10 +96,17 @@ def spec_tree_gdn(
         conv_slot = slots[:, 0]
     act = "silu" if activation in ("silu", "swish") else activation
     width = conv_weight.shape[1]
-    if kernels is not None and act in ("silu", None) and kconv.conv_unsupported_reason(x, conv_state, width, conv_weight, conv_bias) is None:
-        y = kconv.tree_causal_conv1d_planned(kernels.plan, x, conv_state, conv_slot, conv_weight, conv_bias, act, start)
-    else:
-        y = ops.tree_causal_conv1d(x, parents, cu_nodes, conv_state, conv_slot, conv_weight, conv_bias, act, start)
+    with TIMER.span("gdn_tree_conv"):
+        if (
+            kernels is not None
+            and act in ("silu", None)
+            and kconv.conv_unsupported_reason(x, conv_state, width, conv_weight, conv_bias) is None
+        ):
+            y = kconv.tree_causal_conv1d_planned(
+                kernels.plan, x, conv_state, conv_slot, conv_weight, conv_bias, act, start
+            )
+        else:
+            y = ops.tree_causal_conv1d(x, parents, cu_nodes, conv_state, conv_slot, conv_weight, conv_bias, act, start)
     kd, vd = num_k_heads * head_k_dim, num_v_heads * head_v_dim
     q, k, v = torch.split(y, [kd, kd, vd], dim=-1)
     q = q.reshape(-1, num_k_heads, head_k_dim)
@@ -104,12 +116,13 @@ def spec_tree_gdn(
     block_v = None
     if kernels is not None and kgdn.verify_unsupported_reason(q, k, v, ssm_state) is None:
         block_v = kernels.block_v(num_v_heads, head_k_dim, head_v_dim)
-    if block_v is not None:
-        o, delta = kgdn.gdn_tree_verify_planned(
-            kernels.plan, q, k, v, g, beta, ssm_state, s0, return_delta=True, block_v=block_v
-        )
-    else:
-        o, delta = ops.gdn_tree_verify(q, k, v, g, beta, parents, cu_nodes, ssm_state, s0, return_delta=True)
+    with TIMER.span("gdn_tree_verify"):
+        if block_v is not None:
+            o, delta = kgdn.gdn_tree_verify_planned(
+                kernels.plan, q, k, v, g, beta, ssm_state, s0, return_delta=True, block_v=block_v
+            )
+        else:
+            o, delta = ops.gdn_tree_verify(q, k, v, g, beta, parents, cu_nodes, ssm_state, s0, return_delta=True)
     stash = GDNStash(
         x=x,
         k=k,
@@ -133,11 +146,20 @@ def _layer_states(layer: Any) -> tuple[Tensor, Tensor]:
 
 
 def tree_forward_core(self: Any, mixed_qkv: Tensor, b: Tensor, a: Tensor, core_attn_out: Tensor) -> None:
-    """Replacement of ``QwenGatedDeltaNetAttention._forward_core`` (module docstring)."""
+    """Replacement of ``QwenGatedDeltaNetAttention._forward_core`` (module docstring); in tree-active
+    steps timed as stage ``gdn_layer``, its spec rows as ``gdn_tree`` (``stage_timing``)."""
     original = _ORIGINAL["_forward_core"]
     step = STATE.step
     if step is None or not step.tree_active:
         return original(self, mixed_qkv=mixed_qkv, b=b, a=a, core_attn_out=core_attn_out)
+    with TIMER.span("gdn_layer"):
+        return _tree_step_forward_core(self, step, original, mixed_qkv, b, a, core_attn_out)
+
+
+def _tree_step_forward_core(
+    self: Any, step: Any, original: Any, mixed_qkv: Tensor, b: Tensor, a: Tensor, core_attn_out: Tensor
+) -> None:
+    """``_forward_core`` of one GDN layer in a tree-active step."""
     from vllm.forward_context import get_forward_context
 
     fc = get_forward_context()
@@ -152,46 +174,47 @@ def tree_forward_core(self: Any, mixed_qkv: Tensor, b: Tensor, a: Tensor, core_a
             f"vllm-tfm: GDN layer {self.prefix} sees {md.num_spec_decodes} spec requests / "
             f"{md.num_spec_decode_tokens} spec tokens, the tree metadata {step.num_spec_reqs} / {step.num_spec_tokens}"
         )
-    if STATE.metrics is not None:
-        STATE.metrics.hook("gdn.tree_verify")
-    num_tokens = md.num_actual_tokens
-    all_spec = md.num_prefills == 0 and md.num_decodes == 0
-    spec_idx = None if all_spec else md.spec_token_indx.to(torch.long)
+    with TIMER.span("gdn_tree"):  # our tree path: from here to the spec rows' outputs
+        if STATE.metrics is not None:
+            STATE.metrics.hook("gdn.tree_verify")
+        num_tokens = md.num_actual_tokens
+        all_spec = md.num_prefills == 0 and md.num_decodes == 0
+        spec_idx = None if all_spec else md.spec_token_indx.to(torch.long)
 
-    def spec_rows(t: Tensor) -> Tensor:
-        return t[:num_tokens] if spec_idx is None else t.index_select(0, spec_idx)
+        def spec_rows(t: Tensor) -> Tensor:
+            return t[:num_tokens] if spec_idx is None else t.index_select(0, spec_idx)
 
-    conv_state, ssm_state = _layer_states(self)
-    w = self.conv1d.weight
-    x = spec_rows(mixed_qkv)
-    if spec_idx is None and piece_outputs_are_reused():
-        x = x.clone()  # kept for the commit: a view of a CUDA-graph piece's output would be overwritten
-    out, stash = spec_tree_gdn(
-        x,
-        spec_rows(a),
-        spec_rows(b),
-        step.dev("spec_parents"),
-        step.dev("spec_cu"),
-        conv_state,
-        ssm_state,
-        md.spec_state_indices_tensor,
-        md.num_accepted_tokens,
-        w.view(w.size(0), w.size(2)),
-        self.conv1d.bias,
-        self.activation,
-        self.A_log,
-        self.dt_bias,
-        self.num_k_heads // self.tp_size,
-        self.head_k_dim,
-        self.num_v_heads // self.tp_size,
-        self.head_v_dim,
-        kernels=step_kernels(step, mixed_qkv.device),
-    )
-    step.gdn[self.prefix] = stash
-    if spec_idx is None:
-        core_attn_out[:num_tokens] = out
-        return None
-    core_attn_out.index_copy_(0, spec_idx, out)
+        conv_state, ssm_state = _layer_states(self)
+        w = self.conv1d.weight
+        x = spec_rows(mixed_qkv)
+        if spec_idx is None and piece_outputs_are_reused():
+            x = x.clone()  # kept for the commit: a view of a CUDA-graph piece's output would be overwritten
+        out, stash = spec_tree_gdn(
+            x,
+            spec_rows(a),
+            spec_rows(b),
+            step.dev("spec_parents"),
+            step.dev("spec_cu"),
+            conv_state,
+            ssm_state,
+            md.spec_state_indices_tensor,
+            md.num_accepted_tokens,
+            w.view(w.size(0), w.size(2)),
+            self.conv1d.bias,
+            self.activation,
+            self.A_log,
+            self.dt_bias,
+            self.num_k_heads // self.tp_size,
+            self.head_k_dim,
+            self.num_v_heads // self.tp_size,
+            self.head_v_dim,
+            kernels=step_kernels(step, mixed_qkv.device),
+        )
+        step.gdn[self.prefix] = stash
+        if spec_idx is None:
+            core_attn_out[:num_tokens] = out
+            return None
+        core_attn_out.index_copy_(0, spec_idx, out)
     # the other rows (prefills, incl. plain decodes vLLM reclassified as prefills) via vLLM
     ns_idx = md.non_spec_token_indx.to(torch.long)
     sub = dataclasses.replace(
