@@ -212,7 +212,7 @@ def test_tree_attention_is_timed_once_per_target_layer_call(monkeypatch):
 
     timer = StageTimer(enabled=True, use_cuda=False)
     monkeypatch.setattr(attn_mod, "TIMER", timer)
-    monkeypatch.delenv("VLLM_TFM_TREE_ATTENTION", raising=False)
+    monkeypatch.setenv("VLLM_TFM_TREE_ATTENTION", "triton")  # the per-request path: its calls can sleep here
     vllm_calls, loop_calls = [], []
 
     def vllm_forward(self, layer, q, k, v, kv, md, out, *a):
@@ -248,9 +248,10 @@ def test_tree_attention_untimed_when_profiling_is_off(monkeypatch):
     timer = StageTimer(enabled=False, use_cuda=True)
     monkeypatch.setattr(attn_mod, "TIMER", timer)
     monkeypatch.setattr(torch.cuda, "Event", no_events)
-    monkeypatch.delenv("VLLM_TFM_TREE_ATTENTION", raising=False)
-    _, loop_calls, _ = tree_attention_call(monkeypatch, fake_attention_impl())
-    assert len(loop_calls) == 1 and timer.collect()["stages"] == {}
+    for path in ("kernel", "triton"):
+        monkeypatch.setenv("VLLM_TFM_TREE_ATTENTION", path)
+        kernel_calls, loop_calls, _ = tree_attention_call(monkeypatch, fake_attention_impl())
+        assert len(kernel_calls) + len(loop_calls) == 1 and timer.collect()["stages"] == {}
 
 
 # ---------------------------------------------------------------- sampler
