@@ -120,24 +120,19 @@ def tree_attention_call(monkeypatch, impl, reason=None, enabled=True, kernel=Non
     return kernel_calls, loop_calls, (query, kv_cache, md, output)
 
 
-def test_tree_attention_default_is_one_kernel_call_for_all_trees_without_a_warning(monkeypatch):
+@pytest.mark.parametrize("choice, kernels, loops", [(None, 1, 0), ("triton", 0, 1)])
+def test_tree_attention_default_kernel_and_chosen_triton_path_run_without_a_warning(monkeypatch, choice, kernels, loops):
+    # unset: one kernel call for all trees (the default); "triton": one call per tree request
     import warnings
 
-    monkeypatch.delenv("VLLM_TFM_TREE_ATTENTION", raising=False)
+    if choice is None:
+        monkeypatch.delenv("VLLM_TFM_TREE_ATTENTION", raising=False)
+    else:
+        monkeypatch.setenv("VLLM_TFM_TREE_ATTENTION", choice)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         kernel_calls, loop_calls, _ = tree_attention_call(monkeypatch, fake_attention_impl())
-    assert loop_calls == [] and len(kernel_calls) == 1
-
-
-def test_tree_attention_triton_choice_is_one_call_per_tree_without_a_warning(monkeypatch):
-    import warnings
-
-    monkeypatch.setenv("VLLM_TFM_TREE_ATTENTION", "triton")
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")
-        kernel_calls, loop_calls, _ = tree_attention_call(monkeypatch, fake_attention_impl())
-    assert kernel_calls == [] and len(loop_calls) == 1
+    assert (len(kernel_calls), len(loop_calls)) == (kernels, loops)
 
 
 def test_tree_attention_runs_one_kernel_call_for_every_tree(monkeypatch):
