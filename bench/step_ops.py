@@ -42,7 +42,9 @@ Per (R, stage, mode) it reports:
   ``torch.as_tensor`` of an array: ``aten.lift_fresh``): each is one host-to-device copy on a GPU
   (a CPU run cannot see the copies themselves), with the source line;
 * ``host_ms``: wall time of the stage without the counter, best and median of ``--repeats`` (CPU:
-  the CPU kernels dominate; only the GPU run's numbers are launch costs);
+  the CPU kernels dominate; only the GPU run's numbers are launch costs; the GPU run synchronises
+  before and after, so this is the stage's host time or its device time, whichever is longer);
+  on CUDA also ``cuda_syncs``, the synchronisations PyTorch reports (``set_sync_debug_mode``);
 * ``result_sha256``: digest of the outcome (sampled token ids, accepted nodes; commit: the KV
   caches and GDN states after it), equal across labels for the same inputs.
 
@@ -75,7 +77,7 @@ for _path in (REPO, REPO / "bench", REPO / "tests" / "cpu"):
     if str(_path) not in sys.path:
         sys.path.insert(0, str(_path))
 
-from tree_build_ops import OpLog, make_inputs, zoo_shapes
+from tree_build_ops import OpLog, cuda_syncs, make_inputs, zoo_shapes
 
 from vllm_tfm.verify.acceptance_replay import spine_first_logits
 from vllm_tfm.vllm_plugin.runtime.tree_builder_gpu import weaver_trees
@@ -425,6 +427,10 @@ def measure_stage(run: Callable[[], Any], fresh: Callable[[], Any], repeats: int
         _sync(device)
         times.append(time.perf_counter() - t0)
     res["host_ms"] = _ms(times)
+    if device.type == "cuda":  # the synchronisations PyTorch itself reports during one call
+        state = fresh()
+        with torch.inference_mode():
+            res["cuda_syncs"] = cuda_syncs(lambda: run(state))
     return res, out
 
 
@@ -489,7 +495,7 @@ def commit_case(x: StepInputs, path: str, repeats: int, impl: str) -> dict[str, 
     return {"stage": "commit", "mode": path, **res, "result_sha256": digest}
 
 
-def measure(x: StepInputs, repeats: int, impl: str) -> list[dict[str, Any]]:
+def measure(x: StepInputs, repeats: int, impl: str, commit_paths: tuple[str, ...]) -> list[dict[str, Any]]:
     from vllm_tfm.vllm_plugin.runtime.metrics import Metrics
     from vllm_tfm.vllm_plugin.runtime.state import STATE
 
@@ -499,7 +505,7 @@ def measure(x: StepInputs, repeats: int, impl: str) -> list[dict[str, Any]]:
     base["tree_depths"] = step.sample_depth.reshape(x.r, -1).max(axis=1).tolist()
     cases = [{**base, "stage": "prepare", "mode": "-", **res}]
     cases += [{**base, **sample_case(x, mode, repeats, impl)} for mode in SAMPLE_MODES]
-    cases += [{**base, **commit_case(x, path, repeats, impl)} for path in ("kernels", "reference")]
+    cases += [{**base, **commit_case(x, path, repeats, impl)} for path in commit_paths]
     STATE.step = None
     return cases
 
@@ -515,14 +521,19 @@ def main() -> None:
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--impl", choices=("current", "before"), default="current",
                     help="before: the previous sampler and commit (tests/cpu/_step_before.py)")
+    ap.add_argument("--commit-paths", default=None,
+                    help="commit paths to measure, of kernels,reference (default: both on the CPU, kernels on CUDA, "
+                         "where the references take seconds per step)")
     ap.add_argument("--note", default="", help="appended to the recorded command (e.g. the machine)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     device = torch.device(args.device)
+    default_paths = "kernels" if device.type == "cuda" else "kernels,reference"
+    commit_paths = tuple((args.commit_paths or default_paths).split(","))
     cases = []
     for r in (int(v) for v in args.requests.split(",")):
         x = StepInputs(r, args.budget, device, seed=100 + r)
-        for res in measure(x, args.repeats, args.impl):
+        for res in measure(x, args.repeats, args.impl, commit_paths):
             print(
                 f"R={r} B={args.budget} {res['stage']:7s} {res['mode']:9s} ops={res['ops']:5d} kernels={res['kernels']:5d} "
                 f"launches={res['launches']['total']:3d} syncs={res['syncs']['total']:3d} uploads={res['uploads']['total']:3d} "

@@ -105,6 +105,8 @@ def spec_tree_gdn(
     if kernels is not None and kgdn.verify_unsupported_reason(q, k, v, ssm_state) is None:
         block_v = kernels.block_v(num_v_heads, head_k_dim, head_v_dim)
     if block_v is not None:
+        # the kernel reads a contiguous k; keeping that copy in the stash spares the commit its own
+        k = k.contiguous()
         o, delta = kgdn.gdn_tree_verify_planned(
             kernels.plan, q, k, v, g, beta, ssm_state, s0, return_delta=True, block_v=block_v
         )
