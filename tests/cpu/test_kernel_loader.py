@@ -7,11 +7,13 @@ importable; those tests skip cleanly otherwise. The emulation test needs g++ wit
 
 from __future__ import annotations
 
+import ctypes
 import shutil
 import subprocess
 import sys
 import warnings
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -386,3 +388,61 @@ def test_shared_memory_opt_in_counts_the_kernels_static_arrays():
     assert not needs_smem_optin(k, 0)
     bare = CompiledKernel(function=None, device_index=0, name="k", max_dynamic_smem=227 * 1024)
     assert not needs_smem_optin(bare, 48 * 1024) and needs_smem_optin(bare, 48 * 1024 + 1)
+
+
+def test_launch_arguments_become_pointers_and_scalars():
+    """What ``launch`` hands cuLaunchKernel per argument: a tensor's device pointer, a null
+    pointer for None, ctypes scalars as they are; a bare int is refused (its width is unknown)."""
+    t = torch.arange(6)[2:]
+    assert loader._ctype_arg(t).value == t.data_ptr() != torch.arange(6).data_ptr()
+    assert loader._ctype_arg(None).value is None  # c_void_p(0) reads back as None
+    scalar = ctypes.c_longlong(-3)
+    assert loader._ctype_arg(scalar) is scalar
+    with pytest.raises(TypeError, match="kernel argument 7: pass a tensor, None, or a ctypes value"):
+        loader._ctype_arg(7)
+
+
+class _FakeDriver:
+    """The four cuda.bindings.driver calls ``launch`` makes, recording what it passes."""
+
+    class CUresult:
+        CUDA_SUCCESS = 0
+
+    def __init__(self, status=0):
+        self.status = status
+        self.launches = []
+
+    def cuCtxGetCurrent(self):
+        return (0, 1)
+
+    def CUstream(self, handle):
+        return ("stream", handle)
+
+    def cuLaunchKernel(self, function, gx, gy, gz, bx, by, bz, smem, stream, params, extra):
+        # read every argument back through the parameter array, as the driver does
+        slots = (ctypes.c_void_p * 3).from_address(params)
+        args = (ctypes.c_void_p.from_address(slots[0]).value, ctypes.c_int.from_address(slots[1]).value,
+                ctypes.c_void_p.from_address(slots[2]).value)
+        self.launches.append((function, (gx, gy, gz), (bx, by, bz), smem, stream, args, extra))
+        return (self.status,)
+
+    def cuGetErrorName(self, err):
+        return (0, b"CUDA_ERROR_INVALID_VALUE")
+
+
+def test_launch_passes_pointers_scalars_and_the_stream(monkeypatch):
+    """``launch`` on a fake driver: the parameter array points at each argument's value, the
+    launch goes to torch's current stream, and a failing launch names the kernel and its shape."""
+    fake = _FakeDriver()
+    monkeypatch.setattr(loader, "_cuda_modules", (fake, None))
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda index=None: SimpleNamespace(cuda_stream=77))
+    kernel = loader.CompiledKernel("fn", 0, "k", 48 * 1024, 0)
+    t = torch.arange(4)
+    loader.launch(kernel, (2, 1, 1), (128, 1, 1), [t, ctypes.c_int(-5), None], shared_mem=256)
+    assert fake.launches == [("fn", (2, 1, 1), (128, 1, 1), 256, ("stream", 77), (t.data_ptr(), -5, None), 0)]
+    loader.launch(kernel, (0, 1, 1), (128, 1, 1), [t, ctypes.c_int(1), None])  # empty grid: nothing launched
+    assert len(fake.launches) == 1
+    fake.status = 1
+    with pytest.raises(loader.KernelLaunchError, match=r"cuLaunchKernel\(k, grid=\(2, 1, 1\), block=\(128, 1, 1\), "
+                       r"smem=0\) failed: CUDA_ERROR_INVALID_VALUE"):
+        loader.launch(kernel, (2, 1, 1), (128, 1, 1), [t, ctypes.c_int(1), None])

@@ -378,7 +378,7 @@ def gdn_tree_commit_planned(
     hv, vd = delta.shape[1], delta.shape[2]
     k = k.contiguous()
     delta = delta.contiguous()
-    g32 = g.to(torch.float32).contiguous()
+    g32 = g if g.dtype == torch.float32 and g.is_contiguous() else g.to(torch.float32).contiguous()
     src_state = ssm_state if idx.snapshot is None else ssm_state[idx.snapshot].contiguous()
     m_cap = plan.max_depth + 1
     opts = ["--std=c++17", "-lineinfo", f"-DTFM_IN={DTYPE_CODE[k.dtype]}", f"-DGDN_K={kd}", f"-DGDN_V={vd}"]

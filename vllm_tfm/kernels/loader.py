@@ -345,16 +345,24 @@ def device_smem_optin(device_index: int) -> int:
     return value
 
 
-def _ctype_arg(value: Any) -> ctypes._SimpleCData:
-    """Kernel argument -> ctypes value. Tensors and None become pointers; ints must be wrapped."""
-    import torch
+_TENSOR: list[type] = []  # torch.Tensor, looked up once (the loader imports torch lazily)
 
-    if value is None:
-        return ctypes.c_void_p(0)
-    if isinstance(value, torch.Tensor):
+
+def _ctype_arg(value: Any) -> ctypes._SimpleCData:
+    """Kernel argument -> ctypes value. Tensors and None become pointers; ints must be wrapped.
+
+    Called for every argument of every launch (about 20 per launch, hundreds of launches per
+    decode step): the common cases are tested first, without an import per call."""
+    if not _TENSOR:
+        import torch
+
+        _TENSOR.append(torch.Tensor)
+    if isinstance(value, _TENSOR[0]):
         return ctypes.c_void_p(value.data_ptr())
     if isinstance(value, ctypes._SimpleCData):
         return value
+    if value is None:
+        return ctypes.c_void_p(0)
     raise TypeError(
         f"kernel argument {value!r}: pass a tensor, None, or a ctypes value (c_int, c_longlong, c_float)"
     )
@@ -408,15 +416,15 @@ def launch(
     if current is None or int(current) == 0:  # a thread torch has not used yet
         _ensure_context(kernel.device_index)
     values = [_ctype_arg(a) for a in args]
-    pointers = (ctypes.c_void_p * max(len(values), 1))(*[ctypes.addressof(v) for v in values])
+    pointers = (ctypes.c_void_p * max(len(values), 1))(*map(ctypes.addressof, values))
     stream = torch.cuda.current_stream(kernel.device_index)
-    _check_cu(
-        driver.cuLaunchKernel(
-            kernel.function, *grid, *block, int(shared_mem), driver.CUstream(stream.cuda_stream),
-            ctypes.addressof(pointers), 0,
-        ),
-        f"cuLaunchKernel({kernel.name}, grid={grid}, block={block}, smem={shared_mem})",
+    result = driver.cuLaunchKernel(
+        kernel.function, *grid, *block, int(shared_mem), driver.CUstream(stream.cuda_stream),
+        ctypes.addressof(pointers), 0,
     )
+    if (result[0] if isinstance(result, tuple) else result) != driver.CUresult.CUDA_SUCCESS:
+        # the message is formatted only on failure (this runs hundreds of times per decode step)
+        _check_cu(result, f"cuLaunchKernel({kernel.name}, grid={grid}, block={block}, smem={shared_mem})")
     if os.environ.get("VLLM_TFM_SYNC_LAUNCH") == "1":
         _check_cu(driver.cuStreamSynchronize(driver.CUstream(stream.cuda_stream)), f"after {kernel.name}")
 

@@ -9,6 +9,8 @@ from torch import Tensor
 
 from vllm_tfm.tree.types import TreeBatch
 
+from .tree_tables import TreeTables
+
 __all__ = ["AcceptResult", "accept_result_from_last_node"]
 
 
@@ -43,28 +45,25 @@ class AcceptResult:
         )
 
 
-def accept_result_from_last_node(trees: TreeBatch, last_global: Tensor, bonus: Tensor) -> AcceptResult:
+def accept_result_from_last_node(
+    trees: TreeBatch, last_global: Tensor, bonus: Tensor, tables: TreeTables | None = None
+) -> AcceptResult:
     """Build the AcceptResult from the deepest accepted node of each request and its bonus token.
 
     last_global: [R] int64, flat (batch) index of each request's deepest accepted node.
-    bonus: [R] int64. The path is recovered by walking the parents up to the root.
+    bonus: [R] int64. tables: the batch's ``TreeTables`` (built from ``trees`` when None, which
+    reads the tree shape back from the device). The accepted path is the row of ``tables.paths``
+    of the last node: a fixed number of torch calls, whatever the depth.
     """
-    num_req = trees.num_requests
-    dmax = int(trees.depth.max())
-    device = trees.tokens.device
-    starts = trees.cu_nodes[:-1]
-    gparents = trees.global_parents()
-    rows = torch.arange(num_req, device=device)
+    if tables is None:
+        tables = TreeTables.of(trees)
+    dmax = tables.max_depth
+    starts = tables.starts
     num_accepted = trees.depth[last_global]
-    accepted = torch.full((num_req, max(dmax, 1)), -1, dtype=torch.long, device=device)
-    tokens_out = torch.full((num_req, dmax + 1), -1, dtype=torch.long, device=device)
-    cur = last_global
-    for _ in range(dmax):
-        d = trees.depth[cur]
-        on_path = d > 0
-        col = (d - 1).clamp(min=0)
-        accepted[rows, col] = torch.where(on_path, cur - starts, accepted[rows, col])
-        tokens_out[rows, col] = torch.where(on_path, trees.tokens[cur], tokens_out[rows, col])
-        cur = torch.where(on_path, gparents[cur], cur)
-    tokens_out[rows, num_accepted] = bonus
-    return AcceptResult(accepted[:, :dmax], num_accepted, last_global - starts, bonus, tokens_out)
+    path = tables.paths[last_global, 1:]  # [R, Dmax]: the accepted drafts root-first, -1 past the last
+    on_path = path >= 0
+    accepted = torch.where(on_path, path - starts[:, None], -1)
+    tokens_out = torch.full((tables.num_requests, dmax + 1), -1, dtype=torch.long, device=path.device)
+    tokens_out[:, :dmax] = torch.where(on_path, trees.tokens[path.clamp(min=0)], -1)
+    tokens_out.scatter_(1, num_accepted[:, None], bonus.to(torch.long)[:, None])
+    return AcceptResult(accepted, num_accepted, last_global - starts, bonus, tokens_out)

@@ -42,6 +42,7 @@ from torch import Tensor
 from vllm_tfm.tree.types import TreeBatch
 
 from .accept_result import AcceptResult, accept_result_from_last_node
+from .tree_tables import TreeTables
 
 __all__ = [
     "DEFAULT_SPINE_TOP1",
@@ -103,26 +104,30 @@ def deepest_nodes(trees: TreeBatch) -> Tensor:
     return n - best.remainder(n + 1)
 
 
-def replay_accept(trees: TreeBatch, logits: Tensor, uniforms: Tensor, cdf: Tensor) -> ReplayOutcome:
+def replay_accept(
+    trees: TreeBatch, logits: Tensor, uniforms: Tensor, cdf: Tensor, tables: TreeTables | None = None
+) -> ReplayOutcome:
     """Replayed verification of a ragged batch (module docstring).
 
     logits: [T, V] the target's logits at every node (row i: the distribution after node i);
-    uniforms: [R] in [0, 1); cdf: [D + 1] from :func:`pmf_cdf`.
+    uniforms: [R] in [0, 1); cdf: [D + 1] from :func:`pmf_cdf`; tables: the batch's
+    ``TreeTables`` (built from ``trees`` when None): the accepted node is read off the deepest
+    node's row of ``tables.paths`` (its ancestor at the accepted depth).
     """
     if logits.dim() != 2 or logits.shape[0] != trees.num_nodes:
         raise ValueError(f"logits must be [T={trees.num_nodes}, V], got {tuple(logits.shape)}")
     if uniforms.shape != (trees.num_requests,):
         raise ValueError(f"uniforms must be [R={trees.num_requests}], got {tuple(uniforms.shape)}")
+    if tables is None:
+        tables = TreeTables.of(trees)
+    else:
+        tables.check(trees)
     drawn = draw_accepted(cdf, uniforms.to(cdf.device)).to(trees.depth.device)
-    deepest = deepest_nodes(trees)
+    deepest = tables.deepest
     tree_depth = trees.depth[deepest]
-    want = torch.minimum(drawn, tree_depth)
-    gparents = trees.global_parents()
-    cur = deepest
-    for _ in range(int(tree_depth.max())):  # walk up to the ancestor at depth `want`
-        cur = torch.where(trees.depth[cur] > want, gparents[cur], cur)
+    cur = tables.paths[deepest, torch.minimum(drawn, tree_depth)]  # the ancestor at the accepted depth
     bonus = logits[cur].argmax(dim=-1).to(torch.long)
-    return ReplayOutcome(accept_result_from_last_node(trees, cur, bonus), drawn, drawn > tree_depth)
+    return ReplayOutcome(accept_result_from_last_node(trees, cur, bonus, tables), drawn, drawn > tree_depth)
 
 
 def geometric_rank_ratio(top1: float, ranks: int) -> float:

@@ -34,8 +34,9 @@ stably, so among equal logits the lower token id is dropped first.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import KW_ONLY, InitVar, dataclass, field
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -53,6 +54,16 @@ GREEDY_TEMPERATURE_EPS = 1e-5
 """Temperatures below this are greedy (vLLM's ``_SAMPLING_EPS``)."""
 
 
+def _check_values(temperature: np.ndarray, top_p: np.ndarray | None, min_p: np.ndarray | None) -> None:
+    """The value checks of TreeSamplingParams, on host arrays (shapes and dtypes already checked)."""
+    if bool((temperature < 0).any()) or bool(np.isnan(temperature).any()):
+        raise ValueError(f"temperature must be >= 0, got {temperature.tolist()}")
+    if top_p is not None and bool(((top_p <= 0) | (top_p > 1)).any()):
+        raise ValueError(f"top_p must be in (0, 1], got {top_p.tolist()}")
+    if min_p is not None and bool(((min_p < 0) | (min_p > 1)).any()):
+        raise ValueError(f"min_p must be in [0, 1], got {min_p.tolist()}")
+
+
 @dataclass(frozen=True)
 class TreeSamplingParams:
     """Sampling parameters of R requests, one entry per request (all [R], on the logits' device).
@@ -61,30 +72,36 @@ class TreeSamplingParams:
     top_k: int64 or None; ``k <= 0`` or ``k >= V`` means off (vLLM accepts 0 and -1 as "off").
     top_p: float in (0, 1] or None; 1 means off.
     min_p: float in [0, 1] or None; 0 means off.
-    Values are checked once here (this reads them on the host).
+    Values are checked once here (this reads them on the host: one device-to-host copy each when
+    they live on a GPU). Keyword-only: ``host_greedy`` [R] bool numpy, a host copy of
+    :meth:`greedy_mask` (lets ``verify_tree`` choose its verifiers without reading the device);
+    ``check=False`` skips the value checks, for values checked on the host before
+    (:meth:`from_host` does both).
     """
 
     temperature: Tensor
     top_k: Tensor | None = None
     top_p: Tensor | None = None
     min_p: Tensor | None = None
+    _: KW_ONLY
+    host_greedy: np.ndarray | None = field(default=None, compare=False, repr=False)
+    check: InitVar[bool] = True
 
-    def __post_init__(self) -> None:
+    def __post_init__(self, check: bool) -> None:
         t = self.temperature
         if t.dim() != 1 or not t.dtype.is_floating_point:
             raise ValueError(f"temperature must be a 1-D float tensor [R], got {tuple(t.shape)} {t.dtype}")
         r = t.numel()
-        if bool((t < 0).any()) or bool(torch.isnan(t).any()):
-            raise ValueError(f"temperature must be >= 0, got {t.tolist()}")
         for name, v in (("top_k", self.top_k), ("top_p", self.top_p), ("min_p", self.min_p)):
             if v is not None and (v.dim() != 1 or v.numel() != r):
                 raise ValueError(f"{name} must have shape [{r}] (one per request), got {tuple(v.shape)}")
         if self.top_k is not None and self.top_k.dtype.is_floating_point:
             raise ValueError(f"top_k must be an integer tensor, got {self.top_k.dtype}")
-        if self.top_p is not None and bool(((self.top_p <= 0) | (self.top_p > 1)).any()):
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p.tolist()}")
-        if self.min_p is not None and bool(((self.min_p < 0) | (self.min_p > 1)).any()):
-            raise ValueError(f"min_p must be in [0, 1], got {self.min_p.tolist()}")
+        if self.host_greedy is not None and self.host_greedy.shape != (r,):
+            raise ValueError(f"host_greedy must have shape [{r}], got {self.host_greedy.shape}")
+        if check:
+            host = lambda v: None if v is None else v.detach().to("cpu", torch.float64).numpy()  # noqa: E731
+            _check_values(host(t), host(self.top_p), host(self.min_p))
 
     @staticmethod
     def from_lists(
@@ -98,6 +115,33 @@ class TreeSamplingParams:
         f = lambda v: None if v is None else torch.tensor(v, dtype=torch.float64, device=device)  # noqa: E731
         k = None if top_k is None else torch.tensor(top_k, dtype=torch.long, device=device)
         return TreeSamplingParams(f(temperature), k, f(top_p), f(min_p))
+
+    @staticmethod
+    def from_host(
+        temperature: np.ndarray,
+        top_k: np.ndarray | None,
+        top_p: np.ndarray | None,
+        min_p: np.ndarray | None,
+        device: torch.device | str,
+    ) -> TreeSamplingParams:
+        """From per-request host arrays ([R] each, None = unused): float64 floats, int64 top_k,
+        checked on the host, copied to ``device`` in one transfer, with ``host_greedy`` set."""
+        from .packed_upload import packed_upload
+
+        floats = {n: None if a is None else np.array(a, dtype=np.float64)
+                  for n, a in (("temperature", temperature), ("top_p", top_p), ("min_p", min_p))}
+        k = None if top_k is None else np.array(top_k, dtype=np.int64)
+        t = floats["temperature"]
+        if t.ndim != 1:
+            raise ValueError(f"temperature must be a 1-D float tensor [R], got {t.shape} float64")
+        _check_values(t, floats["top_p"], floats["min_p"])
+        arrays = {n: a.view(np.int64) for n, a in floats.items() if a is not None}  # float64 bits travel as int64
+        if k is not None:
+            arrays["top_k"] = k
+        dev = packed_upload(arrays, device)
+        f = lambda n: None if floats[n] is None else dev[n].view(torch.float64)  # noqa: E731
+        return TreeSamplingParams(f("temperature"), dev.get("top_k"), f("top_p"), f("min_p"),
+                                  host_greedy=t < GREEDY_TEMPERATURE_EPS, check=False)
 
     @property
     def num_requests(self) -> int:

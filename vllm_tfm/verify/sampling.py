@@ -38,7 +38,8 @@ from vllm_tfm.tree.types import TreeBatch
 from .accept_result import AcceptResult, accept_result_from_last_node
 from .logits_processing import TreeSamplingParams, process_logits
 from .traversal import sample_tree_from_draft, traversal_uniform_width, verify_traversal
-from .tree_children import child_table, first_occurrence
+from .tree_children import first_occurrence
+from .tree_tables import TreeTables
 from .uniforms import Generators, check_uniforms, draw_uniforms, inverse_cdf
 
 __all__ = [
@@ -72,59 +73,95 @@ def uniform_width(trees: TreeBatch, method: str) -> int:
     raise ValueError(f"unknown verification method {method!r}; expected 'greedy', 'target_only' or 'traversal'")
 
 
-def verify_greedy(logits: Tensor, trees: TreeBatch) -> AcceptResult:
-    """Greedy tree acceptance. logits: [T, V] (any float dtype; only the argmax is used)."""
+def _tables(trees: TreeBatch, tables: TreeTables | None) -> TreeTables:
+    if tables is None:
+        return TreeTables.of(trees)
+    tables.check(trees)
+    return tables
+
+
+def verify_greedy(logits: Tensor, trees: TreeBatch, tables: TreeTables | None = None) -> AcceptResult:
+    """Greedy tree acceptance. logits: [T, V] (any float dtype; only the argmax is used).
+
+    tables: the batch's ``TreeTables`` (built from ``trees`` when None). Every node's next step
+    (its first child carrying the target argmax, else itself) is computed at once; the walk from
+    the roots is then ceil(log2 Dmax) rounds of pointer doubling instead of Dmax steps.
+    """
     _check_rows(logits, trees, "logits")
+    tables = _tables(trees, tables)
     target = logits.argmax(dim=-1)  # [T]
-    table = child_table(trees)
-    child_tokens = torch.where(table >= 0, trees.tokens[table.clamp(min=0)], -1)
-    cur = trees.cu_nodes[:-1].clone()
-    for _ in range(int(trees.depth.max())):
-        match = child_tokens[cur] == target[cur].unsqueeze(1)  # [R, C]
-        found = match.any(dim=1)
-        first = match.long().argmax(dim=1)  # first True
-        cur = torch.where(found, table[cur, first], cur)
-    return accept_result_from_last_node(trees, cur, target[cur])
+    table = tables.children
+    match = torch.where(table >= 0, trees.tokens[table.clamp(min=0)], -1) == target.unsqueeze(1)  # [T, C]
+    first = match.long().argmax(dim=1, keepdim=True)  # first True
+    nxt = torch.where(match.any(dim=1), table.gather(1, first).squeeze(1),
+                      torch.arange(trees.num_nodes, device=target.device))
+    steps = 1
+    while steps < tables.max_depth:  # after Dmax steps every walk rests at a node that keeps itself
+        nxt = nxt[nxt]
+        steps *= 2
+    cur = nxt[tables.starts] if tables.max_depth > 0 else tables.starts
+    return accept_result_from_last_node(trees, cur, target[cur], tables)
+
+
+def _target_only_node_table(probs: Tensor, trees: TreeBatch, tables: TreeTables) -> Tensor:
+    """What a node's acceptance step reads that does not depend on the walk, for all nodes at once.
+
+    Returns [T, 4C] int64: children | C + scatter columns | the children's weights | the values
+    scattered (the last two are float64 bit patterns, so that one gather per step fetches all).
+    The weights are p(child) for the first occurrence of a token among the children, else 0. The
+    scatter columns are the children's tokens: padding slots repeat the first child's token
+    (writing its 0 again), and a node without children writes p[0] onto itself, so scattering the
+    values into the node's p row removes exactly the children's tokens from the rest.
+    """
+    table = tables.children
+    valid = table >= 0
+    tok = torch.where(valid, trees.tokens[table.clamp(min=0)], 0)
+    counted = first_occurrence(tok, valid)
+    cols = torch.where(valid, tok, tok[:, :1])
+    at_cols = probs.gather(1, cols).to(torch.float64)
+    weights = torch.cat([torch.where(counted, at_cols, 0.0), torch.where(valid[:, :1], 0.0, at_cols)], dim=1)
+    return torch.cat([table, cols + table.shape[1], weights.view(torch.int64)], dim=1)
 
 
 def verify_target_only(
-    probs: Tensor, trees: TreeBatch, generator: Generators = None, uniforms: Tensor | None = None
+    probs: Tensor,
+    trees: TreeBatch,
+    generator: Generators = None,
+    uniforms: Tensor | None = None,
+    tables: TreeTables | None = None,
 ) -> AcceptResult:
     """Target-only tree acceptance (module docstring).
 
     probs: [T, V] processed target probabilities at every node. uniforms: [R, Dmax + 1] (column d
-    at the depth-d node), else drawn from ``generator``. Decisions in float64.
+    at the depth-d node), else drawn from ``generator``. Decisions in float64. tables: the
+    batch's ``TreeTables`` (built from ``trees`` when None). The walk takes one step per depth
+    (each reads the current nodes' rows of ``probs``); what does not depend on the walk is
+    computed for every node before it.
     """
     _check_rows(probs, trees, "probs")
+    tables = _tables(trees, tables)
     num_req = trees.num_requests
-    dmax = int(trees.depth.max())
+    dmax = tables.max_depth
     if uniforms is None:
         u = draw_uniforms(num_req, dmax + 1, probs.device, generator)
     else:
         u = check_uniforms(uniforms, num_req, dmax + 1, "verify_target_only").to(probs.device)
-    table = child_table(trees)
-    num_slots = table.shape[1]
-    rows = torch.arange(num_req, device=probs.device)
-    cur = trees.cu_nodes[:-1].clone()
+    c = tables.max_children
+    node_table = _target_only_node_table(probs, trees, tables)
+    cur = tables.starts
     done = torch.zeros(num_req, dtype=torch.bool, device=probs.device)
-    bonus = torch.full((num_req,), -1, dtype=torch.long, device=probs.device)
+    chosen = torch.full((num_req,), c - 1, dtype=torch.long, device=probs.device)  # bonus + C
     for d in range(dmax + 1):
-        p = probs[cur].to(torch.float64)  # [R, V]
-        children = table[cur]  # [R, C]
-        valid = children >= 0
-        tok = torch.where(valid, trees.tokens[children.clamp(min=0)], 0)
-        counted = first_occurrence(tok, valid)
-        w_children = torch.where(counted, p.gather(1, tok), 0.0)
-        is_child = torch.zeros_like(p, dtype=torch.int32).scatter_add_(1, tok, valid.to(torch.int32)) > 0
-        w_rest = torch.where(is_child, 0.0, p)
-        k = inverse_cdf(torch.cat([w_children, w_rest], dim=1), u[:, d])
-        to_child = k < num_slots
-        live = ~done
-        bonus = torch.where(live & ~to_child, k - num_slots, bonus)
-        nxt = children[rows, k.clamp(max=num_slots - 1)]
-        cur = torch.where(live & to_child, nxt, cur)
-        done = done | ~to_child
-    return accept_result_from_last_node(trees, cur, bonus)
+        row = node_table[cur]
+        weights = row[:, 2 * c :].view(torch.float64)
+        # [children's weights | p with the children's tokens removed] (the cat promotes p to float64)
+        w = torch.cat([weights[:, :c], probs[cur]], dim=1).scatter_(1, row[:, c : 2 * c], weights[:, c:])
+        k = inverse_cdf(w, u[:, d])
+        stop = k >= c
+        chosen = torch.where(stop > done, k, chosen)  # stops here: stop and not done before
+        done = done | stop
+        cur = torch.where(done, cur, row[:, :c].gather(1, k.clamp(max=c - 1).unsqueeze(1)).squeeze(1))
+    return accept_result_from_last_node(trees, cur, chosen - c, tables)
 
 
 def verify_tree(
@@ -135,6 +172,7 @@ def verify_tree(
     generator: Generators = None,
     uniforms: Tensor | None = None,
     draft_probs: Tensor | None = None,
+    tables: TreeTables | None = None,
 ) -> AcceptResult:
     """Verify a ragged batch with per-request sampling parameters.
 
@@ -143,20 +181,29 @@ def verify_tree(
         needs ``draft_probs`` [T, V] or ``trees.draft_logprobs``).
     Temperature-0 requests are verified greedily on the raw logits and ignore their uniforms row;
     the other requests use ``method`` on the processed probabilities. uniforms: the method's
-    layout ([R, uniform_width(trees, method)]), else drawn from ``generator``.
+    layout ([R, uniform_width(trees, method)]), else drawn from ``generator``. tables: the
+    batch's ``TreeTables`` (built from ``trees`` when None). When ``params`` carry a host copy of
+    the greedy mask (``TreeSamplingParams.host_greedy``), the device is not read to choose the
+    path and only the verifiers some request needs run.
     """
     if method not in METHODS:
         raise ValueError(f"unknown verification method {method!r}; expected one of {METHODS}")
     _check_rows(logits, trees, "logits")
     if params.num_requests != trees.num_requests:
         raise ValueError(f"params hold {params.num_requests} requests, the tree batch {trees.num_requests}")
+    host = params.host_greedy
+    any_greedy = host is None or bool(host.any())
+    if any_greedy or method == "target_only":
+        tables = _tables(trees, tables)
+    greedy = verify_greedy(logits, trees, tables) if any_greedy else None
+    if greedy is not None and host is not None and bool(host.all()):
+        return greedy
     greedy_rows = params.greedy_mask().to(logits.device)
-    greedy = verify_greedy(logits, trees)
-    if bool(greedy_rows.all()):
+    if host is None and bool(greedy_rows.all()):  # reads the device (no host copy of the mask)
         return greedy
     probs = process_logits(logits, params, trees.cu_nodes)
     if method == "target_only":
-        sampled = verify_target_only(probs, trees, generator, uniforms)
+        sampled = verify_target_only(probs, trees, generator, uniforms, tables)
     else:
         sampled = verify_traversal(probs, trees, draft_probs, generator, uniforms)
-    return greedy.select(greedy_rows, sampled)
+    return sampled if greedy is None else greedy.select(greedy_rows, sampled)

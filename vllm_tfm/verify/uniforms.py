@@ -48,9 +48,9 @@ def inverse_cdf(weights: Tensor, u: Tensor) -> Tensor:
     A zero-weight entry is never chosen; if rounding pushes u past the total, the last entry with
     positive weight is returned (index 0 for an all-zero row). Returns [R] int64.
     """
-    w = weights.to(torch.float64)
+    f64 = torch.float64
+    w = weights if weights.dtype == f64 else weights.to(f64)
     cum = w.cumsum(dim=1)
-    k = (cum <= (u.to(torch.float64) * cum[:, -1]).unsqueeze(1)).sum(dim=1)
-    idx = torch.arange(w.shape[1], device=w.device)
-    last_positive = torch.where(w > 0, idx, torch.zeros_like(idx)).amax(dim=1)
+    k = (cum <= ((u if u.dtype == f64 else u.to(f64)) * cum[:, -1]).unsqueeze(1)).sum(dim=1)
+    last_positive = (w > 0).cumsum(dim=1).argmax(dim=1)  # the first index where the count of positives peaks
     return torch.where(k >= w.shape[1], last_positive, k)

@@ -47,9 +47,9 @@ def compaction_rows(row_base: Tensor, accepted_nodes: Tensor) -> tuple[Tensor, T
     """
     base = row_base.to(torch.long)[:, None]
     valid = accepted_nodes >= 0
-    k = torch.arange(accepted_nodes.shape[1], device=accepted_nodes.device)[None, :]
+    k1 = torch.arange(1, accepted_nodes.shape[1] + 1, device=accepted_nodes.device)  # 1 + k
     src = torch.where(valid, base + accepted_nodes, base)
-    dst = torch.where(valid, base + 1 + k, base)
+    dst = torch.where(valid, base + k1, base)
     return src.reshape(-1), dst.reshape(-1)
 
 
@@ -58,19 +58,27 @@ def compact_kv(kv_caches: list[Tensor], slot_mapping: Tensor, src_rows: Tensor, 
 
     kv_caches: TRITON_ATTN caches, logical [num_blocks, H, block_size, 2 * head_size] (any
     physical stride order); slot_mapping: [>= T] int64, slot of every token row of the step.
+    The (block, offset) indices are computed once per block size: each layer then costs one
+    gather and one scatter.
     """
     if src_rows.numel() == 0:
         return
     src = slot_mapping[src_rows].to(torch.long)
     dst = slot_mapping[dst_rows].to(torch.long)
+    split: dict[int, tuple[Tensor, Tensor, Tensor, Tensor]] = {}
     for kv in kv_caches:
         bs = kv.shape[2]
-        moved = kv[src // bs, :, src % bs]  # [M, H, 2 * hs], a copy: every read before any write
-        kv[dst // bs, :, dst % bs] = moved
+        idx = split.get(bs)
+        if idx is None:
+            idx = split[bs] = (src // bs, src % bs, dst // bs, dst % bs)
+        src_block, src_off, dst_block, dst_off = idx
+        kv[dst_block, :, dst_off] = kv[src_block, :, src_off]  # the gather is a copy: every read before any write
 
 
 def spec_accepted(step: StepTree, accept: AcceptResult) -> tuple[Tensor, Tensor]:
     """(last accepted node, accepted draft count) of the spec requests, [Rs] each, batch order."""
+    if step.num_spec_reqs == step.num_reqs:  # every request is a spec request: the rows as they are
+        return accept.last_node, accept.num_accepted
     idx = step.dev("spec_req_index")
     return accept.last_node.index_select(0, idx), accept.num_accepted.index_select(0, idx)
 

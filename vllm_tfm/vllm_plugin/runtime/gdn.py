@@ -118,6 +118,8 @@ def spec_tree_gdn(
         block_v = kernels.block_v(num_v_heads, head_k_dim, head_v_dim)
     with TIMER.span("gdn_tree_verify"):
         if block_v is not None:
+            # the kernel reads a contiguous k; keeping that copy in the stash spares the commit its own
+            k = k.contiguous()
             o, delta = kgdn.gdn_tree_verify_planned(
                 kernels.plan, q, k, v, g, beta, ssm_state, s0, return_delta=True, block_v=block_v
             )

@@ -186,6 +186,7 @@ def build_step_tree(
     )
     if tree_active:
         step.attn_plan = attention_plan(step)
+        step.upload()  # every index array the step's hooks read on the device, in one copy
     return step
 
 

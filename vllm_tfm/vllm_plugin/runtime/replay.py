@@ -17,6 +17,7 @@ from torch import Tensor
 from vllm_tfm.tree.types import TreeBatch
 from vllm_tfm.verify.accept_result import AcceptResult
 from vllm_tfm.verify.acceptance_replay import pmf_cdf, replay_accept, spine_first_logits
+from vllm_tfm.verify.tree_tables import TreeTables
 
 if TYPE_CHECKING:
     from ..benchmark_mode import ReplaySpec
@@ -47,10 +48,12 @@ class AcceptanceReplayer:
             return logits
         return spine_first_logits(logits, self.spec.spine_top1)
 
-    def accept(self, trees: TreeBatch, logits: Tensor, verified: AcceptResult, is_spec: Tensor) -> AcceptResult:
-        """The replayed result for the spec requests (``is_spec`` [R] bool), ``verified`` for the others."""
+    def accept(self, trees: TreeBatch, logits: Tensor, verified: AcceptResult, is_spec: Tensor,
+               tables: TreeTables | None = None) -> AcceptResult:
+        """The replayed result for the spec requests (``is_spec`` [R] bool), ``verified`` for the
+        others. tables: the batch's ``TreeTables`` (built from ``trees`` when None)."""
         u = torch.rand(trees.num_requests, generator=self.generator, device=self.device, dtype=torch.float64)
-        out = replay_accept(trees, logits, u, self.cdf)
+        out = replay_accept(trees, logits, u, self.cdf, tables)
         spec = is_spec.to(out.drawn.device)
         ones = spec.to(torch.long)
         self._drawn.index_add_(0, out.drawn.clamp(max=self.depth), ones)

@@ -79,22 +79,21 @@ def tree_sampling_params(
     """TreeSamplingParams from vLLM's per-request host arrays ([R] each; None = unused).
 
     vLLM stores "top-k off" as k = vocab size and "top-p off" as 1.0; TreeSamplingParams reads
-    k >= V and p = 1 the same way.
+    k >= V and p = 1 the same way. The values are checked on the host and copied to ``device`` in
+    one transfer; the parameters carry the host copy of the greedy mask.
     """
-    f = lambda a: None if a is None else torch.as_tensor(np.asarray(a, dtype=np.float64), device=device)  # noqa: E731
-    k = None if top_k is None else torch.as_tensor(np.asarray(top_k, dtype=np.int64), device=device)
-    return TreeSamplingParams(f(temperature), k, f(top_p), f(min_p))
+    return TreeSamplingParams.from_host(temperature, top_k, top_p, min_p, device)
 
 
 def sample_trees(step: StepTree, draft_token_ids: Tensor) -> TreeBatch:
     """The TreeBatch over the N logits rows: root rows carry token 0 (never read), the others the drafts.
 
     draft_token_ids: [N - R] the scheduled drafts, flat in request order (spec-decode metadata).
+    The rows of the drafts come from the step's host metadata (no mask, no synchronisation).
     """
     parents = step.dev("sample_parents")
-    nonroot = parents >= 0
     tokens = torch.zeros(parents.shape[0], dtype=torch.long, device=parents.device)
-    tokens[nonroot] = draft_token_ids.to(torch.long)
+    tokens.index_copy_(0, step.dev("sample_nonroot"), draft_token_ids.to(torch.long))
     return TreeBatch(tokens, parents, step.dev("sample_depth"), step.dev("sample_cu"))
 
 
@@ -153,12 +152,13 @@ class TFMTreeSampler(nn.Module):
             logits.device,
         )
         trees = sample_trees(step, metadata.draft_token_ids)
+        tables = step.sample_tables()
         generators = sampling_metadata.generators or None
-        result = verify_tree(logits, trees, params, method=self.method, generator=generators)
+        result = verify_tree(logits, trees, params, method=self.method, generator=generators, tables=tables)
         if self.replay is not None:
             with TIMER.span("replay_accept"):
-                is_spec = torch.from_numpy(step.is_spec & (step.num_draft > 0)).to(logits.device)
-                result = self.replay.accept(trees, logits, result, is_spec)
+                is_spec = step.dev("replayed") != 0
+                result = self.replay.accept(trees, logits, result, is_spec, tables)
         step.accept = result
         if STATE.check_tp:
             req_ids = list(batch.req_ids[:r])

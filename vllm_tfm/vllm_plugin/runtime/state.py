@@ -23,6 +23,9 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from vllm_tfm.verify.packed_upload import packed_upload
+from vllm_tfm.verify.tree_tables import TreeTables, tree_table_arrays
+
 from .accepted_offsets import AcceptedOffsets
 
 if TYPE_CHECKING:
@@ -175,6 +178,15 @@ class AttnTree:
     cu_q: Tensor  # [2] int32 on the device: (0, n), the query_start_loc of a one-request call
 
 
+STEP_UPLOAD = ("query_start", "req_index", "depth", "num_scheduled", "num_draft", "row_base", "spec_parents",
+               "spec_cu", "spec_req_index", "sample_parents", "sample_depth", "sample_cu")
+"""The host arrays of a step that the hooks read on the device (copied together by ``StepTree.upload``)."""
+
+DERIVED_UPLOAD = ("sample_nonroot", "replayed")
+"""Device-only arrays of ``StepTree.upload``: the logits rows of the drafts ([N - R]) and the
+requests acceptance replay replaces (spec rows with drafts, [R] 0/1)."""
+
+
 @dataclass
 class StepTree:
     """Tree metadata of one decode step (host arrays in numpy, device tensors in torch).
@@ -210,6 +222,7 @@ class StepTree:
     gdn: dict[str, GDNStash] = field(default_factory=dict)
     _dev: dict[str, Tensor] = field(default_factory=dict, repr=False)
     _attn_trees: list[AttnTree] | None = field(default=None, repr=False)
+    _sample_tables: TreeTables | None = field(default=None, repr=False)
 
     @property
     def attn_trees(self) -> list[AttnTree]:
@@ -221,14 +234,40 @@ class StepTree:
         return self._attn_trees
 
     def dev(self, name: str) -> Tensor:
-        """A host array of this step as an int64 device tensor (uploaded once, then cached)."""
+        """A host array of this step as an int64 device tensor (read-only; uploaded once, then
+        cached). On a tree-active step the arrays of ``STEP_UPLOAD`` and ``DERIVED_UPLOAD`` come
+        from :meth:`upload`."""
         t = self._dev.get(name)
         if t is None:
+            if self.tree_active and (name in STEP_UPLOAD or name in DERIVED_UPLOAD):
+                self.upload()
+                return self._dev[name]
             t = torch.from_numpy(np.ascontiguousarray(getattr(self, name), dtype=np.int64)).to(
                 self.device, non_blocking=True
             )
             self._dev[name] = t
         return t
+
+    def upload(self) -> TreeTables:
+        """Copy what the sampler, the commit and the other hooks read on the device in one
+        transfer: the ``STEP_UPLOAD`` arrays, the ``DERIVED_UPLOAD`` ones and the ``TreeTables``
+        of the logits rows' trees (built here with numpy). Idempotent; ``build_step_tree`` calls
+        it for every tree-active step. Returns the tables."""
+        if self._sample_tables is not None:
+            return self._sample_tables
+        dmax, tables = tree_table_arrays(self.sample_parents, self.sample_cu, self.sample_depth)
+        arrays = {n: getattr(self, n) for n in STEP_UPLOAD if n not in self._dev}
+        arrays["sample_nonroot"] = np.nonzero(self.sample_parents >= 0)[0]
+        arrays["replayed"] = self.is_spec & (self.num_draft > 0)
+        arrays.update({f"tables.{n}": a for n, a in tables.items()})
+        dev = packed_upload(arrays, self.device)
+        self._dev.update({n: t for n, t in dev.items() if not n.startswith("tables.")})
+        self._sample_tables = TreeTables.from_arrays(dmax, {n: dev[f"tables.{n}"] for n in tables})
+        return self._sample_tables
+
+    def sample_tables(self) -> TreeTables:
+        """The ``TreeTables`` of the logits rows' trees (the tree batch the sampler verifies)."""
+        return self.upload()
 
     @property
     def num_spec_reqs(self) -> int:

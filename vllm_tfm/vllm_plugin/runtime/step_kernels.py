@@ -67,6 +67,7 @@ class StepKernels:
         )
         self._groups: dict[int, GroupSlots] = {}
         self._block_v: dict[tuple[int, int, int], int | None] = {}
+        self._accepted: tuple[Tensor, ...] | None = None  # commit indices shared by every group
 
     def group(self, state_indices: Tensor, num_accepted: Tensor) -> GroupSlots:
         """The slots of the group whose metadata holds ``state_indices`` [Rs, 1 + S] (computed once)."""
@@ -112,16 +113,21 @@ class StepKernels:
 
         last_node, num_accepted: [Rs] the deepest accepted node and the accepted draft count p.
         GDN: slot [n, prev - 1] -> slot [n, p]; conv: slot [n, 0], columns prev - 1 .. -> p ...
+        The parts that do not depend on the group (accepted nodes, p as int32, zeros) are made once
+        per step and shared by all groups (read-only).
         """
         if group.commit is None:
-            acc = last_node.to(device=self.device, dtype=torch.int32)
-            p = num_accepted.to(device=self.device, dtype=torch.long)
+            shared = self._accepted
+            if shared is None or shared[0] is not last_node or shared[1] is not num_accepted:
+                acc = last_node.to(device=self.device, dtype=torch.int32)
+                p = num_accepted.to(device=self.device, dtype=torch.long)
+                shared = self._accepted = (last_node, num_accepted, acc, p, p.to(torch.int32), torch.zeros_like(acc))
+            _, _, acc, p, p32, zeros = shared
             dst = group.slots.gather(1, p[:, None]).squeeze(1).to(torch.int32)
-            zeros = torch.zeros_like(acc)
             conv = group.conv_slot
             group.commit = (
                 CommitIndices(acc, group.read_slot.to(torch.int32), dst, zeros, zeros, None),
-                CommitIndices(acc, conv, conv, group.start32, p.to(torch.int32), None),
+                CommitIndices(acc, conv, conv, group.start32, p32, None),
             )
         return group.commit
 
