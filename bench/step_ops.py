@@ -57,8 +57,6 @@ import argparse
 import contextlib
 import ctypes
 import hashlib
-import json
-import platform
 import statistics
 import sys
 import time
@@ -77,7 +75,7 @@ for _path in (REPO, REPO / "bench", REPO / "tests" / "cpu"):
     if str(_path) not in sys.path:
         sys.path.insert(0, str(_path))
 
-from tree_build_ops import OpLog, cuda_syncs, make_inputs, zoo_shapes
+from tree_build_ops import OpLog, cuda_syncs, make_inputs, save_labelled, zoo_shapes
 
 from vllm_tfm.verify.acceptance_replay import spine_first_logits
 from vllm_tfm.vllm_plugin.runtime.tree_builder_gpu import weaver_trees
@@ -542,22 +540,9 @@ def main() -> None:
             )
             cases.append(res)
     cmd = "python3 bench/step_ops.py " + " ".join(sys.argv[1:])
-    entry = {
-        "command": cmd + (f"  ({args.note})" if args.note else ""),
-        "machine": {"python": platform.python_version(), "torch": torch.__version__, "threads": torch.get_num_threads(),
-                    "device": str(device), "impl": args.impl,
-                    **({"gpu": torch.cuda.get_device_name(device)} if device.type == "cuda" else {})},
-        "shapes": {"gdn": GDN, "gdn_layers": NUM_GDN, "gdn_groups": GDN_GROUPS, "attention_layers": NUM_ATTN, "kv": KV,
-                   "vocab": zoo_shapes()["vocab"], "replay_pmf": REPLAY_PMF},
-        "cases": cases,
-    }
-    out = Path(args.out)
-    data = json.loads(out.read_text()) if out.is_file() else {}
-    data[args.label] = entry
-    data["command"] = cmd
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(data, indent=1) + "\n")
-    print(f"wrote {out} [{args.label}]")
+    shapes = {"gdn": GDN, "gdn_layers": NUM_GDN, "gdn_groups": GDN_GROUPS, "attention_layers": NUM_ATTN, "kv": KV,
+              "vocab": zoo_shapes()["vocab"], "replay_pmf": REPLAY_PMF}
+    save_labelled(args.out, args.label, cmd, args.note, device, args.impl, shapes, cases)
 
 
 if __name__ == "__main__":

@@ -337,6 +337,27 @@ def measure(r: int, b: int, zoo: dict[str, Any], repeats: int, device: torch.dev
     return res
 
 
+def save_labelled(out_path: str, label: str, cmd: str, note: str | None, device: torch.device, impl: str,
+                  shapes: dict[str, Any], cases: list[dict[str, Any]]) -> None:
+    """Write one labelled run ("before", "after", ...) into the results JSON at ``out_path``,
+    keeping the other labels, with the machine it ran on and the command that re-runs it."""
+    entry = {
+        "command": cmd + (f"  ({note})" if note else ""),
+        "machine": {"python": platform.python_version(), "torch": torch.__version__, "threads": torch.get_num_threads(),
+                    "device": str(device), "impl": impl,
+                    **({"gpu": torch.cuda.get_device_name(device)} if device.type == "cuda" else {})},
+        "shapes": shapes,
+        "cases": cases,
+    }
+    out = Path(out_path)
+    data = json.loads(out.read_text()) if out.is_file() else {}
+    data[label] = entry
+    data["command"] = cmd
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(data, indent=1) + "\n")
+    print(f"wrote {out} [{label}]")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--label", required=True, help="key of this run in the JSON file (e.g. before, after)")
@@ -372,21 +393,7 @@ def main() -> None:
             )
             cases.append(res)
     cmd = "python3 bench/tree_build_ops.py " + " ".join(sys.argv[1:])
-    entry = {
-        "command": cmd + (f"  ({args.note})" if args.note else ""),
-        "machine": {"python": platform.python_version(), "torch": torch.__version__, "threads": torch.get_num_threads(),
-                    "device": str(device), "impl": args.impl,
-                    **({"gpu": torch.cuda.get_device_name(device)} if device.type == "cuda" else {})},
-        "shapes": {k: v for k, v in zoo.items()},
-        "cases": cases,
-    }
-    out = Path(args.out)
-    data = json.loads(out.read_text()) if out.is_file() else {}
-    data[args.label] = entry
-    data["command"] = cmd
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(data, indent=1) + "\n")
-    print(f"wrote {out} [{args.label}]")
+    save_labelled(args.out, args.label, cmd, args.note, device, args.impl, dict(zoo), cases)
 
 
 if __name__ == "__main__":
