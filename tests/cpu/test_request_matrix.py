@@ -250,12 +250,12 @@ def test_row_decision(field: str, env: Any, cpu_batches: None, runtime_state: An
 
 def test_tree_rows_reach_the_tree_sampler_with_their_parameters(env: Any, cpu_batches: None, runtime_state: Any) -> None:
     """temperature / top-k / top-p / seed arrive at tree acceptance as vLLM stored them."""
-    from vllm_tfm.vllm_plugin.runtime.sampler import tree_sampling_params
+    from vllm_tfm.verify.logits_processing import TreeSamplingParams
 
     reqs = [sampling_params(CASES[k]) for k in ("temperature=0", "top_k", "top_p", "seed")]
     batch = input_batch(reqs)
     md = batch.sampling_metadata
-    p = tree_sampling_params(batch.temperature_cpu[:4], batch.top_k_cpu[:4], batch.top_p_cpu[:4], None, "cpu")
+    p = TreeSamplingParams.from_host(batch.temperature_cpu[:4], batch.top_k_cpu[:4], batch.top_p_cpu[:4], None, "cpu")
     assert p.temperature.tolist() == pytest.approx([0.0, 0.8, 0.8, 0.8])
     assert p.top_k.tolist() == [VOCAB, 5, VOCAB, VOCAB]  # vLLM stores "off" as the vocabulary size
     assert p.top_p.tolist() == pytest.approx([1.0, 1.0, 0.9, 1.0])

@@ -19,9 +19,9 @@ from vllm_tfm.vllm_plugin.runtime.sampler import (
     needs_native_sampler,
     output_token_ids,
     sample_trees,
-    tree_sampling_params,
 )
 from vllm_tfm.vllm_plugin.runtime.state import ProposalStore
+from vllm_tfm.verify.logits_processing import TreeSamplingParams
 from vllm_tfm.verify.sampling import verify_tree
 
 VOCAB = 50
@@ -75,7 +75,7 @@ def make_batch(seed: int):
 def test_greedy_tree_output_follows_the_contract(seed):
     step, logits, drafts, trees, req_ids = make_batch(seed)
     batch = sample_trees(step, drafts)
-    params = tree_sampling_params(np.zeros(len(req_ids)), None, None, None, "cpu")
+    params = TreeSamplingParams.from_host(np.zeros(len(req_ids)), None, None, None, "cpu")
     result = verify_tree(logits, batch, params)
     max_spec = int(step.num_draft.max())
     out = output_token_ids(result, max_spec)
@@ -96,7 +96,7 @@ def test_greedy_tree_output_follows_the_contract(seed):
 
 def test_metrics_histogram_counts_accepted_drafts():
     step, logits, drafts, trees, req_ids = make_batch(3)
-    result = verify_tree(logits, sample_trees(step, drafts), tree_sampling_params(np.zeros(5), None, None, None, "cpu"))
+    result = verify_tree(logits, sample_trees(step, drafts), TreeSamplingParams.from_host(np.zeros(5), None, None, None, "cpu"))
     m = Metrics(max_depth=6)
     m.record_step(step)
     m.record_accept(step, result)
@@ -139,6 +139,6 @@ def test_needs_native_sampler_triggers():
 
 
 def test_tree_sampling_params_from_vllm_arrays():
-    p = tree_sampling_params(np.array([0.0, 0.7]), np.array([50, 3]), np.array([1.0, 0.9]), None, "cpu")
+    p = TreeSamplingParams.from_host(np.array([0.0, 0.7]), np.array([50, 3]), np.array([1.0, 0.9]), None, "cpu")
     assert p.greedy_mask().tolist() == [True, False]
     assert p.top_k.tolist() == [50, 3] and p.top_p.tolist() == pytest.approx([1.0, 0.9]) and p.min_p is None

@@ -24,7 +24,6 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-import numpy as np
 import torch
 from torch import Tensor, nn
 
@@ -40,7 +39,7 @@ from .state import STATE, StepTree
 if TYPE_CHECKING:
     from .replay import AcceptanceReplayer
 
-__all__ = ["TFMTreeSampler", "tree_sampling_params", "needs_native_sampler", "output_token_ids", "sample_trees"]
+__all__ = ["TFMTreeSampler", "needs_native_sampler", "output_token_ids", "sample_trees"]
 
 
 def _processor_active(proc: Any) -> bool:
@@ -67,22 +66,6 @@ def needs_native_sampler(sampling_metadata: Any) -> bool:
         return True
     holder = getattr(md, "thinking_budget_state_holder", None)
     return holder is not None and holder.has_tracked_requests()
-
-
-def tree_sampling_params(
-    temperature: np.ndarray,
-    top_k: np.ndarray | None,
-    top_p: np.ndarray | None,
-    min_p: np.ndarray | None,
-    device: torch.device | str,
-) -> TreeSamplingParams:
-    """TreeSamplingParams from vLLM's per-request host arrays ([R] each; None = unused).
-
-    vLLM stores "top-k off" as k = vocab size and "top-p off" as 1.0; TreeSamplingParams reads
-    k >= V and p = 1 the same way. The values are checked on the host and copied to ``device`` in
-    one transfer; the parameters carry the host copy of the greedy mask.
-    """
-    return TreeSamplingParams.from_host(temperature, top_k, top_p, min_p, device)
 
 
 def sample_trees(step: StepTree, draft_token_ids: Tensor) -> TreeBatch:
@@ -144,7 +127,9 @@ class TFMTreeSampler(nn.Module):
         for proc in sampling_metadata.logitsprocs.argmax_invariant:
             if hasattr(proc, "min_p_cpu") and getattr(proc, "min_p_count", 0) > 0:
                 min_p = proc.min_p_cpu[:r]
-        params = tree_sampling_params(
+        # vLLM stores "top-k off" as k = vocab size and "top-p off" as 1.0, which TreeSamplingParams
+        # reads the same way; checked on the host, one copy, with the host greedy mask
+        params = TreeSamplingParams.from_host(
             batch.temperature_cpu[:r],
             None if sampling_metadata.top_k is None else batch.top_k_cpu[:r],
             None if sampling_metadata.top_p is None else batch.top_p_cpu[:r],
