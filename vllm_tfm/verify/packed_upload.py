@@ -16,6 +16,7 @@ from torch import Tensor
 
 __all__ = ["packed_upload"]
 
+
 def packed_upload(arrays: Mapping[str, np.ndarray], device: torch.device | str) -> dict[str, Tensor]:
     """int64 device tensors (views of one buffer, same shapes) of the given host arrays.
 
