@@ -45,7 +45,15 @@ left are recorded as skipped:
   tfm_small_torch        tfm small KV with VLLM_TFM_KERNELS=0 (torch reference ops) - only when
                          tfm_small or tfm_mixed diverged;
   tfm_small_chain_forced tfm small KV, VLLM_TFM_PROPOSAL=chain, VLLM_TFM_FORCE_TREE_PATH=1 - same;
-  tfm_big                tfm, 4 GiB KV: no preemption, same batch (last: skipped if time is short).
+  tfm_big                tfm, 4 GiB KV: no preemption, same batch, request trace on;
+  dflash_big             vLLM's in-tree "dflash", 4 GiB KV;
+  tfm_big_chain          tfm, 4 GiB KV, VLLM_TFM_PROPOSAL=chain (vLLM verifies every step as chains).
+The last three exist for the other workloads (``make_prompts``), both without preemption:
+TFM_PREEMPT_WORKLOAD=near-max, long requests that end at max_model_len make vLLM skip the drafter
+for the whole batch (zero drafts, chain steps), the condition of every divergence the serving
+soak's preempt phase traced; TFM_PREEMPT_WORKLOAD=stagger, short prompts arrive one by one into
+rows freed in front of running spec rows (vLLM 0.26 then reads those spec rows' GDN gates at other
+tokens in chain steps: runtime/gdn.py; tfm arms count the steps it split, hook gdn.mixed_split).
 Every arm records its tokens, vLLM's ``vllm:num_preemptions``, a scheduler-side log of each
 preemption (request id, output tokens so far: the position the resumed request restarts from) and
 of steps where a running request was left out; tfm arms also the workers' tree metrics
@@ -110,8 +118,15 @@ ARMS: dict[str, dict[str, Any]] = {
                         "only_if_tfm_diverged": True},
     "tfm_small_chain_forced": {"method": "tfm", "kv": "small", "gen_s": 170, "only_if_tfm_diverged": True,
                                "env": {"VLLM_TFM_PROPOSAL": "chain", "VLLM_TFM_FORCE_TREE_PATH": "1"}},
-    "tfm_big": {"method": "tfm", "kv": "big", "gen_s": 90},
+    "tfm_big": {"method": "tfm", "kv": "big", "gen_s": 90, "trace": True},
+    "dflash_big": {"method": "dflash", "kv": "big", "gen_s": 60},
+    "tfm_big_chain": {"method": "tfm", "kv": "big", "gen_s": 90, "trace": True, "env": {"VLLM_TFM_PROPOSAL": "chain"}},
 }  # fmt: skip
+WORKLOADS = ("preempt", "near-max", "stagger")
+WORKLOAD = os.environ.get("TFM_PREEMPT_WORKLOAD", "preempt")
+NEAR_MAX_LONG_OUTPUTS = (24, 40, 56)  # near-max: the long requests' outputs (each ends at max_model_len)
+NEAR_MAX_SHORT_TOKENS = 200  # near-max: the short requests' outputs
+STAGGER_FIRST_STEP, STAGGER_EVERY = 6, 4  # stagger: engine step of the first late arrival, steps between arrivals
 TFM_SMALL_ARMS = ("tfm_small", "tfm_mixed")  # a divergence in one of these runs the only_if_tfm_diverged arms
 
 
@@ -121,10 +136,23 @@ def log(*args: object) -> None:
 
 # ---------------------------------------------------------------------------------------- workload
 def make_prompts(
-    target: str, n: int = N_PROMPTS, max_prompt: int = MAX_PROMPT, max_tokens: int = MAX_TOKENS, seed: int = 7
+    target: str, n: int = N_PROMPTS, max_prompt: int = MAX_PROMPT, max_tokens: int = MAX_TOKENS, seed: int = 7,
+    workload: str = "preempt",
 ) -> dict[str, Any]:
-    """The workload (module docstring): prompts, their lengths and each request's max_tokens. The
-    last request ends 0..3 tokens before ``MAX_MODEL_LEN``."""
+    """The workload: prompts, their lengths and each request's max_tokens.
+
+    "preempt" (module docstring): the last request ends 0..3 tokens before ``MAX_MODEL_LEN``.
+    "near-max" (big KV, no preemption): requests 3, 7, 11 (of 12) have prompts of ``MAX_MODEL_LEN``
+    minus one minus their output (``NEAR_MAX_LONG_OUTPUTS``), so each ends one token short of it; the
+    others are short (16..96 tokens) with ~``NEAR_MAX_SHORT_TOKENS`` outputs. While a long request's
+    length plus the drafter's query passes ``max_model_len``, vLLM 0.26 skips the drafter for the
+    whole batch and schedules zero drafts (gpu_model_runner.py:4575-4660, ``_input_fits_in_drafter``):
+    the short greedy requests then decode through chain steps of zero drafts, the condition of every
+    divergence of the serving soak's preempt phase (the request trace: ``lk`` "miss"/"absent",
+    path "chains").
+    """
+    if workload not in WORKLOADS:
+        raise ValueError(f"workload {workload!r}: choose one of {WORKLOADS}")
     rng = random.Random(seed)
     try:
         import soak
@@ -135,14 +163,38 @@ def make_prompts(
         vocab = json.loads((Path(target) / "config.json").read_text())["vocab_size"]
         stream = [rng.randrange(3, vocab - 2) for _ in range(50_000)]
         kind = f"random token ids 3..{vocab - 3} (tokenizer failed: {type(e).__name__}: {e})"
-    outs = [rng.randint(max_tokens * 9 // 10, max_tokens) for _ in range(n)]
-    lens = [rng.randint(128, max_prompt) if i % 4 == 3 else rng.randint(16, 96) for i in range(n)]
-    lens[-1] = max(1, MAX_MODEL_LEN - outs[-1] - rng.randint(0, 3))  # near max_model_len
+    arrive = [0] * n
+    if workload == "stagger":
+        # half the requests at once (the first quarter finish early, freeing rows near the batch's
+        # front), then the other half one by one with prompts of 3..14 tokens: vLLM's decode-first
+        # reorder counts a prompt of at most 1 + B tokens as a decode, so it stays in the row it got
+        # (a freed one) in front of running spec rows - vLLM 0.26's mixed-batch GDN gate misread
+        # (runtime/gdn.py, ``_chain_step_forward_core``)
+        first = n // 2
+        outs = [rng.randint(24, 40) if i < first // 2 else rng.randint(240, 260) if i < first else rng.randint(60, 120)
+                for i in range(n)]  # fmt: skip
+        lens = [rng.randint(16, 96) if i < first else rng.randint(3, 14) for i in range(n)]
+        arrive = [0 if i < first else STAGGER_FIRST_STEP + STAGGER_EVERY * (i - first) for i in range(n)]
+    elif workload == "near-max":
+        longs = list(NEAR_MAX_LONG_OUTPUTS)
+        outs, lens = [], []
+        for i in range(n):
+            if i % 4 == 3 and longs:
+                outs.append(longs.pop(0))
+                lens.append(MAX_MODEL_LEN - 1 - outs[-1])
+            else:
+                outs.append(rng.randint(NEAR_MAX_SHORT_TOKENS * 9 // 10, NEAR_MAX_SHORT_TOKENS))
+                lens.append(rng.randint(16, 96))
+    else:
+        outs = [rng.randint(max_tokens * 9 // 10, max_tokens) for _ in range(n)]
+        lens = [rng.randint(128, max_prompt) if i % 4 == 3 else rng.randint(16, 96) for i in range(n)]
+        lens[-1] = max(1, MAX_MODEL_LEN - outs[-1] - rng.randint(0, 3))  # near max_model_len
     prompts = []
     for n_tok in lens:
         start = rng.randrange(len(stream))
         prompts.append([stream[(start + j) % len(stream)] for j in range(n_tok)])
-    return {"kind": kind, "prompts": prompts, "lengths": lens, "max_tokens": outs}
+    return {"kind": kind, "workload": workload, "prompts": prompts, "lengths": lens, "max_tokens": outs,
+            "arrive_step": arrive}
 
 
 def sampling_kinds(n: int, mixed: bool) -> list[dict[str, Any]]:
@@ -257,26 +309,40 @@ def metric_values(llm: Any) -> dict[str, Any]:
     return out
 
 
-def generate(llm: Any, prompts: list[list[int]], params: list[Any], abort_after: dict[int, int], obs: SchedulerLog) -> dict[str, Any]:
-    """``LLM.generate`` opened up: the requests go in through ``LLM.enqueue`` (all at once, as
-    ``generate`` does) and the engine is stepped here, so that request i can be aborted once the
-    scheduler (``obs.scheduler``, this process) counts ``abort_after[i]`` output tokens for it: a
-    client gone mid-stream. Returns tokens, request ids and top-k lists in prompt order, and the
-    aborted indices (their tokens are whatever the engine returned, often none)."""
-    internal = list(llm.enqueue([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False))
-    external = [rid.rpartition("-")[0] or rid for rid in internal]
-    index = {rid: i for i, rid in enumerate(external)} | {rid: i for i, rid in enumerate(internal)}
+def generate(llm: Any, prompts: list[list[int]], params: list[Any], abort_after: dict[int, int], obs: SchedulerLog,
+             arrive_step: list[int] | None = None) -> dict[str, Any]:
+    """``LLM.generate`` opened up: the requests go in through ``LLM.enqueue`` (at once, as
+    ``generate`` does, or request i before engine step ``arrive_step[i]``) and the engine is stepped
+    here, so that request i can be aborted once the scheduler (``obs.scheduler``, this process)
+    counts ``abort_after[i]`` output tokens for it: a client gone mid-stream. Returns tokens, request
+    ids and top-k lists in prompt order, and the aborted indices (their tokens are whatever the
+    engine returned, often none)."""
+    arrive = arrive_step or [0] * len(prompts)
+    internal: list[str] = [""] * len(prompts)
     engine = llm.llm_engine
     final: dict[int, Any] = {}
     aborted: list[int] = []
-    while engine.has_unfinished_requests():
+    index: dict[str, int] = {}
+    pending = sorted(range(len(prompts)), key=lambda i: (arrive[i], i))
+    step = 0
+    while pending or engine.has_unfinished_requests():
+        due = [i for i in pending if arrive[i] <= step]
+        if due:
+            ids = list(llm.enqueue([{"prompt_token_ids": prompts[i]} for i in due], [params[i] for i in due], use_tqdm=False))
+            for i, rid in zip(due, ids, strict=True):
+                internal[i] = rid
+                index[rid] = index[rid.rpartition("-")[0] or rid] = i
+            pending = [i for i in pending if i not in due]
+        step += 1
+        if not engine.has_unfinished_requests():
+            continue  # idle until the next arrival
         for o in engine.step():
             i = index.get(o.request_id)  # RequestOutput carries the external id (output_processor.py:371)
             if i is not None and o.finished:
                 final[i] = o
         sched = obs.scheduler
         for i, n in abort_after.items():
-            req = None if sched is None or i in aborted else sched.requests.get(internal[i])
+            req = None if sched is None or i in aborted or not internal[i] else sched.requests.get(internal[i])
             if req is not None and len(req.output_token_ids) >= n:
                 engine.abort_request([internal[i]], internal=True)
                 aborted.append(i)
@@ -285,6 +351,7 @@ def generate(llm: Any, prompts: list[list[int]], params: list[Any], abort_after:
     if any(i in final and final[i].outputs[0].logprobs for i in range(len(prompts))):
         topk = [[sorted(([int(tok), float(lp.logprob)] for tok, lp in step.items()), key=lambda x: -x[1])
                  for step in (final[i].outputs[0].logprobs or [])] if i in final else [] for i in range(len(prompts))]  # fmt: skip
+    external = [rid.rpartition("-")[0] or rid for rid in internal]
     return {"tokens": tokens, "request_ids": external, "internal_ids": internal, "aborted": sorted(aborted), "topk": topk}
 
 
@@ -334,7 +401,7 @@ def run_arm(name: str, args: argparse.Namespace) -> None:
         abort_after = {i: max(1, int(k["abort_after"] * m)) for i, (k, m) in enumerate(zip(kinds, max_tokens, strict=True))
                        if "abort_after" in k}  # fmt: skip
         t = time.time()
-        out = generate(llm, prompts, params, abort_after, obs)
+        out = generate(llm, prompts, params, abort_after, obs, w.get("arrive_step"))
         res["generate_s"] = round(time.time() - t, 2)
         res.update({k: out[k] for k in ("request_ids", "internal_ids", "tokens", "aborted")})
         if name == "nospec_big":
@@ -428,7 +495,7 @@ def summary(out: Path, runs: dict[str, dict[str, Any]], workload: dict[str, Any]
         "command": command, "device": "nvidia-h200", "settings": {
             "prompts": N_PROMPTS, "max_tokens": MAX_TOKENS, "max_prompt": MAX_PROMPT, "capacity_requests": CAPACITY,
             "budget": BUDGET, "dflash_k": DFLASH_K, "max_model_len": MAX_MODEL_LEN, "dtype": "float32",
-            "deadline_s": DEADLINE_S, "workload": workload.get("kind"), "prompt_lengths": workload.get("lengths"),
+            "deadline_s": DEADLINE_S, "workload": workload.get("workload", "preempt"), "prompt_source": workload.get("kind"), "prompt_lengths": workload.get("lengths"),
             "request_max_tokens": workload.get("max_tokens"),
             "mixed_kinds": [kind_label(k) for k in sampling_kinds(len(workload.get("lengths") or []), True)]},
         "arms": arms, "reading": pr.reading(arms), "elapsed_s": round(time.time() - T0, 1),
@@ -513,7 +580,7 @@ def main(argv: list[str] | None = None) -> int:
     else:
         for stale in list(WORK.glob("*.json")) + list(WORK.glob("*.log")) + list(WORK.glob("trace_*/*.jsonl")):
             stale.unlink()
-        workload = make_prompts(args.target)
+        workload = make_prompts(args.target, workload=WORKLOAD)
         (WORK / "prompts.json").write_text(json.dumps(workload))
         log(f"workload: {len(workload['prompts'])} prompts ({workload['kind']}), lengths {workload['lengths']}, "
             f"max_tokens {workload['max_tokens']}")  # fmt: skip
@@ -533,7 +600,9 @@ def main(argv: list[str] | None = None) -> int:
         what = (s.get("skipped") and f"skipped ({s['skipped']})") or s.get("error") or (
             f"{c['identical']}/{c['compared']} identical, divergent {[(d['index'], d['pos'], d['preempted_at']) for d in c['divergent']]}"
             if c else "reference")  # fmt: skip
-        print(f"{name:24s} preemptions={s.get('preemptions')} gen={s.get('generate_s')}s  {what}")
+        split = ((s.get("tree_metrics") or {}).get("hooks") or {}).get("gdn.mixed_split")
+        print(f"{name:24s} preemptions={s.get('preemptions')} gen={s.get('generate_s')}s  {what}"
+              + (f"  gdn.mixed_split={split}" if split else ""))
         for d in (c or {}).get("divergent", [])[:6]:
             line = ((d.get("trace") or {}).get("reading") or {}).get("line")
             if line:

@@ -17,13 +17,15 @@
 # start, install included: each arm's cap is its engine start (75 s for the first engine on a
 # fresh machine, 40 s after) plus its generation, cut to what is left; arms that would start with
 # under 45 s left are skipped. Knobs: TFM_PREEMPT_ARMS (comma list), TFM_PREEMPT_PROMPTS (12),
-# TFM_PREEMPT_MAX_TOKENS (768), TFM_PREEMPT_MAX_PROMPT (256), TFM_PREEMPT_CAPACITY (6).
+# TFM_PREEMPT_MAX_TOKENS (768), TFM_PREEMPT_MAX_PROMPT (256), TFM_PREEMPT_CAPACITY (6),
+# TFM_PREEMPT_WORKLOAD (preempt | near-max: drafter skipped near max_model_len, big KV arms), e.g.
+#   TFM_PREEMPT_WORKLOAD=near-max TFM_PREEMPT_ARMS=tfm_big,dflash_big,tfm_big_chain bash bench/run_gpu_preempt_repro.sh
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.." || exit 1
 OUT=${OUT:-/tmp/tfm-preempt-out}
 mkdir -p "$OUT"
 export TFM_PREEMPT_T0=${TFM_PREEMPT_T0:-$(date +%s)}
-export TFM_PREEMPT_COMMAND="bash bench/run_gpu_preempt_repro.sh${*:+ $*}"
+export TFM_PREEMPT_COMMAND="$(env | grep "^TFM_PREEMPT_" | grep -v "^TFM_PREEMPT_T0=" | sort | tr "\n" " ")bash bench/run_gpu_preempt_repro.sh${*:+ $*}"
 start=$TFM_PREEMPT_T0
 
 main() {

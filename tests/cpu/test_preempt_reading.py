@@ -147,6 +147,33 @@ def test_driver_args_and_workload() -> None:
     assert gpu_preempt_repro.arm_timeout("tfm_small", first=False) == gpu_preempt_repro.WARM_START_S + 150
 
 
+def test_near_max_workload() -> None:
+    w = gpu_preempt_repro.make_prompts(str(ROOT / "zoo" / "target"), n=12, workload="near-max")
+    lens, outs = w["lengths"], w["max_tokens"]
+    assert w["workload"] == "near-max" and [len(p) for p in w["prompts"]] == lens
+    long_idx = [i for i, n in enumerate(lens) if n > 96]
+    assert long_idx == [3, 7, 11]
+    assert [outs[i] for i in long_idx] == list(gpu_preempt_repro.NEAR_MAX_LONG_OUTPUTS)
+    # each long request ends one token short of max_model_len: the drafter (B + 1 query tokens) no longer fits
+    assert all(lens[i] + outs[i] == gpu_preempt_repro.MAX_MODEL_LEN - 1 for i in long_idx)
+    assert all(16 <= lens[i] <= 96 and 180 <= outs[i] <= 200 for i in range(12) if i not in long_idx)
+    with pytest.raises(ValueError, match="workload 'nearmax': choose one of"):
+        gpu_preempt_repro.make_prompts(str(ROOT / "zoo" / "target"), workload="nearmax")
+    args = gpu_preempt_repro.parse_args(["--arms", "tfm_big_chain,dflash_big,tfm_big"])
+    assert args.arm_list == ["nospec_big", "tfm_big", "dflash_big", "tfm_big_chain"]
+
+
+def test_stagger_workload() -> None:
+    w = gpu_preempt_repro.make_prompts(str(ROOT / "zoo" / "target"), n=12, workload="stagger")
+    lens, outs, arrive = w["lengths"], w["max_tokens"], w["arrive_step"]
+    assert [len(p) for p in w["prompts"]] == lens and len(arrive) == 12
+    assert arrive[:6] == [0] * 6 and arrive[6:] == [6, 10, 14, 18, 22, 26]
+    assert all(24 <= outs[i] <= 40 for i in range(3)) and all(240 <= outs[i] <= 260 for i in range(3, 6))
+    # late prompts fit the decode class of vLLM's reorder (at most 1 + B = 17 tokens)
+    assert all(3 <= lens[i] <= 14 for i in range(6, 12)) and all(16 <= lens[i] <= 96 for i in range(6))
+    assert gpu_preempt_repro.make_prompts(str(ROOT / "zoo" / "target"), n=4)["arrive_step"] == [0] * 4
+
+
 def test_sampling_kinds_of_the_mixed_arm() -> None:
     plain = gpu_preempt_repro.sampling_kinds(12, mixed=False)
     assert plain == [{"temperature": 0.0}] * 12

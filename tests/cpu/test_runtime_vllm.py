@@ -374,6 +374,106 @@ def test_gdn_patch_runs_spec_rows_as_trees_and_prefills_through_vllm(monkeypatch
     assert stash.prev_accepted.tolist() == [2] and stash.width == W
 
 
+def vllm026_forward_core(calls):
+    """A stand-in for vLLM 0.26's ``_forward_core`` with its row handling (qwen_gdn_linear_attn.py:
+    1180-1497), per-token output ``x[:, :HV] * a + b``: spec rows read q/k/v at their own tokens
+    but their gates ``a``/``b`` at 0-based spec positions (the kernel's ``bos`` from the spec rows'
+    ``cu_seqlens``), the other rows at their own tokens. Records every call's metadata."""
+
+    def f(x, a, b):
+        return (x[:, :HV] * a + b)[:, :, None].expand(-1, -1, V)
+
+    def forward_core(self, mixed_qkv, b, a, core_attn_out):
+        md = gdn_mod_md[0][self.prefix]
+        calls.append(md)
+        n = md.num_actual_tokens
+        x, a, b = mixed_qkv[:n], a[:n], b[:n]
+        if md.spec_sequence_masks is None or (md.num_prefills == 0 and md.num_decodes == 0):
+            core_attn_out[:n] = f(x, a, b)
+            return
+        si, ni = md.spec_token_indx.long(), md.non_spec_token_indx.long()
+        ts = si.shape[0]
+        core_attn_out.index_copy_(0, si, f(x[si], a[:ts], b[:ts]))  # the gates of tokens 0..ts-1
+        core_attn_out.index_copy_(0, ni, f(x[ni], a[ni], b[ni]))
+
+    return forward_core
+
+
+gdn_mod_md: list = [None]
+
+
+@pytest.mark.parametrize("order", ["decode_first", "spec_first"])
+def test_gdn_chain_step_keeps_spec_gates_with_their_rows(monkeypatch, order):
+    """A chain step (no trees) mixing a spec row with a plain decode that vLLM reclassified as a
+    prefill. vLLM 0.26 reads the spec row's gates at the wrong tokens when the plain decode comes
+    first; the patch then runs spec rows and other rows as two calls (and leaves a batch whose spec
+    rows lead to vLLM's single call)."""
+    gen = torch.Generator().manual_seed(3)
+    layer = fake_gdn_layer(gen, num_slots=10)
+    rows = ["d", "s"] if order == "decode_first" else ["s", "d"]
+    n_sched = np.array([1, 1 + S] if order == "decode_first" else [1 + S, 1])
+    STATE.step = build_step_tree(rows, n_sched, {"s": [3, 4, 5]}, ProposalStore(), allow_trees=True)
+    assert not STATE.step.tree_active and STATE.step.is_spec.tolist() == [r == "s" for r in rows]
+    t = 2 + S
+    spec_tok = torch.arange(1, t) if order == "decode_first" else torch.arange(0, 1 + S)
+    plain_tok = torch.tensor([0]) if order == "decode_first" else torch.tensor([1 + S])
+    md = gdn_metadata(num_prefills=1, num_prefill_tokens=1, num_spec_decodes=1, num_spec_decode_tokens=1 + S,
+                      num_actual_tokens=t, spec_sequence_masks=torch.tensor([r == "s" for r in rows]),
+                      spec_token_indx=spec_tok.to(torch.int32), non_spec_token_indx=plain_tok.to(torch.int32),
+                      spec_state_indices_tensor=torch.tensor([[4, 7, 1, 8]], dtype=torch.int32),
+                      num_accepted_tokens=torch.tensor([1], dtype=torch.int32),
+                      spec_query_start_loc=torch.tensor([0, 1 + S], dtype=torch.int32))
+    attn = {layer.prefix: md}
+    gdn_mod_md[0] = attn
+    monkeypatch.setattr("vllm.forward_context.get_forward_context", lambda: SimpleNamespace(attn_metadata=attn))
+    calls: list = []
+    monkeypatch.setitem(gdn_mod._ORIGINAL, "_forward_core", vllm026_forward_core(calls))
+    x = torch.randn(t, D, generator=gen, dtype=F64)
+    a = torch.randn(t, HV, generator=gen, dtype=F64)
+    b = torch.randn(t, HV, generator=gen, dtype=F64)
+    want = (x[:, :HV] * a + b)[:, :, None].expand(-1, -1, V)
+    unpatched = torch.zeros(t, HV, V, dtype=F64)
+    vllm026_forward_core([])(layer, x, b, a, unpatched)
+    out = torch.zeros(t, HV, V, dtype=F64)
+    gdn_mod.tree_forward_core(layer, x, b, a, out)
+    torch.testing.assert_close(out, want, rtol=0, atol=0)
+    assert attn[layer.prefix] is md  # metadata restored
+    if order == "decode_first":
+        assert not torch.equal(unpatched[spec_tok], want[spec_tok])  # vLLM's own call: other tokens' gates
+        spec_call, other_call = calls
+        assert spec_call.num_actual_tokens == 1 + S and spec_call.num_prefills == 0 and spec_call.num_decodes == 0
+        assert spec_call.spec_token_indx is None and spec_call.non_spec_state_indices_tensor is None
+        assert other_call.num_actual_tokens == 1 and other_call.spec_sequence_masks is None
+    else:
+        torch.testing.assert_close(unpatched, want, rtol=0, atol=0)  # spec rows lead: vLLM is right
+        assert calls == [md]  # one call, vLLM's metadata untouched
+
+
+def test_gdn_patch_is_vllms_code_outside_tfm_steps(monkeypatch):
+    """No tfm step (another method, a dummy run): vLLM's _forward_core as it is, even on a mixed batch."""
+    gen = torch.Generator().manual_seed(4)
+    layer = fake_gdn_layer(gen, num_slots=4)
+    md = gdn_metadata(num_prefills=1, num_prefill_tokens=1, num_spec_decodes=1, num_spec_decode_tokens=1 + S,
+                      num_actual_tokens=2 + S, spec_sequence_masks=torch.tensor([False, True]),
+                      spec_token_indx=torch.arange(1, 2 + S, dtype=torch.int32),
+                      non_spec_token_indx=torch.tensor([0], dtype=torch.int32))
+    attn = {layer.prefix: md}
+    gdn_mod_md[0] = attn
+    monkeypatch.setattr("vllm.forward_context.get_forward_context", lambda: SimpleNamespace(attn_metadata=attn))
+    calls: list = []
+    monkeypatch.setitem(gdn_mod._ORIGINAL, "_forward_core", vllm026_forward_core(calls))
+    x, a, b = torch.randn(2 + S, D, dtype=F64), torch.randn(2 + S, HV, dtype=F64), torch.randn(2 + S, HV, dtype=F64)
+    gdn_mod.tree_forward_core(layer, x, b, a, torch.zeros(2 + S, HV, V, dtype=F64))
+    assert calls == [md]
+
+
+def test_spec_rows_lead():
+    assert gdn_mod.spec_rows_lead(np.array([True, True, False]), 2)
+    assert not gdn_mod.spec_rows_lead(np.array([False, True, True]), 2)
+    assert not gdn_mod.spec_rows_lead(np.array([True, False, True]), 2)
+    assert not gdn_mod.spec_rows_lead(np.array([True, True, False]), 1)  # disagrees with vLLM's count
+
+
 @pytest.mark.parametrize("graph_mode", ["NONE", "PIECEWISE"])
 def test_gdn_stash_outlives_a_cuda_graph_piece(graph_mode):
     """Under piecewise CUDA graphs the op's inputs are graph-pool memory that later pieces reuse:

@@ -152,10 +152,81 @@ def tree_forward_core(self: Any, mixed_qkv: Tensor, b: Tensor, a: Tensor, core_a
     steps timed as stage ``gdn_layer``, its spec rows as ``gdn_tree`` (``stage_timing``)."""
     original = _ORIGINAL["_forward_core"]
     step = STATE.step
-    if step is None or not step.tree_active:
+    if step is None:  # not a tfm engine (the plugin leaves other methods alone), or no step yet
         return original(self, mixed_qkv=mixed_qkv, b=b, a=a, core_attn_out=core_attn_out)
+    if not step.tree_active:
+        return _chain_step_forward_core(self, step, original, mixed_qkv, b, a, core_attn_out)
     with TIMER.span("gdn_layer"):
         return _tree_step_forward_core(self, step, original, mixed_qkv, b, a, core_attn_out)
+
+
+def spec_rows_lead(is_spec: Any, num_spec_decodes: int) -> bool:
+    """True when the batch's spec-decode requests are its first ``num_spec_decodes`` rows (host data).
+
+    is_spec: [R] bool, batch order (``StepTree.is_spec``). False when the count disagrees with
+    vLLM's metadata: the caller then takes the path that does not depend on the order.
+    """
+    k = int(is_spec.sum())
+    return k == num_spec_decodes and bool(is_spec[:k].all())
+
+
+def _chain_step_forward_core(
+    self: Any, step: Any, original: Any, mixed_qkv: Tensor, b: Tensor, a: Tensor, core_attn_out: Tensor
+) -> None:
+    """``_forward_core`` of one GDN layer in a step without trees (chain drafts, vLLM's verification).
+
+    vLLM 0.26's mixed-batch path (spec decodes together with prefills or plain decodes reclassified
+    as prefills) is wrong when a spec row is not among the batch's first rows:
+    qwen_gdn_linear_attn.py:1376-1395 passes the whole batch's gates ``a`` and ``b`` to
+    ``fused_sigmoid_gating_delta_rule_update`` with the spec rows' own ``cu_seqlens`` (0-based) and
+    compacted q/k/v, and the kernel (fused_sigmoid_gating.py:66-72) reads the gate of spec token j
+    at batch token j, another row's. vLLM's row order lets that happen: a prompt of at most
+    1 + B tokens or a request scheduled without drafts counts as a "decode" for the decode-first
+    reorder and may sit before spec rows (a new request takes a finished request's row). The spec
+    rows then get another token's gates: wrong output and a wrong recurrent state, so greedy output
+    drifts from no speculation (bench/results/preempt_zoo.json, docs/guarantees.md). In such a
+    batch the spec rows and the other rows run as two calls of vLLM's own code, each on metadata
+    restricted to them (the spec call sees a batch of spec rows only, where the gates line up).
+    """
+    from vllm.forward_context import get_forward_context
+
+    md_all = get_forward_context().attn_metadata
+    if not isinstance(md_all, dict) or self.prefix not in md_all:
+        return original(self, mixed_qkv=mixed_qkv, b=b, a=a, core_attn_out=core_attn_out)
+    md = md_all[self.prefix]
+    mixed = md.spec_sequence_masks is not None and (md.num_prefills > 0 or md.num_decodes > 0)
+    if not mixed or (step.is_spec is not None and spec_rows_lead(step.is_spec, md.num_spec_decodes)):
+        return original(self, mixed_qkv=mixed_qkv, b=b, a=a, core_attn_out=core_attn_out)
+    if STATE.metrics is not None:
+        STATE.metrics.hook("gdn.mixed_split")
+    spec_idx = md.spec_token_indx.to(torch.long)
+    spec_md = dataclasses.replace(
+        md,
+        num_prefills=0,
+        num_prefill_tokens=0,
+        num_decodes=0,
+        num_decode_tokens=0,
+        num_actual_tokens=md.num_spec_decode_tokens,
+        non_spec_query_start_loc=None,
+        non_spec_state_indices_tensor=None,
+        spec_token_indx=None,
+        non_spec_token_indx=None,
+    )
+    spec_out = core_attn_out.new_zeros((spec_idx.shape[0], *core_attn_out.shape[1:]))
+    md_all[self.prefix] = spec_md
+    try:
+        original(
+            self,
+            mixed_qkv=mixed_qkv.index_select(0, spec_idx),
+            b=b.index_select(0, spec_idx),
+            a=a.index_select(0, spec_idx),
+            core_attn_out=spec_out,
+        )
+    finally:
+        md_all[self.prefix] = md
+    core_attn_out.index_copy_(0, spec_idx, spec_out)
+    _non_spec_rows(self, md_all, md, original, mixed_qkv, b, a, core_attn_out)
+    return None
 
 
 def _tree_step_forward_core(
@@ -217,7 +288,15 @@ def _tree_step_forward_core(
             core_attn_out[:num_tokens] = out
             return None
         core_attn_out.index_copy_(0, spec_idx, out)
-    # the other rows (prefills, incl. plain decodes vLLM reclassified as prefills) via vLLM
+    _non_spec_rows(self, md_all, md, original, mixed_qkv, b, a, core_attn_out)
+    return None
+
+
+def _non_spec_rows(
+    self: Any, md_all: dict, md: Any, original: Any, mixed_qkv: Tensor, b: Tensor, a: Tensor, core_attn_out: Tensor
+) -> None:
+    """The rows that are not spec decodes (prefills, incl. plain decodes vLLM reclassified as
+    prefills) through vLLM's ``_forward_core`` on metadata restricted to them, scattered back."""
     ns_idx = md.non_spec_token_indx.to(torch.long)
     sub = dataclasses.replace(
         md,
@@ -244,7 +323,6 @@ def _tree_step_forward_core(
     finally:
         md_all[self.prefix] = md
     core_attn_out.index_copy_(0, ns_idx, ns_out)
-    return None
 
 
 def install_gdn_patch() -> None:
