@@ -219,7 +219,9 @@ def render_markdown(results: dict[str, Any]) -> str:
         "tfm replays it (acceptance replay), DFlash uses vLLM's synthetic rejection mode with the chain entry."),
         ("Ratios are like for like: a CUDA-graph arm is divided by the graph run of no-spec / DFlash where that "
          "ran, an eager arm by the eager one."
-         + (f" tfm switches: {', '.join(f'{k}={v}' for k, v in s['tfm_env'].items())}." if s.get("tfm_env") else "")),
+         + (f" tfm switches: {', '.join(f'{k}={v}' for k, v in s['tfm_env'].items())}." if s.get("tfm_env") else "")
+         + (" Tokens/s from runs with the stage timers paused (clean runs)." if s.get("clean_run")
+            else " Tokens/s from the timed runs (stage timers on: they include the timers' own cost).")),
         "",
     ]
     metric_names = {b: summ["batches"][str(b)]["metric"] for b in batches}

@@ -282,6 +282,14 @@ def test_render_markdown_ratios_goals_and_skips() -> None:
         e2e_report.render_markdown({"format": "x"})
 
 
+def test_tokens_per_s_come_from_clean_runs_unless_told_otherwise() -> None:
+    res = results()
+    res["settings"]["clean_run"] = True
+    assert "Tokens/s from runs with the stage timers paused (clean runs)." in e2e_report.render_markdown(res)
+    res["settings"]["clean_run"] = False
+    assert "Tokens/s from the timed runs (stage timers on" in e2e_report.render_markdown(res)
+
+
 def forward_stages(forward: float, gdn: float, attn: float) -> dict:
     """Stage dicts as collect_stage_timings gives them (per-step sums over 48 GDN / 16 attention layers)."""
     return {"target_forward": {"per_step_ms": forward}, "sample": {"per_step_ms": 0.5},
