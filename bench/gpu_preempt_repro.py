@@ -435,18 +435,23 @@ def load(name: str) -> dict[str, Any] | None:
 
 
 def trace_divergences(a: dict[str, Any], cmp: dict[str, Any], limit: int = 8) -> dict[str, Any] | None:
-    """The request trace at each divergence of a traced arm (bench/trace_reading.py), in place."""
-    if not a.get("trace_dir") or not cmp["divergent"]:
+    """The request trace of a traced arm (bench/trace_reading.py): its mixed chain steps, and at
+    each divergence the trace read there (in place)."""
+    if not a.get("trace_dir"):
         return None
     files = sorted(Path(a["trace_dir"]).glob("trace-*.jsonl"))
     if not files:
         return {"error": "no trace file"}
     index_of = tr.index_from_map(pr.prompt_index_of(a["request_ids"]))
+    out: dict[str, Any] = {"files": [p.name for p in files],
+                           "mixed_steps": tr.mixed_step_summary(({**r, "f": f} for f, r in tr.iter_records(files)), index_of)}
+    if not cmp["divergent"]:
+        return out
     kinds = dict(enumerate(a.get("kinds") or []))
     ex = tr.extract(files, index_of, [d["index"] for d in cmp["divergent"][:limit]])
     for d in cmp["divergent"][:limit]:
         d["trace"] = tr.explain(ex, d["index"], d["pos"], index_of, kinds, max_records=60, mate_steps=4)
-    return {"files": [p.name for p in files], "records": ex.records, "truncated": ex.truncated}
+    return {**out, "records": ex.records, "truncated": ex.truncated}
 
 
 def arm_summary(name: str, run: dict[str, Any], ref: dict[str, Any] | None) -> dict[str, Any]:
@@ -601,8 +606,10 @@ def main(argv: list[str] | None = None) -> int:
             f"{c['identical']}/{c['compared']} identical, divergent {[(d['index'], d['pos'], d['preempted_at']) for d in c['divergent']]}"
             if c else "reference")  # fmt: skip
         split = ((s.get("tree_metrics") or {}).get("hooks") or {}).get("gdn.mixed_split")
+        ms = (s.get("trace") or {}).get("mixed_steps")
         print(f"{name:24s} preemptions={s.get('preemptions')} gen={s.get('generate_s')}s  {what}"
-              + (f"  gdn.mixed_split={split}" if split else ""))
+              + (f"  gdn.mixed_split={split}" if split else "")
+              + (f"  misordered_mixed_steps={ms['misordered_mixed_steps']}/{ms['mixed_non_tree_steps']}" if ms else ""))
         for d in (c or {}).get("divergent", [])[:6]:
             line = ((d.get("trace") or {}).get("reading") or {}).get("line")
             if line:

@@ -518,8 +518,10 @@ def trace_divergences(res: dict[str, Any], specs: Sequence[sc.RequestSpec], trac
     info["files"] = [p.name for p in files]
     info["bytes"] = sum(p.stat().st_size for p in files)
     divs = (res.get("greedy_vs_nospec") or {}).get("divergences") or []
+    index_of = tr.index_from_header(LOAD_ID_PREFIX)
+    if files:  # chain steps with a plain row in front of spec rows (vLLM 0.26's GDN gate misread)
+        info["mixed_steps"] = tr.mixed_step_summary(({**rec, "f": f} for f, rec in tr.iter_records(files)), index_of)
     if files and divs:
-        index_of = tr.index_from_header(LOAD_ID_PREFIX)
         kinds = {s.index: request_kind(s) for s in specs}
         ex = tr.extract(files, index_of, [d["index"] for d in divs[:limit]])
         info.update({"records": ex.records, "truncated": ex.truncated})
@@ -590,6 +592,10 @@ def summary_text(res: dict[str, Any]) -> str:
         )
         if s["error_kinds"]:
             lines.append(f"          errors: {s['error_kinds']}")
+    ms = (res.get("trace") or {}).get("mixed_steps")
+    if ms:
+        lines.append(f"trace: {ms['misordered_mixed_steps']} of {ms['mixed_non_tree_steps']} mixed chain steps with a plain row "
+                     f"in front of spec rows (requests behind it: {ms['requests_behind_plain_row'][:20]})")  # fmt: skip
     cmp = res.get("greedy_vs_nospec")
     if cmp:
         lines.append(f"greedy identical to no-spec: {cmp['identical']}/{cmp['compared']}")

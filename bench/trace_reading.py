@@ -8,7 +8,11 @@ bench/gpu_preempt_repro.py, tested on CPU (tests/cpu/test_trace_reading.py).
   request up to a few steps after the position, the other requests of the steps around it with
   their sampling kind, and a short reading (``reading``): was it resumed after a preemption before
   the divergence, re-added after being left out, its GDN offsets restored or moved, verified by
-  vLLM's sampler, its tree cut by the scheduler, ... or none of these.
+  vLLM's sampler, its tree cut by the scheduler, a spec row behind a plain row in a chain step,
+  ... or none of these;
+* ``misordered_steps`` / ``mixed_step_summary``: the mixed non-tree steps whose spec rows do not
+  lead the batch (vLLM 0.26 reads the gates of the spec rows behind a plain row at other tokens:
+  docs/guarantees.md, "Fixed: greedy divergence in mixed chain steps"), per step and over a trace.
 
 Request ids: the engine's ids are ``<external id>-<8 hex>``; ``vllm serve`` builds the external id
 of a completion from the ``X-Request-Id`` header as ``cmpl-<header>-<choice>``, ``LLM.generate``
@@ -20,7 +24,7 @@ from __future__ import annotations
 import json
 import re
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
-from itertools import pairwise
+from itertools import groupby, pairwise
 from pathlib import Path
 from typing import Any
 
@@ -32,6 +36,8 @@ __all__ = [
     "index_from_header",
     "index_from_map",
     "iter_records",
+    "misordered_steps",
+    "mixed_step_summary",
     "reading",
     "record_at_position",
 ]
@@ -41,6 +47,8 @@ MATE_KEYS = ("n", "d", "t", "tree", "new", "res", "back", "fix", "acc")
 """What ``explain`` keeps of the other requests of a step."""
 STEP_KEYS = ("tree", "dep", "lk", "prop", "new", "res", "back", "fix", "a0", "a", "n", "d", "acc")
 """What ``reading`` repeats of the divergent step's record."""
+GDN_MISREAD = ("chain step with a plain row in front of this spec row (vLLM 0.26 mixed-batch GDN gate misread; "
+               "fixed for tfm engines in runtime/gdn.py)")  # fmt: skip
 
 
 def index_from_header(prefix: str) -> IndexOf:
@@ -127,9 +135,72 @@ def record_at_position(records: Sequence[Mapping[str, Any]], pos: int) -> int | 
     return None
 
 
-def reading(records: Sequence[Mapping[str, Any]], k: int, pos: int) -> dict[str, Any]:
+def _mixed_step(step: Sequence[Mapping[str, Any]]) -> dict[str, Any] | None:
+    """One step's records (same ``f`` and ``s``): None unless it is a mixed non-tree step (spec rows
+    and other rows, ``path`` not "tree"); else ``plain_in_front`` (the other rows with a lower
+    ``row`` than the last spec row) and ``spec_behind`` (the spec rows behind the first other row),
+    both empty when the spec rows lead."""
+    rows = [rec for rec in step if "row" in rec]
+    spec = [rec for rec in rows if rec.get("spec")]
+    plain = [rec for rec in rows if not rec.get("spec")]
+    if not spec or not plain or step[0].get("path") == "tree":
+        return None
+    first_plain, last_spec = min(int(rec["row"]) for rec in plain), max(int(rec["row"]) for rec in spec)
+    return {
+        "f": step[0].get("f"), "s": step[0]["s"], "path": step[0].get("path"),
+        "plain_in_front": [{"row": rec["row"], "r": rec["r"], "n": rec.get("n")} for rec in plain if int(rec["row"]) < last_spec],
+        "spec_behind": [{"row": rec["row"], "r": rec["r"], "n": rec.get("n")} for rec in spec if int(rec["row"]) > first_plain],
+    }  # fmt: skip
+
+
+def _mixed_steps(records: Iterable[Mapping[str, Any]]) -> Iterator[dict[str, Any]]:
+    """``_mixed_step`` of every step; a step's records are consecutive (the tracer writes a step at once)."""
+    for _, step in groupby(records, key=lambda rec: (rec.get("f"), rec["s"])):
+        m = _mixed_step(list(step))
+        if m is not None:
+            yield m
+
+
+def misordered_steps(records: Iterable[Mapping[str, Any]]) -> list[dict[str, Any]]:
+    """The misordered mixed non-tree steps of ``records`` (a step's records consecutive, steps told
+    apart by file ``f`` and step ``s``): some row that vLLM does not verify as a spec decode sits in
+    front of a spec row. Per step: ``f``, ``s``, ``path``, ``plain_in_front`` and ``spec_behind``
+    (``row``, request id ``r``, ``n`` of each)."""
+    return [m for m in _mixed_steps(records) if m["spec_behind"]]
+
+
+def mixed_step_summary(records: Iterable[Mapping[str, Any]], index_of: IndexOf | None = None, first: int = 5) -> dict[str, Any]:
+    """Over a whole trace: how many mixed non-tree steps, how many of them misordered, the requests
+    that were spec rows behind a plain row (workload indices by ``index_of``, else request ids) and
+    the ``first`` misordered steps (step, path, rows in front, number of spec rows behind)."""
+    mixed = bad = 0
+    indices: set[int] = set()
+    ids: set[str] = set()
+    firsts = []
+    for m in _mixed_steps(records):
+        mixed += 1
+        if not m["spec_behind"]:
+            continue
+        bad += 1
+        for x in m["spec_behind"]:
+            i = index_of(str(x["r"])) if index_of is not None else None
+            if i is None:
+                ids.add(str(x["r"]))
+            else:
+                indices.add(i)
+        if len(firsts) < first:
+            firsts.append({"f": m["f"], "s": m["s"], "path": m["path"], "plain_rows": [x["row"] for x in m["plain_in_front"]],
+                           "spec_rows_behind": len(m["spec_behind"])})  # fmt: skip
+    return {"mixed_non_tree_steps": mixed, "misordered_mixed_steps": bad,
+            "requests_behind_plain_row": [*sorted(indices), *sorted(ids)],
+            "first_misordered": firsts}  # fmt: skip
+
+
+def reading(records: Sequence[Mapping[str, Any]], k: int, pos: int,
+            misordered: Sequence[Mapping[str, Any]] = ()) -> dict[str, Any]:  # fmt: skip
     """What happened to a request before (and at) the step ``records[k]`` that emitted the
-    divergent output position ``pos``."""
+    divergent output position ``pos``; ``misordered``: ``misordered_steps`` of (at least) the
+    request's steps, to tell the steps at or before ``records[k]`` where it sat behind a plain row."""
     at = records[k]
     before = records[:k]
     upto = records[: k + 1]
@@ -151,7 +222,13 @@ def reading(records: Sequence[Mapping[str, Any]], k: int, pos: int) -> dict[str,
         "steps_before": len(before),
         "gaps_before": sum(1 for a, b in pairwise(upto) if b.get("f") == a.get("f") and int(b["s"]) > int(a["s"]) + 1),
     }
+    mine = {(rec.get("f"), rec.get("s")) for rec in upto}
+    r["behind_plain_row_before"] = [m["s"] for m in misordered if (m.get("f"), m.get("s")) in mine
+                                    and any(x["r"] == at.get("r") for x in m["spec_behind"])]  # fmt: skip
     found = []
+    if r["behind_plain_row_before"]:
+        steps = r["behind_plain_row_before"]
+        found.append(f"step {steps[0]}: {GDN_MISREAD}" if len(steps) == 1 else f"steps {steps[-5:]}: {GDN_MISREAD}")
     if r["resumed_before"]:
         last = r["resumed_before"][-1]
         found.append(f"resumed after a preemption at step {last}" + (" (the divergent step itself)" if last == at.get("s") else ""))
@@ -171,7 +248,8 @@ def reading(records: Sequence[Mapping[str, Any]], k: int, pos: int) -> dict[str,
     r["none_of_these"] = not found
     head = (f"diverged at output {pos}: token {in_step} ({r['token_kind']}) of step {at.get('s')} "
             f"({at.get('path')} path{', tree depth ' + str(at['dep']) if at.get('tree') else ''}, {acc} drafts accepted)")  # fmt: skip
-    r["line"] = head + ("; " + "; ".join(found) if found else "; none of: resumed, left out, offsets fixed, vLLM's sampler, cut tree")
+    r["line"] = head + ("; " + "; ".join(found) if found else "; none of: resumed, left out, offsets fixed, vLLM's sampler, cut tree, "
+                               "plain row in front")
     return r
 
 
@@ -214,11 +292,13 @@ def explain(
             m.update({key: o[key] for key in MATE_KEYS if key in o})
             others.append(m)
         mates.append({"s": rec["s"], "path": rec.get("path"), "others": others})
+    mine = [(rec["f"], int(rec["s"])) for rec in recs[: k + 1]]
+    misordered = misordered_steps({**o, "f": key[0]} for key in mine for o in ex.steps.get(key, []))
     return {
         "divergent_step": recs[k]["s"],
         "records": kept,
         "records_dropped_before": dropped,
         "step_mates": mates,
-        "reading": reading(recs, k, pos),
+        "reading": reading(recs, k, pos, misordered),
         "trace_truncated": ex.truncated,
     }

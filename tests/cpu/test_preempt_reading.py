@@ -222,6 +222,10 @@ def test_driver_summary_of_a_traced_mixed_arm(tmp_path, monkeypatch) -> None:
              "new": 1, "t": 0.0},
             {"s": 0, "r": "1-11111111", "row": 1, "n": 9, "d": 0, "spec": 0, "path": "plain", "no": 0, "out": [7], "acc": 0,
              "new": 1, "t": 0.8},
+            {"s": 1, "r": "3-33333333", "row": 0, "n": 1, "d": 0, "spec": 0, "path": "chains", "no": 0, "out": [19], "acc": 0,
+             "t": 0.0},  # a chain step with a plain row in front of request 0's spec row
+            {"s": 1, "r": "0-00000000", "row": 1, "n": 5, "d": 4, "spec": 1, "path": "chains", "no": 0, "out": [1], "acc": 0,
+             "t": 0.0},
             {"s": 3, "r": "2-0a0b0c0d", "row": 0, "n": 17, "d": 16, "spec": 1, "path": "tree", "tree": 1, "dep": 3, "no": 1,
              "out": [14, 15, 99], "acc": 2, "back": 1, "a0": 1, "a": 3, "fix": "restore", "t": 0.0}]  # fmt: skip
     (trace / "trace-9.jsonl").write_text("\n".join(json.dumps(r) for r in recs) + "\n")
@@ -233,12 +237,15 @@ def test_driver_summary_of_a_traced_mixed_arm(tmp_path, monkeypatch) -> None:
     runs = {"nospec_big": {}, "tfm_small": {"rc": 0}, "tfm_mixed": {"rc": 0}}
     s = gpu_preempt_repro.arm_summary("tfm_mixed", runs["tfm_mixed"], json.loads((tmp_path / "nospec_big.json").read_text()))
     c = s["comparison"]
-    assert c["compared"] == 3 and c["divergent_indices"] == [2] and s["trace"]["records"] == 3
+    assert c["compared"] == 3 and c["divergent_indices"] == [2] and s["trace"]["records"] == 5
+    assert s["trace"]["mixed_steps"] == {"mixed_non_tree_steps": 1, "misordered_mixed_steps": 1, "requests_behind_plain_row": [0],
+                                         "first_misordered": [{"f": 0, "s": 1, "path": "chains", "plain_rows": [0],
+                                                               "spec_rows_behind": 1}]}  # fmt: skip
     (d,) = c["divergent"]
     assert d["pos"] == 3 and d["preempted_at"] == [1] and d["since_resume"] == 2
     rd = d["trace"]["reading"]
     assert rd["step"] == 3 and rd["token_in_step"] == 2 and rd["token_kind"] == "bonus"
-    assert rd["left_out_before"] == [3] and rd["offsets_fixed_before"] == ["3:restore"]
+    assert rd["left_out_before"] == [3] and rd["offsets_fixed_before"] == ["3:restore"] and rd["behind_plain_row_before"] == []
     assert d["trace"]["step_mates"][0]["others"] == [{"i": 1, "kind": "t=0.8 seed=1001", "n": 9, "d": 0, "t": 0.8, "new": 1,
                                                       "acc": 0}]  # fmt: skip
     assert gpu_preempt_repro.tfm_diverged(runs) is True

@@ -289,6 +289,8 @@ def test_preempt_phase_puts_the_trace_of_a_divergence_into_the_result(tmp_path: 
     assert rd["resumed_before"] == [recs[1]["s"]] and not rd["none_of_these"]
     assert "resumed after a preemption at step" in rd["line"] and "(the divergent step itself)" in rd["line"]
     assert res["trace"]["files"] and res["trace"]["records"] > 0 and res["trace"]["archive"] == soak.TRACE_ARCHIVE
+    assert res["trace"]["mixed_steps"] == {"mixed_non_tree_steps": 0, "misordered_mixed_steps": 0,  # one row a step, tree path
+                                           "requests_behind_plain_row": [], "first_misordered": []}  # fmt: skip
     assert (tmp_path / soak.TRACE_ARCHIVE).is_file() and not (tmp_path / "trace_tfm_small").exists()
     saved = json.loads((tmp_path / "preempt.json").read_text())
     assert saved["greedy_vs_nospec"]["divergences"][0]["trace"]["reading"]["line"] == rd["line"]
