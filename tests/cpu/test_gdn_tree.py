@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from _trees import path_of, ragged, random_tree_parents
-from vllm_tfm.verify.gdn import gdn_chain_recurrence, gdn_gates, gdn_tree_commit, gdn_tree_verify
+from vllm_tfm.verify.gdn import gdn_chain_chunked, gdn_chain_recurrence, gdn_gates, gdn_tree_commit, gdn_tree_verify
 
 F64 = torch.float64
 
@@ -143,6 +143,39 @@ def test_chain_tree_equals_chain_recurrence_over_whole_sequence():
     want, _ = gdn_chain_recurrence(c["q"], c["k"], c["v"], c["g"], c["beta"], s0)
     assert rel_err(o, want) < 1e-12
     assert delta.shape == c["v"].shape and delta.dtype == F64
+
+
+@pytest.mark.parametrize("n", [1, 2, 63, 64, 65, 200])
+@pytest.mark.parametrize("chunk", [1, 16, 64])
+def test_chunked_chain_equals_per_token_recurrence(n, chunk):
+    """The chunked form (float32 prefill) against the per-token oracle, float64, GVA group 2,
+    a nonzero entering state, chunk boundaries inside, at and past the sequence's end."""
+    c = make_case([torch.arange(-1, n - 1)], h=2, hv=4, seed=11 + n)
+    s0 = c["ssm_state"][int(c["state_indices"][0])]
+    want_o, want_s = gdn_chain_recurrence(c["q"], c["k"], c["v"], c["g"], c["beta"], s0, scale=0.3)
+    o, s = gdn_chain_chunked(c["q"], c["k"], c["v"], c["g"], c["beta"], s0, scale=0.3, chunk=chunk)
+    assert rel_err(o, want_o) < 1e-12 and rel_err(s, want_s) < 1e-12
+    assert o.dtype == F64 and s.dtype == F64 and not torch.equal(s, s0)
+
+
+def test_chunked_chain_with_large_gates_and_float32():
+    """Gates of -40 per token: e^{G_i - G_j} for j > i overflows before its mask (it must be
+    masked, not multiplied); float32 inputs give float32 math within rounding of float64."""
+    n = 130
+    c = make_case([torch.arange(-1, n - 1)], h=1, hv=2, seed=5,
+                  g_override=lambda gen, t, hv: -40.0 * torch.rand(t, hv, generator=gen, dtype=F64))
+    s0 = c["ssm_state"][0]
+    want_o, want_s = gdn_chain_recurrence(c["q"], c["k"], c["v"], c["g"], c["beta"], s0)
+    o, s = gdn_chain_chunked(c["q"], c["k"], c["v"], c["g"], c["beta"], s0)
+    assert torch.isfinite(o).all() and rel_err(o, want_o) < 1e-12 and rel_err(s, want_s) < 1e-12
+    f32 = {k: c[k].float() for k in ("q", "k", "v", "g", "beta")}
+    o32, s32 = gdn_chain_chunked(f32["q"], f32["k"], f32["v"], f32["g"], f32["beta"], s0.float())
+    r32, t32 = gdn_chain_recurrence(f32["q"], f32["k"], f32["v"], f32["g"], f32["beta"], s0.float())
+    assert o32.dtype == torch.float32 and rel_err(o32, want_o) < 1e-4 and rel_err(s32, want_s) < 1e-4
+    # no less accurate than the per-token recurrence in float32 (within a small factor)
+    assert rel_err(o32, want_o) < 4 * rel_err(r32, want_o) + 1e-6 and rel_err(s32, want_s) < 4 * rel_err(t32, want_s) + 1e-6
+    with pytest.raises(ValueError, match="chunk must be >= 1, got 0"):
+        gdn_chain_chunked(c["q"], c["k"], c["v"], c["g"], c["beta"], s0, chunk=0)
 
 
 @pytest.mark.parametrize("group", [2, 4])

@@ -1,11 +1,11 @@
-"""Float32 GDN prefill patch: exact recurrence for float32, vLLM's kernel for everything else."""
+"""Float32 GDN prefill patch: the chunked delta rule for float32, vLLM's kernel for everything else."""
 
 import pytest
 import torch
 
 pytest.importorskip("vllm")
 
-from vllm_tfm.verify.gdn import gdn_chain_recurrence  # noqa: E402
+from vllm_tfm.verify.gdn import gdn_chain_chunked, gdn_chain_recurrence  # noqa: E402
 from vllm_tfm.vllm_plugin.fp32_prefill import fp32_chunk_gated_delta_rule, install_fp32_prefill  # noqa: E402
 
 
@@ -23,14 +23,17 @@ def _inputs(dtype: torch.dtype, lengths: list[int], h: int = 2, hv: int = 4, kd:
 
 
 def test_varlen_prefill_equals_per_sequence_recurrence() -> None:
-    lengths = [3, 1, 5]
+    lengths = [3, 1, 5, 130]  # the last one spans three 64-token chunks
     q, k, v, gate, beta, state, cu = _inputs(torch.float32, lengths)
     out = torch.full((sum(lengths), 4, 8), float("nan"))
     o, final = fp32_chunk_gated_delta_rule(q, k, v, gate, beta, state, True, cu, True, out)
     for n, (s, e) in enumerate(zip(cu[:-1].tolist(), cu[1:].tolist())):
-        ref_o, ref_s = gdn_chain_recurrence(q[0, s:e], k[0, s:e], v[0, s:e], gate[0, s:e], beta[0, s:e], state[n])
-        torch.testing.assert_close(o[0, s:e], ref_o, rtol=0, atol=0)
-        torch.testing.assert_close(final[n], ref_s, rtol=0, atol=0)
+        # the oracle in float64 on the same float32 inputs: the chunked form is float32 rounding away
+        f64 = [x.double() for x in (q[0, s:e], k[0, s:e], v[0, s:e], gate[0, s:e], beta[0, s:e], state[n])]
+        ref_o, ref_s = gdn_chain_recurrence(*f64)
+        assert o.dtype == torch.float32 and final.dtype == torch.float32
+        torch.testing.assert_close(o[0, s:e].double(), ref_o, rtol=1e-5, atol=2e-6)
+        torch.testing.assert_close(final[n].double(), ref_s, rtol=1e-5, atol=2e-6)
     torch.testing.assert_close(out, o[0], rtol=0, atol=0)  # core_attn_out fully written
 
 
@@ -50,7 +53,7 @@ def test_patch_routes_only_float32() -> None:
 
     q, k, v, gate, beta, state, cu = _inputs(torch.float32, [4])
     o, final = patched(object(), q, k, v, gate, beta, state, True, cu)
-    ref_o, ref_s = gdn_chain_recurrence(q[0], k[0], v[0], gate[0], beta[0], state[0])
+    ref_o, ref_s = gdn_chain_chunked(q[0], k[0], v[0], gate[0], beta[0], state[0])
     torch.testing.assert_close(o[0], ref_o, rtol=0, atol=0)
 
     # bf16 goes to vLLM's original (replaced here by a recorder to avoid running Triton on CPU)
