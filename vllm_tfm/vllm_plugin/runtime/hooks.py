@@ -349,12 +349,19 @@ def _wrap_sample_tokens(orig: Callable) -> Callable:
     return sample_tokens
 
 
+def _allocator_mib() -> tuple[float, float]:
+    """(allocated, reserved) MiB of torch's caching allocator on this process's current device."""
+    return torch.cuda.memory_allocated() / (1 << 20), torch.cuda.memory_reserved() / (1 << 20)
+
+
 def _log_interval_stats() -> None:
     """Every ``VLLM_LOG_STATS_INTERVAL`` seconds (vLLM's own stats interval, default 10), one line on
-    tfm's steps (docs/metrics.md), from tensor-parallel rank 0 only."""
+    tfm's steps (docs/metrics.md), from tensor-parallel rank 0 only; on CUDA it ends with the torch
+    allocator's allocated / reserved MiB (no device sync)."""
     if STATE.metrics is None or not STATE.log_stats:
         return
-    line = STATE.metrics.interval_report(time.monotonic(), STATE.log_stats_interval_s)
+    memory = _allocator_mib if torch.cuda.is_available() else None
+    line = STATE.metrics.interval_report(time.monotonic(), STATE.log_stats_interval_s, memory)
     if line is not None:
         stats_logger.info(line)
 
