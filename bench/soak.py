@@ -12,9 +12,9 @@ temperatures / top-p / top-k with seeds) goes to the tfm server, with the reques
 (docs/guarantees.md) sent alongside; then the same requests and probes go to the no-spec server.
 Reported: errors (goal 0), greedy outputs identical to no-spec (goal 100% in float32; every
 divergence re-checked against the no-spec top-2 log-probability margin), GPU memory of each server
-before / during / after (goal flat), p50/p99 latency and throughput of both, the spec-decode
-counters from ``/metrics``, that both servers drained (no running / waiting request, KV usage 0),
-the probes' outcomes, and ERROR / Traceback lines in the server logs.
+before / during / after (goal flat, see "Memory" below), p50/p99 latency and throughput of both,
+the spec-decode counters from ``/metrics``, that both servers drained (no running / waiting
+request, KV usage 0), the probes' outcomes, and ERROR / Traceback lines in the server logs.
 
 ``--phase preempt``: a tfm server whose KV cache holds about ``--preempt-capacity`` max-length
 requests (``--kv-cache-memory-bytes`` estimated from the model shapes; the log's "Maximum
@@ -26,6 +26,19 @@ must grow and greedy outputs must equal no-spec. The tfm server runs with the re
 each greedy divergence gets the trace records of its request up to a few steps past the
 divergence, the other requests of those steps and a reading (bench/trace_reading.py); the trace
 itself is packed into ``OUT/tfm_small_trace.jsonl.gz``.
+
+Memory (both phases): the tfm server's load runs twice, the second round being the requests of
+the first that started, again, in the same order, with the probes alongside (``X-Request-Id:
+again-<index>``; its greedy outputs are compared with no-spec too). An engine allocates some
+memory once, at the first batches of each size and kind (torch's caching allocator keeps the
+peak of each new shape reserved; a warm-up of a few short greedy requests does not reach the
+load's shapes), so the first round's growth (``memory_first_round_mib``) is reported but not
+judged; the growth over the second round, which repeats the first round's shapes, is the leak
+test: ``memory_flat`` is ``memory_delta_mib`` (second round, after - before, nvidia-smi's
+per-process figure) <= ``memory_flat_mib``. ``--one-round`` (or a phase too short for it) judges
+the first round as before. The tfm engine's stats lines end with the torch allocator's allocated
+/ reserved MiB (docs/metrics.md), summarised per round as ``allocator``: growth that nvidia-smi
+shows but the allocator does not is CUDA context or kernel-module memory.
 
 Models: ``--target zoo/target --drafter zoo/drafter`` (defaults, the trained toy zoo), or
 ``--random``: a random float32 tiny Qwen3.5 hybrid target with decisive logits, a byte-level
@@ -69,6 +82,7 @@ from soak_server import (
     Role,
     Server,
     _nvidia_smi,
+    allocator_summary,
     log,
     log_facts,
     start_servers,
@@ -107,11 +121,15 @@ class SoakConfig:
     trace_max_mb: float = 128.0  # bound of the tfm_small server's request trace (VLLM_TFM_TRACE_MAX_MB)
     settle_s: float = 2.0  # wait after a load has drained before reading memory
     probe_delay_s: float = 10.0  # the probes start this long after the load (capped at a quarter of its budget)
+    second_round: bool = True  # run the tfm load twice and judge memory on the second round (module doc)
+    first_round_share: float = 0.55  # of the tfm server's time, when a second round follows
 
 
 Launcher = Callable[[Role, SoakConfig], list[str]]
 LOAD_ID_PREFIX = "load-"
 """``X-Request-Id`` of load request i is ``load-<i>``: vLLM names it ``cmpl-load-<i>-0-<8 hex>``."""
+AGAIN_ID_PREFIX = "again-"
+"""``X-Request-Id`` of request i in the second round (its trace records stay apart from the first's)."""
 TRACE_ARCHIVE = "tfm_small_trace.jsonl.gz"
 
 
@@ -146,13 +164,16 @@ def vllm_command(role: Role, cfg: SoakConfig) -> list[str]:
 
 # ============================================================================== one load on one server
 def load_on(
-    server: Server, specs: Sequence[sc.RequestSpec], cfg: SoakConfig, budget_s: float, probe_prompt: list[int] | None
+    server: Server, specs: Sequence[sc.RequestSpec], cfg: SoakConfig, budget_s: float, probe_prompt: list[int] | None,
+    id_prefix: str = LOAD_ID_PREFIX,
 ) -> tuple[dict[str, Any], list[sc.RequestResult], dict[str, sc.Outcome]]:
     """One load (+ the probes sent alongside) on ``server``: (report, results, probe outcomes).
 
     The report has the load summary, the GPU memory before / every 5 s / after, whether the server
-    drained, the spec-decode counters and every vLLM counter that moved."""
-    res: dict[str, Any] = {"server": server.role.name, "budget_s": round(budget_s, 1)}
+    drained, the spec-decode counters, every vLLM counter that moved and the torch allocator of a
+    tfm engine from its stats lines during the load (``allocator``)."""
+    res: dict[str, Any] = {"server": server.role.name, "budget_s": round(budget_s, 1), "requests_sent": len(specs)}
+    log_from = len(server.log_text())
     before = server.metrics()
     res["memory_before"] = server.memory()
     t_launch_stop = time.monotonic() + budget_s
@@ -169,7 +190,7 @@ def load_on(
         load = sc.run_load(server.base_url, MODEL_NAME, specs, concurrency=cfg.concurrency,
                            stop_launching_at=t_launch_stop, hard_stop_at=t_hard_stop,
                            request_timeout_s=cfg.request_timeout_s, on_progress=progress,
-                           request_id_prefix=LOAD_ID_PREFIX)
+                           request_id_prefix=id_prefix)
         if probe_prompt is None:
             return await load
         (results, wall), probes = await asyncio.gather(load, run_probes(server.base_url, probe_prompt, min(cfg.probe_delay_s, budget_s / 4)))
@@ -191,6 +212,7 @@ def load_on(
     res["probes_raw"] = {k: {"http_status": v.http_status, "error": v.error, "tokens": [v.tokens(i) for i in sorted(v.choices)]}
                          for k, v in probes_out.items()}
     res.update(memory_change(res["memory_before"], res["memory_during"], res["memory_after"]))
+    res["allocator"] = allocator_summary(server.log_text()[log_from:])
     b, a = res["memory_before"].get("mib"), res["memory_after"].get("mib")
     s = res["summary"]
     log(f"{server.role.name}: {s['status_counts']} errors={s['errors']} wall={s['wall_s']}s "
@@ -211,6 +233,25 @@ def memory_change(before: dict[str, Any], during: list[dict[str, Any]], after: d
             peak = max([b, a] + [m[key] for m in during if m.get(key) is not None])
             return {"memory_delta_mib": a - b, "memory_peak_mib": peak, "memory_source": source}
     return {"memory_delta_mib": None, "memory_peak_mib": None, "memory_source": None}
+
+
+def memory_verdict(first: dict[str, Any] | None, again: dict[str, Any] | None, flat_mib: float) -> dict[str, Any]:
+    """The memory lines of a verdict from the tfm server's first and second load (``load_on``
+    reports; ``again`` None when no second round ran).
+
+    With a second round its growth is the leak test (``memory_test`` "second round") and the first
+    round's growth is reported as ``memory_first_round_mib`` (what the engine allocates once at the
+    load's first batches); without one the first round's growth is judged. ``memory_flat``: growth
+    <= ``flat_mib``, None when the growth was not measured."""
+    judged = again if again is not None else first
+    out: dict[str, Any] = {"memory_test": None if judged is None else ("second round" if again is not None else "first round")}
+    if again is not None:
+        out["memory_first_round_mib"] = None if first is None else first.get("memory_delta_mib")
+    d = None if judged is None else judged.get("memory_delta_mib")
+    out["memory_delta_mib"] = d
+    out["memory_source"] = None if judged is None else judged.get("memory_source")
+    out["memory_flat"] = None if d is None else d <= flat_mib
+    return out
 
 
 def _fmt(x: float | None) -> str:
@@ -406,10 +447,17 @@ def phase_soak(
         wb = max(20.0, min(90.0, (deadline - time.monotonic()) / 8))
         res["warmup"] = {s.role.name: warm_up(s, prompts, wb) for s in servers if up[s.role.name]}
         remaining = deadline - time.monotonic() - 45.0
-        share = 0.6 if up["nospec"] else 1.0
-        res["tfm"], tfm_results, tfm_probes = load_on(tfm, specs, cfg, max(10.0, remaining * share), probe_prompt)
+        tfm_s = remaining * (0.6 if up["nospec"] else 1.0)
+        tfm_until = time.monotonic() + tfm_s
+        first_s = tfm_s * (cfg.first_round_share if cfg.second_round else 1.0)
+        res["tfm"], tfm_results, tfm_probes = load_on(tfm, specs, cfg, max(10.0, first_s), probe_prompt)
         _save(path, res)
         started = [s for s, r in zip(specs, tfm_results) if r.status != "not_started"]
+        again_results = None
+        if cfg.second_round:  # the leak test (module doc, "Memory")
+            res["tfm_again"], again_results, _ = load_on(tfm, started, cfg, max(10.0, tfm_until - time.monotonic()),
+                                                         probe_prompt, id_prefix=AGAIN_ID_PREFIX)
+            _save(path, res)
         res["nospec_requests"] = len(started)
         ref_probes = None
         if up["nospec"]:
@@ -418,6 +466,10 @@ def phase_soak(
             cmp = sc.compare_greedy(started, tfm_results, nospec_results)
             explain_divergences(nospec, started, cmp)
             res["greedy_vs_nospec"] = cmp
+            if again_results is not None:
+                cmp = sc.compare_greedy(started, again_results, nospec_results)
+                explain_divergences(nospec, started, cmp)
+                res["greedy_vs_nospec_again"] = cmp
             res["ratios"] = _ratios(res["tfm"]["summary"], res["nospec"]["summary"])
         res["probes"] = judge_probes(tfm_probes, ref_probes)
         res["after"] = _still_serving(tfm, specs, tfm_results)
@@ -473,13 +525,26 @@ def phase_preempt(
         conc = max(cfg.concurrency, len(specs))
         pcfg = SoakConfig(**{**asdict(cfg), "concurrency": conc})
         remaining = deadline - time.monotonic() - 40.0
-        res["tfm_small"], small_results, _ = load_on(small, specs, pcfg, max(10.0, remaining * 0.6), None)
+        share = 0.7 if cfg.second_round else 0.6  # two full rounds of long requests; no-spec needs half of one
+        tfm_until = time.monotonic() + remaining * share
+        first_s = remaining * share * (cfg.first_round_share if cfg.second_round else 1.0)
+        res["tfm_small"], small_results, _ = load_on(small, specs, pcfg, max(10.0, first_s), None)
         _save(path, res)
+        started = [s for s, r in zip(specs, small_results) if r.status != "not_started"]
+        again_results = None
+        if cfg.second_round:  # the leak test (module doc, "Memory"); preempts again
+            res["tfm_small_again"], again_results, _ = load_on(small, started, pcfg, max(10.0, tfm_until - time.monotonic()),
+                                                               None, id_prefix=AGAIN_ID_PREFIX)
+            _save(path, res)
         remaining = deadline - time.monotonic() - 30.0
         res["nospec"], nospec_results, _ = load_on(nospec, specs, pcfg, max(10.0, remaining), None)
         cmp = sc.compare_greedy(specs, small_results, nospec_results)
         explain_divergences(nospec, specs, cmp)
         res["greedy_vs_nospec"] = cmp
+        if again_results is not None:
+            cmp = sc.compare_greedy(started, again_results, nospec_results)
+            explain_divergences(nospec, started, cmp)
+            res["greedy_vs_nospec_again"] = cmp
         res["after"] = _still_serving(small, specs, small_results)
     except Exception as e:  # noqa: BLE001
         import traceback
@@ -579,16 +644,19 @@ def _finish(res: dict[str, Any], servers: Sequence[Server], path: Path,
 def summary_text(res: dict[str, Any]) -> str:
     """A few lines for the console: per server errors, latency, throughput, memory; then the verdict."""
     lines = ["=" * 100, f"soak phase {res.get('phase')}: {res.get('fatal', 'completed')}"]
-    for role in ("tfm", "tfm_small", "nospec"):
+    for role in ("tfm", "tfm_again", "tfm_small", "tfm_small_again", "nospec"):
         run = res.get(role)
         if not run:
             continue
         s, sd = run["summary"], run["spec_decode"]
+        alloc = run.get("allocator") or {}
         lines.append(
-            f"{role:9s} {s['status_counts']} errors={s['errors']} p50={_fmt(s['latency_s']['p50'])}s "
+            f"{role:15s} {s['status_counts']} errors={s['errors']} p50={_fmt(s['latency_s']['p50'])}s "
             f"p99={_fmt(s['latency_s']['p99'])}s tok/s={_fmt(s['throughput_tokens_per_s'])} "
             f"memory {run['memory_source']}: {_fmt(run['memory_delta_mib'])} MiB (peak {_fmt(run['memory_peak_mib'])}) "
             f"preemptions={run['preemptions']:.0f} mean accepted length={_fmt(sd['mean_accepted_length'])}"
+            + (f" allocator MiB allocated {_fmt(alloc['allocated_last_mib'])} reserved {_fmt(alloc['reserved_last_mib'])}"
+               if alloc.get("lines") else "")
         )
         if s["error_kinds"]:
             lines.append(f"          errors: {s['error_kinds']}")
@@ -596,9 +664,11 @@ def summary_text(res: dict[str, Any]) -> str:
     if ms:
         lines.append(f"trace: {ms['misordered_mixed_steps']} of {ms['mixed_non_tree_steps']} mixed chain steps with a plain row "
                      f"in front of spec rows (requests behind it: {ms['requests_behind_plain_row'][:20]})")  # fmt: skip
-    cmp = res.get("greedy_vs_nospec")
-    if cmp:
-        lines.append(f"greedy identical to no-spec: {cmp['identical']}/{cmp['compared']}")
+    for key, what in (("greedy_vs_nospec", ""), ("greedy_vs_nospec_again", " (second round)")):
+        cmp = res.get(key)
+        if not cmp:
+            continue
+        lines.append(f"greedy identical to no-spec{what}: {cmp['identical']}/{cmp['compared']}")
         for d in cmp["divergences"][:5]:
             lines.append(f"   request {d['index']} ({d['kind']}) diverges at {d['pos']}: {d['a']} vs {d['b']}, "
                          f"no-spec check {d.get('nospec_check', {}).get('top2_margin')}")
@@ -613,26 +683,28 @@ def summary_text(res: dict[str, Any]) -> str:
 
 
 def verdict(res: dict[str, Any]) -> dict[str, Any]:
-    """The pass/fail lines of a phase (each None when its measurement is missing)."""
+    """The pass/fail lines of a phase (each None when its measurement is missing). Errors and
+    drains count both rounds of the tfm server, greedy equality both comparisons with no-spec,
+    memory the second round (``memory_verdict``)."""
     spec_role = "tfm" if res.get("phase") == "soak" else "tfm_small"
     v: dict[str, Any] = {"completed": "fatal" not in res}
-    run = res.get(spec_role)
+    run, again = res.get(spec_role), res.get(f"{spec_role}_again")
     if run:
         s = run["summary"]
-        v["errors"] = s["errors"]
-        v["errors_zero"] = s["errors"] == 0
+        rounds = [run] if again is None else [run, again]
+        v["errors"] = sum(r["summary"]["errors"] for r in rounds)
+        v["errors_zero"] = v["errors"] == 0
         planned, done, first = s["disconnects_planned"], s["disconnects_done"], s["disconnects_finished_first"]
         v["disconnects"] = f"{done} of {planned} dropped mid-stream, {first} finished first"
         v["disconnects_done"] = planned == 0 or (done > 0 and done + first == planned)
-        v["drained"] = bool(run["drain"].get("drained")) and run["drain"].get("kv_cache_usage") == 0
-        d = run.get("memory_delta_mib")
-        v["memory_delta_mib"] = d
-        v["memory_source"] = run.get("memory_source")
-        v["memory_flat"] = None if d is None else d <= float(res["config"]["memory_flat_mib"])
-    cmp = res.get("greedy_vs_nospec")
-    if cmp:
-        v["greedy_identical_fraction"] = cmp["identical_fraction"]
-        v["greedy_identical"] = cmp["compared"] > 0 and cmp["identical"] == cmp["compared"]
+        v["drained"] = all(bool(r["drain"].get("drained")) and r["drain"].get("kv_cache_usage") == 0 for r in rounds)
+        v.update(memory_verdict(run, again, float(res["config"]["memory_flat_mib"])))
+    cmps = [c for c in (res.get("greedy_vs_nospec"), res.get("greedy_vs_nospec_again")) if c]
+    if cmps:
+        v["greedy_identical_fraction"] = cmps[0]["identical_fraction"]
+        if len(cmps) > 1:
+            v["greedy_identical_fraction_again"] = cmps[1]["identical_fraction"]
+        v["greedy_identical"] = all(c["compared"] > 0 and c["identical"] == c["compared"] for c in cmps)
     if "probes" in res:
         v["probes_ok"] = all(p["ok"] for p in res["probes"])
         v["probes_failed"] = [p["probe"] for p in res["probes"] if not p["ok"]]
@@ -700,6 +772,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--preempt-capacity", type=float, default=12.0,
                     help="small KV cache of the preempt phase, in estimated max-length requests (lower: more preemption)")
     ap.add_argument("--deadline-s", type=float, help="time budget from the start of the script (default: soak 450, preempt 420)")
+    ap.add_argument("--one-round", action="store_true",
+                    help="one tfm load instead of two (memory judged on it, warm-up growth included)")
     ap.add_argument("--port", type=int, default=8300)
     ap.add_argument("--seed", type=int, default=0)
     return ap.parse_args(argv)
@@ -724,7 +798,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         out=out, target=target, drafter=drafter, budget=args.budget, proposal=args.proposal,
         requests=args.requests or (600 if args.random else 2000), concurrency=args.concurrency, max_model_len=mml,
         preempt_requests=args.preempt_requests, preempt_capacity=args.preempt_capacity, preempt_max_model_len=min(1024, mml),
-        seed=args.seed, port=args.port, random_models=args.random,
+        seed=args.seed, port=args.port, random_models=args.random, second_round=not args.one_round,
         deadline_s=args.deadline_s or (450.0 if args.phase == "soak" else 420.0),
         command="python3 bench/soak.py " + " ".join(sys.argv[1:] if argv is None else argv),
     )

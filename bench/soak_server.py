@@ -6,7 +6,8 @@
   server's process tree: API server + engine core) and the whole GPU's used memory;
 * ``MemorySampler``: that memory every few seconds during a load; ``wait_drained``: poll until no
   request runs or waits and read the KV-cache usage; ``log_facts``: KV-cache size, maximum
-  concurrency, ERROR / Traceback lines and the plugin's lines from a vLLM log.
+  concurrency, ERROR / Traceback lines and the plugin's lines from a vLLM log; ``allocator_summary``:
+  the torch allocator's allocated / reserved MiB from the tfm engine's periodic stats lines.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ __all__ = [
     "MemorySampler",
     "Role",
     "Server",
+    "allocator_summary",
     "gpu_memory",
     "log",
     "log_facts",
@@ -263,6 +265,21 @@ def log_facts(text: str, expected_errors: Sequence[str] = ()) -> dict[str, Any]:
 
 
 _STATS_LINES = ("Avg generation throughput", "SpecDecoding metrics", "vllm-tfm: last ")
+
+
+_ALLOCATOR = re.compile(r"vllm-tfm: last .*; GPU MiB allocated (\d+), reserved (\d+)")
+
+
+def allocator_summary(text: str) -> dict[str, Any]:
+    """The torch caching allocator of a tfm engine as its periodic stats lines report it
+    (``vllm-tfm: last ...; GPU MiB allocated A, reserved R``, one every 10 s while it steps) in a
+    slice of its log: how many lines, the last allocated / reserved and the largest reserved
+    (None without such lines: a no-spec server, or no step in the slice)."""
+    found = [(float(m.group(1)), float(m.group(2))) for m in _ALLOCATOR.finditer(text)]
+    if not found:
+        return {"lines": 0, "allocated_last_mib": None, "reserved_last_mib": None, "reserved_max_mib": None}
+    return {"lines": len(found), "allocated_last_mib": found[-1][0], "reserved_last_mib": found[-1][1],
+            "reserved_max_mib": max(r for _, r in found)}
 
 
 def start_servers(servers: Sequence[Server], until: float) -> dict[str, bool]:

@@ -26,3 +26,21 @@ def test_interval_report_gives_deltas_once_per_interval():
     line = m.interval_report(121.0, 10.0)
     assert line == "vllm-tfm: last 11.0 s: 4 steps, 0 with trees; proposals: chain 4; host ms per step: propose 10.0"
     assert m.interval_report(140.0, 10.0) is None  # no step in the interval: no line
+
+
+def test_interval_report_ends_with_the_allocator_when_asked():
+    m = Metrics(max_depth=4)
+    reads = []
+
+    def memory() -> tuple[float, float]:
+        reads.append(1)
+        return 812.4, 1100.0
+
+    assert m.interval_report(100.0, 10.0, memory) is None
+    _steps(m, 6, 2, "tfm", 0.05)
+    assert m.interval_report(105.0, 10.0, memory) is None and reads == []  # read only for a line
+    line = m.interval_report(110.0, 10.0, memory)
+    assert line == ("vllm-tfm: last 10.0 s: 6 steps, 2 with trees; proposals: tfm 6; host ms per step: propose 50.0; "
+                    "GPU MiB allocated 812, reserved 1100")
+    assert reads == [1]
+    assert m.interval_report(140.0, 10.0, memory) is None and reads == [1]  # no step, no line, no read

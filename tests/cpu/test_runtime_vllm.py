@@ -47,7 +47,7 @@ def test_install_patches_once():
     runtime.install()
     assert runtime.is_installed()
     assert set(RUNNER_HOOKS) == {"__init__", "_prepare_inputs", "_update_states_after_model_execute",
-                                 "propose_draft_token_ids", "sample_tokens"}
+                                 "propose_draft_token_ids", "sample_tokens", "profile_run"}
     assert set(GRAPH_HOOKS) == {"_determine_batch_execution_and_padding"}
     for name in (*RUNNER_HOOKS, *GRAPH_HOOKS):  # wrapped exactly once, the original kept in the plugin's registry
         assert GPUModelRunner.__dict__[name].__wrapped__ is original(GPUModelRunner, name)
@@ -57,6 +57,53 @@ def test_install_patches_once():
     backend = AttentionBackendEnum.TRITON_ATTN.get_class()
     assert backend is TFMTritonAttentionBackend and backend.get_name() == "TRITON_ATTN"
     assert backend.get_impl_cls() is TFMTritonAttentionImpl
+
+
+def test_profile_run_warms_up_the_weaver_graphs_of_a_tfm_runner_after_vllms_own():
+    from vllm_tfm.vllm_plugin.runtime.hooks import _wrap_profile_run
+
+    calls = []
+    drafter = SimpleNamespace(warm_up_weaver_graphs=lambda n: calls.append(("weaver graphs", n)))
+    profile_run = _wrap_profile_run(lambda self: calls.append(("vllm",)))
+    profile_run(SimpleNamespace(_tfm_enabled=True, drafter=drafter, max_num_reqs=40))
+    assert calls == [("vllm",), ("weaver graphs", 40)]  # max_num_seqs: the largest batch the drafter builds
+    calls.clear()
+    profile_run(SimpleNamespace(drafter=drafter, max_num_reqs=40))  # another runner: vLLM's only
+    assert calls == [("vllm",)]
+
+
+def test_proposer_warm_up_captures_the_graphs_serving_replays():
+    """``TFMProposer.warm_up_weaver_graphs`` captures from one zero row of each drafter output, the
+    DFlash logits from the drafter's own head; a build of the serving path (``_build`` with a real
+    step's shapes) then replays them: no capture while serving."""
+    from _graph_recorder import RecordingGraphs, Replayed
+
+    from vllm_tfm.models.tfm_config import TfmConfig, WeaverConfig
+    from vllm_tfm.vllm_plugin.runtime.proposer import TFMProposer
+    from vllm_tfm.vllm_plugin.runtime.settings import settings_from_options
+
+    h, h_target, vocab, budget = 16, 24, 300, 16
+    head = torch.randn(vocab, h)
+    p = object.__new__(TFMProposer)  # the attributes vLLM's DFlashProposer and TFMProposer.__init__ / load_model set
+    p.model = SimpleNamespace(compute_logits=lambda x: x @ head.T)
+    p.hidden_size, p.dtype, p.device = h, torch.float32, torch.device("cpu")
+    p.vllm_config = SimpleNamespace(model_config=SimpleNamespace(get_hidden_size=lambda: h_target))
+    tfm = TfmConfig(weaver=WeaverConfig(d_model=h, d_rank=8, n_layers=1, n_heads=2, d_mlp=8, max_depth=15))
+    p.tfm_settings = settings_from_options(tfm, "/drafter", budget, {"block_size": 16})  # depth 15
+    p.weaver, p._target_embed, p._target_lm_head = object(), torch.zeros(vocab, h), torch.zeros(vocab, h)
+    p._weaver_graphs = graphs = RecordingGraphs()
+    assert p.warm_up_weaver_graphs(40) == (64, 32, 16, 8, 4, 2, 1)
+    for r in (1, 5, 33, 40):
+        p._dflash_out = torch.randn(r * 15, h)  # what the DFlash forward left, [R * D, H]
+        logits = p.model.compute_logits(p._dflash_out).view(r, 15, -1)  # as propose reshapes the marginals
+        p._verifier_hidden = lambda num_req, _rejected: torch.randn(num_req, h_target)
+        with pytest.raises(Replayed):
+            p._build("tfm", logits, torch.zeros(r, dtype=torch.int32), budget, 15, None)
+    assert graphs.captured == [64, 32, 16, 8, 4, 2, 1] and graphs.late_captures == []
+    p._weaver_graphs = None  # VLLM_TFM_WEAVER_GRAPHS=0
+    assert p.warm_up_weaver_graphs(40) == ()
+    p._weaver_graphs, p.weaver = RecordingGraphs(), None  # proposal chain / ddtree: no Weaver
+    assert p.warm_up_weaver_graphs(40) == () and p._weaver_graphs.captured == []
 
 
 def engine_config(**over):

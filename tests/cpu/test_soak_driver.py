@@ -136,6 +136,49 @@ def test_memory_change_prefers_the_server_processes() -> None:
     assert soak.memory_change({}, [], {})["memory_delta_mib"] is None
 
 
+def test_memory_verdict_judges_the_second_round() -> None:
+    # the first round holds what the engine allocates once (the soak_zoo.json run: +312 MiB), the second repeats it
+    first, again = {"memory_delta_mib": 312.0, "memory_source": "server processes"}, {"memory_delta_mib": 2.0,
+                                                                                       "memory_source": "server processes"}
+    assert soak.memory_verdict(first, again, 64.0) == {
+        "memory_test": "second round", "memory_first_round_mib": 312.0, "memory_delta_mib": 2.0,
+        "memory_source": "server processes", "memory_flat": True}
+    leak = soak.memory_verdict({"memory_delta_mib": 10.0}, {"memory_delta_mib": 65.0, "memory_source": "whole GPU"}, 64.0)
+    assert leak["memory_flat"] is False and leak["memory_delta_mib"] == 65.0 and leak["memory_source"] == "whole GPU"
+    assert soak.memory_verdict(first, {"memory_delta_mib": 64.0}, 64.0)["memory_flat"] is True  # the limit itself passes
+    # no second round (--one-round, or no time left): the first round is judged, warm-up growth included
+    one = soak.memory_verdict(first, None, 64.0)
+    assert one == {"memory_test": "first round", "memory_delta_mib": 312.0, "memory_source": "server processes",
+                   "memory_flat": False}
+    # not measured (no nvidia-smi): no verdict either way
+    assert soak.memory_verdict({"memory_delta_mib": None}, {"memory_delta_mib": None}, 64.0)["memory_flat"] is None
+    assert soak.memory_verdict(None, None, 64.0) == {"memory_test": None, "memory_delta_mib": None, "memory_source": None,
+                                                     "memory_flat": None}
+
+
+def test_allocator_summary_reads_the_tfm_stats_lines() -> None:
+    text = (
+        "(EngineCore pid=7) INFO 11-29 13:41:12 [hooks.py:9] vllm-tfm: last 10.0 s: 60 steps, 12 with trees; "
+        "proposals: tfm 12; host ms per step: propose 20.4; GPU MiB allocated 812, reserved 1100\n"
+        "(APIServer pid=5) INFO 11-29 13:41:12 [loggers.py:310] Engine 000: Avg prompt throughput: 884.8 tokens/s\n"
+        "(EngineCore pid=7) INFO 11-29 13:41:22 [hooks.py:9] vllm-tfm: last 10.0 s: 50 steps, 10 with trees; "
+        "proposals: tfm 10; host ms per step: propose 21.0; GPU MiB allocated 790, reserved 1024\n"
+        "(EngineCore pid=7) INFO 11-29 13:41:32 [hooks.py:9] vllm-tfm: last 10.0 s: 5 steps, 0 with trees; "
+        "proposals: chain 5; host ms per step: propose 2.0\n"  # a line without the allocator (a CPU engine)
+    )
+    assert soak_server.allocator_summary(text) == {"lines": 2, "allocated_last_mib": 790.0, "reserved_last_mib": 1024.0,
+                                                   "reserved_max_mib": 1100.0}
+    assert soak_server.allocator_summary("Engine 000: Avg prompt throughput")["lines"] == 0
+    # the line as the engine writes it (runtime/metrics.py)
+    from vllm_tfm.vllm_plugin.runtime.metrics import Metrics
+
+    m = Metrics(max_depth=4)
+    m.interval_report(0.0, 10.0)
+    m.steps += 3
+    line = m.interval_report(10.0, 10.0, lambda: (300.2, 512.0))
+    assert soak_server.allocator_summary(f"(EngineCore pid=7) INFO [hooks.py:9] {line}\n")["reserved_last_mib"] == 512.0
+
+
 def test_log_facts() -> None:
     text = (
         "INFO 11-29 [kv_cache_utils.py:1300] GPU KV cache size: 12,345 tokens\n"
@@ -246,6 +289,11 @@ def test_soak_phase_end_to_end_finds_a_planted_divergence(tmp_path: Path) -> Non
     tfm = res["tfm"]["summary"]
     assert tfm["requests"] == 80 and tfm["status_counts"] == {"disconnected": 4, "ok": 76}
     assert res["nospec_requests"] == 80 and res["nospec"]["summary"]["errors"] == 0
+    # the second round: the same 80 requests again; the planted divergence shows there too
+    again = res["tfm_again"]
+    assert again["requests_sent"] == 80 and again["summary"]["status_counts"] == {"disconnected": 4, "ok": 76}
+    assert [d["index"] for d in res["greedy_vs_nospec_again"]["divergences"]] == [victim.index]
+    assert v["memory_test"] == "second round" and v["memory_first_round_mib"] is None and v["memory_delta_mib"] is None
     assert res["tfm"]["spec_decode"]["drafts"] > 0 and res["nospec"]["spec_decode"]["drafts"] == 0
     assert res["tfm"]["counters"]["vllm:request_success_total{finished_reason=abort}"] >= 4
     assert set(res["ratios"]) == {"throughput_tfm_over_nospec", "p50_latency_tfm_over_nospec", "p99_latency_tfm_over_nospec",
@@ -254,6 +302,41 @@ def test_soak_phase_end_to_end_finds_a_planted_divergence(tmp_path: Path) -> Non
     assert set(probes) == {p.name for p in soak_probes.PROBES}
     assert probes["min_p"]["how"] == "HTTP 400" and probes["presence_penalty/stream"]["streamed_error"]
     assert probes["beam_search"]["identical_to_nospec"] and probes["n=3 sampled"]["choices"] == 3
+
+
+def _memory_by_requests_done(base: float, per_request: float, cap: int):
+    """A stand-in's "GPU memory": ``base`` + ``per_request`` MiB per request it finished so far, up to ``cap``
+    requests (a cap: growth that stops once the engine has seen the load, none: a leak)."""
+
+    def memory(self: soak_server.Server) -> dict:
+        done = sc.metric_value(self.metrics(), "vllm:request_success_total") or 0.0
+        return {"mib": base + per_request * min(done, cap), "pids": [self.proc.pid], "gpu_used_mib": None, "t": 0.0}
+
+    return memory
+
+
+@pytest.mark.parametrize("kind", ["grows once", "leaks"])
+def test_soak_memory_verdict_tells_growth_that_stops_from_a_leak(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                                kind: str) -> None:
+    # 33 warm-up requests, then 80 load requests per round: growing up to 60 requests done happens in the first
+    # round only; 1 MiB per request without a cap grows by >= 80 MiB in the second round too
+    fake = _memory_by_requests_done(1000.0, 5.0, 60) if kind == "grows once" else _memory_by_requests_done(1000.0, 1.0, 10**9)
+    monkeypatch.setattr(soak_server.Server, "memory", fake)
+    res = soak.phase_soak(_cfg(tmp_path), _prompts(), {"kind": "test"}, launch=_launcher({}), started_at=time.monotonic())
+    v = res["verdict"]
+    assert v["memory_test"] == "second round" and v["memory_source"] == "server processes"
+    assert res["tfm"]["memory_delta_mib"] == v["memory_first_round_mib"] and res["tfm_again"]["memory_delta_mib"] == v["memory_delta_mib"]
+    if kind == "grows once":
+        assert v["memory_first_round_mib"] == 5.0 * (60 - 33) and v["memory_delta_mib"] == 0.0
+        assert v["memory_flat"] is True and v["all_ok"], v
+    else:
+        assert v["memory_first_round_mib"] >= 80 and v["memory_delta_mib"] >= 80
+        assert v["memory_flat"] is False and not v["all_ok"]
+    # one round judges the first round, warm-up growth included: the growth that stops fails it as well
+    one = soak.phase_soak(_cfg(tmp_path, second_round=False, port=free_port_block(4)), _prompts(), {"kind": "test"},
+                          launch=_launcher({}), started_at=time.monotonic())
+    assert "tfm_again" not in one and "greedy_vs_nospec_again" not in one
+    assert one["verdict"]["memory_test"] == "first round" and one["verdict"]["memory_flat"] is False
 
 
 def test_preempt_phase_end_to_end(tmp_path: Path) -> None:
@@ -265,6 +348,10 @@ def test_preempt_phase_end_to_end(tmp_path: Path) -> None:
     assert v["all_ok"] and v["preempted"] and v["greedy_identical"] and v["preemptions"] >= 16, v
     assert res["tfm_small"]["summary"]["requests"] == 16 and _all_stopped(res)
     assert "kv_estimate" not in res  # given explicitly
+    again = res["tfm_small_again"]  # the same 16 requests again, preempted again, greedy equal to no-spec again
+    assert again["requests_sent"] == 16 and again["summary"]["errors"] == 0 and again["preemptions"] >= 16
+    assert res["greedy_vs_nospec_again"]["compared"] > 0 and not res["greedy_vs_nospec_again"]["divergences"]
+    assert v["memory_test"] == "second round"
 
 
 def test_preempt_phase_puts_the_trace_of_a_divergence_into_the_result(tmp_path: Path) -> None:

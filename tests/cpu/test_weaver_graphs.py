@@ -1,11 +1,15 @@
 """CUDA-graph wrapper of the Weaver build (``runtime/weaver_graphs.py``), the parts that run
-without a GPU: the switch, bucket choice, static-input padding, and the eager fallback.
-Graph replay itself: ``tests/gpu/test_weaver_graphs_gpu.py``."""
+without a GPU: the switch, bucket choice, static-input padding, the eager fallback, and which
+graphs are captured when (the start-up warm-up, shared input buffers, captures while serving),
+with captures recorded instead of made. Graph replay itself: ``tests/gpu/test_weaver_graphs_gpu.py``."""
 
 from __future__ import annotations
 
+import logging
+
 import pytest
 import torch
+from _graph_recorder import RecordingGraphs, Replayed
 from _models import randomize
 
 from vllm_tfm.models import Weaver, WeaverConfig
@@ -16,6 +20,7 @@ from vllm_tfm.vllm_plugin.runtime.weaver_graphs import (
     WeaverGraphs,
     bucket_for,
     graph_buckets,
+    warm_up_buckets,
     weaver_graphs_from_env,
 )
 
@@ -77,3 +82,112 @@ def test_cpu_batches_build_eagerly_with_the_same_trees():
     assert (graphs.eager_builds, graphs.replays) == (1, 0)
     with pytest.raises(ValueError, match=r"graph buckets must be integers >= 1"):
         WeaverGraphs((0, 2))
+
+
+# ------------------------------------------------------------------------------ which graphs, when
+D, V, H, B = 3, 50, 8, 6
+WEAVER, EMBED, HEAD = object(), torch.zeros(V, H), torch.zeros(V, H)
+ARGS = (WEAVER, EMBED, HEAD, B, 12, 1, 4)  # weaver, tables, budget, top_k, width, children per node
+
+
+def zero_rows(asked: list[int], dtype: torch.dtype = torch.float32):
+    """The proposer's warm-up inputs: one zero row of each drafter output, expanded to the bucket."""
+
+    def make(rows: int):
+        asked.append(rows)
+        return (torch.zeros(1, D, V, dtype=dtype).expand(rows, -1, -1), torch.zeros(1, D, H).expand(rows, -1, -1),
+                torch.zeros(1, H).expand(rows, -1), torch.zeros(1, dtype=torch.int32).expand(rows))
+
+    return make
+
+
+def batch(r: int, seed: int, dtype: torch.dtype = torch.float32):
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(r, D, V, generator=g).to(dtype), torch.randn(r, D, H, generator=g), torch.randn(r, H, generator=g),
+            torch.randint(0, V, (r,), generator=g, dtype=torch.int32))
+
+
+def serve(graphs: WeaverGraphs, r: int, seed: int, dtype: torch.dtype = torch.float32, top_k: int = 12) -> None:
+    logits, hidden, verifier, roots = batch(r, seed, dtype)
+    with pytest.raises(Replayed):
+        graphs.weaver_trees(WEAVER, logits, hidden, verifier, roots, EMBED, HEAD, B, top_k, 1, 4)
+
+
+def test_warm_up_buckets_are_every_bucket_a_batch_can_use_largest_first():
+    assert warm_up_buckets(DEFAULT_BUCKETS, 64) == (64, 32, 16, 8, 4, 2, 1)
+    assert warm_up_buckets(DEFAULT_BUCKETS, 40) == (64, 32, 16, 8, 4, 2, 1)  # 33..40 requests replay in 64
+    assert warm_up_buckets(DEFAULT_BUCKETS, 3) == (4, 2, 1)
+    assert warm_up_buckets(DEFAULT_BUCKETS, 1024) == (128, 64, 32, 16, 8, 4, 2, 1)  # larger batches build eagerly
+    assert warm_up_buckets((10, 3), 1) == (3,) and warm_up_buckets((3, 10), 4) == (10, 3)
+    for bad in (0, -2, True, 2.0):
+        with pytest.raises(ValueError, match=r"max_requests must be an integer >= 1"):
+            warm_up_buckets(DEFAULT_BUCKETS, bad)
+
+
+def test_warm_up_captures_those_buckets_once_each():
+    graphs, asked = RecordingGraphs(), []
+    assert graphs.warmed_up is None
+    assert graphs.warm_up(40, zero_rows(asked), *ARGS, device=torch.device("cpu")) == (64, 32, 16, 8, 4, 2, 1)
+    assert graphs.captured == [64, 32, 16, 8, 4, 2, 1] and asked == [64, 32, 16, 8, 4, 2, 1]
+    assert graphs.warmed_up == (64, 32, 16, 8, 4, 2, 1) and graphs.late_captures == []
+    assert graphs.warm_up(40, zero_rows(asked), *ARGS, device=torch.device("cpu")) == ()  # already captured
+    assert graphs.captured == [64, 32, 16, 8, 4, 2, 1]
+    small = RecordingGraphs((8, 4))  # VLLM_TFM_WEAVER_GRAPH_BUCKETS=4,8
+    assert small.warm_up(40, zero_rows([]), *ARGS, device=torch.device("cpu")) == (8, 4)
+    with pytest.raises(ValueError, match="warm-up inputs for bucket 8 have 3 rows"):
+        RecordingGraphs((8,)).warm_up(8, lambda rows: batch(3, 0), *ARGS, device=torch.device("cpu"))
+
+
+def test_warm_up_captures_nothing_where_builds_run_eagerly():
+    graphs, asked = WeaverGraphs(), []  # CPU tensors never replay graphs
+    assert graphs.warm_up(64, zero_rows(asked), *ARGS, device=torch.device("cpu")) == ()
+    assert asked == [] and graphs.warmed_up == () and graphs.captured == []
+
+
+def test_serving_after_the_warm_up_replays_and_captures_nothing(caplog):
+    graphs = RecordingGraphs()
+    graphs.warm_up(40, zero_rows([]), *ARGS, device=torch.device("cpu"))
+    for step, r in enumerate([33, 5, 1, 17, 40, 2, 8, 3]):
+        serve(graphs, r, seed=step)
+    assert graphs.captured == [64, 32, 16, 8, 4, 2, 1] and graphs.late_captures == []
+    # the last batch (3 requests) went into rows 0..2 of the input buffers of bucket 4
+    logits, hidden, verifier, roots = batch(3, seed=7)
+    (cap,) = [c for k, c in graphs._graphs.items() if k[0] == 4]
+    for got, want in zip((cap.inputs.logits, cap.inputs.hidden, cap.inputs.verifier, cap.inputs.roots),
+                         (logits, hidden, verifier, roots.long())):
+        assert torch.equal(got[:3], want)
+    # a key the warm-up did not cover (other dtype, other top-k) is captured while serving, counted and logged once
+    with caplog.at_level(logging.WARNING, logger="vllm.tfm"):
+        serve(graphs, 5, seed=9, dtype=torch.float64)
+        serve(graphs, 6, seed=10, dtype=torch.float64)
+        serve(graphs, 2, seed=11, top_k=7)
+    assert graphs.captured[7:] == [8, 2] and graphs.late_captures == [8, 2]
+    warned = [r.getMessage() for r in caplog.records if "while serving" in r.getMessage()]
+    assert len(warned) == 2 and warned[0].startswith("vllm-tfm: captured the Weaver CUDA graph of batch bucket 8 while serving")
+    # without a warm-up, first uses capture as before and are not counted as late
+    lazy = RecordingGraphs()
+    serve(lazy, 5, seed=0)
+    assert lazy.captured == [8] and lazy.late_captures == []
+
+
+def test_graphs_share_one_set_of_input_buffers():
+    graphs = RecordingGraphs()
+    graphs.warm_up(64, zero_rows([]), *ARGS, device=torch.device("cpu"))
+    caps = {k[0]: c for k, c in graphs._graphs.items()}
+    assert len(graphs._inputs) == 1
+    (shared,) = graphs._inputs.values()
+    assert shared.bucket == 64 and tuple(shared.logits.shape) == (64, D, V) and shared.roots.dtype == torch.long
+    for bucket, cap in caps.items():
+        assert cap.inputs.bucket == bucket and tuple(cap.inputs.hidden.shape) == (bucket, D, H)
+        for view, whole in zip((cap.inputs.logits, cap.inputs.hidden, cap.inputs.verifier, cap.inputs.roots),
+                               (shared.logits, shared.hidden, shared.verifier, shared.roots)):
+            assert view.data_ptr() == whole.data_ptr()  # rows 0..bucket-1 of the one buffer
+    # a larger bucket captured later gets buffers of its own; the earlier graphs keep theirs
+    serve(graphs, 100, seed=1)
+    assert graphs._inputs[next(iter(graphs._inputs))].bucket == 128
+    assert caps[64].inputs.logits.data_ptr() == shared.logits.data_ptr() and caps[64].inputs.logits.shape[0] == 64
+    # another dtype is another signature: buffers of its own
+    serve(graphs, 3, seed=2, dtype=torch.float64)
+    assert len(graphs._inputs) == 2
+    with pytest.raises(ValueError, match="a graph bucket of 65 does not fit input buffers of 64 rows"):
+        shared.rows(65)

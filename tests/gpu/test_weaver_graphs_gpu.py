@@ -4,7 +4,8 @@ Run on the GPU host: ``python3 -m pytest tests/gpu/test_weaver_graphs_gpu.py -q`
 bucket runs the eager build's kernels at R = bucket, so its trees must equal, exactly, the eager
 build of the padded batch the graph read (the static inputs after the call); batches that need
 growth rounds past the fixed ones (short frontiers) finish eagerly after the replay. A host sync
-inside the captured part would make the capture itself fail.
+inside the captured part would make the capture itself fail. After the start-up warm-up, serving
+captures nothing and torch's reserved memory stays where the warm-up left it.
 """
 
 from __future__ import annotations
@@ -53,9 +54,13 @@ def static_inputs(graphs: WeaverGraphs, bucket: int):
     return cap.inputs
 
 
-def run_steps(dtype, batches, buckets, budget, top_k, width, cpn):
+def run_steps(dtype, batches, buckets, budget, top_k, width, cpn, warm_up_to=None):
     w, embed, head = weaver_and_tables(dtype)
     graphs = WeaverGraphs(buckets)
+    if warm_up_to is not None:  # as the engine does at start-up: one zero row expanded to each bucket
+        zero = [torch.zeros_like(x[:1]) for x in drafter_outputs(1, head, dtype, seed=0)]
+        graphs.warm_up(warm_up_to, lambda rows: tuple(x.expand(rows, *x.shape[1:]) for x in zero), w, embed, head,
+                       budget, top_k, width, cpn, DEV)
     with torch.inference_mode():
         for step, r in enumerate(batches):
             logits, hidden, verifier, roots = drafter_outputs(r, head, dtype, seed=step)
@@ -97,3 +102,27 @@ def test_batches_past_the_largest_bucket_build_eagerly():
         ref = weaver_trees(w, logits, hidden, verifier, roots, embed, head, 16, 64, 1, 8)
     assert torch.equal(tok, ref[0]) and torch.equal(par, ref[1])
     assert (graphs.eager_builds, graphs.replays) == (1, 0)
+
+
+def test_after_the_warm_up_serving_captures_nothing_and_reserves_no_memory():
+    batches = [3, 8, 5, 1, 2, 7, 4, 6]  # every bucket of (1, 2, 4, 8)
+    graphs = run_steps(torch.float32, batches, (1, 2, 4, 8, 16), 16, 512, 1, 8, warm_up_to=6)
+    assert graphs.warmed_up == (8, 4, 2, 1) and graphs.captured == [8, 4, 2, 1] and graphs.late_captures == []
+    assert len(graphs._inputs) == 1 and graphs.replays == len(batches)  # one set of input buffers, 8 rows
+    # serving again (no eager reference builds now): the allocator reserves nothing more
+    w, embed, head = weaver_and_tables(torch.float32)
+    graphs = WeaverGraphs((1, 2, 4, 8, 16))
+    zero = [torch.zeros_like(x[:1]) for x in drafter_outputs(1, head, torch.float32, seed=0)]
+    graphs.warm_up(6, lambda rows: tuple(x.expand(rows, *x.shape[1:]) for x in zero), w, embed, head, 16, 512, 1, 8, DEV)
+    steps = [drafter_outputs(r, head, torch.float32, seed=i) for i, r in enumerate(batches)]
+    with torch.inference_mode():
+        for step in steps:  # every shape once
+            graphs.weaver_trees(w, *step, embed, head, 16, 512, 1, 8)
+        torch.cuda.synchronize()
+        reserved = torch.cuda.memory_reserved()
+        for _ in range(3):
+            for step in steps:
+                graphs.weaver_trees(w, *step, embed, head, 16, 512, 1, 8)
+        torch.cuda.synchronize()
+    assert torch.cuda.memory_reserved() == reserved
+    assert graphs.captured == [8, 4, 2, 1] and graphs.late_captures == []

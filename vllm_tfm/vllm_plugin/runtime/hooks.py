@@ -11,7 +11,11 @@ Each wrapper calls the original and acts only on a runner built for ``"method": 
   the commit (KV compaction + GDN state / conv window) before vLLM records ``num_accepted_tokens``;
 * ``propose_draft_token_ids`` (4954): keeps the target's sampled hidden states for the Weaver;
 * ``sample_tokens`` (4497): clears the step state when the step ends, so profiling and dummy runs
-  never see a stale tree.
+  never see a stale tree;
+* ``profile_run`` (6364, called once at start-up by ``Worker.determine_available_memory``, with or
+  without ``kv_cache_memory_bytes``): afterwards captures the Weaver CUDA graphs of every batch
+  size up to ``max_num_seqs`` (``TFMProposer.warm_up_weaver_graphs``), so that their memory is in
+  vLLM's memory profile and serving captures none (as vLLM captures its own graphs at start-up).
 
 With ``VLLM_TFM_TRACE=<dir>`` the ``_prepare_inputs`` and ``_update_states_after_model_execute``
 wrappers also hand each step to the request trace (``trace.py``); without it they test one
@@ -345,14 +349,32 @@ def _wrap_sample_tokens(orig: Callable) -> Callable:
     return sample_tokens
 
 
+def _allocator_mib() -> tuple[float, float]:
+    """(allocated, reserved) MiB of torch's caching allocator on this process's current device."""
+    return torch.cuda.memory_allocated() / (1 << 20), torch.cuda.memory_reserved() / (1 << 20)
+
+
 def _log_interval_stats() -> None:
     """Every ``VLLM_LOG_STATS_INTERVAL`` seconds (vLLM's own stats interval, default 10), one line on
-    tfm's steps (docs/metrics.md), from tensor-parallel rank 0 only."""
+    tfm's steps (docs/metrics.md), from tensor-parallel rank 0 only; on CUDA it ends with the torch
+    allocator's allocated / reserved MiB (no device sync)."""
     if STATE.metrics is None or not STATE.log_stats:
         return
-    line = STATE.metrics.interval_report(time.monotonic(), STATE.log_stats_interval_s)
+    memory = _allocator_mib if torch.cuda.is_available() else None
+    line = STATE.metrics.interval_report(time.monotonic(), STATE.log_stats_interval_s, memory)
     if line is not None:
         stats_logger.info(line)
+
+
+def _wrap_profile_run(orig: Callable) -> Callable:
+    @functools.wraps(orig)
+    def profile_run(self: Any, *args: Any, **kwargs: Any) -> Any:
+        out = orig(self, *args, **kwargs)
+        if _is_tfm(self):
+            self.drafter.warm_up_weaver_graphs(int(self.max_num_reqs))
+        return out
+
+    return profile_run
 
 
 RUNNER_HOOKS: dict[str, tuple[Callable[[Callable], Callable], str]] = {
@@ -361,6 +383,7 @@ RUNNER_HOOKS: dict[str, tuple[Callable[[Callable], Callable], str]] = {
     "_update_states_after_model_execute": (_wrap_update_states_after, "tfm: commit the accepted path"),
     "propose_draft_token_ids": (_wrap_propose, "tfm: keep the target's sampled hidden states (Weaver)"),
     "sample_tokens": (_wrap_sample_tokens, "tfm: end the step state"),
+    "profile_run": (_wrap_profile_run, "tfm: capture the Weaver CUDA graphs of every batch size at start-up"),
 }
 
 

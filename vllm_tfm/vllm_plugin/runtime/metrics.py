@@ -16,8 +16,9 @@ from __future__ import annotations
 
 import time
 from collections import Counter, defaultdict
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from typing import TYPE_CHECKING, Iterator
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -93,11 +94,16 @@ class Metrics:
         self.spec_requests += step.num_spec_reqs
         self._accepted_hist.index_add_(0, acc.to(self._accepted_hist.device), torch.ones_like(acc, device=self._accepted_hist.device))
 
-    def interval_report(self, now: float, interval_s: float) -> str | None:
+    def interval_report(
+        self, now: float, interval_s: float, memory: Callable[[], tuple[float, float]] | None = None
+    ) -> str | None:
         """One log line on the steps since the last report, once ``interval_s`` has passed (else None).
 
         Counts are exact; the per-step times are host wall-clock per stage (device time only with
-        ``profile``), which is what shows Python overhead on the hot path.
+        ``profile``), which is what shows Python overhead on the hot path. ``memory`` (called only
+        when a line is made): the torch caching allocator's (allocated, reserved) MiB of the
+        process, appended as ``GPU MiB allocated A, reserved R`` (what nvidia-smi's per-process
+        figure holds besides is CUDA context, kernel modules and other non-torch memory).
         """
         if self._report_t is None:
             self._report_t = now
@@ -114,12 +120,16 @@ class Metrics:
         proposals = {k.split(".", 1)[1]: v - hooks0.get(k, 0) for k, v in sorted(self.hooks.items()) if k.startswith("proposer.")}
         proposals = {k: v for k, v in proposals.items() if v > 0 and k != "context_reorder"}
         per_step = {k: (v - secs0.get(k, 0.0)) * 1e3 / steps for k, v in sorted(self.seconds.items())}
-        return (
+        line = (
             f"vllm-tfm: last {span:.1f} s: {steps} steps, {trees} with trees; proposals: "
             + (", ".join(f"{k} {v}" for k, v in proposals.items()) or "none")
             + "; host ms per step: "
             + (", ".join(f"{k} {v:.1f}" for k, v in per_step.items() if v > 0) or "none")
         )
+        if memory is not None:
+            allocated, reserved = memory()
+            line += f"; GPU MiB allocated {allocated:.0f}, reserved {reserved:.0f}"
+        return line
 
     def snapshot(self) -> dict:
         """Plain-Python summary (reads the device histogram once)."""

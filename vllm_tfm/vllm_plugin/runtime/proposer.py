@@ -20,10 +20,17 @@ states). Per step (``propose``):
    request; requests in a batch that needs vLLM's own sampler get chains. The
    Weaver build replays CUDA graphs (``weaver_graphs``; ``VLLM_TFM_WEAVER_GRAPHS=0``: eager). The tokens go back to
    vLLM ([R, B]), the parents to the ``ProposalStore`` keyed by request id.
+
+At engine start-up vLLM's profile run calls ``warm_up_weaver_graphs`` (``runtime/hooks.py``): the
+Weaver graphs of every batch size up to ``max_num_seqs`` are captured then, from zero drafter
+outputs of the serving shapes and dtypes (the DFlash logits come from the drafter's own
+``compute_logits``), so that serving captures none.
 """
 
 from __future__ import annotations
 
+import logging
+import time
 from contextlib import nullcontext
 from typing import Any
 
@@ -42,9 +49,11 @@ from .stage_timing import TIMER
 from .state import STATE
 from .tensor_parallel import check_same_on_tp_ranks, check_tp_trees_enabled, target_vocab_table, tp_world_size
 from .tree_builder_gpu import chain_trees, ddtree_trees, weaver_trees
-from .weaver_graphs import weaver_graphs_from_env
+from .weaver_graphs import DrafterOutputs, weaver_graphs_from_env
 
 __all__ = ["TFMProposer"]
+
+logger = logging.getLogger("vllm.tfm")  # under vLLM's logger: printed next to its own start-up lines
 
 
 class TFMProposer(DFlashProposer):
@@ -118,6 +127,43 @@ class TFMProposer(DFlashProposer):
             target_model, ("model.embed_tokens", "language_model.model.embed_tokens"), "input embedding", tp
         )
         self._target_lm_head = target_vocab_table(target_model, ("lm_head", "language_model.lm_head"), "lm_head", tp)
+
+    # ------------------------------------------------------------------ warm-up
+    def warm_up_weaver_graphs(self, max_requests: int) -> tuple[int, ...]:
+        """Capture the Weaver CUDA graphs of every batch of 1..``max_requests`` requests now
+        (``WeaverGraphs.warm_up``); returns the buckets captured. Nothing without graphs
+        (``VLLM_TFM_WEAVER_GRAPHS=0``), without a Weaver (proposal chain / ddtree) or where builds
+        run eagerly (vocabulary-split tables)."""
+        graphs, weaver = self._weaver_graphs, self.weaver
+        if graphs is None or weaver is None or self._target_embed is None or self._target_lm_head is None:
+            return ()
+        s = self.tfm_settings
+        budget = s.budget  # vLLM's num_speculative_tokens, what it passes to propose
+        depth = min(s.max_depth, budget)
+        verifier_size = int(self.vllm_config.model_config.get_hidden_size())
+        one_row: list[DrafterOutputs] = []
+
+        def make_inputs(rows: int) -> DrafterOutputs:
+            if not one_row:  # one zero row, the serving shapes and dtypes (the logits from the drafter's own head)
+                hidden = torch.zeros(depth, self.hidden_size, dtype=self.dtype, device=self.device)
+                logits = self.model.compute_logits(hidden)
+                verifier = torch.zeros(1, verifier_size, dtype=self.dtype, device=self.device)
+                roots = torch.zeros(1, dtype=torch.int32, device=self.device)
+                one_row.append((logits[None], hidden[None], verifier, roots))
+            logits, hidden, verifier, roots = one_row[0]
+            return logits.expand(rows, -1, -1), hidden.expand(rows, -1, -1), verifier.expand(rows, -1), roots.expand(rows)
+
+        cuda = torch.device(self.device).type == "cuda" and torch.cuda.is_available()
+        free0 = torch.cuda.mem_get_info(self.device)[0] if cuda else 0
+        t0 = time.perf_counter()
+        done = graphs.warm_up(max_requests, make_inputs, weaver, self._target_embed, self._target_lm_head, budget,
+                              s.top_k, s.width, s.children_per_node, torch.device(self.device))
+        if done:
+            used = (free0 - torch.cuda.mem_get_info(self.device)[0]) / (1 << 20) if cuda else 0.0
+            logger.info("vllm-tfm: captured the Weaver CUDA graphs of batch buckets %s at start-up in %.2f s, "
+                        "GPU memory %+.0f MiB (batches of up to %d requests replay them; none is captured while serving)",
+                        list(done), time.perf_counter() - t0, used, max_requests)
+        return done
 
     # ------------------------------------------------------------------ marginals
     def _sample_draft_tokens(self, hidden_states: Tensor, sampling_metadata: Any) -> tuple[Tensor, Tensor | None]:

@@ -13,8 +13,9 @@ So a batch of R requests is padded up to the smallest bucket >= R:
 
 1. the R real rows are copied into static input buffers [bucket, ...] (the other rows keep
    earlier inputs, zeros at first: finite values whose trees are computed and dropped);
-2. the graph is replayed (captured lazily on the first batch of its key: one eager warm-up on a
-   side stream, then the capture);
+2. the graph is replayed (captured at engine start-up, see "Warm-up" below; a key the warm-up did
+   not cover is captured on its first batch: one eager run on the graphs' stream, then the
+   capture);
 3. one host sync, exactly as in the eager build, asks whether a real request needs rounds past
    the fixed ones (a short frontier: small ``children_per_node``, -inf scores, max_depth
    binding); those run eagerly on the graph's state tensors (the next replay re-initialises
@@ -26,7 +27,20 @@ taken at capture after every replay, so the eager tail always starts from the gr
 
 All graphs share one memory pool: the build of one key reads only its static inputs, the weights
 and what it writes itself, and its outputs are copied out before another graph is replayed, so
-replaying another graph in between (which may reuse the same memory) breaks nothing.
+replaying another graph in between (which may reuse the same memory) breaks nothing. For the same
+reason they share one set of input buffers (rows 0..bucket-1 of buffers sized for the largest
+bucket captured first) and one CUDA stream for the eager runs and the captures: cuBLAS keeps a
+workspace per stream (32 MiB on sm_90 by PyTorch's default), so a fresh stream per capture would
+leave one more workspace behind with every bucket.
+
+Warm-up (what vLLM does for its own CUDA graphs): the tfm model runner calls :meth:`WeaverGraphs.warm_up`
+from vLLM's profile run at engine start-up (``runtime/hooks.py``), which captures, largest first,
+the graph of every bucket a batch of 1..``max_num_seqs`` requests replays in
+(:func:`warm_up_buckets`; larger buckets are never used). Their memory is then part of vLLM's
+memory profile (so of the KV-cache size it derives) and of the server's memory before the first
+request, and serving captures nothing: no capture pause and no memory growth at the first batch
+of a new size. A capture after the warm-up (a key it did not cover) is counted in
+``late_captures`` and logged once per bucket as a warning.
 
 Numerics: a replay runs the kernels of the eager build at R = bucket, so its trees equal the
 eager build of the padded batch exactly (``tests/gpu/test_weaver_graphs_gpu.py``). Against the
@@ -37,8 +51,9 @@ verification is exact for any tree.
 
 from __future__ import annotations
 
+import logging
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -56,12 +71,17 @@ __all__ = [
     "BUCKETS_ENV",
     "DEFAULT_BUCKETS",
     "GRAPHS_ENV",
+    "DrafterOutputs",
     "StaticInputs",
     "WeaverGraphs",
     "bucket_for",
     "graph_buckets",
+    "graph_key",
+    "warm_up_buckets",
     "weaver_graphs_from_env",
 ]
+
+logger = logging.getLogger("vllm.tfm")  # under vLLM's logger: printed next to its own start-up lines
 
 GRAPHS_ENV = "VLLM_TFM_WEAVER_GRAPHS"
 BUCKETS_ENV = "VLLM_TFM_WEAVER_GRAPH_BUCKETS"
@@ -99,6 +119,21 @@ def bucket_for(num_requests: int, buckets: Sequence[int]) -> int | None:
     return None
 
 
+def warm_up_buckets(buckets: Sequence[int], max_requests: int) -> tuple[int, ...]:
+    """The buckets a batch of 1..``max_requests`` requests replays in, largest first (the order the
+    warm-up captures them in, so that smaller graphs reuse the pool memory of larger ones): every
+    bucket up to the one that holds ``max_requests``, all of them when none does (larger batches
+    build eagerly)."""
+    if isinstance(max_requests, bool) or not isinstance(max_requests, int) or max_requests < 1:
+        raise ValueError(f"max_requests must be an integer >= 1, got {max_requests!r}")
+    top = bucket_for(max_requests, sorted(buckets))
+    return tuple(sorted((b for b in set(buckets) if top is None or b <= top), reverse=True))
+
+
+DrafterOutputs = tuple[Tensor, Tensor, Tensor, Tensor]
+"""(DFlash logits [R, D, V], DFlash hidden [R, D, H], verifier hidden [R, H], root tokens [R])."""
+
+
 @dataclass(frozen=True)
 class StaticInputs:
     """Input buffers of one graph, [bucket, ...]; rows past the batch keep their last values."""
@@ -128,6 +163,18 @@ class StaticInputs:
             if tuple(src.shape) != (r, *dst.shape[1:]):
                 raise ValueError(f"input of shape {tuple(src.shape)} does not fit buffer rows of shape {tuple(dst.shape[1:])}")
             dst[:r].copy_(src)
+
+    def rows(self, bucket: int) -> StaticInputs:
+        """Views of the first ``bucket`` rows (the inputs of a smaller bucket's graph)."""
+        if not 1 <= bucket <= self.bucket:
+            raise ValueError(f"a graph bucket of {bucket} does not fit input buffers of {self.bucket} rows")
+        return StaticInputs(self.logits[:bucket], self.hidden[:bucket], self.verifier[:bucket], self.roots[:bucket])
+
+
+def _input_signature(logits: Tensor, hidden: Tensor, verifier: Tensor) -> tuple[Any, ...]:
+    """What the input buffers of a graph depend on besides the bucket: shapes past the batch, dtypes, device."""
+    return (tuple(logits.shape[1:]), tuple(hidden.shape[1:]), tuple(verifier.shape[1:]), logits.dtype, hidden.dtype,
+            verifier.dtype, logits.device)
 
 
 @dataclass
@@ -164,6 +211,20 @@ def _table_key(table: VocabTable) -> tuple[int, int]:
     return id(table), weight.data_ptr() if isinstance(weight, Tensor) else 0
 
 
+def graph_key(
+    bucket: int, weaver: nn.Module, dflash_logits: Tensor, dflash_hidden: Tensor, verifier_hidden: Tensor,
+    embed: VocabTable, lm_head: VocabTable, budget: int, top_k: int, width: int, children_per_node: int,
+) -> tuple[Any, ...]:
+    """The key of a graph: one graph per bucket, tree shape, input shapes past the batch, dtypes,
+    device, Weaver and vocabulary tables (the batch size itself and the root tokens' dtype are not
+    part of it: rows are padded to the bucket, roots are copied into int64 buffers)."""
+    return (
+        bucket, budget, top_k, width, children_per_node, tuple(dflash_logits.shape[1:]), tuple(dflash_hidden.shape[1:]),
+        tuple(verifier_hidden.shape[1:]), dflash_logits.dtype, dflash_hidden.dtype, verifier_hidden.dtype,
+        dflash_logits.device, id(weaver), _table_key(embed), _table_key(lm_head),
+    )
+
+
 class WeaverGraphs:
     """Weaver tree builds through CUDA graphs, one per key (module docstring)."""
 
@@ -172,22 +233,70 @@ class WeaverGraphs:
         if not self.buckets or self.buckets[0] < 1:
             raise ValueError(f"graph buckets must be integers >= 1, got {buckets!r}")
         self._graphs: dict[tuple[Any, ...], _Captured] = {}
+        self._inputs: dict[tuple[Any, ...], StaticInputs] = {}  # input buffers shared by the graphs of a signature
         self._pool: Any = None
+        self._stream: Any = None  # the one stream of every eager run before a capture and of the captures
         self.replays = 0
         self.tail_rounds = 0
         self.eager_builds = 0
+        self.captured: list[int] = []  # the bucket of every capture, in order
+        self.warmed_up: tuple[int, ...] | None = None  # buckets the warm-up covered; None before it ran
+        self.late_captures: list[int] = []  # buckets captured after the warm-up (while serving)
+
+    def capturable(self, device: torch.device, embed: VocabTable, lm_head: VocabTable) -> bool:
+        """Whether builds on ``device`` with these tables can replay graphs (not on CPU tensors,
+        not inside another capture, not with vocabulary-split tables)."""
+        if device.type != "cuda" or not torch.cuda.is_available():
+            return False
+        if torch.cuda.is_current_stream_capturing():  # inside someone else's capture: no nesting
+            return False
+        return not (isinstance(embed, ShardedVocabTable) or isinstance(lm_head, ShardedVocabTable))
 
     def bucket(self, dflash_logits: Tensor, embed: VocabTable, lm_head: VocabTable) -> int | None:
         """The bucket this batch replays in, or None when it builds eagerly (CPU tensors, a
         capture already under way, vocabulary-split tables, more requests than the largest
         bucket)."""
-        if dflash_logits.device.type != "cuda" or not torch.cuda.is_available():
-            return None
-        if torch.cuda.is_current_stream_capturing():  # inside someone else's capture: no nesting
-            return None
-        if isinstance(embed, ShardedVocabTable) or isinstance(lm_head, ShardedVocabTable):
+        if not self.capturable(dflash_logits.device, embed, lm_head):
             return None
         return bucket_for(int(dflash_logits.shape[0]), self.buckets)
+
+    def warm_up(
+        self,
+        max_requests: int,
+        make_inputs: Callable[[int], DrafterOutputs],
+        weaver: nn.Module,
+        embed: VocabTable,
+        lm_head: VocabTable,
+        budget: int,
+        top_k: int,
+        width: int,
+        children_per_node: int,
+        device: torch.device,
+    ) -> tuple[int, ...]:
+        """Capture, largest first, the graph of every bucket a batch of 1..``max_requests``
+        requests replays in (:func:`warm_up_buckets`), from drafter outputs of that many rows:
+        ``make_inputs(bucket)`` (values are irrelevant, shapes and dtypes must be the serving
+        ones: e.g. views of one zero row). Returns the buckets captured now (keys already
+        captured are skipped); nothing when builds on ``device`` cannot replay graphs."""
+        sizes = warm_up_buckets(self.buckets, max_requests)
+        if not self.capturable(device, embed, lm_head):
+            self.warmed_up = ()
+            return ()
+        done: list[int] = []
+        with torch.inference_mode():
+            for bucket in sizes:
+                logits, hidden, verifier, roots = make_inputs(bucket)
+                if int(logits.shape[0]) != bucket:
+                    raise ValueError(f"warm-up inputs for bucket {bucket} have {int(logits.shape[0])} rows")
+                check_marginals(logits, budget)
+                key = graph_key(bucket, weaver, logits, hidden, verifier, embed, lm_head, budget, top_k, width,
+                                children_per_node)
+                if key not in self._graphs:
+                    self._graphs[key] = self._capture(bucket, weaver, logits, hidden, verifier, roots, embed, lm_head,
+                                                      budget, top_k, width, children_per_node)
+                    done.append(bucket)
+        self.warmed_up = sizes
+        return tuple(done)
 
     def weaver_trees(
         self,
@@ -212,17 +321,16 @@ class WeaverGraphs:
                                 budget, top_k, width, children_per_node)
         check_marginals(dflash_logits, budget)
         r = int(root_tokens.shape[0])
-        key = (
-            bucket, budget, top_k, width, children_per_node, tuple(dflash_logits.shape[1:]), tuple(dflash_hidden.shape[1:]),
-            dflash_logits.dtype, dflash_hidden.dtype, verifier_hidden.dtype, dflash_logits.device,
-            id(weaver), _table_key(embed), _table_key(lm_head),
-        )
+        key = graph_key(bucket, weaver, dflash_logits, dflash_hidden, verifier_hidden, embed, lm_head, budget, top_k,
+                        width, children_per_node)
         with torch.inference_mode():
             cap = self._graphs.get(key)
             if cap is None:
                 cap = self._capture(bucket, weaver, dflash_logits, dflash_hidden, verifier_hidden, root_tokens, embed,
                                     lm_head, budget, top_k, width, children_per_node)
                 self._graphs[key] = cap
+                if self.warmed_up is not None:
+                    self._note_late_capture(bucket, key)
             cap.inputs.fill(dflash_logits, dflash_hidden, verifier_hidden, root_tokens)
             cap.graph.replay()
             self.replays += 1
@@ -235,6 +343,26 @@ class WeaverGraphs:
                 self.tail_rounds += growth.rounds - fixed
                 tokens, parents = growth.trees().draft_layout(cap.filler)
             return tokens[:r].clone(), parents[:r].clone()
+
+    def _note_late_capture(self, bucket: int, key: tuple[Any, ...]) -> None:
+        first = bucket not in self.late_captures
+        self.late_captures.append(bucket)
+        if first:
+            logger.warning(
+                "vllm-tfm: captured the Weaver CUDA graph of batch bucket %d while serving (the start-up warm-up "
+                "covered buckets %s with other shapes or dtypes; key %s): its memory was not in vLLM's profile",
+                bucket, list(self.warmed_up or ()), key[:11],
+            )
+
+    def _static_inputs(self, bucket: int, logits: Tensor, hidden: Tensor, verifier: Tensor, roots: Tensor) -> StaticInputs:
+        """Rows 0..bucket-1 of the input buffers of this signature (new buffers of ``bucket`` rows
+        when there are none yet or they are smaller; graphs captured earlier keep theirs)."""
+        sig = _input_signature(logits, hidden, verifier)
+        shared = self._inputs.get(sig)
+        if shared is None or shared.bucket < bucket:
+            shared = StaticInputs.zeros_like(bucket, logits, hidden, verifier, roots.to(torch.long))
+            self._inputs[sig] = shared
+        return shared.rows(bucket)
 
     def _capture(
         self,
@@ -252,16 +380,19 @@ class WeaverGraphs:
         cpn: int,
     ) -> _Captured:
         dev = dflash_logits.device
-        inputs = StaticInputs.zeros_like(bucket, dflash_logits, dflash_hidden, verifier_hidden, root_tokens.to(torch.long))
+        inputs = self._static_inputs(bucket, dflash_logits, dflash_hidden, verifier_hidden, root_tokens)
         inputs.fill(dflash_logits, dflash_hidden, verifier_hidden, root_tokens)
-        side = torch.cuda.Stream(dev)
+        if self._stream is None:
+            self._stream = torch.cuda.Stream(dev)
+        side = self._stream
         side.wait_stream(torch.cuda.current_stream(dev))
-        with torch.cuda.stream(side):  # warm-up: lazy initialisations happen outside the capture
+        with torch.cuda.stream(side):  # an eager run first: lazy initialisations happen outside the capture
             _build(weaver, inputs, embed, lm_head, budget, top_k, width, cpn)
         torch.cuda.current_stream(dev).wait_stream(side)
         if self._pool is None:
             self._pool = torch.cuda.graph_pool_handle()
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
+        with torch.cuda.graph(graph, pool=self._pool, stream=side, capture_error_mode="thread_local"):
             growth, filler, tokens, parents = _build(weaver, inputs, embed, lm_head, budget, top_k, width, cpn)
+        self.captured.append(bucket)
         return _Captured(graph, inputs, growth, dict(growth.__dict__), filler, tokens, parents)
