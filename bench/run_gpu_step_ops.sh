@@ -1,14 +1,17 @@
 #!/usr/bin/env bash
 # One GPU-host command for the host cost of a tree decode step's sampler and commit: the GPU
-# equality tests of the rewrite (tests/gpu/test_step_rewrite_gpu.py), then bench/step_ops.py on
-# CUDA (real NVRTC kernels and launches) for the current code and the previous one
-# (tests/cpu/_step_before.py), R = 1 and 8, B = 32, 27B layer counts with small tensors.
+# equality tests of the rewrite (tests/gpu/test_step_rewrite_gpu.py, test_step_kernels_gpu.py) and
+# of the batched commit (tests/gpu/test_batched_commit_gpu.py: batched == per-layer bit for bit at
+# the 27B GDN shape), then bench/step_ops.py on CUDA (real NVRTC kernels and launches) for the
+# current code (commit paths kernels = per layer and kernels-batched = VLLM_TFM_BATCHED_COMMIT=1)
+# and the previous one (tests/cpu/_step_before.py), R = 1 and 8, B = 32, 27B layer counts with
+# small tensors.
 # Run from the repository root (carry .gpu-bundle), $OUT set:
 #
 #     bash bench/run_gpu_step_ops.sh
 #
-# Writes $OUT/pytest.log, $OUT/step_ops_cuda.json (labels "after" and "before") and
-# $OUT/bench_*.log. About 2-4 minutes.
+# Writes $OUT/pytest.log, $OUT/step_ops_cuda.json (labels "batched": the current code, and "before") and
+# $OUT/bench_*.log. About 3-5 minutes.
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.." || exit 1
 OUT=${OUT:-/tmp/step-ops-out}
@@ -18,10 +21,11 @@ source .gpu-bundle/install.sh >"$OUT/install.log" 2>&1 || { echo "bundle install
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 export PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv,noheader || true
-timeout 180 python3 -m pytest -q tests/gpu/test_step_rewrite_gpu.py tests/gpu/test_step_kernels_gpu.py >"$OUT/pytest.log" 2>&1
+timeout 240 python3 -m pytest -q tests/gpu/test_step_rewrite_gpu.py tests/gpu/test_step_kernels_gpu.py \
+    tests/gpu/test_batched_commit_gpu.py >"$OUT/pytest.log" 2>&1
 echo "gpu tests exit code $?"; tail -5 "$OUT/pytest.log"
 rc=0
-timeout 150 python3 bench/step_ops.py --device cuda --label after --repeats 20 \
+timeout 150 python3 bench/step_ops.py --device cuda --label batched --repeats 20 \
     --out "$OUT/step_ops_cuda.json" >"$OUT/bench_after.log" 2>&1 || rc=$?
 echo "bench (current) exit code $rc"; grep "^R=" "$OUT/bench_after.log"; tail -3 "$OUT/bench_after.log"
 timeout 150 python3 bench/step_ops.py --device cuda --impl before --label before --repeats 20 \

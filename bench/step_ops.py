@@ -23,7 +23,9 @@ e2e bench's setting: trees of depth up to 15):
   (GDN H 1, K 32, HV 2, V 16, conv width 4; KV 2 heads x 8 x 2, 16-token blocks), the accepted
   paths of the ``replay`` sampler run. Path ``kernels`` is the GPU's: the NVRTC kernels through
   their wrappers with the launches recorded and not run on the CPU (``--device cuda``: run);
-  path ``reference`` is the torch references (what a CPU runs).
+  path ``kernels-batched`` the same with ``VLLM_TFM_BATCHED_COMMIT=1`` (one launch per kernel kind
+  for all GDN layers, ``vllm_tfm.kernels.batched_commit``); path ``reference`` is the torch
+  references (what a CPU runs).
 
 Per (R, stage, mode) it reports:
 
@@ -193,6 +195,7 @@ def kernel_path(device: torch.device) -> Iterator[None]:
     """Make the runtime take its NVRTC kernel path. On a GPU nothing is patched but the launch
     counter; on the CPU the kernel wrappers run with a stub ``get_kernel`` and a ``launch`` that
     packs the arguments like the real one and records the launch without running it."""
+    from vllm_tfm.kernels import batched_commit as kbatch
     from vllm_tfm.kernels import conv as kconv
     from vllm_tfm.kernels import gdn as kgdn
     from vllm_tfm.kernels import loader
@@ -210,14 +213,14 @@ def kernel_path(device: torch.device) -> Iterator[None]:
         (ctypes.c_void_p * max(len(values), 1))(*[ctypes.addressof(v) for v in values])
 
     with contextlib.ExitStack() as stack:
-        for mod in (kgdn, kconv):
+        for mod in (kgdn, kconv, kbatch):
             stack.enter_context(mock.patch.object(mod, "launch", counted_launch))
         if device.type != "cuda":
             def get_kernel(source: str, name: str, options: Any, device_index: int = 0) -> Any:
                 tuple(options)
                 return SimpleNamespace(name=name, max_dynamic_smem=227 * 1024, static_smem=0, device_index=0)
 
-            for mod in (kgdn, kconv):
+            for mod in (kgdn, kconv, kbatch):
                 stack.enter_context(mock.patch.object(mod, "get_kernel", get_kernel))
             none = lambda *a, **k: None
             for mod, name in ((kgdn, "commit_unsupported_reason"), (kgdn, "verify_unsupported_reason"),
@@ -240,6 +243,13 @@ def kernel_path(device: torch.device) -> Iterator[None]:
 
             for mod in (hooks, gdn_mod):
                 stack.enter_context(mock.patch.object(mod, "step_kernels", step_kernels))
+        yield
+
+
+@contextlib.contextmanager
+def batched_commit(on: bool) -> Iterator[None]:
+    """``VLLM_TFM_BATCHED_COMMIT`` set to 1 (on) or 0 for the duration."""
+    with mock.patch.dict("os.environ", {"VLLM_TFM_BATCHED_COMMIT": "1" if on else "0"}):
         yield
 
 
@@ -483,7 +493,8 @@ def commit_case(x: StepInputs, path: str, repeats: int, impl: str) -> dict[str, 
             sample_fn(sampler, md, x.logits, smd)
         return step
 
-    with kernel_path(x.device) if path == "kernels" else reference_path():
+    with kernel_path(x.device) if path.startswith("kernels") else reference_path(), \
+            batched_commit(path == "kernels-batched"):
         res, _ = measure_stage(lambda step: commit_fn(runner, step), fresh, repeats, x.device)
         step = fresh()
         with torch.inference_mode():
@@ -520,20 +531,23 @@ def main() -> None:
     ap.add_argument("--impl", choices=("current", "before"), default="current",
                     help="before: the previous sampler and commit (tests/cpu/_step_before.py)")
     ap.add_argument("--commit-paths", default=None,
-                    help="commit paths to measure, of kernels,reference (default: both on the CPU, kernels on CUDA, "
-                         "where the references take seconds per step)")
+                    help="commit paths to measure, of kernels,kernels-batched,reference (default: all three on the CPU, "
+                         "the kernel paths on CUDA, where the references take seconds per step; kernels-batched only "
+                         "with the current implementation)")
     ap.add_argument("--note", default="", help="appended to the recorded command (e.g. the machine)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     device = torch.device(args.device)
-    default_paths = "kernels" if device.type == "cuda" else "kernels,reference"
+    default_paths = "kernels,kernels-batched" if device.type == "cuda" else "kernels,kernels-batched,reference"
+    if args.impl == "before":  # the previous commit has no batched path
+        default_paths = default_paths.replace("kernels-batched,", "").replace(",kernels-batched", "")
     commit_paths = tuple((args.commit_paths or default_paths).split(","))
     cases = []
     for r in (int(v) for v in args.requests.split(",")):
         x = StepInputs(r, args.budget, device, seed=100 + r)
         for res in measure(x, args.repeats, args.impl, commit_paths):
             print(
-                f"R={r} B={args.budget} {res['stage']:7s} {res['mode']:9s} ops={res['ops']:5d} kernels={res['kernels']:5d} "
+                f"R={r} B={args.budget} {res['stage']:7s} {res['mode']:15s} ops={res['ops']:5d} kernels={res['kernels']:5d} "
                 f"launches={res['launches']['total']:3d} syncs={res['syncs']['total']:3d} uploads={res['uploads']['total']:3d} "
                 f"host={res['host_ms']['best']:.2f} ms" + (f" digest {res['result_sha256']}" if res.get("result_sha256") else ""),
                 flush=True,

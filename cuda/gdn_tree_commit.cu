@@ -6,7 +6,15 @@
 // the destination of one request and the source of another, the wrapper passes a snapshot of
 // the sources as src_state (vllm_tfm/kernels/gdn.py), so every S0 is still read before writing.
 //
-// grid (V / 16, HV, R), block 128, dynamic shared memory = gdn_commit_smem_words(m_cap) * 4.
+// Two entry points run the same block body (gdn_commit_block), so their results are bitwise equal:
+// * gdn_tree_commit: one layer; grid (V / 16, HV, R), block 128.
+// * gdn_tree_commit_layers: L layers of one step in one launch; each layer's operands (separate
+//   allocations) come from a device table of GdnCommitLayer rows (vllm_tfm/kernels/batched_commit.py
+//   builds it); grid (V / 16, HV, R * L), blockIdx.z = layer * R + r. The tree plan, the accepted
+//   nodes and the scalars are shared by the layers (one compile-time K, V and k type per launch).
+//   Layers run concurrently: no layer's destination rows may be another layer's source rows
+//   (vLLM: layers that share a buffer belong to different KV-cache groups, whose slots differ).
+// Dynamic shared memory = gdn_commit_smem_words(m_cap) * 4 for both.
 // The path comes from the host plan (vllm_tfm/kernels/plan.py): pair_j[pair_off[pos[a]] ...] lists
 // the root..a path, root first.
 //
@@ -24,6 +32,11 @@
 #define CM_BV 16   // rows of V per CTA
 #define CM_PC 32   // path entries per staged chunk
 #define CM_NPT (CM_BV * GDN_K / (4 * CM_THREADS))  // float4 state chunks per thread
+// Minimum CTAs per SM of gdn_tree_commit_layers (a register cap). Without one, ptxas (13.0) gave the
+// batched entry 64 registers and 72 bytes of spills at K = 128 (or 141 registers with a bound of
+// 1): its layer operands live in registers, where the one-layer entry reads them from the
+// parameter bank. 8 at K = 128 (64 registers, no spill), 4 elsewhere (no spill at K = 32..256).
+#define CM_LAYERS_MINB (GDN_K == 128 ? 8 : 4)
 
 static_assert(GDN_K % 32 == 0, "K must be a multiple of 32");
 static_assert(GDN_V % CM_BV == 0, "V must be a multiple of 16");
@@ -35,15 +48,17 @@ __device__ __host__ inline int gdn_commit_smem_words(int m_cap) {
   return 3 * cm_align4(m_cap) + cm_align4(CM_PC * (GDN_K + 4)) + cm_align4(CM_PC * CM_BV) + 4;
 }
 
-extern "C" __global__ void __launch_bounds__(CM_THREADS)
-gdn_tree_commit(const tin* __restrict__ k, const float* __restrict__ g,
-                const float* __restrict__ delta, const int* __restrict__ cu,
-                const int* __restrict__ pos, const int* __restrict__ depth,
-                const int* __restrict__ pair_off, const int* __restrict__ pair_j,
-                const int* __restrict__ accepted, const float* src_state,
-                const int* __restrict__ src_idx, i64 ss_slot, i64 ss_head, i64 ss_v,
-                float* dst_state, const int* __restrict__ dst_idx, i64 ds_slot,
-                i64 ds_head, i64 ds_v, int H, int HV, int m_cap, int use_l2norm) {
+// The work of one CTA: rows v0 .. v0 + CM_BV - 1 of value head hv of request r's state.
+__device__ __forceinline__ void
+gdn_commit_block(const tin* __restrict__ k, const float* __restrict__ g,
+                 const float* __restrict__ delta, const int* __restrict__ cu,
+                 const int* __restrict__ pos, const int* __restrict__ depth,
+                 const int* __restrict__ pair_off, const int* __restrict__ pair_j,
+                 const int* __restrict__ accepted, const float* src_state,
+                 const int* __restrict__ src_idx, i64 ss_slot, i64 ss_head, i64 ss_v,
+                 float* dst_state, const int* __restrict__ dst_idx, i64 ds_slot,
+                 i64 ds_head, i64 ds_v, int H, int HV, int m_cap, int use_l2norm,
+                 const int v0, const int hv, const int r) {
   TFM_DYNAMIC_SMEM(float4, smem_f4);
   if (dynamic_smem_bytes() < (u32)gdn_commit_smem_words(m_cap) * 4u) __trap();
   float* base = reinterpret_cast<float*>(smem_f4);
@@ -55,9 +70,6 @@ gdn_tree_commit(const tin* __restrict__ k, const float* __restrict__ g,
   float* s_ega = s_c + cm_align4(CM_PC * CM_BV);       // [1] e^{G_a}
 
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
-  const int v0 = blockIdx.x * CM_BV;
-  const int hv = blockIdx.y;
-  const int r = blockIdx.z;
   const int h = hv / (HV / H);
   const int bos = cu[r];
 
@@ -144,4 +156,45 @@ gdn_tree_commit(const tin* __restrict__ k, const float* __restrict__ g,
     out.w = fmaf(ega, s0[t].w, acc[t].w);
     *reinterpret_cast<float4*>(S1 + (i64)row * ds_v + c4) = out;
   }
+}
+
+extern "C" __global__ void __launch_bounds__(CM_THREADS)
+gdn_tree_commit(const tin* __restrict__ k, const float* __restrict__ g,
+                const float* __restrict__ delta, const int* __restrict__ cu,
+                const int* __restrict__ pos, const int* __restrict__ depth,
+                const int* __restrict__ pair_off, const int* __restrict__ pair_j,
+                const int* __restrict__ accepted, const float* src_state,
+                const int* __restrict__ src_idx, i64 ss_slot, i64 ss_head, i64 ss_v,
+                float* dst_state, const int* __restrict__ dst_idx, i64 ds_slot,
+                i64 ds_head, i64 ds_v, int H, int HV, int m_cap, int use_l2norm) {
+  gdn_commit_block(k, g, delta, cu, pos, depth, pair_off, pair_j, accepted, src_state, src_idx,
+                   ss_slot, ss_head, ss_v, dst_state, dst_idx, ds_slot, ds_head, ds_v, H, HV,
+                   m_cap, use_l2norm, blockIdx.x * CM_BV, blockIdx.y, blockIdx.z);
+}
+
+// One row of the layer table of gdn_tree_commit_layers: 13 64-bit words in this order
+// (GDN_LAYER_FIELDS in vllm_tfm/kernels/batched_commit.py mirrors it; a CPU test compares them).
+struct GdnCommitLayer {
+  const tin* k;          // [T, H, K] contiguous
+  const float* g;        // [T, HV] contiguous
+  const float* delta;    // [T, HV, V] contiguous
+  const float* src_state;
+  const int* src_idx;    // [R]
+  i64 ss_slot, ss_head, ss_v;
+  float* dst_state;
+  const int* dst_idx;    // [R]
+  i64 ds_slot, ds_head, ds_v;
+};
+
+extern "C" __global__ void __launch_bounds__(CM_THREADS, CM_LAYERS_MINB)
+gdn_tree_commit_layers(const GdnCommitLayer* __restrict__ layers, int R,
+                       const int* __restrict__ cu, const int* __restrict__ pos,
+                       const int* __restrict__ depth, const int* __restrict__ pair_off,
+                       const int* __restrict__ pair_j, const int* __restrict__ accepted, int H,
+                       int HV, int m_cap, int use_l2norm) {
+  const int layer = blockIdx.z / R, r = blockIdx.z - layer * R;
+  const GdnCommitLayer L = layers[layer];
+  gdn_commit_block(L.k, L.g, L.delta, cu, pos, depth, pair_off, pair_j, accepted, L.src_state,
+                   L.src_idx, L.ss_slot, L.ss_head, L.ss_v, L.dst_state, L.dst_idx, L.ds_slot,
+                   L.ds_head, L.ds_v, H, HV, m_cap, use_l2norm, blockIdx.x * CM_BV, blockIdx.y, r);
 }

@@ -9,6 +9,11 @@
 // each thread owns one channel of one request and reads all its inputs before writing, so
 // src == dst within a request is safe; when a slot is one request's destination and another's
 // source the wrapper passes a snapshot of the sources as src_state (vllm_tfm/kernels/conv.py).
+// tree_conv_commit_layers: the same block body (conv_commit_block, so bitwise the same results)
+// for L layers of a step in one launch, each layer's operands from a device table of
+// ConvCommitLayer rows (vllm_tfm/kernels/batched_commit.py); the plan, the accepted nodes, D and W
+// are shared. Layers run concurrently: no layer's destination columns may be another layer's
+// source columns (vLLM: layers that share a buffer belong to different KV-cache groups).
 //
 // Paths come from the host plan (vllm_tfm/kernels/plan.py): pair_j[pair_off[pos[i]] + e] is the
 // node at depth e on the root..i path.
@@ -94,20 +99,20 @@ tree_conv1d(const tin* __restrict__ x, i64 x_row, const int* __restrict__ req_of
   }
 }
 
-// grid (ceil(D / 256), R), block 256.
-extern "C" __global__ void __launch_bounds__(CONV_THREADS)
-tree_conv_commit(const tin* __restrict__ x, i64 x_row, const int* __restrict__ cu,
-                 const int* __restrict__ pos, const int* __restrict__ depth,
-                 const int* __restrict__ pair_off, const int* __restrict__ pair_j,
-                 const int* __restrict__ accepted, const tst* src_state,
-                 const int* __restrict__ src_idx, i64 ss_slot, i64 ss_d, i64 ss_l,
-                 const int* __restrict__ src_start, tst* dst_state, const int* __restrict__ dst_idx,
-                 i64 ds_slot, i64 ds_d, i64 ds_l, const int* __restrict__ dst_start, int D, int W) {
+// The work of one CTA: channels blockIdx.x * 256 .. of request r.
+__device__ __forceinline__ void
+conv_commit_block(const tin* __restrict__ x, i64 x_row, const int* __restrict__ cu,
+                  const int* __restrict__ pos, const int* __restrict__ depth,
+                  const int* __restrict__ pair_off, const int* __restrict__ pair_j,
+                  const int* __restrict__ accepted, const tst* src_state,
+                  const int* __restrict__ src_idx, i64 ss_slot, i64 ss_d, i64 ss_l,
+                  const int* __restrict__ src_start, tst* dst_state, const int* __restrict__ dst_idx,
+                  i64 ds_slot, i64 ds_d, i64 ds_l, const int* __restrict__ dst_start, int D, int W,
+                  const int r) {
   // s_src[e] for e < W-1: the e-th of the last W-1 entries (oldest first); >= 0 a flat node
   // index, < 0 -(source state column + 1).
   __shared__ int s_src[CONV_WMAX];
   const int tid = threadIdx.x;
-  const int r = blockIdx.y;
   if (tid < W - 1) {
     const int a = cu[r] + accepted[r];
     const int d = depth[a];
@@ -138,4 +143,47 @@ tree_conv_commit(const tin* __restrict__ x, i64 x_row, const int* __restrict__ c
   for (int e = 0; e < CONV_WMAX - 1; ++e) {
     if (e < W - 1) dst_state[dbase + (i64)e * ds_l] = from_f32<tst>(vals[e]);
   }
+}
+
+// grid (ceil(D / 256), R), block 256.
+extern "C" __global__ void __launch_bounds__(CONV_THREADS)
+tree_conv_commit(const tin* __restrict__ x, i64 x_row, const int* __restrict__ cu,
+                 const int* __restrict__ pos, const int* __restrict__ depth,
+                 const int* __restrict__ pair_off, const int* __restrict__ pair_j,
+                 const int* __restrict__ accepted, const tst* src_state,
+                 const int* __restrict__ src_idx, i64 ss_slot, i64 ss_d, i64 ss_l,
+                 const int* __restrict__ src_start, tst* dst_state, const int* __restrict__ dst_idx,
+                 i64 ds_slot, i64 ds_d, i64 ds_l, const int* __restrict__ dst_start, int D, int W) {
+  conv_commit_block(x, x_row, cu, pos, depth, pair_off, pair_j, accepted, src_state, src_idx,
+                    ss_slot, ss_d, ss_l, src_start, dst_state, dst_idx, ds_slot, ds_d, ds_l,
+                    dst_start, D, W, blockIdx.y);
+}
+
+// One row of the layer table of tree_conv_commit_layers: 14 64-bit words in this order
+// (CONV_LAYER_FIELDS in vllm_tfm/kernels/batched_commit.py mirrors it; a CPU test compares them).
+struct ConvCommitLayer {
+  const tin* x;
+  i64 x_row;
+  const tst* src_state;
+  const int* src_idx;    // [R]
+  i64 ss_slot, ss_d, ss_l;
+  const int* src_start;  // [R] or null
+  tst* dst_state;
+  const int* dst_idx;    // [R]
+  i64 ds_slot, ds_d, ds_l;
+  const int* dst_start;  // [R] or null
+};
+
+// grid (ceil(D / 256), R * L), block 256; blockIdx.y = layer * R + r.
+extern "C" __global__ void __launch_bounds__(CONV_THREADS)
+tree_conv_commit_layers(const ConvCommitLayer* __restrict__ layers, int R,
+                        const int* __restrict__ cu, const int* __restrict__ pos,
+                        const int* __restrict__ depth, const int* __restrict__ pair_off,
+                        const int* __restrict__ pair_j, const int* __restrict__ accepted, int D,
+                        int W) {
+  const int layer = blockIdx.y / R, r = blockIdx.y - layer * R;
+  const ConvCommitLayer L = layers[layer];
+  conv_commit_block(L.x, L.x_row, cu, pos, depth, pair_off, pair_j, accepted, L.src_state,
+                    L.src_idx, L.ss_slot, L.ss_d, L.ss_l, L.src_start, L.dst_state, L.dst_idx,
+                    L.ds_slot, L.ds_d, L.ds_l, L.dst_start, D, W, r);
 }

@@ -28,11 +28,11 @@ HERE = Path(__file__).resolve().parent
 CUDA_DIR = HERE.parent
 KERNELS = {
     "gdn_tree_verify.cu": ["gdn_tree_pairs", "gdn_tree_verify_main"],
-    "gdn_tree_commit.cu": ["gdn_tree_commit"],
-    "tree_conv.cu": ["tree_conv1d", "tree_conv_commit"],
+    "gdn_tree_commit.cu": ["gdn_tree_commit", "gdn_tree_commit_layers"],
+    "tree_conv.cu": ["tree_conv1d", "tree_conv_commit", "tree_conv_commit_layers"],
     "tree_attention.cu": ["tree_attention"],
 }
-WRAPPERS = ("gdn", "conv", "tree_attention")  # vllm_tfm.kernels modules that launch kernels
+WRAPPERS = ("gdn", "conv", "tree_attention", "batched_commit")  # vllm_tfm.kernels modules that launch kernels
 
 
 def build(source: str, options: list[str], out_dir: Path, sanitize: bool = False) -> Path:

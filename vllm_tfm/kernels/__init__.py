@@ -8,9 +8,16 @@ unsupported dtype or shape) it calls the reference instead and says so once.
 * :func:`tree_causal_conv1d`, :func:`tree_conv_commit`: the short causal conv over a tree.
 * :class:`TreePlan` and the ``*_planned`` variants: the per-step index tables, built once and
   shared by every layer.
+* :func:`gdn_tree_commit_layers`, :func:`tree_conv_commit_layers`, :func:`commit_layers_planned`:
+  the commits of many layers in one launch per kernel kind (``batched_commit``).
 * :func:`kernels_available`: whether the CUDA path can run on this machine.
 """
 
+from vllm_tfm.kernels.batched_commit import (
+    commit_layers_planned,
+    gdn_tree_commit_layers,
+    tree_conv_commit_layers,
+)
 from vllm_tfm.kernels.conv import (
     tree_causal_conv1d,
     tree_causal_conv1d_planned,
@@ -31,7 +38,9 @@ __all__ = [
     "KernelCompileError",
     "KernelLaunchError",
     "TreePlan",
+    "commit_layers_planned",
     "gdn_tree_commit",
+    "gdn_tree_commit_layers",
     "gdn_tree_commit_planned",
     "gdn_tree_verify",
     "gdn_tree_verify_planned",
@@ -39,5 +48,6 @@ __all__ = [
     "tree_causal_conv1d",
     "tree_causal_conv1d_planned",
     "tree_conv_commit",
+    "tree_conv_commit_layers",
     "tree_conv_commit_planned",
 ]

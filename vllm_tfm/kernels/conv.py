@@ -225,6 +225,19 @@ def tree_conv_commit(
             x, parents, cu_nodes, accepted, conv_state, src_indices, dst_indices, width, src_start, dst_start
         )
         return
+    acc, src, dst, s_starts, d_starts = _checked_commit_args(
+        x, parents, cu_nodes, accepted, conv_state, src_indices, dst_indices, width, src_start, dst_start
+    )
+    plan = TreePlan.build(parents, cu_nodes, device=x.device)
+    idx = CommitIndices.build(acc, src, dst, x.device, s_starts, d_starts)
+    tree_conv_commit_planned(plan, x, idx, conv_state, width)
+
+
+def _checked_commit_args(
+    x: Tensor, parents: Tensor, cu_nodes: Tensor, accepted: Tensor, conv_state: Tensor, src_indices: Tensor,
+    dst_indices: Tensor, width: int, src_start: Tensor | None, dst_start: Tensor | None,
+) -> tuple[list[int], list[int], list[int], list[int], list[int]]:
+    """The reference's checks of a conv commit's arguments (host copies): (accepted, src, dst, src_start, dst_start)."""
     from vllm_tfm.verify.ragged_trees import check_per_request, check_slot_indices, request_bounds
 
     tokens, dim = x.shape
@@ -244,6 +257,4 @@ def tree_conv_commit(
     for r, ((s, e), a) in enumerate(zip(bounds, acc)):
         if not 0 <= a < e - s:
             raise ValueError(f"accepted[{r}] = {a} is not a node of request {r} (it has {e - s} nodes)")
-    plan = TreePlan.build(parents, cu_nodes, device=x.device)
-    idx = CommitIndices.build(acc, src, dst, x.device, s_starts, d_starts)
-    tree_conv_commit_planned(plan, x, idx, conv_state, width)
+    return acc, src, dst, s_starts, d_starts

@@ -397,6 +397,33 @@ def gdn_tree_commit_planned(
     )
 
 
+def _checked_commit_args(
+    k: Tensor, g: Tensor, delta: Tensor, parents: Tensor, cu_nodes: Tensor, accepted: Tensor, ssm_state: Tensor,
+    src_indices: Tensor, dst_indices: Tensor,
+) -> tuple[list[int], list[int], list[int]]:
+    """The reference's checks of a commit's arguments (host copies of the indices): (accepted, src, dst)."""
+    from vllm_tfm.verify.ragged_trees import check_per_request, check_slot_indices, request_bounds
+
+    t_nodes, hv, vd = delta.shape
+    if k.dim() != 3 or k.shape[0] != t_nodes:
+        raise ValueError(f"k must have shape [T={t_nodes}, H, K], got {tuple(k.shape)}")
+    if g.shape != (t_nodes, hv):
+        raise ValueError(f"g must have shape [T={t_nodes}, HV={hv}], got {tuple(g.shape)}")
+    if ssm_state.shape[1:] != (hv, vd, k.shape[2]):
+        raise ValueError(
+            f"ssm_state must have shape [num_slots, HV={hv}, V={vd}, K={k.shape[2]}], got {tuple(ssm_state.shape)}"
+        )
+    bounds = request_bounds(parents, cu_nodes, t_nodes)
+    nreq = len(bounds)
+    src = check_slot_indices(src_indices, nreq, ssm_state.shape[0], "src_indices")
+    dst = check_slot_indices(dst_indices, nreq, ssm_state.shape[0], "dst_indices", distinct=True)
+    acc = check_per_request(accepted, nreq, "accepted")
+    for r, ((s, e), a) in enumerate(zip(bounds, acc)):
+        if not 0 <= a < e - s:
+            raise ValueError(f"accepted[{r}] = {a} is not a node of request {r} (it has {e - s} nodes)")
+    return acc, src, dst
+
+
 def gdn_tree_commit(
     k: Tensor,
     g: Tensor,
@@ -418,25 +445,7 @@ def gdn_tree_commit(
     """
     reason = _commit_unsupported(k, delta, ssm_state)
     if reason is None:
-        from vllm_tfm.verify.ragged_trees import check_per_request, check_slot_indices, request_bounds
-
-        t_nodes, hv, vd = delta.shape
-        if k.dim() != 3 or k.shape[0] != t_nodes:
-            raise ValueError(f"k must have shape [T={t_nodes}, H, K], got {tuple(k.shape)}")
-        if g.shape != (t_nodes, hv):
-            raise ValueError(f"g must have shape [T={t_nodes}, HV={hv}], got {tuple(g.shape)}")
-        if ssm_state.shape[1:] != (hv, vd, k.shape[2]):
-            raise ValueError(
-                f"ssm_state must have shape [num_slots, HV={hv}, V={vd}, K={k.shape[2]}], got {tuple(ssm_state.shape)}"
-            )
-        bounds = request_bounds(parents, cu_nodes, t_nodes)
-        nreq = len(bounds)
-        src = check_slot_indices(src_indices, nreq, ssm_state.shape[0], "src_indices")
-        dst = check_slot_indices(dst_indices, nreq, ssm_state.shape[0], "dst_indices", distinct=True)
-        acc = check_per_request(accepted, nreq, "accepted")
-        for r, ((s, e), a) in enumerate(zip(bounds, acc)):
-            if not 0 <= a < e - s:
-                raise ValueError(f"accepted[{r}] = {a} is not a node of request {r} (it has {e - s} nodes)")
+        acc, src, dst = _checked_commit_args(k, g, delta, parents, cu_nodes, accepted, ssm_state, src_indices, dst_indices)
         plan = TreePlan.build(parents, cu_nodes, device=delta.device)
         idx = CommitIndices.build(acc, src, dst, delta.device)
         gdn_tree_commit_planned(plan, k, g, delta, idx, ssm_state, use_qk_l2norm)

@@ -11,6 +11,8 @@ of ``[committed window | x along the accepted path]``.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor
@@ -24,7 +26,7 @@ from vllm_tfm.verify.ragged_trees import (
     request_bounds,
 )
 
-__all__ = ["tree_causal_conv1d", "tree_conv_commit"]
+__all__ = ["tree_causal_conv1d", "tree_conv_commit", "tree_conv_commit_layers"]
 
 
 def _math_dtype(*tensors: Tensor | None) -> torch.dtype:
@@ -156,3 +158,35 @@ def tree_conv_commit(
         new_windows.append(seq[:, seq.shape[1] - keep :].clone())  # [D, W-1], oldest first
     for window, slot, ds in zip(new_windows, dst, d_starts):
         conv_state[slot, :, ds : ds + keep] = window
+
+
+def tree_conv_commit_layers(
+    x: Sequence[Tensor],
+    parents: Tensor,
+    cu_nodes: Tensor,
+    accepted: Tensor,
+    conv_state: Sequence[Tensor],
+    src_indices: Sequence[Tensor],
+    dst_indices: Sequence[Tensor],
+    width: int,
+    src_start: Sequence[Tensor | None] | None = None,
+    dst_start: Sequence[Tensor | None] | None = None,
+) -> None:
+    """:func:`tree_conv_commit` of several layers that share one tree batch, accepted nodes and width.
+
+    Entry ``i`` of each sequence is layer i's argument of :func:`tree_conv_commit`; src_start /
+    dst_start None: 0 for every layer. The layers are committed one after the other; a batched
+    implementation may run them at once, which gives the same windows when no layer's destination
+    columns are another layer's source columns in memory.
+    """
+    n = len(x)
+    s_starts = [None] * n if src_start is None else list(src_start)
+    d_starts = [None] * n if dst_start is None else list(dst_start)
+    if not (len(conv_state) == len(src_indices) == len(dst_indices) == len(s_starts) == len(d_starts) == n):
+        raise ValueError(
+            "x, conv_state, src_indices, dst_indices (and src_start, dst_start when given) must have one entry "
+            f"per layer, got {[len(x), len(conv_state), len(src_indices), len(dst_indices), len(s_starts), len(d_starts)]}"
+        )
+    for i in range(n):
+        tree_conv_commit(x[i], parents, cu_nodes, accepted, conv_state[i], src_indices[i], dst_indices[i], width,
+                         s_starts[i], d_starts[i])

@@ -27,6 +27,8 @@ verification by the "Trees from Marginals" paper; this file is our own implement
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor
@@ -41,6 +43,7 @@ __all__ = [
     "gdn_chain_chunked",
     "gdn_tree_verify",
     "gdn_tree_commit",
+    "gdn_tree_commit_layers",
 ]
 
 TILE = 64
@@ -386,3 +389,33 @@ def gdn_tree_commit(
             "jh,jhv,jhk->hvk", torch.exp(excl), de[path], ke[path]
         )
     ssm_state[torch.tensor(dst, dtype=torch.long, device=ssm_state.device)] = new_states.to(ssm_state.dtype)
+
+
+def gdn_tree_commit_layers(
+    k: Sequence[Tensor],
+    g: Sequence[Tensor],
+    delta: Sequence[Tensor],
+    parents: Tensor,
+    cu_nodes: Tensor,
+    accepted: Tensor,
+    ssm_state: Sequence[Tensor],
+    src_indices: Sequence[Tensor],
+    dst_indices: Sequence[Tensor],
+    use_qk_l2norm: bool = True,
+) -> None:
+    """:func:`gdn_tree_commit` of several layers that share one tree batch and accepted nodes.
+
+    Entry ``i`` of each sequence is layer i's argument of :func:`gdn_tree_commit` (the layers may
+    belong to different KV-cache groups, hence per-layer slots). The layers are committed one
+    after the other; a batched implementation may run them at once, which gives the same states
+    when no layer's destination slot rows are another layer's source rows in memory.
+    """
+    n = len(k)
+    if not (len(g) == len(delta) == len(ssm_state) == len(src_indices) == len(dst_indices) == n):
+        raise ValueError(
+            "k, g, delta, ssm_state, src_indices and dst_indices must have one entry per layer, got "
+            f"{[len(k), len(g), len(delta), len(ssm_state), len(src_indices), len(dst_indices)]}"
+        )
+    for i in range(n):
+        gdn_tree_commit(k[i], g[i], delta[i], parents, cu_nodes, accepted, ssm_state[i], src_indices[i],
+                        dst_indices[i], use_qk_l2norm)

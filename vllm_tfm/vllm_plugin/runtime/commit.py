@@ -18,22 +18,32 @@ request looks exactly as if it had verified the chain root, path_1, ..., path_p:
   ``tree_conv_commit``, instead of replaying the path through vLLM's two chain kernels: the replay
   would need a second ragged batch layout and redo the recurrence the verify already solved,
   while the algebraic form is the exact same state (tested in float64 against the recurrence).
+
+``commit_gdn_layers`` commits every GDN layer of the step: two launches per layer
+(``commit_gdn_layer``), or, with ``VLLM_TFM_BATCHED_COMMIT=1`` when every layer is on the kernel
+path, one launch per kernel kind for all layers (``vllm_tfm.kernels.batched_commit``: the same block
+bodies, so the same states bit for bit; a launch's host cost is tens of microseconds, bench/NOTES.md
+section 14).
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 from torch import Tensor
 
+from vllm_tfm.kernels import batched_commit as kbatch
 from vllm_tfm.kernels import conv as kconv
 from vllm_tfm.kernels import gdn as kgdn
 from vllm_tfm.verify.accept_result import AcceptResult
 
 from .kernels_or_reference import tree_ops
+from .settings import batched_commit_enabled
 from .state import GDNStash, StepTree
 from .step_kernels import StepKernels
 
-__all__ = ["compaction_rows", "compact_kv", "commit_gdn_layer", "spec_accepted"]
+__all__ = ["compaction_rows", "compact_kv", "commit_gdn_layer", "commit_gdn_layers", "batched_commit_layers", "spec_accepted"]
 
 
 def compaction_rows(row_base: Tensor, accepted_nodes: Tensor) -> tuple[Tensor, Tensor]:
@@ -113,6 +123,50 @@ def commit_gdn_layer(
         return
     _commit_state_per_call(stash, parents, cu_nodes, last_node, num_accepted)
     _commit_window_per_call(stash, parents, cu_nodes, last_node, num_accepted)
+
+
+def commit_gdn_layers(
+    stashes: Sequence[GDNStash],
+    parents: Tensor,
+    cu_nodes: Tensor,
+    last_node: Tensor,
+    num_accepted: Tensor,
+    kernels: StepKernels | None = None,
+) -> int | None:
+    """Commit every GDN layer of the step (arguments as ``commit_gdn_layer``).
+
+    With ``VLLM_TFM_BATCHED_COMMIT=1`` and every layer on the kernel path (``batched_commit_layers``):
+    all layers in one launch per kernel kind, returning the number of launches; otherwise
+    ``commit_gdn_layer`` for each layer in turn, returning None.
+    """
+    if kernels is not None and stashes and batched_commit_enabled():
+        layers = batched_commit_layers(stashes, kernels, last_node, num_accepted)
+        if layers is not None:
+            return kbatch.commit_layers_planned(kernels.plan, *layers)
+    for stash in stashes:
+        commit_gdn_layer(stash, parents, cu_nodes, last_node, num_accepted, kernels)
+    return None
+
+
+def batched_commit_layers(
+    stashes: Sequence[GDNStash], kernels: StepKernels, last_node: Tensor, num_accepted: Tensor
+) -> tuple[list[kbatch.GDNCommitLayer], list[kbatch.ConvCommitLayer]] | None:
+    """The operands of the batched commit of these layers, or None when some layer is not on the kernel
+    path (its slots are not one of the step's groups, or its tensors are ones the per-layer kernels do
+    not take): every layer then keeps the per-layer path, which decides layer by layer."""
+    gdn, conv = [], []
+    for stash in stashes:
+        group = kernels.group_of(stash.state_indices)
+        if group is None:
+            return None
+        if kgdn.commit_unsupported_reason(stash.k, stash.delta, stash.ssm_state) is not None:
+            return None
+        if kconv.conv_unsupported_reason(stash.x, stash.conv_state, stash.width) is not None:
+            return None
+        gdn_idx, conv_idx = kernels.commit_indices(group, last_node, num_accepted)
+        gdn.append(kbatch.GDNCommitLayer(stash.k, stash.g, stash.delta, stash.ssm_state, gdn_idx))
+        conv.append(kbatch.ConvCommitLayer(stash.x, stash.conv_state, conv_idx, stash.width))
+    return gdn, conv
 
 
 def _commit_state_per_call(stash: GDNStash, parents: Tensor, cu_nodes: Tensor, last_node: Tensor, num_accepted: Tensor) -> None:

@@ -41,7 +41,7 @@ import numpy as np
 import torch
 
 from .accepted_offsets import OffsetPlan, move_states_to_slot0, plan_offsets
-from .commit import commit_gdn_layer, compact_kv, compaction_rows, spec_accepted
+from .commit import commit_gdn_layers, compact_kv, compaction_rows, spec_accepted
 from .inputs import build_step_tree, tree_positions
 from .metrics import Metrics
 from .sampler import TFMTreeSampler, needs_native_sampler
@@ -288,9 +288,7 @@ def commit_step(runner: Any, step: StepTree) -> None:
     if step.gdn:
         last, num_acc = spec_accepted(step, accept)
         parents, cu = step.dev("spec_parents"), step.dev("spec_cu")
-        kernels = step_kernels(step, last.device)
-        for stash in step.gdn.values():
-            commit_gdn_layer(stash, parents, cu, last, num_acc, kernels)
+        commit_gdn_layers(list(step.gdn.values()), parents, cu, last, num_acc, step_kernels(step, last.device))
     STATE.metrics.hook("commit")
 
 

@@ -11,6 +11,10 @@ them into ``TreeSettings`` here. Two in-process switches come on top:
 * ``VLLM_TFM_FORCE_TREE_PATH=1`` (read every step): steps whose trees are all chains still go
   through the tree path (tree GDN verify + commit, tree sampler) instead of vLLM's native chain
   path, so a ``chain`` run exercises every tfm hook.
+* ``VLLM_TFM_BATCHED_COMMIT=1`` (read every step; off by default until checked on a GPU): the
+  commit of a step whose GDN layers are all on the NVRTC kernel path runs as one launch per kernel
+  kind for all layers (``vllm_tfm.kernels.batched_commit``) instead of two launches per layer
+  (``runtime/commit.py``, ``commit_gdn_layers``).
 
 One debugging switch is read once, when a tfm model runner is built (``trace_settings``):
 
@@ -38,6 +42,8 @@ __all__ = [
     "set_proposal_override",
     "proposal_override",
     "force_tree_path",
+    "batched_commit_enabled",
+    "BATCHED_COMMIT_ENV",
     "trace_settings",
     "TRACE_MAX_MB_DEFAULT",
 ]
@@ -58,6 +64,14 @@ def proposal_override() -> str | None:
 
 def force_tree_path() -> bool:
     return os.environ.get("VLLM_TFM_FORCE_TREE_PATH", "0") not in ("", "0", "false", "False")
+
+
+BATCHED_COMMIT_ENV = "VLLM_TFM_BATCHED_COMMIT"
+
+
+def batched_commit_enabled() -> bool:
+    """``VLLM_TFM_BATCHED_COMMIT`` is set to something other than 0 / false (default off)."""
+    return os.environ.get(BATCHED_COMMIT_ENV, "0") not in ("", "0", "false", "False")
 
 
 TRACE_MAX_MB_DEFAULT = 256
