@@ -72,6 +72,20 @@ def test_profile_run_warms_up_the_weaver_graphs_of_a_tfm_runner_after_vllms_own(
     assert calls == [("vllm",)]
 
 
+def test_a_failed_start_up_capture_warns_and_leaves_capture_to_first_use(caplog):
+    from vllm_tfm.vllm_plugin.runtime.hooks import _wrap_profile_run
+
+    def fail(n):
+        raise RuntimeError("CUDA error: operation not permitted when stream is capturing")
+
+    profile_run = _wrap_profile_run(lambda self: "profiled")
+    caplog.set_level("WARNING", logger="vllm.tfm")
+    runner = SimpleNamespace(_tfm_enabled=True, drafter=SimpleNamespace(warm_up_weaver_graphs=fail), max_num_reqs=8)
+    assert profile_run(runner) == "profiled"  # vLLM's result, start-up goes on
+    assert any("capturing the Weaver CUDA graphs at start-up failed (RuntimeError: CUDA error: operation not permitted"
+               in r.getMessage() for r in caplog.records)
+
+
 def test_proposer_warm_up_captures_the_graphs_serving_replays():
     """``TFMProposer.warm_up_weaver_graphs`` captures from one zero row of each drafter output, the
     DFlash logits from the drafter's own head; a build of the serving path (``_build`` with a real

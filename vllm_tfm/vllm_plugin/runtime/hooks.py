@@ -369,7 +369,12 @@ def _wrap_profile_run(orig: Callable) -> Callable:
     def profile_run(self: Any, *args: Any, **kwargs: Any) -> Any:
         out = orig(self, *args, **kwargs)
         if _is_tfm(self):
-            self.drafter.warm_up_weaver_graphs(int(self.max_num_reqs))
+            try:
+                self.drafter.warm_up_weaver_graphs(int(self.max_num_reqs))
+            except Exception as exc:  # noqa: BLE001 - start-up must not fail on an optimisation
+                # serving then captures each graph on first use (the path before the warm-up existed)
+                stats_logger.warning("vllm-tfm: capturing the Weaver CUDA graphs at start-up failed (%s: %s); "
+                                     "they will be captured on first use while serving", type(exc).__name__, exc)
         return out
 
     return profile_run
