@@ -122,6 +122,26 @@ def gdn_gates(a: Tensor, b: Tensor, A_log: Tensor, dt_bias: Tensor) -> tuple[Ten
     return g, beta
 
 
+def _chain_inputs(
+    q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, state0: Tensor, scale: float | None, use_qk_l2norm: bool
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """Validated inputs of one sequence in the math dtype: (q, k expanded to HV heads, v, g, beta, a
+    copy of state0). Raises ValueError on a shape mismatch."""
+    length = v.shape[0]
+    if v.dim() != 3:
+        raise ValueError(f"v must have shape [L, HV, V], got {tuple(v.shape)}")
+    hv, vd = v.shape[1], v.shape[2]
+    _, kd = _check_heads(q, k, hv, length)
+    _check_gate(g, "g", length, hv)
+    _check_gate(beta, "beta", length, hv)
+    if state0.shape != (hv, vd, kd):
+        raise ValueError(f"state0 must have shape [HV={hv}, V={vd}, K={kd}], got {tuple(state0.shape)}")
+    dtype = _math_dtype(q, k, v, g, beta, state0)
+    qe, ke = _prepare_qk(q, k, hv, dtype, scale, use_qk_l2norm)
+    assert qe is not None
+    return qe, ke, v.to(dtype), g.to(dtype), beta.to(dtype), state0.to(dtype).clone()
+
+
 def gdn_chain_recurrence(
     q: Tensor,
     k: Tensor,
@@ -141,19 +161,8 @@ def gdn_chain_recurrence(
     Math in float32 (float64 when any input is float64). Returns o [L, HV, V] in v.dtype and the
     final state [HV, V, K] in state0.dtype. state0 is not modified.
     """
-    length = v.shape[0]
-    if v.dim() != 3:
-        raise ValueError(f"v must have shape [L, HV, V], got {tuple(v.shape)}")
-    hv, vd = v.shape[1], v.shape[2]
-    _, kd = _check_heads(q, k, hv, length)
-    _check_gate(g, "g", length, hv)
-    _check_gate(beta, "beta", length, hv)
-    if state0.shape != (hv, vd, kd):
-        raise ValueError(f"state0 must have shape [HV={hv}, V={vd}, K={kd}], got {tuple(state0.shape)}")
-    dtype = _math_dtype(q, k, v, g, beta, state0)
-    qe, ke = _prepare_qk(q, k, hv, dtype, scale, use_qk_l2norm)
-    ve, ge, be = v.to(dtype), g.to(dtype), beta.to(dtype)
-    state = state0.to(dtype).clone()
+    qe, ke, ve, ge, be, state = _chain_inputs(q, k, v, g, beta, state0, scale, use_qk_l2norm)
+    length, hv, vd, dtype = ve.shape[0], ve.shape[1], ve.shape[2], ve.dtype
     out = torch.empty(length, hv, vd, dtype=dtype, device=v.device)
     decay = torch.exp(ge)  # [L, HV]
     for t in range(length):
@@ -185,23 +194,12 @@ def gdn_chain_chunked(
     of about 10 per token: what makes float32 prefill usable (``fp32_prefill.py``). Equal to the
     per-token recurrence up to rounding (tested in float64).
     """
-    length = v.shape[0]
-    if v.dim() != 3:
-        raise ValueError(f"v must have shape [L, HV, V], got {tuple(v.shape)}")
     if chunk < 1:
         raise ValueError(f"chunk must be >= 1, got {chunk}")
-    hv, vd = v.shape[1], v.shape[2]
-    _, kd = _check_heads(q, k, hv, length)
-    _check_gate(g, "g", length, hv)
-    _check_gate(beta, "beta", length, hv)
-    if state0.shape != (hv, vd, kd):
-        raise ValueError(f"state0 must have shape [HV={hv}, V={vd}, K={kd}], got {tuple(state0.shape)}")
-    dtype = _math_dtype(q, k, v, g, beta, state0)
-    qe, ke = _prepare_qk(q, k, hv, dtype, scale, use_qk_l2norm)
+    qe, ke, ve, ge, be, state = _chain_inputs(q, k, v, g, beta, state0, scale, use_qk_l2norm)  # state [HV, V, K]
+    length, hv, vd, dtype = ve.shape[0], ve.shape[1], ve.shape[2], ve.dtype
     # head-major: [HV, L, .]
-    qh, kh, vh = qe.transpose(0, 1), ke.transpose(0, 1), v.to(dtype).transpose(0, 1)
-    gh, bh = g.to(dtype).transpose(0, 1), beta.to(dtype).transpose(0, 1)
-    state = state0.to(dtype).clone()  # [HV, V, K]
+    qh, kh, vh, gh, bh = qe.transpose(0, 1), ke.transpose(0, 1), ve.transpose(0, 1), ge.transpose(0, 1), be.transpose(0, 1)
     out = torch.empty(hv, length, vd, dtype=dtype, device=v.device)
     for s in range(0, length, chunk):
         e = min(s + chunk, length)
