@@ -53,7 +53,9 @@ TFM_PREEMPT_WORKLOAD=near-max, long requests that end at max_model_len make vLLM
 for the whole batch (zero drafts, chain steps), the condition of every divergence the serving
 soak's preempt phase traced; TFM_PREEMPT_WORKLOAD=stagger, short prompts arrive one by one into
 rows freed in front of running spec rows (vLLM 0.26 then reads those spec rows' GDN gates at other
-tokens in chain steps: runtime/gdn.py; tfm arms count the steps it split, hook gdn.mixed_split).
+tokens in chain steps: runtime/gdn.py; tfm arms count the steps it split, hook gdn.mixed_split);
+TFM_PREEMPT_WORKLOAD=plain-front, the same condition made on purpose (``make_prompts``): requests
+ending in front rows while the drafter is skipped leave a plain row in front of spec rows.
 Every arm records its tokens, vLLM's ``vllm:num_preemptions``, a scheduler-side log of each
 preemption (request id, output tokens so far: the position the resumed request restarts from) and
 of steps where a running request was left out; tfm arms also the workers' tree metrics
@@ -122,7 +124,7 @@ ARMS: dict[str, dict[str, Any]] = {
     "dflash_big": {"method": "dflash", "kv": "big", "gen_s": 60},
     "tfm_big_chain": {"method": "tfm", "kv": "big", "gen_s": 90, "trace": True, "env": {"VLLM_TFM_PROPOSAL": "chain"}},
 }  # fmt: skip
-WORKLOADS = ("preempt", "near-max", "stagger")
+WORKLOADS = ("preempt", "near-max", "stagger", "plain-front")
 WORKLOAD = os.environ.get("TFM_PREEMPT_WORKLOAD", "preempt")
 NEAR_MAX_LONG_OUTPUTS = (24, 40, 56)  # near-max: the long requests' outputs (each ends at max_model_len)
 NEAR_MAX_SHORT_TOKENS = 200  # near-max: the short requests' outputs
@@ -175,6 +177,16 @@ def make_prompts(
                 for i in range(n)]  # fmt: skip
         lens = [rng.randint(16, 96) if i < first else rng.randint(3, 14) for i in range(n)]
         arrive = [0 if i < first else STAGGER_FIRST_STEP + STAGGER_EVERY * (i - first) for i in range(n)]
+    elif workload == "plain-front":
+        # the soak's misordered step made on purpose: the last two prompts are so long that the drafter
+        # (1 + B query tokens) no longer fits max_model_len, so vLLM schedules zero drafts for the whole
+        # batch (chain steps, one token per step) while they run; the first half of the requests end
+        # within that window with 3..8 new tokens, and vLLM caps a request's drafts to the tokens it
+        # has left, so each one's last step is a plain row (no drafts) in front of the spec rows of
+        # the requests after it, which run on for ~90 tokens
+        first = n // 2
+        outs = [3 + i if i < first else (90 if i < n - 2 else 14) for i in range(n)]
+        lens = [rng.randint(16, 96) if i < n - 2 else MAX_MODEL_LEN - 1 - outs[i] for i in range(n)]
     elif workload == "near-max":
         longs = list(NEAR_MAX_LONG_OUTPUTS)
         outs, lens = [], []

@@ -18,7 +18,8 @@
 # fresh machine, 40 s after) plus its generation, cut to what is left; arms that would start with
 # under 45 s left are skipped. Knobs: TFM_PREEMPT_ARMS (comma list), TFM_PREEMPT_PROMPTS (12),
 # TFM_PREEMPT_MAX_TOKENS (768), TFM_PREEMPT_MAX_PROMPT (256), TFM_PREEMPT_CAPACITY (6),
-# TFM_PREEMPT_WORKLOAD (preempt | near-max: drafter skipped near max_model_len, big KV arms), e.g.
+# TFM_PREEMPT_WORKLOAD (preempt | near-max: drafter skipped near max_model_len, big KV arms | stagger |
+# plain-front: a plain row in front of spec rows in chain steps, made on purpose), e.g.
 #   TFM_PREEMPT_WORKLOAD=near-max TFM_PREEMPT_ARMS=tfm_big,dflash_big,tfm_big_chain bash bench/run_gpu_preempt_repro.sh
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.." || exit 1

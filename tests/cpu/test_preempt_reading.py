@@ -174,6 +174,17 @@ def test_stagger_workload() -> None:
     assert gpu_preempt_repro.make_prompts(str(ROOT / "zoo" / "target"), n=4)["arrive_step"] == [0] * 4
 
 
+def test_plain_front_workload() -> None:
+    w = gpu_preempt_repro.make_prompts(str(ROOT / "zoo" / "target"), n=12, workload="plain-front")
+    lens, outs = w["lengths"], w["max_tokens"]
+    mml, budget = gpu_preempt_repro.MAX_MODEL_LEN, gpu_preempt_repro.BUDGET
+    assert outs[:6] == [3, 4, 5, 6, 7, 8] and outs[6:10] == [90] * 4 and outs[10:] == [14, 14]
+    # the long prompts leave no room for the drafter's 1 + B query tokens from the first decode step
+    assert all(lens[i] + outs[i] == mml - 1 and lens[i] + budget + 1 > mml for i in (10, 11))
+    # the short requests end inside that window, the spec rows behind them outlive it
+    assert max(outs[:6]) < outs[10] < outs[6] and all(16 <= n <= 96 for n in lens[:10])
+
+
 def test_sampling_kinds_of_the_mixed_arm() -> None:
     plain = gpu_preempt_repro.sampling_kinds(12, mixed=False)
     assert plain == [{"temperature": 0.0}] * 12
