@@ -30,8 +30,8 @@ Each arm runs in its own subprocess (a 27B engine per process, memory freed on e
 with CUDA-event stage timings (about 10 spans per step, and in tfm tree steps one more per layer
 for the GDN and attention tree paths: about 240 at the 27B shape; read through
 ``LLM.collective_rpc``); a run with the timing paused comes before it and its tokens/s is the one
-reported (``--no-clean-run`` skips it and reports the timed run's) (the timer's own host time per step is
-recorded as ``timer_host_ms_per_step``). Fixed random prompts of
+reported (``--no-clean-run`` skips it and reports the timed run's); the timer's own host time per step is
+recorded as ``timer_host_ms_per_step``. Fixed random prompts of
 ``--prompt-len`` token ids, ``--output-len`` tokens each, ``ignore_eos``.
 
 Time: the whole command must end within the host's 10 minutes. ``--deadline-s`` bounds this

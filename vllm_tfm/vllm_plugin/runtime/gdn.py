@@ -199,7 +199,6 @@ def _chain_step_forward_core(
         return original(self, mixed_qkv=mixed_qkv, b=b, a=a, core_attn_out=core_attn_out)
     if STATE.metrics is not None:
         STATE.metrics.hook("gdn.mixed_split")
-    spec_idx = md.spec_token_indx.to(torch.long)
     spec_md = dataclasses.replace(
         md,
         num_prefills=0,
@@ -212,19 +211,7 @@ def _chain_step_forward_core(
         spec_token_indx=None,
         non_spec_token_indx=None,
     )
-    spec_out = core_attn_out.new_zeros((spec_idx.shape[0], *core_attn_out.shape[1:]))
-    md_all[self.prefix] = spec_md
-    try:
-        original(
-            self,
-            mixed_qkv=mixed_qkv.index_select(0, spec_idx),
-            b=b.index_select(0, spec_idx),
-            a=a.index_select(0, spec_idx),
-            core_attn_out=spec_out,
-        )
-    finally:
-        md_all[self.prefix] = md
-    core_attn_out.index_copy_(0, spec_idx, spec_out)
+    _rows_through_vllm(self, md_all, md, spec_md, md.spec_token_indx, original, mixed_qkv, b, a, core_attn_out)
     _non_spec_rows(self, md_all, md, original, mixed_qkv, b, a, core_attn_out)
     return None
 
@@ -296,8 +283,7 @@ def _non_spec_rows(
     self: Any, md_all: dict, md: Any, original: Any, mixed_qkv: Tensor, b: Tensor, a: Tensor, core_attn_out: Tensor
 ) -> None:
     """The rows that are not spec decodes (prefills, incl. plain decodes vLLM reclassified as
-    prefills) through vLLM's ``_forward_core`` on metadata restricted to them, scattered back."""
-    ns_idx = md.non_spec_token_indx.to(torch.long)
+    prefills) through vLLM's ``_forward_core`` on metadata restricted to them."""
     sub = dataclasses.replace(
         md,
         num_spec_decodes=0,
@@ -310,19 +296,29 @@ def _non_spec_rows(
         non_spec_token_indx=None,
         num_accepted_tokens=None,
     )
-    ns_out = core_attn_out.new_zeros((ns_idx.shape[0], *core_attn_out.shape[1:]))
+    _rows_through_vllm(self, md_all, md, sub, md.non_spec_token_indx, original, mixed_qkv, b, a, core_attn_out)
+
+
+def _rows_through_vllm(
+    self: Any, md_all: dict, md: Any, sub: Any, rows: Tensor, original: Any, mixed_qkv: Tensor, b: Tensor, a: Tensor,
+    core_attn_out: Tensor,
+) -> None:
+    """vLLM's ``_forward_core`` on the token ``rows`` alone, with ``sub`` (metadata restricted to
+    them) in the forward context for the call; the outputs are scattered back into their rows."""
+    idx = rows.to(torch.long)
+    out = core_attn_out.new_zeros((idx.shape[0], *core_attn_out.shape[1:]))
     md_all[self.prefix] = sub
     try:
         original(
             self,
-            mixed_qkv=mixed_qkv.index_select(0, ns_idx),
-            b=b.index_select(0, ns_idx),
-            a=a.index_select(0, ns_idx),
-            core_attn_out=ns_out,
+            mixed_qkv=mixed_qkv.index_select(0, idx),
+            b=b.index_select(0, idx),
+            a=a.index_select(0, idx),
+            core_attn_out=out,
         )
     finally:
         md_all[self.prefix] = md
-    core_attn_out.index_copy_(0, ns_idx, ns_out)
+    core_attn_out.index_copy_(0, idx, out)
 
 
 def install_gdn_patch() -> None:
