@@ -9,7 +9,9 @@ Warm-up, then the workload (``--requests`` OpenAI completions, ``--concurrency``
 prompt and output lengths including prompts ending just short of ``max_model_len``, streaming and
 not, 5% of clients dropping the connection mid-stream, greedy and sampled requests at several
 temperatures / top-p / top-k with seeds) goes to the tfm server, with the request-parameter probes
-(docs/guarantees.md) sent alongside; then the same requests and probes go to the no-spec server.
+(docs/guarantees.md) sent alongside; then the same requests and probes go to the no-spec server
+(``--nospec-gpu N``: the no-spec server runs on GPU N and its load at the same time as tfm's, so
+that 2,000 requests and the second round fit one 10-minute call on two GPUs).
 Reported: errors (goal 0), greedy outputs identical to no-spec (goal 100% in float32; every
 divergence re-checked against the no-spec top-2 log-probability margin), GPU memory of each server
 before / during / after (goal flat, see "Memory" below), p50/p99 latency and throughput of both,
@@ -40,6 +42,14 @@ the first round as before. The tfm engine's stats lines end with the torch alloc
 / reserved MiB (docs/metrics.md), summarised per round as ``allocator``: growth that nvidia-smi
 shows but the allocator does not is CUDA context or kernel-module memory.
 
+Float32: vLLM runs the toy zoo in float32 with its Triton attention kernel, whose ``tl.dot`` rounds
+float32 operands to tf32 (10-bit mantissa) unless ``TRITON_F32_DEFAULT`` says otherwise, while the
+tree steps' attention is our own float32 kernel. A no-spec baseline with tf32 attention differs
+from an exact float32 computation by about 1e-3 in the logits, enough to flip near-ties (the soak of
+2026-11-29 without this setting: 3 of 610 greedy requests, no-spec top-2 margins 6.7e-5 to 2.5e-3,
+the same requests in both rounds). Both servers therefore run with ``TRITON_F32_DEFAULT=ieee``
+(``--triton-f32``), which makes every Triton dot product float32 in both.
+
 Models: ``--target zoo/target --drafter zoo/drafter`` (defaults, the trained toy zoo), or
 ``--random``: a random float32 tiny Qwen3.5 hybrid target with decisive logits, a byte-level
 tokenizer, a random DFlash drafter and a random Weaver (acceptance is near zero: it measures
@@ -63,6 +73,7 @@ import random
 import sys
 import time
 from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from importlib import metadata
 from pathlib import Path
@@ -123,6 +134,9 @@ class SoakConfig:
     probe_delay_s: float = 10.0  # the probes start this long after the load (capped at a quarter of its budget)
     second_round: bool = True  # run the tfm load twice and judge memory on the second round (module doc)
     first_round_share: float = 0.55  # of the tfm server's time, when a second round follows
+    again_requests: int | None = None  # second round: the first N started requests again (None: all of them)
+    nospec_gpu: str | None = None  # soak phase: the no-spec server on this GPU, its load alongside tfm's (module doc)
+    triton_f32: str | None = "ieee"  # TRITON_F32_DEFAULT of both servers (module doc, "Float32"); None: Triton's tf32
 
 
 Launcher = Callable[[Role, SoakConfig], list[str]]
@@ -131,6 +145,15 @@ LOAD_ID_PREFIX = "load-"
 AGAIN_ID_PREFIX = "again-"
 """``X-Request-Id`` of request i in the second round (its trace records stay apart from the first's)."""
 TRACE_ARCHIVE = "tfm_small_trace.jsonl.gz"
+
+
+def server_env(cfg: SoakConfig, role: Role) -> dict[str, str]:
+    """Environment of a role's server on top of the driver's: Triton's float32 dot precision for
+    both (module doc, "Float32") and, with ``nospec_gpu``, the no-spec server's GPU."""
+    env = {} if cfg.triton_f32 is None else {"TRITON_F32_DEFAULT": cfg.triton_f32}
+    if not role.spec and cfg.nospec_gpu is not None:
+        env["CUDA_VISIBLE_DEVICES"] = cfg.nospec_gpu
+    return env
 
 
 def vllm_command(role: Role, cfg: SoakConfig) -> list[str]:
@@ -435,7 +458,7 @@ def phase_soak(
     probe_prompt = prompts(random.Random(99), 24)
     roles = [Role("tfm", cfg.port, True, cfg.kv_cache_bytes, cfg.max_model_len),
              Role("nospec", cfg.port + 1, False, cfg.kv_cache_bytes, cfg.max_model_len)]
-    servers = [Server(r, launch(r, cfg), cfg.out, cwd=REPO) for r in roles]
+    servers = [Server(r, launch(r, cfg), cfg.out, cwd=REPO, env=server_env(cfg, r)) for r in roles]
     tfm, nospec = servers
     try:
         up = start_servers(servers, min(deadline - 60, time.monotonic() + cfg.startup_timeout_s))
@@ -446,23 +469,33 @@ def phase_soak(
             return _finish(res, servers, path)
         wb = max(20.0, min(90.0, (deadline - time.monotonic()) / 8))
         res["warmup"] = {s.role.name: warm_up(s, prompts, wb) for s in servers if up[s.role.name]}
+        alongside = up["nospec"] and cfg.nospec_gpu is not None  # no-spec on its own GPU, at the same time
         remaining = deadline - time.monotonic() - 45.0
-        tfm_s = remaining * (0.6 if up["nospec"] else 1.0)
+        tfm_s = remaining * (0.6 if up["nospec"] and not alongside else 1.0)
         tfm_until = time.monotonic() + tfm_s
         first_s = tfm_s * (cfg.first_round_share if cfg.second_round else 1.0)
-        res["tfm"], tfm_results, tfm_probes = load_on(tfm, specs, cfg, max(10.0, first_s), probe_prompt)
-        _save(path, res)
-        started = [s for s, r in zip(specs, tfm_results) if r.status != "not_started"]
-        again_results = None
-        if cfg.second_round:  # the leak test (module doc, "Memory")
-            res["tfm_again"], again_results, _ = load_on(tfm, started, cfg, max(10.0, tfm_until - time.monotonic()),
-                                                         probe_prompt, id_prefix=AGAIN_ID_PREFIX)
+        with ThreadPoolExecutor(max_workers=1) as pool:
+            # the no-spec load gets the first round's launch window over the whole workload; it is the faster
+            # server, so it starts at least the requests tfm starts (the comparisons skip the others)
+            nospec_load = pool.submit(load_on, nospec, specs, cfg, max(10.0, first_s), probe_prompt) if alongside else None
+            res["tfm"], tfm_results, tfm_probes = load_on(tfm, specs, cfg, max(10.0, first_s), probe_prompt)
             _save(path, res)
-        res["nospec_requests"] = len(started)
+            started = [s for s, r in zip(specs, tfm_results) if r.status != "not_started"]
+            again_results = None
+            if cfg.second_round:  # the leak test (module doc, "Memory")
+                again = started if cfg.again_requests is None else started[: cfg.again_requests]
+                res["tfm_again"], again_results, _ = load_on(tfm, again, cfg, max(10.0, tfm_until - time.monotonic()),
+                                                             probe_prompt, id_prefix=AGAIN_ID_PREFIX)
+                _save(path, res)
+            nospec_done = nospec_load.result() if nospec_load is not None else None
+        res["nospec_requests"] = len(specs) if alongside else len(started)
         ref_probes = None
         if up["nospec"]:
-            remaining = deadline - time.monotonic() - 35.0
-            res["nospec"], nospec_results, ref_probes = load_on(nospec, started, cfg, max(10.0, remaining), probe_prompt)
+            if nospec_done is not None:
+                res["nospec"], nospec_results, ref_probes = nospec_done
+            else:
+                remaining = deadline - time.monotonic() - 35.0
+                res["nospec"], nospec_results, ref_probes = load_on(nospec, started, cfg, max(10.0, remaining), probe_prompt)
             cmp = sc.compare_greedy(started, tfm_results, nospec_results)
             explain_divergences(nospec, started, cmp)
             res["greedy_vs_nospec"] = cmp
@@ -509,7 +542,8 @@ def phase_preempt(
         for stale in trace_dir.glob("*.jsonl"):
             stale.unlink()
     trace_env = {"VLLM_TFM_TRACE": str(trace_dir), "VLLM_TFM_TRACE_MAX_MB": f"{cfg.trace_max_mb:g}"}
-    servers = [Server(r, launch(r, cfg), cfg.out, cwd=REPO, env=trace_env if r.spec else None) for r in roles]
+    servers = [Server(r, launch(r, cfg), cfg.out, cwd=REPO, env={**server_env(cfg, r), **(trace_env if r.spec else {})})
+               for r in roles]
     small, nospec = servers
     res["trace"] = {"dir": str(trace_dir), "max_mb": cfg.trace_max_mb, "request_id": f"X-Request-Id: {LOAD_ID_PREFIX}<index>"}
     try:
@@ -693,6 +727,9 @@ def verdict(res: dict[str, Any]) -> dict[str, Any]:
         s = run["summary"]
         rounds = [run] if again is None else [run, again]
         v["errors"] = sum(r["summary"]["errors"] for r in rounds)
+        not_started = s["status_counts"].get("not_started", 0)
+        v["requests_started"] = f"{s['requests'] - not_started} of {s['requests']}"
+        v["all_started"] = not_started == 0
         v["errors_zero"] = v["errors"] == 0
         planned, done, first = s["disconnects_planned"], s["disconnects_done"], s["disconnects_finished_first"]
         v["disconnects"] = f"{done} of {planned} dropped mid-stream, {first} finished first"
@@ -716,7 +753,7 @@ def verdict(res: dict[str, Any]) -> dict[str, Any]:
     if "after" in res:  # answering again after everything; the repeat's equality is informative (a near tie may flip)
         v["still_serving"] = bool(res["after"].get("healthy")) and res["after"].get("repeat_status", "ok") == "ok"
         v["repeat_identical"] = res["after"].get("repeat_identical")
-    keys = ["completed", "errors_zero", "disconnects_done", "drained", "memory_flat", "greedy_identical", "probes_ok",
+    keys = ["completed", "all_started", "errors_zero", "disconnects_done", "drained", "memory_flat", "greedy_identical", "probes_ok",
             "preempted", "still_serving"]
     v["all_ok"] = all(v.get(k) is not False for k in keys) and v.get("server_tracebacks_unexpected") in (0, None)
     return v
@@ -774,6 +811,13 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--deadline-s", type=float, help="time budget from the start of the script (default: soak 450, preempt 420)")
     ap.add_argument("--one-round", action="store_true",
                     help="one tfm load instead of two (memory judged on it, warm-up growth included)")
+    ap.add_argument("--again-requests", type=int, help="second round: only the first N started requests again (default: all)")
+    ap.add_argument("--first-round-share", type=float, default=0.55,
+                    help="share of the tfm server's time for the first round when a second round follows")
+    ap.add_argument("--nospec-gpu", help="soak phase: run the no-spec server on this GPU (CUDA index) and its load "
+                                         "at the same time as tfm's (kind nvidia-h200-x2)")
+    ap.add_argument("--triton-f32", choices=["ieee", "tf32", "tf32x3"], default="ieee",
+                    help="TRITON_F32_DEFAULT of both servers (default ieee: float32 dot products in Triton kernels)")
     ap.add_argument("--port", type=int, default=8300)
     ap.add_argument("--seed", type=int, default=0)
     return ap.parse_args(argv)
@@ -799,6 +843,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         requests=args.requests or (600 if args.random else 2000), concurrency=args.concurrency, max_model_len=mml,
         preempt_requests=args.preempt_requests, preempt_capacity=args.preempt_capacity, preempt_max_model_len=min(1024, mml),
         seed=args.seed, port=args.port, random_models=args.random, second_round=not args.one_round,
+        again_requests=args.again_requests, first_round_share=args.first_round_share, nospec_gpu=args.nospec_gpu,
+        triton_f32=args.triton_f32,
         deadline_s=args.deadline_s or (450.0 if args.phase == "soak" else 420.0),
         command="python3 bench/soak.py " + " ".join(sys.argv[1:] if argv is None else argv),
     )

@@ -393,3 +393,41 @@ def test_a_server_that_never_starts_is_reported(tmp_path: Path) -> None:
     assert res["fatal"] == "the tfm server did not become healthy"
     assert res["startup"]["tfm"]["healthy"] is False and res["server_logs"]["tfm"]["exit_code"] == 3
     assert res["verdict"]["completed"] is False and not res["verdict"]["all_ok"]
+
+
+def test_soak_phase_with_the_nospec_server_on_its_own_gpu(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``nospec_gpu``: the no-spec server gets that GPU (only it), its load runs while tfm's rounds do,
+    over the whole workload; ``again_requests`` bounds the second round; both servers get
+    TRITON_F32_DEFAULT=ieee."""
+    envs: dict[str, dict[str, str]] = {}
+    real_server = soak.Server
+
+    def server(role: soak.Role, cmd: list[str], out: Path, cwd: Path | None = None, env: dict | None = None):
+        envs[role.name] = dict(env or {})
+        return real_server(role, cmd, out, cwd=cwd, env=env)
+
+    spans: list[tuple[str, float, float]] = []
+    real_load = soak.load_on
+
+    def load_on(srv, specs, cfg, budget_s, probe_prompt, id_prefix=soak.LOAD_ID_PREFIX):
+        t0 = time.monotonic()
+        try:
+            return real_load(srv, specs, cfg, budget_s, probe_prompt, id_prefix=id_prefix)
+        finally:
+            spans.append((srv.role.name, t0, time.monotonic()))
+
+    monkeypatch.setattr(soak, "Server", server)
+    monkeypatch.setattr(soak, "load_on", load_on)
+    res = soak.phase_soak(_cfg(tmp_path, nospec_gpu="7", again_requests=20), _prompts(), {"kind": "test"},
+                          launch=_launcher({}), started_at=time.monotonic())
+    assert envs["nospec"] == {"TRITON_F32_DEFAULT": "ieee", "CUDA_VISIBLE_DEVICES": "7"}
+    assert envs["tfm"] == {"TRITON_F32_DEFAULT": "ieee"}
+    (ns,) = [s for s in spans if s[0] == "nospec"]
+    tfm_spans = [s for s in spans if s[0] == "tfm"]
+    assert len(tfm_spans) == 2 and ns[1] < tfm_spans[0][2]  # the no-spec load began before tfm's first round ended
+    assert res["nospec_requests"] == 80 and res["nospec"]["requests_sent"] == 80
+    assert res["tfm_again"]["requests_sent"] == 20
+    v = res["verdict"]
+    assert v["all_started"] and v["requests_started"] == "80 of 80"
+    assert v["greedy_identical"] and res["greedy_vs_nospec"]["compared"] > res["greedy_vs_nospec_again"]["compared"] > 0
+    assert v["all_ok"], v
