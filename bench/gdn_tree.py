@@ -45,6 +45,7 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
+from vllm_tfm.kernels import batched_commit as kbatch  # noqa: E402
 from vllm_tfm.kernels import conv as kconv  # noqa: E402
 from vllm_tfm.kernels import gdn as kgdn  # noqa: E402
 from vllm_tfm.kernels import loader  # noqa: E402
@@ -475,6 +476,17 @@ def sanitize_case() -> None:
         ref_conv.tree_conv_commit(x, parents, cu, torch.tensor(acc), cs_ref, torch.tensor(src), torch.tensor(dst), 4, ws,
                                   torch.tensor([1, 0, 2]))
         assert torch.equal(csg.cpu(), cs_ref), dtype
+        # the batched commit (one launch per kernel kind for all layers): two layers, the second with
+        # its own state tensors, each bit for bit the per-layer commit above
+        acc_d, src_d, dst_d = (torch.tensor(v).to(DEV) for v in (acc, src, dst))
+        states = [cg["ssm_state"].clone(), cg["ssm_state"].clone()]
+        kbatch.gdn_tree_commit_layers([cg["k"]] * 2, [cg["g"]] * 2, [d, d], cg["parents"], cg["cu_nodes"], acc_d, states,
+                                      [src_d] * 2, [dst_d] * 2)
+        assert all(torch.equal(s_b, st) for s_b in states), dtype
+        convs = [cs.to(DEV), cs.to(DEV)]
+        kbatch.tree_conv_commit_layers([x.to(DEV)] * 2, cg["parents"], cg["cu_nodes"], acc_d, convs, [src_d] * 2, [dst_d] * 2,
+                                       4, [ws.to(DEV)] * 2, [torch.tensor([1, 0, 2]).to(DEV)] * 2)
+        assert all(torch.equal(c_b, csg) for c_b in convs), dtype
     torch.cuda.synchronize()
     print("sanitize case: all kernels match the reference")
 

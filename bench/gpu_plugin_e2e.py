@@ -662,6 +662,7 @@ def phase_tfm(out: Path) -> None:
     import vllm
 
     results["env"]["vllm"] = vllm.__version__
+    results["env"]["triton_f32_default"] = os.environ.get("TRITON_F32_DEFAULT")  # run_gpu_plugin.sh: ieee in float32
     for name, fn in (("tree_attention", check_tree_attention), ("gdn_step", check_gdn_step),
                      ("ddtree_device", check_ddtree_device)):
         t = time.time()

@@ -26,6 +26,10 @@ echo "== install vllm-tfm ($(( $(date +%s) - start )) s)"
 source bench/install_checkout.sh
 install_checkout "$OUT/pip.log" || echo "using the checkout on PYTHONPATH without entry points"
 export VLLM_ENABLE_V1_MULTIPROCESSING=0
+# float32 runs: every Triton dot product in float32 (Triton's default rounds float32 operands to
+# tf32, so vLLM's Triton attention in the no-spec baseline would carry tf32 rounding that the tree
+# steps' own float32 attention kernel does not: bench/soak.py's docstring, "Float32")
+if [ "${TFM_E2E_DTYPE:-float32}" = float32 ]; then export TRITON_F32_DEFAULT=${TRITON_F32_DEFAULT:-ieee}; fi
 nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv,noheader || true
 echo "== e2e ($(( $(date +%s) - start )) s)"
 python3 bench/gpu_plugin_e2e.py --out "$OUT" --phase all

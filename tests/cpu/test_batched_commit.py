@@ -181,8 +181,8 @@ def test_library_entry_points_check_the_layer_counts():
 # the switch
 
 
-@pytest.mark.parametrize(("value", "on"), [(None, False), ("0", False), ("", False), ("false", False), ("1", True)])
-def test_batched_commit_is_off_unless_switched_on(monkeypatch, value, on):
+@pytest.mark.parametrize(("value", "on"), [(None, True), ("0", False), ("false", False), ("False", False), ("1", True), ("", True)])
+def test_batched_commit_is_on_unless_switched_off(monkeypatch, value, on):
     if value is None:
         monkeypatch.delenv(BATCHED_COMMIT_ENV, raising=False)
     else:

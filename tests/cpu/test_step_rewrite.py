@@ -476,6 +476,9 @@ def test_commit_step_matches(name, kinds, prefill, path, accept, monkeypatch):
         monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
         monkeypatch.setattr(torch.cuda, "get_device_properties", lambda i: SimpleNamespace(multi_processor_count=132))
         monkeypatch.setattr("vllm_tfm.kernels.loader.device_smem_optin", lambda i: 227 * 1024)
+        # the per-layer commit kernels, as the step before the rewrite ran them (the batched commit,
+        # on by default, has its own tests: test_batched_commit.py)
+        monkeypatch.setenv("VLLM_TFM_BATCHED_COMMIT", "0")
     results = []
     for impl in ("before", "after"):
         fake.calls.clear()

@@ -20,8 +20,8 @@ request looks exactly as if it had verified the chain root, path_1, ..., path_p:
   while the algebraic form is the exact same state (tested in float64 against the recurrence).
 
 ``commit_gdn_layers`` commits every GDN layer of the step: two launches per layer
-(``commit_gdn_layer``), or, with ``VLLM_TFM_BATCHED_COMMIT=1`` when every layer is on the kernel
-path, one launch per kernel kind for all layers (``vllm_tfm.kernels.batched_commit``: the same block
+(``commit_gdn_layer``), or, by default (``VLLM_TFM_BATCHED_COMMIT`` unset or 1) when every layer is on
+the kernel path, one launch per kernel kind for all layers (``vllm_tfm.kernels.batched_commit``: the same block
 bodies, so the same states bit for bit; a launch's host cost is tens of microseconds, bench/NOTES.md
 section 14).
 """
@@ -135,7 +135,7 @@ def commit_gdn_layers(
 ) -> int | None:
     """Commit every GDN layer of the step (arguments as ``commit_gdn_layer``).
 
-    With ``VLLM_TFM_BATCHED_COMMIT=1`` and every layer on the kernel path (``batched_commit_layers``):
+    With ``VLLM_TFM_BATCHED_COMMIT`` on (the default) and every layer on the kernel path (``batched_commit_layers``):
     all layers in one launch per kernel kind, returning the number of launches; otherwise
     ``commit_gdn_layer`` for each layer in turn, returning None.
     """
