@@ -3,14 +3,14 @@
 
 Phases (``--phase all`` runs them in this order, the engines in subprocesses):
   make      random tiny Qwen3.5 hybrid target (real float32 weights, decisive logits), a random
-            DFlash drafter (z-lab layout, block size 8) and a random Weaver + tfm_config.json, in /tmp;
+            DFlash drafter (z-lab layout, block size 8), a random Weaver and TreeFlash approximator + tfm_config.json, in /tmp;
   baseline  vLLM without speculation: greedy tokens of 8 prompts (batch 8) and of prompt 0 alone
             (batch 1), with the top-2 log-probability margin at every position;
   tfm       GPU unit checks of the runtime pieces (tree attention vs a torch reference, GDN tree
             step on CUDA vs float64 CPU, DDTree on CUDA vs CPU), then ONE tfm engine that runs every
             case by switching the proposal in-process: chain (vLLM's native chain path), chain with
             VLLM_TFM_FORCE_TREE_PATH=1 (our GDN verify/commit + tree sampler on chains), ddtree,
-            tfm (Weaver), and "oracle" variants whose trees carry the baseline continuation on a
+            tfm (Weaver), treeflash, and "oracle" variants whose trees carry the baseline continuation on a
             random branch up to a random depth (deep acceptance along non-first branches: KV
             compaction, GDN commit, drafter reorder), batch 8 and batch 1 each.
 Every case records equality with the baseline, the first divergence (position, tokens around it,
@@ -158,6 +158,13 @@ def make_random_models() -> None:
     torch.manual_seed(2)
     wcfg = WeaverConfig(d_model=HIDDEN, d_rank=64, n_layers=1, n_heads=2, d_mlp=128, max_depth=BLOCK - 1)
     Weaver(wcfg).float().save_pretrained(DRAFTER)  # also writes tfm_config.json (proposal "tfm")
+    from vllm_tfm.models.tfm_config import TreeFlashConfig
+    from vllm_tfm.models.treeflash import TreeFlashApproximator
+
+    torch.manual_seed(3)
+    tf = TreeFlashApproximator(TreeFlashConfig(hidden_size=HIDDEN, intermediate_size=256))
+    torch.nn.init.normal_(tf.down.weight, std=0.02)  # a non-zero correction (zero-init is the identity)
+    tf.float().save_pretrained(DRAFTER)  # adds the treeflash section (proposal stays "tfm")
     log("drafter written:", DRAFTER, sorted(os.listdir(DRAFTER)))
 
 
@@ -590,6 +597,7 @@ CASES = [
     ("ddtree-oracle", "ddtree", False, "partial"),  # + accepted non-first branches, drafter reorder
     ("chain-native-oracle", "chain", False, "full"),  # sanity of the oracle itself on vLLM's path
     ("tfm", "tfm", False, None),  # Weaver trees
+    ("treeflash", "treeflash", False, None),  # TreeFlash trees (AR approximator on the DFlash pre-norm stream)
     ("tfm-oracle", "tfm", False, "partial"),
 ]
 
@@ -698,6 +706,11 @@ def phase_tfm(out: Path) -> None:
     from vllm_tfm.vllm_plugin.runtime.settings import set_proposal_override
     from vllm_tfm.vllm_plugin.runtime.state import STATE
 
+    wanted_cases = [c for c in os.environ.get("TFM_E2E_CASES", "").split(",") if c]
+    if not wanted_cases or any(c.startswith("treeflash") for c in wanted_cases):
+        # the treeflash case switches this engine's proposal in-process: load TreeFlash beside the Weaver
+        os.environ["VLLM_TFM_LOAD_TREEFLASH"] = "1"
+    results["env"]["load_treeflash"] = os.environ.get("VLLM_TFM_LOAD_TREEFLASH")
     t = time.time()
     try:
         llm = LLM(**engine_kwargs(spec=True))

@@ -117,6 +117,7 @@ def write_drafter(
     weights: bool = True,
     tfm_config: dict[str, Any] | None = None,
     weaver_weights: bool = False,
+    treeflash_weights: bool = False,
 ) -> Path:
     directory.mkdir(parents=True, exist_ok=True)
     (directory / "config.json").write_text(json.dumps(config if config is not None else drafter_config()))
@@ -126,10 +127,13 @@ def write_drafter(
         (directory / "tfm_config.json").write_text(json.dumps(tfm_config))
     if weaver_weights:
         write_placeholder_safetensors(directory / "tfm" / "weaver.safetensors")
+    if treeflash_weights:
+        write_placeholder_safetensors(directory / "tfm" / "treeflash.safetensors")
     return directory
 
 
 WEAVER_SECTION = {"d_model": HIDDEN, "d_rank": 32, "n_layers": 1, "n_heads": 2, "d_mlp": 64, "max_depth": 7}
+TREEFLASH_SECTION = {"hidden_size": HIDDEN, "intermediate_size": 48}
 
 
 @contextlib.contextmanager

@@ -16,6 +16,7 @@ import pytest
 
 from _vllm_plugin_env import (
     HIDDEN,
+    TREEFLASH_SECTION,
     VOCAB,
     WEAVER_SECTION,
     drafter_config,
@@ -214,7 +215,7 @@ def test_bad_values_name_their_source(env: Any, monkeypatch: pytest.MonkeyPatch)
     d = drafter(env, "values")
     raises(env, tfm(d, top_k=0), r"speculative_config top_k=0: top_k: Input should be greater than 0")
     raises(env, tfm(d, sampling="nucleus"), r"sampling: Input should be 'target_only' or 'traversal'")
-    raises(env, tfm(d, proposal="treeflash"), r"proposal 'treeflash' is not available in the vLLM runtime")
+    raises(env, tfm(d, proposal="treeflash"), r"proposal 'treeflash' needs tfm_config.json with a 'treeflash' section")
     monkeypatch.setenv("VLLM_TFM_PROPOSAL", "beam")
     raises(env, tfm(d), r"environment VLLM_TFM_PROPOSAL='beam': proposal: Input should be 'tfm', 'ddtree', 'treeflash' or 'chain'")
     monkeypatch.delenv("VLLM_TFM_PROPOSAL")
@@ -243,6 +244,50 @@ def test_missing_drafter_files(env: Any) -> None:
     raises(env, tfm(drafter(env, "no-tfm-config"), proposal="tfm"), r"proposal 'tfm' needs tfm_config.json with a 'weaver' section")
     no_weaver = drafter(env, "no-weaver", tfm_config={"proposal": "tfm", "weaver": WEAVER_SECTION})
     raises(env, tfm(no_weaver), r"has no tfm/weaver.safetensors, which proposal 'tfm' loads")
+    no_section = drafter(env, "no-treeflash-section", tfm_config={"proposal": "ddtree"})
+    msg = raises(env, tfm(no_section, proposal="treeflash"), r"speculative_config proposal='treeflash': proposal 'treeflash' needs tfm_config.json with a 'treeflash' section")
+    assert str(no_section) in msg
+    no_weights = drafter(env, "no-treeflash", tfm_config={"proposal": "treeflash", "treeflash": TREEFLASH_SECTION})
+    raises(env, tfm(no_weights), r"has no tfm/treeflash.safetensors, which proposal 'treeflash' loads")
+    width = drafter(env, "treeflash-width", tfm_config={"proposal": "treeflash", "treeflash": {**TREEFLASH_SECTION, "hidden_size": 96}}, treeflash_weights=True)
+    raises(env, tfm(width), r"treeflash.hidden_size 96 does not match the target's hidden_size 64")
+
+
+def test_treeflash_is_accepted_and_its_prenorm_drafter_hashes_apart(env: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    from vllm_tfm.models.tfm_config import TfmConfig
+    from vllm_tfm.vllm_plugin.options import HF_OPTIONS_ATTR, get_tfm_options, hf_loads_treeflash, loads_treeflash
+
+    d = drafter(env, "treeflash", tfm_config={"proposal": "treeflash", "treeflash": TREEFLASH_SECTION}, treeflash_weights=True)
+    cfg = build(env, tfm(d, 7))
+    opts = get_tfm_options(cfg)
+    assert opts.proposal == "treeflash" and opts.budget == 7 and opts.treeflash.hidden_size == HIDDEN
+    # a directory offering TreeFlash besides its configured proposal: selectable inline, loaded for overrides
+    both = drafter(
+        env, "tfm-and-treeflash",
+        tfm_config={"proposal": "tfm", "weaver": WEAVER_SECTION, "treeflash": TREEFLASH_SECTION},
+        weaver_weights=True, treeflash_weights=True,
+    )
+    assert get_tfm_options(build(env, tfm(both, 7, proposal="treeflash"))).proposal == "treeflash"
+    tfm_cfg = build(env, tfm(both, 7))
+    hf_tfm = tfm_cfg.draft_model_config.hf_config
+    monkeypatch.delenv("VLLM_TFM_LOAD_TREEFLASH", raising=False)
+    assert get_tfm_options(tfm_cfg).proposal == "tfm" and not hf_loads_treeflash(hf_tfm)  # vLLM's drafter untouched
+    monkeypatch.setenv("VLLM_TFM_LOAD_TREEFLASH", "1")  # the harness's in-process proposal switches
+    assert hf_loads_treeflash(hf_tfm)
+    monkeypatch.delenv("VLLM_TFM_LOAD_TREEFLASH")
+    section_only = TfmConfig(proposal="ddtree", treeflash=TREEFLASH_SECTION)
+    on, off = {"VLLM_TFM_LOAD_TREEFLASH": "1"}, {"VLLM_TFM_LOAD_TREEFLASH": "0"}
+    assert loads_treeflash(section_only, d, on) and not loads_treeflash(section_only, env["root"] / "nowhere", on)
+    assert not loads_treeflash(section_only, d, off) and not loads_treeflash(section_only, d, {})
+    assert loads_treeflash(TfmConfig(proposal="treeflash", treeflash=TREEFLASH_SECTION), None)
+    assert not loads_treeflash(TfmConfig(proposal="ddtree"), d)
+    # the compile-cache hash tells a drafter that returns its pre-norm stream from one that does not
+    hf = cfg.draft_model_config.hf_config
+    with_prenorm = cfg.compute_hash()
+    monkeypatch.setattr(hf, HF_OPTIONS_ATTR, {**getattr(hf, HF_OPTIONS_ATTR), "proposal": "ddtree", "treeflash": None})
+    assert not hf_loads_treeflash(hf) and cfg.compute_hash() != with_prenorm
+    monkeypatch.undo()
+    assert hf_loads_treeflash(hf) and cfg.compute_hash() == with_prenorm
 
 
 def test_drafter_target_mismatch(env: Any) -> None:

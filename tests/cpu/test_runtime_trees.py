@@ -160,3 +160,52 @@ def test_ddtree_on_a_large_vocabulary_with_ties_matches_the_reference():
     for budget in (5, 31):
         logits = torch.round(4 * torch.randn(2, 3, 3000, generator=gen)) / 4
         check_against_reference(torch.log_softmax(logits, -1), budget)
+
+
+def test_treeflash_trees_equal_build_treeflash_per_request():
+    """The proposer's TreeFlash trees (pre-norm stream of depths 1..D, no root slot) against the
+    per-request reference builder with the per-request scorer on the full block, for a batch of
+    requests whose trees fill the budget and requests whose restricted graph is smaller (filled)."""
+    from vllm_tfm.models import TreeFlashApproximator, TreeFlashConfig, TreeFlashTransitionScorer
+    from vllm_tfm.models.common import RMSNorm
+    from vllm_tfm.tree import build_treeflash
+    from vllm_tfm.vllm_plugin.runtime.tree_builder_gpu import treeflash_trees
+
+    from _models import randomize
+
+    hid, vocab, r = 16, 24, 5
+    approx = randomize(TreeFlashApproximator(TreeFlashConfig(hidden_size=hid, intermediate_size=12)), seed=4).double().eval()
+    norm = randomize(RMSNorm(hid), seed=5).double()
+    gen = torch.Generator().manual_seed(6)
+    embed = torch.randn(vocab, hid, generator=gen, dtype=torch.float64)
+    head = torch.randn(vocab, hid, generator=gen, dtype=torch.float64)
+    for depth, budget, top_m in [(4, 9, 3), (3, 20, 2), (1, 5, 4), (5, 12, 16)]:
+        block = torch.randn(r, 1 + depth, hid, generator=gen, dtype=torch.float64)  # slot 0: the root's, unread
+        with torch.no_grad():
+            logits = norm(block[:, 1:]) @ head.T
+        logits[1, 0] = 0.0  # exact ties at depth 1 of request 1 (broken by token id, as the reference)
+        roots = torch.randint(0, vocab, (r,), generator=gen)
+        tok, par = treeflash_trees(approx, norm, block[:, 1:], logits, roots, embed, head, budget, top_m)
+        assert tok.shape == (r, budget) and par.shape == (r, budget + 1)
+        lp = torch.log_softmax(logits, -1)
+        for i in range(r):
+            scorer = TreeFlashTransitionScorer(approx, norm, block[i], embed, head)
+            ref = build_treeflash(int(roots[i]), lp[i], scorer, budget, depth, top_m)
+            n = ref.num_nodes
+            assert tok[i, : n - 1].tolist() == ref.tokens[1:].tolist()
+            assert par[i, :n].tolist() == ref.parents.tolist()
+            # a smaller tree is completed by a chain of the best depth-1 marginal token under its last node
+            assert par[i, n:].tolist() == list(range(n - 1, budget))
+            assert tok[i, n - 1 :].tolist() == [int(lp[i, 0].argmax())] * (budget - n + 1)
+
+
+def test_treeflash_trees_refuse_a_prenorm_stream_of_the_wrong_shape():
+    from vllm_tfm.models import TreeFlashApproximator, TreeFlashConfig
+    from vllm_tfm.models.common import RMSNorm
+    from vllm_tfm.vllm_plugin.runtime.tree_builder_gpu import treeflash_trees
+
+    approx = TreeFlashApproximator(TreeFlashConfig(hidden_size=8, intermediate_size=4)).eval()
+    logits = torch.randn(2, 3, 10)
+    with pytest.raises(ValueError, match=r"dflash_prenorm must be \[R=2, D=3, H\], got \(2, 4, 8\)"):
+        treeflash_trees(approx, RMSNorm(8), torch.randn(2, 4, 8), logits, torch.tensor([1, 2]), torch.randn(10, 8),
+                        torch.randn(10, 8), 4, 2)

@@ -45,6 +45,7 @@ from .options import (
     HF_OPTIONS_ATTR,
     OPTION_KEYS,
     draft_depth,
+    hf_loads_treeflash,
     resolve_tfm_options,
     spec_draft_depth,
 )
@@ -119,6 +120,7 @@ def prepare_tfm(
         cuda_graphs.configure_engine_graphs(engine_args, target_model_config, options.budget)
     depth = draft_depth(options.budget, block)
     drafter_checks.check_weaver_shape(options, str(directory / TFM_CONFIG_NAME), hidden, depth)
+    drafter_checks.check_treeflash_shape(options, str(directory / TFM_CONFIG_NAME), hidden)
     drafter_checks.check_proposal_files(directory, options)
     replay = benchmark_mode.resolve_acceptance_replay(options.proposal, options.budget, depth)
     if replay is not None:
@@ -254,7 +256,11 @@ def _make_compute_hash(original: Callable[[Any], str]) -> Callable[[Any], str]:
             as_dflash = original(self)
         finally:
             self.method = TFM_METHOD
-        return hashlib.sha256(f"{as_dflash}|{TFM_METHOD}".encode()).hexdigest()
+        # a drafter whose forward also returns its pre-norm residual stream (TreeFlash,
+        # runtime/dflash_prenorm.py) compiles to another graph: never share its compile cache
+        draft = getattr(self, "draft_model_config", None)
+        prenorm = "|prenorm" if draft is not None and hf_loads_treeflash(draft.hf_config) else ""
+        return hashlib.sha256(f"{as_dflash}|{TFM_METHOD}{prenorm}".encode()).hexdigest()
 
     return compute_hash
 

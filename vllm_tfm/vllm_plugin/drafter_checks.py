@@ -2,7 +2,8 @@
 
 A drafter directory (DESIGN.md section 8) holds a z-lab DFlash drafter (``config.json`` with
 ``architectures: ["DFlashDraftModel"]`` and a ``dflash_config`` object, plus its weights) and,
-for proposal ``tfm``, ``tfm_config.json`` with ``tfm/weaver.safetensors``. Everything here runs in
+for proposal ``tfm``, ``tfm_config.json`` with ``tfm/weaver.safetensors`` (``tfm/treeflash.safetensors``
+for ``treeflash``). Everything here runs in
 the process that builds the engine config; each refusal is a one-line ValueError naming the
 directory or file and the problem, so that a user does not meet a vLLM stack trace instead.
 """
@@ -22,6 +23,7 @@ __all__ = [
     "check_drafter_against_target",
     "check_drafter_weights",
     "check_proposal_files",
+    "check_treeflash_shape",
     "check_weaver_shape",
 ]
 
@@ -144,16 +146,18 @@ def check_drafter_weights(directory: Path) -> None:
 
 
 def check_proposal_files(directory: Path, options: TfmConfig) -> None:
-    """Weights the chosen proposal loads besides DFlash (Weaver for ``tfm``).
+    """Weights the chosen proposal loads besides DFlash (Weaver for ``tfm``, the AR approximator
+    for ``treeflash``).
 
     The runtime loads them from the directory itself, whatever vLLM's ``load_format`` (``dummy``
     gives random DFlash weights only), so they are required in every case.
     """
-    if options.proposal == "tfm" and not (directory / WEAVER_WEIGHTS_NAME).is_file():
-        raise ValueError(
-            f"drafter directory {directory} has no {WEAVER_WEIGHTS_NAME}, which proposal 'tfm' loads "
-            "(use proposal 'ddtree' or 'chain' for a plain DFlash drafter)"
-        )
+    for proposal, weights in (("tfm", WEAVER_WEIGHTS_NAME), ("treeflash", TREEFLASH_WEIGHTS_NAME)):
+        if options.proposal == proposal and not (directory / weights).is_file():
+            raise ValueError(
+                f"drafter directory {directory} has no {weights}, which proposal '{proposal}' loads "
+                "(use proposal 'ddtree' or 'chain' for a plain DFlash drafter)"
+            )
 
 
 def check_weaver_shape(options: TfmConfig, source: str, target_hidden_size: int, depth: int) -> None:
@@ -169,3 +173,13 @@ def check_weaver_shape(options: TfmConfig, source: str, target_hidden_size: int,
             f"{source}: weaver.max_depth {weaver.max_depth} is below the {depth} depths drafted per step "
             "(min(num_speculative_tokens, DFlash block_size - 1)); lower num_speculative_tokens"
         )
+
+
+def check_treeflash_shape(options: TfmConfig, source: str, target_hidden_size: int) -> None:
+    """For proposal ``treeflash``: the AR approximator reads the DFlash residual stream and target
+    embedding rows, both of the target width."""
+    tf = options.treeflash
+    if options.proposal != "treeflash" or tf is None:
+        return
+    if tf.hidden_size != target_hidden_size:
+        raise ValueError(f"{source}: treeflash.hidden_size {tf.hidden_size} does not match the target's hidden_size {target_hidden_size}")

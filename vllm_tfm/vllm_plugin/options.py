@@ -38,7 +38,7 @@ from typing import Any
 from pydantic import ValidationError
 
 from vllm_tfm.models.io import read_json
-from vllm_tfm.models.tfm_config import TFM_CONFIG_NAME, TfmConfig
+from vllm_tfm.models.tfm_config import TFM_CONFIG_NAME, TREEFLASH_WEIGHTS_NAME, TfmConfig
 
 __all__ = [
     "ENV_PREFIX",
@@ -56,6 +56,9 @@ __all__ = [
     "get_drafter_dir",
     "draft_depth",
     "spec_draft_depth",
+    "loads_treeflash",
+    "LOAD_TREEFLASH_ENV",
+    "hf_loads_treeflash",
 ]
 
 ENV_PREFIX = "VLLM_TFM_"
@@ -69,6 +72,7 @@ NON_OPTION_ENV_VARS: frozenset[str] = frozenset(
         "VLLM_TFM_SKIP_VERSION_CHECK",  # vllm_plugin/version.py
         "VLLM_TFM_FORCE_TREE_PATH",  # runtime: chains go through the tree path too
         "VLLM_TFM_BATCHED_COMMIT",  # runtime: one commit launch per kernel kind for all GDN layers (runtime/commit.py)
+        "VLLM_TFM_LOAD_TREEFLASH",  # runtime: load TreeFlash beside another proposal (in-process proposal switches)
         "VLLM_TFM_KERNELS",  # runtime: 0 forces the torch references instead of the kernels
         "VLLM_TFM_TREE_ATTENTION",  # runtime: "kernel" opts in to the one-launch tree attention, "triton" (default) one call per tree request
         "VLLM_TFM_PROFILE",  # runtime: per-stage CUDA-event timings (runtime/stage_timing.py)
@@ -91,8 +95,8 @@ NON_OPTION_ENV_VARS: frozenset[str] = frozenset(
 that is not ``VLLM_TFM_<OPTION_KEY>`` is refused as a typo. A new switch must be added here
 (tests/cpu/test_plugin_config.py scans the package for ``VLLM_TFM_*`` names and checks it)."""
 
-VLLM_PROPOSALS: tuple[str, ...] = ("chain", "ddtree", "tfm")
-"""Proposals the vLLM runtime builds (``treeflash`` runs in the reference decoder only)."""
+VLLM_PROPOSALS: tuple[str, ...] = ("chain", "ddtree", "tfm", "treeflash")
+"""Proposals the vLLM runtime builds: every proposal of ``TfmConfig``."""
 
 DEFAULT_PROPOSAL_WITHOUT_FILE = "ddtree"
 
@@ -190,17 +194,13 @@ def resolve_tfm_options(
     sources = {**sources, **{k: f"speculative_config {k}={v!r}" for k, v in inline.items()}}
 
     proposal = merged.get("proposal")
-    if proposal == "treeflash":
-        raise ValueError(
-            f"{sources.get('proposal', default_source)}: proposal 'treeflash' is not available in the vLLM "
-            f"runtime yet (use one of {', '.join(VLLM_PROPOSALS)})"
-        )
-    if proposal == "tfm" and merged.get("weaver") is None:
-        where = f"{drafter_dir}" if drafter_dir is not None else "the drafter directory"
-        raise ValueError(
-            f"{sources.get('proposal', default_source)}: proposal 'tfm' needs {TFM_CONFIG_NAME} with a 'weaver' "
-            f"section in {where} (use proposal 'ddtree' or 'chain' for a plain DFlash drafter)"
-        )
+    for name, section in (("tfm", "weaver"), ("treeflash", "treeflash")):
+        if proposal == name and merged.get(section) is None:
+            where = f"{drafter_dir}" if drafter_dir is not None else "the drafter directory"
+            raise ValueError(
+                f"{sources.get('proposal', default_source)}: proposal '{name}' needs {TFM_CONFIG_NAME} with a "
+                f"'{section}' section in {where} (use proposal 'ddtree' or 'chain' for a plain DFlash drafter)"
+            )
 
     if num_speculative_tokens is None:
         if file_cfg is None or "budget" not in file_cfg.model_fields_set:
@@ -269,3 +269,32 @@ def spec_draft_depth(spec_config: Any) -> int:
     dfc = getattr(hf, "dflash_config", None) or {}
     block = dfc.get("block_size", getattr(hf, "block_size", None))
     return draft_depth(int(spec_config.num_speculative_tokens), block)
+
+
+LOAD_TREEFLASH_ENV = "VLLM_TFM_LOAD_TREEFLASH"
+
+
+def loads_treeflash(options: TfmConfig, drafter_dir: str | Path | None, environ: Mapping[str, str] | None = None) -> bool:
+    """Whether a tfm engine loads the TreeFlash AR approximator (and its drafter forward returns
+    the pre-norm residual stream, ``runtime/dflash_prenorm.py``): for proposal ``treeflash``; for
+    another proposal only with ``VLLM_TFM_LOAD_TREEFLASH=1`` and the section and weights in the
+    drafter directory (so that the in-process proposal override,
+    ``runtime.settings.set_proposal_override``, can switch to it: the GPU test harness). Engines of
+    other proposals keep vLLM's drafter forward untouched by default."""
+    if options.treeflash is None:
+        return False
+    if options.proposal == "treeflash":
+        return True
+    env = os.environ if environ is None else environ
+    if env.get(LOAD_TREEFLASH_ENV, "0") in ("", "0", "false", "False"):
+        return False
+    return drafter_dir is not None and (Path(drafter_dir) / TREEFLASH_WEIGHTS_NAME).is_file()
+
+
+def hf_loads_treeflash(hf_config: Any) -> bool:
+    """:func:`loads_treeflash` of the options a drafter's Hugging Face config carries (False when
+    it carries none)."""
+    data = getattr(hf_config, HF_OPTIONS_ATTR, None)
+    if data is None:
+        return False
+    return loads_treeflash(TfmConfig.model_validate(data), getattr(hf_config, HF_DRAFTER_DIR_ATTR, None))

@@ -16,7 +16,8 @@ states). Per step (``propose``):
 2. Marginals. The DFlash forward runs with D = min(B, block_size - 1) mask queries;
    ``_sample_draft_tokens`` (llm_base_proposer.py:468) keeps the logits [R * D, V] and the
    DFlash outputs instead of sampling.
-3. Trees. ``chain`` / ``ddtree`` (batched on the device) or ``tfm`` (Weaver), B draft nodes per
+3. Trees. ``chain`` / ``ddtree`` (batched on the device), ``tfm`` (Weaver) or ``treeflash`` (the
+   TreeFlash AR approximator on the DFlash pre-norm stream, ``dflash_prenorm``), B draft nodes per
    request; requests in a batch that needs vLLM's own sampler get chains. The
    Weaver build replays CUDA graphs (``weaver_graphs``; ``VLLM_TFM_WEAVER_GRAPHS=0``: eager). The tokens go back to
    vLLM ([R, B]), the parents to the ``ProposalStore`` keyed by request id.
@@ -41,14 +42,15 @@ from vllm.v1.spec_decode.dflash import DFlashProposer
 
 from vllm_tfm.models.vocab_table import VocabTable
 
-from ..options import get_drafter_dir, get_tfm_options
+from ..options import get_drafter_dir, get_tfm_options, loads_treeflash
+from .dflash_prenorm import install_prenorm_output, split_rows
 from .drafter_inputs import bonus_rows, dflash_context_order
 from .sampler import needs_native_sampler
 from .settings import settings_from_options
 from .stage_timing import TIMER
 from .state import STATE
 from .tensor_parallel import check_same_on_tp_ranks, check_tp_trees_enabled, target_vocab_table, tp_world_size
-from .tree_builder_gpu import chain_trees, ddtree_trees, weaver_trees
+from .tree_builder_gpu import chain_trees, ddtree_trees, treeflash_trees, weaver_trees
 from .weaver_graphs import DrafterOutputs, weaver_graphs_from_env
 
 __all__ = ["TFMProposer"]
@@ -85,6 +87,9 @@ class TFMProposer(DFlashProposer):
         self.weaver: torch.nn.Module | None = None
         self._target_embed: VocabTable | None = None
         self._target_lm_head: VocabTable | None = None
+        self.treeflash: torch.nn.Module | None = None  # TreeFlash AR approximator (_load_treeflash)
+        self._treeflash_io: tuple[Any, Any, Any] | None = None  # its final norm, embedding rows, logits head
+        self._dflash_prenorm: Tensor | None = None
         # CUDA graphs of the Weaver build (on unless VLLM_TFM_WEAVER_GRAPHS=0, runtime/weaver_graphs.py)
         self._weaver_graphs = weaver_graphs_from_env()
         STATE.check_tp = check_tp_trees_enabled() and vllm_config.parallel_config.tensor_parallel_size > 1
@@ -109,6 +114,8 @@ class TFMProposer(DFlashProposer):
         STATE.target_attn_layers = frozenset(target)
         if self.tfm_settings.proposal == "tfm":
             self._load_weaver(target_model)
+        if loads_treeflash(self.tfm_settings.tfm, self.tfm_settings.drafter_dir):
+            self._load_treeflash(target_model)
 
     def _load_weaver(self, target_model: torch.nn.Module) -> None:
         from vllm_tfm.models.weaver import Weaver
@@ -127,6 +134,42 @@ class TFMProposer(DFlashProposer):
             target_model, ("model.embed_tokens", "language_model.model.embed_tokens"), "input embedding", tp
         )
         self._target_lm_head = target_vocab_table(target_model, ("lm_head", "language_model.lm_head"), "lm_head", tp)
+
+    def _load_treeflash(self, target_model: torch.nn.Module) -> None:
+        """The TreeFlash approximator from the drafter directory, and the drafter's final norm
+        replaced so that its forward also returns the pre-norm stream (``dflash_prenorm``)."""
+        from vllm_tfm.models.tfm_config import TREEFLASH_WEIGHTS_NAME
+        from vllm_tfm.models.treeflash import TreeFlashApproximator
+        from vllm_tfm.models.vocab_table import table_rows
+
+        settings = self.tfm_settings
+        cfg = settings.tfm.treeflash
+        if cfg is None or settings.drafter_dir is None:
+            raise ValueError("tfm proposal 'treeflash' needs a local drafter directory whose tfm_config.json has a 'treeflash' section")
+        if cfg.hidden_size != self.hidden_size:
+            raise ValueError(f"TreeFlash hidden_size {cfg.hidden_size} does not match the DFlash drafter's hidden size {self.hidden_size}")
+        try:
+            approx = TreeFlashApproximator.from_pretrained(settings.drafter_dir, dtype=self.dtype, device=self.device)
+        except (OSError, ValueError, RuntimeError) as e:
+            raise ValueError(f"vllm-tfm: cannot load {TREEFLASH_WEIGHTS_NAME} from {settings.drafter_dir}: {e}".splitlines()[0]) from None
+        self.treeflash = approx.eval()
+        norm = install_prenorm_output(self.model)
+        hidden = self.hidden_size
+        embed = target_vocab_table(
+            target_model, ("model.embed_tokens", "language_model.model.embed_tokens"), "input embedding", tp_world_size()
+        )
+        drafter = self.model
+
+        def final_norm(x: Tensor) -> Tensor:  # vLLM's RMSNorm on rows
+            return norm(x.reshape(-1, hidden)).view(x.shape)
+
+        def rows(ids: Tensor) -> Tensor:
+            return table_rows(embed, ids)
+
+        def head(x: Tensor) -> Tensor:  # the drafter's logits (the target's lm_head, vocabulary-gathered)
+            return drafter.compute_logits(x.reshape(-1, hidden)).view(*x.shape[:-1], -1)
+
+        self._treeflash_io = (final_norm, rows, head)
 
     # ------------------------------------------------------------------ warm-up
     def warm_up_weaver_graphs(self, max_requests: int) -> tuple[int, ...]:
@@ -167,6 +210,8 @@ class TFMProposer(DFlashProposer):
 
     # ------------------------------------------------------------------ marginals
     def _sample_draft_tokens(self, hidden_states: Tensor, sampling_metadata: Any) -> tuple[Tensor, Tensor | None]:
+        if self.treeflash is not None:  # rows [normed | pre-norm stream] (dflash_prenorm)
+            hidden_states, self._dflash_prenorm = split_rows(hidden_states, self.hidden_size)
         logits = self.model.compute_logits(hidden_states)
         self._marginal_logits = logits
         self._dflash_out = hidden_states
@@ -239,6 +284,7 @@ class TFMProposer(DFlashProposer):
             metrics.hook(f"proposer.{proposal}")
         self._marginal_logits = None
         self._dflash_out = None
+        self._dflash_prenorm = None
         return tokens
 
     def _build(
@@ -281,6 +327,25 @@ class TFMProposer(DFlashProposer):
             if self._weaver_graphs is not None and STATE.metrics is not None:  # which build ran (hooks fired)
                 STATE.metrics.hook("weaver.graph" if self._weaver_graphs.replays > replays else "weaver.eager")
             return out
+        if proposal == "treeflash":
+            if self.treeflash is None or self._treeflash_io is None or self._dflash_prenorm is None:
+                raise ValueError(
+                    "tfm proposal 'treeflash' needs the TreeFlash approximator, which was not loaded "
+                    "(no 'treeflash' section or tfm/treeflash.safetensors in the drafter directory)"
+                )
+            num_req = root_tokens.shape[0]
+            final_norm, embed, head = self._treeflash_io
+            return treeflash_trees(
+                self.treeflash,
+                final_norm,
+                self._dflash_prenorm.view(num_req, depth, -1),
+                logits,
+                root_tokens,
+                embed,
+                head,
+                budget,
+                self.tfm_settings.tfm.treeflash_top_m,
+            )
         raise ValueError(f"unknown tfm proposal {proposal!r}")
 
     def _verifier_hidden(self, num_req: int, num_rejected: Tensor | None) -> Tensor:

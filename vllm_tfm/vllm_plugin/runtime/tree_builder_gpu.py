@@ -14,6 +14,11 @@ ran dry) is completed by ``fill_to_budget``.
   ``vllm_tfm.tree.build_weaver`` per request (to Weaver rounding). The steps before that sync have
   fixed shapes and update their state in place: ``weaver_graphs`` replays them as CUDA graphs
   (the default; ``VLLM_TFM_WEAVER_GRAPHS=0`` builds eagerly).
+* ``treeflash_trees``: TreeFlash; the AR approximator corrects the DFlash pre-norm residual
+  stream of every depth for each previous token (``vllm_tfm.models.BatchedTreeFlashTransitionScorer``)
+  and ``vllm_tfm.tree.build_treeflash_padded`` keeps the B best keys per depth: one scorer call
+  per depth for every request, one host sync at the end. Same trees as
+  ``vllm_tfm.tree.build_treeflash`` per request (to scorer rounding).
 
 Determinism: sorts are stable and scores are accumulated in float64 in a fixed order, so equal
 inputs give equal trees on every tensor-parallel rank.
@@ -21,9 +26,11 @@ inputs give equal trees on every tensor-parallel rank.
 
 from __future__ import annotations
 
+import torch
 from torch import Tensor, nn
 
-from vllm_tfm.models.proposal_trees import weaver_draft_trees
+from vllm_tfm.models.proposal_trees import treeflash_padded_trees, weaver_draft_trees
+from vllm_tfm.models.treeflash import TreeFlashApproximator
 from vllm_tfm.models.vocab_table import VocabTable
 from vllm_tfm.tree.marginal_padded import (
     chain_trees,
@@ -33,7 +40,7 @@ from vllm_tfm.tree.marginal_padded import (
 )
 from vllm_tfm.tree.padded import fill_to_budget
 
-__all__ = ["chain_trees", "ddtree_trees", "fill_to_budget", "ranked_top", "weaver_trees"]
+__all__ = ["chain_trees", "ddtree_trees", "fill_to_budget", "ranked_top", "treeflash_trees", "weaver_trees"]
 
 
 def weaver_trees(
@@ -62,3 +69,34 @@ def weaver_trees(
         weaver, dflash_logits, dflash_hidden, verifier_hidden, root_tokens, embed, lm_head,
         budget, top_k, width, children_per_node, logits_dtype=dflash_hidden.dtype,
     )
+
+
+def treeflash_trees(
+    approximator: TreeFlashApproximator,
+    final_norm: nn.Module,
+    dflash_prenorm: Tensor,
+    dflash_logits: Tensor,
+    root_tokens: Tensor,
+    embed: nn.Module | Tensor,
+    lm_head: nn.Module | Tensor,
+    budget: int,
+    top_m: int,
+) -> tuple[Tensor, Tensor]:
+    """TreeFlash trees of all requests at once, ``max_depth`` = D (module docstring).
+
+    dflash_prenorm: [R, D, H] the DFlash residual stream before its final norm at block slots
+    1..D (depths 1..D); dflash_logits: [R, D, V] raw DFlash logits of the same slots; root_tokens:
+    [R]; embed: the target's input embedding ([V, H] or a module called on ids); lm_head: [V, H] or
+    a module mapping [N, H] to [N, V] logits. Returns tokens [R, B], parents [R, 1 + B]; a tree
+    smaller than B (its restricted transition graph ran out) is completed by ``fill_to_budget``
+    with the best depth-1 marginal token.
+    """
+    check_marginals(dflash_logits, budget)
+    r, d, _ = dflash_logits.shape
+    if dflash_prenorm.dim() != 3 or tuple(dflash_prenorm.shape[:2]) != (r, d):
+        raise ValueError(f"dflash_prenorm must be [R={r}, D={d}, H], got {tuple(dflash_prenorm.shape)}")
+    logprobs = torch.log_softmax(dflash_logits if dflash_logits.dtype == torch.float64 else dflash_logits.float(), dim=-1)
+    # the scorer reads block slot d for depth d (slot 0, the root's, is never read)
+    block = torch.cat([dflash_prenorm.new_zeros(r, 1, dflash_prenorm.shape[2]), dflash_prenorm], dim=1)
+    trees = treeflash_padded_trees(approximator, final_norm, block, logprobs, root_tokens, embed, lm_head, budget, d, top_m)
+    return trees.draft_layout(logprobs[:, 0].argmax(-1))
