@@ -542,6 +542,7 @@ def test_gdn_stash_outlives_a_cuda_graph_piece(graph_mode):
     from vllm.config import CUDAGraphMode
     from vllm.forward_context import ForwardContext, override_forward_context
 
+    runtime.install()  # the GDN patch keeps vLLM's _forward_core, which tree_forward_core falls back to (idempotent)
     gen = torch.Generator().manual_seed(1)
     layer = fake_gdn_layer(gen, num_slots=6)
     parents = random_tree_parents(1 + S, gen, "random")
