@@ -196,7 +196,8 @@ def _function() -> str:
 def kernel_path(device: torch.device) -> Iterator[None]:
     """Make the runtime take its NVRTC kernel path. On a GPU nothing is patched but the launch
     counter; on the CPU the kernel wrappers run with a stub ``get_kernel`` and a ``launch`` that
-    packs the arguments like the real one and records the launch without running it."""
+    packs the arguments like the real one (``loader.param_array``) and records the launch without
+    running it."""
     from vllm_tfm.kernels import batched_commit as kbatch
     from vllm_tfm.kernels import conv as kconv
     from vllm_tfm.kernels import gdn as kgdn
@@ -211,16 +212,19 @@ def kernel_path(device: torch.device) -> Iterator[None]:
         if device.type == "cuda":
             real_launch(kernel, grid, block, args, shared_mem)
             return
-        values = [loader._ctype_arg(a) for a in args]  # the host work of a launch, without the driver call
-        (ctypes.c_void_p * max(len(values), 1))(*[ctypes.addressof(v) for v in values])
+        loader.param_array(kernel, args)  # the host work of a launch (argument packing), without the driver call
 
     with contextlib.ExitStack() as stack:
         for mod in (kgdn, kconv, kbatch):
             stack.enter_context(mock.patch.object(mod, "launch", counted_launch))
         if device.type != "cuda":
+            loaded: dict[tuple, Any] = {}
+
             def get_kernel(source: str, name: str, options: Any, device_index: int = 0) -> Any:
-                tuple(options)
-                return SimpleNamespace(name=name, max_dynamic_smem=227 * 1024, static_smem=0, device_index=0)
+                key = (source, tuple(options), device_index, name)  # the loader's cache key: one object per kernel
+                if key not in loaded:
+                    loaded[key] = SimpleNamespace(name=name, max_dynamic_smem=227 * 1024, static_smem=0, device_index=0)
+                return loaded[key]
 
             for mod in (kgdn, kconv, kbatch):
                 stack.enter_context(mock.patch.object(mod, "get_kernel", get_kernel))
@@ -613,6 +617,15 @@ def measure(x: StepInputs, repeats: int, impl: str, commit_paths: tuple[str, ...
     return cases
 
 
+def fresh_param_array(kernel: Any, args: Any) -> Any:
+    """The launch parameter array packed afresh at every launch (``loader.launch`` before it kept
+    each kernel's last array): ``--impl before`` measures with it."""
+    from vllm_tfm.kernels import loader
+
+    values = [loader._ctype_arg(a) for a in args]
+    return (ctypes.c_void_p * max(len(values), 1))(*map(ctypes.addressof, values))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--label", required=True, help="key of this run in the JSON file (e.g. before, after)")
@@ -644,9 +657,14 @@ def main() -> None:
     layer_paths = tuple((args.layer_paths or ("kernels" if device.type == "cuda" else "kernels,reference")).split(","))
     stages = tuple(args.stages.split(","))
     cases = []
+    from vllm_tfm.kernels import loader
+
+    packing = mock.patch.object(loader, "param_array", fresh_param_array) if args.impl == "before" else contextlib.nullcontext()
     for r in (int(v) for v in args.requests.split(",")):
         x = StepInputs(r, args.budget, device, seed=100 + r)
-        for res in measure(x, args.repeats, args.impl, commit_paths, stages, layer_paths):
+        with packing:
+            results = measure(x, args.repeats, args.impl, commit_paths, stages, layer_paths)
+        for res in results:
             print(
                 f"R={r} B={args.budget} {res['stage']:7s} {res['mode']:15s} ops={res['ops']:5d} kernels={res['kernels']:5d} "
                 f"launches={res['launches']['total']:3d} syncs={res['syncs']['total']:3d} uploads={res['uploads']['total']:3d} "
