@@ -84,6 +84,7 @@ from vllm_tfm.vllm_plugin.runtime.tree_builder_gpu import weaver_trees
 
 DEFAULT_OUT = REPO / "bench" / "results" / "step_ops_cpu.json"
 GDN = {"h": 1, "k": 32, "hv": 2, "v": 16, "width": 4}  # kernel-legal small shapes (K % 32, V % 16)
+GDN_27B = {"h": 16, "k": 128, "hv": 48, "v": 128, "width": 4}  # Qwen3.6-27B GDN layer per tensor-parallel rank
 NUM_GDN, GDN_GROUPS, NUM_ATTN = 48, 3, 16  # Qwen3.6-27B: 48 GDN + 16 attention layers
 KV = {"heads": 2, "head2": 16, "block": 16}
 SAMPLE_MODES = ("greedy", "sampled", "replay")
@@ -184,8 +185,9 @@ def _function() -> str:
         name = f.f_code.co_filename
         if "/vllm_tfm/" in name:
             return f"{name.split('/vllm_tfm/')[-1]} ({f.f_code.co_name})"
-        if name.endswith("_step_before.py"):
-            return f"_step_before.py ({f.f_code.co_name})"
+        for helper in ("_step_before.py", "_gdn_before.py"):
+            if name.endswith(helper):
+                return f"{helper} ({f.f_code.co_name})"
         f = f.f_back
     return "?"
 
@@ -194,7 +196,8 @@ def _function() -> str:
 def kernel_path(device: torch.device) -> Iterator[None]:
     """Make the runtime take its NVRTC kernel path. On a GPU nothing is patched but the launch
     counter; on the CPU the kernel wrappers run with a stub ``get_kernel`` and a ``launch`` that
-    packs the arguments like the real one and records the launch without running it."""
+    packs the arguments like the real one (``loader.param_array``) and records the launch without
+    running it."""
     from vllm_tfm.kernels import batched_commit as kbatch
     from vllm_tfm.kernels import conv as kconv
     from vllm_tfm.kernels import gdn as kgdn
@@ -209,16 +212,19 @@ def kernel_path(device: torch.device) -> Iterator[None]:
         if device.type == "cuda":
             real_launch(kernel, grid, block, args, shared_mem)
             return
-        values = [loader._ctype_arg(a) for a in args]  # the host work of a launch, without the driver call
-        (ctypes.c_void_p * max(len(values), 1))(*[ctypes.addressof(v) for v in values])
+        loader.param_array(kernel, args)  # the host work of a launch (argument packing), without the driver call
 
     with contextlib.ExitStack() as stack:
         for mod in (kgdn, kconv, kbatch):
             stack.enter_context(mock.patch.object(mod, "launch", counted_launch))
         if device.type != "cuda":
+            loaded: dict[tuple, Any] = {}
+
             def get_kernel(source: str, name: str, options: Any, device_index: int = 0) -> Any:
-                tuple(options)
-                return SimpleNamespace(name=name, max_dynamic_smem=227 * 1024, static_smem=0, device_index=0)
+                key = (source, tuple(options), device_index, name)  # the loader's cache key: one object per kernel
+                if key not in loaded:
+                    loaded[key] = SimpleNamespace(name=name, max_dynamic_smem=227 * 1024, static_smem=0, device_index=0)
+                return loaded[key]
 
             for mod in (kgdn, kconv, kbatch):
                 stack.enter_context(mock.patch.object(mod, "get_kernel", get_kernel))
@@ -504,7 +510,95 @@ def commit_case(x: StepInputs, path: str, repeats: int, impl: str) -> dict[str, 
     return {"stage": "commit", "mode": path, **res, "result_sha256": digest}
 
 
-def measure(x: StepInputs, repeats: int, impl: str, commit_paths: tuple[str, ...]) -> list[dict[str, Any]]:
+class LayerInputs:
+    """One GDN layer at the 27B shape (``GDN_27B``, bf16 activations and conv window, float32 SSM
+    state, conv without bias as in the checkpoint) and the forward context a tree-active step gives
+    it: every row a spec decode, piecewise CUDA graphs (so the pre-conv rows are copied for the
+    commit, as in the e2e runs)."""
+
+    def __init__(self, x: StepInputs, step: Any) -> None:
+        h, k, hv, v, w = (GDN_27B[n] for n in ("h", "k", "hv", "v", "width"))
+        g = torch.Generator().manual_seed(300 + x.r)
+        dev, bf16 = x.device, torch.bfloat16
+        t, s = x.r * (x.budget + 1), x.budget
+        conv_dim = 2 * h * k + hv * v
+        pool = 2 * x.r + 2  # slots the table points into (the forward only reads them)
+        from vllm.model_executor.layers.mamba.mamba_utils import is_conv_state_dim_first
+
+        conv = torch.randn(pool, w - 1 + s, conv_dim, generator=g).to(bf16).to(dev)  # [slots, L, D] storage
+        self.layer = SimpleNamespace(
+            prefix="model.layers.0.linear_attn",
+            kv_cache=(conv.transpose(-1, -2) if is_conv_state_dim_first() else conv,
+                      torch.randn(pool, hv, v, k, generator=g).to(dev)),
+            conv1d=SimpleNamespace(weight=(0.5 * torch.randn(conv_dim, 1, w, generator=g)).to(bf16).to(dev), bias=None),
+            activation="silu",
+            A_log=torch.rand(hv, generator=g).log().to(dev),  # float32, as vLLM allocates it
+            dt_bias=torch.randn(hv, generator=g).to(bf16).to(dev),  # the model dtype
+            num_k_heads=h, num_v_heads=hv, head_k_dim=k, head_v_dim=v, tp_size=1,
+        )
+        self.mixed = torch.randn(t, conv_dim, generator=g).to(bf16).to(dev)
+        self.a = torch.randn(t, hv, generator=g).to(bf16).to(dev)
+        self.b = torch.randn(t, hv, generator=g).to(bf16).to(dev)
+        self.out = torch.zeros(t, hv, v, dtype=bf16, device=dev)
+        self.md = SimpleNamespace(
+            spec_sequence_masks=torch.ones(x.r, dtype=torch.bool, device=dev), num_spec_decodes=x.r,
+            num_spec_decode_tokens=t, num_actual_tokens=t, num_prefills=0, num_decodes=0, num_prefill_tokens=0,
+            num_decode_tokens=0, spec_token_indx=None, non_spec_token_indx=None,
+            spec_state_indices_tensor=torch.randint(0, pool, (x.r, 1 + s), generator=g).to(torch.int32).to(dev),
+            num_accepted_tokens=torch.randint(1, s + 2, (x.r,), generator=g).to(torch.int32).to(dev),
+        )
+        assert step.num_spec_reqs == x.r and step.num_spec_tokens == t
+
+    @contextlib.contextmanager
+    def forward_context(self) -> Iterator[None]:
+        """vLLM's forward context of a piecewise-graph decode step holding this layer's metadata."""
+        import vllm.forward_context as vfc
+        from vllm.config import CUDAGraphMode
+
+        fc = SimpleNamespace(attn_metadata={self.layer.prefix: self.md}, cudagraph_runtime_mode=CUDAGraphMode.PIECEWISE)
+        with mock.patch.object(vfc, "get_forward_context", lambda: fc), \
+                mock.patch.object(vfc, "is_forward_context_available", lambda: True):
+            yield
+
+
+def _layer_fn(impl: str) -> Callable[..., Any]:
+    """The tree-active ``_forward_core`` body of one GDN layer of the implementation measured."""
+    if impl == "before":
+        import _gdn_before
+
+        return _gdn_before.tree_step_forward_core_before
+    from vllm_tfm.vllm_plugin.runtime import gdn as gdn_mod
+
+    return gdn_mod._tree_step_forward_core
+
+
+def gdn_layer_case(x: StepInputs, path: str, repeats: int, impl: str) -> dict[str, Any]:
+    """One GDN layer's tree path at the 27B shape, as the runtime runs it in a tree-active step."""
+    from vllm_tfm.vllm_plugin.runtime.state import STATE
+
+    forward = _layer_fn(impl)
+    step = prepare(x, proposals(x))
+    li = LayerInputs(x, step)
+
+    def fresh() -> Any:
+        STATE.step = step
+        step.gdn.clear()
+        return step
+
+    def run(st: Any) -> Any:
+        forward(li.layer, st, None, li.mixed, li.b, li.a, li.out)
+        return st.gdn[li.layer.prefix]
+
+    with kernel_path(x.device) if path == "kernels" else reference_path(), li.forward_context():
+        res, stash = measure_stage(run, fresh, repeats, x.device)
+    # the kernel path's launches do not run on the CPU: no outcome to compare there
+    digest = (_digest([li.out, stash.x, stash.k, stash.g, stash.delta])
+              if path == "reference" or x.device.type == "cuda" else None)
+    return {"stage": "gdn_layer", "mode": path, **res, "result_sha256": digest}
+
+
+def measure(x: StepInputs, repeats: int, impl: str, commit_paths: tuple[str, ...], stages: tuple[str, ...],
+            layer_paths: tuple[str, ...]) -> list[dict[str, Any]]:
     from vllm_tfm.vllm_plugin.runtime.metrics import Metrics
     from vllm_tfm.vllm_plugin.runtime.state import STATE
 
@@ -512,11 +606,24 @@ def measure(x: StepInputs, repeats: int, impl: str, commit_paths: tuple[str, ...
     base = {"requests": x.r, "budget": x.budget, "nodes": x.r * (x.budget + 1)}
     res, step = measure_stage(lambda store: prepare(x, store), lambda: proposals(x), repeats, x.device)
     base["tree_depths"] = step.sample_depth.reshape(x.r, -1).max(axis=1).tolist()
-    cases = [{**base, "stage": "prepare", "mode": "-", **res}]
-    cases += [{**base, **sample_case(x, mode, repeats, impl)} for mode in SAMPLE_MODES]
-    cases += [{**base, **commit_case(x, path, repeats, impl)} for path in commit_paths]
+    cases = [{**base, "stage": "prepare", "mode": "-", **res}] if "prepare" in stages else []
+    if "sample" in stages:
+        cases += [{**base, **sample_case(x, mode, repeats, impl)} for mode in SAMPLE_MODES]
+    if "commit" in stages:
+        cases += [{**base, **commit_case(x, path, repeats, impl)} for path in commit_paths]
+    if "gdn_layer" in stages:
+        cases += [{**base, **gdn_layer_case(x, path, repeats, impl)} for path in layer_paths]
     STATE.step = None
     return cases
+
+
+def fresh_param_array(kernel: Any, args: Any) -> Any:
+    """The launch parameter array packed afresh at every launch (``loader.launch`` before it kept
+    each kernel's last array): ``--impl before`` measures with it."""
+    from vllm_tfm.kernels import loader
+
+    values = [loader._ctype_arg(a) for a in args]
+    return (ctypes.c_void_p * max(len(values), 1))(*map(ctypes.addressof, values))
 
 
 def main() -> None:
@@ -529,7 +636,12 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=1, help="CPU threads (1: steadier timings on a shared machine)")
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--impl", choices=("current", "before"), default="current",
-                    help="before: the previous sampler and commit (tests/cpu/_step_before.py)")
+                    help="before: the previous sampler and commit (tests/cpu/_step_before.py) and GDN layer "
+                         "(tests/cpu/_gdn_before.py)")
+    ap.add_argument("--stages", default="prepare,sample,commit,gdn_layer",
+                    help="stages to measure, of prepare,sample,commit,gdn_layer")
+    ap.add_argument("--layer-paths", default=None,
+                    help="gdn_layer paths, of kernels,reference (default: both on the CPU, kernels on CUDA)")
     ap.add_argument("--commit-paths", default=None,
                     help="commit paths to measure, of kernels,kernels-batched,reference (default: all three on the CPU, "
                          "the kernel paths on CUDA, where the references take seconds per step; kernels-batched only "
@@ -542,10 +654,17 @@ def main() -> None:
     if args.impl == "before":  # the previous commit has no batched path
         default_paths = default_paths.replace("kernels-batched,", "").replace(",kernels-batched", "")
     commit_paths = tuple((args.commit_paths or default_paths).split(","))
+    layer_paths = tuple((args.layer_paths or ("kernels" if device.type == "cuda" else "kernels,reference")).split(","))
+    stages = tuple(args.stages.split(","))
     cases = []
+    from vllm_tfm.kernels import loader
+
+    packing = mock.patch.object(loader, "param_array", fresh_param_array) if args.impl == "before" else contextlib.nullcontext()
     for r in (int(v) for v in args.requests.split(",")):
         x = StepInputs(r, args.budget, device, seed=100 + r)
-        for res in measure(x, args.repeats, args.impl, commit_paths):
+        with packing:
+            results = measure(x, args.repeats, args.impl, commit_paths, stages, layer_paths)
+        for res in results:
             print(
                 f"R={r} B={args.budget} {res['stage']:7s} {res['mode']:15s} ops={res['ops']:5d} kernels={res['kernels']:5d} "
                 f"launches={res['launches']['total']:3d} syncs={res['syncs']['total']:3d} uploads={res['uploads']['total']:3d} "
@@ -554,7 +673,7 @@ def main() -> None:
             )
             cases.append(res)
     cmd = "python3 bench/step_ops.py " + " ".join(sys.argv[1:])
-    shapes = {"gdn": GDN, "gdn_layers": NUM_GDN, "gdn_groups": GDN_GROUPS, "attention_layers": NUM_ATTN, "kv": KV,
+    shapes = {"gdn": GDN, "gdn_layer": {**GDN_27B, "dtype": "bfloat16", "state": "float32"}, "gdn_layers": NUM_GDN, "gdn_groups": GDN_GROUPS, "attention_layers": NUM_ATTN, "kv": KV,
               "vocab": zoo_shapes()["vocab"], "replay_pmf": REPLAY_PMF}
     save_labelled(args.out, args.label, cmd, args.note, device, args.impl, shapes, cases)
 

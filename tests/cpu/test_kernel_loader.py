@@ -446,3 +446,61 @@ def test_launch_passes_pointers_scalars_and_the_stream(monkeypatch):
     with pytest.raises(loader.KernelLaunchError, match=r"cuLaunchKernel\(k, grid=\(2, 1, 1\), block=\(128, 1, 1\), "
                        r"smem=0\) failed: CUDA_ERROR_INVALID_VALUE"):
         loader.launch(kernel, (2, 1, 1), (128, 1, 1), [t, ctypes.c_int(1), None])
+
+
+def _read_back(params, kinds) -> list:
+    """Every argument read through a parameter array, as the driver does (kinds: ctypes types)."""
+    slots = (ctypes.c_void_p * len(kinds)).from_address(ctypes.addressof(params))
+    return [kind.from_address(slots[i]).value for i, kind in enumerate(kinds)]
+
+
+def test_param_array_reuses_the_kernels_last_array_only_when_that_packs_the_same_arguments():
+    """Consecutive launches of a kernel with other tensors re-point the kept array; any change in a
+    scalar (value, type, float bits) or in which positions hold pointers packs afresh. What the
+    driver reads is always the arguments of this launch."""
+    kernel, other = loader.CompiledKernel("fn", 0, "k", 0, 0), loader.CompiledKernel("fn2", 0, "k2", 0, 0)
+    c_int, c_long, c_float, c_void = ctypes.c_int, ctypes.c_longlong, ctypes.c_float, ctypes.c_void_p
+    kinds = [c_void, c_int, c_void, c_long, c_float]
+
+    def args(a, b, n=3, stride=8, scale=0.5, int_type=c_int):
+        return [a, int_type(n), b, c_long(stride), c_float(scale)]
+
+    def expect(a, b, n=3, stride=8, scale=0.5):
+        return [a.data_ptr() if a is not None else None, n, b.data_ptr() if b is not None else None, stride, scale]
+
+    t = [torch.arange(4) + i for i in range(6)]
+    first = loader.param_array(kernel, args(t[0], t[1]))
+    assert _read_back(first, kinds) == expect(t[0], t[1])
+    again = loader.param_array(kernel, args(t[2], t[3]))  # other tensors, same scalars: the same array
+    assert again is first and _read_back(again, kinds) == expect(t[2], t[3])
+    assert _read_back(loader.param_array(kernel, args(t[4], None)), kinds) == expect(t[4], None)
+    for changed, want in (({"n": 4}, {"n": 4}), ({"stride": 9}, {"stride": 9}), ({"scale": 0.25}, {"scale": 0.25})):
+        fresh = loader.param_array(kernel, args(t[0], t[5], **changed))
+        assert fresh is not first and _read_back(fresh, kinds) == expect(t[0], t[5], **want)
+    # the same value in another ctypes type is other bytes: packed afresh
+    wide = loader.param_array(kernel, args(t[1], t[2], n=3, int_type=c_long))
+    assert c_long.from_address((c_void * 5).from_address(ctypes.addressof(wide))[1]).value == 3
+    # -0.0 equals 0.0 but is other bits
+    zero = loader.param_array(kernel, args(t[1], t[2], scale=0.0))
+    negzero = loader.param_array(kernel, args(t[1], t[2], scale=-0.0))
+    assert negzero is not zero and str(_read_back(negzero, kinds)[4]) == "-0.0"
+    # a scalar where a pointer was, and another kernel's launches: their own arrays
+    swapped = loader.param_array(kernel, [c_void(1234), c_int(3), t[0], c_long(8), c_float(0.5)])
+    assert _read_back(swapped, kinds)[0] == 1234
+    mine = loader.param_array(kernel, args(t[3], t[4]))
+    theirs = loader.param_array(other, args(t[0], t[1]))
+    assert theirs is not mine and _read_back(mine, kinds) == expect(t[3], t[4])
+    with pytest.raises(TypeError, match="pass a tensor, None, or a ctypes value"):
+        loader.param_array(kernel, [t[0], 3, t[1], c_long(8), c_float(0.5)])
+
+
+def test_launch_packs_each_launchs_own_arguments(monkeypatch):
+    """Two launches of one kernel through ``launch``: the driver reads each launch's tensors."""
+    fake = _FakeDriver()
+    monkeypatch.setattr(loader, "_cuda_modules", (fake, None))
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda index=None: SimpleNamespace(cuda_stream=77))
+    kernel = loader.CompiledKernel("fn", 0, "k", 48 * 1024, 0)
+    a, b = torch.arange(4), torch.arange(5)
+    loader.launch(kernel, (1, 1, 1), (32, 1, 1), [a, ctypes.c_int(2), None])
+    loader.launch(kernel, (1, 1, 1), (32, 1, 1), [b, ctypes.c_int(2), a])
+    assert [x[5] for x in fake.launches] == [(a.data_ptr(), 2, None), (b.data_ptr(), 2, a.data_ptr())]

@@ -39,6 +39,7 @@ from vllm_tfm.verify.ragged_trees import check_per_request, check_slot_indices, 
 __all__ = [
     "TILE",
     "gdn_gates",
+    "gate_constants",
     "gdn_chain_recurrence",
     "gdn_chain_chunked",
     "gdn_tree_verify",
@@ -101,12 +102,23 @@ def _check_gate(x: Tensor, name: str, tokens: int, v_heads: int) -> None:
         raise ValueError(f"{name} must have shape [T={tokens}, HV={v_heads}], got {tuple(x.shape)}")
 
 
-def gdn_gates(a: Tensor, b: Tensor, A_log: Tensor, dt_bias: Tensor) -> tuple[Tensor, Tensor]:
+def gate_constants(A_log: Tensor, dt_bias: Tensor, dtype: torch.dtype = torch.float32) -> tuple[Tensor, Tensor]:
+    """The parts of :func:`gdn_gates` that only depend on the layer: (-exp(A_log), dt_bias), both in
+    ``dtype`` (the gates' math dtype: float32, or float64 for float64 inputs), [HV]."""
+    return -torch.exp(A_log.to(dtype)), dt_bias.to(dtype)
+
+
+def gdn_gates(
+    a: Tensor, b: Tensor, A_log: Tensor, dt_bias: Tensor, constants: tuple[Tensor, Tensor] | None = None
+) -> tuple[Tensor, Tensor]:
     """Log-decay g and write strength beta from the raw projections, as vLLM computes them.
 
     a, b: [T, HV] (any float dtype); A_log, dt_bias: [HV].
     Returns g = -exp(A_log) * softplus(a + dt_bias) (softplus(x) = x for x > 20, vLLM's threshold)
     and beta = sigmoid(b), both [T, HV] in float32 (float64 when a is float64).
+    constants: :func:`gate_constants` of (A_log, dt_bias) computed once by the caller (a layer's
+    parameters do not change between steps); the same values either way. Constants of another
+    dtype than the math dtype are recomputed.
     """
     if a.dim() != 2 or b.shape != a.shape:
         raise ValueError(f"a and b must both have shape [T, HV], got {tuple(a.shape)} and {tuple(b.shape)}")
@@ -116,10 +128,20 @@ def gdn_gates(a: Tensor, b: Tensor, A_log: Tensor, dt_bias: Tensor) -> tuple[Ten
             f"A_log and dt_bias must have shape [HV={hv}], got {tuple(A_log.shape)} and {tuple(dt_bias.shape)}"
         )
     dtype = torch.float64 if a.dtype == torch.float64 else torch.float32
-    x = a.to(dtype) + dt_bias.to(dtype)
-    g = -torch.exp(A_log.to(dtype)) * F.softplus(x, beta=1.0, threshold=SOFTPLUS_THRESHOLD)
+    if constants is None or constants[0].dtype != dtype or constants[1].dtype != dtype:
+        constants = gate_constants(A_log, dt_bias, dtype)
+    neg_exp_a, dt_bias_c = constants
+    # a + dt_bias in the math dtype: a lower-precision a is widened exactly inside the add (one kernel)
+    x = (a if a.dtype in _WIDENED[dtype] else a.to(dtype)) + dt_bias_c
+    g = neg_exp_a * F.softplus(x, beta=1.0, threshold=SOFTPLUS_THRESHOLD)
     beta = torch.sigmoid(b.to(dtype))
     return g, beta
+
+
+_WIDENED = {  # input dtypes that an add with a tensor of the key dtype promotes to it exactly
+    torch.float32: (torch.float32, torch.bfloat16, torch.float16),
+    torch.float64: (torch.float64,),
+}
 
 
 def _chain_inputs(

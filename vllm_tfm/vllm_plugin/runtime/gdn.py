@@ -38,7 +38,7 @@ from torch import Tensor
 
 from vllm_tfm.kernels import conv as kconv
 from vllm_tfm.kernels import gdn as kgdn
-from vllm_tfm.verify.gdn import gdn_gates
+from vllm_tfm.verify.gdn import gate_constants, gdn_gates
 
 from .graph_dispatch import piece_outputs_are_reused
 from .kernels_or_reference import tree_ops
@@ -71,6 +71,7 @@ def spec_tree_gdn(
     num_v_heads: int,
     head_v_dim: int,
     kernels: StepKernels | None = None,
+    out: Tensor | None = None,
 ) -> tuple[Tensor, GDNStash]:
     """Outputs of the spec rows of one GDN layer and the stash for the commit. Writes no state.
 
@@ -82,7 +83,10 @@ def spec_tree_gdn(
     kernels: this step's kernel tables (``step_kernels``): the planned NVRTC kernels run for the
     tensors they take, with the tree plan and slots computed once per step; None (or tensors the
     kernels do not take): the per-call operations of ``tree_ops()``.
-    Returns o [Ts, HV, V] in x.dtype.
+    out: optional [Ts, HV, V] destination of o (e.g. the spec rows of ``core_attn_out``): the verify
+    kernel writes it directly when it is contiguous, 16-byte aligned and of x's dtype; otherwise
+    (or on the reference path) o is a new tensor and the caller copies it.
+    Returns o [Ts, HV, V] in x.dtype (``out`` itself when it was written).
     """
     ops = tree_ops()
     if kernels is not None:
@@ -112,16 +116,18 @@ def spec_tree_gdn(
     q = q.reshape(-1, num_k_heads, head_k_dim)
     k = k.reshape(-1, num_k_heads, head_k_dim)
     v = v.reshape(-1, num_v_heads, head_v_dim)
-    g, beta = gdn_gates(a, b, A_log, dt_bias)
+    g, beta = gdn_gates(a, b, A_log, dt_bias, _gate_constants(A_log, dt_bias))
     block_v = None
     if kernels is not None and kgdn.verify_unsupported_reason(q, k, v, ssm_state) is None:
         block_v = kernels.block_v(num_v_heads, head_k_dim, head_v_dim)
     with TIMER.span("gdn_tree_verify"):
         if block_v is not None:
-            # the kernel reads a contiguous k; keeping that copy in the stash spares the commit its own
-            k = k.contiguous()
+            # the kernel reads contiguous q, k and v: q and k come out of one copy ([2, Ts, H, K], q then
+            # k); keeping k in the stash spares the commit its own copy
+            q, k = _contiguous_qk(y, num_k_heads, head_k_dim)
             o, delta = kgdn.gdn_tree_verify_planned(
-                kernels.plan, q, k, v, g, beta, ssm_state, s0, return_delta=True, block_v=block_v
+                kernels.plan, q, k, v, g, beta, ssm_state, s0, return_delta=True, block_v=block_v,
+                out=out if _writable_out(out, v) else None,
             )
         else:
             o, delta = ops.gdn_tree_verify(q, k, v, g, beta, parents, cu_nodes, ssm_state, s0, return_delta=True)
@@ -137,6 +143,45 @@ def spec_tree_gdn(
         width=conv_weight.shape[1],
     )
     return o.to(x.dtype), stash
+
+
+def _contiguous_qk(y: Tensor, num_k_heads: int, head_k_dim: int) -> tuple[Tensor, Tensor]:
+    """q and k of the conv output y [Ts, 2*H*K + HV*V] as contiguous [Ts, H, K] tensors, both copied
+    by one kernel into a [2, Ts, H, K] buffer (the values of ``q.contiguous()``, ``k.contiguous()``)."""
+    kd = num_k_heads * head_k_dim
+    q, k = y[:, : 2 * kd].view(-1, 2, num_k_heads, head_k_dim).transpose(0, 1).contiguous().unbind(0)
+    return q, k
+
+
+def _writable_out(out: Tensor | None, v: Tensor) -> bool:
+    """True when the verify kernel can write o into ``out`` ([Ts, HV, V] of v's dtype, contiguous,
+    16-byte aligned) instead of a new tensor."""
+    return (
+        out is not None and out.shape == v.shape and out.dtype == v.dtype and out.device == v.device
+        and out.is_contiguous() and out.data_ptr() % 16 == 0
+    )
+
+
+_GATES: dict[int, tuple[Tensor, Tensor, int, int, tuple[Tensor, Tensor]]] = {}
+
+
+def _gate_constants(A_log: Tensor, dt_bias: Tensor) -> tuple[Tensor, Tensor] | None:
+    """``gate_constants`` (float32) of a layer's (A_log, dt_bias), computed once per layer, not per step.
+
+    Recomputed when either parameter was written in place since (its version counter moved, e.g. a
+    weight reload) or is another tensor; None (computed per call by ``gdn_gates``) for tensors
+    without a version counter (inference tensors) or float64 gates.
+    """
+    try:
+        versions = (A_log._version, dt_bias._version)
+    except RuntimeError:  # inference tensors have no version counter: nothing tells a reload
+        return None
+    found = _GATES.get(id(A_log))
+    if found is not None and found[0] is A_log and found[1] is dt_bias and found[2:4] == versions:
+        return found[4]
+    constants = gate_constants(A_log, dt_bias, torch.float32)
+    _GATES[id(A_log)] = (A_log, dt_bias, *versions, constants)
+    return constants
 
 
 def _layer_states(layer: Any) -> tuple[Tensor, Tensor]:
@@ -246,6 +291,7 @@ def _tree_step_forward_core(
 
         conv_state, ssm_state = _layer_states(self)
         w = self.conv1d.weight
+        dest = core_attn_out[:num_tokens] if spec_idx is None else None  # the spec rows' outputs
         x = spec_rows(mixed_qkv)
         if spec_idx is None and piece_outputs_are_reused():
             x = x.clone()  # kept for the commit: a view of a CUDA-graph piece's output would be overwritten
@@ -269,10 +315,12 @@ def _tree_step_forward_core(
             self.num_v_heads // self.tp_size,
             self.head_v_dim,
             kernels=step_kernels(step, mixed_qkv.device),
+            out=dest,
         )
         step.gdn[self.prefix] = stash
         if spec_idx is None:
-            core_attn_out[:num_tokens] = out
+            if out is not dest:  # not written in place by the verify kernel
+                dest.copy_(out)
             return None
         core_attn_out.index_copy_(0, spec_idx, out)
     _non_spec_rows(self, md_all, md, original, mixed_qkv, b, a, core_attn_out)

@@ -1,0 +1,61 @@
+"""GPU test: the GDN layer's tree path after the per-layer host-work cut equals its previous version
+(``tests/cpu/_gdn_before.py``) bit for bit with the real NVRTC kernels, at the Qwen3.6-27B GDN layer
+shape per rank (H 16, HV 48, K = V 128, conv width 4, bf16 activations, float32 state), R = 1 and 8
+requests with 33-node trees: outputs (written into ``core_attn_out`` by the verify kernel now) and
+the stash the commit reads. Two layers of one step alternate, so the kept launch parameter arrays
+(``loader.param_array``) are re-pointed between launches of the same kernels.
+
+Run on the GPU host: ``python3 -m pytest tests/gpu/test_gdn_layer_gpu.py -q``.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "cpu"))
+import _gdn_before as before
+from _gdn_layer import LayerCase, assert_same_layer_outcome, forward_context, random_trees, run_layer
+
+from vllm_tfm.vllm_plugin.runtime import gdn as gdn_mod
+from vllm_tfm.vllm_plugin.runtime.kernels_or_reference import kernels_in_use
+
+SHAPE = {"h": 16, "k": 128, "hv": 48, "v": 128, "width": 4}
+
+
+@pytest.fixture(autouse=True)
+def _kernels_only():
+    from vllm_tfm.kernels.loader import kernels_available, kernels_unavailable_reason
+
+    if not kernels_available():
+        pytest.skip(f"NVRTC kernels unavailable: {kernels_unavailable_reason()}")
+    assert set(kernels_in_use().values()) == {"kernels"}
+
+
+@pytest.mark.parametrize("num_plain", [0, 5])
+@pytest.mark.parametrize("num_req", [1, 8])
+def test_gdn_layer_on_cuda_equals_the_previous_code(num_req, num_plain):
+    trees = random_trees([33] * num_req, seed=num_req)
+    layers = [LayerCase(trees, **SHAPE, num_plain=num_plain, device="cuda", seed=20 + i, bias=i == 1) for i in range(2)]
+    layers[1].step = layers[0].step  # two layers of one step: the step's kernel tables are shared
+    if num_plain:  # the plain rows' stand-in path of vLLM runs too; the spec rows are the tree path's
+        layers[1].md.spec_token_indx = layers[0].md.spec_token_indx
+        layers[1].md.non_spec_token_indx = layers[0].md.non_spec_token_indx
+    results = {}
+    with torch.inference_mode():
+        for name, forward in (("before", before.tree_step_forward_core_before), ("after", gdn_mod._tree_step_forward_core)):
+            for i, case in enumerate(layers):
+                with forward_context(case):
+                    results[name, i] = run_layer(forward, case)
+                    results[name, i, "again"] = run_layer(forward, case)
+    torch.cuda.synchronize()
+    for i in range(2):
+        assert_same_layer_outcome(results["after", i], results["before", i])
+        assert_same_layer_outcome(results["after", i, "again"], results["before", i])
+        assert results["after", i][0].abs().sum() > 0
+    assert not torch.equal(results["after", 0][0], results["after", 1][0])  # two layers, two outcomes
