@@ -172,6 +172,7 @@ VARIANTS = [
     ("gdn_tree_verify.cu", ["-DTFM_IN=2", "-DGDN_K=256", "-DGDN_V=128", "-DGDN_BV=32"]),
     ("gdn_tree_verify.cu", ["-DTFM_IN=1", "-DGDN_K=128", "-DGDN_V=128", "-DGDN_BV=32", "-DGDN_VARIANT=1"]),
     ("gdn_tree_verify.cu", ["-DTFM_IN=0", "-DGDN_K=32", "-DGDN_V=64", "-DGDN_BV=64", "-DGDN_VARIANT=1"]),
+    ("tfm_mma_check.cu", []),
     ("gdn_tree_commit.cu", ["-DTFM_IN=1", "-DGDN_K=128", "-DGDN_V=128"]),
     ("gdn_tree_commit.cu", ["-DTFM_IN=0", "-DGDN_K=32", "-DGDN_V=32"]),
     ("tree_conv.cu", ["-DTFM_IN=1", "-DCONV_ST=1", "-DCONV_WT=1"]),
