@@ -13,8 +13,9 @@
 //   gdn_tree_pairs        one warp per (node, q/k head): norms, path gates, X and Y for every
 //                         (node, ancestor) pair, for each value head of the q/k head's group.
 //   gdn_tree_verify_main  one CTA per (request, value head, BV columns of V): S0 rows to shared
-//                         memory, projections K S0^T and Q S0^T for all nodes (fp32 FMA), then the
-//                         level-by-level forward substitution and the outputs.
+//                         memory, projections K S0^T and Q S0^T for all nodes (fp32 FMA; version 3:
+//                         tf32 tensor cores with the 3xTF32 split), then the level-by-level forward
+//                         substitution and the outputs.
 // The tree arrives as a host-built plan (vllm_tfm/kernels/plan.py): nodes in level order
 // (request, depth, index) and, per node, its root..node path (`pair_j`, root first) at `pair_off`.
 //
