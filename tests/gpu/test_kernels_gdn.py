@@ -264,7 +264,7 @@ def test_tf32_mma_primitives_on_the_gpu_match_float64(seed):
     assert torch.equal(lo.cpu().view(torch.float32).double(), _tf32_round(a - hi_f))
     want1 = c.double() + _tf32_round(a) @ _tf32_round(b)
     scale1 = c.double().abs() + _tf32_round(a).abs() @ _tf32_round(b).abs()
-    assert ((d1.cpu().double() - want1).abs() / scale1).max() <= 2.0**-21
+    assert ((d1.cpu().double() - want1).abs() / scale1).max() <= 2.0**-20  # unspecified accumulation: a few ulps
     exact = c.double() + a.double() @ b.double()
     scale3 = c.double().abs() + a.double().abs() @ b.double().abs()
     assert ((d3.cpu().double() - exact).abs() / scale3).max() <= 2e-6
