@@ -10,9 +10,10 @@ Shape: H = 16 q/k heads, HV = 48 value heads, K = V = 128, q/k/v bf16, fp32 stat
 DDTree-like (best-first over random per-depth marginals, depth <= 16, deterministic seeds).
 For each n in {16, 32, 64, 128, 256} and batch in {1, 8, 32} it times:
   * ours: vllm_tfm.kernels gdn_tree_verify_planned (kernel version 2, the default) at BV = 16, 32,
-    64 and the automatic choice, and version 1 at the automatic choice (side by side, same run);
+    64 and the automatic choice, and versions 1 and 3 (tensor-core projections, opt-in) at the
+    automatic choice (side by side, same run);
   * per-kernel breakdown (n in {16, 64, 128}, batch in {1, 8}): the pairs kernel alone, the main
-    kernel alone and the whole call, versions 1 and 2, at the automatic BV;
+    kernel alone and the whole call, versions 1, 2 and 3, at the automatic BV;
   * per-branch: every root-to-leaf path through vLLM's fused recurrent GDN kernel
     (fused_sigmoid_gating_delta_rule_update, varlen over all paths in one launch; the gathers
     that build the paths are not timed), when vLLM is importable;
@@ -258,10 +259,17 @@ def bench_verify(n: int, batch: int, bw: float, reps: int, vllm_fn, allow_slow: 
     row["ours_best_us"] = min(valid.values()) if valid else None
     row["ours_best_bv"] = min(valid, key=valid.get) if valid else None
     row["ours_auto_us"] = ours_us.get(f"bv{auto_bv}")
-    try:
-        row["v1_auto_us"], _ = time_calls([ours(s, auto_bv, 1) for s in range(sets)], reps)
-    except Exception as exc:  # noqa: BLE001
-        row["v1_error"] = f"{type(exc).__name__}: {exc}"[:200]
+    for variant in (1, 3):
+        try:
+            row[f"v{variant}_auto_us"], _ = time_calls([ours(s, auto_bv, variant) for s in range(sets)], reps)
+        except Exception as exc:  # noqa: BLE001
+            row[f"v{variant}_error"] = f"{type(exc).__name__}: {exc}"[:200]
+    # version 3's error against the default version on the same inputs (bf16 in, so both ~1e-3 of o)
+    x = inputs[0]
+    o2 = kgdn.gdn_tree_verify_planned(plan, x["q"], x["k"], x["v"], x["g"], x["beta"], pool, slots[0], return_delta=True)
+    o3 = kgdn.gdn_tree_verify_planned(plan, x["q"], x["k"], x["v"], x["g"], x["beta"], pool, slots[0], return_delta=True,
+                                      variant=3)
+    row["v3_vs_v2_delta_rel"] = rel_err(o3[1], o2[1])
     if n in BREAKDOWN_N and batch in BREAKDOWN_BATCH:
         row["breakdown"] = {}
         for variant in kgdn.VERIFY_VARIANTS:
@@ -450,7 +458,7 @@ def sanitize_case() -> None:
         o_ref, d_ref = ref_gdn.gdn_tree_verify(**c64, return_delta=True)
         cg = {k: v.to(DEV) for k, v in c.items()}
         plan = TreePlan.build(cg["parents"], cg["cu_nodes"])
-        for variant, bv in ((2, 16), (2, 32), (2, 64), (1, 32)):
+        for variant, bv in ((2, 16), (2, 32), (2, 64), (1, 32), (3, 16), (3, 32), (3, 64)):
             o, d = kgdn.gdn_tree_verify_planned(plan, cg["q"], cg["k"], cg["v"], cg["g"], cg["beta"], cg["ssm_state"],
                                                 cg["state_indices"], return_delta=True, block_v=bv, variant=variant)
             assert rel_err(o.cpu(), o_ref) <= tol and rel_err(d.cpu(), d_ref) <= 1e-5, (dtype, bv, variant)
@@ -505,28 +513,30 @@ def table(results: dict) -> str:
     lines = [f"GDN tree verify, H={H} HV={HV} K=V={KD}, bf16 q/k/v, fp32 state; copy bandwidth {bw / 1e12:.2f} TB/s; "
              f"times in us (median; ours timed as {'/'.join(modes)}; eager = with Python launch overhead)",
              f"{'n':>4} {'batch':>5} {'floor':>8} {'ours':>8} {'BV':>5} {'x floor':>8} {'auto':>8} {'v1 auto':>8} "
-             f"{'v1/v2':>6} {'eager':>8} {'per-branch':>11} {'speedup':>8} {'reference':>10} {'err':>8}"]
+             f"{'v1/v2':>6} {'v3 auto':>8} {'v2/v3':>6} {'eager':>8} {'per-branch':>11} {'speedup':>8} {'reference':>10} "
+             f"{'err':>8}"]
     for r in results["verify"]:
         xf = r["ours_best_us"] / r["floor_us"] if r.get("ours_best_us") else None
         lines.append(f"{r['n']:>4} {r['batch']:>5} {fmt(r['floor_us']):>8} {fmt(r.get('ours_best_us')):>8} "
                      f"{str(r.get('ours_best_bv', '-')):>5} {fmt(xf):>8} {fmt(r.get('ours_auto_us')):>8} "
                      f"{fmt(r.get('v1_auto_us')):>8} {fmt(ratio(r.get('v1_auto_us'), r.get('ours_auto_us')), '.2f'):>6} "
+                     f"{fmt(r.get('v3_auto_us')):>8} {fmt(ratio(r.get('ours_auto_us'), r.get('v3_auto_us')), '.2f'):>6} "
                      f"{fmt(r.get('ours_eager_us')):>8} {fmt(r.get('per_branch_us')):>11} "
                      f"{fmt(r.get('speedup_vs_per_branch')):>8} {fmt(r.get('reference_us'), '.0f'):>10} "
                      f"{fmt(r.get('err_vs_reference'), '.1e'):>8}")
     lines.append("verify per-kernel breakdown at the automatic BV, us (each kernel timed alone; call = whole call)")
     lines.append(f"{'n':>4} {'batch':>5} {'BV':>4} {'v1 pairs':>9} {'v1 main':>8} {'v1 call':>8} "
-                 f"{'v2 pairs':>9} {'v2 main':>8} {'v2 call':>8}")
+                 f"{'v2 pairs':>9} {'v2 main':>8} {'v2 call':>8} {'v3 pairs':>9} {'v3 main':>8} {'v3 call':>8}")
     for r in results["verify"]:
         b = r.get("breakdown")
         if not b:
             continue
         cols = []
-        for v in ("v1", "v2"):
+        for v in ("v1", "v2", "v3"):
             p = b.get(v, {})
             cols += [fmt(p.get("pairs_us")), fmt(p.get("main_us")), fmt(p.get("call_us"))]
         lines.append(f"{r['n']:>4} {r['batch']:>5} {str(r.get('auto_block_v')):>4} {cols[0]:>9} {cols[1]:>8} {cols[2]:>8} "
-                     f"{cols[3]:>9} {cols[4]:>8} {cols[5]:>8}")
+                     f"{cols[3]:>9} {cols[4]:>8} {cols[5]:>8} {cols[6]:>9} {cols[7]:>8} {cols[8]:>8}")
     lines.append("GDN tree commit (accepted = deepest node), us")
     lines.append(f"{'n':>4} {'batch':>5} {'floor':>8} {'ours':>8} {'x floor':>8} {'reference':>10} {'err':>8}")
     for r in results["commit"]:

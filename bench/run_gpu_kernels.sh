@@ -7,20 +7,20 @@
 #     bash bench/run_gpu_kernels.sh tree_attention   # tree attention (bench/tree_attention.py)
 #
 # Writes under $OUT: pytest.log/.xml, memcheck.log, racecheck.log, bench.log, <family>.json,
-# <family>.txt (gdn_tree / tree_attention), env.txt. Whole run bounded by TOTAL_S (default 450 s);
+# <family>.txt (gdn_tree / tree_attention), env.txt. Whole run bounded by TOTAL_S (default 500 s);
 # each step gets a timeout from what is left. Prints a status line per step, then the benchmark
 # table last.
 set -uo pipefail
 
 FAMILY=${1:-gdn_tree}
 case "$FAMILY" in
-  gdn_tree)        TESTS=tests/gpu/test_kernels_gdn.py; T_PYTEST=180; T_MEM=90; T_RACE=100; T_BENCH=300; BENCH_SHARE=6 ;;
+  gdn_tree)        TESTS=tests/gpu/test_kernels_gdn.py; T_PYTEST=210; T_MEM=90; T_RACE=120; T_BENCH=300; BENCH_SHARE=6 ;;
   tree_attention)  TESTS=tests/gpu/test_kernels_tree_attention.py; T_PYTEST=170; T_MEM=75; T_RACE=90; T_BENCH=240; BENCH_SHARE=7 ;;
   *) echo "usage: bash bench/run_gpu_kernels.sh [gdn_tree|tree_attention]" >&2; exit 2 ;;
 esac
 BENCH=bench/$FAMILY.py
 OUT=${OUT:-/tmp/vllm_tfm_out}
-TOTAL_S=${TOTAL_S:-450}
+TOTAL_S=${TOTAL_S:-500}
 mkdir -p "$OUT"
 cd "$(dirname "${BASH_SOURCE[0]}")/.." || exit 1
 

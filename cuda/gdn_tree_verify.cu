@@ -13,8 +13,9 @@
 //   gdn_tree_pairs        one warp per (node, q/k head): norms, path gates, X and Y for every
 //                         (node, ancestor) pair, for each value head of the q/k head's group.
 //   gdn_tree_verify_main  one CTA per (request, value head, BV columns of V): S0 rows to shared
-//                         memory, projections K S0^T and Q S0^T for all nodes (fp32 FMA), then the
-//                         level-by-level forward substitution and the outputs.
+//                         memory, projections K S0^T and Q S0^T for all nodes (fp32 FMA; version 3:
+//                         tf32 tensor cores with the 3xTF32 split), then the level-by-level forward
+//                         substitution and the outputs.
 // The tree arrives as a host-built plan (vllm_tfm/kernels/plan.py): nodes in level order
 // (request, depth, index) and, per node, its root..node path (`pair_j`, root first) at `pair_off`.
 //
@@ -32,9 +33,14 @@
 #endif
 // Version of the kernels (bench/NOTES.md): 1 = as first measured; 2 = fewer serial latencies
 // (path indices preloaded per warp, prefetched q/k chunks, first pair window and first q/k chunk
-// loaded together with S0, projection rows past the tree's end skipped).
+// loaded together with S0, projection rows past the tree's end skipped); 3 = version 2 with the
+// projections K S0^T and Q S0^T on tensor cores (mma.sync m16n8k8 tf32, 3xTF32 split for float32
+// accuracy; 16-bit q/k are exact in tf32, so their products need only the split of S0: 2 mma).
 #ifndef GDN_VARIANT
 #define GDN_VARIANT 2
+#endif
+#if GDN_VARIANT >= 3
+#include "tfm_mma.cuh"
 #endif
 
 #define GDN_THREADS 256
@@ -334,6 +340,106 @@ gdn_tree_verify_main(const tin* __restrict__ q, const tin* __restrict__ k,
   if (tid == 0) sm.lvl[sm.dep[n - 1] + 1] = n;
   // (the barrier at the top of the projection loop orders these writes before their use)
 
+#if GDN_VARIANT >= 3
+  // ---- projections on tensor cores: warp w computes rows [16 (w % 4), +16) of the tile of 64 nodes
+  // and columns [BV/2 (w / 4), +BV/2) of both K S0^T and Q S0^T as BV/16 m16n8 tiles
+  // (A = staged q/k rows, B = S0^T: B[k][v] = S[v][k], i.e. the "col" operand straight from the
+  // S0 rows). Float32 q/k: A_lo B_hi + A_hi B_lo + A_hi B_hi; 16-bit q/k (exact in tf32, A_lo = 0):
+  // A B_lo + A B_hi. Fragment reads from the padded rows (stride KC + 4 and K + 4 words) hit 32
+  // distinct banks.
+  constexpr int NT = GDN_BV / 16;
+  const int warp = tid >> 5, lane = tid & 31, fg = lane >> 2, ft = lane & 3;
+  const int mrow = (warp & 3) * 16, ncol0 = (warp >> 2) * (GDN_BV / 2);
+  for (int t0 = 0; t0 < n; t0 += GDN_RT) {
+    float aq[NT][4], ak[NT][4];
+#pragma unroll
+    for (int j = 0; j < NT; ++j)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) { aq[j][e] = 0.f; ak[j][e] = 0.f; }
+    const bool active = t0 + mrow < n;  // warp-uniform: m16 tiles past the tree's end are skipped
+
+    for (int kc = 0; kc < GDN_K; kc += GDN_KC) {
+      __syncthreads();  // previous chunk consumed (and, first time, S0 / tables / window written)
+      raw8_store(pq, sm.stq + st_row * (GDN_KC + 4) + st_col);
+      raw8_store(pk, sm.stk + st_row * (GDN_KC + 4) + st_col);
+      __syncthreads();
+      {  // prefetch the next chunk (or the next tile's first) while this one is used
+        int nkc = kc + GDN_KC, nt0 = t0;
+        if (nkc == GDN_K) { nkc = 0; nt0 = t0 + GDN_RT; }
+        if (nt0 < n) {
+          const int i = nt0 + st_row;
+          if (i < n) {
+            const i64 row = ((i64)(bos + i) * H + h) * GDN_K + nkc + st_col;
+            raw8_load(q + row, pq);
+            raw8_load(k + row, pk);
+          } else {
+            raw8_zero(pq);
+            raw8_zero(pk);
+          }
+        }
+      }
+      if (active) {
+#pragma unroll
+        for (int kk = 0; kk < GDN_KC; kk += 8) {
+          const float* __restrict__ fq = sm.stq + (mrow + fg) * (GDN_KC + 4) + kk + ft;
+          const float* __restrict__ fk = sm.stk + (mrow + fg) * (GDN_KC + 4) + kk + ft;
+          constexpr int AOFF[4] = {0, 8 * (GDN_KC + 4), 4, 8 * (GDN_KC + 4) + 4};  // a0..a3
+          u32 qh[4], kh[4];
+#if TFM_IN == 0
+          u32 ql[4], kl[4];
+#pragma unroll
+          for (int e = 0; e < 4; ++e) {
+            split_tf32(fq[AOFF[e]], qh[e], ql[e]);
+            split_tf32(fk[AOFF[e]], kh[e], kl[e]);
+          }
+#else
+#pragma unroll
+          for (int e = 0; e < 4; ++e) {  // bf16 / f16 widened to float32: low 13 bits already zero
+            qh[e] = __float_as_uint(fq[AOFF[e]]);
+            kh[e] = __float_as_uint(fk[AOFF[e]]);
+          }
+#endif
+#pragma unroll
+          for (int j = 0; j < NT; ++j) {
+            const float* __restrict__ fb = sm.S + (ncol0 + j * 8 + fg) * (GDN_K + 4) + kc + kk + ft;
+            u32 bh0, bl0, bh1, bl1;
+            split_tf32(fb[0], bh0, bl0);
+            split_tf32(fb[4], bh1, bl1);
+#if TFM_IN == 0
+            mma_1688_tf32(aq[j], ql, bh0, bh1);
+            mma_1688_tf32(ak[j], kl, bh0, bh1);
+#endif
+            mma_1688_tf32(aq[j], qh, bl0, bl1);
+            mma_1688_tf32(ak[j], kh, bl0, bl1);
+            mma_1688_tf32(aq[j], qh, bh0, bh1);
+            mma_1688_tf32(ak[j], kh, bh0, bh1);
+          }
+        }
+      }
+    }
+    // U = beta (v - e^G rk K S0^T) and QSe = e^G rq Q S0^T; accumulator element e of tile j is
+    // row mrow + fg (+8 for e >= 2), column ncol0 + 8 j + 2 ft + (e & 1).
+    if (active) {
+#pragma unroll
+      for (int half = 0; half < 2; ++half) {
+        const int i = t0 + mrow + fg + 8 * half;
+        if (i < n) {
+          const float eg = sm.eg[i], bt = sm.bt[i], rki = sm.rk[i], rqi = sm.rq[i];
+          const tin* __restrict__ vrow = v + ((i64)(bos + i) * HV + hv) * GDN_V + v0;
+#pragma unroll
+          for (int j = 0; j < NT; ++j)
+#pragma unroll
+            for (int c = 0; c < 2; ++c) {
+              const int col = ncol0 + j * 8 + 2 * ft + c;
+              const float vv = to_f32(vrow[col]);
+              sm.D[i * GDN_BV + col] = bt * (vv - eg * (rki * ak[j][2 * half + c]));
+              sm.O[i * GDN_BV + col] = eg * (rqi * aq[j][2 * half + c]);
+            }
+        }
+      }
+    }
+  }
+#else
   // ---- projections: each thread owns RPT rows x 4 columns (v = tx + c * NTX) of K S0^T and
   // Q S0^T for the current tile of 64 nodes.
   constexpr int NTX = GDN_BV / 4;
@@ -470,6 +576,7 @@ gdn_tree_verify_main(const tin* __restrict__ q, const tin* __restrict__ k,
       }
     }
   }
+#endif  // GDN_VARIANT >= 3
   __syncthreads();
 
   // ---- forward substitution level by level; pairs staged in windows of <= pcap entries.

@@ -1,6 +1,8 @@
 // Warp-level tensor-core and asynchronous-copy primitives (sm_80 and newer), as small functions:
 //   ldsm_x4 / ldsm_x4_trans  ldmatrix.sync.aligned.m8n8.x4(.trans).shared.b16
 //   mma_16816                mma.sync.aligned.m16n8k16.row.col.f32.{bf16,f16}.{bf16,f16}.f32
+//   mma_1688_tf32            mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32
+//   tf32_rna / split_tf32    cvt.rna.tf32.f32, and x = hi + lo with both parts tf32 (3xTF32 products)
 //   cp_async16 / cp_async_commit / cp_async_wait<N>   cp.async.cg (16 bytes) and its groups
 //   ld_cg / ld_cg4           ld.global.cg (L2, bypassing L1): reading what other CTAs wrote
 //
@@ -10,6 +12,16 @@
 //   A (16 x 16, row major): a0 = A[g][2t..2t+1], a1 = A[g+8][2t..], a2 = A[g][2t+8..], a3 = A[g+8][2t+8..]
 //   B (16 x 8, "col"):      b0 = B[2t..2t+1][g], b1 = B[2t+8..2t+9][g]
 //   C/D (16 x 8, float32):  c0 = C[g][2t], c1 = C[g][2t+1], c2 = C[g+8][2t], c3 = C[g+8][2t+1]
+// m16n8k8 with .tf32 operands (PTX ISA, "Matrix Fragments for mma.m16n8k8", .tf32; one element per
+// 32-bit register, the tf32 value in the upper 19 bits):
+//   A (16 x 8, row major):  a0 = A[g][t], a1 = A[g+8][t], a2 = A[g][t+4], a3 = A[g+8][t+4]
+//   B (8 x 8, "col"):       b0 = B[t][g], b1 = B[t+4][g]
+//   C/D (16 x 8, float32):  as m16n8k16 above
+// 3xTF32 (fp32-accurate products on tf32 tensor cores): a = a_hi + a_lo with a_hi = tf32(a),
+// a_lo = tf32(a - a_hi); A B ~= A_lo B_hi + A_hi B_lo + A_hi B_hi (small terms first, float32
+// accumulation; the dropped A_lo B_lo and the rounding of a_lo are ~2^-21 relative per product).
+// cvt.rna: round to nearest, ties away from zero, to 10 mantissa bits (sm_80+ SASS: integer add of
+// 0x1000 to finite values, then the low 13 bits cleared; inf and NaN only masked).
 // ldmatrix .x4: lanes 8i..8i+7 give the row addresses (16 bytes each) of 8 x 8 matrix i; register i
 // of lane l receives matrix i's row l / 4, columns 2(l % 4), 2(l % 4) + 1 (.trans: the transposed
 // matrix's, i.e. rows 2(l % 4), 2(l % 4) + 1 of column l / 4).
@@ -54,6 +66,20 @@ __device__ __forceinline__ void mma_16816(float (&c)[4], const u32 (&a)[4], u32 
         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
   }
 }
+// c += A B, A 16 x 8 and B 8 x 8 of tf32 values in 32-bit registers (fragments above).
+__device__ __forceinline__ void mma_1688_tf32(float (&c)[4], const u32 (&a)[4], u32 b0, u32 b1) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+      "{%0, %1, %2, %3};\n"
+      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+// x rounded to tf32 (bits of a float32 whose low 13 bits are zero).
+__device__ __forceinline__ u32 tf32_rna(float x) {
+  u32 r;
+  asm("cvt.rna.tf32.f32 %0, %1;" : "=r"(r) : "f"(x));
+  return r;
+}
 // 16 bytes global -> shared, asynchronous (both addresses 16-byte aligned).
 __device__ __forceinline__ void cp_async16(void* smem, const void* gmem) {
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(smem_u32(smem)), "l"(gmem) : "memory");
@@ -81,6 +107,10 @@ template <bool bf16>
 __device__ __forceinline__ void mma_16816(float (&c)[4], const u32 (&a)[4], u32 b0, u32 b1) {
   tfm_emu_mma_16816(c, a, b0, b1, bf16);
 }
+__device__ __forceinline__ void mma_1688_tf32(float (&c)[4], const u32 (&a)[4], u32 b0, u32 b1) {
+  tfm_emu_mma_1688_tf32(c, a, b0, b1);
+}
+__device__ __forceinline__ u32 tf32_rna(float x) { return tfm_emu_cvt_rna_tf32(x); }
 __device__ __forceinline__ void cp_async16(void* smem, const void* gmem) { tfm_emu_copy16(smem, gmem); }
 __device__ __forceinline__ void cp_async_commit() {}
 template <int N>
@@ -88,3 +118,9 @@ __device__ __forceinline__ void cp_async_wait() {}
 __device__ __forceinline__ float ld_cg(const float* p) { return *p; }
 __device__ __forceinline__ float4 ld_cg4(const float* p) { return *reinterpret_cast<const float4*>(p); }
 #endif
+
+// x = hi + lo, both tf32 (lo = tf32(x - hi); x - hi is exact in float32).
+__device__ __forceinline__ void split_tf32(float x, u32& hi, u32& lo) {
+  hi = tf32_rna(x);
+  lo = tf32_rna(x - __uint_as_float(hi));
+}

@@ -4,9 +4,9 @@
 // __syncthreads is a std::barrier over the block, warp shuffles exchange through a per-warp buffer
 // between two warp barriers, __shared__ variables are process-wide statics (blocks run one after
 // another), and dynamic shared memory is one buffer per block launch. The warp-level matrix ops
-// of cuda/tfm_mma.cuh (ldmatrix, mma.sync m16n8k16) exchange their operands through a per-warp
-// buffer and follow the PTX ISA's fragment layouts; cp.async copies at once; atomics are host
-// atomics. A kernel source is compiled as C++20 with this header force-included and TFM_HOST_EMU
+// of cuda/tfm_mma.cuh (ldmatrix, mma.sync m16n8k16 and m16n8k8.tf32) exchange their operands through
+// a per-warp buffer and follow the PTX ISA's fragment layouts; cvt.rna.tf32 is the hardware's bit
+// arithmetic; cp.async copies at once; atomics are host atomics. A kernel source is compiled as C++20 with this header force-included and TFM_HOST_EMU
 // defined (see emulate.py beside this).
 // What it checks: indexing, bounds (with -fsanitize=address), barrier placement, the host-side
 // sizes (shared memory words) and the arithmetic, against the torch reference.
@@ -190,6 +190,42 @@ inline void tfm_emu_mma_16816(float (&c)[4], const unsigned (&a)[4], unsigned b0
       const unsigned row = lane / 4 + (e >= 2 ? 8u : 0u), col = 2 * (lane % 4) + (e % 2);
       double acc = 0.0;
       for (unsigned k = 0; k < 16; ++k) acc += static_cast<double>(A(row, k)) * static_cast<double>(B(k, col));
+      d[e] = static_cast<float>(static_cast<double>(c[e]) + acc);
+    }
+  });
+  for (int e = 0; e < 4; ++e) c[e] = d[e];
+}
+
+// cvt.rna.tf32.f32 as the sm_80+ hardware does it: a finite x gets 0x1000 added to its bits (round
+// to nearest, ties away from zero; a carry moves into the exponent, the largest floats become inf),
+// then the low 13 bits are cleared; inf and NaN are only masked.
+inline unsigned tfm_emu_cvt_rna_tf32(float x) {
+  unsigned u = __float_as_uint(x);
+  if (std::fabs(x) < INFINITY) u += 0x1000u;
+  return u & 0xffffe000u;
+}
+
+// mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32: c += A (16x8) B (8x8), fragments as in the PTX
+// ISA (see cuda/tfm_mma.cuh). Each operand is the tf32 value of its register's upper 19 bits (the
+// low 13 bits are not used); products of tf32 values are exact in float64 and the sum is rounded
+// once to float32. The tensor core's own accumulation order and internal precision are not
+// specified by NVIDIA (hardware results may differ in the last bits of the float32 sum).
+inline void tfm_emu_mma_1688_tf32(float (&c)[4], const unsigned (&a)[4], unsigned b0, unsigned b1) {
+  const std::uint64_t mine[6] = {a[0], a[1], a[2], a[3], b0, b1};
+  const unsigned lane = threadIdx.x % 32;
+  float d[4];
+  tfm_emu::warp_exchange(mine, 6, [&](auto slot) {
+    auto tf = [](std::uint64_t w) { return static_cast<double>(__uint_as_float(static_cast<unsigned>(w) & 0xffffe000u)); };
+    // A[row][k]: owner lane (row % 8) * 4 + k % 4, register (row >= 8) + 2 (k >= 4)
+    auto A = [&](unsigned row, unsigned k) {
+      return tf(slot((row % 8) * 4 + k % 4, (row >= 8 ? 1 : 0) + (k >= 4 ? 2 : 0)));
+    };
+    // B[k][col]: owner lane col * 4 + k % 4, register 4 + (k >= 4)
+    auto B = [&](unsigned k, unsigned col) { return tf(slot(col * 4 + k % 4, 4 + (k >= 4 ? 1 : 0))); };
+    for (unsigned e = 0; e < 4; ++e) {
+      const unsigned row = lane / 4 + (e >= 2 ? 8u : 0u), col = 2 * (lane % 4) + (e % 2);
+      double acc = 0.0;
+      for (unsigned k = 0; k < 8; ++k) acc += A(row, k) * B(k, col);
       d[e] = static_cast<float>(static_cast<double>(c[e]) + acc);
     }
   });

@@ -31,6 +31,7 @@ KERNELS = {
     "gdn_tree_commit.cu": ["gdn_tree_commit", "gdn_tree_commit_layers"],
     "tree_conv.cu": ["tree_conv1d", "tree_conv_commit", "tree_conv_commit_layers"],
     "tree_attention.cu": ["tree_attention"],
+    "tfm_mma_check.cu": ["tfm_mma_tf32_check"],
 }
 WRAPPERS = ("gdn", "conv", "tree_attention", "batched_commit")  # vllm_tfm.kernels modules that launch kernels
 

@@ -236,6 +236,40 @@ def test_verify_is_deterministic_across_runs():
         assert torch.equal(again[0], first[0]) and torch.equal(again[1], first[1])
 
 
+def _tf32_round(x: torch.Tensor) -> torch.Tensor:
+    """float32 -> tf32 in float64, round to nearest with ties away from zero (cvt.rna.tf32.f32)."""
+    mant, expo = torch.frexp(x.double())
+    scaled = mant * 2.0**11
+    return torch.ldexp(torch.sign(scaled) * torch.floor(scaled.abs() + 0.5) / 2.0**11, expo)
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_tf32_mma_primitives_on_the_gpu_match_float64(seed):
+    """cuda/tfm_mma_check.cu on the tensor cores: cvt.rna.tf32 bit for bit, one m16n8k8 tf32 mma as
+    float64 of the rounded operands (to float32 accumulation), 3xTF32 as the float32-accurate product.
+    The CPU emulation is held to the same numbers (tests/cpu/test_tf32_mma.py)."""
+    from vllm_tfm.kernels import loader
+
+    gen = _seeded(seed)
+    a, b, c = torch.randn(16, 8, generator=gen), torch.randn(8, 8, generator=gen), torch.randn(16, 8, generator=gen)
+    a *= torch.exp2(torch.randint(-6, 6, (16, 1), generator=gen).float())
+    a.view(-1)[0] = 1.0 + 2.0**-11  # a tie: away from zero
+    d1, d3 = (torch.full((16, 8), float("nan"), device=DEV) for _ in range(2))
+    hi, lo = (torch.zeros(16, 8, dtype=torch.int32, device=DEV) for _ in range(2))
+    kern = loader.get_kernel("tfm_mma_check.cu", "tfm_mma_tf32_check", ["--std=c++17"], torch.cuda.current_device())
+    loader.launch(kern, (1, 1, 1), (32, 1, 1), [a.to(DEV), b.to(DEV), c.to(DEV), d1, d3, hi, lo])
+    torch.cuda.synchronize()
+    hi_f = hi.cpu().view(torch.float32)
+    assert torch.equal(hi_f.double(), _tf32_round(a)) and hi_f[0, 0].item() == 1.0 + 2.0**-10
+    assert torch.equal(lo.cpu().view(torch.float32).double(), _tf32_round(a - hi_f))
+    want1 = c.double() + _tf32_round(a) @ _tf32_round(b)
+    scale1 = c.double().abs() + _tf32_round(a).abs() @ _tf32_round(b).abs()
+    assert ((d1.cpu().double() - want1).abs() / scale1).max() <= 2.0**-20  # unspecified accumulation: a few ulps
+    exact = c.double() + a.double() @ b.double()
+    scale3 = c.double().abs() + a.double().abs() @ b.double().abs()
+    assert ((d3.cpu().double() - exact).abs() / scale3).max() <= 2e-6
+
+
 # ---------------------------------------------------------------------------------------------
 # commit
 

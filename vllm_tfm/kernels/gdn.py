@@ -51,8 +51,9 @@ RT, KC = 64, 32  # projection tile rows and staged K chunk (GDN_RT, GDN_KC in th
 PAIR_WINDOW = 4096  # most pair entries staged in shared memory at once
 COMMIT_THREADS, COMMIT_BV, COMMIT_PC = 128, 16, 32
 # Kernel versions of the verify (GDN_VARIANT in the source; bench/NOTES.md): 1 = first measured,
-# 2 = fewer serial latencies. Both compute the same function; 2 is the default.
-VERIFY_VARIANTS = (1, 2)
+# 2 = fewer serial latencies, 3 = version 2 with the projections on tensor cores (3xTF32, opt-in
+# until measured). All compute the same function; 2 is the default.
+VERIFY_VARIANTS = (1, 2, 3)
 DEFAULT_VERIFY_VARIANT = 2
 
 DTYPE_CODE = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
@@ -270,7 +271,7 @@ def gdn_tree_verify_planned(
     Returns o [T, HV, V] in v.dtype (and delta [T, HV, V] float32 when return_delta).
     block_v forces the V columns per CTA (16, 32 or 64); default :func:`choose_block_v`.
     out / delta_out: optional contiguous preallocated outputs ([T, HV, V], v.dtype / float32),
-    written in full. variant: kernel version (1 or 2, default :data:`DEFAULT_VERIFY_VARIANT`).
+    written in full. variant: kernel version (1, 2 or 3, default :data:`DEFAULT_VERIFY_VARIANT`).
     Inputs must be supported (the public wrapper checks); raises ValueError on a shape mismatch.
     """
     launches, o, delta = verify_launches(plan, q, k, v, g, beta, ssm_state, state_indices, scale, use_qk_l2norm,
