@@ -283,13 +283,14 @@ class WeaverGrowth:
         if self.out_dtype is None:
             self.out_dtype = out_dtype(out.dtype)
         valid = valid[..., None]
-        x = torch.where(valid, out, 0)
+        x = torch.where(valid, out, NEG_INF)  # an invalid row has no live child
         self.fine.logical_and_((x <= 0).all())  # NaN or a positive entry in a valid row clears it
         vals, cols = stable_topk(x, c)  # [R, m, c], best first
         vals = vals.to(torch.float64)
-        alive = (vals > NEG_INF) & valid
         child = depth_words[:, :, None, :] + self.step[d]  # [R, m, c, 1 + W]: depth + 1, words
-        child[..., 1].bitwise_or_(torch.where(alive, 0, DEAD_BIT))
+        # a dead child's word 0 is DEAD_BIT alone: its rank path is never read (dead slots sort
+        # last, are never taken, and trees() reads tokens, depths and scores only)
+        child[..., 1].masked_fill_(vals == NEG_INF, DEAD_BIT)
         tok = self.cand_flat.gather(1, torch.add(cols, d[..., None], alpha=self.k).view(r_, m * c))  # d * K + col
         new_i = torch.cat([tok.view(r_, m, c, 1), child], dim=-1).view(r_, m * c, self.ci)
         new_f = torch.stack([score[..., None] + vals, vals], dim=-1).view(r_, m * c, 2)
