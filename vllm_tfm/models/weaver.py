@@ -408,13 +408,15 @@ class BatchedWeaverTreeScorer:
     row [r, i] (when valid) = log-probabilities over ``cand_ids[r, depths[r, i]]`` given node
     i's root..node path in request r; invalid rows are computed on clamped inputs and mean
     nothing. Node ids index a per-request buffer of ``max_nodes`` slots (the tree's 1 + B nodes):
-    per layer, K/V ``[R, 1 + D + max_nodes, heads, head_dim]`` (the prompt's, then every scored
-    node's) and one key mask per node slot ``[R, max_nodes, 1 + D + max_nodes]`` (the prompt, then
-    ancestors-or-self: the parent's row plus the node itself). A node attends to the keys its
-    mask row names: the same keys as
+    per layer, K/V ``[2, R, heads, 1 + D + max_nodes, head_dim]`` (the prompt's, then every scored
+    node's) and one additive key mask per node slot ``[R, max_nodes, 1 + D + max_nodes]`` (0 for
+    the prompt and the ancestors-or-self: the parent's row plus the node itself; -inf elsewhere).
+    A node attends to the keys its mask row names: the same keys as
     ``WeaverTreeScorer`` (prompt + root..node path), summed in a different order, so outputs agree
     to rounding (float32: ~1e-6), not bit for bit. One call = one Weaver step of R x w nodes with
-    fixed shapes and no host sync.
+    fixed shapes and no host sync, in few kernels: the fused step of ``weaver_step.py`` (norms
+    folded into the projections, RoPE from the qkv GEMM, fused attention), with weights folded
+    once per parameter version and cached on the Weaver.
 
     Protocol (not checked unless ``validate``, which syncs with the host): the first call holds
     the roots (node 0, parent -1, depth 0) of every request; a valid node's parent was valid in an
@@ -476,6 +478,8 @@ class BatchedWeaverTreeScorer:
                 kv[1, :, :, :p0] = v.transpose(1, 2)
                 self.kv_cache.append(kv)
                 x = layer.finish(x, masked_attention(q, k, v, causal, layer.head_dim**-0.5))
+            # views of the keys / values a node may attend to (the trash slot excluded), made once
+            self._key_values = [kv[:, :, :, : p0 + max_nodes].unbind(0) for kv in self.kv_cache]
             # additive key mask (0: visible, -inf: not) of every node slot, the trash slot (row
             # max_nodes) and the root's parent (row max_nodes + 1, the prompt only): the whole
             # prompt, then its ancestors-or-self among the node slots; one more column for the
@@ -553,24 +557,24 @@ class BatchedWeaverTreeScorer:
             emb = _lookup(self.embed, toks).flatten(0, 1)  # [R w, H]
             x = norm_linear(emb, fw.token_in, fw.token_in_bias, fw.embed_eps)  # [R w, d]
             rope = self._rope_nodes[dep]  # [R, w, 2, 3, 1, hd]
-            cos, sin = rope[:, :, 0], rope[:, :, 1]
+            cos, sin = rope.unbind(2)
             idx = key[None, :, None, :, None]  # [1, R, 1, w, 1]
-            for layer, lw, kv in zip(wv.layers, fw.layers, self.kv_cache):
+            for layer, lw, kv, (keys, values) in zip(wv.layers, fw.layers, self.kv_cache, self._key_values):
                 heads, hd = layer.n_heads, layer.head_dim
                 # q, k, v and their rotate_half in one GEMM: [R, w, 2, 3, heads, hd]
-                proj = norm_linear(x, lw.qkv_rot, lw.qkv_rot_bias, lw.attn_eps).view(r, w, 2, 3, heads, hd)
+                proj, proj_rot = norm_linear(x, lw.qkv_rot, lw.qkv_rot_bias, lw.attn_eps).view(r, w, 2, 3, heads, hd).unbind(2)
                 qkv = torch.empty(3, r, heads, w, hd, dtype=x.dtype, device=dev)
                 rotated = qkv.permute(1, 3, 0, 2, 4)  # [R, w, 3, heads, hd] view of the buffer
-                torch.mul(proj[:, :, 0], cos, out=rotated)
-                rotated.addcmul_(proj[:, :, 1], sin)
+                torch.mul(proj, cos, out=rotated)
+                rotated.addcmul_(proj_rot, sin)
                 kv.scatter_(3, idx.expand(2, r, heads, w, hd), qkv[1:])
                 attn = F.scaled_dot_product_attention(
-                    qkv[0], kv[0, :, :, :span], kv[1, :, :, :span], attn_mask=bias, scale=hd**-0.5
+                    qkv[0], keys, values, attn_mask=bias, scale=hd**-0.5
                 )  # [R, heads, w, hd]
-                x = torch.addmm(x, attn.transpose(1, 2).reshape(r * w, heads * hd), lw.o_proj.t())
+                x = torch.addmm(x, attn.transpose(1, 2).reshape(r * w, heads * hd), lw.o_proj)
                 gate_up = norm_linear(x, lw.gate_up, lw.gate_up_bias, lw.mlp_eps)
                 gate, up = gate_up.split(layer.d_mlp, dim=-1)
-                x = torch.addmm(x, F.silu(gate) * up, lw.down.t())
+                x = torch.addmm(x, F.silu(gate) * up, lw.down)
             qry = norm_linear(x, fw.query, fw.query_bias, fw.out_eps)  # [R w, H]
             k_cand = self.cand_ids.shape[2]
             gather = dep[..., None].expand(r, w, k_cand)
@@ -580,7 +584,9 @@ class BatchedWeaverTreeScorer:
             cd = compute_dtype(qry.dtype)
             if isinstance(head, Tensor) and head.dtype == qry.dtype == logits.dtype == cd:
                 # logits + lm_head[ids] . qry in one batched GEMM
-                rows = head.index_select(0, ids.flatten().to(head.device)).view(r * w, k_cand, -1)
+                flat = ids.flatten()
+                rows = head.index_select(0, flat if flat.device == head.device else flat.to(head.device))
+                rows = rows.view(r * w, k_cand, -1)
                 scores = torch.baddbmm(logits.view(r * w, k_cand, 1), rows, qry[..., None]).view(r, w, k_cand)
             else:
                 residual = candidate_residual(head, ids, qry.view(r, w, -1))  # [R, w, K]

@@ -39,9 +39,10 @@ __all__ = ["FoldedBlock", "FoldedWeaver", "folded_weaver", "norm_linear"]
 class FoldedBlock:
     """One Weaver block with its norms folded into the following projections.
 
-    qkv_rot: [6 d, d] rows (q, k, v, rotate_half(q), rotate_half(k), 0) of ``qkv`` after
-    ``attn_norm``; qkv_rot_bias [6 d]. o_proj: [d, d]. gate_up [2 d_mlp, d] / gate_up_bias after
-    ``mlp_norm``; down [d, d_mlp]. eps: the two norms' epsilons.
+    Weights are stored transposed ([in, out] views, as ``addmm`` takes them: no per-call ``t()``).
+    qkv_rot: [d, 6 d], outputs (q, k, v, rotate_half(q), rotate_half(k), 0) of ``qkv`` after
+    ``attn_norm``; qkv_rot_bias [6 d]. o_proj: [d, d]. gate_up [d, 2 d_mlp] / gate_up_bias after
+    ``mlp_norm``; down [d_mlp, d]. eps: the two norms' epsilons.
     """
 
     qkv_rot: Tensor
@@ -58,11 +59,11 @@ class FoldedBlock:
 class FoldedWeaver:
     """The Weaver's inference weights for ``BatchedWeaverTreeScorer`` (``folded_weaver``)."""
 
-    token_in: Tensor  # [d, H], embed_norm folded in
+    token_in: Tensor  # [H, d] (transposed), embed_norm folded in
     token_in_bias: Tensor  # [d]
     embed_eps: float
     layers: tuple[FoldedBlock, ...]
-    query: Tensor  # [H, d], out_norm folded into lm_head_query_in
+    query: Tensor  # [d, H] (transposed), out_norm folded into lm_head_query_in
     query_bias: Tensor  # [H]
     out_eps: float
 
@@ -90,14 +91,14 @@ def _fold_block(layer) -> FoldedBlock:
     rot_b = torch.cat([_rotate_rows(b[:d], heads, hd), _rotate_rows(b[d : 2 * d], heads, hd), torch.zeros_like(b[:d])])
     gu, gu_b = _fold(layer.mlp_norm, layer.gate_up.weight)
     return FoldedBlock(
-        qkv_rot=torch.cat([w, rot_w]).contiguous(),
+        qkv_rot=torch.cat([w, rot_w]).contiguous().t(),
         qkv_rot_bias=torch.cat([b, rot_b]).contiguous(),
         attn_eps=layer.attn_norm.eps,
-        o_proj=layer.o_proj.weight,
-        gate_up=gu.contiguous(),
+        o_proj=layer.o_proj.weight.t(),
+        gate_up=gu.contiguous().t(),
         gate_up_bias=gu_b.contiguous(),
         mlp_eps=layer.mlp_norm.eps,
-        down=layer.down.weight,
+        down=layer.down.weight.t(),
     )
 
 
@@ -125,11 +126,11 @@ def folded_weaver(weaver) -> FoldedWeaver:
         tok, tok_b = _fold(weaver.embed_norm, weaver.token_in.weight)
         qry, qry_b = _fold(weaver.out_norm, weaver.lm_head_query_in.weight)
         folded = FoldedWeaver(
-            token_in=tok.contiguous(),
+            token_in=tok.contiguous().t(),
             token_in_bias=tok_b,
             embed_eps=weaver.embed_norm.eps,
             layers=tuple(_fold_block(layer) for layer in weaver.layers),
-            query=qry.contiguous(),
+            query=qry.contiguous().t(),
             query_bias=qry_b,
             out_eps=weaver.out_norm.eps,
         )
@@ -137,6 +138,7 @@ def folded_weaver(weaver) -> FoldedWeaver:
     return folded
 
 
-def norm_linear(x: Tensor, weight: Tensor, bias: Tensor, eps: float) -> Tensor:
-    """``Linear(RMSNormWithBias(x))`` with the norm folded into (weight, bias): x [N, in] -> [N, out]."""
-    return torch.addmm(bias, F.rms_norm(x, (x.shape[-1],), eps=eps), weight.t())
+def norm_linear(x: Tensor, weight_t: Tensor, bias: Tensor, eps: float) -> Tensor:
+    """``Linear(RMSNormWithBias(x))`` with the norm folded into (weight_t [in, out], bias [out]):
+    x [N, in] -> [N, out]."""
+    return torch.addmm(bias, F.rms_norm(x, (x.shape[-1],), eps=eps), weight_t)
