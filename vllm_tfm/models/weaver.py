@@ -41,6 +41,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from .common import RMSNormWithBias, apply_rope, as_weight, compute_dtype, masked_attention, rope_cos_sin
+from .weaver_step import folded_weaver, norm_linear
 from .vocab_table import ShardedVocabTable, VocabTable, candidate_residual, table_num_rows, table_rows
 from .io import read_state, target_text_config, write_state
 from .tfm_config import TFM_CONFIG_NAME, WEAVER_WEIGHTS_NAME, TfmConfig, WeaverConfig
@@ -407,13 +408,15 @@ class BatchedWeaverTreeScorer:
     row [r, i] (when valid) = log-probabilities over ``cand_ids[r, depths[r, i]]`` given node
     i's root..node path in request r; invalid rows are computed on clamped inputs and mean
     nothing. Node ids index a per-request buffer of ``max_nodes`` slots (the tree's 1 + B nodes):
-    per layer, K/V ``[R, 1 + D + max_nodes, heads, head_dim]`` (the prompt's, then every scored
-    node's) and one key mask per node slot ``[R, max_nodes, 1 + D + max_nodes]`` (the prompt, then
-    ancestors-or-self: the parent's row plus the node itself). A node attends to the keys its
-    mask row names: the same keys as
+    per layer, K/V ``[2, R, heads, 1 + D + max_nodes, head_dim]`` (the prompt's, then every scored
+    node's) and one additive key mask per node slot ``[R, max_nodes, 1 + D + max_nodes]`` (0 for
+    the prompt and the ancestors-or-self: the parent's row plus the node itself; -inf elsewhere).
+    A node attends to the keys its mask row names: the same keys as
     ``WeaverTreeScorer`` (prompt + root..node path), summed in a different order, so outputs agree
     to rounding (float32: ~1e-6), not bit for bit. One call = one Weaver step of R x w nodes with
-    fixed shapes and no host sync.
+    fixed shapes and no host sync, in few kernels: the fused step of ``weaver_step.py`` (norms
+    folded into the projections, RoPE from the qkv GEMM, fused attention), with weights folded
+    once per parameter version and cached on the Weaver.
 
     Protocol (not checked unless ``validate``, which syncs with the host): the first call holds
     the roots (node 0, parent -1, depth 0) of every request; a valid node's parent was valid in an
@@ -458,35 +461,40 @@ class BatchedWeaverTreeScorer:
         self.n_embed_rows = table_num_rows(embed, "embed")
         self.cand_ids = cand_ids
         self.cand_logits = cand_logits
+        self.folded = folded_weaver(weaver)
         with torch.no_grad():
             x = weaver.prompt_inputs(verifier_hidden, dflash_hidden)  # [R, 1 + D, d]
             dev = x.device
             cos, sin = weaver._rope(torch.arange(1 + depth, device=dev), x.dtype)
             causal = torch.ones(1 + depth, 1 + depth, dtype=torch.bool, device=dev).tril()
-            # per layer, keys / values of [prompt (1 + D) | node slots (max_nodes) | trash slot]
+            # per layer, keys and values [2, R, heads, S, head_dim] of [prompt (1 + D) | node slots
+            # (max_nodes) | trash slot]: heads before positions, the layout attention reads
             p0 = 1 + depth
-            self.k_cache: list[Tensor] = []
-            self.v_cache: list[Tensor] = []
+            self.kv_cache: list[Tensor] = []
             for layer in weaver.layers:
                 q, k, v = layer.qkv_rope(x, cos, sin)
-                self.k_cache.append(torch.cat([k, k.new_zeros(r, max_nodes + 1, *k.shape[2:])], dim=1))
-                self.v_cache.append(torch.cat([v, v.new_zeros(r, max_nodes + 1, *v.shape[2:])], dim=1))
+                kv = x.new_zeros(2, r, layer.n_heads, p0 + max_nodes + 1, layer.head_dim)
+                kv[0, :, :, :p0] = k.transpose(1, 2)
+                kv[1, :, :, :p0] = v.transpose(1, 2)
+                self.kv_cache.append(kv)
                 x = layer.finish(x, masked_attention(q, k, v, causal, layer.head_dim**-0.5))
-        # views of the keys / values a node may attend to (the trash slot excluded), made once
-        self._keys = [kc[:, : p0 + max_nodes] for kc in self.k_cache]
-        self._values = [vc[:, : p0 + max_nodes] for vc in self.v_cache]
-        # key mask of every node slot, the trash slot (row max_nodes) and the root's parent (row
-        # max_nodes + 1, the prompt only): the whole prompt, then its ancestors-or-self among the
-        # node slots
-        self.ancestors = torch.zeros(r, max_nodes + 2, p0 + max_nodes, dtype=torch.bool, device=dev)
-        self.ancestors[:, :, :p0] = True
-        # row s: key column of node slot s alone (row max_nodes, the trash slot: none)
-        cols = torch.arange(p0 + max_nodes, device=dev)
-        self._self_key = cols == p0 + torch.arange(max_nodes + 1, device=dev)[:, None]
-        # RoPE of the node positions 1..D, cos and sin stacked: [D, 2, 1, 1, head_dim], indexed by
-        # depth (the same values as rope_cos_sin of the positions, computed once)
-        cos_n, sin_n = weaver._rope(torch.arange(1, 1 + depth, device=dev), x.dtype)
-        self._rope_nodes = torch.stack([cos_n, sin_n], dim=1)[:, :, None, None, :]
+            # views of the keys / values a node may attend to (the trash slot excluded), made once
+            self._key_values = [kv[:, :, :, : p0 + max_nodes].unbind(0) for kv in self.kv_cache]
+            # additive key mask (0: visible, -inf: not) of every node slot, the trash slot (row
+            # max_nodes) and the root's parent (row max_nodes + 1, the prompt only): the whole
+            # prompt, then its ancestors-or-self among the node slots; one more column for the
+            # trash slot's own key, columns padded to a multiple of 16 (an aligned mask for CUDA's
+            # memory-efficient attention); attention reads the first 1 + D + max_nodes columns
+            cols = -(-(p0 + max_nodes + 1) // 16) * 16
+            self.key_bias = torch.full((r, max_nodes + 2, cols), float("-inf"), dtype=x.dtype, device=dev)
+            self.key_bias[:, :, :p0] = 0.0
+            # RoPE of the node positions 1..D for q, k and v (cos 1, sin 0: v passes unrotated):
+            # [D, 2 (cos, sin), 3, 1, head_dim], indexed by depth
+            cos_n, sin_n = weaver._rope(torch.arange(1, 1 + depth, device=dev), x.dtype)
+            ones = torch.ones_like(cos_n)
+            self._rope_nodes = torch.stack(
+                [torch.stack([cos_n, cos_n, ones], dim=1), torch.stack([sin_n, sin_n, ones - 1], dim=1)], dim=1
+            )[:, :, :, None, :]
         self._scored = torch.zeros(r, max_nodes, dtype=torch.bool, device=dev) if validate else None
         self._depths = torch.zeros(r, max_nodes, dtype=torch.long, device=dev) if validate else None
 
@@ -526,9 +534,9 @@ class BatchedWeaverTreeScorer:
                 raise ValueError(f"{name} must be {list(node_ids.shape)} like node_ids, got shape {tuple(t.shape)}")
         if self.validate:
             self._check(node_ids, parent_ids, tokens, depths, valid)
-        wv, n = self.weaver, self.max_nodes
+        wv, fw, n = self.weaver, self.folded, self.max_nodes
         w = node_ids.shape[1]
-        dev = self.ancestors.device
+        dev = self.key_bias.device
         if node_ids.device != dev:
             node_ids, parent_ids, tokens, depths, valid = (t.to(dev) for t in (node_ids, parent_ids, tokens, depths, valid))
         with torch.no_grad():
@@ -537,57 +545,50 @@ class BatchedWeaverTreeScorer:
             dep = depths.clamp(0, self.depth - 1)
             toks = tokens.clamp(0, self.n_embed_rows - 1)
             p0 = 1 + self.depth
+            span = p0 + n  # keys a node may attend to: the prompt and the node slots
             # key mask: the parent's row (row n + 1 = the prompt only, for the root's parent -1)
             # plus the node itself
-            span = p0 + n
-            row = self.ancestors.gather(1, parent_ids.remainder(n + 2)[..., None].expand(r, w, span))
-            row.logical_or_(self._self_key[slot])
-            self.ancestors.scatter_(1, slot[..., None].expand(r, w, span), row)
-            hidden = row.logical_not().unsqueeze(-3)  # [R, 1, w, S]: keys each node may not see
-            x = wv.token_inputs(toks, self.embed)  # [R, w, d]
-            rope = self._rope_nodes[dep]  # [R, w, 2, 1, 1, hd]
-            cos, sin = rope[:, :, 0], rope[:, :, 1]
-            idx = (p0 + slot)[..., None, None]
-            for li, layer in enumerate(wv.layers):
-                q, k, v = _qkv_rope_pair(layer, x, cos, sin)  # [R, w, heads, hd]
-                kc, vc = self.k_cache[li], self.v_cache[li]
-                kc.scatter_(1, idx.expand_as(k), k)
-                vc.scatter_(1, idx.expand_as(v), v)
-                attn = _hidden_masked_attention(q, self._keys[li], self._values[li], hidden, layer.head_dim**-0.5)
-                x = layer.finish(x, attn)
-            qry = wv.query(x)  # [R, w, H]
+            cols = self.key_bias.shape[2]
+            row = self.key_bias.gather(1, parent_ids.remainder(n + 2)[..., None].expand(r, w, cols))
+            key = p0 + slot  # the key column of each node's own K/V
+            row.scatter_(2, key[..., None], 0.0)
+            self.key_bias.scatter_(1, slot[..., None].expand(r, w, cols), row)
+            bias = row[:, None, :, :span]  # [R, 1, w, S]
+            emb = _lookup(self.embed, toks).flatten(0, 1)  # [R w, H]
+            x = norm_linear(emb, fw.token_in, fw.token_in_bias, fw.embed_eps)  # [R w, d]
+            rope = self._rope_nodes[dep]  # [R, w, 2, 3, 1, hd]
+            cos, sin = rope.unbind(2)
+            idx = key[None, :, None, :, None]  # [1, R, 1, w, 1]
+            for layer, lw, kv, (keys, values) in zip(wv.layers, fw.layers, self.kv_cache, self._key_values):
+                heads, hd = layer.n_heads, layer.head_dim
+                # q, k, v and their rotate_half in one GEMM: [R, w, 2, 3, heads, hd]
+                proj, proj_rot = norm_linear(x, lw.qkv_rot, lw.qkv_rot_bias, lw.attn_eps).view(r, w, 2, 3, heads, hd).unbind(2)
+                qkv = torch.empty(3, r, heads, w, hd, dtype=x.dtype, device=dev)
+                rotated = qkv.permute(1, 3, 0, 2, 4)  # [R, w, 3, heads, hd] view of the buffer
+                torch.mul(proj, cos, out=rotated)
+                rotated.addcmul_(proj_rot, sin)
+                kv.scatter_(3, idx.expand(2, r, heads, w, hd), qkv[1:])
+                attn = F.scaled_dot_product_attention(
+                    qkv[0], keys, values, attn_mask=bias, scale=hd**-0.5
+                )  # [R, heads, w, hd]
+                x = torch.addmm(x, attn.transpose(1, 2).reshape(r * w, heads * hd), lw.o_proj)
+                gate_up = norm_linear(x, lw.gate_up, lw.gate_up_bias, lw.mlp_eps)
+                gate, up = gate_up.split(layer.d_mlp, dim=-1)
+                x = torch.addmm(x, F.silu(gate) * up, lw.down)
+            qry = norm_linear(x, fw.query, fw.query_bias, fw.out_eps)  # [R w, H]
             k_cand = self.cand_ids.shape[2]
             gather = dep[..., None].expand(r, w, k_cand)
             ids = self.cand_ids.gather(1, gather)  # [R, w, K]
             logits = self.cand_logits.gather(1, gather)
-            residual = candidate_residual(self.lm_head, ids, qry)  # lm_head[ids] . qry: [R, w, K]
-            if logits.dtype != residual.dtype:
-                logits = logits.to(residual.dtype)
-            return torch.log_softmax(logits + residual, dim=-1)
-
-
-def _qkv_rope_pair(layer: WeaverBlock, x: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-    """``layer.qkv_rope`` with q and k rotated together: cos / sin [..., T, 1, 1, hd].
-
-    The same elementwise operations on the same values as ``apply_rope`` (``x * cos +
-    rotate_half(x) * sin``), so bit for bit the same q and k; q is returned contiguous, as
-    ``apply_rope`` returns it, so that the attention matmuls see the same layout.
-    """
-    hd = layer.head_dim
-    qkv = layer.qkv(layer.attn_norm(x)).unflatten(-1, (3, layer.n_heads, hd))  # [..., T, 3, heads, hd]
-    qk = qkv[..., :2, :, :]
-    rot = torch.cat([-qk[..., hd // 2 :], qk[..., : hd // 2]], dim=-1)
-    qk = qk * cos + rot * sin
-    return qk[..., 0, :, :].contiguous(), qk[..., 1, :, :], qkv[..., 2, :, :]
-
-
-def _hidden_masked_attention(q: Tensor, k: Tensor, v: Tensor, hidden: Tensor, scale: float) -> Tensor:
-    """``common.masked_attention`` (equal query and key/value heads) given the complement of the
-    mask, ``hidden`` [..., 1, Q, S] (True = the query does not see the key), without the no-op
-    dtype conversions: the same operations, so the same values bit for bit."""
-    cd = compute_dtype(q.dtype)
-    qc, kc, vc = (t if t.dtype == cd else t.to(cd) for t in (q, k, v))
-    scores = torch.einsum("...qhd,...shd->...hqs", qc, kc) * scale
-    scores.masked_fill_(hidden, float("-inf"))
-    out = torch.einsum("...hqs,...shd->...qhd", torch.softmax(scores, dim=-1), vc)
-    return out if out.dtype == q.dtype else out.to(q.dtype)
+            head = self.lm_head
+            cd = compute_dtype(qry.dtype)
+            if isinstance(head, Tensor) and head.dtype == qry.dtype == logits.dtype == cd:
+                # logits + lm_head[ids] . qry in one batched GEMM
+                flat = ids.flatten()
+                rows = head.index_select(0, flat if flat.device == head.device else flat.to(head.device))
+                rows = rows.view(r * w, k_cand, -1)
+                scores = torch.baddbmm(logits.view(r * w, k_cand, 1), rows, qry[..., None]).view(r, w, k_cand)
+            else:
+                residual = candidate_residual(head, ids, qry.view(r, w, -1))  # [R, w, K]
+                scores = (logits if logits.dtype == residual.dtype else logits.to(residual.dtype)) + residual
+            return torch.log_softmax(scores, dim=-1)

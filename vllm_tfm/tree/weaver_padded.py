@@ -175,10 +175,12 @@ class WeaverGrowth:
         # candidates of depths 1..dmax and one spare row, so that depth dmax indexes in range
         cand = candidates[:, : self.dmax]
         self.cand_flat = torch.cat([cand, cand[:, :1]], dim=1).reshape(r_, (self.dmax + 1) * k)
-        # digit[p, r]: rank-path words of rank r at position p; row dmax (no child) adds nothing
+        # step[p, r]: what the rank-r child of a node at depth p adds to the node's (depth, rank-path
+        # words): 1, then the words of rank r at position p; row dmax (no child) adds no words
         pos = torch.arange(self.dmax, device=dev)
         digit = code.digit(pos[:, None].expand(self.dmax, c), self.ar_c.expand(self.dmax, c))
-        self.digit = torch.cat([digit, digit.new_zeros(1, c, nw)])  # [dmax + 1, c, W]
+        digit = torch.cat([digit, digit.new_zeros(1, c, nw)])  # [dmax + 1, c, W]
+        self.step = torch.cat([torch.ones_like(digit[..., :1]), digit], dim=-1)  # [dmax + 1, c, 1 + W]
 
         # Persistent state, updated in place only. Frontier: fi [R, F, 2 + W] int64 = (token,
         # depth, rank-path words with DEAD_BIT in word 0 unless alive); ff [R, F, 2] float64 =
@@ -204,14 +206,14 @@ class WeaverGrowth:
         zeros = torch.zeros(r_, 1, dtype=torch.long, device=dev)
         valid = torch.ones(r_, 1, dtype=torch.bool, device=dev)
         out = self.scorer(zeros, torch.full_like(zeros, -1), self.roots[:, None], zeros, valid)
-        words = torch.zeros(r_, 1, self.nw, dtype=torch.long, device=dev)
-        self._push(out, zeros, zeros, words, torch.zeros(r_, 1, dtype=torch.float64, device=dev), valid)
+        depth_words = torch.zeros(r_, 1, 1 + self.nw, dtype=torch.long, device=dev)
+        self._push(out, zeros, zeros, depth_words, torch.zeros(r_, 1, dtype=torch.float64, device=dev), valid)
         self._materialise()
 
     def advance(self) -> None:
         """Score the nodes of the last round, publish their children, materialise the next round."""
         out = self.scorer(self.node, self.parent, self.tok, self.d, self.expand)
-        self._push(out, self.node, self.d, self.words, self.score, self.expand)
+        self._push(out, self.node, self.d, self.depth_words, self.score, self.expand)
         self._materialise()
 
     def run_fixed(self) -> None:
@@ -265,9 +267,11 @@ class WeaverGrowth:
         )
 
     # ------------------------------------------------------------------ one round
-    def _push(self, out: Tensor, node: Tensor, d: Tensor, words: Tensor, score: Tensor, valid: Tensor) -> None:
+    def _push(self, out: Tensor, node: Tensor, d: Tensor, depth_words: Tensor, score: Tensor, valid: Tensor) -> None:
         """Check a scorer output; the top-c children of every node of the call become its slots
-        ``node * c + rank`` (dead unless the node is valid and the child's log q is finite)."""
+        ``node * c + rank`` (dead unless the node is valid and the child's log q is finite).
+        ``d``: the nodes' depths clamped to max_depth; ``depth_words`` [R, m, 1 + W]: their depths
+        and rank-path words (the frontier columns they came from)."""
         self.calls += 1
         r_, m, c = self.r, node.shape[1], self.c
         want = (r_, m, self.k)
@@ -279,18 +283,18 @@ class WeaverGrowth:
         if self.out_dtype is None:
             self.out_dtype = out_dtype(out.dtype)
         valid = valid[..., None]
-        x = torch.where(valid, out, 0)
+        x = torch.where(valid, out, NEG_INF)  # an invalid row has no live child
         self.fine.logical_and_((x <= 0).all())  # NaN or a positive entry in a valid row clears it
         vals, cols = stable_topk(x, c)  # [R, m, c], best first
         vals = vals.to(torch.float64)
-        alive = (vals > NEG_INF) & valid
-        child = words[:, :, None, :] + self.digit[d]  # [R, m, c, W]
-        child[..., 0].bitwise_or_(torch.where(alive, 0, DEAD_BIT))
-        tok = self.cand_flat.gather(1, ((d * self.k)[..., None] + cols).view(r_, m * c))
-        depth = (d + 1)[..., None, None].expand(r_, m, c, 1)
-        new_i = torch.cat([tok.view(r_, m, c, 1), depth, child], dim=-1).view(r_, m * c, self.ci)
+        child = depth_words[:, :, None, :] + self.step[d]  # [R, m, c, 1 + W]: depth + 1, words
+        # a dead child's word 0 is DEAD_BIT alone: its rank path is never read (dead slots sort
+        # last, are never taken, and trees() reads tokens, depths and scores only)
+        child[..., 1].masked_fill_(vals == NEG_INF, DEAD_BIT)
+        tok = self.cand_flat.gather(1, torch.add(cols, d[..., None], alpha=self.k).view(r_, m * c))  # d * K + col
+        new_i = torch.cat([tok.view(r_, m, c, 1), child], dim=-1).view(r_, m * c, self.ci)
         new_f = torch.stack([score[..., None] + vals, vals], dim=-1).view(r_, m * c, 2)
-        slot = ((node * c)[..., None] + self.ar_c).view(r_, m * c, 1)
+        slot = torch.add(self.ar_c, node[..., None], alpha=c).view(r_, m * c, 1)  # node * c + rank
         self.fi.scatter_(1, slot.expand(r_, m * c, self.ci), new_i)
         self.ff.scatter_(1, slot.expand(r_, m * c, 2), new_f)
 
@@ -317,7 +321,7 @@ class WeaverGrowth:
         d = gi[..., 1].clamp(max=self.dmax)
         self.expand = ok & (d < self._depth) & room[:, None]
         self.node, self.parent, self.tok, self.d = node, sel // self.c, gi[..., 0], d
-        self.words, self.score = gi[..., 2:], gf[..., 0]
+        self.depth_words, self.score = gi[..., 1:], gf[..., 0]
         self.n_alive, self.take, self.room = n_alive, take, room
         self.rounds += 1
 

@@ -1,0 +1,144 @@
+"""One Weaver step of the batched tree scorer in few device kernels (inference only).
+
+``BatchedWeaverTreeScorer`` runs one Weaver step per growth round for R x w new nodes; each round
+is ~100 small kernels when it goes through the modules' own forward code (an RMSNorm with weight
+and bias is 7 elementwise kernels, RoPE 5, einsum attention copies its operands into matmul
+layouts). The same function here, with weights folded once per weight version:
+
+* RMSNorm-with-bias followed by a linear layer: ``W (x_hat * g + b) = (W diag g) x_hat + W b``,
+  so the pair is ``F.rms_norm`` (no affine; one fused kernel on CUDA) and one ``addmm`` with the
+  folded weight and bias;
+* residual adds ride in ``addmm`` (``x + o_proj(a)`` = ``addmm(x, a, W_o^T)``, likewise ``down``);
+* RoPE: the qkv projection also emits ``rotate_half`` of q and k (the same rows of the weight,
+  permuted and negated; zero rows for v), so the rotation is ``qkv * cos + rot * sin`` (one
+  ``mul`` and one ``addcmul_``, with cos = 1 and sin = 0 for v), written straight into a
+  ``[3, R, heads, w, head_dim]`` buffer: q is in the layout attention wants and k / v land in the
+  per-layer cache ``[2, R, heads, S, head_dim]`` with ONE scatter;
+* attention: ``F.scaled_dot_product_attention`` with an additive float mask (0 = visible, -inf)
+  kept per node slot and padded to a multiple of 16 columns (aligned: CUDA's memory-efficient
+  kernel takes it without a copy).
+
+The arithmetic is the same function in a different order (folded weights, fused reductions, an
+online softmax), so scores agree with the module path to float32 rounding (~1e-6), not bit for bit.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from .common import RMSNormWithBias, compute_dtype
+
+__all__ = ["FoldedBlock", "FoldedWeaver", "folded_weaver", "norm_linear"]
+
+
+@dataclass(frozen=True)
+class FoldedBlock:
+    """One Weaver block with its norms folded into the following projections.
+
+    Weights are stored transposed ([in, out] views, as ``addmm`` takes them: no per-call ``t()``).
+    qkv_rot: [d, 6 d], outputs (q, k, v, rotate_half(q), rotate_half(k), 0) of ``qkv`` after
+    ``attn_norm``; qkv_rot_bias [6 d]. o_proj: [d, d]. gate_up [d, 2 d_mlp] / gate_up_bias after
+    ``mlp_norm``; down [d_mlp, d]. eps: the two norms' epsilons.
+    """
+
+    qkv_rot: Tensor
+    qkv_rot_bias: Tensor
+    attn_eps: float
+    o_proj: Tensor
+    gate_up: Tensor
+    gate_up_bias: Tensor
+    mlp_eps: float
+    down: Tensor
+
+
+@dataclass(frozen=True)
+class FoldedWeaver:
+    """The Weaver's inference weights for ``BatchedWeaverTreeScorer`` (``folded_weaver``)."""
+
+    token_in: Tensor  # [H, d] (transposed), embed_norm folded in
+    token_in_bias: Tensor  # [d]
+    embed_eps: float
+    layers: tuple[FoldedBlock, ...]
+    query: Tensor  # [d, H] (transposed), out_norm folded into lm_head_query_in
+    query_bias: Tensor  # [H]
+    out_eps: float
+
+
+def _fold(norm: RMSNormWithBias, weight: Tensor) -> tuple[Tensor, Tensor]:
+    """``weight @ (x_hat * g + b)`` = ``(weight * g) @ x_hat + weight @ b``: (folded weight, bias),
+    computed in float32 (float64 for float64 weights) and returned in the weight's dtype."""
+    cd = compute_dtype(weight.dtype)
+    w, g, b = weight.to(cd), norm.weight.to(cd), norm.bias.to(cd)
+    return (w * g).to(weight.dtype), (w @ b).to(weight.dtype)
+
+
+def _rotate_rows(rows: Tensor, n_heads: int, head_dim: int) -> Tensor:
+    """Rows [n_heads * head_dim, ...] of a projection -> the rows that give ``rotate_half`` of its
+    output per head: ``(-x2, x1)`` for ``x = (x1, x2)``."""
+    r = rows.unflatten(0, (n_heads, head_dim))
+    half = head_dim // 2
+    return torch.cat([-r[:, half:], r[:, :half]], dim=1).flatten(0, 1)
+
+
+def _fold_block(layer) -> FoldedBlock:
+    d, heads, hd = layer.qkv.weight.shape[1], layer.n_heads, layer.head_dim
+    w, b = _fold(layer.attn_norm, layer.qkv.weight)
+    rot_w = torch.cat([_rotate_rows(w[:d], heads, hd), _rotate_rows(w[d : 2 * d], heads, hd), torch.zeros_like(w[:d])])
+    rot_b = torch.cat([_rotate_rows(b[:d], heads, hd), _rotate_rows(b[d : 2 * d], heads, hd), torch.zeros_like(b[:d])])
+    gu, gu_b = _fold(layer.mlp_norm, layer.gate_up.weight)
+    return FoldedBlock(
+        qkv_rot=torch.cat([w, rot_w]).contiguous().t(),
+        qkv_rot_bias=torch.cat([b, rot_b]).contiguous(),
+        attn_eps=layer.attn_norm.eps,
+        o_proj=layer.o_proj.weight.t(),
+        gate_up=gu.contiguous().t(),
+        gate_up_bias=gu_b.contiguous(),
+        mlp_eps=layer.mlp_norm.eps,
+        down=layer.down.weight.t(),
+    )
+
+
+def _weights_key(weaver) -> tuple:
+    """Identity and version of every parameter (host-side only; inference tensors have no version
+    counter, and their data does not change in place outside inference mode)."""
+    key = []
+    for p in weaver.parameters():
+        try:
+            version = p._version
+        except RuntimeError:
+            version = -1
+        key.append((p.data_ptr(), version, p.dtype, p.device))
+    return tuple(key)
+
+
+def folded_weaver(weaver) -> FoldedWeaver:
+    """The folded weights of ``weaver``, computed once per version of its parameters and cached on
+    the module (a weight updated in place, a dtype or device change: folded again)."""
+    key = _weights_key(weaver)
+    cached = weaver.__dict__.get("_folded_weaver")
+    if cached is not None and cached[0] == key:
+        return cached[1]
+    with torch.no_grad():
+        tok, tok_b = _fold(weaver.embed_norm, weaver.token_in.weight)
+        qry, qry_b = _fold(weaver.out_norm, weaver.lm_head_query_in.weight)
+        folded = FoldedWeaver(
+            token_in=tok.contiguous().t(),
+            token_in_bias=tok_b,
+            embed_eps=weaver.embed_norm.eps,
+            layers=tuple(_fold_block(layer) for layer in weaver.layers),
+            query=qry.contiguous().t(),
+            query_bias=qry_b,
+            out_eps=weaver.out_norm.eps,
+        )
+    weaver.__dict__["_folded_weaver"] = (key, folded)  # not a module attribute: no state_dict entry
+    return folded
+
+
+def norm_linear(x: Tensor, weight_t: Tensor, bias: Tensor, eps: float) -> Tensor:
+    """``Linear(RMSNormWithBias(x))`` with the norm folded into (weight_t [in, out], bias [out]):
+    x [N, in] -> [N, out]."""
+    return torch.addmm(bias, F.rms_norm(x, (x.shape[-1],), eps=eps), weight_t)
