@@ -14,3 +14,15 @@ def randomize(module: torch.nn.Module, seed: int, scale: float = 0.3) -> torch.n
             noise = torch.randn(p.shape, generator=g, dtype=torch.float64) * scale
             p.copy_(1.0 + noise if name.endswith("norm.weight") else noise)
     return module
+
+
+class Recorder:
+    """Wraps a tree scorer and records every call's inputs and output (copies)."""
+
+    def __init__(self, scorer):
+        self.scorer, self.calls = scorer, []
+
+    def __call__(self, *args):
+        out = self.scorer(*args)
+        self.calls.append(([a.clone() for a in args], out.clone()))
+        return out

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from _models import randomize
+from _models import Recorder, randomize
 
 from vllm_tfm.models import (
     BatchedTreeFlashTransitionScorer,
@@ -41,16 +41,6 @@ def weaver_inputs(r: int, depth: int, seed: int, dtype: torch.dtype):
     vh = torch.randn(r, H, generator=g, dtype=F64).to(dtype)
     roots = torch.randint(0, V, (r,), generator=g)
     return w, embed, head, logits, dh, vh, roots
-
-
-class Recorder:
-    def __init__(self, scorer):
-        self.scorer, self.calls = scorer, []
-
-    def __call__(self, *args):
-        out = self.scorer(*args)
-        self.calls.append(([a.clone() for a in args], out.clone()))
-        return out
 
 
 @pytest.mark.parametrize("dtype, atol", [(torch.float64, 1e-12), (torch.float32, 2e-5)])

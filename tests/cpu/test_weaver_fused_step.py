@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from _models import randomize
+from _models import Recorder, randomize
 from _weaver_unfused import BatchedWeaverTreeScorerUnfused
 from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -37,16 +37,6 @@ def inputs(shape: str, r: int, depth: int, seed: int, dtype: torch.dtype = torch
     vh = torch.randn(r, h, generator=g).to(dtype)
     roots = torch.randint(0, V, (r,), generator=g)
     return w, embed, head, logits, dh, vh, roots
-
-
-class Recorder:
-    def __init__(self, scorer):
-        self.scorer, self.calls = scorer, []
-
-    def __call__(self, *args):
-        out = self.scorer(*args)
-        self.calls.append(([a.clone() for a in args], out.clone()))
-        return out
 
 
 def scorers(w, embed, head, logits, dh, vh, top_k, budget):

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from _models import randomize
+from _models import Recorder, randomize
 from _weaver_before import BatchedWeaverTreeScorerBefore, build_weaver_padded_before
 from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -49,16 +49,6 @@ def model_inputs(r: int, depth: int, seed: int):
     vh = torch.randn(r, H, generator=g)
     roots = torch.randint(0, V, (r,), generator=g)
     return w, embed, head, logits, dh, vh, roots
-
-
-class Recorder:
-    def __init__(self, scorer):
-        self.scorer, self.calls = scorer, []
-
-    def __call__(self, *args):
-        out = self.scorer(*args)
-        self.calls.append(([a.clone() for a in args], out.clone()))
-        return out
 
 
 def assert_same_calls(new: Recorder, old: Recorder) -> None:
