@@ -103,24 +103,42 @@ def verify_greedy(logits: Tensor, trees: TreeBatch, tables: TreeTables | None = 
     return accept_result_from_last_node(trees, cur, target[cur], tables)
 
 
-def _target_only_node_table(probs: Tensor, trees: TreeBatch, tables: TreeTables) -> Tensor:
-    """What a node's acceptance step reads that does not depend on the walk, for all nodes at once.
+WALK_CHUNK_ELEMENTS = 1 << 27
+"""Entries of one chunk of the target-only decision rows ([rows, C + V] float64: 1 GiB); more nodes
+than fit are decided in several chunks, which bounds the verifier's transient memory."""
 
-    Returns [T, 4C] int64: children | C + scatter columns | the children's weights | the values
-    scattered (the last two are float64 bit patterns, so that one gather per step fetches all).
-    The weights are p(child) for the first occurrence of a token among the children, else 0. The
-    scatter columns are the children's tokens: padding slots repeat the first child's token
-    (writing its 0 again), and a node without children writes p[0] onto itself, so scattering the
-    values into the node's p row removes exactly the children's tokens from the rest.
+
+def _target_only_decisions(probs: Tensor, trees: TreeBatch, tables: TreeTables, u: Tensor) -> Tensor:
+    """[T] int64: the inverse-CDF outcome k of every node's acceptance step, for all nodes at once.
+
+    Node i of request r at depth d reads uniform ``u[r, d]`` (the walk reaches depth d at its d-th
+    step), so its decision does not depend on the walk and is computed before it. Its weights are
+    [children's weights | p with the children's tokens removed]: a child's weight is p(child) for
+    the first occurrence of a token among the children, else 0; the children's tokens are zeroed
+    in the p row by one scatter (padding slots repeat the first child's token, writing its 0
+    again; a node without children writes p[0] onto itself). k < C accepts child slot k, k >= C
+    stops with bonus token k - C. Row by row the same float64 values, cumsum and comparison as a
+    walk that builds the current nodes' rows at each depth, so the same outcomes bit for bit.
     """
     table = tables.children
+    c = table.shape[1]
     valid = table >= 0
     tok = torch.where(valid, trees.tokens[table.clamp(min=0)], 0)
     counted = first_occurrence(tok, valid)
     cols = torch.where(valid, tok, tok[:, :1])
     at_cols = probs.gather(1, cols).to(torch.float64)
-    weights = torch.cat([torch.where(counted, at_cols, 0.0), torch.where(valid[:, :1], 0.0, at_cols)], dim=1)
-    return torch.cat([table, cols + table.shape[1], weights.view(torch.int64)], dim=1)
+    child_w = torch.where(counted, at_cols, 0.0)
+    removed = torch.where(valid[:, :1], 0.0, at_cols)
+    scatter_cols = cols + c
+    u_node = u[tables.node_request, trees.depth]  # [T]
+    num_nodes = probs.shape[0]
+    rows = max(1, WALK_CHUNK_ELEMENTS // (c + probs.shape[1]))
+    ks = []
+    for a in range(0, num_nodes, rows):
+        b = min(a + rows, num_nodes)
+        w = torch.cat([child_w[a:b], probs[a:b]], dim=1).scatter_(1, scatter_cols[a:b], removed[a:b])
+        ks.append(inverse_cdf(w, u_node[a:b]))
+    return ks[0] if len(ks) == 1 else torch.cat(ks)
 
 
 def verify_target_only(
@@ -134,9 +152,9 @@ def verify_target_only(
 
     probs: [T, V] processed target probabilities at every node. uniforms: [R, Dmax + 1] (column d
     at the depth-d node), else drawn from ``generator``. Decisions in float64. tables: the
-    batch's ``TreeTables`` (built from ``trees`` when None). The walk takes one step per depth
-    (each reads the current nodes' rows of ``probs``); what does not depend on the walk is
-    computed for every node before it.
+    batch's ``TreeTables`` (built from ``trees`` when None). Every node's decision is computed at
+    once (it reads the uniform of its own depth, so it does not depend on the walk); the walk
+    from the roots is then ceil(log2 Dmax) rounds of pointer doubling, as in ``verify_greedy``.
     """
     _check_rows(probs, trees, "probs")
     tables = _tables(trees, tables)
@@ -147,21 +165,16 @@ def verify_target_only(
     else:
         u = check_uniforms(uniforms, num_req, dmax + 1, "verify_target_only").to(probs.device)
     c = tables.max_children
-    node_table = _target_only_node_table(probs, trees, tables)
-    cur = tables.starts
-    done = torch.zeros(num_req, dtype=torch.bool, device=probs.device)
-    chosen = torch.full((num_req,), c - 1, dtype=torch.long, device=probs.device)  # bonus + C
-    for d in range(dmax + 1):
-        row = node_table[cur]
-        weights = row[:, 2 * c :].view(torch.float64)
-        # [children's weights | p with the children's tokens removed] (the cat promotes p to float64)
-        w = torch.cat([weights[:, :c], probs[cur]], dim=1).scatter_(1, row[:, c : 2 * c], weights[:, c:])
-        k = inverse_cdf(w, u[:, d])
-        stop = k >= c
-        chosen = torch.where(stop > done, k, chosen)  # stops here: stop and not done before
-        done = done | stop
-        cur = torch.where(done, cur, row[:, :c].gather(1, k.clamp(max=c - 1).unsqueeze(1)).squeeze(1))
-    return accept_result_from_last_node(trees, cur, chosen - c, tables)
+    k = _target_only_decisions(probs, trees, tables, u)
+    stop = k >= c
+    child = tables.children.gather(1, k.clamp(max=c - 1).unsqueeze(1)).squeeze(1)
+    nxt = torch.where(stop, torch.arange(trees.num_nodes, device=probs.device), child)
+    steps = 1
+    while steps < dmax:  # after Dmax steps every walk rests at a node that stops
+        nxt = nxt[nxt]
+        steps *= 2
+    cur = nxt[tables.starts] if dmax > 0 else tables.starts
+    return accept_result_from_last_node(trees, cur, k[cur] - c, tables)
 
 
 def verify_tree(
