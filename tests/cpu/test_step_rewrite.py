@@ -210,6 +210,22 @@ def test_target_only_matches(name, make, mode, dtype):
     same_result(verify_target_only(probs, trees, generator=g1), before.verify_target_only_before(probs, trees, generator=g2))
 
 
+@pytest.mark.parametrize("chunk", [1, 3 * 7, 10**9])
+def test_target_only_decisions_in_chunks_match(chunk, monkeypatch):
+    """Nodes decided in chunks of rows (one per node, a few, all at once): the same outcomes."""
+    from vllm_tfm.verify import sampling
+
+    gen = torch.Generator().manual_seed(21)
+    trees = batch(random_trees(gen, 4, kinds=("deep", "random")), 5, gen)
+    probs = node_probs(trees, gen, 5, "full", torch.float32)
+    u = torch.rand(trees.num_requests, int(trees.depth.max()) + 1, generator=gen, dtype=torch.float64)
+    want = before.verify_target_only_before(probs, trees, uniforms=u)
+    monkeypatch.setattr(sampling, "WALK_CHUNK_ELEMENTS", chunk)
+    got = verify_target_only(probs, trees, uniforms=u)
+    same_result(got, want)
+    assert int(want.num_accepted.max()) >= 2  # the walks go below the roots
+
+
 def test_target_only_walks_a_planted_full_path():
     """Probability 1 on the path's children: every request accepts its first deepest path."""
     gen = torch.Generator().manual_seed(5)

@@ -216,11 +216,16 @@ def process_logits(logits: Tensor, params: TreeSamplingParams, cu_nodes: Tensor)
     x = logits.to(dtype)
     expand = lambda v: None if v is None else per_node(v.to(x.device), cu_nodes, num_nodes)  # noqa: E731
     temperature = expand(params.temperature)
-    greedy = temperature < GREEDY_TEMPERATURE_EPS
-    x = apply_temperature(x, temperature)
+    # with a host copy of the greedy mask saying no request is greedy, the unit temperatures and
+    # the one-hot rows would be replaced by nothing: skipped (same values, 8 kernels fewer)
+    none_greedy = params.host_greedy is not None and not bool(params.host_greedy.any())
+    x = x / temperature.to(x.dtype).unsqueeze(1) if none_greedy else apply_temperature(x, temperature)
     if params.min_p is not None:
         x = apply_min_p(x, expand(params.min_p))
     x = apply_top_k_top_p(x, expand(params.top_k), expand(params.top_p))
     probs = torch.softmax(x, dim=-1)
+    if none_greedy:
+        return probs
+    greedy = temperature < GREEDY_TEMPERATURE_EPS
     one_hot = torch.zeros_like(probs).scatter_(1, logits.argmax(dim=-1, keepdim=True), 1.0)
     return torch.where(greedy.unsqueeze(1), one_hot, probs)

@@ -211,12 +211,12 @@ def verify_tree(
     greedy = verify_greedy(logits, trees, tables) if any_greedy else None
     if greedy is not None and host is not None and bool(host.all()):
         return greedy
-    greedy_rows = params.greedy_mask().to(logits.device)
-    if host is None and bool(greedy_rows.all()):  # reads the device (no host copy of the mask)
+    greedy_rows = None if greedy is None else params.greedy_mask().to(logits.device)
+    if host is None and greedy_rows is not None and bool(greedy_rows.all()):  # reads the device (no host copy)
         return greedy
     probs = process_logits(logits, params, trees.cu_nodes)
     if method == "target_only":
         sampled = verify_target_only(probs, trees, generator, uniforms, tables)
     else:
         sampled = verify_traversal(probs, trees, draft_probs, generator, uniforms)
-    return sampled if greedy is None else greedy.select(greedy_rows, sampled)
+    return sampled if greedy is None or greedy_rows is None else greedy.select(greedy_rows, sampled)
