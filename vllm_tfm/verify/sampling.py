@@ -103,9 +103,11 @@ def verify_greedy(logits: Tensor, trees: TreeBatch, tables: TreeTables | None = 
     return accept_result_from_last_node(trees, cur, target[cur], tables)
 
 
-WALK_CHUNK_ELEMENTS = 1 << 27
-"""Entries of one chunk of the target-only decision rows ([rows, C + V] float64: 1 GiB); more nodes
-than fit are decided in several chunks, which bounds the verifier's transient memory."""
+WALK_CHUNK_ELEMENTS = 1 << 24
+"""Entries of one chunk of the target-only decision rows ([rows, C + V] float64: 128 MiB, a few
+times that in temporaries); more nodes than fit are decided in several chunks, which bounds the
+verifier's transient memory (vLLM's memory profile does not see it). At a 248k vocabulary one
+chunk holds ~67 nodes: a request's whole tree at B <= 64, so batch 1 runs in one chunk."""
 
 
 def _target_only_decisions(probs: Tensor, trees: TreeBatch, tables: TreeTables, u: Tensor) -> Tensor:
