@@ -13,7 +13,7 @@
 #     bash bench/run_gpu_step_ops.sh
 #
 # Writes $OUT/pytest.log, $OUT/step_ops_cuda.json (labels "batched": the current code, and "before") and
-# $OUT/bench_*.log. About 4-6 minutes.
+# $OUT/step_ops_*.log. About 4-6 minutes.
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.." || exit 1
 OUT=${OUT:-/tmp/step-ops-out}
@@ -28,9 +28,9 @@ timeout 300 python3 -m pytest -q tests/gpu/test_step_rewrite_gpu.py tests/gpu/te
 echo "gpu tests exit code $?"; tail -5 "$OUT/pytest.log"
 rc=0
 timeout 150 python3 bench/step_ops.py --device cuda --label batched --repeats 20 \
-    --out "$OUT/step_ops_cuda.json" >"$OUT/bench_after.log" 2>&1 || rc=$?
-echo "bench (current) exit code $rc"; grep "^R=" "$OUT/bench_after.log"; tail -3 "$OUT/bench_after.log"
+    --out "$OUT/step_ops_cuda.json" >"$OUT/step_ops_after.log" 2>&1 || rc=$?
+echo "bench (current) exit code $rc"; grep "^R=" "$OUT/step_ops_after.log"; tail -3 "$OUT/step_ops_after.log"
 timeout 150 python3 bench/step_ops.py --device cuda --impl before --label before --repeats 20 \
-    --out "$OUT/step_ops_cuda.json" >"$OUT/bench_before.log" 2>&1 || rc=$?
-echo "bench (previous) exit code $rc"; grep "^R=" "$OUT/bench_before.log"; tail -3 "$OUT/bench_before.log"
+    --out "$OUT/step_ops_cuda.json" >"$OUT/step_ops_before.log" 2>&1 || rc=$?
+echo "bench (previous) exit code $rc"; grep "^R=" "$OUT/step_ops_before.log"; tail -3 "$OUT/step_ops_before.log"
 exit $rc

@@ -623,7 +623,9 @@ def fresh_param_array(kernel: Any, args: Any) -> Any:
     from vllm_tfm.kernels import loader
 
     values = [loader._ctype_arg(a) for a in args]
-    return (ctypes.c_void_p * max(len(values), 1))(*map(ctypes.addressof, values))
+    params = (ctypes.c_void_p * max(len(values), 1))(*map(ctypes.addressof, values))
+    params.values = values  # the array holds their addresses only: keep them alive until the launch
+    return params
 
 
 def main() -> None:

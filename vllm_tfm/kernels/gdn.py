@@ -51,10 +51,11 @@ RT, KC = 64, 32  # projection tile rows and staged K chunk (GDN_RT, GDN_KC in th
 PAIR_WINDOW = 4096  # most pair entries staged in shared memory at once
 COMMIT_THREADS, COMMIT_BV, COMMIT_PC = 128, 16, 32
 # Kernel versions of the verify (GDN_VARIANT in the source; bench/NOTES.md): 1 = first measured,
-# 2 = fewer serial latencies, 3 = version 2 with the projections on tensor cores (3xTF32, opt-in
-# until measured). All compute the same function; 2 is the default.
+# 2 = fewer serial latencies, 3 = version 2 with the projections on tensor cores (3xTF32). All
+# compute the same function; 3 is the default: faster than 2 at every measured size on the H200
+# (1.02-1.46x, bench/results/gdn_tree_v3.json; bench/NOTES.md section 19).
 VERIFY_VARIANTS = (1, 2, 3)
-DEFAULT_VERIFY_VARIANT = 2
+DEFAULT_VERIFY_VARIANT = 3
 
 DTYPE_CODE = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 NOT_CUDA = "inputs are not CUDA tensors"  # the reference is the CPU implementation: no warning
