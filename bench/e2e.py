@@ -16,6 +16,9 @@ this script) measures, for each arm, output tokens/s at batch 1 and batch 8:
   tfm16/32/64-graphs  (optional) the tfm arms with torch.compile + piecewise CUDA graphs (opt-in cudagraph_mode PIECEWISE):
                  PIECEWISE target and DFlash graphs, capture sizes k * (B + 1) for k <= max batch
                  (vllm_tfm/vllm_plugin/cuda_graphs.py); Weaver and the tree build stay eager
+  tfm16/32/64-full  (optional) as -graphs with cudagraph_mode FULL_AND_PIECEWISE: tree steps whose
+                 requests all verify B drafts replay one full graph of the target forward with the
+                 tree verify inside (vllm_tfm/vllm_plugin/runtime/full_graphs.py)
 
 The target is written here with the exact Qwen3.6-27B text shape (``bench/e2e_models.py``) and
 loaded with dummy weights (``load_format="dummy"``, bf16, about 54 GB), the drafter is the
@@ -82,6 +85,7 @@ class Arm:
     kind: str  # nospec | dflash | tfm
     budget: int | None = None  # tfm tree budget B
     graphs: bool = False
+    full: bool = False  # tfm with cudagraph_mode FULL_AND_PIECEWISE: tree steps replay full graphs
 
     @property
     def num_speculative_tokens(self) -> int:
@@ -99,6 +103,9 @@ ARMS: dict[str, Arm] = {
     "tfm16-graphs": Arm("tfm16-graphs", "tfm", 16, graphs=True),
     "tfm32-graphs": Arm("tfm32-graphs", "tfm", 32, graphs=True),
     "tfm64-graphs": Arm("tfm64-graphs", "tfm", 64, graphs=True),
+    "tfm16-full": Arm("tfm16-full", "tfm", 16, graphs=True, full=True),
+    "tfm32-full": Arm("tfm32-full", "tfm", 32, graphs=True, full=True),
+    "tfm64-full": Arm("tfm64-full", "tfm", 64, graphs=True, full=True),
 }
 DEFAULT_ARMS = "nospec,dflash,tfm32,tfm64,tfm16"
 
@@ -131,7 +138,7 @@ def arm_estimate_s(arm: Arm, measured_starts: list[float], batches: list[int], o
     # the latest start: the first engine fills the JIT caches (134 s on the H200), later ones took ~10 s
     start = (measured_starts[-1] if measured_starts else FIRST_START_GUESS_S) + START_MARGIN_S
     if arm.graphs:
-        start += 120.0  # torch.compile + graph capture
+        start += 120.0 + (60.0 if arm.full else 0.0)  # torch.compile + graph capture (full graphs: a second set)
     return start + measure_estimate_s(arm, batches, output_len, mal, clean_run)
 
 
@@ -187,8 +194,9 @@ def engine_kwargs(arm: Arm, s: dict[str, Any], plan: dict[str, Any]) -> dict[str
         kw["compilation_config"] = {"custom_ops": ["none"], "cudagraph_capture_sizes": [1, 2, 4, 8]}
     if arm.graphs and arm.kind == "dflash":
         kw["compilation_config"] = {"custom_ops": ["none"], "cudagraph_capture_sizes": [1, 2, 4, 8, 16, 32, 64, 128]}
-    if arm.graphs and arm.kind == "tfm":  # the opt-in; tfm picks its capture sizes
-        kw["compilation_config"] = {"custom_ops": ["none"], "cudagraph_mode": "PIECEWISE"}
+    if arm.graphs and arm.kind == "tfm":  # tfm picks its capture sizes
+        mode = "FULL_AND_PIECEWISE" if arm.full else "PIECEWISE"
+        kw["compilation_config"] = {"custom_ops": ["none"], "cudagraph_mode": mode}
     if arm.kind == "dflash":
         kw["speculative_config"] = {
             "method": "dflash", "model": s["drafter"], "num_speculative_tokens": DFLASH_K,
@@ -257,7 +265,7 @@ def run_arm(arm: Arm, settings_path: Path) -> int:
     """Child: one engine, warm-up, the (clean and) timed runs per batch size -> work/arm_<name>.json."""
     s = json.loads(settings_path.read_text())
     plan = s["plans"].get(arm.name, {})
-    res: dict[str, Any] = {"arm": arm.name, "kind": arm.kind, "budget": arm.budget, "graphs": arm.graphs,
+    res: dict[str, Any] = {"arm": arm.name, "kind": arm.kind, "budget": arm.budget, "graphs": arm.graphs, "full": arm.full,
                            "num_speculative_tokens": arm.num_speculative_tokens, "status": "started",
                            "profile_entry": plan.get("label"), "profile_mal": plan.get("mal"), "batches": {}}
     path = Path(s["work"]) / f"arm_{arm.name}.json"

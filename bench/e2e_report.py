@@ -196,7 +196,8 @@ def _arm_desc(arm: dict[str, Any]) -> str:
         return "no speculation" + (" (CUDA graphs)" if arm.get("graphs") else "")
     if kind == "dflash":
         return f"vLLM DFlash chain, K={arm.get('num_speculative_tokens')}" + (" (CUDA graphs)" if arm.get("graphs") else "")
-    return f"tfm (Weaver trees), B={arm.get('budget')}" + (" (CUDA graphs)" if arm.get("graphs") else "")
+    graphs = " (full CUDA graphs of tree steps)" if arm.get("full") else " (CUDA graphs)"
+    return f"tfm (Weaver trees), B={arm.get('budget')}" + (graphs if arm.get("graphs") else "")
 
 
 def render_markdown(results: dict[str, Any]) -> str:

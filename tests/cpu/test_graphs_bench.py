@@ -80,3 +80,15 @@ def test_verdicts_and_graph_usage() -> None:
     assert not v["tfm-fullpw == nospec-graphs"]["equal"]
     assert v["tfm-fullpw == nospec-graphs"]["b8"] == {"missing": ["tfm-fullpw"]}
     assert g.graph_usage(runs)["tfm-fullpw"]["ok"] is False
+
+
+def test_graph_usage_wants_full_tree_steps_of_the_full_and_piecewise_engine() -> None:
+    def engine(counts: dict[str, int]) -> dict[str, object]:
+        return {"status": "ok", "b8_graph_steps": counts, "b1_graph_steps": {}}
+
+    full = {"cudagraph.tree.FULL": 9, "cudagraph.tree.PIECEWISE": 4, "cudagraph.other.PIECEWISE": 2}
+    usage = g.graph_usage({"tfm-fullpw": engine(full), "tfm-graphs": engine(full)})
+    assert usage["tfm-fullpw"]["ok"] is True
+    assert usage["tfm-graphs"]["ok"] is False  # the piecewise engine must never replay a full graph
+    usage = g.graph_usage({"tfm-fullpw": engine({"cudagraph.tree.PIECEWISE": 13})})
+    assert usage["tfm-fullpw"]["ok"] is False

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-__all__ = ["TreePlan", "CommitIndices"]
+__all__ = ["TreePlan", "CommitIndices", "upload_into"]
 
 
 def _depths(gpar: Tensor) -> Tensor:
@@ -70,73 +70,91 @@ class TreePlan:
         Raises ValueError naming the first malformed entry.
         """
         target = torch.device(device) if device is not None else parents.device
-        if parents.dim() != 1 or cu_nodes.dim() != 1 or cu_nodes.numel() < 2:
-            raise ValueError(
-                f"parents must be [T] and cu_nodes [R+1] with R >= 1, got {tuple(parents.shape)} and {tuple(cu_nodes.shape)}"
-            )
-        if parents.dtype.is_floating_point or cu_nodes.dtype.is_floating_point:
-            raise ValueError("parents and cu_nodes must be integer tensors")
-        par = parents.detach().to("cpu", torch.long)
-        cu = cu_nodes.detach().to("cpu", torch.long)
-        t_nodes = par.numel()
-        r_req = cu.numel() - 1
-        counts = cu.diff()
-        if int(cu[0]) != 0 or int(cu[-1]) != t_nodes:
-            raise ValueError(f"cu_nodes must start at 0 and end at the number of nodes {t_nodes}, got {int(cu[0])}..{int(cu[-1])}")
-        if bool((counts <= 0).any()):
-            r = int(torch.nonzero(counts <= 0)[0])
-            raise ValueError(f"request {r} has {int(counts[r])} nodes in cu_nodes; every tree needs at least its root")
-        if t_nodes >= 2**31:
-            raise ValueError(f"{t_nodes} nodes do not fit the kernels' int32 indices")
-        req_of = torch.repeat_interleave(torch.arange(r_req), counts)
-        bos = cu[:-1][req_of]
-        local = torch.arange(t_nodes) - bos
-        is_root = local == 0
-        bad = (is_root & (par != -1)) | (~is_root & ((par < 0) | (par >= local)))
-        if bool(bad.any()):
-            i = int(torch.nonzero(bad)[0])
-            raise ValueError(
-                f"parents[{i}] = {int(par[i])} is invalid for local node {int(local[i])} of request {int(req_of[i])}: "
-                "the root needs -1 and every other node 0 <= parent < its local index"
-            )
-        gpar = torch.where(is_root, torch.full_like(par, -1), par + bos)
-        depth = _depths(gpar)
-        max_depth = int(depth.max())
+        t = _host_tables(parents, cu_nodes)
+        packed = torch.cat([t.cu, t.perm, t.pos, t.depth, t.pair_off, t.pair_j, t.req_of]).to(torch.int32).to(target)
+        return t.plan_over(packed, t.num_pairs, t.max_depth, t.max_pairs_per_request)
 
-        # level order: stable sort by (request, depth); node index breaks ties
-        perm = torch.sort(req_of * (max_depth + 1) + depth, stable=True).indices
-        pos = torch.empty_like(perm)
-        pos[perm] = torch.arange(t_nodes)
+    @staticmethod
+    def build_into(buffer: Tensor, parents: Tensor, cu_nodes: Tensor, nodes_per_request: int) -> "TreePlan":
+        """The plan of a batch whose R trees all have ``nodes_per_request`` nodes, written into ``buffer``
+        (int32, on the device, at least :meth:`fixed_size` entries) in a layout and with scalars that
+        depend only on R and n = ``nodes_per_request``, never on the tree shapes.
 
-        # ancestor table by depth: anc[i, e] = ancestor of i at depth e (e <= depth[i])
-        anc = torch.full((t_nodes, max_depth + 1), -1, dtype=torch.long)
-        rows = torch.arange(t_nodes)
-        cur = rows.clone()
-        for step in range(max_depth + 1):
-            col = depth - step
-            ok = col >= 0
-            anc[rows[ok], col[ok]] = cur[ok]
-            cur = torch.where(cur >= 0, gpar[cur.clamp(min=0)], cur)
-        lengths = depth[perm] + 1
-        keep = torch.arange(max_depth + 1)[None, :] < lengths[:, None]
-        pair_j = anc[perm][keep]
-        pair_off = torch.zeros(t_nodes + 1, dtype=torch.long)
-        pair_off[1:] = lengths.cumsum(0)
-        num_pairs = int(pair_off[-1])
-        if num_pairs >= 2**31:
-            raise ValueError(f"the batch has {num_pairs} (node, ancestor) pairs; the kernels index them with int32")
-        per_request = pair_off[cu[1:]] - pair_off[cu[:-1]]
+        For launches recorded once and replayed with other trees (CUDA graphs): the tables' addresses,
+        the kernels' grids and shared memory and every scalar argument are those of the worst case
+        (max depth n - 1, n (n + 1) / 2 pairs per request, the pair tables padded to that), the table
+        contents are this batch's. Every kernel computes the same values as with :meth:`build`: they
+        read depths and pair offsets from the tables and use the scalars only as bounds and strides.
+        The host-to-device copy is ordered on the current stream (a launch recorded earlier that reads
+        the buffer sees the old tables). Raises ValueError on a malformed tree or another node count.
+        """
+        t = _host_tables(parents, cu_nodes)
+        n = int(nodes_per_request)
+        if bool((t.cu.diff() != n).any()):
+            raise ValueError(f"every tree must have {n} nodes for a fixed-layout plan, got counts {t.cu.diff().tolist()}")
+        r = t.cu.numel() - 1
+        cap = TreePlan.fixed_pairs_per_request(n)
+        pair_j = torch.zeros(r * cap, dtype=torch.long)
+        pair_j[: t.num_pairs] = t.pair_j
+        packed = torch.cat([t.cu, t.perm, t.pos, t.depth, t.pair_off, pair_j, t.req_of]).to(torch.int32)
+        if buffer.dtype != torch.int32 or buffer.dim() != 1 or buffer.numel() < packed.numel():
+            raise ValueError(f"buffer must be a 1-d int32 tensor of >= {packed.numel()} entries, got "
+                             f"{buffer.dtype} {tuple(buffer.shape)}")
+        view = buffer[: packed.numel()]
+        upload_into(view, packed)
+        return t.plan_over(view, r * cap, n - 1, cap)
 
-        packed = torch.cat([cu, perm, pos, depth, pair_off, pair_j, req_of]).to(torch.int32).to(target)
-        sizes = [r_req + 1, t_nodes, t_nodes, t_nodes, t_nodes + 1, num_pairs, t_nodes]
+    @staticmethod
+    def fixed_pairs_per_request(nodes_per_request: int) -> int:
+        """(node, ancestor) pairs of a chain of n nodes: the most a tree of n nodes has."""
+        n = int(nodes_per_request)
+        return n * (n + 1) // 2
+
+    @staticmethod
+    def fixed_size(num_requests: int, nodes_per_request: int) -> int:
+        """int32 entries of a :meth:`build_into` plan of R trees of n nodes."""
+        r, n = int(num_requests), int(nodes_per_request)
+        return (r + 1) + 5 * r * n + 1 + r * TreePlan.fixed_pairs_per_request(n)
+
+
+def upload_into(dest: Tensor, host: Tensor) -> None:
+    """Copy the CPU tensor ``host`` into ``dest`` in stream order without making the host wait: on a
+    GPU through pinned memory, kept by PyTorch's host allocator until the copy has run."""
+    if dest.is_cuda:
+        dest.copy_(host.pin_memory(), non_blocking=True)
+    else:
+        dest.copy_(host)
+
+
+@dataclass(frozen=True)
+class _HostTables:
+    """A validated batch's plan tables on the host (int64), before packing."""
+
+    cu: Tensor
+    perm: Tensor
+    pos: Tensor
+    depth: Tensor
+    pair_off: Tensor
+    pair_j: Tensor
+    req_of: Tensor
+    max_nodes: int
+    max_depth: int
+    num_pairs: int
+    max_pairs_per_request: int
+
+    def plan_over(self, packed: Tensor, pairs_len: int, max_depth: int, max_pairs_per_request: int) -> TreePlan:
+        """The plan whose tables are the consecutive slices of ``packed`` (pair_j of ``pairs_len`` entries)."""
+        t_nodes = self.perm.numel()
+        r_req = self.cu.numel() - 1
+        sizes = [r_req + 1, t_nodes, t_nodes, t_nodes, t_nodes + 1, pairs_len, t_nodes]
         cu_d, perm_d, pos_d, depth_d, off_d, pj_d, req_d = torch.split(packed, sizes)
         return TreePlan(
             num_requests=r_req,
             num_nodes=t_nodes,
-            max_nodes=int(counts.max()),
+            max_nodes=self.max_nodes,
             max_depth=max_depth,
-            num_pairs=num_pairs,
-            max_pairs_per_request=int(per_request.max()),
+            num_pairs=pairs_len,
+            max_pairs_per_request=max_pairs_per_request,
             cu=cu_d,
             perm=perm_d,
             pos=pos_d,
@@ -145,6 +163,68 @@ class TreePlan:
             pair_j=pj_d,
             req_of=req_d,
         )
+
+
+def _host_tables(parents: Tensor, cu_nodes: Tensor) -> _HostTables:
+    """Validate a ragged batch and compute its plan tables on the CPU (``TreePlan`` module docstring)."""
+    if parents.dim() != 1 or cu_nodes.dim() != 1 or cu_nodes.numel() < 2:
+        raise ValueError(
+            f"parents must be [T] and cu_nodes [R+1] with R >= 1, got {tuple(parents.shape)} and {tuple(cu_nodes.shape)}"
+        )
+    if parents.dtype.is_floating_point or cu_nodes.dtype.is_floating_point:
+        raise ValueError("parents and cu_nodes must be integer tensors")
+    par = parents.detach().to("cpu", torch.long)
+    cu = cu_nodes.detach().to("cpu", torch.long)
+    t_nodes = par.numel()
+    r_req = cu.numel() - 1
+    counts = cu.diff()
+    if int(cu[0]) != 0 or int(cu[-1]) != t_nodes:
+        raise ValueError(f"cu_nodes must start at 0 and end at the number of nodes {t_nodes}, got {int(cu[0])}..{int(cu[-1])}")
+    if bool((counts <= 0).any()):
+        r = int(torch.nonzero(counts <= 0)[0])
+        raise ValueError(f"request {r} has {int(counts[r])} nodes in cu_nodes; every tree needs at least its root")
+    if t_nodes >= 2**31:
+        raise ValueError(f"{t_nodes} nodes do not fit the kernels' int32 indices")
+    req_of = torch.repeat_interleave(torch.arange(r_req), counts)
+    bos = cu[:-1][req_of]
+    local = torch.arange(t_nodes) - bos
+    is_root = local == 0
+    bad = (is_root & (par != -1)) | (~is_root & ((par < 0) | (par >= local)))
+    if bool(bad.any()):
+        i = int(torch.nonzero(bad)[0])
+        raise ValueError(
+            f"parents[{i}] = {int(par[i])} is invalid for local node {int(local[i])} of request {int(req_of[i])}: "
+            "the root needs -1 and every other node 0 <= parent < its local index"
+        )
+    gpar = torch.where(is_root, torch.full_like(par, -1), par + bos)
+    depth = _depths(gpar)
+    max_depth = int(depth.max())
+
+    # level order: stable sort by (request, depth); node index breaks ties
+    perm = torch.sort(req_of * (max_depth + 1) + depth, stable=True).indices
+    pos = torch.empty_like(perm)
+    pos[perm] = torch.arange(t_nodes)
+
+    # ancestor table by depth: anc[i, e] = ancestor of i at depth e (e <= depth[i])
+    anc = torch.full((t_nodes, max_depth + 1), -1, dtype=torch.long)
+    rows = torch.arange(t_nodes)
+    cur = rows.clone()
+    for step in range(max_depth + 1):
+        col = depth - step
+        ok = col >= 0
+        anc[rows[ok], col[ok]] = cur[ok]
+        cur = torch.where(cur >= 0, gpar[cur.clamp(min=0)], cur)
+    lengths = depth[perm] + 1
+    keep = torch.arange(max_depth + 1)[None, :] < lengths[:, None]
+    pair_j = anc[perm][keep]
+    pair_off = torch.zeros(t_nodes + 1, dtype=torch.long)
+    pair_off[1:] = lengths.cumsum(0)
+    num_pairs = int(pair_off[-1])
+    if num_pairs >= 2**31:
+        raise ValueError(f"the batch has {num_pairs} (node, ancestor) pairs; the kernels index them with int32")
+    per_request = pair_off[cu[1:]] - pair_off[cu[:-1]]
+    return _HostTables(cu, perm, pos, depth, pair_off, pair_j, req_of, int(counts.max()), max_depth, num_pairs,
+                       int(per_request.max()))
 
 
 @dataclass(frozen=True)

@@ -136,6 +136,39 @@ class TreeAttentionPlan:
         return TreeAttentionPlan(req, start, size, b, meta_dev, bits_dev)
 
     @staticmethod
+    def build_into(buffer: Tensor, tree_start: np.ndarray, parents: np.ndarray, nodes_per_request: int) -> TreeAttentionPlan:
+        """The plan of R requests that are all trees of n = ``nodes_per_request`` nodes (request r's rows
+        start at ``tree_start[r]``), written into ``buffer`` (int64 on the device, at least
+        :meth:`fixed_size` entries) at addresses that depend on R and n only: a launch recorded once
+        (CUDA graphs) reads the bitmasks of whatever batch was written last. ``parents``: [R n] local
+        parents in tree order. One host-to-device copy, in stream order, no host wait."""
+        from vllm_tfm.kernels.plan import upload_into
+
+        start = np.ascontiguousarray(tree_start, dtype=np.int64)
+        r, n = start.shape[0], int(nodes_per_request)
+        cu = np.arange(r + 1, dtype=np.int64) * n
+        bits = ragged_ancestor_bits(np.asarray(parents, dtype=np.int64), cu)
+        size = np.full(r, n, dtype=np.int64)
+        meta = np.concatenate([np.arange(r, dtype=np.int64), start, size, cu[:-1]]).astype(np.int32)
+        head = 2 * r
+        packed = np.zeros(head + bits.size, dtype=np.int64)
+        packed[:head].view(np.int32)[:] = meta
+        packed[head:] = bits.reshape(-1)
+        if buffer.dtype != torch.int64 or buffer.dim() != 1 or buffer.numel() < packed.size:
+            raise ValueError(f"buffer must be a 1-d int64 tensor of >= {packed.size} entries, got {buffer.dtype} "
+                             f"{tuple(buffer.shape)}")
+        dev = buffer[: packed.size]
+        upload_into(dev, torch.from_numpy(packed))
+        return TreeAttentionPlan(np.arange(r, dtype=np.int64), start, size, bits, dev[:head].view(torch.int32),
+                                 dev[head:].view(bits.shape[0], bits.shape[1]))
+
+    @staticmethod
+    def fixed_size(num_requests: int, nodes_per_request: int) -> int:
+        """int64 entries of a :meth:`build_into` plan of R trees of n nodes."""
+        r, n = int(num_requests), int(nodes_per_request)
+        return 2 * r + r * n * ((n + 63) // 64)
+
+    @staticmethod
     def from_parents(tree_req: np.ndarray, tree_start: np.ndarray, tree_size: np.ndarray, parents: np.ndarray,
                      device: torch.device | str) -> TreeAttentionPlan:
         """From the trees' local parents (flat, in tree order): bitmasks built vectorised on the host."""

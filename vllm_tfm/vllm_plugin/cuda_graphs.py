@@ -16,10 +16,12 @@ fields of vLLM's configs). tfm validates it and fills in what the user left unse
   whenever the target's mode has piecewise graphs); the Weaver build replays graphs of its own
   (``runtime/weaver_graphs.py``).
 * ``FULL_AND_PIECEWISE`` (accepted when asked for): a full graph holds the whole forward, so no
-  Python of tfm's runs at replay. Steps that verify trees therefore never replay a full graph:
-  they are dispatched to the piecewise graphs (``runtime/graph_dispatch.py``); only steps that
-  verify chains through vLLM's own path (proposal ``chain``, batches that need vLLM's sampler)
-  replay full decode graphs.
+  Python of tfm's runs at replay. tfm captures vLLM's full decode graphs (R requests x (B + 1)
+  tokens) with the tree verify inside, its tables in persistent buffers
+  (``runtime/full_graphs.py``): a tree step whose requests all verify B drafts replays the full
+  graph of its size; every other step (mixed batches, fewer drafts, chains verified by vLLM's own
+  path) replays the piecewise graphs (``runtime/graph_dispatch.py``). Needs the NVRTC kernel path
+  (the engine start says so otherwise).
 * ``FULL`` and ``FULL_DECODE_ONLY`` are refused: without piecewise graphs every tree step would
   run without graphs (FULL_DECODE_ONLY) or in a full graph that skips the tree code (FULL).
 
@@ -86,16 +88,20 @@ DECODE_CAPTURE_REQUESTS = 16
 BREAKABLE_ENV = "VLLM_USE_BREAKABLE_CUDAGRAPH"
 
 
-def tfm_capture_sizes(budget: int, max_num_seqs: int | None) -> list[int]:
+def tfm_capture_sizes(budget: int, max_num_seqs: int | None, full: bool = False) -> list[int]:
     """Capture sizes of a tfm engine with tree budget B = ``budget``.
 
     k * (B + 1) for k = 1..K (a step verifying k trees) and the powers of two up to K plus K (k
-    requests decoding one token, before their first drafts), K = min(max_num_seqs, 16).
+    requests decoding one token, before their first drafts), K = min(max_num_seqs, 16). With
+    ``full`` (full decode graphs: vLLM captures one for every size >= B + 1, which must then be a
+    multiple of B + 1) the one-token sizes >= B + 1 that are not multiples of B + 1 are left out.
     """
     if isinstance(budget, bool) or not isinstance(budget, int) or budget < 1:
         raise ValueError(f"the tree budget must be an integer >= 1, got {budget!r}")
     k = DECODE_CAPTURE_REQUESTS if max_num_seqs is None else max(1, min(int(max_num_seqs), DECODE_CAPTURE_REQUESTS))
     singles = {1 << i for i in range(k.bit_length())} | {k}
+    if full:
+        singles = {x for x in singles if x < budget + 1 or x % (budget + 1) == 0}
     trees = {r * (budget + 1) for r in range(1, k + 1)}
     return sorted(singles | trees)
 
@@ -207,7 +213,8 @@ def configure_engine_graphs(engine_args: Any, target_model_config: Any, budget: 
         )
     )
     if sizes_unset:
-        _set(compilation, "cudagraph_capture_sizes", tfm_capture_sizes(budget, getattr(engine_args, "max_num_seqs", None)))
+        _set(compilation, "cudagraph_capture_sizes",
+             tfm_capture_sizes(budget, getattr(engine_args, "max_num_seqs", None), full=mode == "FULL_AND_PIECEWISE"))
     return mode
 
 

@@ -47,6 +47,7 @@ from vllm.v1.attention.ops.triton_unified_attention import unified_attention
 from vllm_tfm.kernels.loader import KernelCompileError, KernelLaunchError
 from vllm_tfm.kernels.tree_attention import NOT_CUDA, tree_attention_planned, tree_attention_unsupported
 
+from .full_graphs import NEED_KERNELS
 from .kernels_or_reference import kernels_enabled
 from .stage_timing import TIMER
 from .state import STATE, AttnTree, StepTree
@@ -181,8 +182,9 @@ def kernel_tree_attention(
             _say_fallback(reason)
         return False
     try:
+        max_seq_len = getattr(step, "attn_max_seq_len", None) or int(attn_metadata.max_seq_len)  # a capture: the engine bound
         tree_attention_planned(step.attn_plan, query, key_cache, value_cache, attn_metadata.block_table,
-                               attn_metadata.seq_lens, impl.scale, output, int(attn_metadata.max_seq_len))
+                               attn_metadata.seq_lens, impl.scale, output, max_seq_len)
     except (KernelCompileError, KernelLaunchError) as exc:  # nothing was launched: this layer falls back for good
         impl._tfm_config_reason = f"{type(exc).__name__}: {exc}"
         _say_fallback(impl._tfm_config_reason)
@@ -229,6 +231,9 @@ class TFMTritonAttentionImpl(TritonAttentionImpl):
                 if kernel_tree_attention(self, query, kv_cache, attn_metadata, output, step):
                     if metrics is not None:
                         metrics.hook("attention.tree_kernel")
+                elif getattr(step, "graph_capture", None) is not None:
+                    reason = self.__dict__.get("_tfm_config_reason") or "the tree attention kernel cannot run here"
+                    raise RuntimeError(NEED_KERNELS.format(reason=reason))
                 else:
                     masked_tree_attention(self, layer, query, kv_cache, attn_metadata, output, step.attn_trees)
         return out

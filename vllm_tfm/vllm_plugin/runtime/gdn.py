@@ -40,6 +40,7 @@ from vllm_tfm.kernels import conv as kconv
 from vllm_tfm.kernels import gdn as kgdn
 from vllm_tfm.verify.gdn import gate_constants, gdn_gates
 
+from .full_graphs import NEED_KERNELS, LayerStash
 from .graph_dispatch import piece_outputs_are_reused
 from .kernels_or_reference import tree_ops
 from .stage_timing import TIMER
@@ -72,6 +73,7 @@ def spec_tree_gdn(
     head_v_dim: int,
     kernels: StepKernels | None = None,
     out: Tensor | None = None,
+    persistent: LayerStash | None = None,
 ) -> tuple[Tensor, GDNStash]:
     """Outputs of the spec rows of one GDN layer and the stash for the commit. Writes no state.
 
@@ -86,6 +88,9 @@ def spec_tree_gdn(
     out: optional [Ts, HV, V] destination of o (e.g. the spec rows of ``core_attn_out``): the verify
     kernel writes it directly when it is contiguous, 16-byte aligned and of x's dtype; otherwise
     (or on the reference path) o is a new tensor and the caller copies it.
+    persistent: the layer's stash buffers of a full tree graph capture (``full_graphs.py``): q|k, g
+    and delta are written there (x must be a view of its x already), and only the kernel path is
+    allowed (RuntimeError otherwise).
     Returns o [Ts, HV, V] in x.dtype (``out`` itself when it was written).
     """
     ops = tree_ops()
@@ -110,6 +115,8 @@ def spec_tree_gdn(
                 kernels.plan, x, conv_state, conv_slot, conv_weight, conv_bias, act, start
             )
         else:
+            if persistent is not None:
+                raise RuntimeError(NEED_KERNELS.format(reason="the tree conv1d cannot run as a kernel here"))
             y = ops.tree_causal_conv1d(x, parents, cu_nodes, conv_state, conv_slot, conv_weight, conv_bias, act, start)
     kd, vd = num_k_heads * head_k_dim, num_v_heads * head_v_dim
     q, k, v = torch.split(y, [kd, kd, vd], dim=-1)
@@ -120,14 +127,25 @@ def spec_tree_gdn(
     block_v = None
     if kernels is not None and kgdn.verify_unsupported_reason(q, k, v, ssm_state) is None:
         block_v = kernels.block_v(num_v_heads, head_k_dim, head_v_dim)
+    if persistent is not None and block_v is None:
+        raise RuntimeError(NEED_KERNELS.format(reason="the GDN tree verify cannot run as a kernel here"))
     with TIMER.span("gdn_tree_verify"):
         if block_v is not None:
             # the kernel reads contiguous q, k and v: q and k come out of one copy ([2, Ts, H, K], q then
             # k); keeping k in the stash spares the commit its own copy
-            q, k = _contiguous_qk(y, num_k_heads, head_k_dim)
+            delta_out = None
+            if persistent is not None:  # a full graph capture: what the commit reads goes to fixed addresses
+                t = y.shape[0]
+                qk = persistent.qk[:, :t]
+                qk.copy_(y[:, : 2 * num_k_heads * head_k_dim].view(t, 2, num_k_heads, head_k_dim).transpose(0, 1))
+                q, k = qk.unbind(0)
+                g = persistent.g[:t].copy_(g)
+                delta_out = persistent.delta[:t]
+            else:
+                q, k = _contiguous_qk(y, num_k_heads, head_k_dim)
             o, delta = kgdn.gdn_tree_verify_planned(
                 kernels.plan, q, k, v, g, beta, ssm_state, s0, return_delta=True, block_v=block_v,
-                out=out if _writable_out(out, v) else None,
+                out=out if _writable_out(out, v) else None, delta_out=delta_out,
             )
         else:
             o, delta = ops.gdn_tree_verify(q, k, v, g, beta, parents, cu_nodes, ssm_state, s0, return_delta=True)
@@ -293,7 +311,17 @@ def _tree_step_forward_core(
         w = self.conv1d.weight
         dest = core_attn_out[:num_tokens] if spec_idx is None else None  # the spec rows' outputs
         x = spec_rows(mixed_qkv)
-        if spec_idx is None and piece_outputs_are_reused():
+        graphs = getattr(step, "graph_capture", None)
+        persistent = None
+        if graphs is not None:  # a full tree graph capture: the commit's inputs at fixed addresses (full_graphs.py)
+            if spec_idx is not None:
+                raise RuntimeError("vllm-tfm: a full tree graph capture saw rows that are not spec decodes")
+            persistent = graphs.layer_stash(
+                self.prefix, x, self.num_k_heads // self.tp_size, self.head_k_dim, torch.float32,
+                self.num_v_heads // self.tp_size, self.head_v_dim, x.dtype,
+            )
+            x = persistent.x[:num_tokens].copy_(x)
+        elif spec_idx is None and piece_outputs_are_reused():
             x = x.clone()  # kept for the commit: a view of a CUDA-graph piece's output would be overwritten
         out, stash = spec_tree_gdn(
             x,
@@ -316,6 +344,7 @@ def _tree_step_forward_core(
             self.head_v_dim,
             kernels=step_kernels(step, mixed_qkv.device),
             out=dest,
+            persistent=persistent,
         )
         step.gdn[self.prefix] = stash
         if spec_idx is None:

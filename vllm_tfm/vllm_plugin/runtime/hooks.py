@@ -109,6 +109,9 @@ def _wrap_init(orig: Callable) -> Callable:
                 "(use_dflash() for method 'tfm') installed in this process?"
             )
         self._tfm_enabled = True
+        from .graph_dispatch import enable_tree_graphs
+
+        enable_tree_graphs(self, int(spec.num_speculative_tokens))  # FULL_AND_PIECEWISE: tree steps in full graphs
         self.rejection_sampler = TFMTreeSampler(self.rejection_sampler, self, replay=STATE.replay)
         STATE.metrics = Metrics(max_depth=int(spec.num_speculative_tokens), device=device)
         STATE.store = type(STATE.store)()

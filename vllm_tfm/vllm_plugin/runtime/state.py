@@ -17,7 +17,7 @@ topology of each request's tree stays here:
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -220,6 +220,9 @@ class StepTree:
     seq_positions: Tensor | None = None  # sequential positions of the T rows (for the drafter)
     accept: "AcceptResult | None" = None
     gdn: dict[str, GDNStash] = field(default_factory=dict)
+    graph_capture: Any = None  # full_graphs.TreeGraphs while this is the step of a full tree graph capture
+    attn_max_seq_len: int | None = None  # bound of seq_lens the tree attention sizes its key splits by (captures)
+    full_graph: bool = False  # replays a full tree graph (full_graphs.TreeGraphs.prepare_replay)
     _dev: dict[str, Tensor] = field(default_factory=dict, repr=False)
     _attn_trees: list[AttnTree] | None = field(default=None, repr=False)
     _sample_tables: TreeTables | None = field(default=None, repr=False)

@@ -33,7 +33,7 @@ from vllm_tfm.kernels.plan import CommitIndices, TreePlan
 from .kernels_or_reference import tree_ops
 from .state import StepTree
 
-__all__ = ["GroupSlots", "StepKernels", "step_kernels"]
+__all__ = ["GroupSlots", "StepKernels", "current_step_kernels", "set_step_kernels", "step_kernels"]
 
 
 @dataclass
@@ -59,15 +59,25 @@ class GroupSlots:
 class StepKernels:
     """Kernel tables of one tree-active step (module docstring)."""
 
-    def __init__(self, step: StepTree, device: torch.device) -> None:
+    def __init__(self, step: StepTree, device: torch.device, plan: TreePlan | None = None,
+                 groups: dict[int, GroupSlots] | None = None) -> None:
+        """plan: the step's tree plan when already built (a fixed-layout plan of full CUDA graphs,
+        ``full_graphs.py``), else built here from the step's trees; groups: the slots of each
+        KV-cache group when they are known already (computed by a captured graph), else computed on
+        first use."""
         self.step = step
         self.device = device
-        self.plan = TreePlan.build(
+        self.plan = plan if plan is not None else TreePlan.build(
             torch.from_numpy(step.spec_parents), torch.from_numpy(step.spec_cu), device=device
         )
-        self._groups: dict[int, GroupSlots] = {}
+        self._groups: dict[int, GroupSlots] = dict(groups) if groups else {}
         self._block_v: dict[tuple[int, int, int], int | None] = {}
         self._accepted: tuple[Tensor, ...] | None = None  # commit indices shared by every group
+
+    @property
+    def groups(self) -> dict[int, GroupSlots]:
+        """The groups computed so far, by ``id`` of their metadata tensor."""
+        return self._groups
 
     def group(self, state_indices: Tensor, num_accepted: Tensor) -> GroupSlots:
         """The slots of the group whose metadata holds ``state_indices`` [Rs, 1 + S] (computed once)."""
@@ -133,6 +143,17 @@ class StepKernels:
 
 
 _CURRENT: dict[str, StepKernels | None] = {"tables": None}
+
+
+def current_step_kernels(step: StepTree | None) -> StepKernels | None:
+    """The tables made for ``step`` so far (None when there are none or they belong to another step)."""
+    tables = _CURRENT["tables"]
+    return tables if tables is not None and step is not None and tables.step is step else None
+
+
+def set_step_kernels(tables: StepKernels | None) -> None:
+    """Make ``tables`` the current step's tables (``step_kernels`` returns them for their step)."""
+    _CURRENT["tables"] = tables
 
 
 def step_kernels(step: StepTree, device: torch.device) -> StepKernels | None:

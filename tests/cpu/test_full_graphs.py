@@ -1,0 +1,222 @@
+"""Full CUDA graphs of tree steps (runtime/full_graphs.py, graph_dispatch.py): fixed-layout plans equal the
+per-step plans, and the dispatch gives FULL only to steps that fit a captured tree graph."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+from vllm_tfm.kernels.plan import TreePlan
+from vllm_tfm.kernels.tree_attention import TreeAttentionPlan
+from vllm_tfm.tree.bitmask import ragged_ancestor_bits
+from vllm_tfm.vllm_plugin.cuda_graphs import tfm_capture_sizes
+
+
+def random_parents(rng: np.random.Generator, num_reqs: int, nodes: int, kind: str = "random") -> np.ndarray:
+    out = []
+    for _ in range(num_reqs):
+        p = [-1]
+        for i in range(1, nodes):
+            p.append({"chain": i - 1, "star": 0}.get(kind, int(rng.integers(0, i))))
+        out.append(p)
+    return np.asarray(out, dtype=np.int64).reshape(-1)
+
+
+@pytest.mark.parametrize("kind", ["random", "chain", "star"])
+@pytest.mark.parametrize(("num_reqs", "nodes"), [(1, 1), (1, 33), (3, 17), (8, 33)])
+def test_fixed_layout_plan_has_the_tables_of_the_plan(kind: str, num_reqs: int, nodes: int) -> None:
+    rng = np.random.default_rng(num_reqs * 100 + nodes)
+    parents = torch.from_numpy(random_parents(rng, num_reqs, nodes, kind))
+    cu = torch.arange(num_reqs + 1) * nodes
+    ref = TreePlan.build(parents, cu, device="cpu")
+    buf = torch.full((TreePlan.fixed_size(num_reqs, nodes) + 5,), -7, dtype=torch.int32)
+    fixed = TreePlan.build_into(buf, parents, cu, nodes)
+    for name in ("cu", "perm", "pos", "depth", "pair_off", "req_of"):
+        assert torch.equal(getattr(fixed, name), getattr(ref, name)), name
+    assert torch.equal(fixed.pair_j[: ref.num_pairs], ref.pair_j)
+    assert bool((fixed.pair_j[ref.num_pairs:] == 0).all())
+    cap = nodes * (nodes + 1) // 2
+    assert (fixed.num_pairs, fixed.max_pairs_per_request, fixed.max_depth) == (num_reqs * cap, cap, nodes - 1)
+    assert (fixed.num_nodes, fixed.num_requests, fixed.max_nodes) == (ref.num_nodes, ref.num_requests, ref.max_nodes)
+    assert fixed.max_depth >= ref.max_depth and fixed.max_pairs_per_request >= ref.max_pairs_per_request
+    # the layout depends on R and n only: another batch of the same size lands at the same addresses
+    other = TreePlan.build_into(buf, torch.from_numpy(random_parents(rng, num_reqs, nodes, "random")), cu, nodes)
+    assert all(getattr(other, n).data_ptr() == getattr(fixed, n).data_ptr() for n in ("cu", "perm", "pair_off", "pair_j"))
+    assert int(buf[-1]) == -7  # nothing written past the layout
+
+
+def test_fixed_layout_plan_refuses_other_node_counts_and_small_buffers() -> None:
+    parents = torch.tensor([-1, 0, -1, 0, 1])
+    cu = torch.tensor([0, 2, 5])
+    with pytest.raises(ValueError, match="every tree must have 2 nodes"):
+        TreePlan.build_into(torch.zeros(100, dtype=torch.int32), parents, cu, 2)
+    with pytest.raises(ValueError, match="buffer must be a 1-d int32 tensor"):
+        TreePlan.build_into(torch.zeros(3, dtype=torch.int32), torch.tensor([-1, 0]), torch.tensor([0, 2]), 2)
+    with pytest.raises(ValueError, match="parents\\[1\\] = 1 is invalid"):
+        TreePlan.build_into(torch.zeros(100, dtype=torch.int32), torch.tensor([-1, 1]), torch.tensor([0, 2]), 2)
+
+
+@pytest.mark.parametrize(("num_reqs", "nodes"), [(1, 1), (2, 33), (5, 65), (8, 17)])
+def test_fixed_layout_attention_plan_is_every_request_as_a_tree(num_reqs: int, nodes: int) -> None:
+    rng = np.random.default_rng(nodes)
+    parents = random_parents(rng, num_reqs, nodes)
+    starts = np.arange(num_reqs, dtype=np.int64) * nodes + 3  # rows need not start at 0
+    buf = torch.full((TreeAttentionPlan.fixed_size(num_reqs, nodes),), -1, dtype=torch.int64)
+    plan = TreeAttentionPlan.build_into(buf, starts, parents, nodes)
+    ref = TreeAttentionPlan.from_parents(np.arange(num_reqs), starts, np.full(num_reqs, nodes), parents, "cpu")
+    assert torch.equal(plan.meta, ref.meta) and torch.equal(plan.bits_dev, ref.bits_dev)
+    assert (plan.num_trees, plan.max_nodes, plan.words) == (num_reqs, nodes, (nodes + 63) // 64)
+    cu = np.arange(num_reqs + 1) * nodes
+    assert np.array_equal(plan.bits, ragged_ancestor_bits(parents, cu))
+    with pytest.raises(ValueError, match="buffer must be a 1-d int64 tensor"):
+        TreeAttentionPlan.build_into(buf[:-1], starts, parents, nodes)
+
+
+@pytest.mark.parametrize(("budget", "seqs"), [(32, 8), (4, 16), (7, 16), (15, 3), (1, 16)])
+def test_full_mode_capture_sizes_are_multiples_of_the_tree_step_from_its_size_up(budget: int, seqs: int) -> None:
+    n = budget + 1
+    sizes = tfm_capture_sizes(budget, seqs, full=True)
+    assert all(s % n == 0 for s in sizes if s >= n)  # vLLM captures a full decode graph for each of these
+    k = min(seqs, 16)
+    assert {r * n for r in range(1, k + 1)} <= set(sizes)
+    assert set(sizes) <= set(tfm_capture_sizes(budget, seqs))
+
+
+# ---- the runtime: capture step, replay, dispatch (CPU tensors stand in for the device) ---------------------
+from vllm_tfm.vllm_plugin.runtime import graph_dispatch  # noqa: E402
+from vllm_tfm.vllm_plugin.runtime.full_graphs import TreeGraphs, chain_parents, replayable, uniform_tree_step  # noqa: E402
+from vllm_tfm.vllm_plugin.runtime.state import STATE, StepTree  # noqa: E402
+from vllm_tfm.vllm_plugin.runtime.step_kernels import current_step_kernels  # noqa: E402
+
+
+def tree_step(num_reqs: int, nodes: int, rng: np.random.Generator, active: bool = True) -> StepTree:
+    parents = random_parents(rng, num_reqs, nodes)
+    qs = np.arange(num_reqs + 1, dtype=np.int64) * nodes
+    sched = np.full(num_reqs, nodes, dtype=np.int64)
+    return StepTree(num_reqs=num_reqs, num_tokens=num_reqs * nodes, tree_active=active, query_start=qs,
+                    num_scheduled=sched, num_draft=sched - 1, row_base=qs[:-1], req_index=np.repeat(np.arange(num_reqs), nodes),
+                    is_spec=np.ones(num_reqs, bool), is_tree=np.ones(num_reqs, bool), local_parent=parents,
+                    depth=np.zeros(num_reqs * nodes, np.int64), sample_parents=parents, sample_depth=np.zeros(num_reqs * nodes, np.int64),
+                    sample_cu=qs, spec_parents=parents, spec_cu=qs, spec_req_index=np.arange(num_reqs), device="cpu")
+
+
+def test_uniform_tree_step_needs_every_request_a_spec_row_of_b_drafts() -> None:
+    rng = np.random.default_rng(0)
+    step = tree_step(3, 5, rng)
+    assert uniform_tree_step(step, 5) and not uniform_tree_step(step, 6)
+    assert replayable(step, 5, {3: None}) and not replayable(step, 5, {2: None}) and not replayable(None, 5, {3: None})
+    step.is_spec = np.array([True, False, True])
+    step.spec_req_index = np.array([0, 2])
+    step.spec_parents = step.spec_parents[:10]
+    assert not uniform_tree_step(step, 5)
+    assert not uniform_tree_step(tree_step(2, 5, rng, active=False), 5)
+
+
+def test_capture_context_sets_the_capture_step_and_restores() -> None:
+    graphs = TreeGraphs(budget=4, max_reqs=3, max_seq_len=128, device=torch.device("cpu"))
+    assert graphs.requests_of(15) == 3
+    for bad in (14, 20, 0):
+        with pytest.raises(ValueError, match="is not a tree step of 1..3 requests x 5 tokens"):
+            graphs.requests_of(bad)
+    before = STATE.step
+    with graphs.capture(2):
+        step = STATE.step
+        assert step is not None and step.graph_capture is graphs and step.tree_active
+        assert np.array_equal(step.spec_parents, chain_parents(2, 5)) and step.attn_max_seq_len == 128
+        assert step.attn_plan.num_trees == 2 and step.attn_plan.meta.data_ptr() == graphs.attn_buffer.data_ptr()
+        graphs.begin_run()
+        tables = current_step_kernels(step)
+        assert tables is not None and tables.plan.cu.data_ptr() == graphs.plan_buffer.data_ptr()
+        with pytest.raises(RuntimeError, match="nested"):
+            with graphs.capture(1):
+                pass
+        with pytest.raises(RuntimeError, match="need the NVRTC kernel path"):
+            graphs.end_capture_run(None)
+        graphs.end_capture_run(tables)
+    assert STATE.step is before and not graphs.capturing and 2 in graphs.captured
+
+
+def test_replay_writes_the_step_trees_and_installs_the_captured_stash() -> None:
+    graphs = TreeGraphs(budget=4, max_reqs=3, max_seq_len=64, device=torch.device("cpu"))
+    with graphs.capture(3):
+        graphs.begin_run()
+        STATE.step.gdn = {"layer.0": "stash"}  # what the captured run left (any object: installed as is)
+        graphs.end_capture_run(current_step_kernels(STATE.step))
+    step = tree_step(3, 5, np.random.default_rng(3))
+    graphs.prepare_replay(step)
+    ref = TreePlan.build(torch.from_numpy(step.spec_parents), torch.from_numpy(step.spec_cu), device="cpu")
+    plan = current_step_kernels(step).plan
+    assert torch.equal(plan.perm, ref.perm) and torch.equal(plan.pair_j[: ref.num_pairs], ref.pair_j)
+    assert plan.cu.data_ptr() == graphs.plan_buffer.data_ptr()
+    bits = ragged_ancestor_bits(step.local_parent, step.query_start)
+    assert torch.equal(graphs.attn_buffer[6 : 6 + bits.size], torch.from_numpy(bits.reshape(-1)))
+    assert step.gdn == {"layer.0": "stash"} and step.full_graph
+    with pytest.raises(RuntimeError, match="no full tree graph fits"):
+        graphs.prepare_replay(tree_step(2, 5, np.random.default_rng(4)))
+
+
+class FakeRunner:
+    _tfm_enabled = True
+
+    def __init__(self, graphs: TreeGraphs | None) -> None:
+        self._tfm_tree_graphs = graphs
+        self.calls: list[bool] = []
+
+
+def fake_dispatch(pad_to: int | None = None) -> Any:
+    def orig(self: FakeRunner, num_tokens: int, num_reqs: int, nst: Any, max_nst: int, use_cascade_attn: bool, **kw: Any):
+        self.calls.append(use_cascade_attn)
+        if use_cascade_attn:
+            return SimpleNamespace(name="PIECEWISE"), SimpleNamespace(num_tokens=num_tokens)
+        return SimpleNamespace(name="FULL"), SimpleNamespace(num_tokens=pad_to or num_tokens)
+
+    return graph_dispatch._wrap_determine(orig)
+
+
+def run_dispatch(runner: FakeRunner, step: StepTree | None, pad_to: int | None = None) -> str:
+    saved, saved_metrics = STATE.step, STATE.metrics
+    STATE.step, STATE.metrics = step, None
+    try:
+        t = step.num_tokens if step is not None else 1
+        return fake_dispatch(pad_to)(runner, t, 1, None, 1, False)[0].name
+    finally:
+        STATE.step, STATE.metrics = saved, saved_metrics
+
+
+def test_dispatch_gives_full_only_to_tree_steps_that_fit_a_captured_tree_graph() -> None:
+    rng = np.random.default_rng(5)
+    graphs = TreeGraphs(budget=4, max_reqs=3, max_seq_len=64, device=torch.device("cpu"))
+    with graphs.capture(2):
+        graphs.begin_run()
+        graphs.end_capture_run(current_step_kernels(STATE.step))
+    runner = FakeRunner(graphs)
+    step = tree_step(2, 5, rng)
+    assert run_dispatch(runner, step) == "FULL" and runner.calls == [False] and step.full_graph
+    runner.calls.clear()
+    assert run_dispatch(runner, tree_step(3, 5, rng)) == "PIECEWISE" and runner.calls == [True]  # no graph of 3
+    runner.calls.clear()
+    assert run_dispatch(runner, tree_step(2, 5, rng, active=False)) == "PIECEWISE" and runner.calls == [True]
+    runner.calls.clear()
+    assert run_dispatch(runner, None) == "PIECEWISE"  # no tree step: the full graphs verify trees
+    runner.calls.clear()
+    padded = tree_step(2, 5, rng)
+    assert run_dispatch(runner, padded, pad_to=15) == "PIECEWISE" and runner.calls == [False, True] and not padded.full_graph
+    # without tree graphs: tree steps never FULL, other steps as vLLM decides
+    plain = FakeRunner(None)
+    assert run_dispatch(plain, tree_step(2, 5, rng)) == "PIECEWISE" and plain.calls == [True]
+    assert run_dispatch(plain, tree_step(2, 5, rng, active=False)) == "FULL"
+
+
+def test_a_warm_up_poses_as_a_batch_of_spec_decodes_and_is_undone() -> None:
+    runner = SimpleNamespace(num_decode_draft_tokens=SimpleNamespace(cpu=torch.zeros(6, dtype=torch.int32)),
+                             num_accepted_tokens=SimpleNamespace(gpu=torch.tensor([3, 2, 5, 1, 1, 4], dtype=torch.int32)))
+    undo = graph_dispatch._pose_as_spec_batch(runner, 2, 7)
+    assert runner.num_decode_draft_tokens.cpu.tolist() == [7, 7, -1, -1, -1, -1]
+    assert runner.num_accepted_tokens.gpu.tolist() == [1, 1, 5, 1, 1, 4]
+    undo()
+    assert runner.num_decode_draft_tokens.cpu.tolist() == [0] * 6
+    assert runner.num_accepted_tokens.gpu.tolist() == [3, 2, 5, 1, 1, 4]

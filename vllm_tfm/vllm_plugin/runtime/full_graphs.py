@@ -1,0 +1,255 @@
+"""Tree steps in full CUDA graphs (``cudagraph_mode=FULL_AND_PIECEWISE``).
+
+A full graph replays the whole target forward without running any Python, so the tree code of
+``gdn.py`` and ``attention.py`` must be inside the graph with everything that depends on the step's
+trees read from device memory at fixed addresses. vLLM 0.26 captures one full graph per uniform
+decode batch size (``CudagraphDispatcher``: R requests x (1 + B) tokens, B = num_speculative_tokens),
+which is exactly a tree step of R requests (every request verifies B drafts). Here, per engine:
+
+* **Capture.** While vLLM warms up and captures the full graph of R x (B + 1) tokens
+  (``GPUModelRunner._warmup_and_capture``), ``STATE.step`` is a capture step of R chains whose
+  tables live in this object's persistent buffers: the GDN tree plan in the fixed layout of
+  ``TreePlan.build_into`` (addresses, grids, shared memory and scalars depend on R and B only), the
+  tree-attention plan of ``TreeAttentionPlan.build_into`` (every request a tree of B + 1 nodes, key
+  splits sized for ``max_model_len``), and per GDN layer the tensors the commit reads (pre-conv
+  inputs, keys, log decays, deltas: ``LayerStash``). The GDN and attention layers then record the
+  same kernels as in any tree step; the warm-up runs (eager) compile them and allocate the stash
+  before the capture. What a captured run leaves for the commit (per-layer ``GDNStash`` of views of
+  the stash and the slot tensors computed inside the graph) is kept per R.
+* **Replay.** When a tree step of R requests, all spec rows of B drafts, is dispatched to the full
+  graph of its size (``graph_dispatch.py``), :meth:`TreeGraphs.prepare_replay` writes the step's
+  GDN plan and attention bitmasks into the buffers (host-to-device copies ordered before the replay
+  on the stream), and installs the kept stashes and slot tensors as the step's ``step.gdn`` and
+  kernel tables: the commit after sampling reads what the replay wrote.
+* Everything else stays on the piecewise graphs: mixed batches, steps with fewer drafts, steps
+  whose trees are verified by vLLM (they would replay a tree graph: such steps never get FULL once
+  tree graphs exist).
+
+Full graphs of tree steps need the kernel path of every GDN layer and of the tree attention (the
+torch references and the per-request Triton path are not capturable): a capture that would take
+another path stops the engine start with a one-line error naming ``cudagraph_mode=PIECEWISE``.
+Stage spans (``VLLM_TFM_PROFILE``) are paused during the capture; at replay the layers' inner
+spans do not run (the target forward is one span).
+
+Memory: the stash holds, per GDN layer, T = R_max (B + 1) rows of x, q|k, g and delta; at
+Qwen3.6-27B's shape with R_max = 8 and B = 32 about 0.7 GB, allocated during the first capture
+(after vLLM sized its KV cache).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from vllm_tfm.kernels.plan import TreePlan
+from vllm_tfm.kernels.tree_attention import TreeAttentionPlan, _split_counters
+
+from .stage_timing import TIMER
+from .state import STATE, GDNStash, StepTree
+from .step_kernels import GroupSlots, StepKernels, set_step_kernels
+
+__all__ = ["LayerStash", "CapturedTreeGraph", "TreeGraphs", "chain_parents", "uniform_tree_step", "replayable"]
+
+NEED_KERNELS = (
+    "full CUDA graphs of tree steps need the NVRTC kernel path of every GDN layer and of the tree attention "
+    "({reason}); use cudagraph_mode=PIECEWISE"
+)
+
+
+@dataclass
+class LayerStash:
+    """One GDN layer's persistent copies of what the commit reads, T_max rows each."""
+
+    x: Tensor  # [T_max, conv_dim] pre-conv inputs
+    qk: Tensor  # [2, T_max, H, K] q then k after the conv (the verify reads both, the commit k)
+    g: Tensor  # [T_max, HV] log decays
+    delta: Tensor  # [T_max, HV, V] float32
+
+
+@dataclass
+class CapturedTreeGraph:
+    """What the captured run of R requests left for the commit of every replay."""
+
+    num_reqs: int
+    stashes: dict[str, GDNStash]
+    groups: dict[int, GroupSlots]
+
+
+def chain_parents(num_reqs: int, nodes: int) -> np.ndarray:
+    """[R n] local parents of R chains of n nodes (the capture step's trees)."""
+    one = np.arange(-1, nodes - 1, dtype=np.int64)
+    return np.tile(one, num_reqs)
+
+
+def uniform_tree_step(step: StepTree, nodes: int) -> bool:
+    """True when every request of the step is a spec row verifying a tree of ``nodes`` nodes (host data)."""
+    return (
+        step.tree_active
+        and step.num_reqs > 0
+        and step.num_spec_reqs == step.num_reqs
+        and step.num_tokens == step.num_reqs * nodes
+        and bool((step.num_scheduled == nodes).all())
+        and step.spec_parents.shape[0] == step.num_tokens
+    )
+
+
+def replayable(step: StepTree | None, nodes: int, captured: set[int] | dict[int, Any]) -> bool:
+    """True when a full tree graph of this step's size was captured and the step fits it."""
+    return step is not None and uniform_tree_step(step, nodes) and step.num_reqs in captured
+
+
+class TreeGraphs:
+    """Persistent buffers and captures of one engine's full tree graphs (module docstring)."""
+
+    def __init__(self, budget: int, max_reqs: int, max_seq_len: int, device: torch.device) -> None:
+        if budget < 1 or max_reqs < 1:
+            raise ValueError(f"budget and max_reqs must be >= 1, got {budget} and {max_reqs}")
+        self.budget = int(budget)
+        self.nodes = self.budget + 1
+        self.max_reqs = int(max_reqs)
+        self.max_seq_len = int(max_seq_len)
+        self.device = torch.device(device)
+        self.plan_buffer = torch.zeros(TreePlan.fixed_size(self.max_reqs, self.nodes), dtype=torch.int32, device=device)
+        self.attn_buffer = torch.zeros(TreeAttentionPlan.fixed_size(self.max_reqs, self.nodes), dtype=torch.int64,
+                                       device=device)
+        self.layers: dict[str, LayerStash] = {}
+        self.captured: dict[int, CapturedTreeGraph] = {}
+        self._capture_step: StepTree | None = None
+
+    # ---- sizes -------------------------------------------------------------------------------
+    def requests_of(self, num_tokens: int) -> int:
+        """R of a uniform decode batch of ``num_tokens`` tokens; ValueError when no tree graph fits it."""
+        r, rest = divmod(int(num_tokens), self.nodes)
+        if rest or not 1 <= r <= self.max_reqs:
+            raise ValueError(
+                f"vllm-tfm: a full CUDA graph of {num_tokens} tokens is not a tree step of 1..{self.max_reqs} requests x "
+                f"{self.nodes} tokens; set cudagraph_capture_sizes to multiples of {self.nodes} or use cudagraph_mode=PIECEWISE"
+            )
+        return r
+
+    @property
+    def capturing(self) -> bool:
+        return self._capture_step is not None
+
+    @property
+    def capture_reqs(self) -> int:
+        """R of the capture in progress (0 when none)."""
+        return 0 if self._capture_step is None else self._capture_step.num_reqs
+
+    # ---- capture -----------------------------------------------------------------------------
+    def _step_for(self, num_reqs: int) -> StepTree:
+        """The capture step of R chains, its tables written into the buffers."""
+        n, r = self.nodes, num_reqs
+        parents = chain_parents(r, n)
+        qs = np.arange(r + 1, dtype=np.int64) * n
+        depth = np.tile(np.arange(n, dtype=np.int64), r)
+        sched = np.full(r, n, dtype=np.int64)
+        step = StepTree(
+            num_reqs=r,
+            num_tokens=r * n,
+            tree_active=True,
+            query_start=qs,
+            num_scheduled=sched,
+            num_draft=sched - 1,
+            row_base=qs[:-1].copy(),
+            req_index=np.repeat(np.arange(r, dtype=np.int64), n),
+            is_spec=np.ones(r, dtype=bool),
+            is_tree=np.ones(r, dtype=bool),
+            local_parent=parents,
+            depth=depth,
+            sample_parents=parents,
+            sample_depth=depth,
+            sample_cu=qs,
+            spec_parents=parents,
+            spec_cu=qs,
+            spec_req_index=np.arange(r, dtype=np.int64),
+            device=self.device,
+        )
+        step.graph_capture = self
+        step.attn_max_seq_len = self.max_seq_len
+        step.attn_plan = TreeAttentionPlan.build_into(self.attn_buffer, qs[:-1], parents, n)
+        for name in ("spec_parents", "spec_cu"):  # read by the layers' fallback paths only: never uploaded in a capture
+            step._dev[name] = torch.from_numpy(getattr(step, name).copy()).to(self.device)
+        return step
+
+    @contextlib.contextmanager
+    def capture(self, num_reqs: int) -> Iterator[None]:
+        """The warm-up runs and the capture of the full graph of R requests run inside this context."""
+        if self._capture_step is not None:
+            raise RuntimeError("vllm-tfm: nested full tree graph captures")
+        saved_step, saved_timer = STATE.step, TIMER.enabled
+        self._capture_step = self._step_for(num_reqs)
+        # the tree attention's split counters are shared by every launch: grown now (for the largest
+        # batch, up to 64 KV heads x 64 row tiles per tree), never inside a capture
+        _split_counters(self.device, self.max_reqs * 64 * 64)
+        STATE.step = self._capture_step
+        TIMER.enabled = False
+        try:
+            yield
+        finally:
+            STATE.step, TIMER.enabled = saved_step, saved_timer
+            self._capture_step = None
+            set_step_kernels(None)
+
+    def begin_run(self) -> None:
+        """Before each dummy run of a capture: fresh kernel tables and no stash (a run computes its own)."""
+        step = self._capture_step
+        if step is None:
+            return
+        plan = TreePlan.build_into(self.plan_buffer, torch.from_numpy(step.spec_parents), torch.from_numpy(step.spec_cu),
+                                   self.nodes)
+        step.gdn = {}
+        set_step_kernels(StepKernels(step, self.device, plan=plan))
+
+    def end_capture_run(self, tables: StepKernels | None) -> None:
+        """After the run that captured the graph: keep its stashes and slot tensors for the replays."""
+        step = self._capture_step
+        if step is None:
+            return
+        if tables is None:
+            raise RuntimeError(NEED_KERNELS.format(reason="the GDN layers did not run the planned kernels"))
+        self.captured[step.num_reqs] = CapturedTreeGraph(step.num_reqs, dict(step.gdn), dict(tables.groups))
+
+    def layer_stash(self, prefix: str, x: Tensor, num_k_heads: int, head_k_dim: int, g_dtype: torch.dtype,
+                    num_v_heads: int, head_v_dim: int, qk_dtype: torch.dtype) -> LayerStash:
+        """The persistent stash of GDN layer ``prefix`` (allocated on first use, which must not be inside
+        a stream capture: the warm-up runs come first)."""
+        found = self.layers.get(prefix)
+        if found is not None:
+            return found
+        if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError(f"vllm-tfm: the tree stash of {prefix} would be allocated inside a CUDA graph capture")
+        t = self.max_reqs * self.nodes
+        dev = x.device
+        stash = LayerStash(
+            x=torch.empty((t, x.shape[1]), dtype=x.dtype, device=dev),
+            qk=torch.empty((2, t, num_k_heads, head_k_dim), dtype=qk_dtype, device=dev),
+            g=torch.empty((t, num_v_heads), dtype=g_dtype, device=dev),
+            delta=torch.empty((t, num_v_heads, head_v_dim), dtype=torch.float32, device=dev),
+        )
+        self.layers[prefix] = stash
+        return stash
+
+    # ---- replay ------------------------------------------------------------------------------
+    def prepare_replay(self, step: StepTree) -> None:
+        """Write the step's trees into the buffers and give it the captured stashes and slot tensors
+        (the step replays the full graph of its size next)."""
+        cap = self.captured.get(step.num_reqs)
+        if cap is None or not uniform_tree_step(step, self.nodes):
+            raise RuntimeError(f"vllm-tfm: no full tree graph fits this step ({step.num_reqs} requests)")
+        plan = TreePlan.build_into(self.plan_buffer, torch.from_numpy(step.spec_parents), torch.from_numpy(step.spec_cu),
+                                   self.nodes)
+        TreeAttentionPlan.build_into(self.attn_buffer, step.query_start[:-1], step.local_parent, self.nodes)
+        step.gdn = dict(cap.stashes)
+        groups = {key: dataclasses.replace(g, commit=None) for key, g in cap.groups.items()}
+        set_step_kernels(StepKernels(step, self.device, plan=plan, groups=groups))
+        step.full_graph = True
+        if STATE.metrics is not None:
+            STATE.metrics.hook("cudagraph.tree.full_replay")
