@@ -340,6 +340,8 @@ def run_arm(arm: Arm, settings_path: Path) -> int:
             log(f"{arm.name} b{b}: {run['tokens_per_s']} tok/s (decode {run['decode_tokens_per_s']}), MAL {run['mal']}, "
                 f"{prof['steps']} steps, target forward {per_step['target_forward']} ms/step{split}, "
                 f"max batch {run['max_concurrency']}")
+            if s.get("host_profile"):
+                run["host_profile"] = host_profile_run(llm, ps[:b], params, Path(s["host_profile"]) / f"host_profile_{arm.name}_b{b}.txt")
             save()
         res["status"] = "ok"
     except Exception as e:  # noqa: BLE001 - record the failure, the driver goes on with the next arm
@@ -379,6 +381,26 @@ def run_child(arm: Arm, settings_path: Path, out: Path, timeout_s: float, env: d
     shown = [ln for ln in text.splitlines() if any(k in ln for k in keep)]
     print("\n".join(shown[-60:]), flush=True)
     return rc
+
+
+def host_profile_run(llm: Any, ps: list[list[int]], params: Any, path: Path) -> dict[str, Any]:
+    """One more run of the batch under cProfile (the engine and worker run in this process): where the
+    host's Python time goes per step. Writes the top functions by own time and by cumulative time."""
+    import cProfile
+    import io
+    import pstats
+
+    prof = cProfile.Profile()
+    prof.enable()
+    res = one_run(llm, ps, params)
+    prof.disable()
+    buf = io.StringIO()
+    stats = pstats.Stats(prof, stream=buf)
+    buf.write(f"one run under cProfile: {res['output_tokens']} tokens, wall {res['wall_s']} s (profiler overhead included)\n")
+    stats.sort_stats("tottime").print_stats(45)
+    stats.sort_stats("cumulative").print_stats(70)
+    path.write_text(buf.getvalue())
+    return {"file": path.name, "wall_s": res["wall_s"], "output_tokens": res["output_tokens"]}
 
 
 def child_env(arm: Arm, s: dict[str, Any], work: Path) -> dict[str, str]:
@@ -424,6 +446,7 @@ def driver(args: argparse.Namespace) -> int:
         "max_model_len": args.prompt_len + args.output_len + 2 * max(a.num_speculative_tokens for a in arms) + 64,
         "max_num_batched_tokens": max(4096, max(batches) * args.prompt_len), "eager": True,
         "deadline_s": args.deadline_s, "work": str(work), "plans": {},
+        "host_profile": str(out) if args.host_profile else None,
         # tfm switches set for this run (e.g. VLLM_TFM_WEAVER_GRAPHS=1), benchmark-only ones excluded
         "tfm_env": tfm_switches(os.environ),
     }
@@ -529,6 +552,9 @@ def main(argv: list[str] | None = None) -> int:
                     help="per batch, first a run with stage timing paused (its tokens/s is reported), then the timed run "
                          "(default; --no-clean-run reports the timed run's tokens/s, which include the stage timers' "
                          "cost: ~15 ms per tfm step at the 27B shape with the per-layer spans)")
+    ap.add_argument("--host-profile", action="store_true",
+                    help="after the timed runs, one more run per batch size under cProfile (tokens/s not used): "
+                         "OUT/host_profile_<arm>_b<N>.txt, the engine process's Python by own and cumulative time")
     ap.add_argument("--child", help=argparse.SUPPRESS)
     ap.add_argument("--settings", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)

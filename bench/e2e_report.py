@@ -48,6 +48,7 @@ __all__ = [
     "render_markdown",
     "write_doc",
     "render_files",
+    "merge_results",
 ]
 
 RESULTS_FORMAT = "vllm-tfm-e2e/1"
@@ -355,11 +356,46 @@ def render_files(paths: list[str]) -> str:
     return "".join(f"### `{p}`\n\n{render_markdown(json.loads(Path(p).read_text()))}\n" for p in paths)
 
 
+def merge_results(paths: list[str], note: str) -> dict[str, Any]:
+    """One results file from several runs of ``bench/e2e.py`` that ran at the same time on GPUs of one
+    host (e.g. ``bench/run_gpu_pair.sh``: no-spec on one GPU, tfm on the other), so that ratios compare
+    them. Settings and profile must agree; every file's command is kept; ``note`` says how they ran."""
+    runs = [json.loads(Path(p).read_text()) for p in paths]
+    first = runs[0]
+    for p, r in zip(paths[1:], runs[1:]):
+        if r.get("format") != RESULTS_FORMAT or r.get("machine") != first.get("machine"):
+            raise ValueError(f"{p}: another results format or machine than {paths[0]}")
+        for key in ("settings", "profile"):
+            a = {k: v for k, v in (first.get(key) or {}).items() if k not in ("plans", "deadline_s", "host_profile")}
+            b = {k: v for k, v in (r.get(key) or {}).items() if k not in ("plans", "deadline_s", "host_profile")}
+            if a != b:
+                raise ValueError(f"{p}: {key} differ from {paths[0]}'s")
+    merged = dict(first)
+    merged["command"] = " + ".join(r["command"] for r in runs)
+    merged["merged_from"] = [{"command": r["command"], "arms": list(r.get("arms") or {})} for r in runs]
+    merged["merge_note"] = note
+    merged["arms"] = {}
+    merged["skipped"] = []
+    for r in runs:
+        for name, arm in (r.get("arms") or {}).items():
+            if name in merged["arms"]:
+                raise ValueError(f"arm {name} is in more than one file")
+            merged["arms"][name] = arm
+        merged["skipped"] += list(r.get("skipped") or [])
+    return merged
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("results", nargs="+", help="bench/e2e.py results JSON files")
     ap.add_argument("--write", help="a markdown doc with the e2e markers to refresh (e.g. docs/e2e.md)")
+    ap.add_argument("--merge", help="write the arms of all RESULTS files (runs at the same time on GPUs of one host) "
+                                    "into this one results file, then report it")
+    ap.add_argument("--merge-note", default="arms ran at the same time, one per GPU of one host")
     args = ap.parse_args(argv)
+    if args.merge:
+        Path(args.merge).write_text(json.dumps(merge_results(args.results, args.merge_note), separators=(",", ":")) + "\n")
+        args.results = [args.merge]
     table = render_files(args.results)
     if args.write:
         write_doc(args.write, table, args.results[0] if len(args.results) == 1 else None)

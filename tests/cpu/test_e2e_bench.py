@@ -163,6 +163,7 @@ def test_tfm_graphs_arm_gets_piecewise_graphs_with_tree_step_sizes(big: Any, mon
     prof = builtin_geometric_profile(temperatures=(1.0,))
     for name, mode, sizes, eager in (
         ("tfm64-graphs", "PIECEWISE", [1, 2, 4, 8, *(65 * k for k in range(1, 9))], False),
+        ("tfm64-full", "FULL_AND_PIECEWISE", [1, 2, 4, 8, *(65 * k for k in range(1, 9))], False),
         ("tfm64", None, None, True),
     ):
         arm = e2e.ARMS[name]
@@ -493,3 +494,25 @@ def test_dflash_graphs_arm_captures_the_verify_step_sizes(big: Any) -> None:
 def test_run_records_the_tfm_switches_but_not_the_benchmark_ones() -> None:
     env = {"VLLM_TFM_WEAVER_GRAPHS": "1", "VLLM_TFM_PROFILE": "1", "VLLM_TFM_I_AM_BENCHMARKING": "1", "PATH": "/bin"}
     assert e2e.tfm_switches(env) == {"VLLM_TFM_WEAVER_GRAPHS": "1"}
+
+
+def test_merged_results_keep_every_arm_and_command_and_refuse_other_runs(tmp_path: Path) -> None:
+    a, b = results(), results()
+    a["arms"] = {"nospec": a["arms"]["nospec"]}
+    b["arms"] = {"tfm64": b["arms"]["tfm64"]}
+    b["command"] = "bash bench/run_gpu_e2e.sh --arms tfm64"
+    b["settings"]["deadline_s"] = 99  # the deadline may differ
+    pa, pb = tmp_path / "a.json", tmp_path / "b.json"
+    pa.write_text(json.dumps(a))
+    pb.write_text(json.dumps(b))
+    m = e2e_report.merge_results([str(pa), str(pb)], "one GPU each")
+    assert list(m["arms"]) == ["nospec", "tfm64"] and m["merge_note"] == "one GPU each"
+    assert [x["command"] for x in m["merged_from"]] == [a["command"], b["command"]]
+    assert e2e_report.summarize(m)["goals"]["tfm64"]["x_nospec"]["1"] == pytest.approx(5.0)
+    b["settings"]["output_len"] = 128
+    pb.write_text(json.dumps(b))
+    with pytest.raises(ValueError, match="settings differ"):
+        e2e_report.merge_results([str(pa), str(pb)], "x")
+    pb.write_text(json.dumps(a))
+    with pytest.raises(ValueError, match="arm nospec is in more than one file"):
+        e2e_report.merge_results([str(pa), str(pb)], "x")
