@@ -19,19 +19,20 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 from torch import Tensor
 
 __all__ = ["TreePlan", "CommitIndices", "upload_into"]
 
 
-def _depths(gpar: Tensor) -> Tensor:
+def _depths(gpar: np.ndarray) -> np.ndarray:
     """Depth of every node from flat parents (-1 at roots) by pointer jumping (log2 depth rounds)."""
-    depth = (gpar >= 0).to(torch.long)
-    jump = gpar.clone()
+    depth = (gpar >= 0).astype(np.int64)
+    jump = gpar.copy()
     while True:
-        live = jump >= 0
-        if not bool(live.any()):
+        live = np.nonzero(jump >= 0)[0]
+        if live.size == 0:
             return depth
         tgt = jump[live]
         add, nxt = depth[tgt], jump[tgt]  # read before writing: simultaneous update
@@ -166,65 +167,71 @@ class _HostTables:
 
 
 def _host_tables(parents: Tensor, cu_nodes: Tensor) -> _HostTables:
-    """Validate a ragged batch and compute its plan tables on the CPU (``TreePlan`` module docstring)."""
+    """Validate a ragged batch and compute its plan tables on the CPU (``TreePlan`` module docstring).
+
+    numpy, not torch: a decode step builds one plan for arrays of a few hundred entries, where
+    torch's CPU operators cost microseconds to milliseconds each (thread-pool dispatch; seen at
+    ~15 ms per plan at batch 8 in a vLLM worker) and numpy's about one microsecond.
+    """
     if parents.dim() != 1 or cu_nodes.dim() != 1 or cu_nodes.numel() < 2:
         raise ValueError(
             f"parents must be [T] and cu_nodes [R+1] with R >= 1, got {tuple(parents.shape)} and {tuple(cu_nodes.shape)}"
         )
     if parents.dtype.is_floating_point or cu_nodes.dtype.is_floating_point:
         raise ValueError("parents and cu_nodes must be integer tensors")
-    par = parents.detach().to("cpu", torch.long)
-    cu = cu_nodes.detach().to("cpu", torch.long)
-    t_nodes = par.numel()
-    r_req = cu.numel() - 1
-    counts = cu.diff()
+    par = parents.detach().to("cpu", torch.long).numpy()
+    cu = cu_nodes.detach().to("cpu", torch.long).numpy()
+    t_nodes = par.shape[0]
+    r_req = cu.shape[0] - 1
+    counts = np.diff(cu)
     if int(cu[0]) != 0 or int(cu[-1]) != t_nodes:
         raise ValueError(f"cu_nodes must start at 0 and end at the number of nodes {t_nodes}, got {int(cu[0])}..{int(cu[-1])}")
-    if bool((counts <= 0).any()):
-        r = int(torch.nonzero(counts <= 0)[0])
+    if (counts <= 0).any():
+        r = int(np.nonzero(counts <= 0)[0][0])
         raise ValueError(f"request {r} has {int(counts[r])} nodes in cu_nodes; every tree needs at least its root")
     if t_nodes >= 2**31:
         raise ValueError(f"{t_nodes} nodes do not fit the kernels' int32 indices")
-    req_of = torch.repeat_interleave(torch.arange(r_req), counts)
+    req_of = np.repeat(np.arange(r_req, dtype=np.int64), counts)
     bos = cu[:-1][req_of]
-    local = torch.arange(t_nodes) - bos
+    local = np.arange(t_nodes, dtype=np.int64) - bos
     is_root = local == 0
     bad = (is_root & (par != -1)) | (~is_root & ((par < 0) | (par >= local)))
-    if bool(bad.any()):
-        i = int(torch.nonzero(bad)[0])
+    if bad.any():
+        i = int(np.nonzero(bad)[0][0])
         raise ValueError(
             f"parents[{i}] = {int(par[i])} is invalid for local node {int(local[i])} of request {int(req_of[i])}: "
             "the root needs -1 and every other node 0 <= parent < its local index"
         )
-    gpar = torch.where(is_root, torch.full_like(par, -1), par + bos)
+    gpar = np.where(is_root, -1, par + bos)
     depth = _depths(gpar)
     max_depth = int(depth.max())
 
     # level order: stable sort by (request, depth); node index breaks ties
-    perm = torch.sort(req_of * (max_depth + 1) + depth, stable=True).indices
-    pos = torch.empty_like(perm)
-    pos[perm] = torch.arange(t_nodes)
+    perm = np.argsort(req_of * (max_depth + 1) + depth, kind="stable")
+    pos = np.empty_like(perm)
+    pos[perm] = np.arange(t_nodes, dtype=np.int64)
 
     # ancestor table by depth: anc[i, e] = ancestor of i at depth e (e <= depth[i])
-    anc = torch.full((t_nodes, max_depth + 1), -1, dtype=torch.long)
-    rows = torch.arange(t_nodes)
-    cur = rows.clone()
+    anc = np.full((t_nodes, max_depth + 1), -1, dtype=np.int64)
+    rows = np.arange(t_nodes, dtype=np.int64)
+    cur = rows.copy()
     for step in range(max_depth + 1):
         col = depth - step
         ok = col >= 0
         anc[rows[ok], col[ok]] = cur[ok]
-        cur = torch.where(cur >= 0, gpar[cur.clamp(min=0)], cur)
+        cur = np.where(cur >= 0, gpar[np.maximum(cur, 0)], cur)
     lengths = depth[perm] + 1
-    keep = torch.arange(max_depth + 1)[None, :] < lengths[:, None]
+    keep = np.arange(max_depth + 1)[None, :] < lengths[:, None]
     pair_j = anc[perm][keep]
-    pair_off = torch.zeros(t_nodes + 1, dtype=torch.long)
-    pair_off[1:] = lengths.cumsum(0)
+    pair_off = np.zeros(t_nodes + 1, dtype=np.int64)
+    np.cumsum(lengths, out=pair_off[1:])
     num_pairs = int(pair_off[-1])
     if num_pairs >= 2**31:
         raise ValueError(f"the batch has {num_pairs} (node, ancestor) pairs; the kernels index them with int32")
     per_request = pair_off[cu[1:]] - pair_off[cu[:-1]]
-    return _HostTables(cu, perm, pos, depth, pair_off, pair_j, req_of, int(counts.max()), max_depth, num_pairs,
-                       int(per_request.max()))
+    t = torch.from_numpy
+    return _HostTables(t(cu.copy()), t(perm), t(pos), t(depth), t(pair_off), t(pair_j), t(req_of), int(counts.max()),
+                       max_depth, num_pairs, int(per_request.max()))
 
 
 @dataclass(frozen=True)
