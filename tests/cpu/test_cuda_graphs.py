@@ -93,12 +93,21 @@ def test_vllm_keeps_the_tree_step_sizes_under_full_and_piecewise() -> None:
 # ------------------------------------------------------------------------------ config time
 
 
-def test_default_is_piecewise_with_tfm_capture_sizes(env: Any) -> None:
+def test_default_is_full_and_piecewise_on_one_gpu_with_tfm_capture_sizes(env: Any) -> None:
     from vllm_tfm.vllm_plugin.cuda_graphs import tfm_capture_sizes
 
     args = engine_args(env, b=7)
-    assert not args.enforce_eager and mode_name(args) == "PIECEWISE"
-    assert args.compilation_config.cudagraph_capture_sizes == tfm_capture_sizes(7, None)
+    assert not args.enforce_eager and mode_name(args) == "FULL_AND_PIECEWISE"
+    assert args.compilation_config.cudagraph_capture_sizes == tfm_capture_sizes(7, None, full=True)
+
+
+def test_default_is_piecewise_with_tensor_or_data_parallelism(env: Any) -> None:
+    from vllm_tfm.vllm_plugin.cuda_graphs import tfm_capture_sizes
+
+    for kw in ({"tensor_parallel_size": 2}, {"data_parallel_size": 2}):
+        args = engine_args(env, b=7, **kw)
+        assert not args.enforce_eager and mode_name(args) == "PIECEWISE", kw
+        assert args.compilation_config.cudagraph_capture_sizes == tfm_capture_sizes(7, None)
 
 
 def test_a_none_default_would_run_eager(env: Any, monkeypatch: pytest.MonkeyPatch) -> None:

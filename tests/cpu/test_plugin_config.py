@@ -190,8 +190,8 @@ def test_piecewise_default_and_triton_attention_are_selected(env: Any) -> None:
     mc = args.create_model_config()
     assert mc.enforce_eager is False and args.attention_backend is None
     first = args.create_speculative_config(mc, ParallelConfig())
-    assert mc.enforce_eager is False and args.enforce_eager is False  # PIECEWISE graphs by default
-    assert args.compilation_config.cudagraph_mode.name == "PIECEWISE"  # (cuda_graphs.DEFAULT_MODE; test_cuda_graphs.py)
+    assert mc.enforce_eager is False and args.enforce_eager is False  # CUDA graphs by default
+    assert args.compilation_config.cudagraph_mode.name == "FULL_AND_PIECEWISE"  # (cuda_graphs.DEFAULT_MODE; test_cuda_graphs.py)
     assert args.attention_backend is AttentionBackendEnum.TRITON_ATTN
     # EngineArgs still asks for tfm: a second engine config gets a second tfm config
     second = args.create_speculative_config(mc, ParallelConfig())

@@ -4,8 +4,9 @@ The choice is vLLM's own: ``enforce_eager`` and ``compilation_config.cudagraph_m
 fields of vLLM's configs). tfm validates it and fills in what the user left unset:
 
 * ``enforce_eager=True`` or ``cudagraph_mode`` NONE: no graphs (the tfm runtime as before).
-* unset: PIECEWISE (:data:`DEFAULT_MODE`).
-* ``PIECEWISE`` (the default; :data:`OPT_IN` asks for it explicitly): vLLM compiles the target and
+* unset: FULL_AND_PIECEWISE on one GPU (:data:`DEFAULT_MODE`), PIECEWISE with tensor or data
+  parallelism (:data:`PARALLEL_DEFAULT_MODE`).
+* ``PIECEWISE`` (:data:`OPT_IN` asks for it explicitly): vLLM compiles the target and
   captures CUDA graphs of the pieces between its splitting ops. Everything tfm runs during the
   target forward runs inside two of those ops, eagerly, at every step: the tree-masked attention
   (``vllm::unified_attention_with_output`` calls the attention impl's ``forward``) and the GDN
@@ -15,7 +16,7 @@ fields of vLLM's configs). tfm validates it and fills in what the user left unse
   The DFlash drafter's forward gets vLLM's own piecewise graphs (vLLM captures drafter graphs
   whenever the target's mode has piecewise graphs); the Weaver build replays graphs of its own
   (``runtime/weaver_graphs.py``).
-* ``FULL_AND_PIECEWISE`` (accepted when asked for): a full graph holds the whole forward, so no
+* ``FULL_AND_PIECEWISE`` (the default on one GPU): a full graph holds the whole forward, so no
   Python of tfm's runs at replay. tfm captures vLLM's full decode graphs (R requests x (B + 1)
   tokens) with the tree verify inside, its tables in persistent buffers
   (``runtime/full_graphs.py``): a tree step whose requests all verify B drafts replays the full
@@ -52,6 +53,7 @@ __all__ = [
     "BREAKABLE_ENV",
     "DECODE_CAPTURE_REQUESTS",
     "DEFAULT_MODE",
+    "PARALLEL_DEFAULT_MODE",
     "GDN_OP",
     "REFUSED_MODES",
     "check_graph_config",
@@ -74,14 +76,17 @@ REFUSED_MODES: Mapping[str, str] = {
     "FULL": "a full graph replays the whole forward without tfm's tree attention and GDN tree verify",
     "FULL_DECODE_ONLY": "it has no piecewise graphs, so every tree step would run without graphs",
 }
-DEFAULT_MODE: str | None = "PIECEWISE"
-"""The mode a tfm engine gets when ``cudagraph_mode`` is left unset (and enforce_eager is off).
-PIECEWISE since its GPU check passed on the H200 (``bash bench/run_gpu_graphs.sh``: tfm with graphs ==
-tfm eager == no speculation, batch 8 and 1, ``bench/results/graphs_zoo.json``); at Qwen3.6-27B shape
-it cut the tree-verify forward from 107 to 48 ms per step at batch 1 (``bench/results/e2e_27b_*.json``).
-Not vLLM's FULL_AND_PIECEWISE: tree steps cannot use full graphs, so full decode graphs would only
-serve chain-only steps, at twice the capture time and memory. None would mean eager
-(``enforce_eager=True``, with a warning naming the opt-in)."""
+DEFAULT_MODE: str | None = "FULL_AND_PIECEWISE"
+"""The mode a single-GPU tfm engine gets when ``cudagraph_mode`` is left unset (and enforce_eager is
+off). FULL_AND_PIECEWISE since full tree graphs passed their GPU checks on the H200: greedy tokens ==
+no speculation at batch 8 and 1 with 616 tree steps on full graphs (``bash bench/run_gpu_graphs.sh``,
+``bench/results/graphs_zoo_full.json``), the kernels on fixed-layout plans == per-step plans
+(``tests/gpu/test_full_graph_kernels_gpu.py``); at Qwen3.6-27B shape 98.5 vs 62.4 tokens/s with
+piecewise graphs at batch 1, 383 vs 355 at batch 8 (``bench/results/e2e_27b_full_graphs.json``).
+None would mean eager (``enforce_eager=True``, with a warning naming the opt-in)."""
+PARALLEL_DEFAULT_MODE = "PIECEWISE"
+"""The unset mode with tensor or data parallelism > 1: full tree graphs have not run on more than one
+GPU (data parallelism with FULL_AND_PIECEWISE is refused, see ``check_graph_config``)."""
 OPT_IN = "compilation_config={'cudagraph_mode': 'PIECEWISE'}"
 DECODE_CAPTURE_REQUESTS = 16
 """Tree steps of up to this many requests get a captured size of their own (see the module doc)."""
@@ -193,10 +198,10 @@ def configure_engine_graphs(engine_args: Any, target_model_config: Any, budget: 
             logger.warning("vllm-tfm: method 'tfm' runs without CUDA graphs by default (enforce_eager=True); "
                            "%s opts in to piecewise CUDA graphs (experimental)", OPT_IN)
             return "NONE"
-        mode = DEFAULT_MODE
+        parallel = any(int(getattr(engine_args, k, 1) or 1) > 1 for k in ("tensor_parallel_size", "data_parallel_size"))
+        mode = PARALLEL_DEFAULT_MODE if parallel else DEFAULT_MODE
         _set(compilation, "cudagraph_mode", CUDAGraphMode[mode])
-        logger.info("vllm-tfm: method 'tfm' runs with cudagraph_mode=%s (tree steps between graph pieces); "
-                    "enforce_eager=True turns graphs off", mode)
+        logger.info("vllm-tfm: method 'tfm' runs with cudagraph_mode=%s; enforce_eager=True turns graphs off", mode)
     _check_mode(mode)
     is_hybrid = bool(getattr(target_model_config, "is_hybrid", False))
     _check_breakable(mode)
