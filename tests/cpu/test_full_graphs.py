@@ -134,7 +134,7 @@ def test_capture_context_sets_the_capture_step_and_restores() -> None:
         with pytest.raises(RuntimeError, match="nested"):
             with graphs.capture(1):
                 pass
-        with pytest.raises(RuntimeError, match="need the NVRTC kernel path"):
+        with pytest.raises(RuntimeError, match="the capture ran without the step.s kernel tables"):
             graphs.end_capture_run(None)
         graphs.end_capture_run(tables)
     assert STATE.step is before and not graphs.capturing and 2 in graphs.captured
@@ -220,3 +220,33 @@ def test_a_warm_up_poses_as_a_batch_of_spec_decodes_and_is_undone() -> None:
     undo()
     assert runner.num_decode_draft_tokens.cpu.tolist() == [0] * 6
     assert runner.num_accepted_tokens.gpu.tolist() == [3, 2, 5, 1, 1, 4]
+
+
+def test_a_capture_without_the_kernel_path_falls_back_to_vllms_full_graphs(caplog: pytest.LogCaptureFixture) -> None:
+    from vllm_tfm.vllm_plugin.runtime.full_graphs import FullTreeGraphsUnavailable
+
+    graphs = TreeGraphs(budget=4, max_reqs=3, max_seq_len=64, device=torch.device("cpu"))
+    runner = FakeRunner(graphs)
+    seen: list[bool] = []
+
+    def orig(self: FakeRunner, desc: Any, mode: Any) -> str:
+        seen.append(STATE.step is not None)
+        if STATE.step is not None:  # a tree capture: a layer has no kernel path
+            raise FullTreeGraphsUnavailable("a bfloat16 SSM state")
+        return "vllm's capture"
+
+    wrapped = graph_dispatch._wrap_warmup_and_capture(orig)
+    desc = SimpleNamespace(uniform=True, num_tokens=10)
+    with caplog.at_level("WARNING", logger="vllm.tfm"):
+        assert wrapped(runner, desc, SimpleNamespace(name="FULL")) == "vllm's capture"
+    assert seen == [True, False] and runner._tfm_tree_graphs is None and STATE.step is None
+    assert "full CUDA graphs of tree steps are off: a bfloat16 SSM state" in caplog.text
+    # once tree graphs were captured, the other full graphs cannot be vLLM's: the start stops
+    graphs.captured[1] = None
+    runner = FakeRunner(graphs)
+    with pytest.raises(RuntimeError, match="need the NVRTC kernel path .* \\(a bfloat16 SSM state\\); use cudagraph_mode=PIECEWISE"):
+        wrapped(runner, desc, SimpleNamespace(name="FULL"))
+    # piecewise captures and mixed (non-uniform) full captures are vLLM's
+    seen.clear()
+    assert wrapped(FakeRunner(graphs), SimpleNamespace(uniform=True, num_tokens=10), SimpleNamespace(name="PIECEWISE")) == "vllm's capture"
+    assert seen == [False]

@@ -21,8 +21,9 @@ fields of vLLM's configs). tfm validates it and fills in what the user left unse
   tokens) with the tree verify inside, its tables in persistent buffers
   (``runtime/full_graphs.py``): a tree step whose requests all verify B drafts replays the full
   graph of its size; every other step (mixed batches, fewer drafts, chains verified by vLLM's own
-  path) replays the piecewise graphs (``runtime/graph_dispatch.py``). Needs the NVRTC kernel path
-  (the engine start says so otherwise).
+  path) replays the piecewise graphs (``runtime/graph_dispatch.py``). Needs the NVRTC kernel path;
+  without it (no NVRTC, a bfloat16 SSM state, ...) the engine warns once at start-up and tree steps
+  replay the piecewise graphs.
 * ``FULL`` and ``FULL_DECODE_ONLY`` are refused: without piecewise graphs every tree step would
   run without graphs (FULL_DECODE_ONLY) or in a full graph that skips the tree code (FULL).
 

@@ -47,7 +47,7 @@ from vllm.v1.attention.ops.triton_unified_attention import unified_attention
 from vllm_tfm.kernels.loader import KernelCompileError, KernelLaunchError
 from vllm_tfm.kernels.tree_attention import NOT_CUDA, tree_attention_planned, tree_attention_unsupported
 
-from .full_graphs import NEED_KERNELS
+from .full_graphs import FullTreeGraphsUnavailable
 from .kernels_or_reference import kernels_enabled
 from .stage_timing import TIMER
 from .state import STATE, AttnTree, StepTree
@@ -233,7 +233,7 @@ class TFMTritonAttentionImpl(TritonAttentionImpl):
                         metrics.hook("attention.tree_kernel")
                 elif getattr(step, "graph_capture", None) is not None:
                     reason = self.__dict__.get("_tfm_config_reason") or "the tree attention kernel cannot run here"
-                    raise RuntimeError(NEED_KERNELS.format(reason=reason))
+                    raise FullTreeGraphsUnavailable(f"tree attention: {reason}")
                 else:
                     masked_tree_attention(self, layer, query, kv_cache, attn_metadata, output, step.attn_trees)
         return out

@@ -55,12 +55,20 @@ from .stage_timing import TIMER
 from .state import STATE, GDNStash, StepTree
 from .step_kernels import GroupSlots, StepKernels, set_step_kernels
 
-__all__ = ["LayerStash", "CapturedTreeGraph", "TreeGraphs", "chain_parents", "uniform_tree_step", "replayable"]
+__all__ = ["CapturedTreeGraph", "FullTreeGraphsUnavailable", "LayerStash", "TreeGraphs", "chain_parents", "replayable",
+           "uniform_tree_step"]
 
-NEED_KERNELS = (
-    "full CUDA graphs of tree steps need the NVRTC kernel path of every GDN layer and of the tree attention "
-    "({reason}); use cudagraph_mode=PIECEWISE"
-)
+NEED_KERNELS = "full CUDA graphs of tree steps need the NVRTC kernel path of every GDN layer and of the tree attention"
+
+
+class FullTreeGraphsUnavailable(RuntimeError):
+    """A layer cannot run its tree path as capturable kernels (no NVRTC, a bfloat16 SSM state, a
+    configuration the kernels do not take...): raised in a warm-up run of the first capture, after
+    which the engine captures vLLM's own full graphs and tree steps replay the piecewise graphs."""
+
+    def __init__(self, reason: str) -> None:
+        super().__init__(f"{NEED_KERNELS} ({reason})")
+        self.reason = reason
 
 
 @dataclass
@@ -214,7 +222,7 @@ class TreeGraphs:
         if step is None:
             return
         if tables is None:
-            raise RuntimeError(NEED_KERNELS.format(reason="the GDN layers did not run the planned kernels"))
+            raise RuntimeError(f"vllm-tfm: {NEED_KERNELS} (the capture ran without the step's kernel tables)")
         self.captured[step.num_reqs] = CapturedTreeGraph(step.num_reqs, dict(step.gdn), dict(tables.groups))
 
     def layer_stash(self, prefix: str, x: Tensor, num_k_heads: int, head_k_dim: int, g_dtype: torch.dtype,

@@ -40,7 +40,7 @@ from vllm_tfm.kernels import conv as kconv
 from vllm_tfm.kernels import gdn as kgdn
 from vllm_tfm.verify.gdn import gate_constants, gdn_gates
 
-from .full_graphs import NEED_KERNELS, LayerStash
+from .full_graphs import FullTreeGraphsUnavailable, LayerStash
 from .graph_dispatch import piece_outputs_are_reused
 from .kernels_or_reference import tree_ops
 from .stage_timing import TIMER
@@ -90,7 +90,7 @@ def spec_tree_gdn(
     (or on the reference path) o is a new tensor and the caller copies it.
     persistent: the layer's stash buffers of a full tree graph capture (``full_graphs.py``): q|k, g
     and delta are written there (x must be a view of its x already), and only the kernel path is
-    allowed (RuntimeError otherwise).
+    allowed (``FullTreeGraphsUnavailable`` otherwise).
     Returns o [Ts, HV, V] in x.dtype (``out`` itself when it was written).
     """
     ops = tree_ops()
@@ -116,7 +116,7 @@ def spec_tree_gdn(
             )
         else:
             if persistent is not None:
-                raise RuntimeError(NEED_KERNELS.format(reason="the tree conv1d cannot run as a kernel here"))
+                raise FullTreeGraphsUnavailable("the tree conv1d of a GDN layer cannot run as a kernel here")
             y = ops.tree_causal_conv1d(x, parents, cu_nodes, conv_state, conv_slot, conv_weight, conv_bias, act, start)
     kd, vd = num_k_heads * head_k_dim, num_v_heads * head_v_dim
     q, k, v = torch.split(y, [kd, kd, vd], dim=-1)
@@ -128,7 +128,9 @@ def spec_tree_gdn(
     if kernels is not None and kgdn.verify_unsupported_reason(q, k, v, ssm_state) is None:
         block_v = kernels.block_v(num_v_heads, head_k_dim, head_v_dim)
     if persistent is not None and block_v is None:
-        raise RuntimeError(NEED_KERNELS.format(reason="the GDN tree verify cannot run as a kernel here"))
+        raise FullTreeGraphsUnavailable(
+            f"the GDN tree verify cannot run as a kernel here: {kgdn.verify_unsupported_reason(q, k, v, ssm_state) or 'no NVRTC kernels'}"
+        )
     with TIMER.span("gdn_tree_verify"):
         if block_v is not None:
             # the kernel reads contiguous q, k and v: q and k come out of one copy ([2, Ts, H, K], q then

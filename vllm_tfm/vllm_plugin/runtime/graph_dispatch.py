@@ -33,12 +33,15 @@ Every step of a tfm runner is counted in the tree metrics' hooks as ``cudagraph.
 from __future__ import annotations
 
 import functools
+import logging
 from collections.abc import Callable
 from typing import Any
 
-from .full_graphs import TreeGraphs, replayable
+from .full_graphs import FullTreeGraphsUnavailable, TreeGraphs, replayable
 from .state import STATE
 from .step_kernels import current_step_kernels
+
+logger = logging.getLogger("vllm.tfm")  # under vLLM's logger, so the notice shows in its output
 
 __all__ = ["GRAPH_HOOKS", "enable_tree_graphs", "install_graph_dispatch", "piece_outputs_are_reused", "tree_graphs_of"]
 
@@ -133,7 +136,15 @@ def _wrap_warmup_and_capture(orig: Callable) -> Callable:
         graphs = tree_graphs_of(self)
         if graphs is None or getattr(cudagraph_runtime_mode, "name", None) != "FULL" or not desc.uniform:
             return orig(self, desc, cudagraph_runtime_mode, *args, **kwargs)
-        with graphs.capture(graphs.requests_of(desc.num_tokens)):
+        try:
+            with graphs.capture(graphs.requests_of(desc.num_tokens)):
+                return orig(self, desc, cudagraph_runtime_mode, *args, **kwargs)
+        except FullTreeGraphsUnavailable as exc:
+            if graphs.captured:  # the full graphs already captured verify trees: no way back to vLLM's
+                raise RuntimeError(f"vllm-tfm: {exc}; use cudagraph_mode=PIECEWISE") from exc
+            self._tfm_tree_graphs = None
+            logger.warning("vllm-tfm: full CUDA graphs of tree steps are off: %s. Tree steps replay the piecewise "
+                           "graphs; the full decode graphs are vLLM's own.", exc.reason)
             return orig(self, desc, cudagraph_runtime_mode, *args, **kwargs)
 
     return _warmup_and_capture
