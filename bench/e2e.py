@@ -13,10 +13,11 @@ this script) measures, for each arm, output tokens/s at batch 1 and batch 8:
                  (vLLM's default mode, FULL_AND_PIECEWISE)
   dflash-graphs  (optional) the dflash arm with torch.compile + vLLM's default CUDA graphs, capture
                  sizes [1, 2, 4, 8, 16, 32, 64, 128] (a verify step is 16 tokens per request)
-  tfm16/32/64-graphs  (optional) the tfm arms with torch.compile + piecewise CUDA graphs (opt-in cudagraph_mode PIECEWISE):
+  tfm16/32/64-graphs  (optional) the tfm arms with torch.compile + piecewise CUDA graphs (cudagraph_mode PIECEWISE):
                  PIECEWISE target and DFlash graphs, capture sizes k * (B + 1) for k <= max batch
                  (vllm_tfm/vllm_plugin/cuda_graphs.py); Weaver and the tree build stay eager
-  tfm16/32/64-full  (optional) as -graphs with cudagraph_mode FULL_AND_PIECEWISE: tree steps whose
+  tfm16/32/64-full  (optional) as -graphs with cudagraph_mode FULL_AND_PIECEWISE (tfm's default on one
+                 GPU): tree steps whose
                  requests all verify B drafts replay one full graph of the target forward with the
                  tree verify inside (vllm_tfm/vllm_plugin/runtime/full_graphs.py)
 

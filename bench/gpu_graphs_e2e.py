@@ -10,9 +10,10 @@ batch 1 (each prompt alone):
   nospec-eager   vLLM without speculation, enforce_eager=True
   nospec-graphs  vLLM without speculation, torch.compile + PIECEWISE CUDA graphs (vLLM's sizes)
   tfm-eager      tfm, enforce_eager=True
-  tfm-graphs     tfm with its default: PIECEWISE graphs of target and drafter, tfm's capture sizes
-  tfm-fullpw     tfm with FULL_AND_PIECEWISE (tree steps of R requests x B drafts replay full graphs
-                 with the tree verify inside, the others piecewise graphs)
+  tfm-graphs     tfm with PIECEWISE graphs of target and drafter (the default with tensor or data
+                 parallelism), tfm's capture sizes
+  tfm-fullpw     tfm with FULL_AND_PIECEWISE (the default on one GPU: tree steps of R requests x B
+                 drafts replay full graphs with the tree verify inside, the others piecewise graphs)
 
 Verdicts (all must hold for exit code 0): tfm-graphs == nospec-graphs, tfm-graphs == tfm-eager,
 tfm-eager == nospec-eager, tfm-fullpw == nospec-graphs (batch 8 and batch 1, every prompt,
@@ -62,7 +63,7 @@ ENGINES: dict[str, dict[str, Any]] = {
     "nospec-eager": {"spec": False, "eager": True},
     "nospec-graphs": {"spec": False, "eager": False, "compilation_config": {"cudagraph_mode": "PIECEWISE"}},
     "tfm-eager": {"spec": True, "eager": True},
-    "tfm-graphs": {"spec": True, "eager": False, "compilation_config": {"cudagraph_mode": "PIECEWISE"}},  # the opt-in
+    "tfm-graphs": {"spec": True, "eager": False, "compilation_config": {"cudagraph_mode": "PIECEWISE"}},
     "tfm-fullpw": {"spec": True, "eager": False, "compilation_config": {"cudagraph_mode": "FULL_AND_PIECEWISE"}},
 }
 REQUIRED: tuple[tuple[str, str], ...] = (
