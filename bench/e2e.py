@@ -17,9 +17,8 @@ this script) measures, for each arm, output tokens/s at batch 1 and batch 8:
                  PIECEWISE target and DFlash graphs, capture sizes k * (B + 1) for k <= max batch
                  (vllm_tfm/vllm_plugin/cuda_graphs.py); Weaver and the tree build stay eager
   tfm16/32/64-full  (optional) as -graphs with cudagraph_mode FULL_AND_PIECEWISE (tfm's default on one
-                 GPU): tree steps whose
-                 requests all verify B drafts replay one full graph of the target forward with the
-                 tree verify inside (vllm_tfm/vllm_plugin/runtime/full_graphs.py)
+                 GPU): tree steps whose requests all verify B drafts replay one full graph of the
+                 target forward with the tree verify inside (vllm_tfm/vllm_plugin/runtime/full_graphs.py)
 
 The target is written here with the exact Qwen3.6-27B text shape (``bench/e2e_models.py``) and
 loaded with dummy weights (``load_format="dummy"``, bf16, about 54 GB), the drafter is the
