@@ -135,16 +135,12 @@ def spec_tree_gdn(
         if block_v is not None:
             # the kernel reads contiguous q, k and v: q and k come out of one copy ([2, Ts, H, K], q then
             # k); keeping k in the stash spares the commit its own copy
-            delta_out = None
+            delta_out = qk_out = None
             if persistent is not None:  # a full graph capture: what the commit reads goes to fixed addresses
                 t = y.shape[0]
-                qk = persistent.qk[:, :t]
-                qk.copy_(y[:, : 2 * num_k_heads * head_k_dim].view(t, 2, num_k_heads, head_k_dim).transpose(0, 1))
-                q, k = qk.unbind(0)
+                qk_out, delta_out = persistent.qk[:, :t], persistent.delta[:t]
                 g = persistent.g[:t].copy_(g)
-                delta_out = persistent.delta[:t]
-            else:
-                q, k = _contiguous_qk(y, num_k_heads, head_k_dim)
+            q, k = _contiguous_qk(y, num_k_heads, head_k_dim, qk_out)
             o, delta = kgdn.gdn_tree_verify_planned(
                 kernels.plan, q, k, v, g, beta, ssm_state, s0, return_delta=True, block_v=block_v,
                 out=out if _writable_out(out, v) else None, delta_out=delta_out,
@@ -165,11 +161,13 @@ def spec_tree_gdn(
     return o.to(x.dtype), stash
 
 
-def _contiguous_qk(y: Tensor, num_k_heads: int, head_k_dim: int) -> tuple[Tensor, Tensor]:
+def _contiguous_qk(y: Tensor, num_k_heads: int, head_k_dim: int, out: Tensor | None = None) -> tuple[Tensor, Tensor]:
     """q and k of the conv output y [Ts, 2*H*K + HV*V] as contiguous [Ts, H, K] tensors, both copied
-    by one kernel into a [2, Ts, H, K] buffer (the values of ``q.contiguous()``, ``k.contiguous()``)."""
+    by one kernel into a [2, Ts, H, K] buffer (the values of ``q.contiguous()``, ``k.contiguous()``):
+    ``out`` when given ([2, Ts, H, K] whose two halves are each contiguous), else a new buffer."""
     kd = num_k_heads * head_k_dim
-    q, k = y[:, : 2 * kd].view(-1, 2, num_k_heads, head_k_dim).transpose(0, 1).contiguous().unbind(0)
+    src = y[:, : 2 * kd].view(-1, 2, num_k_heads, head_k_dim).transpose(0, 1)
+    q, k = (src.contiguous() if out is None else out.copy_(src)).unbind(0)
     return q, k
 
 
