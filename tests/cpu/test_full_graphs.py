@@ -250,3 +250,29 @@ def test_a_capture_without_the_kernel_path_falls_back_to_vllms_full_graphs(caplo
     seen.clear()
     assert wrapped(FakeRunner(graphs), SimpleNamespace(uniform=True, num_tokens=10), SimpleNamespace(name="PIECEWISE")) == "vllm's capture"
     assert seen == [False]
+
+
+def test_the_stash_reserved_after_the_profile_run_is_the_one_the_capture_uses() -> None:
+    from vllm.model_executor.layers.mamba.gdn.qwen_gdn_linear_attn import QwenGatedDeltaNetAttention
+
+    from vllm_tfm.vllm_plugin.runtime.hooks import reserve_tree_graph_stash
+
+    graphs = TreeGraphs(budget=4, max_reqs=3, max_seq_len=64, device=torch.device("cpu"))
+    layer = QwenGatedDeltaNetAttention.__new__(QwenGatedDeltaNetAttention)
+    torch.nn.Module.__init__(layer)
+    layer.prefix, layer.tp_size, layer.num_k_heads, layer.head_k_dim, layer.num_v_heads, layer.head_v_dim = (
+        "model.layers.0.linear_attn", 2, 4, 8, 6, 16)
+    layer.conv1d = SimpleNamespace(weight=torch.zeros(2 * 2 * 8 + 3 * 16, 1, 4))
+    runner = SimpleNamespace(_tfm_tree_graphs=graphs, device=torch.device("cpu"),
+                             model_config=SimpleNamespace(is_hybrid=True, dtype=torch.bfloat16),
+                             compilation_config=SimpleNamespace(static_forward_context={"a": layer, "b": object()}))
+    assert reserve_tree_graph_stash(runner) == 1
+    st = graphs.layers["model.layers.0.linear_attn"]
+    assert tuple(st.x.shape) == (15, 80) and st.x.dtype == torch.bfloat16
+    assert tuple(st.qk.shape) == (2, 15, 2, 8) and tuple(st.g.shape) == (15, 3) and tuple(st.delta.shape) == (15, 3, 16)
+    # the layer's own request at capture time finds it; other shapes or dtypes get a new one
+    x = torch.zeros(10, 80, dtype=torch.bfloat16)
+    assert graphs.layer_stash("model.layers.0.linear_attn", x, 2, 8, torch.float32, 3, 16, torch.bfloat16) is st
+    other = graphs.layer_stash("model.layers.0.linear_attn", x.float(), 2, 8, torch.float32, 3, 16, torch.float32)
+    assert other is not st and other.x.dtype == torch.float32
+    assert reserve_tree_graph_stash(SimpleNamespace(_tfm_tree_graphs=None)) == 0

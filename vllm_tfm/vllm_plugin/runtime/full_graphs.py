@@ -32,8 +32,8 @@ Stage spans (``VLLM_TFM_PROFILE``) are paused during the capture; at replay the 
 spans do not run (the target forward is one span).
 
 Memory: the stash holds, per GDN layer, T = R_max (B + 1) rows of x, q|k, g and delta; at
-Qwen3.6-27B's shape with R_max = 8 and B = 32 about 0.7 GB, allocated during the first capture
-(after vLLM sized its KV cache).
+Qwen3.6-27B's shape with R_max = 8 and B = 32 about 0.7 GB, allocated right after vLLM's memory
+profile run (:meth:`TreeGraphs.reserve`), so that vLLM sizes its KV cache without it.
 """
 
 from __future__ import annotations
@@ -227,21 +227,30 @@ class TreeGraphs:
 
     def layer_stash(self, prefix: str, x: Tensor, num_k_heads: int, head_k_dim: int, g_dtype: torch.dtype,
                     num_v_heads: int, head_v_dim: int, qk_dtype: torch.dtype) -> LayerStash:
-        """The persistent stash of GDN layer ``prefix`` (allocated on first use, which must not be inside
-        a stream capture: the warm-up runs come first)."""
+        """The persistent stash of GDN layer ``prefix``: the one :meth:`reserve` made when its shapes and
+        dtypes are these, else allocated now (never inside a stream capture: the warm-up runs come first)."""
+        return self.reserve(prefix, x.shape[1], x.dtype, num_k_heads, head_k_dim, qk_dtype, num_v_heads, head_v_dim,
+                            g_dtype, x.device)
+
+    def reserve(self, prefix: str, conv_dim: int, x_dtype: torch.dtype, num_k_heads: int, head_k_dim: int,
+                qk_dtype: torch.dtype, num_v_heads: int, head_v_dim: int, g_dtype: torch.dtype,
+                device: torch.device | str) -> LayerStash:
+        """Allocate (or find) the stash of GDN layer ``prefix`` for T_max = R_max (B + 1) rows. Called for
+        every GDN layer right after vLLM's memory profile run (``hooks._wrap_profile_run``), so that the
+        stash is in the memory vLLM leaves out of its KV cache; the capture then finds it."""
+        t = self.max_reqs * self.nodes
+        want = {"x": ((t, conv_dim), x_dtype), "qk": ((2, t, num_k_heads, head_k_dim), qk_dtype),
+                "g": ((t, num_v_heads), g_dtype), "delta": ((t, num_v_heads, head_v_dim), torch.float32)}
         found = self.layers.get(prefix)
-        if found is not None:
+        dev = torch.device(device)
+        if found is not None and all(
+            tuple(getattr(found, k).shape) == shape and getattr(found, k).dtype == dt and getattr(found, k).device == dev
+            for k, (shape, dt) in want.items()
+        ):
             return found
         if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
             raise RuntimeError(f"vllm-tfm: the tree stash of {prefix} would be allocated inside a CUDA graph capture")
-        t = self.max_reqs * self.nodes
-        dev = x.device
-        stash = LayerStash(
-            x=torch.empty((t, x.shape[1]), dtype=x.dtype, device=dev),
-            qk=torch.empty((2, t, num_k_heads, head_k_dim), dtype=qk_dtype, device=dev),
-            g=torch.empty((t, num_v_heads), dtype=g_dtype, device=dev),
-            delta=torch.empty((t, num_v_heads, head_v_dim), dtype=torch.float32, device=dev),
-        )
+        stash = LayerStash(**{k: torch.empty(shape, dtype=dt, device=dev) for k, (shape, dt) in want.items()})
         self.layers[prefix] = stash
         return stash
 

@@ -13,7 +13,8 @@ Each wrapper calls the original and acts only on a runner built for ``"method": 
 * ``sample_tokens`` (4497): clears the step state when the step ends, so profiling and dummy runs
   never see a stale tree;
 * ``profile_run`` (6364, called once at start-up by ``Worker.determine_available_memory``, with or
-  without ``kv_cache_memory_bytes``): afterwards captures the Weaver CUDA graphs of every batch
+  without ``kv_cache_memory_bytes``): afterwards allocates the full tree graphs' stash of every GDN
+  layer (``full_graphs.TreeGraphs.reserve``) and captures the Weaver CUDA graphs of every batch
   size up to ``max_num_seqs`` (``TFMProposer.warm_up_weaver_graphs``), so that their memory is in
   vLLM's memory profile and serving captures none (as vLLM captures its own graphs at start-up).
 
@@ -372,6 +373,7 @@ def _wrap_profile_run(orig: Callable) -> Callable:
     def profile_run(self: Any, *args: Any, **kwargs: Any) -> Any:
         out = orig(self, *args, **kwargs)
         if _is_tfm(self):
+            reserve_tree_graph_stash(self)
             try:
                 self.drafter.warm_up_weaver_graphs(int(self.max_num_reqs))
             except Exception as exc:  # noqa: BLE001 - start-up must not fail on an optimisation
@@ -381,6 +383,27 @@ def _wrap_profile_run(orig: Callable) -> Callable:
         return out
 
     return profile_run
+
+
+def reserve_tree_graph_stash(runner: Any) -> int:
+    """With full tree graphs: the persistent stash of every GDN layer of the target, allocated now (after
+    vLLM's profile run, inside its memory profile). Returns the number of layers reserved."""
+    from .graph_dispatch import tree_graphs_of
+
+    graphs = tree_graphs_of(runner)
+    if graphs is None or not runner.model_config.is_hybrid:
+        return 0
+    from vllm.model_executor.layers.mamba.gdn.qwen_gdn_linear_attn import QwenGatedDeltaNetAttention
+
+    dtype = runner.model_config.dtype
+    n = 0
+    for layer in runner.compilation_config.static_forward_context.values():
+        if isinstance(layer, QwenGatedDeltaNetAttention):
+            graphs.reserve(layer.prefix, int(layer.conv1d.weight.shape[0]), dtype, layer.num_k_heads // layer.tp_size,
+                           layer.head_k_dim, dtype, layer.num_v_heads // layer.tp_size, layer.head_v_dim, torch.float32,
+                           runner.device)
+            n += 1
+    return n
 
 
 RUNNER_HOOKS: dict[str, tuple[Callable[[Callable], Callable], str]] = {
