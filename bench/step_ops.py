@@ -351,6 +351,7 @@ def prepare(x: StepInputs, store: Any) -> Any:
     step = build_step_tree(x.req_ids, np.full(x.r, x.budget + 1), x.spec, store, allow_trees=True,
                            device=x.device)
     assert step.tree_active
+    _ = step.attn_plan  # built on first read: a piecewise step's first attention layer does it (counted here, as before)
     pos = x.positions.clone()
     pos.copy_(tree_positions(pos, step.dev("query_start"), step.dev("req_index"), step.dev("depth")))
     STATE.step = step

@@ -9,7 +9,8 @@ sequential positions, the slot mapping (node j of a request keeps the sequential
   sampler sees, the spec-request subset the GDN layers see, and, for the requests whose tree is
   not a chain, the tree attention plan: request indices, first rows, sizes and ancestor bitmasks
   of all of them, built with whole-array operations and copied to the device in one transfer
-  (``vllm_tfm.kernels.tree_attention.TreeAttentionPlan``). The per-request biases of the fallback
+  (``vllm_tfm.kernels.tree_attention.TreeAttentionPlan``) when the first tree-masked attention
+  layer reads it (``StepTree.attn_plan``; a step that replays a full tree graph never does). The per-request biases of the fallback
   attention path (``per_request_trees``) are only built if that path runs.
 * ``tree_positions`` turns positions into ``position(root) + depth`` (RoPE of a node = its place on
   its own root..node path); vLLM's ``_preprocess`` reads the positions buffer after this.
@@ -185,7 +186,7 @@ def build_step_tree(
         proposal_len=proposal_len,
     )
     if tree_active:
-        step.attn_plan = attention_plan(step)
+        step.defer_attn_plan()  # built by the first tree-masked attention layer; a full-graph step needs none
         step.upload()  # every index array the step's hooks read on the device, in one copy
     return step
 

@@ -216,7 +216,6 @@ class StepTree:
     device: torch.device | str = "cpu"
     lookup: np.ndarray | None = None  # [R] int8 LOOKUP_* code of each request
     proposal_len: np.ndarray | None = None  # [R] length of the stored proposal its drafts matched (0: none)
-    attn_plan: TreeAttentionPlan | None = None  # requests whose tree is not a chain (tree-active steps)
     seq_positions: Tensor | None = None  # sequential positions of the T rows (for the drafter)
     accept: "AcceptResult | None" = None
     gdn: dict[str, GDNStash] = field(default_factory=dict)
@@ -225,7 +224,28 @@ class StepTree:
     full_graph: bool = False  # replays a full tree graph (full_graphs.TreeGraphs.prepare_replay)
     _dev: dict[str, Tensor] = field(default_factory=dict, repr=False)
     _attn_trees: list[AttnTree] | None = field(default=None, repr=False)
+    _attn_plan: TreeAttentionPlan | None = field(default=None, repr=False)
+    _attn_plan_due: bool = field(default=False, repr=False)  # attn_plan is built on first read
     _sample_tables: TreeTables | None = field(default=None, repr=False)
+
+    @property
+    def attn_plan(self) -> TreeAttentionPlan | None:
+        """The tree attention plan of the requests whose tree is not a chain (tree-active steps; None when
+        none needs a mask). Built on first read (``inputs.attention_plan``): a step that replays a full
+        tree graph never reads it (its graph reads the fixed-layout plan of ``full_graphs.py``)."""
+        if self._attn_plan_due:
+            from .inputs import attention_plan
+
+            self._attn_plan, self._attn_plan_due = attention_plan(self), False
+        return self._attn_plan
+
+    @attn_plan.setter
+    def attn_plan(self, plan: TreeAttentionPlan | None) -> None:
+        self._attn_plan, self._attn_plan_due = plan, False
+
+    def defer_attn_plan(self) -> None:
+        """Build ``attn_plan`` when it is first read instead of now."""
+        self._attn_plan, self._attn_plan_due = None, True
 
     @property
     def attn_trees(self) -> list[AttnTree]:
