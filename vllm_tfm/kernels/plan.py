@@ -17,6 +17,7 @@ T nodes, R requests, P = sum over nodes of depth + 1):
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import numpy as np
@@ -71,9 +72,9 @@ class TreePlan:
         Raises ValueError naming the first malformed entry.
         """
         target = torch.device(device) if device is not None else parents.device
-        t = _host_tables(parents, cu_nodes)
-        packed = torch.cat([t.cu, t.perm, t.pos, t.depth, t.pair_off, t.pair_j, t.req_of]).to(torch.int32).to(target)
-        return t.plan_over(packed, t.num_pairs, t.max_depth, t.max_pairs_per_request)
+        host = _host_plan(parents, cu_nodes)
+        packed = torch.cat(host._tables()).to(torch.int32).to(target)
+        return host._over(packed, host.num_pairs, host.max_depth, host.max_pairs_per_request)
 
     @staticmethod
     def build_into(buffer: Tensor, parents: Tensor, cu_nodes: Tensor, nodes_per_request: int) -> "TreePlan":
@@ -89,21 +90,35 @@ class TreePlan:
         The host-to-device copy is ordered on the current stream (a launch recorded earlier that reads
         the buffer sees the old tables). Raises ValueError on a malformed tree or another node count.
         """
-        t = _host_tables(parents, cu_nodes)
+        host = _host_plan(parents, cu_nodes)
         n = int(nodes_per_request)
-        if bool((t.cu.diff() != n).any()):
-            raise ValueError(f"every tree must have {n} nodes for a fixed-layout plan, got counts {t.cu.diff().tolist()}")
-        r = t.cu.numel() - 1
+        if bool((host.cu.diff() != n).any()):
+            raise ValueError(f"every tree must have {n} nodes for a fixed-layout plan, got counts {host.cu.diff().tolist()}")
+        r = host.num_requests
         cap = TreePlan.fixed_pairs_per_request(n)
         pair_j = torch.zeros(r * cap, dtype=torch.long)
-        pair_j[: t.num_pairs] = t.pair_j
-        packed = torch.cat([t.cu, t.perm, t.pos, t.depth, t.pair_off, pair_j, t.req_of]).to(torch.int32)
+        pair_j[: host.num_pairs] = host.pair_j
+        packed = torch.cat(host._tables(pair_j)).to(torch.int32)
         if buffer.dtype != torch.int32 or buffer.dim() != 1 or buffer.numel() < packed.numel():
             raise ValueError(f"buffer must be a 1-d int32 tensor of >= {packed.numel()} entries, got "
                              f"{buffer.dtype} {tuple(buffer.shape)}")
         view = buffer[: packed.numel()]
         upload_into(view, packed)
-        return t.plan_over(view, r * cap, n - 1, cap)
+        return host._over(view, r * cap, n - 1, cap)
+
+    def _tables(self, pair_j: Tensor | None = None) -> list[Tensor]:
+        """The tables in their packed order (``pair_j`` replaced when given: a padded copy)."""
+        return [self.cu, self.perm, self.pos, self.depth, self.pair_off, self.pair_j if pair_j is None else pair_j,
+                self.req_of]
+
+    def _over(self, packed: Tensor, pairs_len: int, max_depth: int, max_pairs_per_request: int) -> "TreePlan":
+        """This plan with its tables the consecutive slices of ``packed`` (pair_j of ``pairs_len`` entries)
+        and the given bounds."""
+        t = self.num_nodes
+        sizes = [self.num_requests + 1, t, t, t, t + 1, pairs_len, t]
+        cu, perm, pos, depth, off, pj, req = torch.split(packed, sizes)
+        return dataclasses.replace(self, max_depth=max_depth, num_pairs=pairs_len, max_pairs_per_request=max_pairs_per_request,
+                                   cu=cu, perm=perm, pos=pos, depth=depth, pair_off=off, pair_j=pj, req_of=req)
 
     @staticmethod
     def fixed_pairs_per_request(nodes_per_request: int) -> int:
@@ -127,47 +142,8 @@ def upload_into(dest: Tensor, host: Tensor) -> None:
         dest.copy_(host)
 
 
-@dataclass(frozen=True)
-class _HostTables:
-    """A validated batch's plan tables on the host (int64), before packing."""
-
-    cu: Tensor
-    perm: Tensor
-    pos: Tensor
-    depth: Tensor
-    pair_off: Tensor
-    pair_j: Tensor
-    req_of: Tensor
-    max_nodes: int
-    max_depth: int
-    num_pairs: int
-    max_pairs_per_request: int
-
-    def plan_over(self, packed: Tensor, pairs_len: int, max_depth: int, max_pairs_per_request: int) -> TreePlan:
-        """The plan whose tables are the consecutive slices of ``packed`` (pair_j of ``pairs_len`` entries)."""
-        t_nodes = self.perm.numel()
-        r_req = self.cu.numel() - 1
-        sizes = [r_req + 1, t_nodes, t_nodes, t_nodes, t_nodes + 1, pairs_len, t_nodes]
-        cu_d, perm_d, pos_d, depth_d, off_d, pj_d, req_d = torch.split(packed, sizes)
-        return TreePlan(
-            num_requests=r_req,
-            num_nodes=t_nodes,
-            max_nodes=self.max_nodes,
-            max_depth=max_depth,
-            num_pairs=pairs_len,
-            max_pairs_per_request=max_pairs_per_request,
-            cu=cu_d,
-            perm=perm_d,
-            pos=pos_d,
-            depth=depth_d,
-            pair_off=off_d,
-            pair_j=pj_d,
-            req_of=req_d,
-        )
-
-
-def _host_tables(parents: Tensor, cu_nodes: Tensor) -> _HostTables:
-    """Validate a ragged batch and compute its plan tables on the CPU (``TreePlan`` module docstring).
+def _host_plan(parents: Tensor, cu_nodes: Tensor) -> TreePlan:
+    """Validate a ragged batch and compute its plan on the CPU (int64 tables; ``TreePlan`` module docstring).
 
     numpy, not torch: a decode step builds one plan for arrays of a few hundred entries, where
     torch's CPU operators cost microseconds to milliseconds each (thread-pool dispatch; seen at
@@ -230,8 +206,9 @@ def _host_tables(parents: Tensor, cu_nodes: Tensor) -> _HostTables:
         raise ValueError(f"the batch has {num_pairs} (node, ancestor) pairs; the kernels index them with int32")
     per_request = pair_off[cu[1:]] - pair_off[cu[:-1]]
     t = torch.from_numpy
-    return _HostTables(t(cu.copy()), t(perm), t(pos), t(depth), t(pair_off), t(pair_j), t(req_of), int(counts.max()),
-                       max_depth, num_pairs, int(per_request.max()))
+    return TreePlan(num_requests=r_req, num_nodes=t_nodes, max_nodes=int(counts.max()), max_depth=max_depth,
+                    num_pairs=num_pairs, max_pairs_per_request=int(per_request.max()), cu=t(cu.copy()), perm=t(perm),
+                    pos=t(pos), depth=t(depth), pair_off=t(pair_off), pair_j=t(pair_j), req_of=t(req_of))
 
 
 @dataclass(frozen=True)
