@@ -94,6 +94,7 @@ from soak_server import (
     Server,
     _nvidia_smi,
     allocator_summary,
+    graph_summary,
     log,
     log_facts,
     start_servers,
@@ -137,6 +138,7 @@ class SoakConfig:
     again_requests: int | None = None  # second round: the first N started requests again (None: all of them)
     nospec_gpu: str | None = None  # soak phase: the no-spec server on this GPU, its load alongside tfm's (module doc)
     triton_f32: str | None = "ieee"  # TRITON_F32_DEFAULT of both servers (module doc, "Float32"); None: Triton's tf32
+    cuda_graphs: bool = False  # both servers with torch.compile and vLLM's CUDA graphs (tfm: full tree graphs), not eager
 
 
 Launcher = Callable[[Role, SoakConfig], list[str]]
@@ -166,7 +168,7 @@ def vllm_command(role: Role, cfg: SoakConfig) -> list[str]:
         "--attention-backend", "TRITON_ATTN",
         "--additional-config", json.dumps({"gdn_prefill_backend": "triton"}),
         "--compilation-config", json.dumps({"custom_ops": ["none"]}),
-        "--enforce-eager",
+        *([] if cfg.cuda_graphs else ["--enforce-eager"]),
         "--max-model-len", str(role.max_model_len),
         "--max-num-seqs", str(cfg.max_num_seqs),
         "--gpu-memory-utilization", "0.3",
@@ -236,6 +238,7 @@ def load_on(
                          for k, v in probes_out.items()}
     res.update(memory_change(res["memory_before"], res["memory_during"], res["memory_after"]))
     res["allocator"] = allocator_summary(server.log_text()[log_from:])
+    res["cuda_graphs"] = graph_summary(server.log_text()[log_from:])
     b, a = res["memory_before"].get("mib"), res["memory_after"].get("mib")
     s = res["summary"]
     log(f"{server.role.name}: {s['status_counts']} errors={s['errors']} wall={s['wall_s']}s "
@@ -818,6 +821,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                                          "at the same time as tfm's (kind nvidia-h200-x2)")
     ap.add_argument("--triton-f32", choices=["ieee", "tf32", "tf32x3"], default="ieee",
                     help="TRITON_F32_DEFAULT of both servers (default ieee: float32 dot products in Triton kernels)")
+    ap.add_argument("--cuda-graphs", action="store_true",
+                    help="serve with torch.compile and CUDA graphs, the default a user gets (tfm: full graphs of tree "
+                         "steps, FULL_AND_PIECEWISE), instead of --enforce-eager")
     ap.add_argument("--port", type=int, default=8300)
     ap.add_argument("--seed", type=int, default=0)
     return ap.parse_args(argv)
@@ -844,7 +850,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         preempt_requests=args.preempt_requests, preempt_capacity=args.preempt_capacity, preempt_max_model_len=min(1024, mml),
         seed=args.seed, port=args.port, random_models=args.random, second_round=not args.one_round,
         again_requests=args.again_requests, first_round_share=args.first_round_share, nospec_gpu=args.nospec_gpu,
-        triton_f32=args.triton_f32,
+        triton_f32=args.triton_f32, cuda_graphs=args.cuda_graphs,
         deadline_s=args.deadline_s or (450.0 if args.phase == "soak" else 420.0),
         command="python3 bench/soak.py " + " ".join(sys.argv[1:] if argv is None else argv),
     )

@@ -32,6 +32,7 @@ __all__ = [
     "Role",
     "Server",
     "allocator_summary",
+    "graph_summary",
     "gpu_memory",
     "log",
     "log_facts",
@@ -280,6 +281,22 @@ def allocator_summary(text: str) -> dict[str, Any]:
         return {"lines": 0, "allocated_last_mib": None, "reserved_last_mib": None, "reserved_max_mib": None}
     return {"lines": len(found), "allocated_last_mib": found[-1][0], "reserved_last_mib": found[-1][1],
             "reserved_max_mib": max(r for _, r in found)}
+
+
+_GRAPHS = re.compile(r"vllm-tfm: last [^\n]*?; graphs: ([^;\n]+)")
+
+
+def graph_summary(text: str) -> dict[str, int]:
+    """Steps by the CUDA graph they replayed, summed over a tfm engine's periodic stats lines in a
+    slice of its log (their ``; graphs: tree.FULL 12, tree.full_replay 12, ...`` segment, the
+    interval's ``cudagraph.*`` counters; docs/metrics.md). Empty for an eager engine."""
+    total: dict[str, int] = {}
+    for m in _GRAPHS.finditer(text):
+        for item in m.group(1).split(", "):
+            name, _, count = item.strip().rpartition(" ")
+            if name and count.isdigit():
+                total[name] = total.get(name, 0) + int(count)
+    return dict(sorted(total.items()))
 
 
 def start_servers(servers: Sequence[Server], until: float) -> dict[str, bool]:

@@ -44,3 +44,23 @@ def test_interval_report_ends_with_the_allocator_when_asked():
                     "GPU MiB allocated 812, reserved 1100")
     assert reads == [1]
     assert m.interval_report(140.0, 10.0, memory) is None and reads == [1]  # no step, no line, no read
+
+
+def test_interval_report_counts_the_cuda_graphs_of_the_interval():
+    m = Metrics(max_depth=4)
+    assert m.interval_report(100.0, 10.0) is None
+    _steps(m, 3, 3, "tfm", 0.02)
+    for _ in range(3):
+        m.hook("cudagraph.tree.FULL")
+        m.hook("cudagraph.tree.full_replay")
+    m.hook("cudagraph.other.PIECEWISE")
+    line = m.interval_report(110.0, 10.0)
+    assert line == ("vllm-tfm: last 10.0 s: 3 steps, 3 with trees; proposals: tfm 3; host ms per step: propose 20.0; "
+                    "graphs: other.PIECEWISE 1, tree.FULL 3, tree.full_replay 3")
+    _steps(m, 2, 2, "tfm", 0.02)
+    m.hook("cudagraph.tree.PIECEWISE")
+    m.hook("cudagraph.tree.PIECEWISE")  # only this interval's counts, none of the previous one's
+    line = m.interval_report(120.0, 10.0)
+    assert line.endswith("; graphs: tree.PIECEWISE 2")
+    _steps(m, 1, 0, "chain", 0.01)  # no graph counter moved: no graphs segment
+    assert m.interval_report(130.0, 10.0).endswith("host ms per step: propose 10.0")

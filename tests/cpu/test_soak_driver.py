@@ -179,6 +179,35 @@ def test_allocator_summary_reads_the_tfm_stats_lines() -> None:
     assert soak_server.allocator_summary(f"(EngineCore pid=7) INFO [hooks.py:9] {line}\n")["reserved_last_mib"] == 512.0
 
 
+def test_graph_summary_sums_the_graph_counts_of_the_tfm_stats_lines() -> None:
+    from vllm_tfm.vllm_plugin.runtime.metrics import Metrics
+
+    m = Metrics(max_depth=4)
+    m.interval_report(0.0, 10.0)
+    lines = []
+    for t, counts in ((10.0, {"tree.FULL": 5, "tree.full_replay": 5, "other.PIECEWISE": 2}), (20.0, {"tree.PIECEWISE": 3}),
+                      (30.0, {}), (40.0, {"tree.FULL": 1, "tree.full_replay": 1})):
+        m.steps += 1
+        for name, c in counts.items():
+            for _ in range(c):
+                m.hook(f"cudagraph.{name}")
+        lines.append(f"(EngineCore pid=7) INFO 11-29 [hooks.py:9] {m.interval_report(t, 10.0, lambda: (300.0, 512.0))}")
+    text = "\n".join(lines) + "\n(APIServer pid=5) INFO Engine 000: Avg prompt throughput: 884.8 tokens/s\n"
+    assert soak_server.graph_summary(text) == {"other.PIECEWISE": 2, "tree.FULL": 6, "tree.PIECEWISE": 3,
+                                               "tree.full_replay": 6}
+    assert soak_server.allocator_summary(text)["lines"] == 4  # the graphs segment keeps the allocator readable
+    assert soak_server.graph_summary(lines[2]) == {}  # an interval without graph counters (an eager engine)
+
+
+def test_cuda_graphs_drops_enforce_eager(tmp_path: Path) -> None:
+    role = soak.Role("tfm", 8400, True, 3 << 30, 2048)
+    eager = soak.vllm_command(role, soak.SoakConfig(out=tmp_path, target="/t", drafter="/d"))
+    graphs = soak.vllm_command(role, soak.SoakConfig(out=tmp_path, target="/t", drafter="/d", cuda_graphs=True))
+    assert "--enforce-eager" in eager and "--enforce-eager" not in graphs
+    assert [a for a in eager if a != "--enforce-eager"] == graphs
+    assert soak.parse_args(["--cuda-graphs"]).cuda_graphs and not soak.parse_args([]).cuda_graphs
+
+
 def test_log_facts() -> None:
     text = (
         "INFO 11-29 [kv_cache_utils.py:1300] GPU KV cache size: 12,345 tokens\n"

@@ -120,12 +120,16 @@ class Metrics:
         proposals = {k.split(".", 1)[1]: v - hooks0.get(k, 0) for k, v in sorted(self.hooks.items()) if k.startswith("proposer.")}
         proposals = {k: v for k, v in proposals.items() if v > 0 and k != "context_reorder"}
         per_step = {k: (v - secs0.get(k, 0.0)) * 1e3 / steps for k, v in sorted(self.seconds.items())}
+        graphs = {k.split(".", 1)[1]: v - hooks0.get(k, 0) for k, v in sorted(self.hooks.items()) if k.startswith("cudagraph.")}
+        graphs = {k: v for k, v in graphs.items() if v > 0}
         line = (
             f"vllm-tfm: last {span:.1f} s: {steps} steps, {trees} with trees; proposals: "
             + (", ".join(f"{k} {v}" for k, v in proposals.items()) or "none")
             + "; host ms per step: "
             + (", ".join(f"{k} {v:.1f}" for k, v in per_step.items() if v > 0) or "none")
         )
+        if graphs:  # steps by the CUDA graph they replayed (docs/metrics.md, `cudagraph.*`)
+            line += "; graphs: " + ", ".join(f"{k} {v}" for k, v in graphs.items())
         if memory is not None:
             allocated, reserved = memory()
             line += f"; GPU MiB allocated {allocated:.0f}, reserved {reserved:.0f}"
