@@ -70,9 +70,13 @@ def test_capture_sizes_cover_every_tree_step_shape() -> None:
     assert tfm_capture_sizes(64, 8) == [1, 2, 4, 8, 65, 130, 195, 260, 325, 390, 455, 520]
     assert tfm_capture_sizes(15, 3) == [1, 2, 3, 16, 32, 48]
     assert tfm_capture_sizes(1, 1) == [1, 2]
-    # max_num_seqs unknown (vLLM sets its default later) or large: 16 requests
-    expected = sorted({1, 2, 4, 8, 16} | {8 * k for k in range(1, 17)})
+    # max_num_seqs unknown (vLLM sets its default later) or large: tree steps of up to 1,024 tokens,
+    # at least 16 and at most 64 requests
+    expected = sorted({1, 2, 4, 8, 16, 32, 64} | {8 * k for k in range(1, 65)})
     assert tfm_capture_sizes(7, None) == tfm_capture_sizes(7, 256) == expected
+    assert max(tfm_capture_sizes(16, 256)) == 60 * 17 and max(tfm_capture_sizes(16, 32)) == 32 * 17
+    assert max(tfm_capture_sizes(32, None)) == 31 * 33 and max(tfm_capture_sizes(64, None)) == 16 * 65
+    assert max(tfm_capture_sizes(1, None)) == 64 * 2  # 512 requests would fit 1,024 tokens: 64 sizes at most
     with pytest.raises(ValueError, match="tree budget must be an integer >= 1"):
         tfm_capture_sizes(0, 8)
 

@@ -357,9 +357,10 @@ def test_serve_answers_an_openai_completion_end_to_end_with_a_cpu_stand_in_engin
         assert (opts["proposal"], opts["budget"], opts["top_k"]) == ("ddtree", 6, 16)  # env beat the file; tree beat both
         # tfm's CUDA-graph decision (vllm_plugin/cuda_graphs.py) was made where the config was built:
         # no cudagraph_mode given, so FULL_AND_PIECEWISE on one GPU (cuda_graphs.DEFAULT_MODE) with tfm's capture
-        # sizes k * (B + 1) for B = 6 (max_num_seqs not set: up to 16 requests), one-token sizes below B + 1
+        # sizes k * (B + 1) for B = 6 (max_num_seqs not set: up to min(64, max(16, 1024 // 7)) = 64 requests),
+        # one-token sizes below B + 1
         assert report["enforce_eager"] is False
-        assert report["cudagraph_capture_sizes"] == sorted({1, 2, 4, *(7 * k for k in range(1, 17))})
+        assert report["cudagraph_capture_sizes"] == sorted({1, 2, 4, *(7 * k for k in range(1, 65))})
         assert report["served_model_name"] == ["tiny-tfm"] or report["served_model_name"] == "tiny-tfm"
         assert report["env"] == {"VLLM_TFM_PROPOSAL": "ddtree", "VLLM_TFM_KERNELS": "0"}
         assert report["vllm_ray_legacy_copies"] == ["VLLM_TFM_KERNELS", "VLLM_TFM_PROPOSAL"]

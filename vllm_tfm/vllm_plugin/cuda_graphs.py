@@ -32,8 +32,12 @@ list (1, 2, 4, 8, 16, ... up to 512) mostly misses (B = 64, batch 8: 520 tokens,
 default maximum of 512, so such steps would run without graphs). When the user sets neither
 ``cudagraph_capture_sizes`` nor ``max_cudagraph_capture_size``, tfm sets the sizes to
 ``k * (B + 1)`` for k = 1 .. K (tree steps of up to K requests) plus 1, 2, 4, ... K (decode steps
-of requests that have no drafts yet), with K = min(max_num_seqs, 16) (16 when max_num_seqs is
-not set yet). Larger steps (prefill chunks, bigger batches) run the compiled model without graphs.
+of requests that have no drafts yet), with K = min(max_num_seqs, 64, max(16, 1024 // (B + 1))):
+tree steps of up to 1,024 tokens (at least 16 requests, at most 64 sizes; 60 requests at B = 16, 31
+at B = 32), as vLLM's own default covers speculative decode steps up to 512 tokens in about 67 sizes. With K = 16 a server at 32
+concurrent requests and B = 16 ran nearly every tree step without graphs (the soak of
+bench/NOTES.md section 24). vLLM drops sizes above ``max_num_batched_tokens``. Larger steps
+(prefill chunks, bigger batches) run the compiled model without graphs.
 
 Refused besides FULL / FULL_DECODE_ONLY, each with one line: ``splitting_ops`` that leave out
 one of the two ops above, settings that make vLLM empty the splitting ops (``fuse_attn_quant``,
@@ -53,6 +57,8 @@ __all__ = [
     "ATTENTION_OP",
     "BREAKABLE_ENV",
     "DECODE_CAPTURE_REQUESTS",
+    "TREE_CAPTURE_MAX_REQUESTS",
+    "TREE_CAPTURE_TOKENS",
     "DEFAULT_MODE",
     "PARALLEL_DEFAULT_MODE",
     "GDN_OP",
@@ -90,7 +96,11 @@ PARALLEL_DEFAULT_MODE = "PIECEWISE"
 GPU (data parallelism with FULL_AND_PIECEWISE is refused, see ``check_graph_config``)."""
 OPT_IN = "compilation_config={'cudagraph_mode': 'PIECEWISE'}"
 DECODE_CAPTURE_REQUESTS = 16
-"""Tree steps of up to this many requests get a captured size of their own (see the module doc)."""
+"""Tree steps of at least this many requests get a captured size of their own (see the module doc)."""
+TREE_CAPTURE_TOKENS = 1024
+"""...and of more requests while their tokens, R * (B + 1), stay within this (see the module doc)..."""
+TREE_CAPTURE_MAX_REQUESTS = 64
+"""...but never of more than this many requests (the number of captured tree-step sizes)."""
 BREAKABLE_ENV = "VLLM_USE_BREAKABLE_CUDAGRAPH"
 
 
@@ -98,13 +108,16 @@ def tfm_capture_sizes(budget: int, max_num_seqs: int | None, full: bool = False)
     """Capture sizes of a tfm engine with tree budget B = ``budget``.
 
     k * (B + 1) for k = 1..K (a step verifying k trees) and the powers of two up to K plus K (k
-    requests decoding one token, before their first drafts), K = min(max_num_seqs, 16). With
+    requests decoding one token, before their first drafts), K = min(max_num_seqs, 64, max(16,
+    1024 // (B + 1))) (max_num_seqs None: no bound of its own). With
     ``full`` (full decode graphs: vLLM captures one for every size >= B + 1, which must then be a
     multiple of B + 1) the one-token sizes >= B + 1 that are not multiples of B + 1 are left out.
     """
     if isinstance(budget, bool) or not isinstance(budget, int) or budget < 1:
         raise ValueError(f"the tree budget must be an integer >= 1, got {budget!r}")
-    k = DECODE_CAPTURE_REQUESTS if max_num_seqs is None else max(1, min(int(max_num_seqs), DECODE_CAPTURE_REQUESTS))
+    k = min(TREE_CAPTURE_MAX_REQUESTS, max(DECODE_CAPTURE_REQUESTS, TREE_CAPTURE_TOKENS // (budget + 1)))
+    if max_num_seqs is not None:
+        k = max(1, min(int(max_num_seqs), k))
     singles = {1 << i for i in range(k.bit_length())} | {k}
     if full:
         singles = {x for x in singles if x < budget + 1 or x % (budget + 1) == 0}
