@@ -9,11 +9,11 @@ Usage, from the repository root on the GPU host:
 Shape: H = 16 q/k heads, HV = 48 value heads, K = V = 128, q/k/v bf16, fp32 state. Trees are
 DDTree-like (best-first over random per-depth marginals, depth <= 16, deterministic seeds).
 For each n in {16, 32, 64, 128, 256} and batch in {1, 8, 32} it times:
-  * ours: vllm_tfm.kernels gdn_tree_verify_planned (kernel version 2, the default) at BV = 16, 32,
-    64 and the automatic choice, and versions 1 and 3 (tensor-core projections, opt-in) at the
-    automatic choice (side by side, same run);
+  * ours: vllm_tfm.kernels gdn_tree_verify_planned (the default kernel version) at BV = 16, 32,
+    64 and the automatic choice, and every version (1-4) at its own automatic choice (side by side,
+    same run; version 4 is also checked bit for bit against version 3);
   * per-kernel breakdown (n in {16, 64, 128}, batch in {1, 8}): the pairs kernel alone, the main
-    kernel alone and the whole call, versions 1, 2 and 3, at the automatic BV;
+    kernel alone and the whole call, every version, at the automatic BV;
   * per-branch: every root-to-leaf path through vLLM's fused recurrent GDN kernel
     (fused_sigmoid_gating_delta_rule_update, varlen over all paths in one launch; the gathers
     that build the paths are not timed), when vLLM is importable;
@@ -260,9 +260,13 @@ def bench_verify(n: int, batch: int, bw: float, reps: int, vllm_fn, allow_slow: 
     row["ours_best_bv"] = min(valid, key=valid.get) if valid else None
     row["ours_auto_us"] = ours_us.get(f"bv{auto_bv}")
     row["default_variant"] = kgdn.DEFAULT_VERIFY_VARIANT
+    # each version at its own automatic BV (version 4's shared memory differs for 16-bit q/k)
+    auto_bv_of = {variant: kgdn.choose_block_v(plan, HV, KD, VD, loader.device_smem_optin(0), props.multi_processor_count,
+                                               variant, torch.bfloat16) for variant in kgdn.VERIFY_VARIANTS}
+    row["auto_block_v_by_variant"] = {f"v{v}": bv for v, bv in auto_bv_of.items()}
     for variant in kgdn.VERIFY_VARIANTS:
         try:
-            row[f"v{variant}_auto_us"], _ = time_calls([ours(s, auto_bv, variant) for s in range(sets)], reps)
+            row[f"v{variant}_auto_us"], _ = time_calls([ours(s, auto_bv_of[variant], variant) for s in range(sets)], reps)
         except Exception as exc:  # noqa: BLE001
             row[f"v{variant}_error"] = f"{type(exc).__name__}: {exc}"[:200]
     # version 3's error against version 2 on the same inputs (bf16 in, so both ~1e-3 of o)
@@ -272,6 +276,12 @@ def bench_verify(n: int, batch: int, bw: float, reps: int, vllm_fn, allow_slow: 
     o3 = kgdn.gdn_tree_verify_planned(plan, x["q"], x["k"], x["v"], x["g"], x["beta"], pool, slots[0], return_delta=True,
                                       variant=3)
     row["v3_vs_v2_delta_rel"] = rel_err(o3[1], o2[1])
+    # version 4 computes version 3's products in version 3's order: equal bit for bit at the same BV
+    o3b = kgdn.gdn_tree_verify_planned(plan, x["q"], x["k"], x["v"], x["g"], x["beta"], pool, slots[0], return_delta=True,
+                                       block_v=auto_bv_of[4], variant=3)
+    o4 = kgdn.gdn_tree_verify_planned(plan, x["q"], x["k"], x["v"], x["g"], x["beta"], pool, slots[0], return_delta=True,
+                                      block_v=auto_bv_of[4], variant=4)
+    row["v4_equals_v3"] = bool(torch.equal(o4[0], o3b[0]) and torch.equal(o4[1], o3b[1]))
     if n in BREAKDOWN_N and batch in BREAKDOWN_BATCH:
         row["breakdown"] = {}
         for variant in kgdn.VERIFY_VARIANTS:
@@ -279,14 +289,14 @@ def bench_verify(n: int, batch: int, bw: float, reps: int, vllm_fn, allow_slow: 
             for s in range(sets):
                 x = inputs[s]
                 launches, _, _ = kgdn.verify_launches(plan, x["q"], x["k"], x["v"], x["g"], x["beta"], pool, slots[s],
-                                                      block_v=auto_bv, variant=variant)
+                                                      block_v=auto_bv_of[variant], variant=variant)
                 for _, fn in launches:  # the main kernel alone reads what the pairs kernel wrote
                     fn()
                 per_set.append(launches)
             parts = {}
             for idx, name in enumerate(("pairs", "main")):
                 parts[f"{name}_us"], _ = time_calls([ls[idx][1] for ls in per_set], reps)
-            parts["call_us"], _ = time_calls([ours(s, auto_bv, variant) for s in range(sets)], reps)
+            parts["call_us"], _ = time_calls([ours(s, auto_bv_of[variant], variant) for s in range(sets)], reps)
             row["breakdown"][f"v{variant}"] = parts
     row["ours_eager_us"], _ = time_calls([ours(s, None) for s in range(min(sets, 8))], max(3, reps // 4), graph=False)
 
@@ -460,7 +470,7 @@ def sanitize_case() -> None:
         o_ref, d_ref = ref_gdn.gdn_tree_verify(**c64, return_delta=True)
         cg = {k: v.to(DEV) for k, v in c.items()}
         plan = TreePlan.build(cg["parents"], cg["cu_nodes"])
-        for variant, bv in ((2, 16), (2, 32), (2, 64), (1, 32), (3, 16), (3, 32), (3, 64)):
+        for variant, bv in ((2, 16), (2, 32), (2, 64), (1, 32), (3, 16), (3, 32), (3, 64), (4, 16), (4, 32), (4, 64)):
             o, d = kgdn.gdn_tree_verify_planned(plan, cg["q"], cg["k"], cg["v"], cg["g"], cg["beta"], cg["ssm_state"],
                                                 cg["state_indices"], return_delta=True, block_v=bv, variant=variant)
             assert rel_err(o.cpu(), o_ref) <= tol and rel_err(d.cpu(), d_ref) <= 1e-5, (dtype, bv, variant)
@@ -497,6 +507,27 @@ def sanitize_case() -> None:
         kbatch.tree_conv_commit_layers([x.to(DEV)] * 2, cg["parents"], cg["cu_nodes"], acc_d, convs, [src_d] * 2, [dst_d] * 2,
                                        4, [ws.to(DEV)] * 2, [torch.tensor([1, 0, 2]).to(DEV)] * 2)
         assert all(torch.equal(c_b, csg) for c_b in convs), dtype
+    # version 4's whole-tile staging over several tiles (130 + 70 nodes: tiles of 64, the last ragged), bf16
+    trees = [ddtree_parents(130, 2), ddtree_parents(70, 3)]
+    parents = torch.tensor([p for t in trees for p in t])
+    cu = torch.tensor([0, 130, 200])
+    t_nodes, h, hv, kd, vd = parents.numel(), 2, 4, 128, 128
+    g, beta = ref_gdn.gdn_gates(torch.randn(t_nodes, hv, generator=gen), torch.randn(t_nodes, hv, generator=gen),
+                                torch.rand(hv, generator=gen), torch.randn(hv, generator=gen))
+    c = dict(q=torch.randn(t_nodes, h, kd, generator=gen).bfloat16(), k=torch.randn(t_nodes, h, kd, generator=gen).bfloat16(),
+             v=torch.randn(t_nodes, hv, vd, generator=gen).bfloat16(), g=g, beta=beta, parents=parents, cu_nodes=cu,
+             ssm_state=torch.randn(3, hv, vd, kd, generator=gen) * 0.3, state_indices=torch.tensor([2, 0]))
+    c64 = {k: v.double() if v.is_floating_point() else v for k, v in c.items()}
+    o_ref, d_ref = ref_gdn.gdn_tree_verify(**c64, return_delta=True)
+    cg = {k: v.to(DEV) for k, v in c.items()}
+    plan = TreePlan.build(cg["parents"], cg["cu_nodes"])
+    for bv in (16, 32):
+        o4, d4 = kgdn.gdn_tree_verify_planned(plan, cg["q"], cg["k"], cg["v"], cg["g"], cg["beta"], cg["ssm_state"],
+                                              cg["state_indices"], return_delta=True, block_v=bv, variant=4)
+        o3, d3 = kgdn.gdn_tree_verify_planned(plan, cg["q"], cg["k"], cg["v"], cg["g"], cg["beta"], cg["ssm_state"],
+                                              cg["state_indices"], return_delta=True, block_v=bv, variant=3)
+        assert rel_err(o4.cpu(), o_ref) <= 3e-3 and rel_err(d4.cpu(), d_ref) <= 1e-5, ("v4 tiles", bv)
+        assert torch.equal(o4, o3) and torch.equal(d4, d3), ("v4 == v3", bv)
     torch.cuda.synchronize()
     print("sanitize case: all kernels match the reference")
 
@@ -515,30 +546,33 @@ def table(results: dict) -> str:
     lines = [f"GDN tree verify, H={H} HV={HV} K=V={KD}, bf16 q/k/v, fp32 state; copy bandwidth {bw / 1e12:.2f} TB/s; "
              f"times in us (median; ours timed as {'/'.join(modes)}; eager = with Python launch overhead)",
              f"{'n':>4} {'batch':>5} {'floor':>8} {'ours':>8} {'BV':>5} {'x floor':>8} {'auto':>8} {'v1 auto':>8} "
-             f"{'v1/v2':>6} {'v3 auto':>8} {'v2/v3':>6} {'eager':>8} {'per-branch':>11} {'speedup':>8} {'reference':>10} "
-             f"{'err':>8}"]
+             f"{'v1/v2':>6} {'v3 auto':>8} {'v2/v3':>6} {'v4 auto':>8} {'v3/v4':>6} {'v4==v3':>6} {'eager':>8} "
+             f"{'per-branch':>11} {'speedup':>8} {'reference':>10} {'err':>8}"]
     for r in results["verify"]:
         xf = r["ours_best_us"] / r["floor_us"] if r.get("ours_best_us") else None
         lines.append(f"{r['n']:>4} {r['batch']:>5} {fmt(r['floor_us']):>8} {fmt(r.get('ours_best_us')):>8} "
                      f"{str(r.get('ours_best_bv', '-')):>5} {fmt(xf):>8} {fmt(r.get('ours_auto_us')):>8} "
                      f"{fmt(r.get('v1_auto_us')):>8} {fmt(ratio(r.get('v1_auto_us'), r.get('v2_auto_us')), '.2f'):>6} "
                      f"{fmt(r.get('v3_auto_us')):>8} {fmt(ratio(r.get('v2_auto_us'), r.get('v3_auto_us')), '.2f'):>6} "
-                     f"{fmt(r.get('ours_eager_us')):>8} {fmt(r.get('per_branch_us')):>11} "
+                     f"{fmt(r.get('v4_auto_us')):>8} {fmt(ratio(r.get('v3_auto_us'), r.get('v4_auto_us')), '.2f'):>6} "
+                     f"{str(r.get('v4_equals_v3', '-')):>6} {fmt(r.get('ours_eager_us')):>8} {fmt(r.get('per_branch_us')):>11} "
                      f"{fmt(r.get('speedup_vs_per_branch')):>8} {fmt(r.get('reference_us'), '.0f'):>10} "
                      f"{fmt(r.get('err_vs_reference'), '.1e'):>8}")
     lines.append("verify per-kernel breakdown at the automatic BV, us (each kernel timed alone; call = whole call)")
     lines.append(f"{'n':>4} {'batch':>5} {'BV':>4} {'v1 pairs':>9} {'v1 main':>8} {'v1 call':>8} "
-                 f"{'v2 pairs':>9} {'v2 main':>8} {'v2 call':>8} {'v3 pairs':>9} {'v3 main':>8} {'v3 call':>8}")
+                 f"{'v2 pairs':>9} {'v2 main':>8} {'v2 call':>8} {'v3 pairs':>9} {'v3 main':>8} {'v3 call':>8} "
+                 f"{'v4 pairs':>9} {'v4 main':>8} {'v4 call':>8}")
     for r in results["verify"]:
         b = r.get("breakdown")
         if not b:
             continue
         cols = []
-        for v in ("v1", "v2", "v3"):
+        for v in ("v1", "v2", "v3", "v4"):
             p = b.get(v, {})
             cols += [fmt(p.get("pairs_us")), fmt(p.get("main_us")), fmt(p.get("call_us"))]
         lines.append(f"{r['n']:>4} {r['batch']:>5} {str(r.get('auto_block_v')):>4} {cols[0]:>9} {cols[1]:>8} {cols[2]:>8} "
-                     f"{cols[3]:>9} {cols[4]:>8} {cols[5]:>8} {cols[6]:>9} {cols[7]:>8} {cols[8]:>8}")
+                     f"{cols[3]:>9} {cols[4]:>8} {cols[5]:>8} {cols[6]:>9} {cols[7]:>8} {cols[8]:>8} "
+                     f"{cols[9]:>9} {cols[10]:>8} {cols[11]:>8}")
     lines.append("GDN tree commit (accepted = deepest node), us")
     lines.append(f"{'n':>4} {'batch':>5} {'floor':>8} {'ours':>8} {'x floor':>8} {'reference':>10} {'err':>8}")
     for r in results["commit"]:

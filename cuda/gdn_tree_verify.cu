@@ -35,12 +35,25 @@
 // (path indices preloaded per warp, prefetched q/k chunks, first pair window and first q/k chunk
 // loaded together with S0, projection rows past the tree's end skipped); 3 = version 2 with the
 // projections K S0^T and Q S0^T on tensor cores (mma.sync m16n8k8 tf32, 3xTF32 split for float32
-// accuracy; 16-bit q/k are exact in tf32, so their products need only the split of S0: 2 mma).
+// accuracy; 16-bit q/k are exact in tf32, so their products need only the split of S0: 2 mma);
+// 4 = version 3 with, for 16-bit q/k, each projection tile's q and k rows staged whole (all K
+// columns, as loaded, by cp.async) instead of in K chunks of 32 through registers: one global
+// latency and two barriers per tile of 64 nodes instead of four and eight (float32 q/k: version 3).
 #ifndef GDN_VARIANT
 #define GDN_VARIANT 2
 #endif
 #if GDN_VARIANT >= 3
 #include "tfm_mma.cuh"
+#endif
+// Version 4's whole-tile staging (16-bit q/k only).
+#define GDN_TILE16 (GDN_VARIANT >= 4 && TFM_IN != 0)
+// Timing only (bench/gdn_phases.py): leave phases of the main kernel out, so that differences of
+// timings say what a phase costs (the outputs are then wrong). Bits: 1 = the projections' mma
+// (versions 3 and 4; staging, loads and barriers kept); 2 = version 3's whole K-chunk loop (no q/k
+// staging, loads or barriers; accumulators stay zero); 4 = the forward substitution and the output
+// writes. 0, the default, is the kernel.
+#ifndef GDN_PROFILE_SKIP
+#define GDN_PROFILE_SKIP 0
 #endif
 
 #define GDN_THREADS 256
@@ -193,6 +206,17 @@ gdn_tree_pairs(const tin* __restrict__ q, const tin* __restrict__ k,
 
 __host__ __device__ constexpr int align4(int x) { return (x + 3) & ~3; }
 
+// Words of one staged q (or k) buffer: a K chunk of the tile's rows as float32 [RT][KC+4], or
+// (version 4, 16-bit q/k) the tile's whole rows as loaded [RT][K+8] (16-byte aligned rows, and
+// fragment reads of 8 consecutive rows land in 8 distinct bank quads).
+__host__ __device__ constexpr int gdn_stage_words() {
+#if GDN_TILE16
+  return align4(GDN_RT * (GDN_K + 8) / 2);
+#else
+  return align4(GDN_RT * (GDN_KC + 4));
+#endif
+}
+
 // Eight consecutive q/k elements kept as loaded (16 or 32 bytes), converted only when stored to
 // shared memory: a prefetch into these registers does not stall on a conversion.
 #if TFM_IN == 0
@@ -230,7 +254,7 @@ struct VerifySmem {
 
 __device__ __host__ inline int gdn_verify_smem_words(int n_cap, int pcap) {
   return align4(GDN_BV * (GDN_K + 4)) + 2 * align4(n_cap * GDN_BV) +
-         2 * align4(GDN_RT * (GDN_KC + 4)) + 3 * align4(pcap) + 4 * align4(n_cap) +
+         2 * gdn_stage_words() + 3 * align4(pcap) + 4 * align4(n_cap) +
          align4(n_cap + 1) + 2 * align4(n_cap) + align4(n_cap + 2);
 }
 
@@ -240,8 +264,8 @@ __device__ inline VerifySmem carve_verify_smem(float* base, int n_cap, int pcap)
   s.S = p;   p += align4(GDN_BV * (GDN_K + 4));   // S0 rows [BV][K+4]
   s.D = p;   p += align4(n_cap * GDN_BV);         // U, then Delta [n][BV]
   s.O = p;   p += align4(n_cap * GDN_BV);         // e^G rq Q S0^T [n][BV]
-  s.stq = p; p += align4(GDN_RT * (GDN_KC + 4));  // staged q [RT][KC+4]
-  s.stk = p; p += align4(GDN_RT * (GDN_KC + 4));  // staged k [RT][KC+4]
+  s.stq = p; p += gdn_stage_words();  // staged q [RT][KC+4] float32 (version 4, 16-bit: [RT][K+8] as loaded)
+  s.stk = p; p += gdn_stage_words();  // staged k, likewise
   s.px = p;  p += align4(pcap);                   // X of the staged pair window
   s.py = p;  p += align4(pcap);                   // Y of the staged pair window
   s.pj = reinterpret_cast<int*>(p); p += align4(pcap);  // local ancestor index of each pair
@@ -255,6 +279,32 @@ __device__ inline VerifySmem carve_verify_smem(float* base, int n_cap, int pcap)
   s.lvl = reinterpret_cast<int*>(p);  p += align4(n_cap + 2);  // first position of each depth
   return s;
 }
+
+#if GDN_VARIANT >= 3
+// One k-step of 8 of both projections for a warp's 16 rows (versions 3 and 4): B = S0^T fragments
+// from the S0 rows in shared memory (column kcol + ft of row ncol0 + 8 j + g), split into tf32
+// hi + lo; A = the q / k fragments (ql / kl, float32 inputs only: A's small terms, first).
+template <int NT>
+__device__ __forceinline__ void project_k8(const float* __restrict__ S, int kcol, int ncol0, int fg, int ft,
+                                           const u32 (&qh)[4], const u32 (&ql)[4], const u32 (&kh)[4],
+                                           const u32 (&kl)[4], float (&aq)[NT][4], float (&ak)[NT][4]) {
+#pragma unroll
+  for (int j = 0; j < NT; ++j) {
+    const float* __restrict__ fb = S + (ncol0 + j * 8 + fg) * (GDN_K + 4) + kcol + ft;
+    u32 bh0, bl0, bh1, bl1;
+    split_tf32(fb[0], bh0, bl0);
+    split_tf32(fb[4], bh1, bl1);
+#if TFM_IN == 0
+    mma_1688_tf32(aq[j], ql, bh0, bh1);
+    mma_1688_tf32(ak[j], kl, bh0, bh1);
+#endif
+    mma_1688_tf32(aq[j], qh, bl0, bl1);
+    mma_1688_tf32(ak[j], kh, bl0, bl1);
+    mma_1688_tf32(aq[j], qh, bh0, bh1);
+    mma_1688_tf32(ak[j], kh, bh0, bh1);
+  }
+}
+#endif
 
 extern "C" __global__ void GDN_MAIN_BOUNDS
 gdn_tree_verify_main(const tin* __restrict__ q, const tin* __restrict__ k,
@@ -282,12 +332,44 @@ gdn_tree_verify_main(const tin* __restrict__ q, const tin* __restrict__ k,
   const int h = hv / (HV / H);
   // state_indices as the caller gave them: int64 (sidx64 = 1) or int32
   const i64 slot = sidx64 ? reinterpret_cast<const i64*>(state_idx)[r] : (i64)reinterpret_cast<const int*>(state_idx)[r];
+#if !GDN_TILE16
   const int st_row = tid / (GDN_KC / 8), st_col = (tid % (GDN_KC / 8)) * 8;  // q/k staging: row, column
+#endif
   const float* __restrict__ Xh = X + (i64)hv * P;
   const float* __restrict__ Yh = Y + (i64)hv * P;
+#if GDN_TILE16
+  // Version 4: the whole first tile's q and k rows (16-byte cp.async pieces straight into shared
+  // memory, rows past the tree's end zeroed), in flight together with S0's loads.
+  u16* __restrict__ sq16 = reinterpret_cast<u16*>(sm.stq);
+  u16* __restrict__ sk16 = reinterpret_cast<u16*>(sm.stk);
+  constexpr int SROW = GDN_K + 8;       // u16 per staged row
+  constexpr int CPR = GDN_K / 8;        // 16-byte pieces per row
+  static_assert((GDN_RT * CPR) % GDN_THREADS == 0, "whole-tile staging: pieces per thread");
+  auto stage_tile = [&](int t0) {
+#pragma unroll
+    for (int c = tid; c < GDN_RT * CPR; c += GDN_THREADS) {
+      const int row = c / CPR, col = (c % CPR) * 8;
+      u16* dq = sq16 + row * SROW + col;
+      u16* dk = sk16 + row * SROW + col;
+      if (t0 + row < n) {
+        const i64 src = ((i64)(bos + t0 + row) * H + h) * GDN_K + col;
+        cp_async16(dq, q + src);
+        cp_async16(dk, k + src);
+      } else {
+        uint4 z;
+        z.x = 0u; z.y = 0u; z.z = 0u; z.w = 0u;
+        *reinterpret_cast<uint4*>(dq) = z;
+        *reinterpret_cast<uint4*>(dk) = z;
+      }
+    }
+    cp_async_commit();
+  };
+  stage_tile(0);
+#endif
 #if GDN_VARIANT >= 2
   // Loads with no dependence on each other go out together with S0's: the first q/k chunk of
   // the first projection tile, and the first pair window when the request's pairs fit one.
+#if !GDN_TILE16
   Raw8 pq, pk;
   if (st_row < n) {
     const i64 row = ((i64)(bos + st_row) * H + h) * GDN_K + st_col;
@@ -297,6 +379,7 @@ gdn_tree_verify_main(const tin* __restrict__ q, const tin* __restrict__ k,
     raw8_zero(pq);
     raw8_zero(pk);
   }
+#endif
   const int pbase = pair_off[bos];
   const bool one_window = pair_off[bos + n] - pbase <= pcap;
   if (one_window) {
@@ -345,8 +428,11 @@ gdn_tree_verify_main(const tin* __restrict__ q, const tin* __restrict__ k,
   // and columns [BV/2 (w / 4), +BV/2) of both K S0^T and Q S0^T as BV/16 m16n8 tiles
   // (A = staged q/k rows, B = S0^T: B[k][v] = S[v][k], i.e. the "col" operand straight from the
   // S0 rows). Float32 q/k: A_lo B_hi + A_hi B_lo + A_hi B_hi; 16-bit q/k (exact in tf32, A_lo = 0):
-  // A B_lo + A B_hi. Fragment reads from the padded rows (stride KC + 4 and K + 4 words) hit 32
-  // distinct banks.
+  // A B_lo + A B_hi. Fragment reads from the padded rows (stride KC + 4 and K + 4 words; version 4:
+  // K + 8 16-bit values) hit distinct banks. Version 3 stages K chunks of 32 through registers
+  // (two barriers and one global latency each); version 4 waits once per tile for the whole rows
+  // that cp.async brought, and issues the next tile's copies as soon as every warp is done with
+  // this one (they fly during the epilogue). Both issue the same mma in the same order.
   constexpr int NT = GDN_BV / 16;
   const int warp = tid >> 5, lane = tid & 31, fg = lane >> 2, ft = lane & 3;
   const int mrow = (warp & 3) * 16, ncol0 = (warp >> 2) * (GDN_BV / 2);
@@ -357,8 +443,35 @@ gdn_tree_verify_main(const tin* __restrict__ q, const tin* __restrict__ k,
 #pragma unroll
       for (int e = 0; e < 4; ++e) { aq[j][e] = 0.f; ak[j][e] = 0.f; }
     const bool active = t0 + mrow < n;  // warp-uniform: m16 tiles past the tree's end are skipped
-
-    for (int kc = 0; kc < GDN_K; kc += GDN_KC) {
+#if GDN_TILE16
+    cp_async_wait<0>();
+    __syncthreads();  // the tile's rows (and, first time, S0 / tables / window) visible to every thread
+    if (active && !(GDN_PROFILE_SKIP & 1)) {
+      constexpr int AOFF[4] = {0, 8 * SROW, 4, 8 * SROW + 4};  // a0..a3
+#pragma unroll 4
+      for (int kk = 0; kk < GDN_K; kk += 8) {
+        const u16* __restrict__ fq = sq16 + (mrow + fg) * SROW + kk + ft;
+        const u16* __restrict__ fk = sk16 + (mrow + fg) * SROW + kk + ft;
+        u32 qh[4], kh[4];
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {  // 16-bit values widened to float32 bits: exact in tf32
+#if TFM_IN == 1
+          qh[e] = (u32)fq[AOFF[e]] << 16;
+          kh[e] = (u32)fk[AOFF[e]] << 16;
+#else
+          qh[e] = __float_as_uint(f16_bits_to_f32(fq[AOFF[e]]));
+          kh[e] = __float_as_uint(f16_bits_to_f32(fk[AOFF[e]]));
+#endif
+        }
+        project_k8<NT>(sm.S, kk, ncol0, fg, ft, qh, qh, kh, kh, aq, ak);
+      }
+    }
+    if (t0 + GDN_RT < n) {
+      __syncthreads();  // every warp done with the staged tile before it is overwritten
+      stage_tile(t0 + GDN_RT);
+    }
+#else
+    for (int kc = 0; kc < ((GDN_PROFILE_SKIP & 2) ? 0 : GDN_K); kc += GDN_KC) {
       __syncthreads();  // previous chunk consumed (and, first time, S0 / tables / window written)
       raw8_store(pq, sm.stq + st_row * (GDN_KC + 4) + st_col);
       raw8_store(pk, sm.stk + st_row * (GDN_KC + 4) + st_col);
@@ -378,45 +491,30 @@ gdn_tree_verify_main(const tin* __restrict__ q, const tin* __restrict__ k,
           }
         }
       }
-      if (active) {
+      if (active && !(GDN_PROFILE_SKIP & 1)) {
 #pragma unroll
         for (int kk = 0; kk < GDN_KC; kk += 8) {
           const float* __restrict__ fq = sm.stq + (mrow + fg) * (GDN_KC + 4) + kk + ft;
           const float* __restrict__ fk = sm.stk + (mrow + fg) * (GDN_KC + 4) + kk + ft;
           constexpr int AOFF[4] = {0, 8 * (GDN_KC + 4), 4, 8 * (GDN_KC + 4) + 4};  // a0..a3
-          u32 qh[4], kh[4];
-#if TFM_IN == 0
-          u32 ql[4], kl[4];
+          u32 qh[4], kh[4], ql[4], kl[4];
 #pragma unroll
           for (int e = 0; e < 4; ++e) {
+#if TFM_IN == 0
             split_tf32(fq[AOFF[e]], qh[e], ql[e]);
             split_tf32(fk[AOFF[e]], kh[e], kl[e]);
-          }
-#else
-#pragma unroll
-          for (int e = 0; e < 4; ++e) {  // bf16 / f16 widened to float32: low 13 bits already zero
+#else  // bf16 / f16 widened to float32: low 13 bits already zero (ql / kl unused)
             qh[e] = __float_as_uint(fq[AOFF[e]]);
             kh[e] = __float_as_uint(fk[AOFF[e]]);
-          }
+            ql[e] = 0u;
+            kl[e] = 0u;
 #endif
-#pragma unroll
-          for (int j = 0; j < NT; ++j) {
-            const float* __restrict__ fb = sm.S + (ncol0 + j * 8 + fg) * (GDN_K + 4) + kc + kk + ft;
-            u32 bh0, bl0, bh1, bl1;
-            split_tf32(fb[0], bh0, bl0);
-            split_tf32(fb[4], bh1, bl1);
-#if TFM_IN == 0
-            mma_1688_tf32(aq[j], ql, bh0, bh1);
-            mma_1688_tf32(ak[j], kl, bh0, bh1);
-#endif
-            mma_1688_tf32(aq[j], qh, bl0, bl1);
-            mma_1688_tf32(ak[j], kh, bl0, bl1);
-            mma_1688_tf32(aq[j], qh, bh0, bh1);
-            mma_1688_tf32(ak[j], kh, bh0, bh1);
           }
+          project_k8<NT>(sm.S, kc + kk, ncol0, fg, ft, qh, ql, kh, kl, aq, ak);
         }
       }
     }
+#endif  // GDN_TILE16
     // U = beta (v - e^G rk K S0^T) and QSe = e^G rq Q S0^T; accumulator element e of tile j is
     // row mrow + fg (+8 for e >= 2), column ncol0 + 8 j + 2 ft + (e & 1).
     if (active) {
@@ -592,7 +690,7 @@ gdn_tree_verify_main(const tin* __restrict__ q, const tin* __restrict__ k,
   const int rsub = tid / LPR, lcol = tid % LPR;
 
   int p0 = 0;
-  while (p0 < n) {
+  while (!(GDN_PROFILE_SKIP & 4) && p0 < n) {
     const int base = sm.poff[p0];
     int p1;
     if (sm.poff[n] - base <= pcap) {

@@ -125,3 +125,40 @@ def test_v3_uses_the_tf32_split_not_plain_tf32(emulated):
     o_ref, d_ref = ref_gdn.gdn_tree_verify(**c64, return_delta=True)
     o3, d3 = _run(c, plan, 64, 3)
     assert _rel(o3, o_ref) <= 2e-6 and _rel(d3, d_ref) <= 2e-6
+
+
+# Version 4 (16-bit q/k: each projection tile's rows staged whole by cp.async): the same mma
+# operands in the same order as version 3, so its outputs equal version 3's bit for bit, and it
+# meets the float64 bars; several tiles with a ragged last one, depth > 32, chains, stars, n = 1.
+V4_CASES = [
+    ("k128_v128_bf16_ragged_three_tiles", [_random_tree(130, _g(11)), _random_tree(5, _g(12))], 1, 2, 128, 128,
+     torch.bfloat16, 32, torch.int64),
+    ("k64_v32_f16_gqa_deep_chain_star", [_deep_tree(45, _g(13)), torch.arange(-1, 70), torch.tensor([-1] + [0] * 20)],
+     2, 4, 64, 32, torch.float16, 16, torch.int32),
+    ("k32_v32_bf16_single_and_random", [torch.tensor([-1]), _random_tree(66, _g(14))], 1, 1, 32, 32, torch.bfloat16,
+     16, torch.int64),
+    ("k32_v32_fp32_runs_version_3", [_random_tree(70, _g(15))], 1, 2, 32, 32, torch.float32, 16, torch.int64),
+]
+
+
+@pytest.mark.parametrize("name, trees, h, hv, kd, vd, dtype, block_v, idx_dtype", V4_CASES, ids=[c[0] for c in V4_CASES])
+def test_v4_equals_v3_and_matches_float64_reference(emulated, name, trees, h, hv, kd, vd, dtype, block_v, idx_dtype):
+    c = _case(trees, h, hv, kd, vd, dtype, seed=len(name) + 100, idx_dtype=idx_dtype)
+    plan = TreePlan.build(c["parents"], c["cu_nodes"])
+    c64 = {k: v.double() if v.is_floating_point() else v for k, v in c.items()}
+    o_ref, d_ref = ref_gdn.gdn_tree_verify(**c64, return_delta=True)
+    o4, d4 = _run(c, plan, block_v, 4)
+    o3, d3 = _run(c, plan, block_v, 3)
+    tol_o = 1e-5 if dtype == torch.float32 else 3e-3
+    assert _rel(o4, o_ref) <= tol_o, _rel(o4, o_ref)
+    assert _rel(d4, d_ref) <= 1e-5, _rel(d4, d_ref)
+    assert torch.equal(o4, o3) and torch.equal(d4, d3), "version 4 must compute version 3's products in its order"
+
+
+def test_v4_shared_memory_is_the_whole_tile_for_16_bit_inputs_only():
+    # mirrors gdn_verify_smem_words: two [64][K + 8] 16-bit buffers instead of two [64][32 + 4] float32 ones
+    v3 = kgdn.verify_smem_bytes(128, 32, 33, 561, variant=3, qk_dtype=torch.bfloat16)
+    v4 = kgdn.verify_smem_bytes(128, 32, 33, 561, variant=4, qk_dtype=torch.bfloat16)
+    assert v4 - v3 == 4 * 2 * (64 * 136 // 2 - 64 * 36)
+    assert kgdn.verify_smem_bytes(128, 32, 33, 561, variant=4, qk_dtype=torch.float32) == v3
+    assert kgdn.verify_smem_bytes(128, 32, 33, 561, variant=4, qk_dtype=torch.float16) == v4

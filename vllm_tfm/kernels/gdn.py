@@ -14,7 +14,7 @@ step (the plan only depends on the tree shapes), which is how the vLLM plugin ca
 from __future__ import annotations
 
 import ctypes
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import torch
 from torch import Tensor
@@ -51,10 +51,11 @@ RT, KC = 64, 32  # projection tile rows and staged K chunk (GDN_RT, GDN_KC in th
 PAIR_WINDOW = 4096  # most pair entries staged in shared memory at once
 COMMIT_THREADS, COMMIT_BV, COMMIT_PC = 128, 16, 32
 # Kernel versions of the verify (GDN_VARIANT in the source; bench/NOTES.md): 1 = first measured,
-# 2 = fewer serial latencies, 3 = version 2 with the projections on tensor cores (3xTF32). All
-# compute the same function; 3 is the default: faster than 2 at every measured size on the H200
-# (1.02-1.46x, bench/results/gdn_tree_v3.json; bench/NOTES.md section 19).
-VERIFY_VARIANTS = (1, 2, 3)
+# 2 = fewer serial latencies, 3 = version 2 with the projections on tensor cores (3xTF32), 4 =
+# version 3 with each projection tile's 16-bit q/k rows staged whole by cp.async (section 24;
+# float32 q/k run version 3's code). All compute the same function; 3 is the default: faster than
+# 2 at every measured size on the H200 (1.02-1.46x, bench/results/gdn_tree_v3.json; section 19).
+VERIFY_VARIANTS = (1, 2, 3, 4)
 DEFAULT_VERIFY_VARIANT = 3
 
 DTYPE_CODE = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
@@ -65,10 +66,20 @@ def _align4(x: int) -> int:
     return (x + 3) & ~3
 
 
-def verify_smem_bytes(k_dim: int, block_v: int, n_cap: int, pcap: int) -> int:
-    """Dynamic shared memory of ``gdn_tree_verify_main`` (mirrors gdn_verify_smem_words)."""
+def _stage_words(k_dim: int, variant: int, qk_dtype: torch.dtype | None) -> int:
+    """Words of one staged q (or k) buffer (mirrors gdn_stage_words): a K chunk of the tile in float32,
+    or (version 4, 16-bit q/k) the tile's whole rows as loaded."""
+    if variant >= 4 and qk_dtype in (torch.bfloat16, torch.float16):
+        return _align4(RT * (k_dim + 8) // 2)
+    return _align4(RT * (KC + 4))
+
+
+def verify_smem_bytes(k_dim: int, block_v: int, n_cap: int, pcap: int, variant: int = DEFAULT_VERIFY_VARIANT,
+                      qk_dtype: torch.dtype | None = None) -> int:
+    """Dynamic shared memory of ``gdn_tree_verify_main`` (mirrors gdn_verify_smem_words); the kernel
+    version and the q/k dtype matter for version 4 only."""
     words = (
-        _align4(block_v * (k_dim + 4)) + 2 * _align4(n_cap * block_v) + 2 * _align4(RT * (KC + 4))
+        _align4(block_v * (k_dim + 4)) + 2 * _align4(n_cap * block_v) + 2 * _stage_words(k_dim, variant, qk_dtype)
         + 3 * _align4(pcap) + 4 * _align4(n_cap) + _align4(n_cap + 1) + 2 * _align4(n_cap) + _align4(n_cap + 2)
     )
     return 4 * words
@@ -83,14 +94,16 @@ def _pair_capacity(plan: TreePlan) -> int:
     return max(plan.max_depth + 1, min(plan.max_pairs_per_request, PAIR_WINDOW))
 
 
-def choose_block_v(plan: TreePlan, v_heads: int, k_dim: int, v_dim: int, max_smem: int, num_sms: int) -> int | None:
+def choose_block_v(plan: TreePlan, v_heads: int, k_dim: int, v_dim: int, max_smem: int, num_sms: int,
+                   variant: int = DEFAULT_VERIFY_VARIANT, qk_dtype: torch.dtype | None = None) -> int | None:
     """Columns of V per CTA: 64 when the grid has >= 2 CTAs per SM at 64, else 32, else 16.
 
-    Only sizes that divide V and whose shared memory fits ``max_smem`` are considered; None if
-    none fits (the tree is too large for one CTA's shared memory).
+    Only sizes that divide V and whose shared memory (for this kernel version and q/k dtype) fits
+    ``max_smem`` are considered; None if none fits (the tree is too large for one CTA's shared memory).
     """
     pcap = _pair_capacity(plan)
-    fits = [bv for bv in (64, 32, 16) if v_dim % bv == 0 and verify_smem_bytes(k_dim, bv, plan.max_nodes, pcap) <= max_smem]
+    fits = [bv for bv in (64, 32, 16)
+            if v_dim % bv == 0 and verify_smem_bytes(k_dim, bv, plan.max_nodes, pcap, variant, qk_dtype) <= max_smem]
     if not fits:
         return None
     for bv in fits:
@@ -181,13 +194,15 @@ def verify_launches(
     out: Tensor | None = None,
     delta_out: Tensor | None = None,
     variant: int = DEFAULT_VERIFY_VARIANT,
+    extra_options: Sequence[str] = (),
 ) -> tuple[list[tuple[str, Callable[[], None]]], Tensor, Tensor | None]:
     """Prepare one verify call: ([(kernel name, launch)], o, delta) without launching anything.
 
     Arguments as :func:`gdn_tree_verify_planned`. Calling the launches in order computes o
     [T, HV, V] (v.dtype) and delta [T, HV, V] float32 (None unless return_delta); the bench calls
-    them one at a time to time each kernel alone. Raises ValueError on a shape mismatch or an
-    unknown variant.
+    them one at a time to time each kernel alone. ``extra_options``: more NVRTC options, for
+    benchmarks only (``-DGDN_PROFILE_SKIP=...`` in bench/gdn_phases.py leaves phases out and gives
+    wrong outputs). Raises ValueError on a shape mismatch or an unknown variant.
     """
     if variant not in VERIFY_VARIANTS:
         raise ValueError(f"variant={variant!r} is not a verify kernel version; choose one of {VERIFY_VARIANTS}")
@@ -212,15 +227,16 @@ def verify_launches(
     pcap = _pair_capacity(plan)
     if block_v is None:
         props = torch.cuda.get_device_properties(dev_index)
-        block_v = choose_block_v(plan, hv, kd, vd, device_smem_optin(dev_index), props.multi_processor_count)
+        block_v = choose_block_v(plan, hv, kd, vd, device_smem_optin(dev_index), props.multi_processor_count,
+                                 variant, q.dtype)
         if block_v is None:
             raise ValueError(
                 f"a tree of {plan.max_nodes} nodes does not fit one CTA's shared memory "
-                f"({verify_smem_bytes(kd, 16, plan.max_nodes, pcap)} bytes at BV=16)"
+                f"({verify_smem_bytes(kd, 16, plan.max_nodes, pcap, variant, q.dtype)} bytes at BV=16)"
             )
     if vd % block_v != 0:
         raise ValueError(f"block_v={block_v} must divide V={vd}")
-    opts = opts_common + [f"-DGDN_BV={block_v}"]
+    opts = opts_common + [f"-DGDN_BV={block_v}", *extra_options]
     k_pairs = get_kernel(VERIFY_SOURCE, "gdn_tree_pairs", opts, dev_index)
     k_main = get_kernel(VERIFY_SOURCE, "gdn_tree_verify_main", opts, dev_index)
 
@@ -237,7 +253,7 @@ def verify_launches(
     main_args = [q, k, v, b32, gcum, rk, rq, xs, ys, plan.perm, plan.pair_off, plan.pair_j, plan.depth, plan.cu,
                  ssm_state, sidx, i32(sidx64), i64(st[0]), i64(st[1]), i64(st[2]), o, delta,
                  i32(t_nodes), i32(h), i32(hv), i64(n_pairs), i32(plan.max_nodes), i32(pcap)]
-    smem = verify_smem_bytes(kd, block_v, plan.max_nodes, pcap)
+    smem = verify_smem_bytes(kd, block_v, plan.max_nodes, pcap, variant, q.dtype)
 
     def run_pairs() -> None:
         launch(k_pairs, ((t_nodes + PAIRS_WARPS - 1) // PAIRS_WARPS, h, 1), (THREADS, 1, 1), pairs_args)
@@ -272,7 +288,7 @@ def gdn_tree_verify_planned(
     Returns o [T, HV, V] in v.dtype (and delta [T, HV, V] float32 when return_delta).
     block_v forces the V columns per CTA (16, 32 or 64); default :func:`choose_block_v`.
     out / delta_out: optional contiguous preallocated outputs ([T, HV, V], v.dtype / float32),
-    written in full. variant: kernel version (1, 2 or 3, default :data:`DEFAULT_VERIFY_VARIANT`).
+    written in full. variant: kernel version (1 to 4, default :data:`DEFAULT_VERIFY_VARIANT`).
     Inputs must be supported (the public wrapper checks); raises ValueError on a shape mismatch.
     """
     launches, o, delta = verify_launches(plan, q, k, v, g, beta, ssm_state, state_indices, scale, use_qk_l2norm,
