@@ -33,11 +33,11 @@ default maximum of 512, so such steps would run without graphs). When the user s
 ``cudagraph_capture_sizes`` nor ``max_cudagraph_capture_size``, tfm sets the sizes to
 ``k * (B + 1)`` for k = 1 .. K (tree steps of up to K requests) plus 1, 2, 4, ... K (decode steps
 of requests that have no drafts yet), with K = min(max_num_seqs, 64, max(16, 1024 // (B + 1))):
-tree steps of up to 1,024 tokens (at least 16 requests, at most 64 sizes; 60 requests at B = 16, 31
-at B = 32), as vLLM's own default covers speculative decode steps up to 512 tokens in about 67 sizes. With K = 16 a server at 32
-concurrent requests and B = 16 ran nearly every tree step without graphs (the soak of
-bench/NOTES.md section 24). vLLM drops sizes above ``max_num_batched_tokens``. Larger steps
-(prefill chunks, bigger batches) run the compiled model without graphs.
+tree steps of up to 1,024 tokens (at least 16 requests, at most 64 sizes; 60 requests at B = 16,
+31 at B = 32), as vLLM's own default covers speculative decode steps up to 512 tokens in about 67
+sizes. With K = 16 a server at 32 concurrent requests and B = 16 ran nearly every tree step without
+graphs (the soak of bench/NOTES.md section 24). vLLM drops sizes above ``max_num_batched_tokens``.
+Larger steps (prefill chunks, bigger batches) run the compiled model without graphs.
 
 Refused besides FULL / FULL_DECODE_ONLY, each with one line: ``splitting_ops`` that leave out
 one of the two ops above, settings that make vLLM empty the splitting ops (``fuse_attn_quant``,
