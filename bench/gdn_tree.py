@@ -282,6 +282,9 @@ def bench_verify(n: int, batch: int, bw: float, reps: int, vllm_fn, allow_slow: 
     o4 = kgdn.gdn_tree_verify_planned(plan, x["q"], x["k"], x["v"], x["g"], x["beta"], pool, slots[0], return_delta=True,
                                       block_v=auto_bv_of[4], variant=4)
     row["v4_equals_v3"] = bool(torch.equal(o4[0], o3b[0]) and torch.equal(o4[1], o3b[1]))
+    o5 = kgdn.gdn_tree_verify_planned(plan, x["q"], x["k"], x["v"], x["g"], x["beta"], pool, slots[0], return_delta=True,
+                                      block_v=auto_bv_of[4], variant=5)
+    row["v5_equals_v3"] = bool(torch.equal(o5[0], o3b[0]) and torch.equal(o5[1], o3b[1]))
     if n in BREAKDOWN_N and batch in BREAKDOWN_BATCH:
         row["breakdown"] = {}
         for variant in kgdn.VERIFY_VARIANTS:
@@ -470,7 +473,8 @@ def sanitize_case() -> None:
         o_ref, d_ref = ref_gdn.gdn_tree_verify(**c64, return_delta=True)
         cg = {k: v.to(DEV) for k, v in c.items()}
         plan = TreePlan.build(cg["parents"], cg["cu_nodes"])
-        for variant, bv in ((2, 16), (2, 32), (2, 64), (1, 32), (3, 16), (3, 32), (3, 64), (4, 16), (4, 32), (4, 64)):
+        for variant, bv in ((2, 16), (2, 32), (2, 64), (1, 32), (3, 16), (3, 32), (3, 64), (4, 16), (4, 32), (4, 64),
+                            (5, 16), (5, 32), (5, 64)):
             o, d = kgdn.gdn_tree_verify_planned(plan, cg["q"], cg["k"], cg["v"], cg["g"], cg["beta"], cg["ssm_state"],
                                                 cg["state_indices"], return_delta=True, block_v=bv, variant=variant)
             assert rel_err(o.cpu(), o_ref) <= tol and rel_err(d.cpu(), d_ref) <= 1e-5, (dtype, bv, variant)
@@ -546,7 +550,8 @@ def table(results: dict) -> str:
     lines = [f"GDN tree verify, H={H} HV={HV} K=V={KD}, bf16 q/k/v, fp32 state; copy bandwidth {bw / 1e12:.2f} TB/s; "
              f"times in us (median; ours timed as {'/'.join(modes)}; eager = with Python launch overhead)",
              f"{'n':>4} {'batch':>5} {'floor':>8} {'ours':>8} {'BV':>5} {'x floor':>8} {'auto':>8} {'v1 auto':>8} "
-             f"{'v1/v2':>6} {'v3 auto':>8} {'v2/v3':>6} {'v4 auto':>8} {'v3/v4':>6} {'v4==v3':>6} {'eager':>8} "
+             f"{'v1/v2':>6} {'v3 auto':>8} {'v2/v3':>6} {'v4 auto':>8} {'v3/v4':>6} {'v4==v3':>6} {'v5 auto':>8} "
+             f"{'v3/v5':>6} {'v5==v3':>6} {'eager':>8} "
              f"{'per-branch':>11} {'speedup':>8} {'reference':>10} {'err':>8}"]
     for r in results["verify"]:
         xf = r["ours_best_us"] / r["floor_us"] if r.get("ours_best_us") else None
@@ -555,24 +560,26 @@ def table(results: dict) -> str:
                      f"{fmt(r.get('v1_auto_us')):>8} {fmt(ratio(r.get('v1_auto_us'), r.get('v2_auto_us')), '.2f'):>6} "
                      f"{fmt(r.get('v3_auto_us')):>8} {fmt(ratio(r.get('v2_auto_us'), r.get('v3_auto_us')), '.2f'):>6} "
                      f"{fmt(r.get('v4_auto_us')):>8} {fmt(ratio(r.get('v3_auto_us'), r.get('v4_auto_us')), '.2f'):>6} "
-                     f"{str(r.get('v4_equals_v3', '-')):>6} {fmt(r.get('ours_eager_us')):>8} {fmt(r.get('per_branch_us')):>11} "
+                     f"{str(r.get('v4_equals_v3', '-')):>6} {fmt(r.get('v5_auto_us')):>8} "
+                     f"{fmt(ratio(r.get('v3_auto_us'), r.get('v5_auto_us')), '.2f'):>6} {str(r.get('v5_equals_v3', '-')):>6} "
+                     f"{fmt(r.get('ours_eager_us')):>8} {fmt(r.get('per_branch_us')):>11} "
                      f"{fmt(r.get('speedup_vs_per_branch')):>8} {fmt(r.get('reference_us'), '.0f'):>10} "
                      f"{fmt(r.get('err_vs_reference'), '.1e'):>8}")
     lines.append("verify per-kernel breakdown at the automatic BV, us (each kernel timed alone; call = whole call)")
     lines.append(f"{'n':>4} {'batch':>5} {'BV':>4} {'v1 pairs':>9} {'v1 main':>8} {'v1 call':>8} "
                  f"{'v2 pairs':>9} {'v2 main':>8} {'v2 call':>8} {'v3 pairs':>9} {'v3 main':>8} {'v3 call':>8} "
-                 f"{'v4 pairs':>9} {'v4 main':>8} {'v4 call':>8}")
+                 f"{'v4 pairs':>9} {'v4 main':>8} {'v4 call':>8} {'v5 pairs':>9} {'v5 main':>8} {'v5 call':>8}")
     for r in results["verify"]:
         b = r.get("breakdown")
         if not b:
             continue
         cols = []
-        for v in ("v1", "v2", "v3", "v4"):
+        for v in ("v1", "v2", "v3", "v4", "v5"):
             p = b.get(v, {})
             cols += [fmt(p.get("pairs_us")), fmt(p.get("main_us")), fmt(p.get("call_us"))]
         lines.append(f"{r['n']:>4} {r['batch']:>5} {str(r.get('auto_block_v')):>4} {cols[0]:>9} {cols[1]:>8} {cols[2]:>8} "
                      f"{cols[3]:>9} {cols[4]:>8} {cols[5]:>8} {cols[6]:>9} {cols[7]:>8} {cols[8]:>8} "
-                     f"{cols[9]:>9} {cols[10]:>8} {cols[11]:>8}")
+                     f"{cols[9]:>9} {cols[10]:>8} {cols[11]:>8} {cols[12]:>9} {cols[13]:>8} {cols[14]:>8}")
     lines.append("GDN tree commit (accepted = deepest node), us")
     lines.append(f"{'n':>4} {'batch':>5} {'floor':>8} {'ours':>8} {'x floor':>8} {'reference':>10} {'err':>8}")
     for r in results["commit"]:

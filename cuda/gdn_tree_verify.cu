@@ -38,7 +38,10 @@
 // accuracy; 16-bit q/k are exact in tf32, so their products need only the split of S0: 2 mma);
 // 4 = version 3 with, for 16-bit q/k, each projection tile's q and k rows staged whole (all K
 // columns, as loaded, by cp.async) instead of in K chunks of 32 through registers: one global
-// latency and two barriers per tile of 64 nodes instead of four and eight (float32 q/k: version 3).
+// latency and two barriers per tile of 64 nodes instead of four and eight (float32 q/k: version 3);
+// 5 = version 3 launched with programmatic dependent launch: the pairs kernel lets the main kernel
+// start at once, and the main kernel waits for the pairs kernel's outputs (X, Y, G, norm scales)
+// only after its first projection tile, so its prologue and projections overlap the pairs kernel.
 #ifndef GDN_VARIANT
 #define GDN_VARIANT 2
 #endif
@@ -46,7 +49,8 @@
 #include "tfm_mma.cuh"
 #endif
 // Version 4's whole-tile staging (16-bit q/k only).
-#define GDN_TILE16 (GDN_VARIANT >= 4 && TFM_IN != 0)
+#define GDN_TILE16 (GDN_VARIANT == 4 && TFM_IN != 0)
+#define GDN_PDL (GDN_VARIANT >= 5)
 // Timing only (bench/gdn_phases.py): leave phases of the main kernel out, so that differences of
 // timings say what a phase costs (the outputs are then wrong). Bits: 1 = the projections' mma
 // (versions 3 and 4; staging, loads and barriers kept); 2 = version 3's whole K-chunk loop (no q/k
@@ -77,6 +81,23 @@ static_assert(GDN_V % GDN_BV == 0, "BV must divide V");
 static_assert(GDN_BV % 4 == 0 && GDN_BV >= 16 && GDN_BV <= 128, "BV must be 16, 32, 64 or 128");
 static_assert(GDN_RT * GDN_KC / 8 == GDN_THREADS, "staging assumes one 8-element chunk per thread");
 
+// Programmatic dependent launch (PTX ISA "griddepcontrol", sm_90; version 5): a primary grid's
+// launch_dependents lets the next kernel of the stream, launched with programmatic stream
+// serialization (vllm_tfm/kernels/loader.py), start before the primary ends; that kernel's wait
+// returns once the primary grid has completed and its memory is visible. Without the launch
+// attribute both are no-ops with respect to ordering (the stream already serialises); the CPU
+// emulation runs the kernels one after the other.
+__device__ __forceinline__ void gdn_launch_dependents() {
+#if GDN_PDL && !defined(TFM_HOST_EMU)
+  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
+}
+__device__ __forceinline__ void gdn_wait_prerequisites() {
+#if GDN_PDL && !defined(TFM_HOST_EMU)
+  asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+}
+
 // q/k row of one head -> registers, K/32 elements per lane (coalesced across the warp).
 __device__ __forceinline__ void load_row_lanes(const tin* __restrict__ row, int lane, float* out) {
 #if GDN_K % 128 == 0
@@ -101,6 +122,7 @@ gdn_tree_pairs(const tin* __restrict__ q, const tin* __restrict__ k,
                float* __restrict__ X, float* __restrict__ Y, float* __restrict__ Gcum,
                float* __restrict__ rk_out, float* __restrict__ rq_out,
                int T, int H, int HV, i64 P, float scale, int use_l2norm) {
+  gdn_launch_dependents();  // version 5: the main kernel may start now (it waits where it reads our outputs)
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int p = blockIdx.x * GDN_PAIRS_WARPS + warp;
   const int h = blockIdx.y;
@@ -386,8 +408,10 @@ gdn_tree_verify_main(const tin* __restrict__ q, const tin* __restrict__ k,
     const int cnt0 = pair_off[bos + n] - pbase;
     for (int e = tid; e < cnt0; e += GDN_THREADS) {
       sm.pj[e] = pair_j[pbase + e] - bos;
+#if !GDN_PDL  // version 5: X and Y are the pairs kernel's, read after the wait below
       sm.px[e] = Xh[pbase + e];
       sm.py[e] = Yh[pbase + e];
+#endif
     }
   }
 #endif
@@ -402,10 +426,12 @@ gdn_tree_verify_main(const tin* __restrict__ q, const tin* __restrict__ k,
   // ---- per-node scalars (local node index) and level-order tables (local position).
   for (int i = tid; i < n; i += GDN_THREADS) {
     const i64 gi = (i64)(bos + i);
-    sm.eg[i] = expf(Gcum[gi * HV + hv]);
     sm.bt[i] = beta[gi * HV + hv];
+#if !GDN_PDL  // version 5: G and the norm scales are the pairs kernel's, read after the wait below
+    sm.eg[i] = expf(Gcum[gi * HV + hv]);
     sm.rk[i] = rk_in[(i64)h * T + gi];
     sm.rq[i] = rq_in[(i64)h * T + gi];
+#endif
     const int node = perm[bos + i];
     sm.node[i] = node - bos;
 #if GDN_VARIANT >= 2
@@ -515,6 +541,25 @@ gdn_tree_verify_main(const tin* __restrict__ q, const tin* __restrict__ k,
       }
     }
 #endif  // GDN_TILE16
+#if GDN_PDL
+    if (t0 == 0) {  // first use of the pairs kernel's outputs: wait for it here, after the first tile's mma
+      gdn_wait_prerequisites();
+      for (int i = tid; i < n; i += GDN_THREADS) {
+        const i64 gi = (i64)(bos + i);
+        sm.eg[i] = expf(Gcum[gi * HV + hv]);
+        sm.rk[i] = rk_in[(i64)h * T + gi];
+        sm.rq[i] = rq_in[(i64)h * T + gi];
+      }
+      if (one_window) {
+        const int cnt0 = pair_off[bos + n] - pbase;
+        for (int e = tid; e < cnt0; e += GDN_THREADS) {
+          sm.px[e] = Xh[pbase + e];
+          sm.py[e] = Yh[pbase + e];
+        }
+      }
+      __syncthreads();
+    }
+#endif
     // U = beta (v - e^G rk K S0^T) and QSe = e^G rq Q S0^T; accumulator element e of tile j is
     // row mrow + fg (+8 for e >= 2), column ncol0 + 8 j + 2 ft + (e & 1).
     if (active) {

@@ -82,7 +82,9 @@ def emulated_kernels(out_dir: Path | None = None, sanitize: bool = False) -> Ite
         fn.restype = None
         return _EmuKernel(fn, kernel_name)
 
-    def launch(kernel, grid, block, args, shared_mem: int = 0) -> None:
+    def launch(kernel, grid, block, args, shared_mem: int = 0, programmatic: bool = False) -> None:
+        # programmatic (dependent launch): the emulation runs kernels one after the other, which is
+        # the ordering griddepcontrol.wait guarantees
         if shared_mem > kernel.max_dynamic_smem:
             raise loader.KernelLaunchError(f"{kernel.name} needs {shared_mem} bytes of shared memory")
         if min(grid) <= 0:

@@ -142,7 +142,7 @@ V4_CASES = [
 
 
 @pytest.mark.parametrize("name, trees, h, hv, kd, vd, dtype, block_v, idx_dtype", V4_CASES, ids=[c[0] for c in V4_CASES])
-def test_v4_equals_v3_and_matches_float64_reference(emulated, name, trees, h, hv, kd, vd, dtype, block_v, idx_dtype):
+def test_v4_and_v5_equal_v3_and_match_float64_reference(emulated, name, trees, h, hv, kd, vd, dtype, block_v, idx_dtype):
     c = _case(trees, h, hv, kd, vd, dtype, seed=len(name) + 100, idx_dtype=idx_dtype)
     plan = TreePlan.build(c["parents"], c["cu_nodes"])
     c64 = {k: v.double() if v.is_floating_point() else v for k, v in c.items()}
@@ -153,6 +153,8 @@ def test_v4_equals_v3_and_matches_float64_reference(emulated, name, trees, h, hv
     assert _rel(o4, o_ref) <= tol_o, _rel(o4, o_ref)
     assert _rel(d4, d_ref) <= 1e-5, _rel(d4, d_ref)
     assert torch.equal(o4, o3) and torch.equal(d4, d3), "version 4 must compute version 3's products in its order"
+    o5, d5 = _run(c, plan, block_v, 5)  # version 5: version 3's arithmetic, the pairs' outputs read later
+    assert torch.equal(o5, o3) and torch.equal(d5, d3)
 
 
 def test_v4_shared_memory_is_the_whole_tile_for_16_bit_inputs_only():
@@ -162,3 +164,7 @@ def test_v4_shared_memory_is_the_whole_tile_for_16_bit_inputs_only():
     assert v4 - v3 == 4 * 2 * (64 * 136 // 2 - 64 * 36)
     assert kgdn.verify_smem_bytes(128, 32, 33, 561, variant=4, qk_dtype=torch.float32) == v3
     assert kgdn.verify_smem_bytes(128, 32, 33, 561, variant=4, qk_dtype=torch.float16) == v4
+    assert kgdn.verify_smem_bytes(128, 32, 33, 561, variant=5, qk_dtype=torch.bfloat16) == v3  # version 3's layout
+    # at K = 32 the whole 16-bit tile is smaller than version 3's float32 chunk: the mirror must not mix them up
+    assert kgdn.verify_smem_bytes(32, 16, 67, 400, variant=4, qk_dtype=torch.bfloat16) < \
+        kgdn.verify_smem_bytes(32, 16, 67, 400, variant=5, qk_dtype=torch.bfloat16)

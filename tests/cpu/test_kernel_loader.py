@@ -179,6 +179,8 @@ VARIANTS = [
     ("gdn_tree_verify.cu", ["-DTFM_IN=2", "-DGDN_K=64", "-DGDN_V=64", "-DGDN_BV=32", "-DGDN_VARIANT=4"]),
     ("gdn_tree_verify.cu", ["-DTFM_IN=1", "-DGDN_K=128", "-DGDN_V=128", "-DGDN_BV=16", "-DGDN_VARIANT=3",
                             "-DGDN_PROFILE_SKIP=6"]),  # bench/gdn_phases.py's timing variants
+    ("gdn_tree_verify.cu", ["-DTFM_IN=1", "-DGDN_K=128", "-DGDN_V=128", "-DGDN_BV=32", "-DGDN_VARIANT=5"]),
+    ("gdn_tree_verify.cu", ["-DTFM_IN=0", "-DGDN_K=128", "-DGDN_V=128", "-DGDN_BV=64", "-DGDN_VARIANT=5"]),
     ("tfm_mma_check.cu", []),
     ("gdn_tree_commit.cu", ["-DTFM_IN=1", "-DGDN_K=128", "-DGDN_V=128"]),
     ("gdn_tree_commit.cu", ["-DTFM_IN=0", "-DGDN_K=32", "-DGDN_V=32"]),

@@ -53,9 +53,11 @@ COMMIT_THREADS, COMMIT_BV, COMMIT_PC = 128, 16, 32
 # Kernel versions of the verify (GDN_VARIANT in the source; bench/NOTES.md): 1 = first measured,
 # 2 = fewer serial latencies, 3 = version 2 with the projections on tensor cores (3xTF32), 4 =
 # version 3 with each projection tile's 16-bit q/k rows staged whole by cp.async (section 24;
-# float32 q/k run version 3's code). All compute the same function; 3 is the default: faster than
-# 2 at every measured size on the H200 (1.02-1.46x, bench/results/gdn_tree_v3.json; section 19).
-VERIFY_VARIANTS = (1, 2, 3, 4)
+# float32 q/k run version 3's code; measured no faster), 5 = version 3 with the main kernel launched
+# by programmatic dependent launch (it overlaps the pairs kernel until its first read of the pairs'
+# outputs; section 24). All compute the same function; 3 is the default: faster than 2 at every
+# measured size on the H200 (1.02-1.46x, bench/results/gdn_tree_v3.json; section 19).
+VERIFY_VARIANTS = (1, 2, 3, 4, 5)
 DEFAULT_VERIFY_VARIANT = 3
 
 DTYPE_CODE = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
@@ -69,7 +71,7 @@ def _align4(x: int) -> int:
 def _stage_words(k_dim: int, variant: int, qk_dtype: torch.dtype | None) -> int:
     """Words of one staged q (or k) buffer (mirrors gdn_stage_words): a K chunk of the tile in float32,
     or (version 4, 16-bit q/k) the tile's whole rows as loaded."""
-    if variant >= 4 and qk_dtype in (torch.bfloat16, torch.float16):
+    if variant == 4 and qk_dtype in (torch.bfloat16, torch.float16):
         return _align4(RT * (k_dim + 8) // 2)
     return _align4(RT * (KC + 4))
 
@@ -255,11 +257,13 @@ def verify_launches(
                  i32(t_nodes), i32(h), i32(hv), i64(n_pairs), i32(plan.max_nodes), i32(pcap)]
     smem = verify_smem_bytes(kd, block_v, plan.max_nodes, pcap, variant, q.dtype)
 
+    pdl = {"programmatic": True} if variant >= 5 else {}  # version 5: the main kernel overlaps the pairs kernel
+
     def run_pairs() -> None:
         launch(k_pairs, ((t_nodes + PAIRS_WARPS - 1) // PAIRS_WARPS, h, 1), (THREADS, 1, 1), pairs_args)
 
     def run_main() -> None:
-        launch(k_main, (vd // block_v, hv, plan.num_requests), (THREADS, 1, 1), main_args, shared_mem=smem)
+        launch(k_main, (vd // block_v, hv, plan.num_requests), (THREADS, 1, 1), main_args, shared_mem=smem, **pdl)
 
     return [("gdn_tree_pairs", run_pairs), ("gdn_tree_verify_main", run_main)], o, delta
 
@@ -288,7 +292,7 @@ def gdn_tree_verify_planned(
     Returns o [T, HV, V] in v.dtype (and delta [T, HV, V] float32 when return_delta).
     block_v forces the V columns per CTA (16, 32 or 64); default :func:`choose_block_v`.
     out / delta_out: optional contiguous preallocated outputs ([T, HV, V], v.dtype / float32),
-    written in full. variant: kernel version (1 to 4, default :data:`DEFAULT_VERIFY_VARIANT`).
+    written in full. variant: kernel version (1 to 5, default :data:`DEFAULT_VERIFY_VARIANT`).
     Inputs must be supported (the public wrapper checks); raises ValueError on a shape mismatch.
     """
     launches, o, delta = verify_launches(plan, q, k, v, g, beta, ssm_state, state_indices, scale, use_qk_l2norm,

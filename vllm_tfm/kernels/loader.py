@@ -428,6 +428,22 @@ def param_array(kernel: CompiledKernel, args: Sequence[Any]) -> ctypes.Array:
     return params
 
 
+def _programmatic_config(driver: Any, grid: tuple[int, int, int], block: tuple[int, int, int], shared_mem: int,
+                         stream: int) -> Any:
+    """``CUlaunchConfig`` of a launch with the programmatic stream serialization attribute."""
+    attr = driver.CUlaunchAttribute()
+    attr.id = driver.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
+    attr.value.programmaticStreamSerializationAllowed = 1
+    cfg = driver.CUlaunchConfig()
+    cfg.gridDimX, cfg.gridDimY, cfg.gridDimZ = (int(x) for x in grid)
+    cfg.blockDimX, cfg.blockDimY, cfg.blockDimZ = (int(x) for x in block)
+    cfg.sharedMemBytes = int(shared_mem)
+    cfg.hStream = driver.CUstream(stream)
+    cfg.attrs = [attr]
+    cfg.numAttrs = 1
+    return cfg
+
+
 class _Pointer(ctypes.c_void_p):
     """A pointer argument's slot in a kept parameter array (a tensor or None at that position)."""
 
@@ -438,13 +454,18 @@ def launch(
     block: tuple[int, int, int],
     args: Sequence[Any],
     shared_mem: int = 0,
+    programmatic: bool = False,
 ) -> None:
     """Launch ``kernel`` on torch's current stream of its device.
 
     args: tensors (passed as device pointers), None (null pointer) and ctypes scalars, in the
     kernel's parameter order. ``shared_mem`` bytes of dynamic shared memory (the limit is raised
-    once per kernel when static + dynamic pass 48 KB). With ``VLLM_TFM_SYNC_LAUNCH=1`` the stream is synchronised after
-    the launch so that an asynchronous fault is reported at its launch.
+    once per kernel when static + dynamic pass 48 KB). ``programmatic``: launch with programmatic
+    stream serialization (``cuLaunchKernelEx``), so that the kernel may start while the previous
+    kernel of the stream, if it executes ``griddepcontrol.launch_dependents``, still runs; the
+    kernel must ``griddepcontrol.wait`` before it reads that kernel's outputs (GDN verify version 5).
+    With ``VLLM_TFM_SYNC_LAUNCH=1`` the stream is synchronised after the launch so that an
+    asynchronous fault is reported at its launch.
     """
     driver, _ = _import_cuda()
     import torch
@@ -471,10 +492,14 @@ def launch(
         _ensure_context(kernel.device_index)
     pointers = param_array(kernel, args)
     stream = torch.cuda.current_stream(kernel.device_index)
-    result = driver.cuLaunchKernel(
-        kernel.function, *grid, *block, int(shared_mem), driver.CUstream(stream.cuda_stream),
-        ctypes.addressof(pointers), 0,
-    )
+    if programmatic:
+        result = driver.cuLaunchKernelEx(_programmatic_config(driver, grid, block, shared_mem, stream.cuda_stream),
+                                         kernel.function, ctypes.addressof(pointers), 0)
+    else:
+        result = driver.cuLaunchKernel(
+            kernel.function, *grid, *block, int(shared_mem), driver.CUstream(stream.cuda_stream),
+            ctypes.addressof(pointers), 0,
+        )
     if (result[0] if isinstance(result, tuple) else result) != driver.CUresult.CUDA_SUCCESS:
         # the message is formatted only on failure (this runs hundreds of times per decode step)
         _check_cu(result, f"cuLaunchKernel({kernel.name}, grid={grid}, block={block}, smem={shared_mem})")
