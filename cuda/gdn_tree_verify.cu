@@ -426,9 +426,11 @@ gdn_tree_verify_main(const tin* __restrict__ q, const tin* __restrict__ k,
   // ---- per-node scalars (local node index) and level-order tables (local position).
   for (int i = tid; i < n; i += GDN_THREADS) {
     const i64 gi = (i64)(bos + i);
-    sm.bt[i] = beta[gi * HV + hv];
 #if !GDN_PDL  // version 5: G and the norm scales are the pairs kernel's, read after the wait below
     sm.eg[i] = expf(Gcum[gi * HV + hv]);
+#endif
+    sm.bt[i] = beta[gi * HV + hv];
+#if !GDN_PDL
     sm.rk[i] = rk_in[(i64)h * T + gi];
     sm.rq[i] = rq_in[(i64)h * T + gi];
 #endif
