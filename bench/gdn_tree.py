@@ -10,8 +10,8 @@ Shape: H = 16 q/k heads, HV = 48 value heads, K = V = 128, q/k/v bf16, fp32 stat
 DDTree-like (best-first over random per-depth marginals, depth <= 16, deterministic seeds).
 For each n in {16, 32, 64, 128, 256} and batch in {1, 8, 32} it times:
   * ours: vllm_tfm.kernels gdn_tree_verify_planned (the default kernel version) at BV = 16, 32,
-    64 and the automatic choice, and every version (1-4) at its own automatic choice (side by side,
-    same run; version 4 is also checked bit for bit against version 3);
+    64 and the automatic choice, and every version (1-5) at its own automatic choice (side by side,
+    same run; versions 4 and 5 are also checked bit for bit against version 3);
   * per-kernel breakdown (n in {16, 64, 128}, batch in {1, 8}): the pairs kernel alone, the main
     kernel alone and the whole call, every version, at the automatic BV;
   * per-branch: every root-to-leaf path through vLLM's fused recurrent GDN kernel
@@ -276,15 +276,15 @@ def bench_verify(n: int, batch: int, bw: float, reps: int, vllm_fn, allow_slow: 
     o3 = kgdn.gdn_tree_verify_planned(plan, x["q"], x["k"], x["v"], x["g"], x["beta"], pool, slots[0], return_delta=True,
                                       variant=3)
     row["v3_vs_v2_delta_rel"] = rel_err(o3[1], o2[1])
-    # version 4 computes version 3's products in version 3's order: equal bit for bit at the same BV
-    o3b = kgdn.gdn_tree_verify_planned(plan, x["q"], x["k"], x["v"], x["g"], x["beta"], pool, slots[0], return_delta=True,
-                                       block_v=auto_bv_of[4], variant=3)
-    o4 = kgdn.gdn_tree_verify_planned(plan, x["q"], x["k"], x["v"], x["g"], x["beta"], pool, slots[0], return_delta=True,
-                                      block_v=auto_bv_of[4], variant=4)
-    row["v4_equals_v3"] = bool(torch.equal(o4[0], o3b[0]) and torch.equal(o4[1], o3b[1]))
-    o5 = kgdn.gdn_tree_verify_planned(plan, x["q"], x["k"], x["v"], x["g"], x["beta"], pool, slots[0], return_delta=True,
-                                      block_v=auto_bv_of[4], variant=5)
-    row["v5_equals_v3"] = bool(torch.equal(o5[0], o3b[0]) and torch.equal(o5[1], o3b[1]))
+    # versions 4 and 5 compute version 3's products in version 3's order: equal bit for bit at the same BV
+    def call(variant: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return kgdn.gdn_tree_verify_planned(plan, x["q"], x["k"], x["v"], x["g"], x["beta"], pool, slots[0],
+                                            return_delta=True, block_v=auto_bv_of[4], variant=variant)
+
+    o3b = call(3)
+    for variant in (4, 5):
+        o_new = call(variant)
+        row[f"v{variant}_equals_v3"] = bool(torch.equal(o_new[0], o3b[0]) and torch.equal(o_new[1], o3b[1]))
     if n in BREAKDOWN_N and batch in BREAKDOWN_BATCH:
         row["breakdown"] = {}
         for variant in kgdn.VERIFY_VARIANTS:
@@ -511,7 +511,8 @@ def sanitize_case() -> None:
         kbatch.tree_conv_commit_layers([x.to(DEV)] * 2, cg["parents"], cg["cu_nodes"], acc_d, convs, [src_d] * 2, [dst_d] * 2,
                                        4, [ws.to(DEV)] * 2, [torch.tensor([1, 0, 2]).to(DEV)] * 2)
         assert all(torch.equal(c_b, csg) for c_b in convs), dtype
-    # version 4's whole-tile staging over several tiles (130 + 70 nodes: tiles of 64, the last ragged), bf16
+    # versions 4 (whole-tile staging) and 5 (dependent launch) over several tiles (130 + 70 nodes: tiles of 64,
+    # the last ragged), bf16
     trees = [ddtree_parents(130, 2), ddtree_parents(70, 3)]
     parents = torch.tensor([p for t in trees for p in t])
     cu = torch.tensor([0, 130, 200])
@@ -526,12 +527,14 @@ def sanitize_case() -> None:
     cg = {k: v.to(DEV) for k, v in c.items()}
     plan = TreePlan.build(cg["parents"], cg["cu_nodes"])
     for bv in (16, 32):
-        o4, d4 = kgdn.gdn_tree_verify_planned(plan, cg["q"], cg["k"], cg["v"], cg["g"], cg["beta"], cg["ssm_state"],
-                                              cg["state_indices"], return_delta=True, block_v=bv, variant=4)
         o3, d3 = kgdn.gdn_tree_verify_planned(plan, cg["q"], cg["k"], cg["v"], cg["g"], cg["beta"], cg["ssm_state"],
                                               cg["state_indices"], return_delta=True, block_v=bv, variant=3)
-        assert rel_err(o4.cpu(), o_ref) <= 3e-3 and rel_err(d4.cpu(), d_ref) <= 1e-5, ("v4 tiles", bv)
-        assert torch.equal(o4, o3) and torch.equal(d4, d3), ("v4 == v3", bv)
+        for variant in (4, 5):
+            o_new, d_new = kgdn.gdn_tree_verify_planned(plan, cg["q"], cg["k"], cg["v"], cg["g"], cg["beta"],
+                                                        cg["ssm_state"], cg["state_indices"], return_delta=True,
+                                                        block_v=bv, variant=variant)
+            assert rel_err(o_new.cpu(), o_ref) <= 3e-3 and rel_err(d_new.cpu(), d_ref) <= 1e-5, (variant, "tiles", bv)
+            assert torch.equal(o_new, o3) and torch.equal(d_new, d3), (variant, "== v3", bv)
     torch.cuda.synchronize()
     print("sanitize case: all kernels match the reference")
 
@@ -566,20 +569,17 @@ def table(results: dict) -> str:
                      f"{fmt(r.get('speedup_vs_per_branch')):>8} {fmt(r.get('reference_us'), '.0f'):>10} "
                      f"{fmt(r.get('err_vs_reference'), '.1e'):>8}")
     lines.append("verify per-kernel breakdown at the automatic BV, us (each kernel timed alone; call = whole call)")
-    lines.append(f"{'n':>4} {'batch':>5} {'BV':>4} {'v1 pairs':>9} {'v1 main':>8} {'v1 call':>8} "
-                 f"{'v2 pairs':>9} {'v2 main':>8} {'v2 call':>8} {'v3 pairs':>9} {'v3 main':>8} {'v3 call':>8} "
-                 f"{'v4 pairs':>9} {'v4 main':>8} {'v4 call':>8} {'v5 pairs':>9} {'v5 main':>8} {'v5 call':>8}")
+    versions = [f"v{v}" for v in kgdn.VERIFY_VARIANTS]
+    lines.append(f"{'n':>4} {'batch':>5} {'BV':>4} "
+                 + " ".join(f"{v + ' pairs':>9} {v + ' main':>8} {v + ' call':>8}" for v in versions))
     for r in results["verify"]:
         b = r.get("breakdown")
         if not b:
             continue
-        cols = []
-        for v in ("v1", "v2", "v3", "v4", "v5"):
-            p = b.get(v, {})
-            cols += [fmt(p.get("pairs_us")), fmt(p.get("main_us")), fmt(p.get("call_us"))]
-        lines.append(f"{r['n']:>4} {r['batch']:>5} {str(r.get('auto_block_v')):>4} {cols[0]:>9} {cols[1]:>8} {cols[2]:>8} "
-                     f"{cols[3]:>9} {cols[4]:>8} {cols[5]:>8} {cols[6]:>9} {cols[7]:>8} {cols[8]:>8} "
-                     f"{cols[9]:>9} {cols[10]:>8} {cols[11]:>8} {cols[12]:>9} {cols[13]:>8} {cols[14]:>8}")
+        parts = [b.get(v, {}) for v in versions]
+        lines.append(f"{r['n']:>4} {r['batch']:>5} {str(r.get('auto_block_v')):>4} "
+                     + " ".join(f"{fmt(p.get('pairs_us')):>9} {fmt(p.get('main_us')):>8} {fmt(p.get('call_us')):>8}"
+                                for p in parts))
     lines.append("GDN tree commit (accepted = deepest node), us")
     lines.append(f"{'n':>4} {'batch':>5} {'floor':>8} {'ours':>8} {'x floor':>8} {'reference':>10} {'err':>8}")
     for r in results["commit"]:

@@ -502,7 +502,8 @@ def launch(
         )
     if (result[0] if isinstance(result, tuple) else result) != driver.CUresult.CUDA_SUCCESS:
         # the message is formatted only on failure (this runs hundreds of times per decode step)
-        _check_cu(result, f"cuLaunchKernel({kernel.name}, grid={grid}, block={block}, smem={shared_mem})")
+        call = "cuLaunchKernelEx" if programmatic else "cuLaunchKernel"
+        _check_cu(result, f"{call}({kernel.name}, grid={grid}, block={block}, smem={shared_mem})")
     if os.environ.get("VLLM_TFM_SYNC_LAUNCH") == "1":
         _check_cu(driver.cuStreamSynchronize(driver.CUstream(stream.cuda_stream)), f"after {kernel.name}")
 

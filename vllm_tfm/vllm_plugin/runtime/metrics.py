@@ -117,11 +117,14 @@ class Metrics:
         self._report_base = (self.steps, self.tree_steps, Counter(self.hooks), dict(self.seconds))
         if steps <= 0:
             return None
-        proposals = {k.split(".", 1)[1]: v - hooks0.get(k, 0) for k, v in sorted(self.hooks.items()) if k.startswith("proposer.")}
-        proposals = {k: v for k, v in proposals.items() if v > 0 and k != "context_reorder"}
+
+        def moved(prefix: str) -> dict[str, int]:  # hook counters of the interval under ``prefix``, those that moved
+            counts = {k[len(prefix):]: v - hooks0.get(k, 0) for k, v in sorted(self.hooks.items()) if k.startswith(prefix)}
+            return {k: v for k, v in counts.items() if v > 0}
+
+        proposals = {k: v for k, v in moved("proposer.").items() if k != "context_reorder"}
         per_step = {k: (v - secs0.get(k, 0.0)) * 1e3 / steps for k, v in sorted(self.seconds.items())}
-        graphs = {k.split(".", 1)[1]: v - hooks0.get(k, 0) for k, v in sorted(self.hooks.items()) if k.startswith("cudagraph.")}
-        graphs = {k: v for k, v in graphs.items() if v > 0}
+        graphs = moved("cudagraph.")
         line = (
             f"vllm-tfm: last {span:.1f} s: {steps} steps, {trees} with trees; proposals: "
             + (", ".join(f"{k} {v}" for k, v in proposals.items()) or "none")
