@@ -23,6 +23,12 @@ graphs for tree steps (``cudagraph.tree.FULL`` > 0). nospec-graphs vs
 nospec-eager (compiled vs eager numerics) is reported, not required. A divergence is reported
 with its position and the no-spec top-2 log-probability margin there.
 
+TFM_GRAPHS_MODELS=random: instead of the zoo, bench/gpu_plugin_e2e.py's random tiny hybrid and
+drafter (written under OUT/models, random prompts). Its KV-cache layout differs from the zoo's: the
+zoo's 5 attention layers (target + drafter, one spec) and 6 GDN layers make one GDN KV-cache group,
+the random pair's 3 + 6 make two, so only there does the GDN metadata of a step serve a second
+group through ``update_block_table`` (runtime/gdn_metadata.py; its hook counter is in the paths).
+
 Results: OUT/graphs.json (verdicts, per-engine timings, graph counters, final cudagraph mode and
 capture sizes), OUT/<engine>.log, OUT/<engine>.json. TFM_GRAPHS_DEADLINE_S (420) bounds the run.
 
@@ -53,6 +59,9 @@ for _p in (str(REPO), str(BENCH)):
 __all__ = ["ENGINES", "REQUIRED", "engine_kwargs", "graph_usage", "main", "verdicts"]
 
 ZOO = REPO / "zoo"
+MODELS = os.environ.get("TFM_GRAPHS_MODELS", "zoo")
+if MODELS not in ("zoo", "random"):
+    raise SystemExit(f"TFM_GRAPHS_MODELS={MODELS}: 'zoo' (default) or 'random'")
 BUDGET = int(os.environ.get("TFM_GRAPHS_BUDGET", "32"))
 N_PROMPTS = int(os.environ.get("TFM_GRAPHS_PROMPTS", "32"))
 MAX_TOKENS = int(os.environ.get("TFM_GRAPHS_TOKENS", "64"))
@@ -94,6 +103,22 @@ def prompts(n: int, seed: int = 1234) -> list[list[int]]:
         start = rng.randrange(0, max(1, len(ids) - length))
         out.append(ids[start : start + length])
     return out
+
+
+def random_prompts(n: int, seed: int = 1234) -> list[list[int]]:
+    """Token ids of the random models' vocabulary (bench/gpu_plugin_e2e.py: 4096), 5..100 tokens."""
+    rng = random.Random(seed)
+    return [[rng.randrange(2, 4094) for _ in range(rng.randint(5, 100))] for _ in range(n)]
+
+
+def random_models(root: Path) -> tuple[Path, Path]:
+    """bench/gpu_plugin_e2e.py's random target and drafter, written under ``root``."""
+    os.environ["TFM_E2E_DIR"] = str(root)
+    sys.path.insert(0, str(REPO / "bench"))
+    import gpu_plugin_e2e
+
+    gpu_plugin_e2e.make_random_models()
+    return gpu_plugin_e2e.TARGET, gpu_plugin_e2e.DRAFTER
 
 
 def engine_kwargs(name: str, target: str, drafter: str, budget: int) -> dict[str, Any]:
@@ -176,7 +201,7 @@ def run_engine(name: str, settings_path: Path) -> int:
                 res[f"{label}_graph_steps"] = {k: v for k, v in (snap.get("hooks") or {}).items() if k.startswith("cudagraph.")}
                 # which runtime paths ran (Weaver graph or eager build, tree attention kernel or Triton)
                 res[f"{label}_paths"] = {k: v for k, v in (snap.get("hooks") or {}).items()
-                                         if k.startswith(("weaver.", "attention.", "proposer."))}
+                                         if k.startswith(("weaver.", "attention.", "proposer.", "gdn."))}
             log(f"{name} {label}: {sum(map(len, res[label]))} tokens in {res[f'{label}_s']} s "
                 f"{res.get(f'{label}_tree_metrics', '')} {res.get(f'{label}_graph_steps', '')}")
             save()
@@ -259,8 +284,10 @@ def driver(args: argparse.Namespace) -> int:
     bad = [n for n in names if n not in ENGINES]
     if bad:
         raise SystemExit(f"unknown engine {bad[0]!r}; engines: {', '.join(ENGINES)}")
-    settings = {"out": str(out), "target": str(ZOO / "target"), "drafter": str(ZOO / "drafter"), "budget": BUDGET,
-                "max_tokens": MAX_TOKENS, "prompts": prompts(N_PROMPTS)}
+    target, drafter, ps = (*random_models(out / "models"), random_prompts(N_PROMPTS)) if MODELS == "random" else (
+        ZOO / "target", ZOO / "drafter", prompts(N_PROMPTS))
+    settings = {"out": str(out), "models": MODELS, "target": str(target), "drafter": str(drafter), "budget": BUDGET,
+                "max_tokens": MAX_TOKENS, "prompts": ps}
     settings_path = out / "settings.json"
     settings_path.write_text(json.dumps(settings))
     log(f"{len(names)} engines in parallel: {', '.join(names)}; B={BUDGET}, {N_PROMPTS} prompts x {MAX_TOKENS} tokens")
@@ -282,7 +309,8 @@ def driver(args: argparse.Namespace) -> int:
         runs[name]["exit"] = {"code": rc, "stopped": why}
         log(f"{name}: {runs[name]['status']} (exit {rc}{', ' + why if why else ''}) {runs[name].get('error', '')}")
     switches = {k: v for k, v in sorted(os.environ.items()) if k.startswith("VLLM_TFM_")}
-    result = {"command": " ".join([*(f"{k}={v}" for k, v in switches.items()), "bash bench/run_gpu_graphs.sh",
+    knobs = {k: v for k, v in sorted(os.environ.items()) if k.startswith("TFM_GRAPHS_")}
+    result = {"command": " ".join([*(f"{k}={v}" for k, v in {**switches, **knobs}.items()), "bash bench/run_gpu_graphs.sh",
                                    *([f"--engines {args.engines}"] if args.engines != ",".join(ENGINES) else [])]),
               "tfm_env": switches, "budget": BUDGET, "prompts": N_PROMPTS, "max_tokens": MAX_TOKENS,
               "machine": next((r.get("machine") for r in runs.values() if r.get("machine")), {}),

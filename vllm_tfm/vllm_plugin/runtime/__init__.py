@@ -8,6 +8,8 @@ patches, once per process:
   on the target's attention layers during tree-active steps;
 * ``QwenGatedDeltaNetAttention._forward_core`` -> ``gdn.tree_forward_core``: tree conv1d + exact
   rollback-free tree verify for the spec rows, no state written;
+* ``GDNAttentionMetadataBuilder`` (``gdn_metadata.py``): in tfm engines one GDN metadata build per
+  step for all GDN KV-cache groups (the others take it with their block table);
 * ``GPUModelRunner`` methods (``hooks.py``): the tfm drafter and tree sampler, per-step tree
   metadata and depth positions, the commit after acceptance, step-state lifetime;
 * ``GPUModelRunner._determine_batch_execution_and_padding`` (``graph_dispatch.py``): steps that
@@ -48,11 +50,13 @@ def install() -> None:
     (``vllm_tfm.vllm_plugin.patching``). Called by ``vllm_tfm.register()`` after its version check."""
     from .attention import install_attention_backend
     from .gdn import install_gdn_patch
+    from .gdn_metadata import install_gdn_metadata_patch
     from .graph_dispatch import install_graph_dispatch
     from .hooks import install_profile_hooks, install_runner_hooks
 
     install_attention_backend()
     install_gdn_patch()
+    install_gdn_metadata_patch()
     install_runner_hooks()
     install_graph_dispatch()
     install_profile_hooks()  # only with VLLM_TFM_PROFILE=1 (stage_timing.py)

@@ -1,0 +1,236 @@
+"""One GDN attention-metadata build per step instead of one per GDN KV-cache group.
+
+vLLM 0.26 builds attention metadata once per KV-cache group (``GPUModelRunner._build_attention_metadata``,
+gpu_model_runner.py:2441-2520). A builder that sets ``supports_update_block_table`` builds only for the
+first group of its kind and hands the later groups that metadata with their own block table
+(``update_block_table``); ``GDNAttentionMetadataBuilder`` (v1/attention/backends/gdn_attn.py) does not,
+so a Qwen3.6-27B-shaped hybrid (48 GDN layers in ten KV-cache groups) runs ten full builds per step,
+identical but for the block table: host work on the critical path of a batch-1 step, after the one
+read-back, with the GPU idle (bench/NOTES.md section 24: 4.5 of the 5.6 ms per step of
+``_build_attention_metadata`` under cProfile).
+
+This module gives the builders of a tfm engine that update:
+
+* every GDN builder of one engine shares the persistent FULL-graph buffers that do not depend on the
+  block table (``spec_sequence_masks``, ``spec_token_indx``, ``non_spec_token_indx``,
+  ``spec_query_start_loc``, ``non_spec_query_start_loc``, ``num_accepted_tokens``): the first
+  group's build writes them for all groups, whose captured graphs read them at the same addresses;
+  each builder keeps its own ``spec_state_indices_tensor`` and ``non_spec_state_indices_tensor``;
+* ``update_block_table`` derives exactly what ``build`` derives from the block table (the state
+  indices of the spec, non-spec and prefill rows, from the build's own row split) and writes them
+  into this builder's buffers when the build wrote its own (the FULL-graph branch).
+
+Only for tfm engines with ``mamba_cache_mode`` "none" or "all" (the block table is the state table
+as it is; "align" would need the sequence lengths, which the GDN metadata does not keep): other
+engines, the no-spec baselines included, build as vLLM does. ``VLLM_TFM_GDN_METADATA_ONCE=0`` turns
+it off (for before/after measurements). Tested against ten full builds field by field
+(tests/cpu/test_gdn_metadata_once.py).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import weakref
+from dataclasses import dataclass
+from typing import Any
+
+from torch import Tensor
+
+__all__ = [
+    "GDN_METADATA_ONCE_ENV",
+    "SHARED_BUFFERS",
+    "gdn_metadata_once_enabled",
+    "install_gdn_metadata_patch",
+]
+
+GDN_METADATA_ONCE_ENV = "VLLM_TFM_GDN_METADATA_ONCE"
+
+# Persistent FULL-graph buffers of GDNAttentionMetadataBuilder (gdn_attn.py:123-165) whose contents
+# come from the step's common metadata only, the same for every KV-cache group.
+SHARED_BUFFERS = (
+    "spec_sequence_masks",
+    "spec_token_indx",
+    "non_spec_token_indx",
+    "spec_query_start_loc",
+    "non_spec_query_start_loc",
+    "num_accepted_tokens",
+)
+
+_ROWS_ATTR = "_tfm_block_rows"  # set on the metadata a sharing builder built
+_ORIGINAL: dict[str, Any] = {}
+# id(vllm_config) -> (weak reference to it, the shared buffers of that engine's GDN builders)
+_SHARED: dict[int, tuple[weakref.ref, dict[str, Tensor]]] = {}
+
+
+def gdn_metadata_once_enabled() -> bool:
+    """``VLLM_TFM_GDN_METADATA_ONCE`` is unset or not 0 / false (default on)."""
+    return os.environ.get(GDN_METADATA_ONCE_ENV, "1") not in ("0", "false", "False")
+
+
+@dataclass(frozen=True)
+class _BlockRows:
+    """What ``update_block_table`` needs of the build it reuses."""
+
+    spec_mask: Tensor | None  # [num_reqs] bool on the CPU: rows that are spec decodes (None: none are)
+    spec_prefix: int | None  # the mask is True on rows [0, spec_prefix) and False after (else None)
+    num_reqs: int
+    spec_in_buffer: bool  # the build's spec state indices are a view of its builder's buffer
+    non_spec_in_buffer: bool  # likewise the non-spec state indices (FULL graph, plain decodes)
+
+
+def _engine_is_tfm(vllm_config: Any) -> bool:
+    from ..guards import TFM_METHOD
+
+    spec = getattr(vllm_config, "speculative_config", None)
+    return spec is not None and getattr(spec, "method", None) == TFM_METHOD
+
+
+def _eligible(builder: Any) -> bool:
+    mode = builder.vllm_config.cache_config.mamba_cache_mode
+    return (
+        gdn_metadata_once_enabled()
+        and builder.use_spec_decode
+        and _engine_is_tfm(builder.vllm_config)
+        and mode in ("none", "all")
+        and not builder.vllm_config.parallel_config.use_ubatching  # one builder per micro-batch there
+    )
+
+
+def _shared_buffers(vllm_config: Any) -> dict[str, Tensor]:
+    key = id(vllm_config)
+    entry = _SHARED.get(key)
+    if entry is None or entry[0]() is not vllm_config:
+        for k in [k for k, (ref, _) in _SHARED.items() if ref() is None]:
+            del _SHARED[k]
+        entry = (weakref.ref(vllm_config), {})
+        _SHARED[key] = entry
+    return entry[1]
+
+
+def _share(builder: Any) -> None:
+    """Point this builder's block-table-free buffers at its engine's shared ones (the first builder's)."""
+    shared = _shared_buffers(builder.vllm_config)
+    for name in SHARED_BUFFERS:
+        own: Tensor = getattr(builder, name)
+        first = shared.setdefault(name, own)
+        if first is own:
+            continue
+        if first.shape != own.shape or first.dtype != own.dtype or first.device != own.device:
+            raise RuntimeError(
+                f"vllm-tfm: GDN metadata builders of one engine disagree on {name} "
+                f"({tuple(first.shape)} {first.dtype} vs {tuple(own.shape)} {own.dtype}); "
+                f"set {GDN_METADATA_ONCE_ENV}=0"
+            )
+        setattr(builder, name, first)
+
+
+def _same_storage(view: Tensor | None, buffer: Tensor) -> bool:
+    return view is not None and view.numel() > 0 and view.data_ptr() == buffer.data_ptr()
+
+
+def _block_rows(builder: Any, md: Any, num_decode_draft_tokens_cpu: Tensor | None, num_reqs: int) -> _BlockRows:
+    mask = None
+    prefix = None
+    if md.spec_sequence_masks is not None:
+        assert num_decode_draft_tokens_cpu is not None  # the build found spec rows in it
+        mask = num_decode_draft_tokens_cpu >= 0
+        k = int(mask.sum())
+        prefix = k if bool(mask[:k].all()) else None
+    return _BlockRows(
+        spec_mask=mask,
+        spec_prefix=prefix,
+        num_reqs=num_reqs,
+        spec_in_buffer=_same_storage(md.spec_state_indices_tensor, builder.spec_state_indices_tensor),
+        non_spec_in_buffer=_same_storage(md.non_spec_state_indices_tensor, builder.non_spec_state_indices_tensor),
+    )
+
+
+def _build(self: Any, common_prefix_len: int, common_attn_metadata: Any, *args: Any, **kwargs: Any) -> Any:
+    md = _ORIGINAL["build"](self, common_prefix_len, common_attn_metadata, *args, **kwargs)
+    if getattr(self, "_tfm_update_block_table", False):
+        drafts = kwargs.get("num_decode_draft_tokens_cpu", args[1] if len(args) > 1 else None)
+        object.__setattr__(md, _ROWS_ATTR, _block_rows(self, md, drafts, common_attn_metadata.num_reqs))
+    return md
+
+
+def _init(self: Any, *args: Any, **kwargs: Any) -> None:
+    _ORIGINAL["__init__"](self, *args, **kwargs)
+    if _eligible(self):
+        _share(self)
+        self._tfm_update_block_table = True
+        self.supports_update_block_table = True  # read per instance by the runner
+
+
+def _update_block_table(self: Any, metadata: Any, blk_table: Tensor, slot_mapping: Tensor) -> Any:
+    """``metadata`` (built by another GDN builder of this engine, this step) with this group's block
+    table: the state indices ``build`` would have derived from it, in this builder's buffers where
+    the build used its own."""
+    rows: _BlockRows | None = getattr(metadata, _ROWS_ATTR, None)
+    if not getattr(self, "_tfm_update_block_table", False) or rows is None:
+        return _ORIGINAL["update_block_table"](self, metadata, blk_table, slot_mapping)
+    from vllm.v1.attention.backends.utils import NULL_BLOCK_ID
+
+    from .state import STATE
+
+    width = self.num_spec + 1
+    spec: Tensor | None = None
+    non_spec: Tensor | None = None
+    if rows.spec_mask is None:  # no spec decodes: every row non-spec (gdn_attn.py:210-220)
+        non_spec = blk_table[:, 0]
+    else:
+        if rows.spec_in_buffer and rows.spec_prefix is not None:
+            spec = blk_table[: rows.spec_prefix, :width]  # == bt[mask] for a prefix mask; copied below
+        else:
+            spec = blk_table[rows.spec_mask, :width]  # gdn_attn.py:267-270, 288-290
+        if metadata.num_prefills or metadata.num_decodes:  # mixed batch (gdn_attn.py:291-293)
+            non_spec = blk_table[~rows.spec_mask, 0]
+    if rows.spec_in_buffer:  # FULL-graph branch of the build (gdn_attn.py:420-434)
+        assert spec is not None
+        n = spec.size(0)
+        self.spec_state_indices_tensor[:n].copy_(spec, non_blocking=True)
+        spec = self.spec_state_indices_tensor[: rows.num_reqs]
+        spec[n:].fill_(NULL_BLOCK_ID)
+    if rows.non_spec_in_buffer:  # FULL-graph branch for plain decodes (gdn_attn.py:468-478)
+        assert non_spec is not None
+        n = metadata.num_decodes
+        self.non_spec_state_indices_tensor[:n].copy_(non_spec, non_blocking=True)
+        non_spec = self.non_spec_state_indices_tensor[: rows.num_reqs]
+        non_spec[n:].fill_(NULL_BLOCK_ID)
+    prefill = None
+    if metadata.num_prefills > 0:  # gdn_attn.py:342-356
+        assert non_spec is not None
+        if rows.spec_mask is None and metadata.num_decodes > 0:
+            prefill = non_spec[metadata.num_decodes :]
+        else:
+            prefill = non_spec
+    if STATE.metrics is not None:
+        STATE.metrics.hook("gdn.metadata_reused")
+    return dataclasses.replace(
+        metadata,
+        spec_state_indices_tensor=spec,
+        non_spec_state_indices_tensor=non_spec,
+        prefill_state_indices=prefill,
+    )
+
+
+def install_gdn_metadata_patch() -> None:
+    """Wrap ``GDNAttentionMetadataBuilder.__init__`` / ``build`` and give it ``update_block_table``,
+    through the patch registry (idempotent). Builders made before the patch are unaffected."""
+    from vllm.v1.attention.backends.gdn_attn import GDNAttentionMetadataBuilder
+
+    from ..patching import replace_attribute
+
+    def keep(name: str, replacement: Any) -> Any:
+        def make(original: Any) -> Any:
+            _ORIGINAL[name] = original
+            return replacement
+
+        return make
+
+    why = "tfm: one GDN metadata build per step for all GDN KV-cache groups"
+    replace_attribute(GDNAttentionMetadataBuilder, "__init__", keep("__init__", _init), reason=why)
+    replace_attribute(GDNAttentionMetadataBuilder, "build", keep("build", _build), reason=why)
+    replace_attribute(
+        GDNAttentionMetadataBuilder, "update_block_table", keep("update_block_table", _update_block_table), reason=why
+    )
