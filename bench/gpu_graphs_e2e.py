@@ -14,13 +14,16 @@ batch 1 (each prompt alone):
                  parallelism), tfm's capture sizes
   tfm-fullpw     tfm with FULL_AND_PIECEWISE (the default on one GPU: tree steps of R requests x B
                  drafts replay full graphs with the tree verify inside, the others piecewise graphs)
+  tfm-fullpw-pergroup  tfm-fullpw with VLLM_TFM_GDN_METADATA_ONCE=0 (vLLM's GDN metadata build per
+                 KV-cache group instead of one build and block-table updates): same arithmetic
 
 Verdicts (all must hold for exit code 0): tfm-graphs == nospec-graphs, tfm-graphs == tfm-eager,
-tfm-eager == nospec-eager, tfm-fullpw == nospec-graphs (batch 8 and batch 1, every prompt,
-every token); tfm-graphs ran its tree steps in piecewise graphs (the runtime's
-``cudagraph.tree.PIECEWISE`` counter > 0) and never in a full graph; tfm-fullpw replayed full
-graphs for tree steps (``cudagraph.tree.FULL`` > 0). nospec-graphs vs
-nospec-eager (compiled vs eager numerics) is reported, not required. A divergence is reported
+tfm-eager == nospec-eager, tfm-fullpw == nospec-graphs, tfm-fullpw == tfm-fullpw-pergroup (batch 8
+and batch 1, every prompt, every token); tfm-graphs ran its tree steps in piecewise graphs (the
+runtime's ``cudagraph.tree.PIECEWISE`` counter > 0) and never in a full graph; the tfm-fullpw
+engines replayed full graphs for tree steps (``cudagraph.tree.FULL`` > 0); the -pergroup engine
+never reused GDN metadata and, on the random models, the other tfm engines did
+(``gdn.metadata_reused`` > 0). nospec-graphs vs nospec-eager (compiled vs eager numerics) is reported, not required. A divergence is reported
 with its position and the no-spec top-2 log-probability margin there.
 
 TFM_GRAPHS_MODELS=random: instead of the zoo, bench/gpu_plugin_e2e.py's random tiny hybrid and
@@ -74,15 +77,21 @@ ENGINES: dict[str, dict[str, Any]] = {
     "tfm-eager": {"spec": True, "eager": True},
     "tfm-graphs": {"spec": True, "eager": False, "compilation_config": {"cudagraph_mode": "PIECEWISE"}},
     "tfm-fullpw": {"spec": True, "eager": False, "compilation_config": {"cudagraph_mode": "FULL_AND_PIECEWISE"}},
+    # tfm-fullpw with vLLM's GDN metadata build per KV-cache group (runtime/gdn_metadata.py off): the
+    # same arithmetic, so its tokens must equal tfm-fullpw's bit for bit, near-ties included
+    "tfm-fullpw-pergroup": {"spec": True, "eager": False, "compilation_config": {"cudagraph_mode": "FULL_AND_PIECEWISE"},
+                            "env": {"VLLM_TFM_GDN_METADATA_ONCE": "0"}},
 }
 REQUIRED: tuple[tuple[str, str], ...] = (
     ("tfm-graphs", "nospec-graphs"),
     ("tfm-graphs", "tfm-eager"),
     ("tfm-eager", "nospec-eager"),
     ("tfm-fullpw", "nospec-graphs"),
+    ("tfm-fullpw", "tfm-fullpw-pergroup"),
 )
 INFORMATIONAL: tuple[tuple[str, str], ...] = (("nospec-graphs", "nospec-eager"),)
-GRAPH_ENGINES = ("tfm-graphs", "tfm-fullpw")
+GRAPH_ENGINES = ("tfm-graphs", "tfm-fullpw", "tfm-fullpw-pergroup")
+METADATA_REUSED = "gdn.metadata_reused"
 
 
 def log(*args: object) -> None:
@@ -150,6 +159,8 @@ def run_engine(name: str, settings_path: Path) -> int:
     s = json.loads(settings_path.read_text())
     res: dict[str, Any] = {"engine": name, "status": "started"}
     path = Path(s["out"]) / f"{name}.json"
+    os.environ.update(ENGINES[name].get("env") or {})  # before vllm_tfm reads it (engine build)
+    res["env"] = ENGINES[name].get("env") or {}
 
     def save() -> None:
         path.write_text(json.dumps(res, indent=1, default=str))
@@ -266,11 +277,26 @@ def graph_usage(runs: dict[str, dict[str, Any]]) -> dict[str, Any]:
         for label in ("b8", "b1"):
             for k, v in (r.get(f"{label}_graph_steps") or {}).items():
                 counts[k] = counts.get(k, 0) + int(v)
-        if name == "tfm-fullpw":
+        if name.startswith("tfm-fullpw"):
             ok = counts.get("cudagraph.tree.FULL", 0) > 0
         else:
             ok = counts.get("cudagraph.tree.PIECEWISE", 0) > 0 and counts.get("cudagraph.tree.FULL", 0) == 0
         out[name] = {"counts": counts, "cudagraph_mode": r.get("cudagraph_mode"), "ok": ok}
+    return out
+
+
+def metadata_usage(runs: dict[str, dict[str, Any]], models: str) -> dict[str, Any]:
+    """Per tfm engine: how many GDN KV-cache groups took the step's GDN metadata with their own block
+    table (runtime/gdn_metadata.py). ok iff the -pergroup control never did and, on the random
+    models (two GDN groups; the zoo has one), every other tfm engine did."""
+    out: dict[str, Any] = {}
+    for name, r in runs.items():
+        if not ENGINES.get(name, {}).get("spec"):
+            continue
+        n = sum(int((r.get(f"{label}_paths") or {}).get(METADATA_REUSED, 0)) for label in ("b8", "b1"))
+        off = (ENGINES[name].get("env") or {}).get("VLLM_TFM_GDN_METADATA_ONCE") == "0"
+        ok = n == 0 if off else (n > 0 if models == "random" else True)
+        out[name] = {METADATA_REUSED: n, "ok": ok}
     return out
 
 
@@ -315,10 +341,12 @@ def driver(args: argparse.Namespace) -> int:
               "tfm_env": switches, "budget": BUDGET, "prompts": N_PROMPTS, "max_tokens": MAX_TOKENS,
               "machine": next((r.get("machine") for r in runs.values() if r.get("machine")), {}),
               "verdicts": verdicts(runs), "graph_usage": graph_usage(runs),
+              "metadata_usage": metadata_usage(runs, MODELS),
               "engines": {n: {k: v for k, v in r.items() if k not in ("b8", "b1", "b8_margins", "b1_margins", "traceback")}
                           for n, r in runs.items()}}
     required = [v["equal"] for v in result["verdicts"].values() if v["required"]]
-    ok = bool(required) and all(required) and all(g["ok"] for g in result["graph_usage"].values())
+    ok = bool(required) and all(required) and all(g["ok"] for g in result["graph_usage"].values()) and all(
+        m["ok"] for m in result["metadata_usage"].values())
     result["ok"] = ok
     (out / "graphs.json").write_text(json.dumps(result, indent=1, default=str) + "\n")
     for key, v in result["verdicts"].items():
@@ -328,6 +356,8 @@ def driver(args: argparse.Namespace) -> int:
             p if len(p) < 400 else p[:400] + "..." for p in parts))
     for name, g in result["graph_usage"].items():
         log(f"graphs {name}: {'OK' if g['ok'] else 'FAIL'} mode {g['cudagraph_mode']} {g['counts']}")
+    for name, m in result["metadata_usage"].items():
+        log(f"gdn metadata {name}: {'OK' if m['ok'] else 'FAIL'} {METADATA_REUSED} {m[METADATA_REUSED]}")
     log(("OK" if ok else "FAIL") + f": results in {out / 'graphs.json'}")
     return 0 if ok else 1
 

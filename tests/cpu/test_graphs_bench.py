@@ -92,3 +92,29 @@ def test_graph_usage_wants_full_tree_steps_of_the_full_and_piecewise_engine() ->
     assert usage["tfm-graphs"]["ok"] is False  # the piecewise engine must never replay a full graph
     usage = g.graph_usage({"tfm-fullpw": engine({"cudagraph.tree.PIECEWISE": 13})})
     assert usage["tfm-fullpw"]["ok"] is False
+
+
+def test_metadata_usage_wants_the_update_on_random_models_and_never_in_the_control() -> None:
+    def engine(b8: int, b1: int) -> dict[str, object]:
+        return {"status": "ok", "b8_paths": {g.METADATA_REUSED: b8} if b8 else {}, "b1_paths": {g.METADATA_REUSED: b1}}
+
+    runs = {"nospec-eager": engine(0, 0), "tfm-eager": engine(4, 9), "tfm-fullpw": engine(4, 9),
+            "tfm-fullpw-pergroup": engine(0, 0)}
+    usage = g.metadata_usage(runs, "random")
+    assert set(usage) == {"tfm-eager", "tfm-fullpw", "tfm-fullpw-pergroup"}  # no-spec has no tfm hooks
+    assert usage["tfm-fullpw"] == {g.METADATA_REUSED: 13, "ok": True} and usage["tfm-fullpw-pergroup"]["ok"]
+    runs["tfm-fullpw-pergroup"] = engine(0, 2)  # the switch did not take: the control reused metadata
+    assert g.metadata_usage(runs, "random")["tfm-fullpw-pergroup"]["ok"] is False
+    runs["tfm-fullpw"] = engine(0, 0)  # on the random models (two GDN groups) the update must run
+    assert g.metadata_usage(runs, "random")["tfm-fullpw"]["ok"] is False
+    assert g.metadata_usage(runs, "zoo")["tfm-fullpw"]["ok"] is True  # the zoo has one GDN group
+
+
+def test_the_per_group_control_is_a_required_bit_for_bit_pair() -> None:
+    ref = [[1, 2, 3], [4, 5, 6]]
+    runs = {"tfm-fullpw": run(ref), "tfm-fullpw-pergroup": run(ref, [[1, 2, 3], [4, 7, 6]])}
+    v = g.verdicts(runs)["tfm-fullpw == tfm-fullpw-pergroup"]
+    assert v["required"] and v["b8"]["equal"] and not v["b1"]["equal"] and not v["equal"]
+    assert g.ENGINES["tfm-fullpw-pergroup"]["env"] == {"VLLM_TFM_GDN_METADATA_ONCE": "0"}
+    assert g.graph_usage({"tfm-fullpw-pergroup": {"b8_graph_steps": {"cudagraph.tree.FULL": 3}}})[
+        "tfm-fullpw-pergroup"]["ok"]
