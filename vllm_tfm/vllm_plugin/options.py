@@ -72,6 +72,7 @@ NON_OPTION_ENV_VARS: frozenset[str] = frozenset(
         "VLLM_TFM_SKIP_VERSION_CHECK",  # vllm_plugin/version.py
         "VLLM_TFM_FORCE_TREE_PATH",  # runtime: chains go through the tree path too
         "VLLM_TFM_BATCHED_COMMIT",  # runtime: one commit launch per kernel kind for all GDN layers (runtime/commit.py)
+        "VLLM_TFM_GDN_METADATA_ONCE",  # runtime: 0 keeps vLLM's GDN metadata build per KV-cache group (runtime/gdn_metadata.py)
         "VLLM_TFM_LOAD_TREEFLASH",  # runtime: load TreeFlash beside another proposal (in-process proposal switches)
         "VLLM_TFM_KERNELS",  # runtime: 0 forces the torch references instead of the kernels
         "VLLM_TFM_TREE_ATTENTION",  # runtime: "kernel" opts in to the one-launch tree attention, "triton" (default) one call per tree request
