@@ -37,6 +37,8 @@ from typing import Any
 
 from torch import Tensor
 
+from .state import STATE
+
 __all__ = [
     "GDN_METADATA_ONCE_ENV",
     "SHARED_BUFFERS",
@@ -169,10 +171,7 @@ def _update_block_table(self: Any, metadata: Any, blk_table: Tensor, slot_mappin
     rows: _BlockRows | None = getattr(metadata, _ROWS_ATTR, None)
     if not getattr(self, "_tfm_update_block_table", False) or rows is None:
         return _ORIGINAL["update_block_table"](self, metadata, blk_table, slot_mapping)
-    from vllm.v1.attention.backends.utils import NULL_BLOCK_ID
-
-    from .state import STATE
-
+    null_block = _ORIGINAL["NULL_BLOCK_ID"]
     width = self.num_spec + 1
     spec: Tensor | None = None
     non_spec: Tensor | None = None
@@ -190,13 +189,13 @@ def _update_block_table(self: Any, metadata: Any, blk_table: Tensor, slot_mappin
         n = spec.size(0)
         self.spec_state_indices_tensor[:n].copy_(spec, non_blocking=True)
         spec = self.spec_state_indices_tensor[: rows.num_reqs]
-        spec[n:].fill_(NULL_BLOCK_ID)
+        spec[n:].fill_(null_block)
     if rows.non_spec_in_buffer:  # FULL-graph branch for plain decodes (gdn_attn.py:468-478)
         assert non_spec is not None
         n = metadata.num_decodes
         self.non_spec_state_indices_tensor[:n].copy_(non_spec, non_blocking=True)
         non_spec = self.non_spec_state_indices_tensor[: rows.num_reqs]
-        non_spec[n:].fill_(NULL_BLOCK_ID)
+        non_spec[n:].fill_(null_block)
     prefill = None
     if metadata.num_prefills > 0:  # gdn_attn.py:342-356
         assert non_spec is not None
@@ -218,8 +217,11 @@ def install_gdn_metadata_patch() -> None:
     """Wrap ``GDNAttentionMetadataBuilder.__init__`` / ``build`` and give it ``update_block_table``,
     through the patch registry (idempotent). Builders made before the patch are unaffected."""
     from vllm.v1.attention.backends.gdn_attn import GDNAttentionMetadataBuilder
+    from vllm.v1.attention.backends.utils import NULL_BLOCK_ID
 
     from ..patching import replace_attribute
+
+    _ORIGINAL["NULL_BLOCK_ID"] = NULL_BLOCK_ID  # the padding slot id the build writes (gdn_attn.py:432, 478)
 
     def keep(name: str, replacement: Any) -> Any:
         def make(original: Any) -> Any:
