@@ -78,6 +78,16 @@ inline float __shfl_xor_sync(unsigned /*mask*/, float v, int m) {
   return r;
 }
 
+// The int overload (butterfly exchanges of indices): the same exchange through the float buffer, bit for bit.
+inline int __shfl_xor_sync(unsigned mask, int v, int m) {
+  float f;
+  std::memcpy(&f, &v, 4);
+  const float r = __shfl_xor_sync(mask, f, m);
+  int out;
+  std::memcpy(&out, &r, 4);
+  return out;
+}
+
 // Lane `src` (0..31) of the warp's value; every lane of the warp must call it (as with a full mask).
 inline int __shfl_sync(unsigned /*mask*/, int v, int src) {
   const unsigned tid = threadIdx.x;
@@ -103,6 +113,7 @@ inline int __shfl_sync(unsigned /*mask*/, int v, int src) {
 
 inline float __uint_as_float(unsigned u) { float f; std::memcpy(&f, &u, 4); return f; }
 inline float __int_as_float(int i) { float f; std::memcpy(&f, &i, 4); return f; }
+inline double __longlong_as_double(long long i) { double d; std::memcpy(&d, &i, 8); return d; }
 inline unsigned __float_as_uint(float f) { unsigned u; std::memcpy(&u, &f, 4); return u; }
 inline float f16_bits_to_f32(unsigned b) {
   _Float16 h; unsigned short s = (unsigned short)b; std::memcpy(&h, &s, 2); return (float)h;

@@ -32,8 +32,9 @@ KERNELS = {
     "tree_conv.cu": ["tree_conv1d", "tree_conv_commit", "tree_conv_commit_layers"],
     "tree_attention.cu": ["tree_attention"],
     "tfm_mma_check.cu": ["tfm_mma_tf32_check"],
+    "weaver_round.cu": ["weaver_round"],
 }
-WRAPPERS = ("gdn", "conv", "tree_attention", "batched_commit")  # vllm_tfm.kernels modules that launch kernels
+WRAPPERS = ("gdn", "conv", "tree_attention", "batched_commit", "weaver_round")  # vllm_tfm.kernels modules that launch kernels
 
 
 def build(source: str, options: list[str], out_dir: Path, sanitize: bool = False) -> Path:
@@ -105,6 +106,7 @@ def emulated_kernels(out_dir: Path | None = None, sanitize: bool = False) -> Ite
             stack.enter_context(mock.patch(f"vllm_tfm.kernels.{mod}.launch", launch))
         stack.enter_context(mock.patch("vllm_tfm.kernels.gdn.device_smem_optin", lambda i: 227 * 1024))
         stack.enter_context(mock.patch("vllm_tfm.kernels.tree_attention.device_smem_optin", lambda i: 227 * 1024))
+        stack.enter_context(mock.patch("vllm_tfm.kernels.weaver_round.device_smem_optin", lambda i: 227 * 1024))
         stack.enter_context(mock.patch("torch.cuda.current_device", lambda: 0))
         stack.enter_context(mock.patch("torch.cuda.get_device_properties", lambda i: _Props()))
         yield launches

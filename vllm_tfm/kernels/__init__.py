@@ -10,6 +10,8 @@ unsupported dtype or shape) it calls the reference instead and says so once.
   shared by every layer.
 * :func:`gdn_tree_commit_layers`, :func:`tree_conv_commit_layers`, :func:`commit_layers_planned`:
   the commits of many layers in one launch per kernel kind (``batched_commit``).
+* ``weaver_round.round_fn_for``: one launch per Weaver growth round (its torch reference is
+  ``vllm_tfm.tree.weaver_padded.weaver_round_reference``, the same signature).
 * :func:`kernels_available`: whether the CUDA path can run on this machine.
 """
 

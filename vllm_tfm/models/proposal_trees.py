@@ -20,6 +20,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
+from vllm_tfm.kernels.weaver_round import round_fn_for
 from vllm_tfm.tree.padded import PaddedTrees
 from vllm_tfm.tree.treeflash_padded import build_treeflash_padded
 from vllm_tfm.tree.weaver_padded import WeaverGrowth
@@ -54,11 +55,14 @@ def weaver_growth(
     width: int,
     children_per_node: int,
     logits_dtype: torch.dtype | None = None,
+    round_kernel: bool = True,
 ) -> tuple[WeaverGrowth, Tensor]:
     """The host-sync-free part of ``weaver_padded_trees``: DFlash top-K candidates, the batched
     Weaver scorer and the first ``fixed_rounds`` rounds of growth. Returns (growth, cand_ids);
     ``growth.run_tail()`` finishes it (one host sync), ``growth.trees()`` reads it. With fixed
-    shapes this is the part a CUDA graph captures (``vllm_plugin.runtime.weaver_graphs``)."""
+    shapes this is the part a CUDA graph captures (``vllm_plugin.runtime.weaver_graphs``).
+    ``round_kernel``: grow with the one-launch round kernel (``vllm_tfm.kernels.weaver_round``) when
+    it takes these tensors (CUDA; the same trees), else with the torch round."""
     cand_logits, cand_ids = _candidates(dflash_logits, top_k)
     if logits_dtype is not None:
         cand_logits = cand_logits.to(logits_dtype)
@@ -68,6 +72,10 @@ def weaver_growth(
     growth = WeaverGrowth(
         root_tokens, cand_ids, scorer, budget, dflash_logits.shape[1], width, children_per_node, check=False
     )
+    if round_kernel:
+        kernel = round_fn_for(growth)
+        if kernel is not None:
+            growth.round_fn = kernel
     growth.run_fixed()
     return growth, cand_ids
 
@@ -85,6 +93,7 @@ def weaver_padded_trees(
     width: int,
     children_per_node: int,
     logits_dtype: torch.dtype | None = None,
+    round_kernel: bool = True,
 ) -> tuple[PaddedTrees, Tensor]:
     """TfM trees of R requests, ``max_depth`` = D: (trees, cand_ids [R, D, K]).
 
@@ -97,7 +106,7 @@ def weaver_padded_trees(
     """
     growth, cand_ids = weaver_growth(
         weaver, dflash_logits, dflash_hidden, verifier_hidden, root_tokens, embed, lm_head,
-        budget, top_k, width, children_per_node, logits_dtype,
+        budget, top_k, width, children_per_node, logits_dtype, round_kernel,
     )
     growth.run_tail()
     return growth.trees(), cand_ids
@@ -116,12 +125,13 @@ def weaver_draft_trees(
     width: int,
     children_per_node: int,
     logits_dtype: torch.dtype | None = None,
+    round_kernel: bool = True,
 ) -> tuple[Tensor, Tensor]:
     """``weaver_padded_trees`` in the runtime layout: tokens [R, B], parents [R, 1 + B]; a tree
     smaller than B is completed with the best depth-1 candidate."""
     trees, cand_ids = weaver_padded_trees(
         weaver, dflash_logits, dflash_hidden, verifier_hidden, root_tokens, embed, lm_head,
-        budget, top_k, width, children_per_node, logits_dtype,
+        budget, top_k, width, children_per_node, logits_dtype, round_kernel,
     )
     return trees.draft_layout(cand_ids[:, 0, 0])
 

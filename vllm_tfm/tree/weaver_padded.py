@@ -16,6 +16,11 @@ padded tensors and no per-request Python:
   nodes' slots (dead entries for a node that is not expanded);
 * path scores are float64 sums ``score(parent) + log q`` like the reference's Python floats.
 
+A round's builder work (push the scored nodes' children, materialise the next nodes) is
+``WeaverGrowth.round_fn``: ``weaver_round_reference`` below (torch), or on CUDA the one-launch
+kernel ``vllm_tfm.kernels.weaver_round`` with the same signature and results (chosen by
+``vllm_tfm.models.proposal_trees.weaver_growth``).
+
 Every state tensor is allocated once (``WeaverGrowth.__init__``) and updated in place, the round
 has fixed shapes and reads nothing back on the host, and the work per round does not depend on R
 (one batched operation per step, no loop over requests or nodes): with fixed (R, B, width) the
@@ -50,6 +55,7 @@ Batched scorer protocol::
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor
@@ -70,7 +76,15 @@ from .padded import (
     stable_topk,
 )
 
-__all__ = ["BatchedWeaverScorer", "WeaverGrowth", "build_weaver_padded", "root_token_tensor"]
+__all__ = [
+    "BatchedWeaverScorer",
+    "RoundFn",
+    "RoundOutputs",
+    "WeaverGrowth",
+    "build_weaver_padded",
+    "root_token_tensor",
+    "weaver_round_reference",
+]
 
 BatchedWeaverScorer = Callable[[Tensor, Tensor, Tensor, Tensor, Tensor], Tensor]
 """scorer(node_ids, parent_ids, tokens, depths [R, w] int64, valid [R, w] bool) -> [R, w, K]."""
@@ -161,17 +175,18 @@ class WeaverGrowth:
         self.ci = ci = 2 + nw
         self.trash_slot = n_cap * c  # slots n_cap * c .. + c - 1 belong to the trash node
         i64, f64 = torch.long, torch.float64
-        # Per-request limits: Python ints when every request has the same (no index ops per round)
-        self._width: int | Tensor = widths[0] if len(set(widths)) == 1 else per_request_tensor(widths, dev)
-        self._depth: int | Tensor = depths[0] if len(set(depths)) == 1 else per_request_tensor(depths, dev)[:, None]
+        # Per-request limits: Python ints when every request has the same (no index ops per round);
+        # else width_limit [R], depth_limit [R, 1], budget1 (budget + 1) [R] int64
+        self.width_limit: int | Tensor = widths[0] if len(set(widths)) == 1 else per_request_tensor(widths, dev)
+        self.depth_limit: int | Tensor = depths[0] if len(set(depths)) == 1 else per_request_tensor(depths, dev)[:, None]
         self.ar_w = torch.arange(w, device=dev)
         self.ar_c = torch.arange(c, device=dev)
         if len(set(budgets)) == 1:
-            self._budget1: int | Tensor = budgets[0] + 1
+            self.budget1: int | Tensor = budgets[0] + 1
             self._base = self.ar_w + (budgets[0] + 1)  # node id of column i = budget + 1 - left + i
         else:
-            self._budget1 = per_request_tensor(budgets, dev) + 1
-            self._base = self._budget1[:, None] + self.ar_w
+            self.budget1 = per_request_tensor(budgets, dev) + 1
+            self._base = self.budget1[:, None] + self.ar_w
         # candidates of depths 1..dmax and one spare row, so that depth dmax indexes in range
         cand = candidates[:, : self.dmax]
         self.cand_flat = torch.cat([cand, cand[:, :1]], dim=1).reshape(r_, (self.dmax + 1) * k)
@@ -198,6 +213,9 @@ class WeaverGrowth:
         self.out_dtype: torch.dtype | None = None
         self.calls = 0
         self.rounds = 0
+        # one round (push + materialise): the torch code below, or a kernel with its signature
+        # (vllm_tfm.kernels.weaver_round, set by vllm_tfm.models.proposal_trees.weaver_growth)
+        self.round_fn: RoundFn = weaver_round_reference
 
     # ------------------------------------------------------------------ rounds
     def start(self) -> None:
@@ -207,14 +225,29 @@ class WeaverGrowth:
         valid = torch.ones(r_, 1, dtype=torch.bool, device=dev)
         out = self.scorer(zeros, torch.full_like(zeros, -1), self.roots[:, None], zeros, valid)
         depth_words = torch.zeros(r_, 1, 1 + self.nw, dtype=torch.long, device=dev)
-        self._push(out, zeros, zeros, depth_words, torch.zeros(r_, 1, dtype=torch.float64, device=dev), valid)
-        self._materialise()
+        self._round(out, zeros, zeros, depth_words, torch.zeros(r_, 1, dtype=torch.float64, device=dev), valid)
 
     def advance(self) -> None:
         """Score the nodes of the last round, publish their children, materialise the next round."""
         out = self.scorer(self.node, self.parent, self.tok, self.d, self.expand)
-        self._push(out, self.node, self.d, self.depth_words, self.score, self.expand)
-        self._materialise()
+        self._round(out, self.node, self.d, self.depth_words, self.score, self.expand)
+
+    def _round(self, out: Tensor, node: Tensor, d: Tensor, depth_words: Tensor, score: Tensor, valid: Tensor) -> None:
+        """Check a scorer output (host-side metadata only), then one round through ``round_fn``."""
+        self.calls += 1
+        want = (self.r, node.shape[1], self.k)
+        if not isinstance(out, Tensor) or tuple(out.shape) != want:
+            got = tuple(out.shape) if isinstance(out, Tensor) else type(out).__name__
+            raise ValueError(f"scorer output (call {self.calls}) must have shape [{want[0]}, {want[1]}, {want[2]}], got {got}")
+        if not out.is_floating_point():
+            raise ValueError(f"scorer output (call {self.calls}) must be floating log-probabilities, got dtype {out.dtype}")
+        if self.out_dtype is None:
+            self.out_dtype = out_dtype(out.dtype)
+        o = self.round_fn(self, out, node, d, depth_words, score, valid)
+        self.node, self.parent, self.tok, self.d = o.node, o.parent, o.tok, o.d
+        self.depth_words, self.score, self.expand = o.depth_words, o.score, o.expand
+        self.n_alive, self.take, self.room = o.n_alive, o.take, o.room
+        self.rounds += 1
 
     def run_fixed(self) -> None:
         """The first ``fixed_rounds`` rounds (no host sync)."""
@@ -242,7 +275,7 @@ class WeaverGrowth:
 
     def num_nodes(self) -> Tensor:
         """[R] nodes placed per request, root included."""
-        return self._budget1 - self.left
+        return self.budget1 - self.left
 
     def trees(self) -> PaddedTrees:
         """The trees so far: [R, 1 + max budget] (no host sync)."""
@@ -266,64 +299,83 @@ class WeaverGrowth:
             num_nodes,
         )
 
-    # ------------------------------------------------------------------ one round
-    def _push(self, out: Tensor, node: Tensor, d: Tensor, depth_words: Tensor, score: Tensor, valid: Tensor) -> None:
-        """Check a scorer output; the top-c children of every node of the call become its slots
-        ``node * c + rank`` (dead unless the node is valid and the child's log q is finite).
-        ``d``: the nodes' depths clamped to max_depth; ``depth_words`` [R, m, 1 + W]: their depths
-        and rank-path words (the frontier columns they came from)."""
-        self.calls += 1
-        r_, m, c = self.r, node.shape[1], self.c
-        want = (r_, m, self.k)
-        if not isinstance(out, Tensor) or tuple(out.shape) != want:
-            got = tuple(out.shape) if isinstance(out, Tensor) else type(out).__name__
-            raise ValueError(f"scorer output (call {self.calls}) must have shape [{want[0]}, {want[1]}, {want[2]}], got {got}")
-        if not out.is_floating_point():
-            raise ValueError(f"scorer output (call {self.calls}) must be floating log-probabilities, got dtype {out.dtype}")
-        if self.out_dtype is None:
-            self.out_dtype = out_dtype(out.dtype)
-        valid = valid[..., None]
-        x = torch.where(valid, out, NEG_INF)  # an invalid row has no live child
-        self.fine.logical_and_((x <= 0).all())  # NaN or a positive entry in a valid row clears it
-        vals, cols = stable_topk(x, c)  # [R, m, c], best first
-        vals = vals.to(torch.float64)
-        child = depth_words[:, :, None, :] + self.step[d]  # [R, m, c, 1 + W]: depth + 1, words
-        # a dead child's word 0 is DEAD_BIT alone: its rank path is never read (dead slots sort
-        # last, are never taken, and trees() reads tokens, depths and scores only)
-        child[..., 1].masked_fill_(vals == NEG_INF, DEAD_BIT)
-        tok = self.cand_flat.gather(1, torch.add(cols, d[..., None], alpha=self.k).view(r_, m * c))  # d * K + col
-        new_i = torch.cat([tok.view(r_, m, c, 1), child], dim=-1).view(r_, m * c, self.ci)
-        new_f = torch.stack([score[..., None] + vals, vals], dim=-1).view(r_, m * c, 2)
-        slot = torch.add(self.ar_c, node[..., None], alpha=c).view(r_, m * c, 1)  # node * c + rank
-        self.fi.scatter_(1, slot.expand(r_, m * c, self.ci), new_i)
-        self.ff.scatter_(1, slot.expand(r_, m * c, 2), new_f)
+@dataclass(frozen=True)
+class RoundOutputs:
+    """What one round leaves for the next: the scorer inputs of the nodes it materialised
+    (node ids, parents, tokens, depths clamped to max_depth, (depth, rank-path words) [R, w, 1 + W],
+    path scores float64, expand = the rows to score) and per request the alive frontier slots before
+    the round, the nodes it placed, whether budget is left (n_alive, take, room [R])."""
 
-    def _materialise(self) -> None:
-        """One step of every request: the best frontier slots become nodes; which to expand."""
-        r_, w = self.r, self.w
-        alive = self.key0 < DEAD_BIT
-        n_alive = alive.sum(1)
-        if isinstance(self._width, int):
-            cap = self.left.clamp(max=self._width)
-        else:
-            cap = torch.minimum(self.left, self._width)
-        take = torch.minimum(cap, n_alive)
-        sel = sort_by_key(self._scores, self._words, alive, dead_in_words=True)[:, :w]  # best first
-        ok = self.ar_w < take[:, None]
-        idx = sel[..., None]
-        gi = self.fi.gather(1, idx.expand(r_, w, self.ci))
-        gf = self.ff.gather(1, idx.expand(r_, w, 2))
-        node = torch.where(ok, self._base - self.left[:, None], self.n_cap)
-        self.node_slot.scatter_(1, node, sel)
-        self.key0.scatter_(1, torch.where(ok, sel, self.trash_slot), DEAD_BIT)
-        self.left.sub_(take)
-        room = self.left > 0
-        d = gi[..., 1].clamp(max=self.dmax)
-        self.expand = ok & (d < self._depth) & room[:, None]
-        self.node, self.parent, self.tok, self.d = node, sel // self.c, gi[..., 0], d
-        self.depth_words, self.score = gi[..., 1:], gf[..., 0]
-        self.n_alive, self.take, self.room = n_alive, take, room
-        self.rounds += 1
+    node: Tensor
+    parent: Tensor
+    tok: Tensor
+    d: Tensor
+    depth_words: Tensor
+    score: Tensor
+    expand: Tensor
+    n_alive: Tensor
+    take: Tensor
+    room: Tensor
+
+
+RoundFn = Callable[[WeaverGrowth, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor], RoundOutputs]
+"""round_fn(growth, out [R, m, K], node, d [R, m] int64, depth_words [R, m, 1 + W] int64,
+score [R, m] float64, valid [R, m] bool) -> RoundOutputs; updates growth.fi / ff / node_slot /
+left / fine in place (``weaver_round_reference``, or the kernel ``vllm_tfm.kernels.weaver_round``)."""
+
+
+def weaver_round_reference(
+    g: WeaverGrowth, out: Tensor, node: Tensor, d: Tensor, depth_words: Tensor, score: Tensor, valid: Tensor
+) -> RoundOutputs:
+    """One round of every request in torch: push the scored nodes' children, materialise the next nodes.
+
+    Push: the top-c children of every scored node become its frontier slots ``node * c + rank``
+    (dead unless the node is valid and the child's log q is finite); ``d`` are the nodes' depths
+    clamped to max_depth and ``depth_words`` their depths and rank-path words (the frontier
+    columns they came from). Materialise: the best frontier slots of each request (up to its width
+    and budget) become nodes; the rows to expand next are those shallower than max_depth while
+    budget is left. ``out`` rows that are not ``valid`` are ignored; a NaN or positive entry in a
+    valid row clears ``g.fine``.
+    """
+    r_, m, c = g.r, node.shape[1], g.c
+    # ---- push
+    valid3 = valid[..., None]
+    x = torch.where(valid3, out, NEG_INF)  # an invalid row has no live child
+    g.fine.logical_and_((x <= 0).all())  # NaN or a positive entry in a valid row clears it
+    vals, cols = stable_topk(x, c)  # [R, m, c], best first
+    vals = vals.to(torch.float64)
+    child = depth_words[:, :, None, :] + g.step[d]  # [R, m, c, 1 + W]: depth + 1, words
+    # a dead child's word 0 is DEAD_BIT alone: its rank path is never read (dead slots sort
+    # last, are never taken, and trees() reads tokens, depths and scores only)
+    child[..., 1].masked_fill_(vals == NEG_INF, DEAD_BIT)
+    tok = g.cand_flat.gather(1, torch.add(cols, d[..., None], alpha=g.k).view(r_, m * c))  # d * K + col
+    new_i = torch.cat([tok.view(r_, m, c, 1), child], dim=-1).view(r_, m * c, g.ci)
+    new_f = torch.stack([score[..., None] + vals, vals], dim=-1).view(r_, m * c, 2)
+    slot = torch.add(g.ar_c, node[..., None], alpha=c).view(r_, m * c, 1)  # node * c + rank
+    g.fi.scatter_(1, slot.expand(r_, m * c, g.ci), new_i)
+    g.ff.scatter_(1, slot.expand(r_, m * c, 2), new_f)
+    # ---- materialise
+    w = g.w
+    alive = g.key0 < DEAD_BIT
+    n_alive = alive.sum(1)
+    if isinstance(g.width_limit, int):
+        cap = g.left.clamp(max=g.width_limit)
+    else:
+        cap = torch.minimum(g.left, g.width_limit)
+    take = torch.minimum(cap, n_alive)
+    sel = sort_by_key(g._scores, g._words, alive, dead_in_words=True)[:, :w]  # best first
+    ok = g.ar_w < take[:, None]
+    idx = sel[..., None]
+    gi = g.fi.gather(1, idx.expand(r_, w, g.ci))
+    gf = g.ff.gather(1, idx.expand(r_, w, 2))
+    new_node = torch.where(ok, g._base - g.left[:, None], g.n_cap)
+    g.node_slot.scatter_(1, new_node, sel)
+    g.key0.scatter_(1, torch.where(ok, sel, g.trash_slot), DEAD_BIT)
+    g.left.sub_(take)
+    room = g.left > 0
+    dcl = gi[..., 1].clamp(max=g.dmax)
+    expand = ok & (dcl < g.depth_limit) & room[:, None]
+    return RoundOutputs(new_node, sel // c, gi[..., 0], dcl, gi[..., 1:], gf[..., 0], expand, n_alive, take, room)
 
 
 def build_weaver_padded(

@@ -40,6 +40,8 @@ from vllm_tfm.tree.marginal_padded import (
 )
 from vllm_tfm.tree.padded import fill_to_budget
 
+from .kernels_or_reference import kernels_enabled
+
 __all__ = ["chain_trees", "ddtree_trees", "fill_to_budget", "ranked_top", "treeflash_trees", "weaver_trees"]
 
 
@@ -67,7 +69,7 @@ def weaver_trees(
     check_marginals(dflash_logits, budget)
     return weaver_draft_trees(
         weaver, dflash_logits, dflash_hidden, verifier_hidden, root_tokens, embed, lm_head,
-        budget, top_k, width, children_per_node, logits_dtype=dflash_hidden.dtype,
+        budget, top_k, width, children_per_node, logits_dtype=dflash_hidden.dtype, round_kernel=kernels_enabled(),
     )
 
 

@@ -65,6 +65,7 @@ from vllm_tfm.models.vocab_table import ShardedVocabTable, VocabTable
 from vllm_tfm.tree.marginal_padded import check_marginals
 from vllm_tfm.tree.weaver_padded import WeaverGrowth
 
+from .kernels_or_reference import kernels_enabled
 from .tree_builder_gpu import weaver_trees
 
 __all__ = [
@@ -199,7 +200,7 @@ def _build(
     """The capturable part of ``tree_builder_gpu.weaver_trees`` on the static inputs."""
     growth, cand_ids = weaver_growth(
         weaver, inputs.logits, inputs.hidden, inputs.verifier, inputs.roots, embed, lm_head,
-        budget, top_k, width, cpn, logits_dtype=inputs.hidden.dtype,
+        budget, top_k, width, cpn, logits_dtype=inputs.hidden.dtype, round_kernel=kernels_enabled(),
     )
     filler = cand_ids[:, 0, 0]
     tokens, parents = growth.trees().draft_layout(filler)
@@ -217,11 +218,12 @@ def graph_key(
 ) -> tuple[Any, ...]:
     """The key of a graph: one graph per bucket, tree shape, input shapes past the batch, dtypes,
     device, Weaver and vocabulary tables (the batch size itself and the root tokens' dtype are not
-    part of it: rows are padded to the bucket, roots are copied into int64 buffers)."""
+    part of it: rows are padded to the bucket, roots are copied into int64 buffers), and whether the
+    rounds may take the round kernel (``kernels_enabled()``)."""
     return (
         bucket, budget, top_k, width, children_per_node, tuple(dflash_logits.shape[1:]), tuple(dflash_hidden.shape[1:]),
         tuple(verifier_hidden.shape[1:]), dflash_logits.dtype, dflash_hidden.dtype, verifier_hidden.dtype,
-        dflash_logits.device, id(weaver), _table_key(embed), _table_key(lm_head),
+        dflash_logits.device, id(weaver), _table_key(embed), _table_key(lm_head), kernels_enabled(),
     )
 
 
