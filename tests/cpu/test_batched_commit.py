@@ -11,9 +11,6 @@ from __future__ import annotations
 
 import dataclasses
 import re
-import shutil
-import subprocess
-import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -22,6 +19,7 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 import torch
+from _emulation import emulated, emulation_build_dir
 from _trees import random_tree_parents
 
 from vllm_tfm.kernels import batched_commit as kb
@@ -335,23 +333,7 @@ def test_a_layer_off_the_kernel_path_sends_every_layer_to_the_per_layer_path(mon
 
 @pytest.fixture(scope="module")
 def emu_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    if shutil.which("g++") is None:
-        pytest.skip("g++ is needed for the CPU emulation")
-    return tmp_path_factory.mktemp("emu")
-
-
-@contextmanager
-def _emulated(build_dir: Path) -> Iterator[list]:
-    sys.path.insert(0, str(CUDA_DIR / "host_emu"))
-    try:
-        from emulate import emulated_kernels
-    finally:
-        sys.path.pop(0)
-    try:
-        with emulated_kernels(build_dir) as launches:
-            yield launches
-    except subprocess.CalledProcessError as exc:  # a compiler without C++20 <barrier>
-        pytest.skip(f"g++ could not build the emulation: {exc.stderr[:300]}")
+    return emulation_build_dir(tmp_path_factory)
 
 
 @pytest.mark.slow
@@ -368,7 +350,7 @@ def test_batched_kernels_equal_the_per_layer_kernels_bit_for_bit(monkeypatch, em
             for i, s in enumerate(stashes):
                 stashes[i] = dataclasses.replace(s, k=s.k.to(torch.bfloat16), x=s.x.to(torch.bfloat16),
                                                  conv_state=s.conv_state.to(torch.bfloat16))
-    with _on_kernel_path(monkeypatch), _emulated(emu_dir) as launches:
+    with _on_kernel_path(monkeypatch), emulated(emu_dir) as launches:
         monkeypatch.setenv(BATCHED_COMMIT_ENV, "0")
         step.commit(stashes_per_layer, step.tables)
         assert len(launches) == 2 * len(stashes_per_layer)
@@ -412,7 +394,7 @@ def test_library_batched_commits_match_the_references(emu_dir):
     want_c = [c.clone() for c in cstates]
     ref_conv.tree_conv_commit_layers(xs, parents, cu, accepted, want_c, cs_src, cs_dst, 4, s_start, d_start)
     # CPU tensors: the kernels' checks say "not CUDA"; they are made kernel-ready for the emulation
-    with _emulated(emu_dir) as launches, pytest.MonkeyPatch.context() as mp:
+    with emulated(emu_dir) as launches, pytest.MonkeyPatch.context() as mp:
         mp.setattr(kgdn, "commit_unsupported_reason", lambda *a: None)
         mp.setattr(kconv, "conv_unsupported_reason", lambda *a: None)
         kb.gdn_tree_commit_layers(ks, gs, ds, parents, cu, accepted, states, src, dst)

@@ -9,15 +9,11 @@ and the selection rules (when the kernel is taken, why not)."""
 from __future__ import annotations
 
 import random
-import shutil
-import subprocess
-import sys
-from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
 import torch
+from _emulation import emulated, emulation_build_dir
 from test_padded_builders import BatchedWeaverTable, WeaverTable, assert_same_trees
 
 from vllm_tfm.kernels import weaver_round as kw
@@ -28,29 +24,12 @@ from vllm_tfm.tree.weaver_padded import (
     weaver_round_reference,
 )
 
-CUDA_DIR = Path(__file__).resolve().parents[2] / "cuda"
 OUT_FIELDS = ("node", "parent", "tok", "d", "depth_words", "score")  # compared on the taken columns
 
 
 @pytest.fixture(scope="module")
 def emu_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    if shutil.which("g++") is None:
-        pytest.skip("g++ is needed for the CPU emulation")
-    return tmp_path_factory.mktemp("emu_weaver")
-
-
-@contextmanager
-def _emulated(build_dir: Path) -> Iterator[list]:
-    sys.path.insert(0, str(CUDA_DIR / "host_emu"))
-    try:
-        from emulate import emulated_kernels
-    finally:
-        sys.path.pop(0)
-    try:
-        with emulated_kernels(build_dir) as launches:
-            yield launches
-    except subprocess.CalledProcessError as exc:  # a compiler without C++20 <barrier>
-        pytest.skip(f"g++ could not build the emulation: {exc.stderr[:300]}")
+    return emulation_build_dir(tmp_path_factory, "emu_weaver")
 
 
 class Recording:
@@ -103,7 +82,7 @@ def kernel_case(seed, r_, budgets, depths, widths, k, cpn, kind, dtype, emu_dir,
     tables = [WeaverTable(seed * 31 + r, roots[r], cands[r], kind, dtype) for r in range(r_)]
     refs = [build_weaver(roots[r], cands[r], tables[r], budgets[r], depths[r], widths[r], cpn) for r in range(r_)]
     ga, ta, ra = grow(roots, cands, BatchedWeaverTable(tables, depths, dtype), budgets, depths, widths, cpn, False)
-    with _emulated(emu_dir) as launches:
+    with emulated(emu_dir) as launches:
         gb, tb, rb = grow(roots, cands, BatchedWeaverTable(tables, depths, dtype), budgets, depths, widths, cpn, True)
     assert [name for name, _, _ in launches] == ["weaver_round"] * len(rb.rounds)
     assert all(grid == (r_, 1, 1) for _, grid, _ in launches)
@@ -170,7 +149,7 @@ def test_kernel_clears_the_flag_on_a_positive_or_nan_valid_row_only(emu_dir):
             return out
         return fn
 
-    with _emulated(emu_dir):
+    with emulated(emu_dir):
         for bad, fine in ((None, True), (0.5, False), (float("nan"), False)):
             g = WeaverGrowth(torch.tensor([0, 1]), cands, scorer(bad), 4, 3, 2, 2)
             g.round_fn = kw.KernelRound(g)
