@@ -239,6 +239,8 @@ def _add_eval_parser(sub) -> None:
     ev.add_argument("--max-new-tokens", type=int, default=64, help="tokens generated per prompt M (default 64)")
     ev.add_argument("--prompt-len", type=int, default=128, help="prompt tokens (default 128)")
     ev.add_argument("--block-size", type=int, default=None, help="DFlash block size gamma (default: the drafter's)")
+    ev.add_argument("--width", type=int, default=None,
+                    help="TfM Weaver nodes per scorer call (default: the drafter's tfm_config.json, else ceil(B / 16))")
     ev.add_argument("--seed", type=int, default=0, help="seed of prompt windows, sampling and random models")
     ev.add_argument("--device", default="auto", help="auto (cuda if available), cpu, cuda or cuda:N")
     ev.add_argument("--out", default="bench/results/acceptance.json", help="results JSON (default bench/results/acceptance.json)")
@@ -273,6 +275,8 @@ def _eval_command(args: argparse.Namespace, methods: list[str]) -> str:
         parts += ["--deadline-minutes", f"{args.deadline_minutes:g}"]
     if args.block_size is not None:
         parts += ["--block-size", str(args.block_size)]
+    if args.width is not None:
+        parts += ["--width", str(args.width)]
     for r in args.data_root or []:
         parts += ["--data-root", r]
     return shlex.join(parts)
@@ -312,7 +316,8 @@ def _eval(args: argparse.Namespace) -> int:
             raise ValueError(f"{name} must be >= 1, got {v}")
     config = EvalConfig(tuple(methods), tuple(args.budgets), tuple(args.temperatures), args.max_new_tokens,
                         args.seed, args.block_size, mode=args.mode, quality_anchors=args.quality_anchors,
-                        deadline_s=None if args.deadline_minutes is None else 60.0 * args.deadline_minutes)
+                        deadline_s=None if args.deadline_minutes is None else 60.0 * args.deadline_minutes,
+                        width=args.width)
     config.validate()
     torch.set_num_threads(args.threads)
     transformers.utils.logging.get_logger("transformers.integrations.hub_kernels").setLevel(40)

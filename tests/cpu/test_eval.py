@@ -271,3 +271,48 @@ def test_cli_eval_on_a_zoo_directory_uses_held_out_files(tmp_path, capsys):
     assert data["prompts"]["kind"] == "held-out code files"
     assert all(is_eval_path(f["relpath"], 20) for f in data["prompts"]["files"])
     assert data["config"]["gamma"] == 4 and len(data["acceptance"]) == 2
+
+
+
+@pytest.mark.parametrize("mode", ["replay", "decode"])
+def test_width_reaches_every_tfm_tree_and_the_record(models, prompts, monkeypatch, mode):
+    """``EvalConfig.width`` (``vllm-tfm eval --width``) is the width every TfM tree is grown with,
+    whatever the budget, and the results record it; without it the default ceil(B / 16) holds."""
+    from vllm_tfm.reference import drafters, replay
+
+    target, bundle = models
+    seen: list[tuple[int, int]] = []
+    per_request, lockstep = drafters.build_weaver, replay.weaver_padded_trees
+
+    def spy_per_request(root, cand, scorer, budget, depth, width, cpn):  # the decoder's trees
+        seen.append((budget, width))
+        return per_request(root, cand, scorer, budget, depth, width, cpn)
+
+    def spy_lockstep(*args, **kwargs):  # the replay's trees: (..., budget, top_k, width, cpn, ...)
+        seen.append((args[7], args[9]))
+        return lockstep(*args, **kwargs)
+
+    monkeypatch.setattr(drafters, "build_weaver", spy_per_request)
+    monkeypatch.setattr(replay, "weaver_padded_trees", spy_lockstep)
+    for width, want in ((3, lambda b: 3), (None, lambda b: -(-b // 16))):
+        seen.clear()
+        cfg = EvalConfig(methods=("tfm",), budgets=(4, 40), temperatures=(0.0,), max_new_tokens=4, gamma=GAMMA,
+                         mode=mode, width=width)
+        res = evaluate(target, bundle, prompts, cfg)
+        assert res["config"]["width"] == width
+        assert {b for b, _ in seen} == {4, 40}
+        assert all(w == want(b) for b, w in seen), seen
+    with pytest.raises(ValueError, match="width must be >= 1, got 0"):
+        EvalConfig(width=0).validate()
+
+
+def test_cli_eval_width_is_recorded_in_the_config_and_the_command(tmp_path):
+    out = tmp_path / "acc.json"
+    rc = main([
+        "eval", "--random-models", "--methods", "tfm", "--budgets", "4", "--temperatures", "0", "--prompts", "1",
+        "--max-new-tokens", "3", "--prompt-len", "5", "--block-size", "3", "--device", "cpu", "--width", "2",
+        "--out", str(out), "--plots-dir", str(tmp_path / "plots"),
+    ])
+    assert rc == 0
+    data = json.loads(out.read_text())
+    assert data["config"]["width"] == 2 and " --width 2" in data["command"]

@@ -90,6 +90,7 @@ class EvalConfig:
     mode: str = "replay"
     quality_anchors: int | None = None  # anchors per prompt for drafter quality (None: max_new_tokens)
     deadline_s: float | None = None  # replay: skip the cells that would start later than this many seconds
+    width: int | None = None  # TfM Weaver nodes per scorer call (None: the drafter's tfm_config.json / ceil(B / 16))
 
     def validate(self) -> None:
         if self.mode not in MODES:
@@ -105,6 +106,8 @@ class EvalConfig:
             raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
         if self.quality_anchors is not None and self.quality_anchors < 1:
             raise ValueError(f"quality_anchors must be >= 1, got {self.quality_anchors}")
+        if self.width is not None and self.width < 1:
+            raise ValueError(f"width must be >= 1, got {self.width}")
         if self.deadline_s is not None and self.deadline_s <= 0:
             raise ValueError(f"deadline_s must be > 0, got {self.deadline_s}")
         if not self.coverage_ks or min(self.coverage_ks) < 1:
@@ -238,7 +241,8 @@ def acceptance_cells(
     cells = []
     for method in config.methods:
         for budget in config.budgets:
-            proposer = make_proposer(method, bundle, target, gamma=config.gamma, proposal_bias=proposal_bias)
+            proposer = make_proposer(method, bundle, target, gamma=config.gamma, proposal_bias=proposal_bias,
+                                     **({} if config.width is None else {"width": config.width}))
             dec = SpeculativeDecoder(target, proposer, budget)
             for temp in config.temperatures:
                 sampling = SamplingConfig(temperature=temp)
@@ -406,6 +410,7 @@ def evaluate(
         cells = replay_cells(
             target, bundle, prompts.windows, prompts.prompt_len, config.methods, config.budgets, config.temperatures,
             config.max_new_tokens, config.seed, config.gamma, proposal_bias, progress, deadline=deadline, skipped=skipped,
+            width=config.width,
         )
     else:
         cells = acceptance_cells(target, bundle, prompts, config, proposal_bias, progress)

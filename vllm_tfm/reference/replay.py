@@ -332,9 +332,13 @@ def replay_cells(
     progress: Callable[[str], None] | None = None,
     deadline: float | None = None,
     skipped: list[dict[str, Any]] | None = None,
+    width: int | None = None,
 ) -> list[dict[str, Any]]:
     """One record per (method, budget, temperature), in the layout of ``evaluate.acceptance_cells``
     (plus ``"mode": "replay"``): MAL, acceptance by depth, per-step counts.
+
+    ``width``: the TfM Weaver's nodes per scorer call for every budget (None: the drafter's
+    ``tfm_config.json`` width, else ceil(B / 16)).
 
     ``deadline`` (a ``time.monotonic()`` instant): cells are run budget 64 first (the budget of the
     project's goals), then the others in increasing order, and a cell that would start after the
@@ -363,7 +367,8 @@ def replay_cells(
                 progress(f"{method:<10} B={budget:<4} T={temp:g}: skipped (time budget)")
             continue
         ids, final, taps = states[temp]
-        proposer = make_proposer(method, bundle, target, gamma=gamma, proposal_bias=proposal_bias)
+        proposer = make_proposer(method, bundle, target, gamma=gamma, proposal_bias=proposal_bias,
+                                 **({} if width is None else {"width": width}))
         rec = replay_cell(proposer, budget, ids, final, taps, prompt_len, max_new_tokens)
         per_prompt = rec["accepted_per_step"]
         done[(temp, method, budget)] = acceptance_record(
