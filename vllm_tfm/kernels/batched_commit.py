@@ -35,7 +35,7 @@ from torch import Tensor
 
 from vllm_tfm.kernels import conv as kconv
 from vllm_tfm.kernels import gdn as kgdn
-from vllm_tfm.kernels.loader import get_kernel, launch
+from vllm_tfm.kernels.loader import get_kernel, launch, tensor_device_index
 from vllm_tfm.kernels.plan import CommitIndices, TreePlan
 
 __all__ = [
@@ -237,9 +237,6 @@ def upload_commit_tables(tables: CommitTables, device: torch.device | str) -> tu
     return dev["gdn"], dev["conv"]
 
 
-def _dev_index(t: Tensor) -> int:
-    return t.device.index if t.device.index is not None else torch.cuda.current_device()
-
 
 def launch_commit_tables(
     plan: TreePlan, tables: CommitTables, gdn_table: Tensor, conv_table: Tensor, use_qk_l2norm: bool = True
@@ -248,7 +245,7 @@ def launch_commit_tables(
     number of launches."""
     i32 = ctypes.c_int
     r = plan.num_requests
-    dev_index = _dev_index(gdn_table if len(gdn_table) else conv_table)
+    dev_index = tensor_device_index(gdn_table if len(gdn_table) else conv_table)
     for job in tables.launches:
         n = len(job.layers)
         if job.kind == "gdn":

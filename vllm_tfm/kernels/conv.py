@@ -14,7 +14,7 @@ import torch
 from torch import Tensor
 
 from vllm_tfm.kernels.gdn import DTYPE_CODE, NOT_CUDA, _check_out
-from vllm_tfm.kernels.loader import get_kernel, kernels_unavailable_reason, launch, warn_fallback
+from vllm_tfm.kernels.loader import get_kernel, kernels_unavailable_reason, launch, tensor_device_index, warn_fallback
 from vllm_tfm.kernels.plan import CommitIndices, TreePlan
 
 __all__ = [
@@ -58,9 +58,6 @@ def conv_unsupported_reason(x: Tensor, conv_state: Tensor, width: int, *others: 
     return _unsupported(x, conv_state, width, *others)
 
 
-def _dev_index(t: Tensor) -> int:
-    return t.device.index if t.device.index is not None else torch.cuda.current_device()
-
 
 def tree_causal_conv1d_planned(
     plan: TreePlan,
@@ -87,7 +84,7 @@ def tree_causal_conv1d_planned(
     wst = None if window_start is None else window_start.to(device=dev, dtype=torch.int32).contiguous()
     if bias is not None and bias.dtype != weight.dtype:
         bias = bias.to(weight.dtype)
-    kern = get_kernel(SOURCE, "tree_conv1d", _options(x, conv_state, weight), _dev_index(x))
+    kern = get_kernel(SOURCE, "tree_conv1d", _options(x, conv_state, weight), tensor_device_index(x))
     cs, ws = conv_state.stride(), weight.stride()
     i32, i64 = ctypes.c_int, ctypes.c_longlong
     launch(
@@ -182,7 +179,7 @@ def tree_conv_commit_planned(
     if x.stride(1) != 1:
         x = x.contiguous()
     src_state = conv_state if idx.snapshot is None else conv_state[idx.snapshot].contiguous()
-    kern = get_kernel(SOURCE, "tree_conv_commit", _options(x, conv_state, None), _dev_index(x))
+    kern = get_kernel(SOURCE, "tree_conv_commit", _options(x, conv_state, None), tensor_device_index(x))
     ss, ds = src_state.stride(), conv_state.stride()
     i32, i64 = ctypes.c_int, ctypes.c_longlong
     dim = x.shape[1]

@@ -515,6 +515,13 @@ _available: dict[int, str | None] = {}
 _warned: set[str] = set()
 
 
+def tensor_device_index(t: Any) -> int:
+    """The CUDA device index of tensor ``t`` (the current device when its device has no index)."""
+    import torch
+
+    return t.device.index if t.device.index is not None else torch.cuda.current_device()
+
+
 def kernels_unavailable_reason(device_index: int | None = None) -> str | None:
     """None when the CUDA kernels can run on ``device_index`` (default: the current device), else why not."""
     try:

@@ -30,6 +30,7 @@ from vllm_tfm.kernels.loader import (
     get_kernel,
     kernels_unavailable_reason,
     launch,
+    tensor_device_index,
     warn_fallback,
 )
 from vllm_tfm.tree.weaver_padded import RoundOutputs, WeaverGrowth
@@ -62,14 +63,11 @@ def unsupported_reason(growth: WeaverGrowth) -> str | None:
     if reason is not None:
         return reason
     smem = round_smem_bytes(growth)
-    limit = device_smem_optin(_device_index(growth.fi))
+    limit = device_smem_optin(tensor_device_index(growth.fi))
     if smem > limit:
         return f"the frontier keys need {smem} bytes of shared memory; the device allows {limit}"
     return None
 
-
-def _device_index(t: Tensor) -> int:
-    return t.device.index if t.device.index is not None else torch.cuda.current_device()
 
 
 def round_fn_for(growth: WeaverGrowth) -> KernelRound | None:
@@ -118,7 +116,7 @@ class KernelRound:
         self.budget1 = _per_request(growth.budget1)
         self.smem = round_smem_bytes(growth)
         self._kernels: dict[torch.dtype, object] = {}
-        self.device_index = _device_index(growth.fi)
+        self.device_index = tensor_device_index(growth.fi)
         for name in ("fi", "ff", "node_slot", "left", "cand_flat", "step"):
             if not getattr(growth, name).is_contiguous():
                 raise ValueError(f"weaver_round: growth.{name} must be contiguous")
