@@ -219,17 +219,21 @@ def make_proposer(
     target: nn.Module,
     gamma: int | None = None,
     proposal_bias: ProposalBias | None = None,
+    width: int | None = None,
     **overrides,
 ) -> DFlashProposer:
     """A proposer for ``method`` from a drafter directory's models and the target's embedding/lm_head.
 
     Settings default to the bundle's ``tfm_config.json`` (top_k, width, children_per_node,
-    treeflash_top_m); ``overrides`` (same keyword names as :class:`DFlashProposer`) win.
+    treeflash_top_m); ``width`` when given and ``overrides`` (same keyword names as
+    :class:`DFlashProposer`) win.
     """
     tfm = bundle.tfm
     kw = {}
     if tfm is not None:
         kw = dict(top_k=tfm.top_k, width=tfm.width, children_per_node=tfm.children_per_node, top_m=tfm.treeflash_top_m)
+    if width is not None:
+        kw["width"] = width
     kw.update(overrides)
     return DFlashProposer(
         method,

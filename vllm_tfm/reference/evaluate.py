@@ -242,7 +242,7 @@ def acceptance_cells(
     for method in config.methods:
         for budget in config.budgets:
             proposer = make_proposer(method, bundle, target, gamma=config.gamma, proposal_bias=proposal_bias,
-                                     **({} if config.width is None else {"width": config.width}))
+                                     width=config.width)
             dec = SpeculativeDecoder(target, proposer, budget)
             for temp in config.temperatures:
                 sampling = SamplingConfig(temperature=temp)

@@ -368,7 +368,7 @@ def replay_cells(
             continue
         ids, final, taps = states[temp]
         proposer = make_proposer(method, bundle, target, gamma=gamma, proposal_bias=proposal_bias,
-                                 **({} if width is None else {"width": width}))
+                                 width=width)
         rec = replay_cell(proposer, budget, ids, final, taps, prompt_len, max_new_tokens)
         per_prompt = rec["accepted_per_step"]
         done[(temp, method, budget)] = acceptance_record(
