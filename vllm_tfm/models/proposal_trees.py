@@ -56,18 +56,22 @@ def weaver_growth(
     children_per_node: int,
     logits_dtype: torch.dtype | None = None,
     round_kernel: bool = True,
+    score_kernel: bool = True,
 ) -> tuple[WeaverGrowth, Tensor]:
     """The host-sync-free part of ``weaver_padded_trees``: DFlash top-K candidates, the batched
     Weaver scorer and the first ``fixed_rounds`` rounds of growth. Returns (growth, cand_ids);
     ``growth.run_tail()`` finishes it (one host sync), ``growth.trees()`` reads it. With fixed
     shapes this is the part a CUDA graph captures (``vllm_plugin.runtime.weaver_graphs``).
     ``round_kernel``: grow with the one-launch round kernel (``vllm_tfm.kernels.weaver_round``) when
-    it takes these tensors (CUDA; the same trees), else with the torch round."""
+    it takes these tensors (CUDA; the same trees), else with the torch round. ``score_kernel``: the
+    scorer's candidate scores through ``vllm_tfm.kernels.candidate_scores`` where it takes them (the
+    same scores to float32 rounding)."""
     cand_logits, cand_ids = _candidates(dflash_logits, top_k)
     if logits_dtype is not None:
         cand_logits = cand_logits.to(logits_dtype)
     scorer = BatchedWeaverTreeScorer(
-        weaver, verifier_hidden, dflash_hidden, cand_ids, cand_logits, embed, lm_head, max_nodes=1 + budget
+        weaver, verifier_hidden, dflash_hidden, cand_ids, cand_logits, embed, lm_head, max_nodes=1 + budget,
+        score_kernel=score_kernel,
     )
     growth = WeaverGrowth(
         root_tokens, cand_ids, scorer, budget, dflash_logits.shape[1], width, children_per_node, check=False
@@ -94,6 +98,7 @@ def weaver_padded_trees(
     children_per_node: int,
     logits_dtype: torch.dtype | None = None,
     round_kernel: bool = True,
+    score_kernel: bool = True,
 ) -> tuple[PaddedTrees, Tensor]:
     """TfM trees of R requests, ``max_depth`` = D: (trees, cand_ids [R, D, K]).
 
@@ -106,7 +111,7 @@ def weaver_padded_trees(
     """
     growth, cand_ids = weaver_growth(
         weaver, dflash_logits, dflash_hidden, verifier_hidden, root_tokens, embed, lm_head,
-        budget, top_k, width, children_per_node, logits_dtype, round_kernel,
+        budget, top_k, width, children_per_node, logits_dtype, round_kernel, score_kernel,
     )
     growth.run_tail()
     return growth.trees(), cand_ids
@@ -126,12 +131,13 @@ def weaver_draft_trees(
     children_per_node: int,
     logits_dtype: torch.dtype | None = None,
     round_kernel: bool = True,
+    score_kernel: bool = True,
 ) -> tuple[Tensor, Tensor]:
     """``weaver_padded_trees`` in the runtime layout: tokens [R, B], parents [R, 1 + B]; a tree
     smaller than B is completed with the best depth-1 candidate."""
     trees, cand_ids = weaver_padded_trees(
         weaver, dflash_logits, dflash_hidden, verifier_hidden, root_tokens, embed, lm_head,
-        budget, top_k, width, children_per_node, logits_dtype, round_kernel,
+        budget, top_k, width, children_per_node, logits_dtype, round_kernel, score_kernel,
     )
     return trees.draft_layout(cand_ids[:, 0, 0])
 

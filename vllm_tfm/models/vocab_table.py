@@ -27,7 +27,14 @@ from torch import Tensor, nn
 
 from .common import as_weight, compute_dtype
 
-__all__ = ["ShardedVocabTable", "VocabTable", "candidate_residual", "table_num_rows", "table_rows"]
+__all__ = [
+    "ShardedVocabTable",
+    "VocabTable",
+    "candidate_residual",
+    "candidate_scores_reference",
+    "table_num_rows",
+    "table_rows",
+]
 
 
 class ShardedVocabTable:
@@ -111,3 +118,28 @@ def candidate_residual(lm_head: VocabTable, ids: Tensor, queries: Tensor) -> Ten
     rows = weight.index_select(0, flat if flat.device == weight.device else flat.to(weight.device)).view(*ids.shape, -1)
     queries, rows = (t if t.dtype == cd else t.to(cd) for t in (queries, rows))
     return torch.einsum("...h,...kh->...k", queries, rows)
+
+
+def candidate_scores_reference(
+    lm_head: VocabTable, cand_ids: Tensor, cand_logits: Tensor, depths: Tensor, queries: Tensor
+) -> Tensor:
+    """The Weaver's candidate scores before the softmax: for node (r, i) at depth d = depths[r, i]
+    (clamped to [0, D - 1]) and candidate k, ``cand_logits[r, d, k] + lm_head[cand_ids[r, d, k]] .
+    queries[r, i]``. cand_ids, cand_logits [R, D, K]; depths [R, w] int64; queries [R, w, H].
+    Returns [R, w, K] in the queries' compute dtype (float32; float64 for float64 queries). The
+    torch reference of ``vllm_tfm.kernels.candidate_scores.candidate_scores``."""
+    r, w = depths.shape
+    k = cand_ids.shape[2]
+    gather = depths.clamp(0, cand_ids.shape[1] - 1)[..., None].expand(r, w, k)
+    ids = cand_ids.gather(1, gather)  # [R, w, K]
+    logits = cand_logits.gather(1, gather)
+    cd = compute_dtype(queries.dtype)
+    if isinstance(lm_head, Tensor) and lm_head.dtype == queries.dtype == logits.dtype == cd:
+        # logits + lm_head[ids] . query in one batched GEMM
+        flat = ids.flatten()
+        rows = lm_head.index_select(0, flat if flat.device == lm_head.device else flat.to(lm_head.device))
+        rows = rows.view(r * w, k, -1)
+        q = queries.reshape(r * w, -1, 1)
+        return torch.baddbmm(logits.reshape(r * w, k, 1), rows, q).view(r, w, k)
+    residual = candidate_residual(lm_head, ids, queries)  # [R, w, K]
+    return (logits if logits.dtype == residual.dtype else logits.to(residual.dtype)) + residual

@@ -42,9 +42,10 @@ from torch import Tensor, nn
 
 from .common import RMSNormWithBias, apply_rope, as_weight, compute_dtype, masked_attention, rope_cos_sin
 from .weaver_step import folded_weaver, norm_linear
-from .vocab_table import ShardedVocabTable, VocabTable, candidate_residual, table_num_rows, table_rows
+from .vocab_table import ShardedVocabTable, VocabTable, candidate_scores_reference, table_num_rows, table_rows
 from .io import read_state, target_text_config, write_state
 from .tfm_config import TFM_CONFIG_NAME, WEAVER_WEIGHTS_NAME, TfmConfig, WeaverConfig
+import vllm_tfm.kernels.candidate_scores as candidate_kernel  # module import: the kernels import this package too
 
 __all__ = ["Weaver", "WeaverTreeScorer", "BatchedWeaverTreeScorer", "weaver_param_count", "candidate_logprobs"]
 
@@ -429,6 +430,9 @@ class BatchedWeaverTreeScorer:
         embed, lm_head: the target's input embedding and lm_head (modules, [V, H] weights, or
             ``ShardedVocabTable`` for vocabulary-split weights under tensor parallelism).
         max_nodes: node slots per request (1 + the largest budget).
+        score_kernel: the candidate scores (DFlash logit + lm_head row . query) through
+            ``vllm_tfm.kernels.candidate_scores`` (one launch; where it takes the tensors, else the
+            torch reference): the same function summed in another order (float32 rounding).
     """
 
     def __init__(
@@ -442,8 +446,10 @@ class BatchedWeaverTreeScorer:
         lm_head: VocabTable,
         max_nodes: int,
         validate: bool = False,
+        score_kernel: bool = False,
     ) -> None:
         self.weaver = weaver
+        self.score_kernel = score_kernel
         depth = weaver._check_prompt(verifier_hidden, dflash_hidden)
         if verifier_hidden.dim() != 2:
             raise ValueError(f"verifier_hidden must be [R, H], got shape {tuple(verifier_hidden.shape)}")
@@ -576,19 +582,6 @@ class BatchedWeaverTreeScorer:
                 gate, up = gate_up.split(layer.d_mlp, dim=-1)
                 x = torch.addmm(x, F.silu(gate) * up, lw.down)
             qry = norm_linear(x, fw.query, fw.query_bias, fw.out_eps)  # [R w, H]
-            k_cand = self.cand_ids.shape[2]
-            gather = dep[..., None].expand(r, w, k_cand)
-            ids = self.cand_ids.gather(1, gather)  # [R, w, K]
-            logits = self.cand_logits.gather(1, gather)
-            head = self.lm_head
-            cd = compute_dtype(qry.dtype)
-            if isinstance(head, Tensor) and head.dtype == qry.dtype == logits.dtype == cd:
-                # logits + lm_head[ids] . qry in one batched GEMM
-                flat = ids.flatten()
-                rows = head.index_select(0, flat if flat.device == head.device else flat.to(head.device))
-                rows = rows.view(r * w, k_cand, -1)
-                scores = torch.baddbmm(logits.view(r * w, k_cand, 1), rows, qry[..., None]).view(r, w, k_cand)
-            else:
-                residual = candidate_residual(head, ids, qry.view(r, w, -1))  # [R, w, K]
-                scores = (logits if logits.dtype == residual.dtype else logits.to(residual.dtype)) + residual
+            score_fn = candidate_kernel.candidate_scores if self.score_kernel else candidate_scores_reference
+            scores = score_fn(self.lm_head, self.cand_ids, self.cand_logits, dep, qry.view(r, w, -1))  # [R, w, K]
             return torch.log_softmax(scores, dim=-1)

@@ -70,6 +70,7 @@ def weaver_trees(
     return weaver_draft_trees(
         weaver, dflash_logits, dflash_hidden, verifier_hidden, root_tokens, embed, lm_head,
         budget, top_k, width, children_per_node, logits_dtype=dflash_hidden.dtype, round_kernel=kernels_enabled(),
+        score_kernel=kernels_enabled(),
     )
 
 

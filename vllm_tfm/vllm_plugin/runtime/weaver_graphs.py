@@ -201,6 +201,7 @@ def _build(
     growth, cand_ids = weaver_growth(
         weaver, inputs.logits, inputs.hidden, inputs.verifier, inputs.roots, embed, lm_head,
         budget, top_k, width, cpn, logits_dtype=inputs.hidden.dtype, round_kernel=kernels_enabled(),
+        score_kernel=kernels_enabled(),
     )
     filler = cand_ids[:, 0, 0]
     tokens, parents = growth.trees().draft_layout(filler)

@@ -1,0 +1,45 @@
+#!/usr/bin/env bash
+# One GPU-host command for the Weaver scorer's candidate-score kernel (cuda/candidate_scores.cu): its
+# GPU tests with the Weaver round / graph / padded-tree tests (whose builds now score through it),
+# compute-sanitizer memcheck + racecheck on a small case, bench/candidate_scores.py (kernel vs torch
+# reference at the 27B drafter shape), and bench/weaver_profile.py (the whole build, kernel by
+# kernel) with the kernel and with VLLM_TFM_CANDIDATE_KERNEL=0. Run from the repository root (carry
+# .gpu-bundle), $OUT set:
+#
+#     bash bench/run_gpu_candidate_scores.sh
+#
+# Writes $OUT/pytest.log, $OUT/{memcheck,racecheck}.log, $OUT/candidate_scores.json,
+# $OUT/weaver_profile{,_torch_candidates}.json and their logs. About 4 minutes.
+set -uo pipefail
+cd "$(dirname "${BASH_SOURCE[0]}")/.." || exit 1
+OUT=${OUT:-/tmp/candidate-scores-out}
+mkdir -p "$OUT"
+# shellcheck disable=SC1091
+source .gpu-bundle/install.sh >"$OUT/install.log" 2>&1 || { echo "bundle install failed"; tail -5 "$OUT/install.log"; }
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+export PYTHONUNBUFFERED=1
+nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv,noheader || true
+rc=0
+timeout 300 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_candidate_scores_gpu.py tests/gpu/test_weaver_round_gpu.py \
+    tests/gpu/test_weaver_graphs_gpu.py tests/gpu/test_padded_trees_gpu.py >"$OUT/pytest.log" 2>&1 || rc=$?
+echo "gpu tests exit code $rc"; tail -4 "$OUT/pytest.log"
+export VLLM_TFM_SYNC_LAUNCH=1 PYTORCH_NO_CUDA_MEMORY_CACHING=1  # one cudaMalloc per tensor: exact bounds
+for tool in memcheck racecheck; do
+  extra=(); [[ $tool == memcheck ]] && extra=(--report-api-errors no)
+  timeout 120 compute-sanitizer --tool "$tool" "${extra[@]}" --error-exitcode 3 python3 bench/candidate_scores.py --sanitize-case \
+      >"$OUT/$tool.log" 2>&1
+  s=$?; (( s != 0 )) && rc=$s
+  echo "$tool exit code $s"; tail -3 "$OUT/$tool.log"
+done
+unset VLLM_TFM_SYNC_LAUNCH PYTORCH_NO_CUDA_MEMORY_CACHING
+timeout 120 python3 bench/candidate_scores.py --out "$OUT/candidate_scores.json" >"$OUT/bench.log" 2>&1
+s=$?; (( s != 0 )) && rc=$s
+echo "bench exit code $s"; tail -6 "$OUT/bench.log"
+cases=${PROFILE_CASES:-1:32:2,1:32:4,8:32:2,8:32:4}
+timeout 150 python3 bench/weaver_profile.py --cases "$cases" --out "$OUT/weaver_profile.json" --top 12 >"$OUT/profile.log" 2>&1
+s=$?; (( s != 0 )) && rc=$s
+VLLM_TFM_CANDIDATE_KERNEL=0 timeout 150 python3 bench/weaver_profile.py --cases "$cases" \
+    --out "$OUT/weaver_profile_torch_candidates.json" --top 12 >"$OUT/profile_torch.log" 2>&1
+s=$?; (( s != 0 )) && rc=$s
+echo "profiles exit code $rc"; grep -h "^R=" "$OUT/profile.log" "$OUT/profile_torch.log"
+exit $rc
