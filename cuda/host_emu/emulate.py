@@ -34,8 +34,9 @@ KERNELS = {
     "tfm_mma_check.cu": ["tfm_mma_tf32_check"],
     "weaver_round.cu": ["weaver_round"],
     "candidate_scores.cu": ["candidate_scores"],
+    "weaver_linear.cu": ["weaver_linear"],
 }
-WRAPPERS = ("gdn", "conv", "tree_attention", "batched_commit", "weaver_round", "candidate_scores")  # vllm_tfm.kernels modules that launch kernels
+WRAPPERS = ("gdn", "conv", "tree_attention", "batched_commit", "weaver_round", "candidate_scores", "weaver_linear")  # vllm_tfm.kernels modules that launch kernels
 
 
 def build(source: str, options: list[str], out_dir: Path, sanitize: bool = False) -> Path:

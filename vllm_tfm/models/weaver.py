@@ -45,7 +45,8 @@ from .weaver_step import folded_weaver, norm_linear
 from .vocab_table import ShardedVocabTable, VocabTable, candidate_scores_reference, table_num_rows, table_rows
 from .io import read_state, target_text_config, write_state
 from .tfm_config import TFM_CONFIG_NAME, WEAVER_WEIGHTS_NAME, TfmConfig, WeaverConfig
-import vllm_tfm.kernels.candidate_scores as candidate_kernel  # module import: the kernels import this package too
+import vllm_tfm.kernels.candidate_scores as candidate_kernel  # module imports: the kernels import this package too
+import vllm_tfm.kernels.weaver_linear as linear_kernel
 
 __all__ = ["Weaver", "WeaverTreeScorer", "BatchedWeaverTreeScorer", "weaver_param_count", "candidate_logprobs"]
 
@@ -401,6 +402,29 @@ class WeaverTreeScorer:
             return candidate_logprobs(qry, self.cand_rows[dep], self.cand_logits[dep])
 
 
+def _norm_linear(fused: bool, x: Tensor, weight_t: Tensor, bias: Tensor, eps: float) -> Tensor:
+    """``Linear(RMSNormWithBias(x))`` with the norm folded into (weight_t [in, out], bias): the fused
+    kernel (``vllm_tfm.kernels.weaver_linear``) or ``norm_linear``."""
+    if fused:
+        return linear_kernel.weaver_linear(x, weight_t.t(), bias, None, eps, False)
+    return norm_linear(x, weight_t, bias, eps)
+
+
+def _residual_linear(fused: bool, residual: Tensor, x: Tensor, weight_t: Tensor) -> Tensor:
+    """``residual + x @ weight_t`` (weight_t [in, out])."""
+    if fused:
+        return linear_kernel.weaver_linear(x, weight_t.t(), None, residual, None, False)
+    return torch.addmm(residual, x, weight_t)
+
+
+def _norm_swiglu(fused: bool, x: Tensor, weight_t: Tensor, bias: Tensor, eps: float) -> Tensor:
+    """``silu(gate) * up`` of the folded ``gate_up(mlp_norm(x))`` (weight_t [in, 2 d_mlp])."""
+    if fused:
+        return linear_kernel.weaver_linear(x, weight_t.t(), bias, None, eps, True)
+    gate, up = norm_linear(x, weight_t, bias, eps).chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
 class BatchedWeaverTreeScorer:
     """Weaver scoring for R trees at once, in the lockstep builder's protocol
     (``vllm_tfm.tree.build_weaver_padded``); per request the same function as ``WeaverTreeScorer``.
@@ -430,9 +454,12 @@ class BatchedWeaverTreeScorer:
         embed, lm_head: the target's input embedding and lm_head (modules, [V, H] weights, or
             ``ShardedVocabTable`` for vocabulary-split weights under tensor parallelism).
         max_nodes: node slots per request (1 + the largest budget).
-        score_kernel: the candidate scores (DFlash logit + lm_head row . query) through
-            ``vllm_tfm.kernels.candidate_scores`` (one launch; where it takes the tensors, else the
-            torch reference): the same function summed in another order (float32 rounding).
+        score_kernel: the scorer's kernels where they take the tensors (else their torch
+            references): the linear layers with their norms, SwiGLU and residual adds through
+            ``vllm_tfm.kernels.weaver_linear`` (at most 16 rows R x w) and the candidate scores
+            (DFlash logit + lm_head row . query) through ``vllm_tfm.kernels.candidate_scores``,
+            one launch each: the same function in another order with fewer roundings (agreeing
+            with the torch path to the activation dtype's rounding).
     """
 
     def __init__(
@@ -561,14 +588,16 @@ class BatchedWeaverTreeScorer:
             self.key_bias.scatter_(1, slot[..., None].expand(r, w, cols), row)
             bias = row[:, None, :, :span]  # [R, 1, w, S]
             emb = _lookup(self.embed, toks).flatten(0, 1)  # [R w, H]
-            x = norm_linear(emb, fw.token_in, fw.token_in_bias, fw.embed_eps)  # [R w, d]
+            fused = self.score_kernel
+            x = _norm_linear(fused, emb, fw.token_in, fw.token_in_bias, fw.embed_eps)  # [R w, d]
             rope = self._rope_nodes[dep]  # [R, w, 2, 3, 1, hd]
             cos, sin = rope.unbind(2)
             idx = key[None, :, None, :, None]  # [1, R, 1, w, 1]
             for layer, lw, kv, (keys, values) in zip(wv.layers, fw.layers, self.kv_cache, self._key_values):
                 heads, hd = layer.n_heads, layer.head_dim
                 # q, k, v and their rotate_half in one GEMM: [R, w, 2, 3, heads, hd]
-                proj, proj_rot = norm_linear(x, lw.qkv_rot, lw.qkv_rot_bias, lw.attn_eps).view(r, w, 2, 3, heads, hd).unbind(2)
+                proj = _norm_linear(fused, x, lw.qkv_rot, lw.qkv_rot_bias, lw.attn_eps)
+                proj, proj_rot = proj.view(r, w, 2, 3, heads, hd).unbind(2)
                 qkv = torch.empty(3, r, heads, w, hd, dtype=x.dtype, device=dev)
                 rotated = qkv.permute(1, 3, 0, 2, 4)  # [R, w, 3, heads, hd] view of the buffer
                 torch.mul(proj, cos, out=rotated)
@@ -577,11 +606,9 @@ class BatchedWeaverTreeScorer:
                 attn = F.scaled_dot_product_attention(
                     qkv[0], keys, values, attn_mask=bias, scale=hd**-0.5
                 )  # [R, heads, w, hd]
-                x = torch.addmm(x, attn.transpose(1, 2).reshape(r * w, heads * hd), lw.o_proj)
-                gate_up = norm_linear(x, lw.gate_up, lw.gate_up_bias, lw.mlp_eps)
-                gate, up = gate_up.split(layer.d_mlp, dim=-1)
-                x = torch.addmm(x, F.silu(gate) * up, lw.down)
-            qry = norm_linear(x, fw.query, fw.query_bias, fw.out_eps)  # [R w, H]
-            score_fn = candidate_kernel.candidate_scores if self.score_kernel else candidate_scores_reference
+                x = _residual_linear(fused, x, attn.transpose(1, 2).reshape(r * w, heads * hd), lw.o_proj)
+                x = _residual_linear(fused, x, _norm_swiglu(fused, x, lw.gate_up, lw.gate_up_bias, lw.mlp_eps), lw.down)
+            qry = _norm_linear(fused, x, fw.query, fw.query_bias, fw.out_eps)  # [R w, H]
+            score_fn = candidate_kernel.candidate_scores if fused else candidate_scores_reference
             scores = score_fn(self.lm_head, self.cand_ids, self.cand_logits, dep, qry.view(r, w, -1))  # [R, w, K]
             return torch.log_softmax(scores, dim=-1)

@@ -1,0 +1,100 @@
+#!/usr/bin/env python3
+"""The Weaver scorer's linear layers: the fused kernel (``cuda/weaver_linear.cu``) against the torch
+path it replaces (``weaver_linear_reference``: RMSNorm, cuBLAS, epilogue kernels) at the
+Qwen3.6-27B drafter's layer shapes on the GPU host.
+
+usage: python3 bench/weaver_linear.py [--out FILE] [--rows 1,2,4,8,16] [--repeats 50]
+       python3 bench/weaver_linear.py --sanitize-case    # small kernel-vs-float64 run for compute-sanitizer
+
+Per layer (token_in 5120 -> 1024 with its norm, qkv + rotate_half 1024 -> 6144 with its norm, o_proj
+1024 -> 1024 + residual, gate_up 1024 -> 2 x 3072 with its norm and SwiGLU, down 3072 -> 1024 +
+residual, query 1024 -> 5120 with its norm; bfloat16) and row count M: device microseconds of one
+call, replayed from a CUDA graph of 10 calls (``bench/candidate_scores.py``'s timing), the weight
+bytes and their time at the measured copy bandwidth.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+for p in (REPO, REPO / "bench"):
+    if str(p) not in sys.path:
+        sys.path.insert(0, str(p))
+
+from candidate_scores import copy_bandwidth, timed
+
+from vllm_tfm.kernels import weaver_linear as kl
+
+LAYERS = [("token_in", 5120, 1024, "norm"), ("qkv_rot", 1024, 6144, "norm"), ("o_proj", 1024, 1024, "residual"),
+          ("gate_up", 1024, 3072, "swiglu"), ("down", 3072, 1024, "residual"), ("query", 1024, 5120, "norm")]
+
+
+def layer_args(m: int, k: int, n: int, mode: str, dtype=torch.bfloat16, seed: int = 0):
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    rows = 2 * n if mode == "swiglu" else n
+    x = torch.randn(m, k, generator=gen, device="cuda").to(dtype)
+    w = (torch.randn(rows, k, generator=gen, device="cuda") / k**0.5).to(dtype)
+    b = torch.randn(rows, generator=gen, device="cuda").to(dtype) if mode != "residual" else None
+    res = torch.randn(m, n, generator=gen, device="cuda").to(dtype) if mode == "residual" else None
+    return x, w, b, res, (1e-6 if mode != "residual" else None), mode == "swiglu"
+
+
+def sanitize_case() -> None:
+    for m, k, n, mode, dt in ((1, 8, 1, "norm", torch.float32), (3, 264, 7, "swiglu", torch.bfloat16),
+                              (16, 136, 9, "residual", torch.float16)):
+        args = layer_args(m, k, n, mode, dt)
+        got = kl.weaver_linear_kernel(*args)
+        x, w, b, res, eps, sw = args
+        ref = kl.weaver_linear_reference(x.double(), w.double(), None if b is None else b.double(),
+                                         None if res is None else res.double(), eps, sw)
+        if float((got.double() - ref).abs().max()) > 0.05 * max(1.0, float(ref.abs().max())):
+            raise SystemExit(f"sanitize case {m}x{k}x{n} {mode}: kernel and float64 differ")
+    torch.cuda.synchronize()
+    print("sanitize case: the kernel equals the float64 layers to rounding")
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--out", default=None)
+    ap.add_argument("--rows", default="1,2,4,8,16")
+    ap.add_argument("--repeats", type=int, default=50)
+    ap.add_argument("--sanitize-case", action="store_true")
+    args = ap.parse_args()
+    if args.sanitize_case:
+        sanitize_case()
+        return 0
+    dev = torch.device("cuda")
+    bw = copy_bandwidth()
+    res: dict[str, Any] = {
+        "command": "python3 bench/weaver_linear.py " + " ".join(sys.argv[1:]),
+        "machine": {"python": platform.python_version(), "torch": torch.__version__,
+                    "gpu": torch.cuda.get_device_name(dev)},
+        "dtype": "bfloat16", "copy_bandwidth_gb_s": bw / 1e9, "cases": [],
+    }
+    for name, k, n, mode in LAYERS:
+        for m in (int(v) for v in args.rows.split(",")):
+            call = layer_args(m, k, n, mode)
+            ref_us = timed(lambda call=call: kl.weaver_linear_reference(*call), args.repeats)
+            ker_us = timed(lambda call=call: kl.weaver_linear_kernel(*call), args.repeats)
+            moved = call[1].numel() * 2
+            case = {"layer": name, "rows": m, "k": k, "n": n, "mode": mode, "reference_us": ref_us,
+                    "kernel_us": ker_us, "speedup": ref_us / ker_us, "weight_bytes": moved,
+                    "floor_us": moved / bw * 1e6}
+            res["cases"].append(case)
+            print(f"{name:8s} M={m:2d}: reference {ref_us:6.1f} us, kernel {ker_us:6.1f} us ({case['speedup']:.2f}x), "
+                  f"weight floor {case['floor_us']:5.1f} us", flush=True)
+    if args.out:
+        Path(args.out).write_text(json.dumps(res, separators=(",", ":")) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

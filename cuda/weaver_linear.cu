@@ -1,0 +1,133 @@
+// The Weaver scorer's linear layers at a few rows (vllm_tfm/models/weaver_step.py): one launch per
+// layer for M <= 16 activation rows (M = R x w scored nodes of a growth round), with the RMSNorm
+// before it and the bias / SwiGLU / residual after it fused in:
+//
+//   s[m]  = 1 / sqrt(mean_k x[m, k]^2 + eps)        (WL_NORM = 1; else s[m] = 1)
+//   z[m, n] = s[m] * sum_k W[n, k] x[m, k] + bias[n]   (the norm's scale is per row, so it moves
+//                                                     out of the dot product: W (s x) = s (W x))
+//   WL_MODE 0:  y[m, n] = z[m, n] (+ residual[m, n])          n < N
+//   WL_MODE 1:  y[m, n] = silu(z[m, n]) * z[m, n + N]         n < N (W has 2 N rows: gate, up)
+//
+// At these M the layers are matrix-vector products bound by the weight bytes (the 27B drafter's
+// qkv with its rotate_half rows: 6144 x 1024 bf16 = 12.6 MB per call). cuBLAS runs them at ~1.8 TB/s
+// with a separate norm kernel before and elementwise kernels after (bench/results/weaver_profile*.json);
+// this kernel reads each weight row once at the copy bandwidth and does the rest in registers.
+//
+// One warp per WL_RW weight rows (mode 0: rows 2u, 2u + 1; mode 1: rows u and u + N, one output):
+// lane l accumulates k = 8 l + 256 j (16-byte loads of the weight rows; the activation rows, which
+// every warp reads, come through L1), each lane also sums x^2 for the norm; then butterfly sums, and
+// lane i < M x outputs writes one output. Float32 throughout, one rounding to the output type.
+// The additions are in a fixed order (deterministic), not the torch path's: results agree to float32
+// rounding of a sum of K products.
+//
+// Requirements (checked by the wrapper, vllm_tfm/kernels/weaver_linear.py): K % 8 == 0; W and x
+// rows contiguous and 16-byte aligned (row strides multiples of 8 elements); residual and y rows
+// contiguous (read and written one element per lane); M == WL_M.
+//
+// Compile-time constants (NVRTC -D): TFM_IN, the type of x, W, bias, residual and y (0 float32,
+// 1 bfloat16, 2 float16); WL_M (1..16); WL_MODE (0 or 1); WL_NORM (0 or 1).
+#include "tfm_common.cuh"
+
+#ifndef WL_M
+#define WL_M 2
+#endif
+#ifndef WL_MODE
+#define WL_MODE 0
+#endif
+#ifndef WL_NORM
+#define WL_NORM 0
+#endif
+#if WL_M < 1 || WL_M > 16
+#error "WL_M must be 1..16"
+#endif
+
+#define WL_WARPS 4  // the wrapper's WARPS
+#define WL_RW 2     // weight rows per warp
+#if WL_MODE == 0
+#define WL_OUTS 2  // outputs per warp and row m
+#elif WL_MODE == 1
+#define WL_OUTS 1
+#else
+#error "WL_MODE must be 0 (linear) or 1 (SwiGLU)"
+#endif
+
+extern "C" __global__ void __launch_bounds__(WL_WARPS * 32) weaver_linear(
+    const tin* __restrict__ x, i64 x_ld, const tin* __restrict__ w, i64 w_ld, const tin* __restrict__ bias,
+    const tin* __restrict__ residual, i64 res_ld, tin* __restrict__ y, i64 y_ld, int n_out, int k_dim, float eps) {
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const int u = blockIdx.x * WL_WARPS + warp;  // this warp's unit
+#if WL_MODE == 0
+  const int units = (n_out + 1) / 2;
+  const int row0 = 2 * u, row1 = 2 * u + 1 < n_out ? 2 * u + 1 : 2 * u;  // an odd N repeats the last row
+#else
+  const int units = n_out;
+  const int row0 = u, row1 = u + n_out;
+#endif
+  if (u >= units) return;
+  const tin* __restrict__ w0 = w + (i64)row0 * w_ld;
+  const tin* __restrict__ w1 = w + (i64)row1 * w_ld;
+  float acc[WL_M][WL_RW];
+  float ss[WL_M];
+#pragma unroll
+  for (int m = 0; m < WL_M; ++m) {
+    acc[m][0] = 0.0f;
+    acc[m][1] = 0.0f;
+    ss[m] = 0.0f;
+  }
+#pragma unroll 4
+  for (int k = lane * 8; k < k_dim; k += 256) {  // unrolled: several weight loads in flight per lane
+    float a[8], b[8], v[8];
+    load8(w0 + k, a);
+    load8(w1 + k, b);
+#pragma unroll
+    for (int m = 0; m < WL_M; ++m) {
+      load8(x + (i64)m * x_ld + k, v);
+#pragma unroll
+      for (int j = 0; j < 8; ++j) {
+        acc[m][0] = fmaf(a[j], v[j], acc[m][0]);
+        acc[m][1] = fmaf(b[j], v[j], acc[m][1]);
+#if WL_NORM
+        ss[m] = fmaf(v[j], v[j], ss[m]);
+#endif
+      }
+    }
+  }
+#pragma unroll
+  for (int m = 0; m < WL_M; ++m) {
+    acc[m][0] = warp_sum(acc[m][0]);
+    acc[m][1] = warp_sum(acc[m][1]);
+#if WL_NORM
+    ss[m] = warp_sum(ss[m]);
+#endif
+  }
+  // lane i < WL_M * WL_OUTS writes output (m, o) = (i / WL_OUTS, i % WL_OUTS)
+  if (lane >= WL_M * WL_OUTS) return;
+  const int m_out = lane / WL_OUTS, o = lane - m_out * WL_OUTS;
+  float z0 = 0.0f, z1 = 0.0f, s = 1.0f;
+#pragma unroll
+  for (int m = 0; m < WL_M; ++m) {
+    if (m == m_out) {
+      z0 = acc[m][0];
+      z1 = acc[m][1];
+#if WL_NORM
+      s = 1.0f / sqrtf(ss[m] / (float)k_dim + eps);
+#endif
+    }
+  }
+#if WL_MODE == 0
+  const int n = o == 0 ? row0 : 2 * u + 1;
+  if (n >= n_out) return;
+  float val = s * (o == 0 ? z0 : z1);
+  if (bias != nullptr) val += to_f32(bias[n]);
+  if (residual != nullptr) val += to_f32(residual[(i64)m_out * res_ld + n]);
+#else
+  const int n = row0;
+  float g = s * z0, up = s * z1;
+  if (bias != nullptr) {
+    g += to_f32(bias[row0]);
+    up += to_f32(bias[row1]);
+  }
+  float val = silu(g) * up;
+#endif
+  y[(i64)m_out * y_ld + n] = from_f32<tin>(val);
+}

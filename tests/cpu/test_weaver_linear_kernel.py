@@ -1,0 +1,188 @@
+"""The Weaver scorer's fused linear-layer kernel (``cuda/weaver_linear.cu`` behind
+``vllm_tfm.kernels.weaver_linear``) on the CPU through the CUDA emulation (``cuda/host_emu``):
+against the float64 function of the same stored values (norm, bias, residual, SwiGLU) and the
+torch reference, on fresh random inputs in float32 / bfloat16 / float16, M from 1 to 16 rows, odd N,
+K not a multiple of 256, strided rows; through ``BatchedWeaverTreeScorer`` (its log-probabilities
+equal the torch path's to the activation dtype's rounding); and which inputs the kernel takes."""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+from unittest import mock
+
+import pytest
+import torch
+from _emulation import emulated, emulation_build_dir
+
+from vllm_tfm.kernels import candidate_scores as kc
+from vllm_tfm.kernels import weaver_linear as kl
+from vllm_tfm.models import Weaver, WeaverConfig
+from vllm_tfm.models.weaver import BatchedWeaverTreeScorer
+
+DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+OUT_RTOL = {torch.float32: 0.0, torch.bfloat16: 2.0**-8, torch.float16: 2.0**-11}  # one output rounding
+
+
+@pytest.fixture(scope="module")
+def emu_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return emulation_build_dir(tmp_path_factory, "emu_linear")
+
+
+def problem(seed, m, k, n, dtype, *, bias=True, residual=False, swiglu=False, x_pad=0):
+    gen = torch.Generator().manual_seed(seed)
+    rows = 2 * n if swiglu else n
+    x = (torch.randn(m, k + x_pad, generator=gen) * 2).to(dtype)[:, :k]
+    w = (torch.randn(rows, k, generator=gen) / k**0.5).to(dtype)
+    b = (torch.randn(rows, generator=gen) * 0.5).to(dtype) if bias else None
+    res = torch.randn(m, n, generator=gen).to(dtype) if residual else None
+    return x, w, b, res
+
+
+def float64_layer(x, w, b, res, eps, swiglu):
+    """(exact output, error scale) in float64 from the stored values."""
+    xd, wd = x.double(), w.double()
+    s = 1.0 / torch.sqrt((xd * xd).mean(-1, keepdim=True) + eps) if eps is not None else torch.ones_like(xd[:, :1])
+    z = s * (xd @ wd.T)
+    scale = s * (xd.abs() @ wd.abs().T)
+    if b is not None:
+        z, scale = z + b.double(), scale + b.double().abs()
+    if swiglu:
+        n = w.shape[0] // 2
+        g, u = z[:, :n], z[:, n:]
+        out = g * torch.sigmoid(g) * u
+        return out, scale[:, :n] * u.abs() + scale[:, n:] * (g * torch.sigmoid(g)).abs() + out.abs()
+    if res is not None:
+        z, scale = z + res.double(), scale + res.double().abs()
+    return z, scale
+
+
+def check(got, exact, scale, dtype) -> None:
+    err = (got.double() - exact).abs()
+    bound = 1e-5 * scale + OUT_RTOL[dtype] * exact.abs() + 1e-30
+    assert bool((err <= bound).all()), float((err / bound).max())
+
+
+def run(emu_dir, *args):
+    with emulated(emu_dir) as launches:
+        y = kl.weaver_linear_kernel(*args)
+    return y, launches
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("mode", ["norm_bias", "residual", "swiglu", "plain"])
+def test_matches_float64(emu_dir: Path, dtype, mode: str) -> None:
+    for i, (m, k, n) in enumerate([(1, 8, 1), (2, 264, 7), (5, 64, 33)]):
+        swiglu, residual = mode == "swiglu", mode == "residual"
+        eps = None if mode in ("residual", "plain") else 1e-6
+        x, w, b, res = problem(i, m, k, n, dtype, bias=mode in ("norm_bias", "swiglu"), residual=residual, swiglu=swiglu)
+        reason = kl.unsupported_reason(x, w, b, res, eps, swiglu)
+        assert reason == kl.NOT_CUDA if m <= kl.KERNEL_ROWS else kl.TOO_MANY_ROWS in reason
+        y, launches = run(emu_dir, x, w, b, res, eps, swiglu)
+        units = n if swiglu else (n + 1) // 2
+        assert launches == [("weaver_linear", (-(-units // kl.WARPS), 1, 1), 0)]
+        assert y.shape == (m, n) and y.dtype == dtype
+        exact, scale = float64_layer(x, w, b, res, eps, swiglu)
+        check(y, exact, scale, dtype)
+        # the reference rounds the normalised x and z to the dtype too: within a few roundings
+        ref = kl.weaver_linear_reference(x, w, b, res, eps, swiglu).double()
+        assert bool(((y.double() - ref).abs() <= (4 * OUT_RTOL[dtype] + 1e-5) * (scale + exact.abs())).all())
+
+
+def test_sixteen_rows_and_strided_x(emu_dir: Path) -> None:
+    """M = 16 (every lane of the epilogue writes), x rows with a padded stride."""
+    for swiglu in (False, True):
+        x, w, b, _ = problem(9, 16, 136, 19, torch.bfloat16, swiglu=swiglu, x_pad=8)
+        assert x.stride(0) == 144
+        y, _ = run(emu_dir, x, w, b, None, 1e-5, swiglu)
+        check(y, *float64_layer(x, w, b, None, 1e-5, swiglu), torch.bfloat16)
+
+
+def test_fresh_random_shapes(emu_dir: Path) -> None:
+    rng = random.Random(11)
+    for i in range(5):
+        m, k, n = rng.randint(1, 16), 8 * rng.randint(1, 50), rng.randint(1, 40)
+        dtype, swiglu = rng.choice(DTYPES), rng.random() < 0.4
+        residual = not swiglu and rng.random() < 0.5
+        eps = rng.choice([None, 1e-6])
+        args = problem(50 + i, m, k, n, dtype, bias=rng.random() < 0.6, residual=residual, swiglu=swiglu)
+        y, _ = run(emu_dir, *args, eps, swiglu)
+        check(y, *float64_layer(*args, eps, swiglu), dtype)
+
+
+def test_weaver_scorer_through_the_kernels(emu_dir: Path) -> None:
+    """BatchedWeaverTreeScorer(score_kernel=True) runs every linear layer and the candidate scores
+    through the kernels (3 + 4 per layer + 1 launches per call) and gives the torch path's
+    log-probabilities to float32 rounding."""
+    torch.manual_seed(1)
+    hidden, depth, k, vocab, r = 64, 4, 24, 200, 2
+    cfg = WeaverConfig(d_model=hidden, d_rank=32, n_layers=2, n_heads=2, d_mlp=48, max_depth=depth)
+    weaver = Weaver(cfg).eval()
+    with torch.no_grad():
+        for p in weaver.parameters():
+            p.add_(torch.randn_like(p) * 0.05)  # norms with non-trivial weights and biases
+    embed, head = torch.randn(vocab, hidden), torch.randn(vocab, hidden) * 0.1
+    inputs = (torch.randn(r, hidden), torch.randn(r, depth, hidden), torch.randint(0, vocab, (r, depth, k)),
+              torch.randn(r, depth, k))
+    scorers = [BatchedWeaverTreeScorer(weaver, *inputs, embed, head, max_nodes=8, score_kernel=f) for f in (False, True)]
+    calls = [
+        (torch.tensor([[0], [0]]), torch.tensor([[-1], [-1]]), torch.tensor([[5], [9]]), torch.tensor([[0], [0]])),
+        (torch.tensor([[1], [1]]), torch.tensor([[0], [0]]), torch.tensor([[7], [3]]), torch.tensor([[1], [1]])),
+    ]
+    with (emulated(emu_dir) as launches, mock.patch.object(kc, "unsupported_reason", lambda *a: None),
+          mock.patch.object(kl, "unsupported_reason", lambda *a: None)):
+        for node, parent, tok, dep in calls:
+            valid = torch.ones_like(node, dtype=torch.bool)
+            ref, got = (s(node, parent, tok, dep, valid) for s in scorers)
+            assert torch.allclose(got, ref, rtol=0, atol=2e-5)
+    per_call = ["weaver_linear"] * (1 + 4 * cfg.n_layers + 1) + ["candidate_scores"]
+    assert [name for name, *_ in launches] == per_call * len(calls)
+
+
+def test_which_inputs_the_kernel_takes() -> None:
+    x, w, b, res = problem(1, 2, 16, 4, torch.bfloat16, residual=True)
+    assert kl.unsupported_reason(x, w, b, res, None, False) == kl.NOT_CUDA
+    assert "one of float32, bfloat16, float16" in kl.unsupported_reason(x.double(), w.double(), None, None, None, False)
+    assert "one of float32" in kl.unsupported_reason(x, w.float(), None, None, None, False)
+    big = torch.zeros(kl.KERNEL_ROWS + 1, 16, dtype=torch.bfloat16)
+    assert kl.TOO_MANY_ROWS in kl.unsupported_reason(big, w, None, None, None, False)
+    assert "not a multiple of 8" in kl.unsupported_reason(x[:, :12], w[:, :12], None, None, None, False)
+    assert "SwiGLU" in kl.unsupported_reason(x, w[:3], None, None, 1e-6, True)
+    assert "residual shape" in kl.unsupported_reason(x, w, None, res[:, :3], None, False)
+    assert "bias shape" in kl.unsupported_reason(x, w, b[:3], None, None, False)
+    odd = torch.empty(2 * 16 + 1, dtype=torch.bfloat16)[1:].view(2, 16)
+    assert "16-byte aligned" in kl.unsupported_reason(odd, w, None, None, None, False)
+    assert "residual's rows" in kl.unsupported_reason(x, w, None, res.t().contiguous().t(), None, False)
+
+
+def test_dispatch_uses_the_reference_off_cuda_and_when_switched_off(monkeypatch) -> None:
+    args = problem(2, 3, 16, 5, torch.float32, residual=True)
+    with mock.patch.object(kl, "weaver_linear_kernel", side_effect=AssertionError("no launch")):
+        assert torch.equal(kl.weaver_linear(*args, None, False), kl.weaver_linear_reference(*args, None, False))
+        monkeypatch.setenv(kl.ENV_SWITCH, "0")
+        with mock.patch.object(kl, "unsupported_reason", lambda *a: None):
+            assert torch.equal(kl.weaver_linear(*args, None, False), kl.weaver_linear_reference(*args, None, False))
+
+
+def test_scorer_kernel_path_is_the_torch_path_where_no_kernel_runs() -> None:
+    """Where the kernels do not take the tensors (here: CPU; on CUDA: more than KERNEL_ROWS rows),
+    the scorer's kernel path falls back to references that are the torch path's own ops: the same
+    log-probabilities bit for bit, so the row limit changes no scores."""
+    torch.manual_seed(2)
+    hidden, depth, k, vocab, r = 64, 4, 24, 200, 3
+    weaver = Weaver(WeaverConfig(d_model=hidden, d_rank=32, n_layers=2, n_heads=2, d_mlp=48, max_depth=depth)).eval()
+    with torch.no_grad():
+        for p in weaver.parameters():
+            p.add_(torch.randn_like(p) * 0.05)
+    embed, head = torch.randn(vocab, hidden), torch.randn(vocab, hidden) * 0.1
+    inputs = (torch.randn(r, hidden), torch.randn(r, depth, hidden), torch.randint(0, vocab, (r, depth, k)),
+              torch.randn(r, depth, k))
+    scorers = [BatchedWeaverTreeScorer(weaver, *inputs, embed, head, max_nodes=8, score_kernel=f) for f in (False, True)]
+    w = 2  # R x w = 6 > KERNEL_ROWS rows
+    assert r * w > kl.KERNEL_ROWS
+    node = torch.zeros(r, w, dtype=torch.long)
+    node[:, 1] = 7
+    args = (node, torch.full_like(node, -1), torch.randint(0, vocab, (r, w)), torch.zeros_like(node),
+            torch.tensor([[True, False]] * r))
+    ref, got = (s(*args) for s in scorers)
+    assert torch.equal(got[:, 0], ref[:, 0])

@@ -1,0 +1,110 @@
+"""GPU: the Weaver scorer's fused linear-layer kernel (``cuda/weaver_linear.cu``) against the float64
+function of the same stored values and the torch reference it replaces.
+
+Run on the GPU host: ``python3 -m pytest tests/gpu/test_weaver_linear_gpu.py -q``. Fresh random
+inputs at the 27B drafter's layer shapes (token_in 5120 -> 1024 and the query 1024 -> 5120 with
+their norms, qkv with its rotate_half rows 1024 -> 6144, o_proj and down with the residual, gate_up
+with SwiGLU) for M = 1, 2, 4, 16 rows in bfloat16 and float32, odd N; the dispatch takes the kernel
+on CUDA up to 16 rows and cuBLAS above; and the Weaver's log-probabilities through the scorer's
+kernels stay within bfloat16 rounding of the torch path at the 27B shape.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from vllm_tfm.kernels import weaver_linear as kl
+from vllm_tfm.models import Weaver, WeaverConfig
+from vllm_tfm.models.weaver import BatchedWeaverTreeScorer
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
+]
+
+DEV = torch.device("cuda")
+OUT_RTOL = {torch.float32: 0.0, torch.bfloat16: 2.0**-8}
+# (K, N, mode) of the 27B drafter's Weaver (d_model 5120, d_rank 1024, d_mlp 3072)
+LAYERS = [(5120, 1024, "norm"), (1024, 6144, "norm"), (1024, 1024, "residual"), (1024, 3072, "swiglu"),
+          (3072, 1024, "residual"), (1024, 5120, "norm"), (264, 7, "norm")]
+
+
+def problem(seed, m, k, n, dtype, mode):
+    gen = torch.Generator(device=DEV).manual_seed(seed)
+    rows = 2 * n if mode == "swiglu" else n
+    x = (torch.randn(m, k, generator=gen, device=DEV) * 2).to(dtype)
+    w = (torch.randn(rows, k, generator=gen, device=DEV) / k**0.5).to(dtype)
+    b = (torch.randn(rows, generator=gen, device=DEV) * 0.5).to(dtype) if mode != "residual" else None
+    res = torch.randn(m, n, generator=gen, device=DEV).to(dtype) if mode == "residual" else None
+    eps = 1e-6 if mode != "residual" else None
+    return x, w, b, res, eps, mode == "swiglu"
+
+
+def float64_layer(x, w, b, res, eps, swiglu):
+    xd, wd = x.double(), w.double()
+    s = 1.0 / torch.sqrt((xd * xd).mean(-1, keepdim=True) + eps) if eps is not None else torch.ones_like(xd[:, :1])
+    z, scale = s * (xd @ wd.T), s * (xd.abs() @ wd.abs().T)
+    if b is not None:
+        z, scale = z + b.double(), scale + b.double().abs()
+    if swiglu:
+        n = w.shape[0] // 2
+        g, u = z[:, :n], z[:, n:]
+        out = g * torch.sigmoid(g) * u
+        return out, scale[:, :n] * u.abs() + scale[:, n:] * (g * torch.sigmoid(g)).abs() + out.abs()
+    if res is not None:
+        z, scale = z + res.double(), scale + res.double().abs()
+    return z, scale
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("layer", range(len(LAYERS)))
+def test_matches_float64(dtype, layer: int) -> None:
+    k, n, mode = LAYERS[layer]
+    for m in (1, 2, 4, 16):
+        args = problem(layer * 100 + m, m, k, n, dtype, mode)
+        reason = kl.unsupported_reason(*args)
+        assert reason is None if m <= kl.KERNEL_ROWS else kl.TOO_MANY_ROWS in reason
+        y = kl.weaver_linear_kernel(*args)
+        exact, scale = float64_layer(*args)
+        err = (y.double() - exact).abs()
+        bound = 1e-5 * scale + OUT_RTOL[dtype] * exact.abs() + 1e-30
+        assert bool((err <= bound).all()), (m, k, n, mode, float((err / bound).max()))
+        ref = kl.weaver_linear_reference(*args).double()
+        assert bool(((y.double() - ref).abs() <= (4 * OUT_RTOL[dtype] + 1e-4) * (scale + exact.abs())).all())
+
+
+def test_dispatch_rows() -> None:
+    args = problem(1, kl.KERNEL_ROWS, 1024, 1024, torch.bfloat16, "residual")
+    assert torch.equal(kl.weaver_linear(*args), kl.weaver_linear_kernel(*args))  # deterministic: the kernel ran
+    big = problem(2, kl.KERNEL_ROWS + 1, 1024, 1024, torch.bfloat16, "residual")
+    assert kl.TOO_MANY_ROWS in kl.unsupported_reason(*big)
+    assert torch.equal(kl.weaver_linear(*big), kl.weaver_linear_reference(*big))
+
+
+def test_weaver_scorer_at_the_27b_shape() -> None:
+    torch.manual_seed(0)
+    h, depth, k, vocab, r, w = 5120, 15, 512, 248320, 2, 2
+    weaver = Weaver(WeaverConfig(d_model=h, max_depth=depth))
+    with torch.no_grad():
+        for p in weaver.parameters():
+            p.add_(torch.randn_like(p) * 0.02)
+    weaver = weaver.to(device=DEV, dtype=torch.bfloat16).eval()
+    embed = torch.randn(vocab, h, device=DEV).to(torch.bfloat16)
+    head = (torch.randn(vocab, h, device=DEV) * 0.05).to(torch.bfloat16)
+    inputs = (torch.randn(r, h, device=DEV).to(torch.bfloat16), torch.randn(r, depth, h, device=DEV).to(torch.bfloat16),
+              torch.randint(0, vocab, (r, depth, k), device=DEV), (torch.randn(r, depth, k, device=DEV) * 3).to(torch.bfloat16))
+    scorers = [BatchedWeaverTreeScorer(weaver, *inputs, embed, head, max_nodes=33, score_kernel=f) for f in (False, True)]
+    node = torch.zeros(r, w, dtype=torch.long, device=DEV)
+    parent = torch.full_like(node, -1)
+    tok = torch.randint(0, vocab, (r, w), device=DEV)
+    valid = torch.tensor([[True, False]] * r, device=DEV)
+    with torch.inference_mode():
+        ref, got = (s(node, parent, tok, torch.zeros_like(node), valid) for s in scorers)
+        # a second call: children of the roots, attending to the roots' keys each path wrote
+        node2 = torch.tensor([[1, 2]] * r, device=DEV)
+        valid2 = torch.ones_like(valid)
+        ref2, got2 = (s(node2, torch.zeros_like(node2), tok, torch.ones_like(node2), valid2) for s in scorers)
+    for a, b in ((ref[:, 0], got[:, 0]), (ref2, got2)):
+        p_ref, p_got = a.exp(), b.exp()
+        assert float((p_ref - p_got).abs().sum(-1).max()) <= 0.05  # total variation of the 512-way softmax
