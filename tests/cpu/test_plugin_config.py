@@ -140,6 +140,32 @@ def test_plain_dflash_directory_runs_ddtree_and_hashes_apart_from_dflash(env: An
     assert build(env, tfm(other, 7)).compute_hash() != tfm_cfg.compute_hash()
 
 
+def test_tree_options_and_replay_profile_do_not_key_the_compile_cache(env: Any) -> None:
+    """vLLM hashes the drafter's whole HF config into the torch.compile cache key; the tree options,
+    drafter directory and replay profile tfm attaches to it change no compiled graph, so configs
+    that differ only there hash alike (and the attributes are back after hashing)."""
+    from vllm_tfm.vllm_plugin import benchmark_mode
+    from vllm_tfm.vllm_plugin.config_patch import HF_ATTRS_NOT_HASHED
+    from vllm_tfm.vllm_plugin.options import HF_OPTIONS_ATTR, get_tfm_options
+
+    d = drafter(env, "plain-hash")
+    base = build(env, tfm(d, 7))
+    other = build(env, tfm(d, 7, top_k=4, width=3, children_per_node=2))
+    assert get_tfm_options(other) != get_tfm_options(base)
+    assert getattr(other.draft_model_config.hf_config, HF_OPTIONS_ATTR) != getattr(base.draft_model_config.hf_config, HF_OPTIONS_ATTR)
+    assert other.compute_hash() == base.compute_hash()
+    hf = other.draft_model_config.hf_config
+    before = {a: getattr(hf, a) for a in HF_ATTRS_NOT_HASHED}
+    setattr(hf, benchmark_mode.HF_REPLAY_ATTR, {"profile": [0.9, 0.5], "path": "/tmp/x.json"})
+    assert other.compute_hash() == base.compute_hash()
+    assert getattr(hf, benchmark_mode.HF_REPLAY_ATTR) == {"profile": [0.9, 0.5], "path": "/tmp/x.json"}
+    setattr(hf, benchmark_mode.HF_REPLAY_ATTR, before[benchmark_mode.HF_REPLAY_ATTR])
+    assert {a: getattr(hf, a) for a in HF_ATTRS_NOT_HASHED} == before and get_tfm_options(other).top_k == 4
+    # what the drafter's graph does depend on still keys it: another drafter config
+    hf.dflash_config = {**hf.dflash_config, "target_layer_ids": [0, 3]}
+    assert other.compute_hash() != base.compute_hash()
+
+
 def test_spec_flags_and_budget_from_tfm_config(env: Any) -> None:
     from vllm.config import ParallelConfig
     from vllm.engine.arg_utils import EngineArgs

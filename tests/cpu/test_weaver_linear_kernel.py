@@ -157,6 +157,8 @@ def test_which_inputs_the_kernel_takes() -> None:
 
 def test_dispatch_uses_the_reference_off_cuda_and_when_switched_off(monkeypatch) -> None:
     args = problem(2, 3, 16, 5, torch.float32, residual=True)
+    with pytest.raises(ValueError, match="SwiGLU takes no residual"):
+        kl.weaver_linear(*args, 1e-6, True)
     with mock.patch.object(kl, "weaver_linear_kernel", side_effect=AssertionError("no launch")):
         assert torch.equal(kl.weaver_linear(*args, None, False), kl.weaver_linear_reference(*args, None, False))
         monkeypatch.setenv(kl.ENV_SWITCH, "0")

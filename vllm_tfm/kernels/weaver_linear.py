@@ -59,6 +59,8 @@ def weaver_linear_reference(
     x: Tensor, weight: Tensor, bias: Tensor | None, residual: Tensor | None, eps: float | None, swiglu: bool
 ) -> Tensor:
     """x [M, K], weight [N', K], bias [N'] or None, residual [M, N'] or None (not with swiglu)."""
+    if swiglu and residual is not None:
+        raise ValueError("weaver_linear: SwiGLU takes no residual")
     h = F.rms_norm(x, (x.shape[-1],), eps=eps) if eps is not None else x
     if residual is not None:  # the residual add in the GEMM's epilogue, as the scorer's torch path
         z = torch.addmm(residual, h, weight.t()) if bias is None else torch.addmm(residual + bias, h, weight.t())

@@ -18,7 +18,7 @@ Patches (each applied once per process through ``patching.replace_attribute``):
 * Predicates, all processes: ``use_eagle()`` and ``use_dflash()`` are True for tfm (the V1
   runner's hidden-state drafter path, drafter attention groups, lookahead B + 1 slots, the
   DFlash proposer branch); ``compute_hash()`` hashes tfm as dflash (aux hidden states and the
-  drafter config) plus the method name; ``max_num_new_slots_for_drafting`` (the scheduler-budget
+  drafter config without the attributes tfm attaches to it) plus the method name; ``max_num_new_slots_for_drafting`` (the scheduler-budget
   reserve for the drafter's extra query tokens) is D - 1 per request with D = min(B, L - 1), the
   depths the tfm proposer drafts, instead of dflash's B - 1 (which would refuse B = 64 with
   vLLM's default max_num_seqs).
@@ -245,21 +245,37 @@ def _make_method_predicate(original: Callable[[Any], bool]) -> Callable[[Any], b
     return predicate
 
 
+HF_ATTRS_NOT_HASHED = (HF_OPTIONS_ATTR, HF_DRAFTER_DIR_ATTR, benchmark_mode.HF_REPLAY_ATTR)
+"""What tfm attaches to the drafter's HF config; none of it changes a compiled graph (the one
+option that does, a TreeFlash proposal's pre-norm output, is hashed on its own)."""
+
+
 def _make_compute_hash(original: Callable[[Any], str]) -> Callable[[Any], str]:
     @functools.wraps(original)
     def compute_hash(self: Any) -> str:
         if self.method != TFM_METHOD:
             return original(self)
-        # tfm returns the same aux hidden states as dflash: hash it as dflash, then add the name
+        # a drafter whose forward also returns its pre-norm residual stream (TreeFlash,
+        # runtime/dflash_prenorm.py) compiles to another graph: never share its compile cache
+        draft = getattr(self, "draft_model_config", None)
+        hf = getattr(draft, "hf_config", None)
+        prenorm = "|prenorm" if hf is not None and hf_loads_treeflash(hf) else ""
+        # tfm returns the same aux hidden states as dflash: hash it as dflash, then add the name.
+        # vLLM hashes the drafter's whole HF config (to_json_string), so the tree options, the
+        # drafter directory and a benchmark replay profile attached to it would key the compile
+        # cache although no compiled graph reads them: hashed without them, a change of width,
+        # top_k, sampling or replay profile reuses the compiled target and drafter (the budget
+        # still changes vLLM's cudagraph capture sizes, which it hashes itself)
+        saved = {a: getattr(hf, a) for a in HF_ATTRS_NOT_HASHED if hf is not None and a in vars(hf)}
+        for a in saved:
+            delattr(hf, a)
         self.method = CARRIER_METHOD
         try:
             as_dflash = original(self)
         finally:
             self.method = TFM_METHOD
-        # a drafter whose forward also returns its pre-norm residual stream (TreeFlash,
-        # runtime/dflash_prenorm.py) compiles to another graph: never share its compile cache
-        draft = getattr(self, "draft_model_config", None)
-        prenorm = "|prenorm" if draft is not None and hf_loads_treeflash(draft.hf_config) else ""
+            for a, v in saved.items():
+                setattr(hf, a, v)
         return hashlib.sha256(f"{as_dflash}|{TFM_METHOD}{prenorm}".encode()).hexdigest()
 
     return compute_hash
