@@ -14,24 +14,14 @@ set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.." || exit 1
 OUT=${OUT:-/tmp/candidate-scores-out}
 mkdir -p "$OUT"
-# shellcheck disable=SC1091
-source .gpu-bundle/install.sh >"$OUT/install.log" 2>&1 || { echo "bundle install failed"; tail -5 "$OUT/install.log"; }
-export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
-export PYTHONUNBUFFERED=1
-nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv,noheader || true
+# shellcheck source=bench/gpu_common.sh
+source bench/gpu_common.sh
+gpu_setup "$OUT"
 rc=0
 timeout 300 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_candidate_scores_gpu.py tests/gpu/test_weaver_round_gpu.py \
     tests/gpu/test_weaver_graphs_gpu.py tests/gpu/test_padded_trees_gpu.py >"$OUT/pytest.log" 2>&1 || rc=$?
 echo "gpu tests exit code $rc"; tail -4 "$OUT/pytest.log"
-export VLLM_TFM_SYNC_LAUNCH=1 PYTORCH_NO_CUDA_MEMORY_CACHING=1  # one cudaMalloc per tensor: exact bounds
-for tool in memcheck racecheck; do
-  extra=(); [[ $tool == memcheck ]] && extra=(--report-api-errors no)
-  timeout 120 compute-sanitizer --tool "$tool" "${extra[@]}" --error-exitcode 3 python3 bench/candidate_scores.py --sanitize-case \
-      >"$OUT/$tool.log" 2>&1
-  s=$?; (( s != 0 )) && rc=$s
-  echo "$tool exit code $s"; tail -3 "$OUT/$tool.log"
-done
-unset VLLM_TFM_SYNC_LAUNCH PYTORCH_NO_CUDA_MEMORY_CACHING
+gpu_sanitize "$OUT" python3 bench/candidate_scores.py --sanitize-case || rc=$?
 timeout 120 python3 bench/candidate_scores.py --out "$OUT/candidate_scores.json" >"$OUT/bench.log" 2>&1
 s=$?; (( s != 0 )) && rc=$s
 echo "bench exit code $s"; tail -6 "$OUT/bench.log"

@@ -15,25 +15,15 @@ cd "$(dirname "${BASH_SOURCE[0]}")/.." || exit 1
 OUT=${OUT:-/tmp/weaver-linear-out}
 LOGS="$OUT/logs"
 mkdir -p "$LOGS"
-# shellcheck disable=SC1091
-source .gpu-bundle/install.sh >"$LOGS/install.log" 2>&1 || { echo "bundle install failed"; tail -5 "$LOGS/install.log"; }
-export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
-export PYTHONUNBUFFERED=1
-nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv,noheader || true
+# shellcheck source=bench/gpu_common.sh
+source bench/gpu_common.sh
+gpu_setup "$LOGS"
 rc=0
 timeout 300 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_weaver_linear_gpu.py tests/gpu/test_candidate_scores_gpu.py \
     tests/gpu/test_weaver_round_gpu.py tests/gpu/test_weaver_graphs_gpu.py tests/gpu/test_padded_trees_gpu.py \
     >"$LOGS/pytest.log" 2>&1 || rc=$?
 echo "gpu tests exit code $rc"; tail -4 "$LOGS/pytest.log"
-export VLLM_TFM_SYNC_LAUNCH=1 PYTORCH_NO_CUDA_MEMORY_CACHING=1  # one cudaMalloc per tensor: exact bounds
-for tool in memcheck racecheck; do
-  extra=(); [[ $tool == memcheck ]] && extra=(--report-api-errors no)
-  timeout 120 compute-sanitizer --tool "$tool" "${extra[@]}" --error-exitcode 3 python3 bench/weaver_linear.py --sanitize-case \
-      >"$LOGS/$tool.log" 2>&1
-  s=$?; (( s != 0 )) && rc=$s
-  echo "$tool exit code $s"; tail -3 "$LOGS/$tool.log"
-done
-unset VLLM_TFM_SYNC_LAUNCH PYTORCH_NO_CUDA_MEMORY_CACHING
+gpu_sanitize "$LOGS" python3 bench/weaver_linear.py --sanitize-case || rc=$?
 timeout 120 python3 bench/weaver_linear.py --out "$OUT/weaver_linear.json" >"$LOGS/bench.log" 2>&1
 s=$?; (( s != 0 )) && rc=$s
 echo "bench exit code $s"; cat "$LOGS/bench.log" | grep -v Warn
