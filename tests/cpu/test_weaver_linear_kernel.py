@@ -14,6 +14,7 @@ from unittest import mock
 import pytest
 import torch
 from _emulation import emulated, emulation_build_dir
+from _linear_reference import float64_layer
 
 from vllm_tfm.kernels import candidate_scores as kc
 from vllm_tfm.kernels import weaver_linear as kl
@@ -37,24 +38,6 @@ def problem(seed, m, k, n, dtype, *, bias=True, residual=False, swiglu=False, x_
     b = (torch.randn(rows, generator=gen) * 0.5).to(dtype) if bias else None
     res = torch.randn(m, n, generator=gen).to(dtype) if residual else None
     return x, w, b, res
-
-
-def float64_layer(x, w, b, res, eps, swiglu):
-    """(exact output, error scale) in float64 from the stored values."""
-    xd, wd = x.double(), w.double()
-    s = 1.0 / torch.sqrt((xd * xd).mean(-1, keepdim=True) + eps) if eps is not None else torch.ones_like(xd[:, :1])
-    z = s * (xd @ wd.T)
-    scale = s * (xd.abs() @ wd.abs().T)
-    if b is not None:
-        z, scale = z + b.double(), scale + b.double().abs()
-    if swiglu:
-        n = w.shape[0] // 2
-        g, u = z[:, :n], z[:, n:]
-        out = g * torch.sigmoid(g) * u
-        return out, scale[:, :n] * u.abs() + scale[:, n:] * (g * torch.sigmoid(g)).abs() + out.abs()
-    if res is not None:
-        z, scale = z + res.double(), scale + res.double().abs()
-    return z, scale
 
 
 def check(got, exact, scale, dtype) -> None:

@@ -13,11 +13,10 @@ from __future__ import annotations
 
 import pytest
 import torch
+from _weaver27b import VOCAB, scorer_pair_27b
 
 from vllm_tfm.kernels import candidate_scores as kc
-from vllm_tfm.models import Weaver, WeaverConfig
 from vllm_tfm.models.vocab_table import candidate_scores_reference
-from vllm_tfm.models.weaver import BatchedWeaverTreeScorer
 
 pytestmark = [
     pytest.mark.gpu,
@@ -96,22 +95,12 @@ def test_dispatch(monkeypatch) -> None:
 
 def test_weaver_scorer_at_the_27b_shape(monkeypatch) -> None:
     monkeypatch.setenv("VLLM_TFM_WEAVER_LINEAR_KERNEL", "0")  # the candidate scores alone differ
-    torch.manual_seed(0)
-    h, depth, k, vocab, r, w = 5120, 15, 512, 248320, 2, 2
-    weaver = Weaver(WeaverConfig(d_model=h, max_depth=depth))
-    with torch.no_grad():
-        for p in weaver.parameters():
-            p.add_(torch.randn_like(p) * 0.02)
-    weaver = weaver.to(device=DEV, dtype=torch.bfloat16).eval()
-    embed = torch.randn(vocab, h, device=DEV).to(torch.bfloat16)
-    head = (torch.randn(vocab, h, device=DEV) * 0.05).to(torch.bfloat16)
-    inputs = (torch.randn(r, h, device=DEV).to(torch.bfloat16), torch.randn(r, depth, h, device=DEV).to(torch.bfloat16),
-              torch.randint(0, vocab, (r, depth, k), device=DEV), (torch.randn(r, depth, k, device=DEV) * 3).to(torch.bfloat16))
-    scorers = [BatchedWeaverTreeScorer(weaver, *inputs, embed, head, max_nodes=33, score_kernel=f) for f in (False, True)]
+    r, w = 2, 2
+    scorers = scorer_pair_27b(r)
     node = torch.zeros(r, w, dtype=torch.long, device=DEV)
     node[:, 1] = 32  # an invalid column (written to the trash slot)
     parent = torch.full_like(node, -1)
-    tok = torch.randint(0, vocab, (r, w), device=DEV)
+    tok = torch.randint(0, VOCAB, (r, w), device=DEV)
     dep = torch.zeros_like(node)
     valid = torch.tensor([[True, False]] * r, device=DEV)
     with torch.inference_mode():

@@ -11,12 +11,17 @@ kernels stay within bfloat16 rounding of the torch path at the 27B shape.
 
 from __future__ import annotations
 
+import sys
+from pathlib import Path
+
 import pytest
 import torch
+from _weaver27b import VOCAB, scorer_pair_27b
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "cpu"))
+from _linear_reference import float64_layer
 
 from vllm_tfm.kernels import weaver_linear as kl
-from vllm_tfm.models import Weaver, WeaverConfig
-from vllm_tfm.models.weaver import BatchedWeaverTreeScorer
 
 pytestmark = [
     pytest.mark.gpu,
@@ -39,22 +44,6 @@ def problem(seed, m, k, n, dtype, mode):
     res = torch.randn(m, n, generator=gen, device=DEV).to(dtype) if mode == "residual" else None
     eps = 1e-6 if mode != "residual" else None
     return x, w, b, res, eps, mode == "swiglu"
-
-
-def float64_layer(x, w, b, res, eps, swiglu):
-    xd, wd = x.double(), w.double()
-    s = 1.0 / torch.sqrt((xd * xd).mean(-1, keepdim=True) + eps) if eps is not None else torch.ones_like(xd[:, :1])
-    z, scale = s * (xd @ wd.T), s * (xd.abs() @ wd.abs().T)
-    if b is not None:
-        z, scale = z + b.double(), scale + b.double().abs()
-    if swiglu:
-        n = w.shape[0] // 2
-        g, u = z[:, :n], z[:, n:]
-        out = g * torch.sigmoid(g) * u
-        return out, scale[:, :n] * u.abs() + scale[:, n:] * (g * torch.sigmoid(g)).abs() + out.abs()
-    if res is not None:
-        z, scale = z + res.double(), scale + res.double().abs()
-    return z, scale
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
@@ -83,21 +72,11 @@ def test_dispatch_rows() -> None:
 
 
 def test_weaver_scorer_at_the_27b_shape() -> None:
-    torch.manual_seed(0)
-    h, depth, k, vocab, r, w = 5120, 15, 512, 248320, 2, 2
-    weaver = Weaver(WeaverConfig(d_model=h, max_depth=depth))
-    with torch.no_grad():
-        for p in weaver.parameters():
-            p.add_(torch.randn_like(p) * 0.02)
-    weaver = weaver.to(device=DEV, dtype=torch.bfloat16).eval()
-    embed = torch.randn(vocab, h, device=DEV).to(torch.bfloat16)
-    head = (torch.randn(vocab, h, device=DEV) * 0.05).to(torch.bfloat16)
-    inputs = (torch.randn(r, h, device=DEV).to(torch.bfloat16), torch.randn(r, depth, h, device=DEV).to(torch.bfloat16),
-              torch.randint(0, vocab, (r, depth, k), device=DEV), (torch.randn(r, depth, k, device=DEV) * 3).to(torch.bfloat16))
-    scorers = [BatchedWeaverTreeScorer(weaver, *inputs, embed, head, max_nodes=33, score_kernel=f) for f in (False, True)]
+    r, w = 2, 2
+    scorers = scorer_pair_27b(r)
     node = torch.zeros(r, w, dtype=torch.long, device=DEV)
     parent = torch.full_like(node, -1)
-    tok = torch.randint(0, vocab, (r, w), device=DEV)
+    tok = torch.randint(0, VOCAB, (r, w), device=DEV)
     valid = torch.tensor([[True, False]] * r, device=DEV)
     with torch.inference_mode():
         ref, got = (s(node, parent, tok, torch.zeros_like(node), valid) for s in scorers)

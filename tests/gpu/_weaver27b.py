@@ -1,0 +1,32 @@
+"""GPU-test helper: the Weaver scorer at the 27B drafter shape, once through the torch path and once
+through the scorer's kernels (``BatchedWeaverTreeScorer(score_kernel=...)``), on the same random
+bfloat16 Weaver, tables and DFlash inputs."""
+
+from __future__ import annotations
+
+import torch
+
+from vllm_tfm.models import Weaver, WeaverConfig
+from vllm_tfm.models.weaver import BatchedWeaverTreeScorer
+
+DEV = torch.device("cuda")
+HIDDEN, DEPTH, TOP_K, VOCAB = 5120, 15, 512, 248320
+
+
+def scorer_pair_27b(r: int, max_nodes: int = 33, seed: int = 0) -> tuple[BatchedWeaverTreeScorer, BatchedWeaverTreeScorer]:
+    """(torch path, kernel path) scorers of R requests (the default Weaver shape at d_model 5120)."""
+    torch.manual_seed(seed)
+    weaver = Weaver(WeaverConfig(d_model=HIDDEN, max_depth=DEPTH))
+    with torch.no_grad():
+        for p in weaver.parameters():
+            p.add_(torch.randn_like(p) * 0.02)
+    weaver = weaver.to(device=DEV, dtype=torch.bfloat16).eval()
+    embed = torch.randn(VOCAB, HIDDEN, device=DEV).to(torch.bfloat16)
+    head = (torch.randn(VOCAB, HIDDEN, device=DEV) * 0.05).to(torch.bfloat16)
+    inputs = (torch.randn(r, HIDDEN, device=DEV).to(torch.bfloat16),
+              torch.randn(r, DEPTH, HIDDEN, device=DEV).to(torch.bfloat16),
+              torch.randint(0, VOCAB, (r, DEPTH, TOP_K), device=DEV),
+              (torch.randn(r, DEPTH, TOP_K, device=DEV) * 3).to(torch.bfloat16))
+    ref, kern = (BatchedWeaverTreeScorer(weaver, *inputs, embed, head, max_nodes=max_nodes, score_kernel=f)
+                 for f in (False, True))
+    return ref, kern
