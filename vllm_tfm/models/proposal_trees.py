@@ -64,8 +64,9 @@ def weaver_growth(
     shapes this is the part a CUDA graph captures (``vllm_plugin.runtime.weaver_graphs``).
     ``round_kernel``: grow with the one-launch round kernel (``vllm_tfm.kernels.weaver_round``) when
     it takes these tensors (CUDA; the same trees), else with the torch round. ``score_kernel``: the
-    scorer's candidate scores through ``vllm_tfm.kernels.candidate_scores`` where it takes them (the
-    same scores to float32 rounding)."""
+    scorer's kernels where they take the tensors (``BatchedWeaverTreeScorer``: its linear layers
+    through ``vllm_tfm.kernels.weaver_linear``, its candidate scores through
+    ``vllm_tfm.kernels.candidate_scores``; the same scores to the activations' rounding)."""
     cand_logits, cand_ids = _candidates(dflash_logits, top_k)
     if logits_dtype is not None:
         cand_logits = cand_logits.to(logits_dtype)

@@ -456,7 +456,7 @@ class BatchedWeaverTreeScorer:
         max_nodes: node slots per request (1 + the largest budget).
         score_kernel: the scorer's kernels where they take the tensors (else their torch
             references): the linear layers with their norms, SwiGLU and residual adds through
-            ``vllm_tfm.kernels.weaver_linear`` (at most 16 rows R x w) and the candidate scores
+            ``vllm_tfm.kernels.weaver_linear`` (up to its KERNEL_ROWS = 4 rows R x w) and the candidate scores
             (DFlash logit + lm_head row . query) through ``vllm_tfm.kernels.candidate_scores``,
             one launch each: the same function in another order with fewer roundings (agreeing
             with the torch path to the activation dtype's rounding).
