@@ -22,6 +22,7 @@ import torch
 from torch import Tensor
 
 from vllm_tfm.kernels.loader import (
+    aligned_rows,
     get_kernel,
     kernels_unavailable_reason,
     launch,
@@ -38,11 +39,6 @@ DTYPE_CODE = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 ENV_SWITCH = "VLLM_TFM_CANDIDATE_KERNEL"
 NOT_CUDA = "the tensors are not all on one CUDA device"
 MAX_GRID_Y = 65535
-
-
-def _aligned_rows(t: Tensor) -> bool:
-    """Unit stride along H, rows starting on 16-byte boundaries."""
-    return t.stride(-1) == 1 and (t.stride(-2) * t.element_size()) % 16 == 0 and t.data_ptr() % 16 == 0
 
 
 def unsupported_reason(
@@ -63,7 +59,7 @@ def unsupported_reason(
     if h % 8:
         return f"hidden size {h} is not a multiple of 8"
     rows = queries.reshape(-1, h)
-    if not (_aligned_rows(lm_head) and _aligned_rows(rows) and rows.is_contiguous()):
+    if not (aligned_rows(lm_head) and aligned_rows(rows) and rows.is_contiguous()):
         return "the lm_head's or the queries' rows are not contiguous and 16-byte aligned"
     if depths.shape[0] * depths.shape[1] > MAX_GRID_Y:
         return f"{depths.shape[0] * depths.shape[1]} nodes per call are over the kernel's {MAX_GRID_Y}"

@@ -32,6 +32,7 @@ logger = logging.getLogger(__name__)
 __all__ = [
     "KernelCompileError",
     "KernelLaunchError",
+    "aligned_rows",
     "CompiledKernel",
     "cache_dir",
     "cache_key",
@@ -48,6 +49,7 @@ __all__ = [
     "param_array",
     "nvrtc_version",
     "read_sources",
+    "tensor_device_index",
     "warn_fallback",
 ]
 
@@ -513,6 +515,13 @@ def launch(
 
 _available: dict[int, str | None] = {}
 _warned: set[str] = set()
+
+
+def aligned_rows(t: Any) -> bool:
+    """A tensor of at least 2 dimensions whose last one has unit stride and whose rows (along the
+    second to last) start on 16-byte boundaries: what the kernels' 16-byte vector loads of a row need."""
+    return (t.dim() >= 2 and t.stride(-1) == 1 and (t.stride(-2) * t.element_size()) % 16 == 0
+            and t.data_ptr() % 16 == 0)
 
 
 def tensor_device_index(t: Any) -> int:

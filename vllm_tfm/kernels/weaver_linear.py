@@ -27,6 +27,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from vllm_tfm.kernels.loader import (
+    aligned_rows,
     get_kernel,
     kernels_unavailable_reason,
     launch,
@@ -72,10 +73,6 @@ def weaver_linear_reference(
     return z
 
 
-def _aligned_rows(t: Tensor) -> bool:
-    return t.dim() == 2 and t.stride(1) == 1 and (t.stride(0) * t.element_size()) % 16 == 0 and t.data_ptr() % 16 == 0
-
-
 def unsupported_reason(
     x: Tensor, weight: Tensor, bias: Tensor | None, residual: Tensor | None, eps: float | None, swiglu: bool
 ) -> str | None:
@@ -97,7 +94,7 @@ def unsupported_reason(
         return f"bias shape {tuple(bias.shape)} is not [{weight.shape[0]}]"
     if residual is not None and tuple(residual.shape) != (x.shape[0], n):
         return f"residual shape {tuple(residual.shape)} is not [{x.shape[0]}, {n}]"
-    if not (_aligned_rows(x) and _aligned_rows(weight)):
+    if not (aligned_rows(x) and aligned_rows(weight)):
         return "rows of x or weight are not contiguous and 16-byte aligned"
     if residual is not None and residual.stride(1) != 1:
         return "the residual's rows are not contiguous"
