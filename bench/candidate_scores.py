@@ -10,7 +10,7 @@ bfloat16 logits (the runtime's dtypes): CUDA-event medians of ``--repeats`` call
 ``candidate_scores_reference`` (gather, float32 copy, batched GEMV) and of the kernel, each replayed
 from a CUDA graph of 10 calls (device time: the runtime runs both inside its Weaver graphs), the bytes
 the kernel must move (the R w K lm_head rows, the queries, ids, logits and scores) and the time
-that takes at the measured device copy bandwidth (a 1 GiB clone), and the max scaled difference
+that takes at the measured device copy bandwidth (``bench/gdn_tree.py``'s ``copy_bandwidth``), and the max difference
 between the two.
 """
 
@@ -19,7 +19,6 @@ from __future__ import annotations
 import argparse
 import json
 import platform
-import statistics
 import sys
 from pathlib import Path
 from typing import Any
@@ -27,45 +26,17 @@ from typing import Any
 import torch
 
 REPO = Path(__file__).resolve().parents[1]
-if str(REPO) not in sys.path:
-    sys.path.insert(0, str(REPO))
+for p in (REPO, REPO / "bench"):
+    if str(p) not in sys.path:
+        sys.path.insert(0, str(p))
+
+from gdn_tree import copy_bandwidth, time_calls
 
 from vllm_tfm.kernels import candidate_scores as kc
 from vllm_tfm.models.vocab_table import candidate_scores_reference
 
 H, VOCAB, DEPTH, TOP_K = 5120, 248320, 15, 512
-
-
-def timed(fn, repeats: int, graph: bool = True) -> float:
-    """Median microseconds of one call: replayed from a CUDA graph of 10 calls (device time, as the
-    runtime's Weaver graphs run it; the wrapper's host work is not counted), or eager calls."""
-    for _ in range(3):
-        fn()
-    calls = 10 if graph else 1
-    if graph:
-        g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g):
-            for _ in range(calls):
-                fn()
-        run = g.replay
-    else:
-        run = fn
-    ms = []
-    for _ in range(repeats):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        run()
-        b.record()
-        b.synchronize()
-        ms.append(a.elapsed_time(b))
-    return statistics.median(ms) * 1000.0 / calls
-
-
-def copy_bandwidth() -> float:
-    """Bytes per second of a 1 GiB device clone (read + write)."""
-    x = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")
-    us = timed(lambda: x.clone(), 20, graph=False)
-    return 2 * x.numel() / (us * 1e-6)
+CALLS_PER_GRAPH = 10  # calls per captured graph (bench/gdn_tree.py's time_calls: microseconds per call)
 
 
 def sanitize_case() -> None:
@@ -115,13 +86,13 @@ def main() -> int:
         depths = torch.randint(0, DEPTH, (r, w), generator=gen, device=dev)
         q = torch.randn(r, w, H, generator=gen, device=dev).to(torch.bfloat16)
         call = (head, ids, logits, depths, q)
-        ref_us = timed(lambda call=call: candidate_scores_reference(*call), args.repeats)
-        ker_us = timed(lambda call=call: kc.candidate_scores_kernel(*call), args.repeats)
+        ref_us, ref_mode = time_calls([lambda call=call: candidate_scores_reference(*call)] * CALLS_PER_GRAPH, args.repeats)
+        ker_us, ker_mode = time_calls([lambda call=call: kc.candidate_scores_kernel(*call)] * CALLS_PER_GRAPH, args.repeats)
         got, ref = kc.candidate_scores_kernel(*call), candidate_scores_reference(*call)
         nodes = r * w
         moved = nodes * TOP_K * H * 2 + nodes * H * 2 + nodes * TOP_K * (8 + 2 + 4)
         case = {"requests": r, "width": w, "nodes": nodes, "reference_us": ref_us, "kernel_us": ker_us,
-                "speedup": ref_us / ker_us, "bytes": moved, "floor_us": moved / bw * 1e6,
+                "speedup": ref_us / ker_us, "timing": {"reference": ref_mode, "kernel": ker_mode}, "bytes": moved, "floor_us": moved / bw * 1e6,
                 "kernel_of_floor": (moved / bw * 1e6) / ker_us,
                 "max_abs_diff": float((got - ref.float()).abs().max())}
         res["cases"].append(case)

@@ -9,7 +9,7 @@ usage: python3 bench/weaver_linear.py [--out FILE] [--rows 1,2,4,8,16] [--repeat
 Per layer (token_in 5120 -> 1024 with its norm, qkv + rotate_half 1024 -> 6144 with its norm, o_proj
 1024 -> 1024 + residual, gate_up 1024 -> 2 x 3072 with its norm and SwiGLU, down 3072 -> 1024 +
 residual, query 1024 -> 5120 with its norm; bfloat16) and row count M: device microseconds of one
-call, replayed from a CUDA graph of 10 calls (``bench/candidate_scores.py``'s timing), the weight
+call, replayed from a CUDA graph of 10 calls (``bench/gdn_tree.py``'s ``time_calls``), the weight
 bytes and their time at the measured copy bandwidth.
 """
 
@@ -29,7 +29,7 @@ for p in (REPO, REPO / "bench"):
     if str(p) not in sys.path:
         sys.path.insert(0, str(p))
 
-from candidate_scores import copy_bandwidth, timed
+from gdn_tree import copy_bandwidth, time_calls
 
 from vllm_tfm.kernels import weaver_linear as kl
 
@@ -82,11 +82,11 @@ def main() -> int:
     for name, k, n, mode in LAYERS:
         for m in (int(v) for v in args.rows.split(",")):
             call = layer_args(m, k, n, mode)
-            ref_us = timed(lambda call=call: kl.weaver_linear_reference(*call), args.repeats)
-            ker_us = timed(lambda call=call: kl.weaver_linear_kernel(*call), args.repeats)
+            ref_us, ref_mode = time_calls([lambda call=call: kl.weaver_linear_reference(*call)] * 10, args.repeats)
+            ker_us, ker_mode = time_calls([lambda call=call: kl.weaver_linear_kernel(*call)] * 10, args.repeats)
             moved = call[1].numel() * 2
             case = {"layer": name, "rows": m, "k": k, "n": n, "mode": mode, "reference_us": ref_us,
-                    "kernel_us": ker_us, "speedup": ref_us / ker_us, "weight_bytes": moved,
+                    "kernel_us": ker_us, "speedup": ref_us / ker_us, "timing": {"reference": ref_mode, "kernel": ker_mode}, "weight_bytes": moved,
                     "floor_us": moved / bw * 1e6}
             res["cases"].append(case)
             print(f"{name:8s} M={m:2d}: reference {ref_us:6.1f} us, kernel {ker_us:6.1f} us ({case['speedup']:.2f}x), "
