@@ -79,7 +79,7 @@ __device__ __forceinline__ bool entry_before(double va, int a, double vb, int b)
   return va > vb || (va == vb && a < b);
 }
 
-// grid (R), block WR_THREADS, dynamic shared memory F * 8 * (1 + nw) bytes.
+// grid (R), block WR_THREADS, dynamic shared memory (F (1 + nw) + WR_WARPS K) * 8 bytes.
 extern "C" __global__ void __launch_bounds__(WR_THREADS)
 weaver_round(const tout* __restrict__ out, i64 out_r, i64 out_m, const unsigned char* __restrict__ valid, i64 valid_r,
              const i64* node_in, i64 node_r, const i64* d_in, i64 d_r, const i64* dw_in, i64 dw_r, i64 dw_m,
@@ -93,7 +93,7 @@ weaver_round(const tout* __restrict__ out, i64 out_r, i64 out_m, const unsigned 
              i64* __restrict__ n_alive_o, i64* __restrict__ take_o, unsigned char* __restrict__ room_o,
              int m, int K, int c, int nw, int F, int n_cap, int w, int dmax) {
   TFM_DYNAMIC_SMEM(double, s_score);            // [F] sort score (-inf for dead slots)
-  i64* s_words = reinterpret_cast<i64*>(s_score + F);  // [F, nw] rank-path words
+  i64* s_words = reinterpret_cast<i64*>(s_score + F);  // [F, nw] rank-path words, then [WR_WARPS, K] rows
   __shared__ int s_sel[64];                     // the selected slots (w <= 64)
   __shared__ int s_red[WR_WARPS];
   __shared__ int s_alive;
@@ -104,7 +104,11 @@ weaver_round(const tout* __restrict__ out, i64 out_r, i64 out_m, const unsigned 
   const double inf = wr_inf();
   if (tid == 0) s_alive = 0;
 
-  // ---- phase 1: push the children of the m scored rows
+  // ---- phase 1: push the children of the m scored rows. A warp stages its row once in shared
+  // memory (as the float64 values compared), then picks the c children one after another from
+  // there: every selection's scan and butterfly read shared memory, not global (the butterfly's
+  // reads depend on the previous shuffle, so from global each cost a full L2 round trip).
+  double* s_row = reinterpret_cast<double*>(s_words + (i64)F * nw) + (i64)warp * K;  // [K] per warp
   for (int i = warp; i < m; i += WR_WARPS) {
     const bool v = valid[r * valid_r + i] != 0;
     const tout* row = out + r * out_r + i * out_m;
@@ -114,21 +118,26 @@ weaver_round(const tout* __restrict__ out, i64 out_r, i64 out_m, const unsigned 
     i64 dwi[1 + WR_MAX_WORDS];
     for (int t = 0; t <= nw; ++t) dwi[t] = dw_in[r * dw_r + i * dw_m + t];
     bool bad = false;
+    for (int k = lane; k < K; k += 32) {
+      const double x = v ? out_value(row[k]) : -inf;
+      if (v && !(x <= 0.0)) bad = true;
+      s_row[k] = x;
+    }
+    __syncwarp();
     double pv = inf;  // the previous child (value, index); +inf / -1: none yet
     int pi = -1;
     for (int j = 0; j < c; ++j) {
       int bi = -1;
       double bv = 0.0;
       for (int k = lane; k < K; k += 32) {
-        const double x = v ? out_value(row[k]) : -inf;
-        if (j == 0 && v && !(x <= 0.0)) bad = true;
+        const double x = s_row[k];
         if (!(x < pv || (x == pv && k > pi))) continue;  // not after the previous child
         if (bi < 0 || x > bv) { bi = k; bv = x; }        // lanes scan k upwards: ties keep the lower k
       }
       for (int o = 16; o > 0; o >>= 1) {
         const int oi = __shfl_xor_sync(0xffffffffu, bi, o);
         if (oi >= 0) {
-          const double ov = v ? out_value(row[oi]) : -inf;
+          const double ov = s_row[oi];
           if (bi < 0 || entry_before(ov, oi, bv, bi)) { bi = oi; bv = ov; }
         }
       }
@@ -148,6 +157,7 @@ weaver_round(const tout* __restrict__ out, i64 out_r, i64 out_m, const unsigned 
     }
     for (int o = 16; o > 0; o >>= 1) bad |= __shfl_xor_sync(0xffffffffu, (int)bad, o) != 0;
     if (bad && lane == 0) *fine = 0;
+    __syncwarp();  // every lane is done with s_row before the warp's next row overwrites it
   }
   __syncthreads();
 

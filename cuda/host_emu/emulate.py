@@ -35,8 +35,10 @@ KERNELS = {
     "weaver_round.cu": ["weaver_round"],
     "candidate_scores.cu": ["candidate_scores"],
     "weaver_linear.cu": ["weaver_linear"],
+    "weaver_attention.cu": ["weaver_node_attention"],
 }
-WRAPPERS = ("gdn", "conv", "tree_attention", "batched_commit", "weaver_round", "candidate_scores", "weaver_linear")  # vllm_tfm.kernels modules that launch kernels
+WRAPPERS = ("gdn", "conv", "tree_attention", "batched_commit", "weaver_round", "candidate_scores", "weaver_linear",
+            "weaver_attention")  # vllm_tfm.kernels modules that launch kernels
 
 
 def build(source: str, options: list[str], out_dir: Path, sanitize: bool = False) -> Path:
@@ -109,6 +111,7 @@ def emulated_kernels(out_dir: Path | None = None, sanitize: bool = False) -> Ite
         stack.enter_context(mock.patch("vllm_tfm.kernels.gdn.device_smem_optin", lambda i: 227 * 1024))
         stack.enter_context(mock.patch("vllm_tfm.kernels.tree_attention.device_smem_optin", lambda i: 227 * 1024))
         stack.enter_context(mock.patch("vllm_tfm.kernels.weaver_round.device_smem_optin", lambda i: 227 * 1024))
+        stack.enter_context(mock.patch("vllm_tfm.kernels.weaver_attention.device_smem_optin", lambda i: 227 * 1024))
         stack.enter_context(mock.patch("torch.cuda.current_device", lambda: 0))
         stack.enter_context(mock.patch("torch.cuda.get_device_properties", lambda i: _Props()))
         yield launches

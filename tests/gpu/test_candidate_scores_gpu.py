@@ -95,6 +95,7 @@ def test_dispatch(monkeypatch) -> None:
 
 def test_weaver_scorer_at_the_27b_shape(monkeypatch) -> None:
     monkeypatch.setenv("VLLM_TFM_WEAVER_LINEAR_KERNEL", "0")  # the candidate scores alone differ
+    monkeypatch.setenv("VLLM_TFM_WEAVER_ATTENTION_KERNEL", "0")
     r, w = 2, 2
     scorers = scorer_pair_27b(r)
     node = torch.zeros(r, w, dtype=torch.long, device=DEV)

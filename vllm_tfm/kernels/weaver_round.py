@@ -12,8 +12,8 @@ float64 addition per child); the rows of the trash node that invalid columns wri
 in both.
 
 ``round_fn_for(growth)`` returns a ``KernelRound`` when the kernel takes the growth (CUDA tensors,
-kernels available, at most 64 nodes per round, at most 4 rank-path words, the frontier keys in shared
-memory) and ``VLLM_TFM_WEAVER_ROUND_KERNEL`` is not ``0``; else None (the caller keeps the torch
+kernels available, at most 64 nodes per round, at most 4 rank-path words, the frontier keys and a scored
+row per warp in shared memory) and ``VLLM_TFM_WEAVER_ROUND_KERNEL`` is not ``0``; else None (the caller keeps the torch
 round; a one-time warning says why for CUDA growths).
 """
 
@@ -39,6 +39,7 @@ __all__ = ["ENV_SWITCH", "OUT_DTYPE_CODE", "KernelRound", "round_fn_for", "round
 
 SOURCE = "weaver_round.cu"
 THREADS = 128  # WR_THREADS in the source
+WARPS = THREADS // 32
 MAX_WIDTH = 64  # s_sel[64]
 MAX_WORDS = 4  # WR_MAX_WORDS
 OUT_DTYPE_CODE = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2, torch.float64: 3}
@@ -47,8 +48,9 @@ NOT_CUDA = "the growth's tensors are not on a CUDA device"
 
 
 def round_smem_bytes(growth: WeaverGrowth) -> int:
-    """Dynamic shared memory of one launch: every frontier slot's score and rank-path words."""
-    return growth.fi.shape[1] * 8 * (1 + growth.nw)
+    """Dynamic shared memory of one launch: every frontier slot's score and rank-path words, then
+    one scored row (K float64 values) per warp."""
+    return (growth.fi.shape[1] * (1 + growth.nw) + WARPS * growth.k) * 8
 
 
 def unsupported_reason(growth: WeaverGrowth) -> str | None:
@@ -65,7 +67,7 @@ def unsupported_reason(growth: WeaverGrowth) -> str | None:
     smem = round_smem_bytes(growth)
     limit = device_smem_optin(tensor_device_index(growth.fi))
     if smem > limit:
-        return f"the frontier keys need {smem} bytes of shared memory; the device allows {limit}"
+        return f"the frontier keys and scored rows need {smem} bytes of shared memory; the device allows {limit}"
     return None
 
 

@@ -46,6 +46,7 @@ from .vocab_table import ShardedVocabTable, VocabTable, candidate_scores_referen
 from .io import read_state, target_text_config, write_state
 from .tfm_config import TFM_CONFIG_NAME, WEAVER_WEIGHTS_NAME, TfmConfig, WeaverConfig
 import vllm_tfm.kernels.candidate_scores as candidate_kernel  # module imports: the kernels import this package too
+import vllm_tfm.kernels.weaver_attention as attention_kernel
 import vllm_tfm.kernels.weaver_linear as linear_kernel
 
 __all__ = ["Weaver", "WeaverTreeScorer", "BatchedWeaverTreeScorer", "weaver_param_count", "candidate_logprobs"]
@@ -511,8 +512,6 @@ class BatchedWeaverTreeScorer:
                 kv[1, :, :, :p0] = v.transpose(1, 2)
                 self.kv_cache.append(kv)
                 x = layer.finish(x, masked_attention(q, k, v, causal, layer.head_dim**-0.5))
-            # views of the keys / values a node may attend to (the trash slot excluded), made once
-            self._key_values = [kv[:, :, :, : p0 + max_nodes].unbind(0) for kv in self.kv_cache]
             # additive key mask (0: visible, -inf: not) of every node slot, the trash slot (row
             # max_nodes) and the root's parent (row max_nodes + 1, the prompt only): the whole
             # prompt, then its ancestors-or-self among the node slots; one more column for the
@@ -567,48 +566,30 @@ class BatchedWeaverTreeScorer:
                 raise ValueError(f"{name} must be {list(node_ids.shape)} like node_ids, got shape {tuple(t.shape)}")
         if self.validate:
             self._check(node_ids, parent_ids, tokens, depths, valid)
-        wv, fw, n = self.weaver, self.folded, self.max_nodes
-        w = node_ids.shape[1]
+        wv, fw = self.weaver, self.folded
         dev = self.key_bias.device
         if node_ids.device != dev:
             node_ids, parent_ids, tokens, depths, valid = (t.to(dev) for t in (node_ids, parent_ids, tokens, depths, valid))
         with torch.no_grad():
             # invalid rows: computed on clamped inputs, written to the trash slot, ignored
-            slot = torch.where(valid, node_ids, n)
             dep = depths.clamp(0, self.depth - 1)
             toks = tokens.clamp(0, self.n_embed_rows - 1)
-            p0 = 1 + self.depth
-            span = p0 + n  # keys a node may attend to: the prompt and the node slots
-            # key mask: the parent's row (row n + 1 = the prompt only, for the root's parent -1)
-            # plus the node itself
-            cols = self.key_bias.shape[2]
-            row = self.key_bias.gather(1, parent_ids.remainder(n + 2)[..., None].expand(r, w, cols))
-            key = p0 + slot  # the key column of each node's own K/V
-            row.scatter_(2, key[..., None], 0.0)
-            self.key_bias.scatter_(1, slot[..., None].expand(r, w, cols), row)
-            bias = row[:, None, :, :span]  # [R, 1, w, S]
             emb = _lookup(self.embed, toks).flatten(0, 1)  # [R w, H]
             fused = self.score_kernel
+            if fused:  # the kernels read [R, w] index tensors as contiguous rows
+                node_ids, parent_ids, depths, valid = (t.contiguous() for t in (node_ids, parent_ids, depths, valid))
+            attention = attention_kernel.node_attention if fused else attention_kernel.node_attention_reference
             x = _norm_linear(fused, emb, fw.token_in, fw.token_in_bias, fw.embed_eps)  # [R w, d]
-            rope = self._rope_nodes[dep]  # [R, w, 2, 3, 1, hd]
-            cos, sin = rope.unbind(2)
-            idx = key[None, :, None, :, None]  # [1, R, 1, w, 1]
-            for layer, lw, kv, (keys, values) in zip(wv.layers, fw.layers, self.kv_cache, self._key_values):
-                heads, hd = layer.n_heads, layer.head_dim
-                # q, k, v and their rotate_half in one GEMM: [R, w, 2, 3, heads, hd]
+            for li, (layer, lw, kv) in enumerate(zip(wv.layers, fw.layers, self.kv_cache)):
+                # q, k, v and their rotate_half in one GEMM: [R w, 2 * 3 * heads * hd]
                 proj = _norm_linear(fused, x, lw.qkv_rot, lw.qkv_rot_bias, lw.attn_eps)
-                proj, proj_rot = proj.view(r, w, 2, 3, heads, hd).unbind(2)
-                qkv = torch.empty(3, r, heads, w, hd, dtype=x.dtype, device=dev)
-                rotated = qkv.permute(1, 3, 0, 2, 4)  # [R, w, 3, heads, hd] view of the buffer
-                torch.mul(proj, cos, out=rotated)
-                rotated.addcmul_(proj_rot, sin)
-                kv.scatter_(3, idx.expand(2, r, heads, w, hd), qkv[1:])
-                attn = F.scaled_dot_product_attention(
-                    qkv[0], keys, values, attn_mask=bias, scale=hd**-0.5
-                )  # [R, heads, w, hd]
-                x = _residual_linear(fused, x, attn.transpose(1, 2).reshape(r * w, heads * hd), lw.o_proj)
+                # RoPE, the nodes' K/V into the cache, attention over the prompt and the
+                # ancestors-or-self; the first layer also writes the nodes' key-mask rows
+                attn = attention(proj, self._rope_nodes, node_ids, parent_ids, depths, valid, kv, self.key_bias,
+                                 1 + self.depth, layer.head_dim**-0.5, li == 0)  # [R w, heads hd]
+                x = _residual_linear(fused, x, attn, lw.o_proj)
                 x = _residual_linear(fused, x, _norm_swiglu(fused, x, lw.gate_up, lw.gate_up_bias, lw.mlp_eps), lw.down)
             qry = _norm_linear(fused, x, fw.query, fw.query_bias, fw.out_eps)  # [R w, H]
             score_fn = candidate_kernel.candidate_scores if fused else candidate_scores_reference
-            scores = score_fn(self.lm_head, self.cand_ids, self.cand_logits, dep, qry.view(r, w, -1))  # [R, w, K]
-            return torch.log_softmax(scores, dim=-1)
+            scores = score_fn(self.lm_head, self.cand_ids, self.cand_logits, dep, qry.view(r, node_ids.shape[1], -1))
+            return torch.log_softmax(scores, dim=-1)  # [R, w, K]
