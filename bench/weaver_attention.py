@@ -29,7 +29,7 @@ for p in (REPO, REPO / "bench", REPO / "tests" / "cpu"):
     if str(p) not in sys.path:
         sys.path.insert(0, str(p))
 
-from _attention_problem import check_results, problem, run_on_copies, run_reference
+from _attention_problem import check_results, problem, run_on_copies
 from gdn_tree import copy_bandwidth, time_calls
 
 from vllm_tfm.kernels import weaver_attention as ka
@@ -42,7 +42,8 @@ def sanitize_case() -> None:
                                                            (3, 4, 2, 16, 5, 40, torch.bfloat16),
                                                            (2, 3, 3, 8, 4, 9, torch.float16))):
         args = problem(seed, r, w, heads, hd, depth, n, dt, device="cuda")
-        check_results(args, True, run_on_copies(ka.node_attention_kernel, args, True), run_reference(args, True))
+        # the kernel alone (torch's SDPA, which the reference runs, has races racecheck reports)
+        check_results(args, True, run_on_copies(ka.node_attention_kernel, args, True), None)
     torch.cuda.synchronize()
     print("sanitize case: the kernel equals the float64 attention to rounding")
 
@@ -69,8 +70,8 @@ def main() -> int:
     for spec in args.cases.split(","):
         r, w = (int(v) for v in spec.split(":"))
         call = problem(r * 100 + w, r, w, HEADS, HD, DEPTH, SLOTS, torch.bfloat16, device="cuda")
-        ref_us, ref_mode = time_calls([lambda: ka.node_attention_reference(*call, True)] * 10, args.repeats)
-        ker_us, ker_mode = time_calls([lambda: ka.node_attention_kernel(*call, True)] * 10, args.repeats)
+        ref_us, ref_mode = time_calls([lambda call=call: ka.node_attention_reference(*call, True)] * 10, args.repeats)
+        ker_us, ker_mode = time_calls([lambda call=call: ka.node_attention_kernel(*call, True)] * 10, args.repeats)
         span = 1 + DEPTH + SLOTS
         moved = 2 * r * HEADS * span * HD * 2 + call[0].numel() * 2
         case = {"requests": r, "width": w, "reference_us": ref_us, "kernel_us": ker_us, "speedup": ref_us / ker_us,

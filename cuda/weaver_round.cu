@@ -39,6 +39,7 @@
 #define WR_WARPS (WR_THREADS / 32)
 #define WR_DEAD_BIT (1LL << 62)
 #define WR_MAX_WORDS 4  // rank-path words (1 + W <= 5 int64 per slot)
+#define WR_BATCH 4      // frontier slots a thread loads at once in phase 2
 
 #if WR_OUT == 0
 typedef float tout;
@@ -79,7 +80,8 @@ __device__ __forceinline__ bool entry_before(double va, int a, double vb, int b)
   return va > vb || (va == vb && a < b);
 }
 
-// grid (R), block WR_THREADS, dynamic shared memory (F (1 + nw) + WR_WARPS K) * 8 bytes.
+// grid (R), block WR_THREADS, dynamic shared memory (F (1 + nw) + WR_WARPS (K + c)) * 8 + WR_WARPS c * 4
+// bytes.
 extern "C" __global__ void __launch_bounds__(WR_THREADS)
 weaver_round(const tout* __restrict__ out, i64 out_r, i64 out_m, const unsigned char* __restrict__ valid, i64 valid_r,
              const i64* node_in, i64 node_r, const i64* d_in, i64 d_r, const i64* dw_in, i64 dw_r, i64 dw_m,
@@ -93,7 +95,8 @@ weaver_round(const tout* __restrict__ out, i64 out_r, i64 out_m, const unsigned 
              i64* __restrict__ n_alive_o, i64* __restrict__ take_o, unsigned char* __restrict__ room_o,
              int m, int K, int c, int nw, int F, int n_cap, int w, int dmax) {
   TFM_DYNAMIC_SMEM(double, s_score);            // [F] sort score (-inf for dead slots)
-  i64* s_words = reinterpret_cast<i64*>(s_score + F);  // [F, nw] rank-path words, then [WR_WARPS, K] rows
+  i64* s_words = reinterpret_cast<i64*>(s_score + F);  // [F, nw] rank-path words, then per warp a row
+  // [WR_WARPS, K], its children's values [WR_WARPS, c] and indices [WR_WARPS, c] (int32)
   __shared__ int s_sel[64];                     // the selected slots (w <= 64)
   __shared__ int s_red[WR_WARPS];
   __shared__ int s_alive;
@@ -105,10 +108,14 @@ weaver_round(const tout* __restrict__ out, i64 out_r, i64 out_m, const unsigned 
   if (tid == 0) s_alive = 0;
 
   // ---- phase 1: push the children of the m scored rows. A warp stages its row once in shared
-  // memory (as the float64 values compared), then picks the c children one after another from
-  // there: every selection's scan and butterfly read shared memory, not global (the butterfly's
-  // reads depend on the previous shuffle, so from global each cost a full L2 round trip).
+  // memory (as the float64 values compared), picks the c children one after another from there
+  // (every selection's scan and butterfly read shared memory), keeps them in shared memory, and
+  // writes all c children's frontier slots at once afterwards: their loads (candidate ids, rank
+  // steps) are then issued together instead of two dependent round trips per child.
   double* s_row = reinterpret_cast<double*>(s_words + (i64)F * nw) + (i64)warp * K;  // [K] per warp
+  double* s_cv = reinterpret_cast<double*>(s_words + (i64)F * nw) + (i64)WR_WARPS * K + (i64)warp * c;  // [c]
+  int* s_ci = reinterpret_cast<int*>(reinterpret_cast<double*>(s_words + (i64)F * nw) + (i64)WR_WARPS * (K + c))
+              + warp * c;  // [c]
   for (int i = warp; i < m; i += WR_WARPS) {
     const bool v = valid[r * valid_r + i] != 0;
     const tout* row = out + r * out_r + i * out_m;
@@ -116,7 +123,8 @@ weaver_round(const tout* __restrict__ out, i64 out_r, i64 out_m, const unsigned 
     const int d = (int)d_in[r * d_r + i];
     const double sc = score_in[r * score_r + i];
     i64 dwi[1 + WR_MAX_WORDS];
-    for (int t = 0; t <= nw; ++t) dwi[t] = dw_in[r * dw_r + i * dw_m + t];
+#pragma unroll
+    for (int t = 0; t <= WR_MAX_WORDS; ++t) dwi[t] = t <= nw ? dw_in[r * dw_r + i * dw_m + t] : 0;
     bool bad = false;
     for (int k = lane; k < K; k += 32) {
       const double x = v ? out_value(row[k]) : -inf;
@@ -129,6 +137,7 @@ weaver_round(const tout* __restrict__ out, i64 out_r, i64 out_m, const unsigned 
     for (int j = 0; j < c; ++j) {
       int bi = -1;
       double bv = 0.0;
+#pragma unroll 4
       for (int k = lane; k < K; k += 32) {
         const double x = s_row[k];
         if (!(x < pv || (x == pv && k > pi))) continue;  // not after the previous child
@@ -142,33 +151,61 @@ weaver_round(const tout* __restrict__ out, i64 out_r, i64 out_m, const unsigned 
         }
       }
       if (bi < 0) { bi = j; bv = -inf; }  // only after NaN (flagged): any in-range child
-      const i64 slot = node * c + j;
-      if (lane <= nw) {  // lane t writes fi word t + 1 (depth, then the rank-path words)
-        i64 val = dwi[lane] + step[((i64)d * c + j) * (1 + nw) + lane];
-        if (lane == 1 && bv == -inf) val = WR_DEAD_BIT;
-        fir[slot * ci + 1 + lane] = val;
-      } else if (lane == 31) {
-        fir[slot * ci] = cand_flat[(i64)r * (dmax + 1) * K + (i64)d * K + bi];
-        ffr[slot * 2] = sc + bv;
-        ffr[slot * 2 + 1] = bv;
-      }
+      if (lane == 0) { s_ci[j] = bi; s_cv[j] = bv; }
       pv = bv;
       pi = bi;
     }
+    __syncwarp();
+    for (int j = lane; j < c; j += 32) {  // child j of the row: frontier slot node * c + j
+      const int bi = s_ci[j];
+      const double bv = s_cv[j];
+      const i64 slot = node * c + j;
+      const i64 tok = cand_flat[(i64)r * (dmax + 1) * K + (i64)d * K + bi];
+      i64 val[1 + WR_MAX_WORDS];
+#pragma unroll
+      for (int t = 0; t <= WR_MAX_WORDS; ++t) val[t] = t <= nw ? step[((i64)d * c + j) * (1 + nw) + t] : 0;
+      fir[slot * ci] = tok;
+#pragma unroll
+      for (int t = 0; t <= WR_MAX_WORDS; ++t) {  // word t + 1: the depth, then the rank-path words
+        if (t <= nw) fir[slot * ci + 1 + t] = (t == 1 && bv == -inf) ? WR_DEAD_BIT : dwi[t] + val[t];
+      }
+      ffr[slot * 2] = sc + bv;
+      ffr[slot * 2 + 1] = bv;
+    }
     for (int o = 16; o > 0; o >>= 1) bad |= __shfl_xor_sync(0xffffffffu, (int)bad, o) != 0;
     if (bad && lane == 0) *fine = 0;
-    __syncwarp();  // every lane is done with s_row before the warp's next row overwrites it
+    __syncwarp();  // every lane is done with s_row, s_ci, s_cv before the warp's next row
   }
   __syncthreads();
 
-  // ---- phase 2: load the frontier keys, count the alive slots
+  // ---- phase 2: load the frontier keys (a batch of slots' loads per thread at once), count the
+  // alive slots
   int mine = 0;
-  for (int s = tid; s < F; s += WR_THREADS) {
-    const i64 w0 = fir[s * ci + 2];
-    const bool alive = w0 < WR_DEAD_BIT;
-    mine += alive;
-    s_score[s] = alive ? ffr[s * 2] : -inf;
-    for (int t = 0; t < nw; ++t) s_words[s * nw + t] = fir[s * ci + 2 + t];
+  for (int base = tid; base < F; base += WR_THREADS * WR_BATCH) {
+    i64 wd[WR_BATCH][WR_MAX_WORDS];
+    double scv[WR_BATCH];
+#pragma unroll
+    for (int u = 0; u < WR_BATCH; ++u) {
+      const int s = base + u * WR_THREADS;
+      if (s < F) {
+#pragma unroll
+        for (int t = 0; t < WR_MAX_WORDS; ++t) wd[u][t] = (t == 0 || t < nw) ? fir[s * ci + 2 + t] : 0;  // word 0: the alive mark
+        scv[u] = ffr[s * 2];
+      }
+    }
+#pragma unroll
+    for (int u = 0; u < WR_BATCH; ++u) {
+      const int s = base + u * WR_THREADS;
+      if (s < F) {
+        const bool alive = wd[u][0] < WR_DEAD_BIT;
+        mine += alive;
+        s_score[s] = alive ? scv[u] : -inf;
+#pragma unroll
+        for (int t = 0; t < WR_MAX_WORDS; ++t) {
+          if (t < nw) s_words[s * nw + t] = wd[u][t];
+        }
+      }
+    }
   }
   if (mine) atomicAdd(&s_alive, mine);
   __syncthreads();

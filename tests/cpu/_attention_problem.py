@@ -98,7 +98,8 @@ def run_reference(args, write_mask: bool):
 
 def check_results(args, write_mask: bool, got, ref) -> None:
     """The kernel's (out, kv, key_bias) ``got`` after one call on ``args`` against the float64
-    function and the reference's ``ref`` (``run_reference``)."""
+    function and the reference's ``ref`` (``run_reference``; None: the float64 function and the
+    untouched entries only)."""
     proj, _, node_ids, _, _, valid, kv0, kb0, p0, _ = args
     dt = proj.dtype
     r, w = node_ids.shape
@@ -111,8 +112,9 @@ def check_results(args, write_mask: bool, got, ref) -> None:
     vmax = float(kv0[1].double().abs().max().clamp(min=v_rot.abs().max()))
     bound = 1e-5 * vmax + 2 * ULP[dt] * exact.abs()[rows]
     assert bool((err <= bound).all()), float((err / bound).max())
-    ref_out, ref_kv, ref_kb = ref
-    assert bool(((out.double() - ref_out.double()).abs()[rows] <= 2 * bound + 4 * ULP[dt] * vmax).all())
+    if ref is not None:
+        ref_out, ref_kv, ref_kb = ref
+        assert bool(((out.double() - ref_out.double()).abs()[rows] <= 2 * bound + 4 * ULP[dt] * vmax).all())
     # K/V: the valid nodes' columns hold their rotated k / v (one rounding), every other column of
     # the span is untouched (the trash column, written by the reference, is outside the span)
     written = torch.zeros(r, kv0.shape[3], dtype=torch.bool, device=out.device)
@@ -124,7 +126,8 @@ def check_results(args, write_mask: bool, got, ref) -> None:
                 for part, rot in ((0, k_rot), (1, v_rot)):
                     got, want = kv[part, b, :, col].double(), rot[b, i]
                     assert bool(((got - want).abs() <= ULP[dt] * want.abs()).all())
-                    assert bool(((got - ref_kv[part, b, :, col].double()).abs() <= ULP[dt] * want.abs()).all())
+                    if ref is not None:
+                        assert bool(((got - ref_kv[part, b, :, col].double()).abs() <= ULP[dt] * want.abs()).all())
     span = p0 + n
     keep = ~written[:, :span]
     assert torch.equal(kv[:, :, :, :span][:, keep[:, None].expand(r, heads, span)],
@@ -136,7 +139,8 @@ def check_results(args, write_mask: bool, got, ref) -> None:
         for i in range(w):
             if valid[b, i] and write_mask:
                 slots[b, int(node_ids[b, i])] = True
-    assert torch.equal(kb[slots], ref_kb[slots])
+    if ref is not None:
+        assert torch.equal(kb[slots], ref_kb[slots])
     untouched = ~slots
     untouched[:, n] = False
     assert torch.equal(kb[untouched], kb0[untouched])

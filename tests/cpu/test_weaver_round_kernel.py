@@ -181,8 +181,9 @@ def test_the_kernel_is_taken_for_cuda_growths_only_and_says_why_not(monkeypatch)
     assert kw.unsupported_reason(g) == "no NVRTC here"
     monkeypatch.setattr(kw, "kernels_unavailable_reason", lambda i: None)
     monkeypatch.setattr(kw, "device_smem_optin", lambda i: 100)
-    assert kw.unsupported_reason(g) == (  # per slot a score and one word (nw = 1), per warp (4) a row of K float64 values
-        f"the frontier keys and scored rows need {(g.fi.shape[1] * 2 + 4 * g.k) * 8} bytes of shared memory; "
+    assert kw.unsupported_reason(g) == (  # per slot a score and one word (nw = 1), per warp (4) a row of K float64 values and c children
+        f"the frontier keys and scored rows need {(g.fi.shape[1] * 2 + 4 * (g.k + g.c)) * 8 + 4 * g.c * 4} bytes "
+        "of shared memory; "
         "the device allows 100"
     )
     monkeypatch.setattr(kw, "device_smem_optin", lambda i: 227 * 1024)

@@ -49,8 +49,8 @@ NOT_CUDA = "the growth's tensors are not on a CUDA device"
 
 def round_smem_bytes(growth: WeaverGrowth) -> int:
     """Dynamic shared memory of one launch: every frontier slot's score and rank-path words, then
-    one scored row (K float64 values) per warp."""
-    return (growth.fi.shape[1] * (1 + growth.nw) + WARPS * growth.k) * 8
+    per warp one scored row (K float64 values) and its c children (float64 values, int32 indices)."""
+    return (growth.fi.shape[1] * (1 + growth.nw) + WARPS * (growth.k + growth.c)) * 8 + WARPS * growth.c * 4
 
 
 def unsupported_reason(growth: WeaverGrowth) -> str | None:

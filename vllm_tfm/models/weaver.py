@@ -457,10 +457,12 @@ class BatchedWeaverTreeScorer:
         max_nodes: node slots per request (1 + the largest budget).
         score_kernel: the scorer's kernels where they take the tensors (else their torch
             references): the linear layers with their norms, SwiGLU and residual adds through
-            ``vllm_tfm.kernels.weaver_linear`` (up to its KERNEL_ROWS = 4 rows R x w) and the candidate scores
-            (DFlash logit + lm_head row . query) through ``vllm_tfm.kernels.candidate_scores``,
-            one launch each: the same function in another order with fewer roundings (agreeing
-            with the torch path to the activation dtype's rounding).
+            ``vllm_tfm.kernels.weaver_linear`` (up to its KERNEL_ROWS = 4 rows R x w), each layer's
+            RoPE, K/V write, key-mask rows and attention through ``vllm_tfm.kernels.weaver_attention``
+            and the candidate scores (DFlash logit + lm_head row . query) through
+            ``vllm_tfm.kernels.candidate_scores``, one launch each: the same function in another
+            order with fewer roundings (agreeing with the torch path to the activation dtype's
+            rounding).
     """
 
     def __init__(
