@@ -30,15 +30,11 @@
 // Invalid rows: computed on clamped inputs, no K/V or mask write, output unspecified.
 //
 // Shared memory (dynamic): q of the w rows (float32, [w][hd]), one probability row per warp
-// ([WA_WARPS][span] float32), the rows' indices ([w][4] int32), then K and V of the span keys as
-// stored ([span][hd + pad] each: rows padded to an odd number of 4-byte words, so that lanes
-// reading one key each hit distinct banks).
+// ([WA_WARPS][span] float32), then K and V of the span keys as stored ([span][hd + pad] each: rows
+// padded to an odd number of 4-byte words, so that lanes reading one key each hit distinct banks).
 //
-// Latency, not bandwidth, sets the time (8 CTAs at R = 1): every phase issues its global loads
-// together (a batch per thread, the mask values of a lane's keys at once) before using them.
-//
-// Requirements (checked by the wrapper, vllm_tfm/kernels/weaver_attention.py): head rows of hd
-// elements a multiple of 16 bytes; span <= 32 WA_KEY_ITERS; kv [2, R, heads, S, hd], key_bias [R, n_slots + 2, cols]
+// Requirements (checked by the wrapper, vllm_tfm/kernels/weaver_attention.py): hd even with rows
+// of hd elements a multiple of 16 bytes; kv [2, R, heads, S, hd], key_bias [R, n_slots + 2, cols]
 // proj [R w, 6 heads hd] and rope contiguous; node ids < n_slots for valid rows.
 //
 // Compile-time constant (NVRTC -D): TFM_IN, the activations' type (0 float32, 1 bfloat16,
@@ -48,8 +44,6 @@
 #define WA_THREADS 128
 #define WA_WARPS (WA_THREADS / 32)
 #define WA_PAD (4 / (int)sizeof(tin))  // elements appended to a staged K / V row: one 4-byte word
-#define WA_BATCH 8        // global loads a thread issues before it stores them (staging, RoPE)
-#define WA_KEY_ITERS 8    // keys per lane: span <= 256 (the wrapper's MAX_SPAN)
 
 __device__ __forceinline__ float wa_neg_inf() { return __int_as_float(0xff800000); }
 
@@ -99,18 +93,6 @@ __device__ __forceinline__ float key_dot(const float* q, const u32* kr, int hd, 
   return acc;
 }
 
-// Four consecutive elements of a staged row (4-byte aligned: two words of 16-bit elements, four
-// floats) -> float32.
-__device__ __forceinline__ void value4(const float* p, float* o) {
-  o[0] = p[0]; o[1] = p[1]; o[2] = p[2]; o[3] = p[3];
-}
-template <typename T>
-__device__ __forceinline__ void value4(const T* p, float* o) {
-  const u32* w = reinterpret_cast<const u32*>(p);
-  const float2 a = word_to_f32(w[0], T{}), b = word_to_f32(w[1], T{});
-  o[0] = a.x; o[1] = a.y; o[2] = b.x; o[3] = b.y;
-}
-
 extern "C" __global__ void __launch_bounds__(WA_THREADS) weaver_node_attention(
     const tin* __restrict__ proj, i64 proj_ld, const tin* __restrict__ rope,
     const i64* __restrict__ node_ids, const i64* __restrict__ parent_ids, const i64* __restrict__ depths,
@@ -119,9 +101,8 @@ extern "C" __global__ void __launch_bounds__(WA_THREADS) weaver_node_attention(
   TFM_DYNAMIC_SMEM(float, s_q);           // [w][hd]
   float* s_p = s_q + w * hd;               // [WA_WARPS][span]
   const int span = p0 + n_slots;
-  int* s_meta = reinterpret_cast<int*>(s_p + WA_WARPS * span);  // [w][4]: valid, key, parent row, depth
   const int row_e = hd + WA_PAD;           // elements per staged row
-  tin* s_k = reinterpret_cast<tin*>(s_meta + 4 * w);  // [span][row_e]
+  tin* s_k = reinterpret_cast<tin*>(s_p + WA_WARPS * span);  // [span][row_e]
   tin* s_v = s_k + span * row_e;
   const int h = blockIdx.x, r = blockIdx.y, R = gridDim.y;
   const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
@@ -130,132 +111,74 @@ extern "C" __global__ void __launch_bounds__(WA_THREADS) weaver_node_attention(
   tin* vh = kv + ((i64)(R + r) * heads + h) * head_stride;         // kv[1, r, h]
   const int nb = n_slots + 2;
 
-  // ---- the rows' indices (the key column: the node's for valid rows, past the span for the
-  // others; the parent's mask row; the clamped depth), and K / V of the span keys: every load of a
-  // batch issued before its shared-memory stores (16-byte global loads, 4-byte shared stores)
-  for (int i = tid; i < w; i += WA_THREADS) {
-    const i64 row = (i64)r * w + i;
-    const bool v = valid[row] != 0;
-    i64 par = parent_ids[row] % nb;
-    i64 dep = depths[row];
-    s_meta[4 * i] = v;
-    s_meta[4 * i + 1] = p0 + (v ? (int)node_ids[row] : n_slots);
-    s_meta[4 * i + 2] = (int)(par < 0 ? par + nb : par);
-    s_meta[4 * i + 3] = (int)(dep < 0 ? 0 : (dep >= D ? D - 1 : dep));
-  }
+  // ---- stage K and V of the span keys (16-byte global loads, 4-byte shared stores)
   const int vec = 16 / (int)sizeof(tin);   // elements per 16-byte load
-  const int per_row = hd / vec, total = 2 * span * per_row;
-  for (int base = tid; base < total; base += WA_THREADS * WA_BATCH) {
-    uint4 val[WA_BATCH];
-#pragma unroll
-    for (int u = 0; u < WA_BATCH; ++u) {
-      const int e = base + u * WA_THREADS;
-      if (e < total) {
-        const int which = e / (span * per_row), rem = e - which * span * per_row;
-        const int j = rem / per_row, c0 = (rem - j * per_row) * vec;
-        val[u] = *reinterpret_cast<const uint4*>((which ? vh : kh) + (i64)j * hd + c0);
-      }
-    }
-#pragma unroll
-    for (int u = 0; u < WA_BATCH; ++u) {
-      const int e = base + u * WA_THREADS;
-      if (e < total) {
-        const int which = e / (span * per_row), rem = e - which * span * per_row;
-        const int j = rem / per_row, c0 = (rem - j * per_row) * vec;
-        u32* dst = reinterpret_cast<u32*>((which ? s_v : s_k) + j * row_e + c0);
-        dst[0] = val[u].x; dst[1] = val[u].y; dst[2] = val[u].z; dst[3] = val[u].w;
-      }
+  const int per_row = hd / vec;
+  for (int e = tid; e < 2 * span * per_row; e += WA_THREADS) {
+    const int which = e / (span * per_row), rem = e - which * span * per_row;
+    const int j = rem / per_row, c0 = (rem - j * per_row) * vec;
+    const uint4 val = *reinterpret_cast<const uint4*>((which ? vh : kh) + (i64)j * hd + c0);
+    u32* dst = reinterpret_cast<u32*>((which ? s_v : s_k) + j * row_e + c0);
+    dst[0] = val.x; dst[1] = val.y; dst[2] = val.z; dst[3] = val.w;
+  }
+  __syncthreads();
+
+  // ---- RoPE of q and k; the valid nodes' k and v into the cache and the staged rows
+  for (int e = tid; e < w * 3 * hd; e += WA_THREADS) {
+    const int i = e / (3 * hd), rem = e - i * 3 * hd;
+    const int part = rem / hd, d = rem - part * hd;
+    const i64 row = (i64)r * w + i;
+    const tin* p = proj + row * proj_ld + (i64)part * heads * hd + (i64)h * hd + d;
+    i64 dep = depths[row];
+    dep = dep < 0 ? 0 : (dep >= D ? D - 1 : dep);
+    const tin* cs = rope + (dep * 6 + part) * hd + d;  // rope[dep, 0 (cos), part, 0, d]; sin 3 hd on
+    const tin x = rope_value(p[0], p[(i64)3 * heads * hd], cs[0], cs[3 * hd]);
+    if (part == 0) {
+      s_q[i * hd + d] = to_f32(x);
+    } else if (valid[row]) {
+      const int key = p0 + (int)node_ids[row];
+      (part == 1 ? kh : vh)[(i64)key * hd + d] = x;
+      (part == 1 ? s_k : s_v)[key * row_e + d] = x;
     }
   }
   __syncthreads();
 
-  // ---- RoPE of q, k and v; the valid nodes' k and v into the cache and the staged rows
-  const int n_rot = w * 3 * hd;
-  for (int base = tid; base < n_rot; base += WA_THREADS * WA_BATCH) {
-    tin x[WA_BATCH], rx[WA_BATCH], c[WA_BATCH], sn[WA_BATCH];
-#pragma unroll
-    for (int u = 0; u < WA_BATCH; ++u) {
-      const int e = base + u * WA_THREADS;
-      if (e < n_rot) {
-        const int i = e / (3 * hd), rem = e - i * 3 * hd, part = rem / hd, d = rem - part * hd;
-        const tin* pp = proj + ((i64)r * w + i) * proj_ld + (i64)part * heads * hd + (i64)h * hd + d;
-        const tin* cs = rope + ((i64)s_meta[4 * i + 3] * 6 + part) * hd + d;  // rope[dep, 0 (cos), part, 0, d]
-        x[u] = pp[0];
-        rx[u] = pp[(i64)3 * heads * hd];
-        c[u] = cs[0];
-        sn[u] = cs[3 * hd];
-      }
-    }
-#pragma unroll
-    for (int u = 0; u < WA_BATCH; ++u) {
-      const int e = base + u * WA_THREADS;
-      if (e < n_rot) {
-        const int i = e / (3 * hd), rem = e - i * 3 * hd, part = rem / hd, d = rem - part * hd;
-        const tin y = rope_value(x[u], rx[u], c[u], sn[u]);
-        if (part == 0) {
-          s_q[i * hd + d] = to_f32(y);
-        } else if (s_meta[4 * i]) {
-          const int key = s_meta[4 * i + 1];
-          (part == 1 ? kh : vh)[(i64)key * hd + d] = y;
-          (part == 1 ? s_k : s_v)[key * row_e + d] = y;
-        }
-      }
-    }
-  }
-  __syncthreads();
-
-  // ---- attention: one warp per node row; lanes over keys for the scores (the mask values loaded
-  // first, all at once), over groups of 4 dims for the output
+  // ---- attention: one warp per node row; lanes over keys for the scores, over dims for the output
   const u32* kw = reinterpret_cast<const u32*>(s_k);
   const int row_w = row_e * (int)sizeof(tin) / 4;  // 4-byte words per staged row
   float* prow = s_p + warp * span;
   for (int i = warp; i < w; i += WA_WARPS) {
     const i64 row = (i64)r * w + i;
-    const int key = s_meta[4 * i + 1];
-    const tin* brow = key_bias + ((i64)r * nb + s_meta[4 * i + 2]) * cols;
-    float b[WA_KEY_ITERS];
-#pragma unroll
-    for (int t = 0; t < WA_KEY_ITERS; ++t) {
-      const int j = lane + 32 * t;
-      b[t] = j < span ? (j == key ? 0.0f : to_f32(brow[j])) : wa_neg_inf();
-    }
+    const bool v = valid[row] != 0;
+    const int key = p0 + (v ? (int)node_ids[row] : n_slots);
+    i64 par = parent_ids[row] % nb;
+    if (par < 0) par += nb;
+    const tin* brow = key_bias + ((i64)r * nb + par) * cols;
     const float* q = s_q + i * hd;
     float mx = wa_neg_inf();
-#pragma unroll
-    for (int t = 0; t < WA_KEY_ITERS; ++t) {
-      const int j = lane + 32 * t;
-      if (j < span) {
-        const float sc = b[t] != wa_neg_inf() ? key_dot(q, kw + j * row_w, hd, tin{}) * scale + b[t] : wa_neg_inf();
-        prow[j] = sc;
-        mx = fmaxf(mx, sc);
+    for (int j = lane; j < span; j += 32) {
+      const float b = j == key ? 0.0f : to_f32(brow[j]);
+      float sc = wa_neg_inf();
+      if (b != wa_neg_inf()) {
+        const float acc = key_dot(q, kw + j * row_w, hd, tin{});
+        sc = acc * scale + b;
       }
+      prow[j] = sc;
+      mx = fmaxf(mx, sc);
     }
     for (int o = 16; o > 0; o >>= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, o));
     float l = 0.0f;
-#pragma unroll
-    for (int t = 0; t < WA_KEY_ITERS; ++t) {
-      const int j = lane + 32 * t;
-      if (j < span) {
-        const float pj = expf(prow[j] - mx);  // masked keys: exp(-inf) = 0
-        prow[j] = pj;
-        l += pj;
-      }
+    for (int j = lane; j < span; j += 32) {
+      const float pj = expf(prow[j] - mx);  // masked keys: exp(-inf) = 0
+      prow[j] = pj;
+      l += pj;
     }
     l = warp_sum(l);
     __syncwarp();
-    const float inv = 1.0f / l;
-    for (int d = 4 * lane; d < hd; d += 128) {
-      float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-#pragma unroll 4
-      for (int j = 0; j < span; ++j) {
-        const float pj = prow[j];
-        float vv[4];
-        value4(s_v + j * row_e + d, vv);
-#pragma unroll
-        for (int u = 0; u < 4; ++u) acc[u] = fmaf(pj, vv[u], acc[u]);
-      }
-#pragma unroll
-      for (int u = 0; u < 4; ++u) out[row * heads * hd + (i64)h * hd + d + u] = from_f32<tin>(acc[u] * inv);
+    for (int d = lane; d < hd; d += 32) {
+      float acc = 0.0f;
+      for (int j = 0; j < span; ++j) acc = fmaf(prow[j], to_f32(s_v[j * row_e + d]), acc);
+      out[row * heads * hd + (i64)h * hd + d] = from_f32<tin>(acc / l);
     }
     __syncwarp();  // the probability row is reused by the warp's next node
   }
@@ -264,10 +187,13 @@ extern "C" __global__ void __launch_bounds__(WA_THREADS) weaver_node_attention(
   if (write_mask && h == 0) {
     for (int e = tid; e < w * cols; e += WA_THREADS) {
       const int i = e / cols, j = e - i * cols;
-      if (!s_meta[4 * i]) continue;
-      const int key = s_meta[4 * i + 1];
-      const tin bv = key_bias[((i64)r * nb + s_meta[4 * i + 2]) * cols + j];
-      key_bias[((i64)r * nb + (key - p0)) * cols + j] = j == key ? from_f32<tin>(0.0f) : bv;
+      const i64 row = (i64)r * w + i;
+      if (!valid[row]) continue;
+      const int slot = (int)node_ids[row];
+      i64 par = parent_ids[row] % nb;
+      if (par < 0) par += nb;
+      const tin b = key_bias[((i64)r * nb + par) * cols + j];
+      key_bias[((i64)r * nb + slot) * cols + j] = j == p0 + slot ? from_f32<tin>(0.0f) : b;
     }
   }
 }

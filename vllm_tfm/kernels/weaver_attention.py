@@ -14,8 +14,8 @@ rows of valid nodes are the reference's bit for bit. Invalid rows write nothing 
 reference writes them to the trash slot) and their outputs mean nothing in both.
 
 The kernel runs for CUDA tensors of one dtype (float32, bfloat16 or float16), head rows of a
-multiple of 16 bytes, at most ``MAX_SPAN`` keys (prompt and node slots), contiguous kv / key_bias /
-rope table / [R, w] index tensors and projection rows, and shared memory for the staged K/V within the device's limit; anything else
+multiple of 16 bytes, contiguous kv / key_bias / rope table / [R, w] index tensors and
+projection rows, and shared memory for the staged K/V within the device's limit; anything else
 (and ``VLLM_TFM_WEAVER_ATTENTION_KERNEL=0``) calls the reference, with a one-time warning for CUDA
 inputs the kernel does not take.
 """
@@ -55,7 +55,6 @@ DTYPE_CODE = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 ENV_SWITCH = "VLLM_TFM_WEAVER_ATTENTION_KERNEL"
 NOT_CUDA = "the tensors are not all on one CUDA device"
 MAX_GRID_Y = 65535
-MAX_SPAN = 256  # keys per node: 32 lanes x WA_KEY_ITERS in the source
 
 
 def _shape(kv: Tensor, key_bias: Tensor) -> tuple[int, int, int, int]:
@@ -101,8 +100,8 @@ def node_attention_reference(
 
 def attention_smem_bytes(w: int, span: int, hd: int, elem: int) -> int:
     """Dynamic shared memory of one launch: q of the w rows and a probability row per warp
-    (float32), four int32 indices per row, the span keys' K and V rows padded by one 4-byte word."""
-    return 4 * (w * hd + WARPS * span + 4 * w) + 2 * span * (hd * elem + 4)
+    (float32), the span keys' K and V rows padded by one 4-byte word."""
+    return 4 * (w * hd + WARPS * span) + 2 * span * (hd * elem + 4)
 
 
 def unsupported_reason(
@@ -127,8 +126,6 @@ def unsupported_reason(
         return f"kv has {kv.shape[3]} key slots and key_bias {cols} columns for p0 + n + 1 = {p0 + n + 1}"
     if tuple(proj.shape) != (r * w, 6 * heads * hd):
         return f"proj {tuple(proj.shape)} is not [R w = {r * w}, 6 heads hd = {6 * heads * hd}]"
-    if p0 + n > MAX_SPAN:
-        return f"{p0 + n} keys per node are over the kernel's {MAX_SPAN}"
     if (hd * dt.itemsize) % 16:
         return f"head rows of {hd} elements are not a multiple of 16 bytes"
     tensors = (proj, rope, node_ids, parent_ids, depths, valid, kv, key_bias)
