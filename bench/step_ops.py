@@ -79,6 +79,7 @@ for _path in (REPO, REPO / "bench", REPO / "tests" / "cpu"):
 
 from tree_build_ops import OpLog, cuda_syncs, make_inputs, save_labelled, zoo_shapes
 
+from vllm_tfm.tree.weaver import default_weaver_width
 from vllm_tfm.verify.acceptance_replay import spine_first_logits
 from vllm_tfm.vllm_plugin.runtime.tree_builder_gpu import weaver_trees
 
@@ -279,7 +280,7 @@ def draft_trees(r: int, budget: int, seed: int) -> tuple[torch.Tensor, torch.Ten
     """Weaver trees (tokens [R, B], parents [R, 1 + B]) on spine-first marginals (the e2e setting)."""
     zoo = zoo_shapes()
     depth = min(zoo["block_size"] - 1, budget)
-    width = zoo["width"] if zoo["width"] is not None else -(-budget // 16)
+    width = zoo["width"] if zoo["width"] is not None else default_weaver_width(budget)
     x = make_inputs(r, depth, zoo, seed=seed, device=torch.device("cpu"))
     with torch.inference_mode():
         tokens, parents = weaver_trees(x["weaver"], spine_first_logits(x["logits"]), x["hidden"], x["verifier"],

@@ -75,6 +75,7 @@ for _path in (REPO, REPO / "tests" / "cpu"):  # tests/cpu: the frozen previous i
 from vllm_tfm.models import weaver as weaver_module
 from vllm_tfm.models.proposal_trees import _candidates
 from vllm_tfm.models.tfm_config import WeaverConfig
+from vllm_tfm.tree.weaver import default_weaver_width
 from vllm_tfm.models.weaver import Weaver
 from vllm_tfm.vllm_plugin.runtime.tree_builder_gpu import weaver_trees
 
@@ -277,7 +278,7 @@ def _timed(fn: Any, repeats: int, device: torch.device) -> dict[str, float]:
 
 def measure(r: int, b: int, zoo: dict[str, Any], repeats: int, device: torch.device, impl: str, graphs: bool) -> dict[str, Any]:
     depth = min(zoo["block_size"] - 1, b)
-    width = zoo["width"] if zoo["width"] is not None else -(-b // 16)
+    width = zoo["width"] if zoo["width"] is not None else default_weaver_width(b)
     x = make_inputs(r, depth, zoo, seed=1000 * r + b, device=device)
     args = (x["weaver"], x["logits"], x["hidden"], x["verifier"], x["roots"], x["embed"], x["head"],
             b, zoo["top_k"], width, zoo["children_per_node"])

@@ -240,7 +240,7 @@ def _add_eval_parser(sub) -> None:
     ev.add_argument("--prompt-len", type=int, default=128, help="prompt tokens (default 128)")
     ev.add_argument("--block-size", type=int, default=None, help="DFlash block size gamma (default: the drafter's)")
     ev.add_argument("--width", type=int, default=None,
-                    help="TfM Weaver nodes per scorer call (default: the drafter's tfm_config.json, else ceil(B / 16))")
+                    help="TfM Weaver nodes per scorer call (default: the drafter's tfm_config.json, else vllm_tfm.tree.default_weaver_width(B): 2 at B = 16, 4 at B = 32 and 64)")
     ev.add_argument("--seed", type=int, default=0, help="seed of prompt windows, sampling and random models")
     ev.add_argument("--device", default="auto", help="auto (cuda if available), cpu, cuda or cuda:N")
     ev.add_argument("--out", default="bench/results/acceptance.json", help="results JSON (default bench/results/acceptance.json)")

@@ -29,6 +29,7 @@ from vllm_tfm.reference.evaluate import (
 )
 from vllm_tfm.reference.toy_drafters import random_drafters
 from vllm_tfm.reference.toy_targets import tiny_qwen3_5
+from vllm_tfm.tree.weaver import default_weaver_width
 
 GAMMA, PROMPT_LEN, NEW = 4, 6, 8
 BUDGETS, TEMPS = (4, 8), (0.0, 1.0)
@@ -277,7 +278,7 @@ def test_cli_eval_on_a_zoo_directory_uses_held_out_files(tmp_path, capsys):
 @pytest.mark.parametrize("mode", ["replay", "decode"])
 def test_width_reaches_every_tfm_tree_and_the_record(models, prompts, monkeypatch, mode):
     """``EvalConfig.width`` (``vllm-tfm eval --width``) is the width every TfM tree is grown with,
-    whatever the budget, and the results record it; without it the default ceil(B / 16) holds."""
+    whatever the budget, and the results record it; without it the default ``default_weaver_width(B)`` holds."""
     from vllm_tfm.reference import drafters, replay
 
     target, bundle = models
@@ -294,7 +295,7 @@ def test_width_reaches_every_tfm_tree_and_the_record(models, prompts, monkeypatc
 
     monkeypatch.setattr(drafters, "build_weaver", spy_per_request)
     monkeypatch.setattr(replay, "weaver_padded_trees", spy_lockstep)
-    for width, want in ((3, lambda b: 3), (None, lambda b: -(-b // 16))):
+    for width, want in ((3, lambda b: 3), (None, default_weaver_width)):
         seen.clear()
         cfg = EvalConfig(methods=("tfm",), budgets=(4, 40), temperatures=(0.0,), max_new_tokens=4, gamma=GAMMA,
                          mode=mode, width=width)

@@ -390,7 +390,7 @@ def test_weaver_call_count_is_ceil_budget_over_width(budget, width):
 def test_weaver_width_at_least_budget_gives_only_root_children():
     candidates = torch.arange(12, dtype=torch.long).view(3, 4)
     scorer = CountingScorer(4)
-    t = build_weaver(0, candidates, scorer, budget=3, max_depth=3, width=default_weaver_width(3, steps=1))
+    t = build_weaver(0, candidates, scorer, budget=3, max_depth=3, width=3)
     assert t.depth.tolist() == [0, 1, 1, 1]
     assert len(scorer.sizes) == 1
 
@@ -420,7 +420,10 @@ def test_weaver_is_deterministic():
 
 
 def test_default_weaver_width():
-    assert [default_weaver_width(b) for b in (1, 16, 17, 64, 128)] == [1, 1, 2, 4, 8]
+    budgets = (1, 8, 9, 16, 17, 24, 25, 32, 64, 65, 128)
+    assert [default_weaver_width(b) for b in budgets] == [1, 1, 2, 2, 3, 3, 4, 4, 4, 5, 8]
+    with pytest.raises(ValueError, match="budget"):
+        default_weaver_width(0)
 
 
 # --------------------------------------------------------------------------------------------

@@ -84,7 +84,7 @@ class TfmConfig(_Strict):
 
     proposal: Literal["tfm", "ddtree", "treeflash", "chain"] = "tfm"
     budget: int = Field(default=64, gt=0, description="default draft nodes per tree B (root excluded)")
-    width: int | None = Field(default=None, gt=0, description="Weaver nodes expanded per call w; None = ceil(B / 16)")
+    width: int | None = Field(default=None, gt=0, description="Weaver nodes expanded per call w; None = default_weaver_width(B) (2 at B = 16, 4 at B = 32 and 64)")
     top_k: int = Field(default=512, gt=0, description="DFlash candidates kept per depth K (the Weaver pool)")
     children_per_node: int = Field(default=8, gt=0, description="children an expanded node publishes to the frontier")
     treeflash_top_m: int = Field(default=16, gt=0, description="TreeFlash stage-1 previous-token candidates per depth")

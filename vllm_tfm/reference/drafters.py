@@ -89,7 +89,7 @@ class DFlashProposer:
         gamma: block size (2 .. drafter block size); the deepest draft depth is gamma - 1.
         weaver: needed for ``tfm``. treeflash: needed for ``treeflash``.
         top_k: DFlash candidates per depth for Weaver (clipped to V).
-        width: Weaver nodes expanded per call (None: ceil(B / 16)).
+        width: Weaver nodes expanded per call (None: ``default_weaver_width(B)``).
         children_per_node: children an expanded Weaver node publishes.
         top_m: TreeFlash stage-1 candidates per depth.
         proposal_bias: see :data:`ProposalBias` (tests).

@@ -90,7 +90,7 @@ class EvalConfig:
     mode: str = "replay"
     quality_anchors: int | None = None  # anchors per prompt for drafter quality (None: max_new_tokens)
     deadline_s: float | None = None  # replay: skip the cells that would start later than this many seconds
-    width: int | None = None  # TfM Weaver nodes per scorer call (None: the drafter's tfm_config.json / ceil(B / 16))
+    width: int | None = None  # TfM Weaver nodes per scorer call (None: the drafter's tfm_config.json / default_weaver_width(B))
 
     def validate(self) -> None:
         if self.mode not in MODES:

@@ -338,7 +338,7 @@ def replay_cells(
     (plus ``"mode": "replay"``): MAL, acceptance by depth, per-step counts.
 
     ``width``: the TfM Weaver's nodes per scorer call for every budget (None: the drafter's
-    ``tfm_config.json`` width, else ceil(B / 16)).
+    ``tfm_config.json`` width, else ``default_weaver_width(B)``).
 
     ``deadline`` (a ``time.monotonic()`` instant): cells are run budget 64 first (the budget of the
     project's goals), then the others in increasing order, and a cell that would start after the

@@ -35,6 +35,7 @@ import os
 from dataclasses import dataclass, replace
 
 from vllm_tfm.models.tfm_config import TfmConfig
+from vllm_tfm.tree.weaver import default_weaver_width
 
 from ..options import VLLM_PROPOSALS
 
@@ -134,7 +135,7 @@ def settings_from_options(
         max_depth=budget if block is None else min(budget, block - 1),
         top_k=tfm.top_k,
         children_per_node=tfm.children_per_node,
-        width=tfm.width if tfm.width is not None else -(-budget // 16),
+        width=tfm.width if tfm.width is not None else default_weaver_width(budget),
         sampling=tfm.sampling,
         drafter_dir=drafter_dir,
         tfm=tfm,
