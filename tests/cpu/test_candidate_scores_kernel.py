@@ -15,11 +15,10 @@ from unittest import mock
 import pytest
 import torch
 from _emulation import emulated, emulation_build_dir
+from _tiny_scorers import TOP_K, tiny_scorer_pair
 
 from vllm_tfm.kernels import candidate_scores as kc
-from vllm_tfm.models import Weaver, WeaverConfig
 from vllm_tfm.models.vocab_table import ShardedVocabTable, candidate_scores_reference
-from vllm_tfm.models.weaver import BatchedWeaverTreeScorer
 
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -115,13 +114,9 @@ def test_fresh_random_shapes(emu_dir: Path) -> None:
 def test_weaver_scorer_through_the_kernel(emu_dir: Path) -> None:
     """BatchedWeaverTreeScorer(score_kernel=True) gives the torch path's log-probabilities to
     float32 rounding, call after call (the kernel launched once per call)."""
-    torch.manual_seed(0)
-    hidden, depth, k, vocab, r = 64, 4, 24, 200, 2
-    weaver = Weaver(WeaverConfig(d_model=hidden, d_rank=32, n_layers=1, n_heads=2, d_mlp=48, max_depth=depth)).eval()
-    embed, head = torch.randn(vocab, hidden), torch.randn(vocab, hidden) * 0.1
-    inputs = (torch.randn(r, hidden), torch.randn(r, depth, hidden), torch.randint(0, vocab, (r, depth, k)),
-              torch.randn(r, depth, k))
-    scorers = [BatchedWeaverTreeScorer(weaver, *inputs, embed, head, max_nodes=8, score_kernel=flag) for flag in (False, True)]
+    r, k = 2, TOP_K
+    pair = tiny_scorer_pair(0, r, n_layers=1, perturb=False)
+    scorers, inputs = pair[:2], pair.inputs
     calls = [
         (torch.tensor([[0], [0]]), torch.tensor([[-1], [-1]]), torch.tensor([[5], [9]]), torch.tensor([[0], [0]])),
         (torch.tensor([[1], [1]]), torch.tensor([[0], [0]]), torch.tensor([[7], [3]]), torch.tensor([[1], [1]])),

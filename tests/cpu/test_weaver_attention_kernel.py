@@ -17,12 +17,11 @@ import pytest
 import torch
 from _attention_problem import check_results, problem, run_on_copies, run_reference
 from _emulation import emulated, emulation_build_dir
+from _tiny_scorers import tiny_scorer_pair
 
 from vllm_tfm.kernels import candidate_scores as kc
 from vllm_tfm.kernels import weaver_attention as ka
 from vllm_tfm.kernels import weaver_linear as kl
-from vllm_tfm.models import Weaver, WeaverConfig
-from vllm_tfm.models.weaver import BatchedWeaverTreeScorer
 
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -76,17 +75,8 @@ def test_weaver_scorer_through_the_kernels(emu_dir: Path) -> None:
     """BatchedWeaverTreeScorer(score_kernel=True): per layer one attention launch between the qkv
     and o_proj linear layers, and the torch path's log-probabilities to float32 rounding over
     three calls (roots, children, grandchildren with one invalid row)."""
-    torch.manual_seed(3)
-    hidden, depth, k, vocab, r = 64, 4, 24, 200, 2
-    cfg = WeaverConfig(d_model=hidden, d_rank=32, n_layers=2, n_heads=2, d_mlp=48, max_depth=depth)
-    weaver = Weaver(cfg).eval()
-    with torch.no_grad():
-        for p in weaver.parameters():
-            p.add_(torch.randn_like(p) * 0.05)
-    embed, head = torch.randn(vocab, hidden), torch.randn(vocab, hidden) * 0.1
-    inputs = (torch.randn(r, hidden), torch.randn(r, depth, hidden), torch.randint(0, vocab, (r, depth, k)),
-              torch.randn(r, depth, k))
-    scorers = [BatchedWeaverTreeScorer(weaver, *inputs, embed, head, max_nodes=8, score_kernel=f) for f in (False, True)]
+    pair = tiny_scorer_pair(3, 2)
+    scorers, cfg = pair[:2], pair.config
     t = torch.tensor
     calls = [
         (t([[0, 0], [0, 0]]), t([[-1, -1], [-1, -1]]), t([[5, 0], [9, 0]]), t([[0, 0], [0, 0]]), t([[True, False]] * 2)),

@@ -15,11 +15,10 @@ import pytest
 import torch
 from _emulation import emulated, emulation_build_dir
 from _linear_reference import float64_layer
+from _tiny_scorers import VOCAB, tiny_scorer_pair
 
 from vllm_tfm.kernels import candidate_scores as kc
 from vllm_tfm.kernels import weaver_linear as kl
-from vllm_tfm.models import Weaver, WeaverConfig
-from vllm_tfm.models.weaver import BatchedWeaverTreeScorer
 
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 OUT_RTOL = {torch.float32: 0.0, torch.bfloat16: 2.0**-8, torch.float16: 2.0**-11}  # one output rounding
@@ -97,17 +96,8 @@ def test_weaver_scorer_through_the_kernels(emu_dir: Path) -> None:
     """BatchedWeaverTreeScorer(score_kernel=True) runs every linear layer and the candidate scores
     through the kernels (3 + 4 per layer + 1 launches per call) and gives the torch path's
     log-probabilities to float32 rounding."""
-    torch.manual_seed(1)
-    hidden, depth, k, vocab, r = 64, 4, 24, 200, 2
-    cfg = WeaverConfig(d_model=hidden, d_rank=32, n_layers=2, n_heads=2, d_mlp=48, max_depth=depth)
-    weaver = Weaver(cfg).eval()
-    with torch.no_grad():
-        for p in weaver.parameters():
-            p.add_(torch.randn_like(p) * 0.05)  # norms with non-trivial weights and biases
-    embed, head = torch.randn(vocab, hidden), torch.randn(vocab, hidden) * 0.1
-    inputs = (torch.randn(r, hidden), torch.randn(r, depth, hidden), torch.randint(0, vocab, (r, depth, k)),
-              torch.randn(r, depth, k))
-    scorers = [BatchedWeaverTreeScorer(weaver, *inputs, embed, head, max_nodes=8, score_kernel=f) for f in (False, True)]
+    pair = tiny_scorer_pair(1, 2)  # norms with non-trivial weights and biases
+    scorers, cfg = pair[:2], pair.config
     calls = [
         (torch.tensor([[0], [0]]), torch.tensor([[-1], [-1]]), torch.tensor([[5], [9]]), torch.tensor([[0], [0]])),
         (torch.tensor([[1], [1]]), torch.tensor([[0], [0]]), torch.tensor([[7], [3]]), torch.tensor([[1], [1]])),
@@ -153,16 +143,8 @@ def test_scorer_kernel_path_is_the_torch_path_where_no_kernel_runs() -> None:
     """Where the kernels do not take the tensors (here: CPU; on CUDA: more than KERNEL_ROWS rows),
     the scorer's kernel path falls back to references that are the torch path's own ops: the same
     log-probabilities bit for bit, so the row limit changes no scores."""
-    torch.manual_seed(2)
-    hidden, depth, k, vocab, r = 64, 4, 24, 200, 3
-    weaver = Weaver(WeaverConfig(d_model=hidden, d_rank=32, n_layers=2, n_heads=2, d_mlp=48, max_depth=depth)).eval()
-    with torch.no_grad():
-        for p in weaver.parameters():
-            p.add_(torch.randn_like(p) * 0.05)
-    embed, head = torch.randn(vocab, hidden), torch.randn(vocab, hidden) * 0.1
-    inputs = (torch.randn(r, hidden), torch.randn(r, depth, hidden), torch.randint(0, vocab, (r, depth, k)),
-              torch.randn(r, depth, k))
-    scorers = [BatchedWeaverTreeScorer(weaver, *inputs, embed, head, max_nodes=8, score_kernel=f) for f in (False, True)]
+    r, vocab = 3, VOCAB
+    scorers = tiny_scorer_pair(2, r)[:2]
     w = 2  # R x w = 6 > KERNEL_ROWS rows
     assert r * w > kl.KERNEL_ROWS
     node = torch.zeros(r, w, dtype=torch.long)
