@@ -5,7 +5,7 @@ Usage, from the repository root (CPU, or on the GPU host with ``--device cuda``)
 
     python3 bench/tree_build.py [--device cpu|cuda] [--out results.json] [--quick] [--threads 1]
 
-Measures, at R requests (default 8), budget B (default 64), w = ceil(B / 16), children_per_node 8,
+Measures, at R requests (default 8), budget B (default 64), w = the runtime's default (``default_weaver_width``; ceil(B / 16) before bench/NOTES.md section 28), children_per_node 8,
 K = 512 Weaver candidates, D = 15 depths:
 
 * ``weaver_growth`` / ``treeflash_growth``: the builders alone, with scorers that only look rows up
@@ -50,6 +50,7 @@ from vllm_tfm.tree import (
     build_treeflash_padded,
     build_weaver,
     build_weaver_padded,
+    default_weaver_width,
 )
 
 
@@ -193,7 +194,7 @@ def eval_throughput(r: int, d: int, cpn: int, k: int, m: int, device: torch.devi
     x = model_inputs(r, d, device, seed=7)
     out = {"requests": r, "models": x["desc"], "weaver_trees_per_s": {}, "treeflash_trees_per_s": {}}
     for b in (16, 32, 64, 128):
-        w = math.ceil(b / 16)
+        w = default_weaver_width(b)
         t = timed(lambda b=b, w=w: weaver_padded_trees(
             x["weaver"], x["logits"], x["hidden"], x["verifier"], x["roots"], x["embed"], x["head"], b, k, w, cpn
         ), repeats, device)
@@ -244,7 +245,7 @@ def main() -> None:
     device = torch.device(args.device)
     torch.set_num_threads(args.threads)
     r, b, cpn, k, d, m = args.requests, args.budget, 8, 512, 15, 16
-    w = math.ceil(b / 16)
+    w = default_weaver_width(b)
     repeats = 2 if args.quick else args.repeats
     res = {
         "command": "python3 bench/tree_build.py " + " ".join(sys.argv[1:]),

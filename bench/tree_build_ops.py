@@ -13,7 +13,7 @@ One build = the runtime's call ``vllm_plugin.runtime.tree_builder_gpu.weaver_tre
 candidates, ``BatchedWeaverTreeScorer`` set-up, lockstep growth, ``fill_to_budget``) on random
 inputs of the zoo drafter's shapes (``zoo/drafter/config.json`` and ``tfm_config.json``: d_model
 256, Weaver d_rank 128 / 2 layers / 4 heads / d_mlp 384, vocabulary 8192, top_k 512,
-children_per_node 8, D = min(block_size - 1, B), width = ceil(B / 16) like the runtime's
+children_per_node 8, D = min(block_size - 1, B), width = default_weaver_width(B) like the runtime's
 default), float32, under ``torch.inference_mode`` like vLLM's model runner. ``--impl before``
 runs the previous lockstep builder and scorer instead (the frozen copy in
 ``tests/cpu/_weaver_before.py``, on today's shared model code: its RMSNorm no longer dispatches
@@ -75,8 +75,8 @@ for _path in (REPO, REPO / "tests" / "cpu"):  # tests/cpu: the frozen previous i
 from vllm_tfm.models import weaver as weaver_module
 from vllm_tfm.models.proposal_trees import _candidates
 from vllm_tfm.models.tfm_config import WeaverConfig
-from vllm_tfm.tree.weaver import default_weaver_width
 from vllm_tfm.models.weaver import Weaver
+from vllm_tfm.tree.weaver import default_weaver_width
 from vllm_tfm.vllm_plugin.runtime.tree_builder_gpu import weaver_trees
 
 DEFAULT_OUT = REPO / "bench" / "results" / "tree_build_ops_cpu.json"

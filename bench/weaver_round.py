@@ -5,7 +5,7 @@ torch round, at the Qwen3.6-27B drafter shape on the GPU host.
 usage: python3 bench/weaver_round.py [--out FILE] [--requests 1,8] [--budgets 32,64] [--repeats 30]
        python3 bench/weaver_round.py --sanitize-case     # small equality run for compute-sanitizer
 
-Per (R, B) with width ceil(B / 16) (the runtime's default), top_k 512, children_per_node 8, D 15,
+Per (R, B) with the runtime's default width (``default_weaver_width``; ceil(B / 16) before bench/NOTES.md section 28), top_k 512, children_per_node 8, D 15,
 a random bfloat16 Weaver of the default 56.7M-parameter shape (d_model 5120) and random tables of
 the 27B vocabulary (248320 rows): the build as the runtime runs it with CUDA graphs
 (``runtime/weaver_graphs.py``: one graph per bucket = R, replay, the one host sync, the short eager
@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import platform
 import random
@@ -35,6 +34,7 @@ if str(REPO) not in sys.path:
 
 from vllm_tfm.kernels import weaver_round as kw
 from vllm_tfm.models import Weaver, WeaverConfig
+from vllm_tfm.tree.weaver import default_weaver_width
 from vllm_tfm.tree.weaver_padded import WeaverGrowth, weaver_round_reference
 from vllm_tfm.vllm_plugin.runtime.weaver_graphs import WeaverGraphs
 
@@ -63,7 +63,7 @@ def inputs(r: int, device: torch.device, seed: int) -> dict[str, Any]:
 def timed_build(x: dict[str, Any], budget: int, kernel: bool, repeats: int) -> dict[str, Any]:
     os.environ[kw.ENV_SWITCH] = "1" if kernel else "0"
     graphs = WeaverGraphs(buckets=(int(x["roots"].shape[0]),))
-    width = math.ceil(budget / 16)
+    width = default_weaver_width(budget)
     args = (x["weaver"], x["logits"], x["hidden"], x["verifier"], x["roots"], x["embed"], x["head"],
             budget, TOP_K, width, CPN)
     tokens, parents = graphs.weaver_trees(*args)  # capture (and a first replay)
@@ -149,7 +149,7 @@ def main() -> int:
             same = bool(torch.equal(torch_round.pop("tokens"), kernel.pop("tokens"))
                         and torch.equal(torch_round.pop("parents"), kernel.pop("parents")))
             ok &= same and kernel["round_kernel"] and not torch_round["round_kernel"]
-            case = {"requests": r, "budget": b, "width": math.ceil(b / 16), "torch_round": torch_round,
+            case = {"requests": r, "budget": b, "width": default_weaver_width(b), "torch_round": torch_round,
                     "round_kernel": kernel, "trees_equal": same,
                     "speedup": torch_round["ms_median"] / kernel["ms_median"]}
             res["cases"].append(case)
