@@ -16,9 +16,6 @@ between the two.
 
 from __future__ import annotations
 
-import argparse
-import json
-import platform
 import sys
 from pathlib import Path
 from typing import Any
@@ -30,7 +27,13 @@ for p in (REPO, REPO / "bench"):
     if str(p) not in sys.path:
         sys.path.insert(0, str(p))
 
-from gdn_tree import copy_bandwidth, time_calls
+from gdn_tree import (
+    copy_bandwidth,
+    kernel_bench_parser,
+    result_header,
+    time_calls,
+    write_result,
+)
 
 from vllm_tfm.kernels import candidate_scores as kc
 from vllm_tfm.models.vocab_table import candidate_scores_reference
@@ -58,11 +61,8 @@ def sanitize_case() -> None:
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--out", default=None)
+    ap = kernel_bench_parser(__doc__, repeats=50)
     ap.add_argument("--nodes", default="1x2,1x4,8x2,8x4,32x2")
-    ap.add_argument("--repeats", type=int, default=50)
-    ap.add_argument("--sanitize-case", action="store_true")
     args = ap.parse_args()
     if args.sanitize_case:
         sanitize_case()
@@ -72,9 +72,7 @@ def main() -> int:
     gen = torch.Generator(device=dev).manual_seed(0)
     head = (torch.randn(VOCAB, H, generator=gen, device=dev) * 0.05).to(torch.bfloat16)
     res: dict[str, Any] = {
-        "command": "python3 bench/candidate_scores.py " + " ".join(sys.argv[1:]),
-        "machine": {"python": platform.python_version(), "torch": torch.__version__,
-                    "gpu": torch.cuda.get_device_name(dev)},
+        **result_header("bench/candidate_scores.py"),
         "shape": {"hidden": H, "vocab": VOCAB, "depth": DEPTH, "top_k": TOP_K, "dtype": "bfloat16"},
         "copy_bandwidth_gb_s": bw / 1e9,
         "cases": [],
@@ -99,8 +97,7 @@ def main() -> int:
         print(f"R={r:2d} w={w}: reference {ref_us:7.1f} us, kernel {ker_us:6.1f} us ({case['speedup']:.1f}x), "
               f"floor {case['floor_us']:5.1f} us ({case['kernel_of_floor']:.0%} of it), max diff {case['max_abs_diff']:.2e}",
               flush=True)
-    if args.out:
-        Path(args.out).write_text(json.dumps(res, separators=(",", ":")) + "\n")
+    write_result(args.out, res)
     return 0
 
 

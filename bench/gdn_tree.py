@@ -187,6 +187,29 @@ def copy_bandwidth(nbytes: int = 2 << 30, reps: int = 10) -> float:
     return 2 * nbytes / statistics.median(times)
 
 
+def kernel_bench_parser(doc: str, repeats: int) -> argparse.ArgumentParser:
+    """The options the Weaver kernel benches share (bench/candidate_scores.py, weaver_linear.py,
+    weaver_round.py, weaver_attention.py): --out FILE, --repeats N, --sanitize-case."""
+    ap = argparse.ArgumentParser(description=doc.split("\n\n")[0])
+    ap.add_argument("--out", default=None)
+    ap.add_argument("--repeats", type=int, default=repeats)
+    ap.add_argument("--sanitize-case", action="store_true", help="a small kernel-vs-reference run for compute-sanitizer")
+    return ap
+
+
+def result_header(script: str) -> dict:
+    """The first keys of a kernel bench's result file: the command that made it and the machine."""
+    return {"command": f"python3 {script} " + " ".join(sys.argv[1:]),
+            "machine": {"python": platform.python_version(), "torch": torch.__version__,
+                        "gpu": torch.cuda.get_device_name(DEV)}}
+
+
+def write_result(path: str | None, res: dict) -> None:
+    """A kernel bench's results as one line of JSON at ``path`` (nothing when None)."""
+    if path:
+        Path(path).write_text(json.dumps(res, separators=(",", ":")) + "\n")
+
+
 def rel_err(got: torch.Tensor, want: torch.Tensor) -> float:
     return float((got.double() - want.double()).norm() / want.double().norm())
 

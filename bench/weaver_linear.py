@@ -15,9 +15,6 @@ bytes and their time at the measured copy bandwidth.
 
 from __future__ import annotations
 
-import argparse
-import json
-import platform
 import sys
 from pathlib import Path
 from typing import Any
@@ -29,7 +26,13 @@ for p in (REPO, REPO / "bench"):
     if str(p) not in sys.path:
         sys.path.insert(0, str(p))
 
-from gdn_tree import copy_bandwidth, time_calls
+from gdn_tree import (
+    copy_bandwidth,
+    kernel_bench_parser,
+    result_header,
+    time_calls,
+    write_result,
+)
 
 from vllm_tfm.kernels import weaver_linear as kl
 
@@ -62,21 +65,15 @@ def sanitize_case() -> None:
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--out", default=None)
+    ap = kernel_bench_parser(__doc__, repeats=50)
     ap.add_argument("--rows", default="1,2,4,8,16")
-    ap.add_argument("--repeats", type=int, default=50)
-    ap.add_argument("--sanitize-case", action="store_true")
     args = ap.parse_args()
     if args.sanitize_case:
         sanitize_case()
         return 0
-    dev = torch.device("cuda")
     bw = copy_bandwidth()
     res: dict[str, Any] = {
-        "command": "python3 bench/weaver_linear.py " + " ".join(sys.argv[1:]),
-        "machine": {"python": platform.python_version(), "torch": torch.__version__,
-                    "gpu": torch.cuda.get_device_name(dev)},
+        **result_header("bench/weaver_linear.py"),
         "dtype": "bfloat16", "copy_bandwidth_gb_s": bw / 1e9, "cases": [],
     }
     for name, k, n, mode in LAYERS:
@@ -91,8 +88,7 @@ def main() -> int:
             res["cases"].append(case)
             print(f"{name:8s} M={m:2d}: reference {ref_us:6.1f} us, kernel {ker_us:6.1f} us ({case['speedup']:.2f}x), "
                   f"weight floor {case['floor_us']:5.1f} us", flush=True)
-    if args.out:
-        Path(args.out).write_text(json.dumps(res, separators=(",", ":")) + "\n")
+    write_result(args.out, res)
     return 0
 
 

@@ -16,10 +16,7 @@ set while each graph is captured), and whether the two give the same trees (toke
 
 from __future__ import annotations
 
-import argparse
-import json
 import os
-import platform
 import random
 import statistics
 import sys
@@ -29,8 +26,11 @@ from typing import Any
 import torch
 
 REPO = Path(__file__).resolve().parents[1]
-if str(REPO) not in sys.path:
-    sys.path.insert(0, str(REPO))
+for p in (REPO, REPO / "bench"):
+    if str(p) not in sys.path:
+        sys.path.insert(0, str(p))
+
+from gdn_tree import kernel_bench_parser, result_header, write_result
 
 from vllm_tfm.kernels import weaver_round as kw
 from vllm_tfm.models import Weaver, WeaverConfig
@@ -120,21 +120,16 @@ def sanitize_case() -> None:
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--out", default=None)
+    ap = kernel_bench_parser(__doc__, repeats=30)
     ap.add_argument("--requests", default="1,8")
     ap.add_argument("--budgets", default="32,64")
-    ap.add_argument("--repeats", type=int, default=30)
-    ap.add_argument("--sanitize-case", action="store_true")
     args = ap.parse_args()
     if args.sanitize_case:
         sanitize_case()
         return 0
     dev = torch.device("cuda")
     res: dict[str, Any] = {
-        "command": "python3 bench/weaver_round.py " + " ".join(sys.argv[1:]),
-        "machine": {"python": platform.python_version(), "torch": torch.__version__,
-                    "gpu": torch.cuda.get_device_name(dev)},
+        **result_header("bench/weaver_round.py"),
         "shape": {"d_model": H, "vocab": VOCAB, "depth": DEPTH, "top_k": TOP_K, "children_per_node": CPN,
                   "weaver": "WeaverConfig defaults (d_rank 1024, 3 layers, 8 heads, d_mlp 3072), bfloat16"},
         "cases": [],
@@ -158,8 +153,7 @@ def main() -> int:
         del x
         torch.cuda.empty_cache()
     res["ok"] = ok
-    if args.out:
-        Path(args.out).write_text(json.dumps(res, separators=(",", ":")) + "\n")
+    write_result(args.out, res)
     return 0 if ok else 1
 
 
