@@ -349,6 +349,10 @@ def run_arm(arm: Arm, settings_path: Path) -> int:
             log(f"{arm.name} b{b}: {run['tokens_per_s']} tok/s (decode {run['decode_tokens_per_s']}), MAL {run['mal']}, "
                 f"{prof['steps']} steps, target forward {per_step['target_forward']} ms/step{split}, "
                 f"max batch {run['max_concurrency']}")
+            if s.get("host_spans"):
+                run["host_spans"] = host_spans_run(llm, ps[:b], params)
+                log(f"{arm.name} b{b} host spans: {run['host_spans']['wall_ms_per_step']} ms/step, untimed "
+                    f"{run['host_spans']['untimed_ms_per_step']}")
             if s.get("host_profile"):
                 run["host_profile"] = host_profile_run(llm, ps[:b], params, Path(s["host_profile"]) / f"host_profile_{arm.name}_b{b}.txt")
             save()
@@ -390,6 +394,23 @@ def run_child(arm: Arm, settings_path: Path, out: Path, timeout_s: float, env: d
     shown = [ln for ln in text.splitlines() if any(k in ln for k in keep)]
     print("\n".join(shown[-60:]), flush=True)
     return rc
+
+
+def host_spans_run(llm: Any, ps: list[list[int]], params: Any) -> dict[str, Any]:
+    """One more run of the batch with wall-clock spans around the engine's methods (bench/host_spans.py):
+    per-step host milliseconds by method, inclusive and exclusive."""
+    import host_spans
+
+    clock = host_spans.SpanClock()
+    installed = host_spans.install(clock, host_spans.engine_objects(llm))
+    try:
+        res = one_run(llm, ps, params)
+    finally:
+        host_spans.uninstall(installed)
+    steps = clock.stats.get("runner.execute_model")
+    out = clock.report(steps.count if steps is not None else 0, res["wall_s"])
+    out.update(output_tokens=res["output_tokens"], installed=[f"{type(o).__name__}.{n}" for o, n in installed])
+    return out
 
 
 def host_profile_run(llm: Any, ps: list[list[int]], params: Any, path: Path) -> dict[str, Any]:
@@ -456,6 +477,7 @@ def driver(args: argparse.Namespace) -> int:
         "max_num_batched_tokens": max(4096, max(batches) * args.prompt_len), "eager": True,
         "deadline_s": args.deadline_s, "work": str(work), "plans": {},
         "host_profile": str(out) if args.host_profile else None,
+        "host_spans": args.host_spans,
         # tfm switches set for this run (e.g. VLLM_TFM_WEAVER_GRAPHS=1), benchmark-only ones excluded
         "tfm_env": tfm_switches(os.environ),
     }
@@ -564,6 +586,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--host-profile", action="store_true",
                     help="after the timed runs, one more run per batch size under cProfile (tokens/s not used): "
                          "OUT/host_profile_<arm>_b<N>.txt, the engine process's Python by own and cumulative time")
+    ap.add_argument("--host-spans", action="store_true",
+                    help="one more run per batch with wall-clock timers around the engine's methods "
+                         "(bench/host_spans.py): host ms per step by method, in the arm's JSON")
     ap.add_argument("--child", help=argparse.SUPPRESS)
     ap.add_argument("--settings", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)

@@ -1,0 +1,145 @@
+"""Where a decode step's host time goes, without a profiler's overhead (benchmark-only).
+
+``bench/e2e.py --host-spans`` runs each batch once more with wall-clock timers around a fixed list
+of methods of the live engine objects (vLLM's engine core, scheduler and model runner, our
+proposer and Weaver graphs): instance attributes that shadow the bound methods, so the plugin's
+own hooks (installed on the classes) run inside the timed spans, and nothing outside the run is
+touched (:func:`uninstall` restores the instances). Spans nest: each records its inclusive time
+and its exclusive time (inclusive minus the spans it called), so per-step exclusive times add up
+to the host time inside the top-level spans; ``untimed_ms_per_step`` is the run's wall time outside
+every span (``LLM.generate``'s own loop and output handling).
+
+Why this and not cProfile (``--host-profile``): cProfile charges every Python call, which doubles
+the host time of a step of many small calls; these timers cost two ``perf_counter`` calls per
+span, a few dozen spans per step.
+"""
+
+from __future__ import annotations
+
+import functools
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+__all__ = ["SpanClock", "TARGETS", "install", "uninstall", "engine_objects"]
+
+# (object key in engine_objects(), method names). Missing methods are skipped and reported.
+TARGETS: dict[str, tuple[str, ...]] = {
+    "engine_core": ("step", "post_step"),
+    "scheduler": ("schedule", "update_from_output", "update_draft_token_ids"),
+    "output_processor": ("process_outputs",),
+    "runner": (
+        "execute_model", "_update_states", "_prepare_inputs", "_prepare_input_ids", "_calc_spec_decode_metadata",
+        "_determine_batch_execution_and_padding", "_get_slot_mappings", "_build_attention_metadata",
+        "_preprocess", "_model_forward", "sample_tokens", "_sample",
+        "_update_states_after_model_execute", "propose_draft_token_ids", "_bookkeeping_sync", "take_draft_token_ids",
+        "_copy_draft_token_ids_to_cpu", "_get_cumsum_and_arange",
+    ),
+    "drafter": ("propose", "_build", "_verifier_hidden"),
+    "weaver_graphs": ("weaver_trees",),
+}
+
+
+@dataclass
+class _Stat:
+    count: int = 0
+    inclusive_s: float = 0.0
+    exclusive_s: float = 0.0
+
+
+@dataclass
+class SpanClock:
+    """Nested wall-clock spans: ``with clock.span(name)`` or :meth:`wrap`."""
+
+    clock: Callable[[], float] = time.perf_counter
+    stats: dict[str, _Stat] = field(default_factory=dict)
+    _stack: list[list[float]] = field(default_factory=list)  # [start, child seconds] per open span
+    top_level_s: float = 0.0
+
+    def wrap(self, name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
+        @functools.wraps(fn)
+        def timed(*args: Any, **kwargs: Any) -> Any:
+            frame = [self.clock(), 0.0]
+            self._stack.append(frame)
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                took = self.clock() - frame[0]
+                self._stack.pop()
+                st = self.stats.setdefault(name, _Stat())
+                st.count += 1
+                st.inclusive_s += took
+                st.exclusive_s += took - frame[1]
+                if self._stack:
+                    self._stack[-1][1] += took
+                else:
+                    self.top_level_s += took
+
+        return timed
+
+    def reset(self) -> None:
+        self.stats.clear()
+        self._stack.clear()
+        self.top_level_s = 0.0
+
+    def report(self, steps: int, wall_s: float) -> dict[str, Any]:
+        """Per-step milliseconds by span (``steps``: the run's decode steps, e.g. execute_model calls)."""
+        per = max(steps, 1)
+        rows = {
+            name: {"calls_per_step": round(st.count / per, 3), "inclusive_ms_per_step": round(1e3 * st.inclusive_s / per, 4),
+                   "exclusive_ms_per_step": round(1e3 * st.exclusive_s / per, 4)}
+            for name, st in sorted(self.stats.items(), key=lambda kv: -kv[1].exclusive_s)
+        }
+        return {"steps": steps, "wall_ms_per_step": round(1e3 * wall_s / per, 4),
+                "untimed_ms_per_step": round(1e3 * (wall_s - self.top_level_s) / per, 4), "spans": rows}
+
+
+def engine_objects(llm: Any) -> dict[str, Any]:
+    """The live objects of an in-process engine (``VLLM_ENABLE_V1_MULTIPROCESSING=0``) by TARGETS key;
+    absent ones are left out."""
+    found: dict[str, Any] = {}
+    engine = getattr(llm, "llm_engine", None)
+    core = getattr(getattr(engine, "engine_core", None), "engine_core", None)
+    if core is not None:
+        found["engine_core"] = core
+        if getattr(core, "scheduler", None) is not None:
+            found["scheduler"] = core.scheduler
+        executor = getattr(core, "model_executor", None)
+        worker = getattr(getattr(executor, "driver_worker", None), "worker", None)
+        runner = getattr(worker, "model_runner", None)
+        if runner is not None:
+            found["runner"] = runner
+            drafter = getattr(runner, "drafter", None)
+            if drafter is not None:
+                found["drafter"] = drafter
+                graphs = getattr(drafter, "_weaver_graphs", None)
+                if graphs is not None:
+                    found["weaver_graphs"] = graphs
+    if getattr(engine, "output_processor", None) is not None:
+        found["output_processor"] = engine.output_processor
+    return found
+
+
+def install(clock: SpanClock, objects: dict[str, Any], targets: dict[str, Iterable[str]] = TARGETS) -> list[tuple[Any, str]]:
+    """Shadow each listed method by a timed instance attribute; returns what was installed (for
+    :func:`uninstall`). Raises if a method is already shadowed (installed twice)."""
+    done: list[tuple[Any, str]] = []
+    for key, names in targets.items():
+        obj = objects.get(key)
+        if obj is None:
+            continue
+        for name in names:
+            if name in vars(obj):
+                raise RuntimeError(f"host spans: {key}.{name} is already an instance attribute")
+            fn = getattr(obj, name, None)
+            if fn is None or not callable(fn):
+                continue
+            setattr(obj, name, clock.wrap(f"{key}.{name}", fn))
+            done.append((obj, name))
+    return done
+
+
+def uninstall(installed: list[tuple[Any, str]]) -> None:
+    for obj, name in installed:
+        vars(obj).pop(name, None)

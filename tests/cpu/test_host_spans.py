@@ -1,0 +1,116 @@
+"""bench/host_spans.py: nested wall-clock spans on live engine objects (benchmark-only)."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
+
+import host_spans  # noqa: E402
+
+
+class _FakeClock:
+    def __init__(self) -> None:
+        self.t = 0.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+class _Runner:
+    def __init__(self, clock: _FakeClock) -> None:
+        self.clock = clock
+
+    def execute_model(self) -> str:
+        self.clock.t += 1.0
+        self._prepare_inputs()
+        self.clock.t += 0.5
+        self._prepare_inputs()
+        return "out"
+
+    def _prepare_inputs(self) -> None:
+        self.clock.t += 2.0
+
+
+def test_nested_spans_split_inclusive_and_exclusive_time() -> None:
+    fake = _FakeClock()
+    clock = host_spans.SpanClock(clock=fake)
+    runner = _Runner(fake)
+    installed = host_spans.install(clock, {"runner": runner}, {"runner": ("execute_model", "_prepare_inputs", "absent")})
+    assert [n for _, n in installed] == ["execute_model", "_prepare_inputs"]
+    assert runner.execute_model() == "out"
+    fake.t += 3.0  # outside every span
+    rep = clock.report(steps=1, wall_s=fake.t)
+    spans = rep["spans"]
+    assert spans["runner.execute_model"] == {"calls_per_step": 1.0, "inclusive_ms_per_step": 5500.0,
+                                             "exclusive_ms_per_step": 1500.0}
+    assert spans["runner._prepare_inputs"] == {"calls_per_step": 2.0, "inclusive_ms_per_step": 4000.0,
+                                               "exclusive_ms_per_step": 4000.0}
+    assert rep["untimed_ms_per_step"] == 3000.0
+    assert list(spans) == ["runner._prepare_inputs", "runner.execute_model"]  # by exclusive time
+
+
+def test_uninstall_restores_the_class_methods_and_double_install_is_refused() -> None:
+    fake = _FakeClock()
+    clock = host_spans.SpanClock(clock=fake)
+    runner = _Runner(fake)
+    installed = host_spans.install(clock, {"runner": runner}, {"runner": ("execute_model",)})
+    with pytest.raises(RuntimeError, match="already an instance attribute"):
+        host_spans.install(clock, {"runner": runner}, {"runner": ("execute_model",)})
+    host_spans.uninstall(installed)
+    assert "execute_model" not in vars(runner)
+    runner.execute_model()
+    assert clock.stats == {}
+
+
+def test_a_raising_method_still_closes_its_span() -> None:
+    fake = _FakeClock()
+    clock = host_spans.SpanClock(clock=fake)
+
+    class Boom:
+        def run(self) -> None:
+            fake.t += 1.0
+            raise ValueError("boom")
+
+    obj = Boom()
+    host_spans.install(clock, {"drafter": obj}, {"drafter": ("run",)})
+    with pytest.raises(ValueError, match="boom"):
+        obj.run()
+    assert clock.stats["drafter.run"].inclusive_s == 1.0
+    assert clock.top_level_s == 1.0
+
+
+def test_engine_objects_walks_an_in_process_engine() -> None:
+    class O:
+        pass
+
+    llm, engine, client, core, executor, driver, worker, runner, drafter = (O() for _ in range(9))
+    llm.llm_engine, engine.engine_core, client.engine_core = engine, client, core
+    core.scheduler, core.model_executor = "sched", executor
+    executor.driver_worker, driver.worker, worker.model_runner = driver, worker, runner
+    runner.drafter, drafter._weaver_graphs = drafter, "graphs"
+    engine.output_processor = "outproc"
+    found = host_spans.engine_objects(llm)
+    assert found == {"engine_core": core, "scheduler": "sched", "runner": runner, "drafter": drafter,
+                     "weaver_graphs": "graphs", "output_processor": "outproc"}
+
+
+def test_every_target_method_exists_in_the_pinned_vllm() -> None:
+    """A renamed vLLM method would silently drop out of the spans: the names are checked here."""
+    from vllm.v1.core.sched.scheduler import Scheduler
+    from vllm.v1.engine.core import EngineCore
+    from vllm.v1.engine.output_processor import OutputProcessor
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+    from vllm_tfm.vllm_plugin.runtime.proposer import TFMProposer
+    from vllm_tfm.vllm_plugin.runtime.weaver_graphs import WeaverGraphs
+
+    classes = {"engine_core": EngineCore, "scheduler": Scheduler, "output_processor": OutputProcessor,
+               "runner": GPUModelRunner, "drafter": TFMProposer, "weaver_graphs": WeaverGraphs}
+    assert set(classes) == set(host_spans.TARGETS)
+    missing = [f"{key}.{name}" for key, names in host_spans.TARGETS.items() for name in names
+               if not callable(getattr(classes[key], name, None))]
+    assert missing == []
