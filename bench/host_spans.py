@@ -22,7 +22,8 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["SpanClock", "TARGETS", "install", "uninstall", "engine_objects"]
+__all__ = ["ATTR_TARGETS", "SpanClock", "TARGETS", "install", "install_attrs", "uninstall", "uninstall_attrs",
+           "engine_objects"]
 
 # (object key in engine_objects(), method names). Missing methods are skipped and reported.
 TARGETS: dict[str, tuple[str, ...]] = {
@@ -39,6 +40,33 @@ TARGETS: dict[str, tuple[str, ...]] = {
     "drafter": ("propose", "_build", "_verifier_hidden"),
     "weaver_graphs": ("weaver_trees",),
 }
+
+
+# (module, class or None for a module global, attribute): patched where the callers look them up, for
+# the run only. Module globals are patched in the module that imported them by name.
+ATTR_TARGETS: tuple[tuple[str, str | None, str], ...] = (
+    ("vllm_tfm.vllm_plugin.runtime.hooks", None, "fix_accepted_offsets"),
+    ("vllm_tfm.vllm_plugin.runtime.hooks", None, "build_step_tree"),
+    ("vllm_tfm.vllm_plugin.runtime.hooks", None, "tree_positions"),
+    ("vllm_tfm.vllm_plugin.runtime.hooks", None, "needs_native_sampler"),
+    ("vllm_tfm.vllm_plugin.runtime.metrics", "Metrics", "record_step"),
+    ("vllm_tfm.vllm_plugin.runtime.full_graphs", "TreeGraphs", "prepare_replay"),
+    ("vllm_tfm.vllm_plugin.runtime.full_graphs", None, "StepKernels"),
+    ("vllm_tfm.vllm_plugin.runtime.full_graphs", None, "set_step_kernels"),
+    ("vllm_tfm.vllm_plugin.runtime.graph_dispatch", None, "replayable"),
+    ("vllm_tfm.kernels.plan", "TreePlan", "build_into"),
+    ("vllm_tfm.kernels.plan", None, "_host_plan"),
+    ("vllm_tfm.kernels.plan", None, "upload_into"),
+    ("vllm_tfm.kernels.tree_attention", "TreeAttentionPlan", "build_into"),
+    ("vllm.v1.attention.backends.gdn_attn", "GDNAttentionMetadataBuilder", "build"),
+    ("vllm.v1.attention.backends.gdn_attn", "GDNAttentionMetadataBuilder", "update_block_table"),
+    ("vllm.v1.attention.backends.triton_attn", "TritonAttentionMetadataBuilder", "build"),
+    ("vllm.v1.attention.backends.triton_attn", "TritonAttentionMetadataBuilder", "update_block_table"),
+    ("vllm.v1.worker.block_table", "MultiGroupBlockTable", "compute_slot_mapping"),
+    ("vllm.v1.worker.block_table", "MultiGroupBlockTable", "commit_block_table"),
+    ("vllm.compilation.cuda_graph", "CUDAGraphWrapper", "__call__"),
+    ("torch.cuda.graphs", "CUDAGraph", "replay"),
+)
 
 
 @dataclass
@@ -143,3 +171,51 @@ def install(clock: SpanClock, objects: dict[str, Any], targets: dict[str, Iterab
 def uninstall(installed: list[tuple[Any, str]]) -> None:
     for obj, name in installed:
         vars(obj).pop(name, None)
+
+
+def install_attrs(clock: SpanClock, targets: Iterable[tuple[str, str | None, str]] = ATTR_TARGETS,
+                  ) -> tuple[list[tuple[Any, str, Any]], list[str]]:
+    """Patch each (module, class, attribute) with a timed wrapper (static methods stay static); returns
+    (what to restore, the targets not found)."""
+    import importlib
+    import inspect
+
+    saved: list[tuple[Any, str, Any]] = []
+    missing: list[str] = []
+    for module, cls, name in targets:
+        label = f"{cls or module.rsplit('.', 1)[-1]}.{name}"
+        try:
+            owner: Any = importlib.import_module(module)
+            if cls is not None:
+                owner = getattr(owner, cls)
+        except (ImportError, AttributeError):
+            missing.append(label)
+            continue
+        raw = inspect.getattr_static(owner, name, None)  # inherited methods too (the patch shadows them)
+        if raw is None:
+            missing.append(label)
+            continue
+        if isinstance(raw, staticmethod):
+            new: Any = staticmethod(clock.wrap(label, raw.__func__))
+        elif isinstance(raw, classmethod):
+            new = classmethod(clock.wrap(label, raw.__func__))
+        elif callable(raw):
+            new = clock.wrap(label, raw)
+        else:
+            missing.append(label)
+            continue
+        own = name in vars(owner)
+        setattr(owner, name, new)
+        saved.append((owner, name, raw if own else _INHERITED))
+    return saved, missing
+
+
+_INHERITED = object()  # restore marker: the attribute came from a base class, delete the shadow
+
+
+def uninstall_attrs(saved: list[tuple[Any, str, Any]]) -> None:
+    for owner, name, raw in reversed(saved):
+        if raw is _INHERITED:
+            delattr(owner, name)
+        else:
+            setattr(owner, name, raw)

@@ -114,3 +114,59 @@ def test_every_target_method_exists_in_the_pinned_vllm() -> None:
     missing = [f"{key}.{name}" for key, names in host_spans.TARGETS.items() for name in names
                if not callable(getattr(classes[key], name, None))]
     assert missing == []
+
+
+def test_attribute_spans_patch_and_restore_static_and_plain_methods() -> None:
+    import types
+
+    fake = _FakeClock()
+    clock = host_spans.SpanClock(clock=fake)
+    mod = types.ModuleType("fake_mod_for_spans")
+
+    class Plan:
+        @staticmethod
+        def build(n: int) -> int:
+            fake.t += 1.0
+            return n + 1
+
+        def size(self) -> int:
+            fake.t += 2.0
+            return 7
+
+    def helper() -> str:
+        fake.t += 0.5
+        return "h"
+
+    class SubPlan(Plan):
+        pass
+
+    mod.Plan, mod.SubPlan, mod.helper = Plan, SubPlan, helper
+    sys.modules["fake_mod_for_spans"] = mod
+    size_fn, build_fn = vars(Plan)["size"], vars(Plan)["build"]
+    try:
+        saved, missing = host_spans.install_attrs(
+            clock, [("fake_mod_for_spans", "Plan", "build"), ("fake_mod_for_spans", "Plan", "size"),
+                    ("fake_mod_for_spans", None, "helper"), ("fake_mod_for_spans", "Plan", "absent"),
+                    ("fake_mod_for_spans", "SubPlan", "size"),
+                    ("no_such_module_xyz", None, "f")])
+        assert missing == ["Plan.absent", "no_such_module_xyz.f"]
+        assert Plan.build(1) == 2 and Plan().size() == 7 and mod.helper() == "h"
+        assert SubPlan().size() == 7  # the subclass's shadow wraps the (already timed) base method
+        assert {k: v.inclusive_s for k, v in clock.stats.items()} == {"Plan.build": 1.0, "Plan.size": 4.0,
+                                                                      "fake_mod_for_spans.helper": 0.5,
+                                                                      "SubPlan.size": 2.0}
+        host_spans.uninstall_attrs(saved)
+        assert vars(Plan)["build"] is build_fn and vars(Plan)["size"] is size_fn and mod.helper is helper
+        assert "size" not in vars(SubPlan)  # the inherited method's shadow is gone
+        Plan.build(1)
+        assert clock.stats["Plan.build"].count == 1  # restored: no longer timed
+    finally:
+        del sys.modules["fake_mod_for_spans"]
+
+
+def test_every_attribute_target_exists() -> None:
+    clock = host_spans.SpanClock()
+    saved, missing = host_spans.install_attrs(clock)
+    host_spans.uninstall_attrs(saved)
+    assert missing == []
+    assert len(saved) == len(host_spans.ATTR_TARGETS)
