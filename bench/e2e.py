@@ -404,13 +404,17 @@ def host_spans_run(llm: Any, ps: list[list[int]], params: Any) -> dict[str, Any]
     clock = host_spans.SpanClock()
     installed = host_spans.install(clock, host_spans.engine_objects(llm))
     patched, missing = host_spans.install_attrs(clock)
+    gc_clock = host_spans.GcClock()
+    gc_clock.install()
     try:
         res = one_run(llm, ps, params)
     finally:
+        gc_clock.uninstall()
         host_spans.uninstall_attrs(patched)
         host_spans.uninstall(installed)
     steps = clock.stats.get("runner.execute_model")
     out = clock.report(steps.count if steps is not None else 0, res["wall_s"])
+    out["gc"] = gc_clock.report(steps.count if steps is not None else 0)
     out.update(output_tokens=res["output_tokens"], installed=[f"{type(o).__name__}.{n}" for o, n in installed],
                attrs_missing=missing)
     return out

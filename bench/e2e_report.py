@@ -349,18 +349,28 @@ def write_doc(doc: str | Path, table: str, results_path: str | None = None) -> N
     path.write_text(f"{head}{BEGIN}\n{source}{table}{END}{tail}")
 
 
+def load_results(path: str | Path) -> dict[str, Any]:
+    """A results file of ``bench/e2e.py``: JSON, or gzip-compressed JSON when the name ends in ``.gz``
+    (how the repository stores the larger ones)."""
+    import gzip
+
+    p = Path(path)
+    raw = gzip.decompress(p.read_bytes()) if p.suffix == ".gz" else p.read_bytes()
+    return json.loads(raw)
+
+
 def render_files(paths: list[str]) -> str:
     """The tables of one or more results files, each under a heading naming its file."""
     if len(paths) == 1:
-        return render_markdown(json.loads(Path(paths[0]).read_text()))
-    return "".join(f"### `{p}`\n\n{render_markdown(json.loads(Path(p).read_text()))}\n" for p in paths)
+        return render_markdown(load_results(paths[0]))
+    return "".join(f"### `{p}`\n\n{render_markdown(load_results(p))}\n" for p in paths)
 
 
 def merge_results(paths: list[str], note: str) -> dict[str, Any]:
     """One results file from several runs of ``bench/e2e.py`` that ran at the same time on GPUs of one
     host (e.g. ``bench/run_gpu_pair.sh``: no-spec on one GPU, tfm on the other), so that ratios compare
     them. Settings and profile must agree; every file's command is kept; ``note`` says how they ran."""
-    runs = [json.loads(Path(p).read_text()) for p in paths]
+    runs = [load_results(p) for p in paths]
     first = runs[0]
     for p, r in zip(paths[1:], runs[1:]):
         if r.get("format") != RESULTS_FORMAT or r.get("machine") != first.get("machine"):

@@ -22,8 +22,17 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["ATTR_TARGETS", "SpanClock", "TARGETS", "install", "install_attrs", "uninstall", "uninstall_attrs",
-           "engine_objects"]
+__all__ = [
+    "ATTR_TARGETS",
+    "TARGETS",
+    "GcClock",
+    "SpanClock",
+    "engine_objects",
+    "install",
+    "install_attrs",
+    "uninstall",
+    "uninstall_attrs",
+]
 
 # (object key in engine_objects(), method names). Missing methods are skipped and reported.
 TARGETS: dict[str, tuple[str, ...]] = {
@@ -121,6 +130,44 @@ class SpanClock:
         }
         return {"steps": steps, "wall_ms_per_step": round(1e3 * wall_s / per, 4),
                 "untimed_ms_per_step": round(1e3 * (wall_s - self.top_level_s) / per, 4), "spans": rows}
+
+
+@dataclass
+class GcClock:
+    """Time inside Python's cyclic garbage collector (``gc.callbacks``), by generation: a collection
+    is charged to whatever span runs when it starts, so the spans' numbers include it."""
+
+    clock: Callable[[], float] = time.perf_counter
+    seconds: dict[int, float] = field(default_factory=dict)
+    counts: dict[int, int] = field(default_factory=dict)
+    _start: float | None = None
+
+    def __call__(self, phase: str, info: dict[str, Any]) -> None:
+        if phase == "start":
+            self._start = self.clock()
+        elif phase == "stop" and self._start is not None:
+            gen = int(info.get("generation", -1))
+            self.seconds[gen] = self.seconds.get(gen, 0.0) + self.clock() - self._start
+            self.counts[gen] = self.counts.get(gen, 0) + 1
+            self._start = None
+
+    def install(self) -> None:
+        import gc
+
+        if self not in gc.callbacks:
+            gc.callbacks.append(self)
+
+    def uninstall(self) -> None:
+        import gc
+
+        if self in gc.callbacks:
+            gc.callbacks.remove(self)
+
+    def report(self, steps: int) -> dict[str, Any]:
+        per = max(steps, 1)
+        return {"ms_per_step": round(1e3 * sum(self.seconds.values()) / per, 4),
+                "by_generation": {str(g): {"collections": self.counts[g], "ms_total": round(1e3 * self.seconds[g], 3)}
+                                  for g in sorted(self.seconds)}}
 
 
 def engine_objects(llm: Any) -> dict[str, Any]:

@@ -526,3 +526,14 @@ def test_merged_results_keep_every_arm_and_command_and_refuse_other_runs(tmp_pat
     pb.write_text(json.dumps(a))
     with pytest.raises(ValueError, match="arm nospec is in more than one file"):
         e2e_report.merge_results([str(pa), str(pb)], "x")
+
+
+def test_report_reads_gzip_compressed_results_like_plain_ones(tmp_path: Path) -> None:
+    import gzip
+
+    res = results()
+    plain, packed = tmp_path / "r.json", tmp_path / "r.json.gz"
+    plain.write_text(json.dumps(res))
+    packed.write_bytes(gzip.compress(json.dumps(res).encode()))
+    assert e2e_report.load_results(packed) == e2e_report.load_results(plain) == json.loads(json.dumps(res))
+    assert e2e_report.render_files([str(packed)]) == e2e_report.render_files([str(plain)])

@@ -9,7 +9,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
 
-import host_spans  # noqa: E402
+import host_spans
 
 
 class _FakeClock:
@@ -170,3 +170,24 @@ def test_every_attribute_target_exists() -> None:
     host_spans.uninstall_attrs(saved)
     assert missing == []
     assert len(saved) == len(host_spans.ATTR_TARGETS)
+
+
+def test_gc_clock_times_real_collections_by_generation() -> None:
+    import gc
+
+    fake = _FakeClock()
+    clock = host_spans.GcClock(clock=fake)
+    clock("start", {"generation": 2})
+    fake.t += 0.25
+    clock("stop", {"generation": 2})
+    assert clock.report(steps=2) == {"ms_per_step": 125.0, "by_generation": {"2": {"collections": 1, "ms_total": 250.0}}}
+    real = host_spans.GcClock()
+    real.install()
+    real.install()  # once only
+    try:
+        assert gc.callbacks.count(real) == 1
+        gc.collect()
+    finally:
+        real.uninstall()
+    assert real not in gc.callbacks
+    assert real.counts.get(2) == 1 and real.seconds[2] >= 0.0
