@@ -24,7 +24,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-__all__ = ["TreePlan", "CommitIndices", "upload_into"]
+__all__ = ["TreePlan", "CommitIndices", "uniform_ancestors", "upload_into"]
 
 
 def _depths(gpar: np.ndarray) -> np.ndarray:
@@ -39,6 +39,41 @@ def _depths(gpar: np.ndarray) -> np.ndarray:
         add, nxt = depth[tgt], jump[tgt]  # read before writing: simultaneous update
         depth[live] += add
         jump[live] = nxt
+
+
+def uniform_ancestors(parents: np.ndarray, nodes_per_request: int) -> np.ndarray:
+    """[R, n, n] bool ancestor-or-self matrices of R trees of n nodes each (flat local parents [R n],
+    -1 at each root): entry [r, i, j] is True when node j lies on the root..i path of tree r.
+
+    Pointer doubling on the rows: after round k a row holds the ancestors closer than 2^k and the
+    jump pointer names the ancestor 2^k up, so ceil(log2(n)) rounds of whole-array operations
+    suffice. Raises ValueError naming the first malformed entry (the message of :meth:`TreePlan.build`).
+    """
+    n = int(nodes_per_request)
+    par = np.asarray(parents, dtype=np.int64)
+    if n < 1 or par.ndim != 1 or par.shape[0] % n != 0 or par.shape[0] == 0:
+        raise ValueError(f"parents must be [R * {n}] with R >= 1, got shape {par.shape}")
+    r = par.shape[0] // n
+    p = par.reshape(r, n)
+    local = np.arange(n, dtype=np.int64)
+    bad = np.where(local == 0, p != -1, (p < 0) | (p >= local))
+    if bad.any():
+        i = int(np.flatnonzero(bad)[0])
+        raise ValueError(
+            f"parents[{i}] = {int(par[i])} is invalid for local node {i % n} of request {i // n}: "
+            "the root needs -1 and every other node 0 <= parent < its local index"
+        )
+    anc = np.zeros((r, n, n), dtype=bool)
+    anc[:, local, local] = True
+    rows = np.arange(r)[:, None]
+    jump = p.copy()
+    live = jump >= 0
+    while live.any():
+        up = np.where(live, jump, 0)
+        anc |= anc[rows, up] & live[:, :, None]  # the right-hand side is read before any row is written
+        jump = np.where(live, jump[rows, up], -1)
+        live = jump >= 0
+    return anc
 
 
 @dataclass(frozen=True)
@@ -77,7 +112,8 @@ class TreePlan:
         return host._over(packed, host.num_pairs, host.max_depth, host.max_pairs_per_request)
 
     @staticmethod
-    def build_into(buffer: Tensor, parents: Tensor, cu_nodes: Tensor, nodes_per_request: int) -> "TreePlan":
+    def build_into(buffer: Tensor, parents: Tensor | np.ndarray, cu_nodes: Tensor | np.ndarray, nodes_per_request: int,
+                   ancestors: np.ndarray | None = None) -> "TreePlan":
         """The plan of a batch whose R trees all have ``nodes_per_request`` nodes, written into ``buffer``
         (int32, on the device, at least :meth:`fixed_size` entries) in a layout and with scalars that
         depend only on R and n = ``nodes_per_request``, never on the tree shapes.
@@ -89,22 +125,57 @@ class TreePlan:
         read depths and pair offsets from the tables and use the scalars only as bounds and strides.
         The host-to-device copy is ordered on the current stream (a launch recorded earlier that reads
         the buffer sees the old tables). Raises ValueError on a malformed tree or another node count.
+
+        ``ancestors``: the batch's :func:`uniform_ancestors` when the caller has it already (a full-graph
+        replay builds it once for this plan and the tree-attention plan). The tables are built from
+        that [R, n, n] matrix with whole-array numpy operations (no ragged bookkeeping: a decode step
+        on the critical path of the host); they equal :meth:`build`'s (tests/cpu/test_full_graphs.py).
         """
-        host = _host_plan(parents, cu_nodes)
         n = int(nodes_per_request)
-        if bool((host.cu.diff() != n).any()):
-            raise ValueError(f"every tree must have {n} nodes for a fixed-layout plan, got counts {host.cu.diff().tolist()}")
-        r = host.num_requests
+        par = np.asarray(parents.detach().cpu() if isinstance(parents, Tensor) else parents, dtype=np.int64)
+        cu = np.asarray(cu_nodes.detach().cpu() if isinstance(cu_nodes, Tensor) else cu_nodes, dtype=np.int64)
+        if par.ndim != 1 or cu.ndim != 1 or cu.shape[0] < 2:
+            raise ValueError(f"parents must be [T] and cu_nodes [R+1] with R >= 1, got {par.shape} and {cu.shape}")
+        counts = np.diff(cu)
+        if int(cu[0]) != 0 or int(cu[-1]) != par.shape[0] or bool((counts != n).any()):
+            raise ValueError(f"every tree must have {n} nodes for a fixed-layout plan, got counts {counts.tolist()} "
+                             f"for {par.shape[0]} parents")
+        r = counts.shape[0]
+        anc = uniform_ancestors(par, n) if ancestors is None else ancestors
+        if anc.shape != (r, n, n):
+            raise ValueError(f"ancestors must be [{r}, {n}, {n}], got {anc.shape}")
+        t = r * n
         cap = TreePlan.fixed_pairs_per_request(n)
-        pair_j = torch.zeros(r * cap, dtype=torch.long)
-        pair_j[: host.num_pairs] = host.pair_j
-        packed = torch.cat(host._tables(pair_j)).to(torch.int32)
-        if buffer.dtype != torch.int32 or buffer.dim() != 1 or buffer.numel() < packed.numel():
-            raise ValueError(f"buffer must be a 1-d int32 tensor of >= {packed.numel()} entries, got "
+        depth = anc.sum(axis=2, dtype=np.int64) - 1  # [R, n]
+        order = np.argsort(depth, axis=1, kind="stable")  # level order within each request, index breaks ties
+        base = (np.arange(r, dtype=np.int64) * n)[:, None]
+        perm = (order + base).reshape(-1)
+        pos = np.empty(t, dtype=np.int64)
+        pos[perm] = np.arange(t, dtype=np.int64)
+        # a node's ancestors, shallowest first: along a root..node path indices grow with depth
+        # (every parent precedes its child), so the row-major nonzeros of the level-ordered rows
+        # are the pairs in build()'s order
+        req, _, col = np.nonzero(anc[np.arange(r)[:, None], order])
+        lengths = depth.reshape(-1)[perm] + 1
+        packed = np.zeros((r + 1) + 5 * t + 1 + r * cap, dtype=np.int32)
+        o = 0
+        for part in (cu, perm, pos, depth.reshape(-1)):
+            packed[o : o + part.shape[0]] = part
+            o += part.shape[0]
+        np.cumsum(lengths, out=packed[o + 1 : o + 1 + t])  # pair_off (first entry 0)
+        o += t + 1
+        packed[o : o + col.shape[0]] = col + req * n  # pair_j, zero-padded to R n (n + 1) / 2
+        o += r * cap
+        packed[o : o + t] = np.repeat(np.arange(r, dtype=np.int32), n)  # req_of
+        if buffer.dtype != torch.int32 or buffer.dim() != 1 or buffer.numel() < packed.shape[0]:
+            raise ValueError(f"buffer must be a 1-d int32 tensor of >= {packed.shape[0]} entries, got "
                              f"{buffer.dtype} {tuple(buffer.shape)}")
-        view = buffer[: packed.numel()]
-        upload_into(view, packed)
-        return host._over(view, r * cap, n - 1, cap)
+        view = buffer[: packed.shape[0]]
+        upload_into(view, torch.from_numpy(packed))
+        cu_d, perm_d, pos_d, depth_d, off_d, pj_d, req_d = torch.split(view, [r + 1, t, t, t, t + 1, r * cap, t])
+        return TreePlan(num_requests=r, num_nodes=t, max_nodes=n, max_depth=n - 1, num_pairs=r * cap,
+                        max_pairs_per_request=cap, cu=cu_d, perm=perm_d, pos=pos_d, depth=depth_d, pair_off=off_d,
+                        pair_j=pj_d, req_of=req_d)
 
     def _tables(self, pair_j: Tensor | None = None) -> list[Tensor]:
         """The tables in their packed order (``pair_j`` replaced when given: a padded copy)."""
