@@ -161,7 +161,13 @@ def build_step_tree(
     spec_cu = np.zeros(spec_idx.shape[0] + 1, dtype=np.int64)
     np.cumsum(num_scheduled[spec_idx], out=spec_cu[1:])
     cat = lambda xs: np.concatenate(xs) if xs else np.zeros(0, dtype=np.int64)  # noqa: E731
-    parents_all, sample_parents_all = cat(local_parent), cat(sample_parents)
+    parents_all = cat(local_parent)
+    depth_all = ragged_depths(parents_all, qs)  # whole-array, not per request
+    if is_spec.all():  # every row a spec row (the usual decode step): the logits rows are the scheduled rows
+        sample_parents_all, sample_depth_all = parents_all, depth_all
+    else:
+        sample_parents_all = cat(sample_parents)
+        sample_depth_all = ragged_depths(sample_parents_all, sample_cu)
     step = StepTree(
         num_reqs=num_req,
         num_tokens=int(qs[-1]),
@@ -174,11 +180,11 @@ def build_step_tree(
         is_spec=is_spec,
         is_tree=is_tree,
         local_parent=parents_all,
-        depth=ragged_depths(parents_all, qs),  # whole-array, not per request
+        depth=depth_all,
         sample_parents=sample_parents_all,
-        sample_depth=ragged_depths(sample_parents_all, sample_cu),
+        sample_depth=sample_depth_all,
         sample_cu=sample_cu,
-        spec_parents=cat([local_parent[i] for i in spec_idx]),
+        spec_parents=parents_all if spec_idx.shape[0] == num_req else cat([local_parent[i] for i in spec_idx]),
         spec_cu=spec_cu,
         spec_req_index=spec_idx,
         device=device,
