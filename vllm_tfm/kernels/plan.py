@@ -177,10 +177,9 @@ class TreePlan:
                         max_pairs_per_request=cap, cu=cu_d, perm=perm_d, pos=pos_d, depth=depth_d, pair_off=off_d,
                         pair_j=pj_d, req_of=req_d)
 
-    def _tables(self, pair_j: Tensor | None = None) -> list[Tensor]:
-        """The tables in their packed order (``pair_j`` replaced when given: a padded copy)."""
-        return [self.cu, self.perm, self.pos, self.depth, self.pair_off, self.pair_j if pair_j is None else pair_j,
-                self.req_of]
+    def _tables(self) -> list[Tensor]:
+        """The tables in their packed order."""
+        return [self.cu, self.perm, self.pos, self.depth, self.pair_off, self.pair_j, self.req_of]
 
     def _over(self, packed: Tensor, pairs_len: int, max_depth: int, max_pairs_per_request: int) -> "TreePlan":
         """This plan with its tables the consecutive slices of ``packed`` (pair_j of ``pairs_len`` entries)
