@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from vllm_tfm.kernels.plan import TreePlan, uniform_ancestors
+from vllm_tfm.kernels.plan import TreePlan, ancestor_matrix
 from vllm_tfm.kernels.tree_attention import TreeAttentionPlan
 from vllm_tfm.tree.bitmask import ragged_ancestor_bits
 from vllm_tfm.vllm_plugin.cuda_graphs import tfm_capture_sizes
@@ -51,10 +51,10 @@ def test_fixed_layout_plan_has_the_tables_of_the_plan(kind: str, num_reqs: int, 
 
 @pytest.mark.parametrize("kind", ["random", "chain", "star"])
 @pytest.mark.parametrize(("num_reqs", "nodes"), [(1, 1), (1, 2), (3, 33), (2, 65), (4, 17)])
-def test_uniform_ancestors_are_the_root_paths(kind: str, num_reqs: int, nodes: int) -> None:
+def test_ancestor_matrix_of_the_bitmasks_is_the_root_paths(kind: str, num_reqs: int, nodes: int) -> None:
     rng = np.random.default_rng(7 * nodes + num_reqs)
     parents = random_parents(rng, num_reqs, nodes, kind)
-    anc = uniform_ancestors(parents, nodes)
+    anc = ancestor_matrix(ragged_ancestor_bits(parents, np.arange(num_reqs + 1) * nodes), num_reqs, nodes)
     expected = np.zeros((num_reqs, nodes, nodes), dtype=bool)
     for r in range(num_reqs):
         for i in range(nodes):
@@ -65,27 +65,27 @@ def test_uniform_ancestors_are_the_root_paths(kind: str, num_reqs: int, nodes: i
     assert np.array_equal(anc, expected)
 
 
-def test_plans_from_a_given_ancestor_matrix_equal_the_plans_without_it() -> None:
+def test_plans_from_given_ancestor_bitmasks_equal_the_plans_without_them() -> None:
     rng = np.random.default_rng(3)
     r, n = 3, 33
     parents = random_parents(rng, r, n)
     cu = np.arange(r + 1) * n
-    anc = uniform_ancestors(parents, n)
+    bits = ragged_ancestor_bits(parents, cu)
     bufs = [torch.zeros(TreePlan.fixed_size(r, n), dtype=torch.int32) for _ in range(2)]
     TreePlan.build_into(bufs[0], parents, cu, n)
-    TreePlan.build_into(bufs[1], torch.from_numpy(parents), torch.from_numpy(cu), n, ancestors=anc)
+    TreePlan.build_into(bufs[1], torch.from_numpy(parents), torch.from_numpy(cu), n, ancestor_bits=bits)
     assert torch.equal(bufs[0], bufs[1])
     starts = np.arange(r, dtype=np.int64) * n
     abufs = [torch.zeros(TreeAttentionPlan.fixed_size(r, n), dtype=torch.int64) for _ in range(2)]
     TreeAttentionPlan.build_into(abufs[0], starts, parents, n)
-    TreeAttentionPlan.build_into(abufs[1], starts, parents, n, ancestors=anc)
+    TreeAttentionPlan.build_into(abufs[1], starts, parents, n, ancestor_bits=bits)
     assert torch.equal(abufs[0], abufs[1])
-    with pytest.raises(ValueError, match=r"ancestors must be \[3, 33, 33\]"):
-        TreePlan.build_into(bufs[0], parents, cu, n, ancestors=anc[:2])
-    with pytest.raises(ValueError, match=r"ancestors must be \[3, 33, 33\]"):
-        TreeAttentionPlan.build_into(abufs[0], starts, parents, n, ancestors=anc[:, :, :5])
-    with pytest.raises(ValueError, match=r"parents\[34\] = 1 is invalid for local node 1 of request 1"):
-        uniform_ancestors(np.concatenate([parents[:34], [1], parents[35:]]), n)
+    with pytest.raises(ValueError, match=r"ancestor_bits must be \[99, 1\]"):
+        TreePlan.build_into(bufs[0], parents, cu, n, ancestor_bits=bits[:66])
+    with pytest.raises(ValueError, match=r"ancestor_bits must be \[99, 1\]"):
+        TreeAttentionPlan.build_into(abufs[0], starts, parents, n, ancestor_bits=np.zeros((99, 2), dtype=np.int64))
+    with pytest.raises(ValueError, match=r"parents\[34\] = 1 is invalid for local node 1"):
+        TreePlan.build_into(bufs[0], np.concatenate([parents[:34], [1], parents[35:]]), cu, n)
 
 
 def test_fixed_layout_plan_refuses_other_node_counts_and_small_buffers() -> None:

@@ -24,7 +24,9 @@ import numpy as np
 import torch
 from torch import Tensor
 
-__all__ = ["TreePlan", "CommitIndices", "uniform_ancestors", "upload_into"]
+from vllm_tfm.tree.bitmask import ragged_ancestor_bits
+
+__all__ = ["TreePlan", "CommitIndices", "ancestor_matrix", "upload_into"]
 
 
 def _depths(gpar: np.ndarray) -> np.ndarray:
@@ -41,39 +43,13 @@ def _depths(gpar: np.ndarray) -> np.ndarray:
         jump[live] = nxt
 
 
-def uniform_ancestors(parents: np.ndarray, nodes_per_request: int) -> np.ndarray:
-    """[R, n, n] bool ancestor-or-self matrices of R trees of n nodes each (flat local parents [R n],
-    -1 at each root): entry [r, i, j] is True when node j lies on the root..i path of tree r.
-
-    Pointer doubling on the rows: after round k a row holds the ancestors closer than 2^k and the
-    jump pointer names the ancestor 2^k up, so ceil(log2(n)) rounds of whole-array operations
-    suffice. Raises ValueError naming the first malformed entry (the message of :meth:`TreePlan.build`).
-    """
-    n = int(nodes_per_request)
-    par = np.asarray(parents, dtype=np.int64)
-    if n < 1 or par.ndim != 1 or par.shape[0] % n != 0 or par.shape[0] == 0:
-        raise ValueError(f"parents must be [R * {n}] with R >= 1, got shape {par.shape}")
-    r = par.shape[0] // n
-    p = par.reshape(r, n)
-    local = np.arange(n, dtype=np.int64)
-    bad = np.where(local == 0, p != -1, (p < 0) | (p >= local))
-    if bad.any():
-        i = int(np.flatnonzero(bad)[0])
-        raise ValueError(
-            f"parents[{i}] = {int(par[i])} is invalid for local node {i % n} of request {i // n}: "
-            "the root needs -1 and every other node 0 <= parent < its local index"
-        )
-    anc = np.zeros((r, n, n), dtype=bool)
-    anc[:, local, local] = True
-    rows = np.arange(r)[:, None]
-    jump = p.copy()
-    live = jump >= 0
-    while live.any():
-        up = np.where(live, jump, 0)
-        anc |= anc[rows, up] & live[:, :, None]  # the right-hand side is read before any row is written
-        jump = np.where(live, jump[rows, up], -1)
-        live = jump >= 0
-    return anc
+def ancestor_matrix(bits: np.ndarray, num_requests: int, nodes_per_request: int) -> np.ndarray:
+    """[R, n, n] bool ancestor-or-self matrices of R trees of n nodes from their bitmask rows
+    (``tree.bitmask.ragged_ancestor_bits``: [R n, words], bit j % 64 of word j // 64 of row i set
+    when node j lies on the root..i path): entry [r, i, j] is that bit of tree r's row i."""
+    r, n = int(num_requests), int(nodes_per_request)
+    raw = np.ascontiguousarray(bits).astype("<i8", copy=False).view(np.uint8).reshape(r, n, -1)
+    return np.unpackbits(raw, axis=2, count=n, bitorder="little").view(bool)
 
 
 @dataclass(frozen=True)
@@ -113,7 +89,7 @@ class TreePlan:
 
     @staticmethod
     def build_into(buffer: Tensor, parents: Tensor | np.ndarray, cu_nodes: Tensor | np.ndarray, nodes_per_request: int,
-                   ancestors: np.ndarray | None = None) -> "TreePlan":
+                   ancestor_bits: np.ndarray | None = None) -> "TreePlan":
         """The plan of a batch whose R trees all have ``nodes_per_request`` nodes, written into ``buffer``
         (int32, on the device, at least :meth:`fixed_size` entries) in a layout and with scalars that
         depend only on R and n = ``nodes_per_request``, never on the tree shapes.
@@ -126,10 +102,11 @@ class TreePlan:
         The host-to-device copy is ordered on the current stream (a launch recorded earlier that reads
         the buffer sees the old tables). Raises ValueError on a malformed tree or another node count.
 
-        ``ancestors``: the batch's :func:`uniform_ancestors` when the caller has it already (a full-graph
-        replay builds it once for this plan and the tree-attention plan). The tables are built from
-        that [R, n, n] matrix with whole-array numpy operations (no ragged bookkeeping: a decode step
-        on the critical path of the host); they equal :meth:`build`'s (tests/cpu/test_full_graphs.py).
+        ``ancestor_bits``: the batch's ``ragged_ancestor_bits`` when the caller has them already (a
+        full-graph replay builds them once for this plan and the tree-attention plan). The tables are
+        read off the [R, n, n] :func:`ancestor_matrix` with whole-array numpy operations (no ragged
+        bookkeeping: a decode step on the critical path of the host); they equal :meth:`build`'s
+        (tests/cpu/test_full_graphs.py).
         """
         n = int(nodes_per_request)
         par = np.asarray(parents.detach().cpu() if isinstance(parents, Tensor) else parents, dtype=np.int64)
@@ -141,9 +118,11 @@ class TreePlan:
             raise ValueError(f"every tree must have {n} nodes for a fixed-layout plan, got counts {counts.tolist()} "
                              f"for {par.shape[0]} parents")
         r = counts.shape[0]
-        anc = uniform_ancestors(par, n) if ancestors is None else ancestors
-        if anc.shape != (r, n, n):
-            raise ValueError(f"ancestors must be [{r}, {n}, {n}], got {anc.shape}")
+        bits = ragged_ancestor_bits(par, cu) if ancestor_bits is None else ancestor_bits  # validates the trees
+        words = (n + 63) // 64
+        if bits.shape != (r * n, words):
+            raise ValueError(f"ancestor_bits must be [{r * n}, {words}], got {bits.shape}")
+        anc = ancestor_matrix(bits, r, n)
         t = r * n
         cap = TreePlan.fixed_pairs_per_request(n)
         depth = anc.sum(axis=2, dtype=np.int64) - 1  # [R, n]

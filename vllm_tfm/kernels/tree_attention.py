@@ -137,41 +137,34 @@ class TreeAttentionPlan:
 
     @staticmethod
     def build_into(buffer: Tensor, tree_start: np.ndarray, parents: np.ndarray, nodes_per_request: int,
-                   ancestors: np.ndarray | None = None) -> TreeAttentionPlan:
+                   ancestor_bits: np.ndarray | None = None) -> TreeAttentionPlan:
         """The plan of R requests that are all trees of n = ``nodes_per_request`` nodes (request r's rows
         start at ``tree_start[r]``), written into ``buffer`` (int64 on the device, at least
         :meth:`fixed_size` entries) at addresses that depend on R and n only: a launch recorded once
         (CUDA graphs) reads the bitmasks of whatever batch was written last. ``parents``: [R n] local
-        parents in tree order; ``ancestors``: their ``plan.uniform_ancestors`` when the caller has it
-        (the bitmasks are then packed from it). One host-to-device copy, in stream order, no host wait."""
-        from vllm_tfm.kernels.plan import uniform_ancestors, upload_into
+        parents in tree order; ``ancestor_bits``: their ``ragged_ancestor_bits`` when the caller has
+        them. One host-to-device copy, in stream order, no host wait."""
+        from vllm_tfm.kernels.plan import upload_into
 
         start = np.ascontiguousarray(tree_start, dtype=np.int64)
         r, n = start.shape[0], int(nodes_per_request)
-        anc = uniform_ancestors(parents, n) if ancestors is None else ancestors
-        if anc.shape != (r, n, n):
-            raise ValueError(f"ancestors must be [{r}, {n}, {n}], got {anc.shape}")
-        words = (n + 63) // 64
+        cu = np.arange(r + 1, dtype=np.int64) * n
+        bits = ragged_ancestor_bits(np.asarray(parents, dtype=np.int64), cu) if ancestor_bits is None else ancestor_bits
+        if bits.shape != (r * n, (n + 63) // 64):
+            raise ValueError(f"ancestor_bits must be [{r * n}, {(n + 63) // 64}], got {bits.shape}")
+        size = np.full(r, n, dtype=np.int64)
+        meta = np.concatenate([np.arange(r, dtype=np.int64), start, size, cu[:-1]]).astype(np.int32)
         head = 2 * r
-        packed = np.zeros(head + r * n * words, dtype=np.int64)
-        meta = packed[:head].view(np.int32)
-        meta[:r] = np.arange(r, dtype=np.int32)
-        meta[r : 2 * r] = start
-        meta[2 * r : 3 * r] = n
-        meta[3 * r :] = np.arange(r, dtype=np.int32) * n
-        # bit j % 64 of word j // 64 of row i: node j on the root..i path (little-endian bit and byte order)
-        packed_bits = np.packbits(anc, axis=2, bitorder="little")
-        pad = np.zeros((r, n, 8 * words), dtype=np.uint8)
-        pad[:, :, : packed_bits.shape[2]] = packed_bits
-        bits = pad.view("<i8").reshape(r * n, words).astype(np.int64)
+        packed = np.zeros(head + bits.size, dtype=np.int64)
+        packed[:head].view(np.int32)[:] = meta
         packed[head:] = bits.reshape(-1)
         if buffer.dtype != torch.int64 or buffer.dim() != 1 or buffer.numel() < packed.size:
             raise ValueError(f"buffer must be a 1-d int64 tensor of >= {packed.size} entries, got {buffer.dtype} "
                              f"{tuple(buffer.shape)}")
         dev = buffer[: packed.size]
         upload_into(dev, torch.from_numpy(packed))
-        return TreeAttentionPlan(np.arange(r, dtype=np.int64), start, np.full(r, n, dtype=np.int64), bits,
-                                 dev[:head].view(torch.int32), dev[head:].view(bits.shape[0], bits.shape[1]))
+        return TreeAttentionPlan(np.arange(r, dtype=np.int64), start, size, bits, dev[:head].view(torch.int32),
+                                 dev[head:].view(bits.shape[0], bits.shape[1]))
 
     @staticmethod
     def fixed_size(num_requests: int, nodes_per_request: int) -> int:

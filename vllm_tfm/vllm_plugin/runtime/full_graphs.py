@@ -48,8 +48,9 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from vllm_tfm.kernels.plan import TreePlan, uniform_ancestors
+from vllm_tfm.kernels.plan import TreePlan
 from vllm_tfm.kernels.tree_attention import TreeAttentionPlan, _split_counters
+from vllm_tfm.tree.bitmask import ragged_ancestor_bits
 
 from .stage_timing import TIMER
 from .state import STATE, GDNStash, StepTree
@@ -261,11 +262,11 @@ class TreeGraphs:
         cap = self.captured.get(step.num_reqs)
         if cap is None or not uniform_tree_step(step, self.nodes):
             raise RuntimeError(f"vllm-tfm: no full tree graph fits this step ({step.num_reqs} requests)")
-        # a uniform step's rows are its spec rows in order: one ancestor matrix serves both plans
-        anc = uniform_ancestors(step.spec_parents, self.nodes)
-        plan = TreePlan.build_into(self.plan_buffer, step.spec_parents, step.spec_cu, self.nodes, ancestors=anc)
+        # a uniform step's rows are its spec rows in order: one set of ancestor bitmasks serves both plans
+        bits = ragged_ancestor_bits(step.spec_parents, step.spec_cu)
+        plan = TreePlan.build_into(self.plan_buffer, step.spec_parents, step.spec_cu, self.nodes, ancestor_bits=bits)
         TreeAttentionPlan.build_into(self.attn_buffer, step.query_start[:-1], step.local_parent, self.nodes,
-                                     ancestors=anc)
+                                     ancestor_bits=bits)
         step.gdn = dict(cap.stashes)
         groups = {key: dataclasses.replace(g, commit=None) for key, g in cap.groups.items()}
         set_step_kernels(StepKernels(step, self.device, plan=plan, groups=groups))
