@@ -128,7 +128,7 @@ def measure_estimate_s(arm: Arm, batches: list[int], output_len: int, mal: float
     H200 (about 0.22 s with tfm's drafting and tree verify, session 5), a run needs output_len / MAL
     steps, plus a few seconds of prefill and bookkeeping."""
     step_s = 0.1 if arm.kind == "nospec" else 0.22
-    runs = 2 if clean_run else 1
+    runs = 3 if clean_run else 1  # a clean run, --ab-deferred's run, the profiled run
     per_run = output_len / max(mal, 1.0) * step_s + 3.0
     return 10.0 + runs * len(batches) * per_run
 
@@ -332,6 +332,10 @@ def run_arm(arm: Arm, settings_path: Path) -> int:
                 llm.collective_rpc(set_stage_timing, kwargs={"enabled": False, "reset": True})
                 run.update(one_run(llm, ps[:b], params))
                 log(f"{arm.name} b{b} clean: {run['tokens_per_s']} tok/s (decode {run['decode_tokens_per_s']})")
+                if s.get("ab_deferred") and arm.kind == "tfm":
+                    run["deferred_off"] = deferred_off_run(llm, ps[:b], params)
+                    log(f"{arm.name} b{b} clean, deferred drafts off: {run['deferred_off']['tokens_per_s']} tok/s "
+                        f"(decode {run['deferred_off']['decode_tokens_per_s']})")
             llm.collective_rpc(set_stage_timing, kwargs={"enabled": True, "reset": True})
             prof = one_run(llm, ps[:b], params)
             prof.update(llm.collective_rpc(collect_stage_timings, kwargs={"reset": True})[0])
@@ -394,6 +398,24 @@ def run_child(arm: Arm, settings_path: Path, out: Path, timeout_s: float, env: d
     shown = [ln for ln in text.splitlines() if any(k in ln for k in keep)]
     print("\n".join(shown[-60:]), flush=True)
     return rc
+
+
+def deferred_off_run(llm: Any, ps: list[list[int]], params: Any) -> dict[str, Any]:
+    """One clean run with deferred drafts off (then back to the environment's setting), with the tree
+    counters of that run: the A half of a same-engine A/B of runtime/deferred_drafts.py."""
+    from vllm_tfm.vllm_plugin.runtime import collect_tree_metrics, set_deferred_drafts
+
+    def placeholder_steps() -> int:
+        return int((llm.collective_rpc(collect_tree_metrics)[0] or {}).get("placeholder_steps") or 0)
+
+    before = placeholder_steps()
+    llm.collective_rpc(set_deferred_drafts, args=(False,))
+    try:
+        out = one_run(llm, ps, params)
+    finally:
+        llm.collective_rpc(set_deferred_drafts, args=(None,))
+    out["placeholder_steps"] = placeholder_steps() - before  # 0: the run was the synchronous path
+    return out
 
 
 def host_spans_run(llm: Any, ps: list[list[int]], params: Any) -> dict[str, Any]:
@@ -485,6 +507,7 @@ def driver(args: argparse.Namespace) -> int:
         "deadline_s": args.deadline_s, "work": str(work), "plans": {},
         "host_profile": str(out) if args.host_profile else None,
         "host_spans": args.host_spans,
+        "ab_deferred": args.ab_deferred,
         # tfm switches set for this run (e.g. VLLM_TFM_WEAVER_GRAPHS=1), benchmark-only ones excluded
         "tfm_env": tfm_switches(os.environ),
     }
@@ -596,6 +619,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--host-spans", action="store_true",
                     help="one more run per batch with wall-clock timers around the engine's methods "
                          "(bench/host_spans.py): host ms per step by method, in the arm's JSON")
+    ap.add_argument("--ab-deferred", action="store_true",
+                    help="tfm arms: one more clean run per batch with deferred drafts off (runtime/deferred_drafts.py), "
+                         "on the same engine: a same-machine before / after in the arm's JSON (deferred_off)")
     ap.add_argument("--child", help=argparse.SUPPRESS)
     ap.add_argument("--settings", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)

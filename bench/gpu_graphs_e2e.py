@@ -16,14 +16,18 @@ batch 1 (each prompt alone):
                  drafts replay full graphs with the tree verify inside, the others piecewise graphs)
   tfm-fullpw-pergroup  tfm-fullpw with VLLM_TFM_GDN_METADATA_ONCE=0 (vLLM's GDN metadata build per
                  KV-cache group instead of one build and block-table updates): same arithmetic
+  tfm-fullpw-sync  tfm-fullpw with VLLM_TFM_DEFERRED_DRAFTS=0 (the scheduler gets the drafts' tokens,
+                 the host waits for the drafter): the same drafts, tokens and acceptance
 
 Verdicts (all must hold for exit code 0): tfm-graphs == nospec-graphs, tfm-graphs == tfm-eager,
-tfm-eager == nospec-eager, tfm-fullpw == nospec-graphs, tfm-fullpw == tfm-fullpw-pergroup (batch 8
+tfm-eager == nospec-eager, tfm-fullpw == nospec-graphs, tfm-fullpw == tfm-fullpw-pergroup,
+tfm-fullpw == tfm-fullpw-sync (batch 8
 and batch 1, every prompt, every token); tfm-graphs ran its tree steps in piecewise graphs (the
 runtime's ``cudagraph.tree.PIECEWISE`` counter > 0) and never in a full graph; the tfm-fullpw
 engines replayed full graphs for tree steps (``cudagraph.tree.FULL`` > 0); the -pergroup engine
 never reused GDN metadata and, on the random models, the other tfm engines did
-(``gdn.metadata_reused`` > 0). nospec-graphs vs nospec-eager (compiled vs eager numerics) is reported, not required. A divergence is reported
+(``gdn.metadata_reused`` > 0); the -sync engine handed the scheduler no placeholder drafts, every
+other tfm engine some, and tfm-fullpw-sync's mean accepted length equals tfm-fullpw's. nospec-graphs vs nospec-eager (compiled vs eager numerics) is reported, not required. A divergence is reported
 with its position and the no-spec top-2 log-probability margin there.
 
 TFM_GRAPHS_MODELS=random: instead of the zoo, bench/gpu_plugin_e2e.py's random tiny hybrid and
@@ -81,6 +85,10 @@ ENGINES: dict[str, dict[str, Any]] = {
     # same arithmetic, so its tokens must equal tfm-fullpw's bit for bit, near-ties included
     "tfm-fullpw-pergroup": {"spec": True, "eager": False, "compilation_config": {"cudagraph_mode": "FULL_AND_PIECEWISE"},
                             "env": {"VLLM_TFM_GDN_METADATA_ONCE": "0"}},
+    # tfm-fullpw with deferred drafts off (runtime/deferred_drafts.py): the scheduler gets the tokens and
+    # the host waits for the drafter before bookkeeping; the same drafts, so the same tokens and acceptance
+    "tfm-fullpw-sync": {"spec": True, "eager": False, "compilation_config": {"cudagraph_mode": "FULL_AND_PIECEWISE"},
+                        "env": {"VLLM_TFM_DEFERRED_DRAFTS": "0"}},
 }
 REQUIRED: tuple[tuple[str, str], ...] = (
     ("tfm-graphs", "nospec-graphs"),
@@ -88,9 +96,10 @@ REQUIRED: tuple[tuple[str, str], ...] = (
     ("tfm-eager", "nospec-eager"),
     ("tfm-fullpw", "nospec-graphs"),
     ("tfm-fullpw", "tfm-fullpw-pergroup"),
+    ("tfm-fullpw", "tfm-fullpw-sync"),
 )
 INFORMATIONAL: tuple[tuple[str, str], ...] = (("nospec-graphs", "nospec-eager"),)
-GRAPH_ENGINES = ("tfm-graphs", "tfm-fullpw", "tfm-fullpw-pergroup")
+GRAPH_ENGINES = ("tfm-graphs", "tfm-fullpw", "tfm-fullpw-pergroup", "tfm-fullpw-sync")
 METADATA_REUSED = "gdn.metadata_reused"
 
 
@@ -208,7 +217,8 @@ def run_engine(name: str, settings_path: Path) -> int:
                 res[f"{label}_margins"] = [[top2_margin(pos) for pos in (c.logprobs or [])] for c in outs]
             if spec:
                 snap = llm.collective_rpc(collect_tree_metrics, kwargs={"reset": True})[0] or {}
-                res[f"{label}_tree_metrics"] = {k: snap.get(k) for k in ("steps", "tree_steps", "mean_accepted_length")}
+                res[f"{label}_tree_metrics"] = {k: snap.get(k) for k in ("steps", "tree_steps", "mean_accepted_length",
+                                                                       "placeholder_steps", "placeholder_drafts_filled")}
                 res[f"{label}_graph_steps"] = {k: v for k, v in (snap.get("hooks") or {}).items() if k.startswith("cudagraph.")}
                 # which runtime paths ran (Weaver graph or eager build, tree attention kernel or Triton)
                 res[f"{label}_paths"] = {k: v for k, v in (snap.get("hooks") or {}).items()
@@ -300,6 +310,25 @@ def metadata_usage(runs: dict[str, dict[str, Any]], models: str) -> dict[str, An
     return out
 
 
+def deferred_usage(runs: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    """Per tfm engine: steps whose drafts went to the scheduler as placeholders (runtime/deferred_drafts.py).
+    ok iff the -sync control had none and every other tfm engine had some, and the control's mean
+    accepted length equals tfm-fullpw's in both batches (the same drafts reached the same forward)."""
+    out: dict[str, Any] = {}
+    for name, r in runs.items():
+        if not ENGINES.get(name, {}).get("spec"):
+            continue
+        n = sum(int((r.get(f"{label}_tree_metrics") or {}).get("placeholder_steps") or 0) for label in ("b8", "b1"))
+        off = (ENGINES[name].get("env") or {}).get("VLLM_TFM_DEFERRED_DRAFTS") == "0"
+        out[name] = {"placeholder_steps": n, "ok": n == 0 if off else n > 0}
+    if "tfm-fullpw" in runs and "tfm-fullpw-sync" in runs:
+        mal = {label: [(runs[e].get(f"{label}_tree_metrics") or {}).get("mean_accepted_length")
+                       for e in ("tfm-fullpw", "tfm-fullpw-sync")] for label in ("b8", "b1")}
+        out["same_acceptance"] = {"mean_accepted_length": mal,
+                                  "ok": all(a is not None and a == b for a, b in mal.values())}
+    return out
+
+
 # ---------------------------------------------------------------------------------------- driver
 def driver(args: argparse.Namespace) -> int:
     from phase_process import run_phase_process
@@ -342,11 +371,12 @@ def driver(args: argparse.Namespace) -> int:
               "machine": next((r.get("machine") for r in runs.values() if r.get("machine")), {}),
               "verdicts": verdicts(runs), "graph_usage": graph_usage(runs),
               "metadata_usage": metadata_usage(runs, MODELS),
+              "deferred_usage": deferred_usage(runs),
               "engines": {n: {k: v for k, v in r.items() if k not in ("b8", "b1", "b8_margins", "b1_margins", "traceback")}
                           for n, r in runs.items()}}
     required = [v["equal"] for v in result["verdicts"].values() if v["required"]]
     ok = bool(required) and all(required) and all(g["ok"] for g in result["graph_usage"].values()) and all(
-        m["ok"] for m in result["metadata_usage"].values())
+        m["ok"] for m in result["metadata_usage"].values()) and all(d["ok"] for d in result["deferred_usage"].values())
     result["ok"] = ok
     (out / "graphs.json").write_text(json.dumps(result, indent=1, default=str) + "\n")
     for key, v in result["verdicts"].items():

@@ -118,3 +118,23 @@ def test_the_per_group_control_is_a_required_bit_for_bit_pair() -> None:
     assert g.ENGINES["tfm-fullpw-pergroup"]["env"] == {"VLLM_TFM_GDN_METADATA_ONCE": "0"}
     assert g.graph_usage({"tfm-fullpw-pergroup": {"b8_graph_steps": {"cudagraph.tree.FULL": 3}}})[
         "tfm-fullpw-pergroup"]["ok"]
+
+
+def test_deferred_usage_wants_placeholders_except_in_the_sync_control_and_the_same_acceptance() -> None:
+    def engine(b8: int, b1: int, mal: tuple[float, float] = (3.5, 2.5)) -> dict[str, object]:
+        return {"status": "ok", "b8_tree_metrics": {"placeholder_steps": b8, "mean_accepted_length": mal[0]},
+                "b1_tree_metrics": {"placeholder_steps": b1, "mean_accepted_length": mal[1]}}
+
+    runs = {"nospec-eager": {"status": "ok"}, "tfm-eager": engine(5, 40), "tfm-fullpw": engine(5, 40),
+            "tfm-fullpw-sync": engine(0, 0)}
+    usage = g.deferred_usage(runs)
+    assert set(usage) == {"tfm-eager", "tfm-fullpw", "tfm-fullpw-sync", "same_acceptance"}
+    assert all(u["ok"] for u in usage.values()) and usage["tfm-fullpw"]["placeholder_steps"] == 45
+    runs["tfm-fullpw-sync"] = engine(0, 1)  # the switch did not take
+    assert g.deferred_usage(runs)["tfm-fullpw-sync"]["ok"] is False
+    runs["tfm-fullpw-sync"] = engine(0, 0, (3.5, 2.4))  # other drafts reached the forward
+    assert g.deferred_usage(runs)["same_acceptance"]["ok"] is False
+    runs["tfm-fullpw"] = engine(0, 0)  # deferred drafts never ran in the default engine
+    assert g.deferred_usage(runs)["tfm-fullpw"]["ok"] is False
+    assert ("tfm-fullpw", "tfm-fullpw-sync") in g.REQUIRED
+    assert g.ENGINES["tfm-fullpw-sync"]["env"] == {"VLLM_TFM_DEFERRED_DRAFTS": "0"}

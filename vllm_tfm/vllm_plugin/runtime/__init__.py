@@ -30,6 +30,10 @@ target and drafter forwards, the tree code running between the graph pieces):
 5. ``propose_draft_token_ids``: ``TFMProposer`` puts root + accepted path first for the DFlash
    context, gets D marginals from one DFlash forward, builds B-node trees (chain / DDTree /
    Weaver), returns the tokens to vLLM and keeps the parents by request id.
+6. Deferred drafts (``deferred_drafts.py``, default on): vLLM's bookkeeping reads the sampled
+   tokens' early copy and the scheduler gets placeholder drafts, so the host's bookkeeping,
+   scheduling and the next step's input preparation run while the drafter runs; the next step's
+   ``_prepare_input_ids`` writes the drafts into the input ids from the device.
 
 Steps without a non-chain tree run vLLM's native chain path unchanged (set
 ``VLLM_TFM_FORCE_TREE_PATH=1`` to route them through the tree path too).
@@ -42,7 +46,9 @@ replaces the verification outcome by draws from a recorded profile.
 
 from __future__ import annotations
 
-__all__ = ["install", "is_installed", "snapshot_metrics", "collect_tree_metrics", "flush_trace"]
+__all__ = [
+    "install", "is_installed", "snapshot_metrics", "collect_tree_metrics", "flush_trace", "set_deferred_drafts",
+]
 
 
 def install() -> None:
@@ -99,6 +105,14 @@ def collect_tree_metrics(worker: object = None, reset: bool = False) -> dict | N
         if STATE.replay is not None:
             STATE.replay.reset()
     return snap
+
+
+def set_deferred_drafts(worker: object = None, on: bool | None = None) -> bool:
+    """Deferred drafts on or off in this process from the next step on (None: ``VLLM_TFM_DEFERRED_DRAFTS``);
+    the setting now in force. The signature suits ``LLM.collective_rpc``."""
+    from .deferred_drafts import set_deferred_drafts as _set
+
+    return _set(worker, on)
 
 
 def flush_trace(worker: object = None) -> str | None:

@@ -10,6 +10,9 @@ Each wrapper calls the original and acts only on a runner built for ``"method": 
 * ``_update_states_after_model_execute`` (1545, called at 4535 between sampling and drafting):
   the commit (KV compaction + GDN state / conv window) before vLLM records ``num_accepted_tokens``;
 * ``propose_draft_token_ids`` (4954): keeps the target's sampled hidden states for the Weaver;
+* ``_bookkeeping_sync`` (3668), ``take_draft_token_ids`` (4833), ``_prepare_input_ids`` (1761):
+  deferred drafts (``deferred_drafts.py``): the sampled tokens' early copy, placeholder drafts for
+  the scheduler, the drafts' tokens written into the input ids on the device;
 * ``sample_tokens`` (4497): clears the step state when the step ends, so profiling and dummy runs
   never see a stale tree;
 * ``profile_run`` (6364, called once at start-up by ``Worker.determine_available_memory``, with or
@@ -43,6 +46,7 @@ import torch
 
 from .accepted_offsets import OffsetPlan, move_states_to_slot0, plan_offsets
 from .commit import commit_gdn_layers, compact_kv, compaction_rows, spec_accepted
+from .deferred_drafts import deferred_drafts_enabled, fill_input_ids, placeholder_drafts
 from .inputs import build_step_tree, tree_positions
 from .metrics import Metrics
 from .sampler import TFMTreeSampler, needs_native_sampler
@@ -325,6 +329,15 @@ def _wrap_propose(orig: Callable) -> Callable:
                 return orig(self, scheduler_output, sampled_token_ids, sampling_metadata, hidden_states,
                             sample_hidden_states, *args, **kwargs)
         STATE.final_hidden = sample_hidden_states
+        STATE.defer_drafts = (
+            deferred_drafts_enabled()
+            and isinstance(sampled_token_ids, torch.Tensor)
+            and sampled_token_ids.is_cuda
+            and not scheduler_output.has_structured_output_requests
+            and not needs_native_sampler(sampling_metadata)
+        )
+        if STATE.defer_drafts:  # sampler and commit queued, drafting not yet: the copy bookkeeping waits for
+            STATE.sampled_copy.record(sampled_token_ids)
         try:
             with STATE.metrics.timed("propose"), TIMER.span("propose"):
                 return orig(self, scheduler_output, sampled_token_ids, sampling_metadata, hidden_states,
@@ -333,6 +346,60 @@ def _wrap_propose(orig: Callable) -> Callable:
             STATE.final_hidden = None
 
     return propose_draft_token_ids
+
+
+def _wrap_bookkeeping_sync(orig: Callable) -> Callable:
+    @functools.wraps(orig)
+    def _bookkeeping_sync(self: Any, scheduler_output: Any, sampler_output: Any, *args: Any, **kwargs: Any) -> Any:
+        if not _is_tfm(self):
+            return orig(self, scheduler_output, sampler_output, *args, **kwargs)
+        sampled = sampler_output.sampled_token_ids
+        host = STATE.sampled_copy.host_for(sampled)  # deferred drafts: waits for the sampler, not the drafter
+        if host is None:
+            return orig(self, scheduler_output, sampler_output, *args, **kwargs)
+        sampler_output.sampled_token_ids = host
+        try:
+            return orig(self, scheduler_output, sampler_output, *args, **kwargs)
+        finally:
+            sampler_output.sampled_token_ids = sampled
+
+    return _bookkeeping_sync
+
+
+def _wrap_take_draft_token_ids(orig: Callable) -> Callable:
+    @functools.wraps(orig)
+    def take_draft_token_ids(self: Any) -> Any:
+        if not _is_tfm(self):
+            return orig(self)
+        drafts, req_ids = self._draft_token_ids, self._draft_token_req_ids
+        if (
+            STATE.defer_drafts
+            and self.num_spec_tokens
+            and req_ids
+            and isinstance(drafts, torch.Tensor)
+            and STATE.store.latest_is(drafts, req_ids)
+        ):
+            from vllm.v1.outputs import DraftTokenIds
+
+            STATE.metrics.placeholder_steps += 1
+            return DraftTokenIds(list(req_ids), placeholder_drafts(len(req_ids), int(drafts.shape[1])))
+        return orig(self)
+
+    return take_draft_token_ids
+
+
+def _wrap_prepare_input_ids(orig: Callable) -> Callable:
+    @functools.wraps(orig)
+    def _prepare_input_ids(self: Any, scheduler_output: Any, num_reqs: int, total_num_scheduled_tokens: int,
+                           cu_num_tokens: np.ndarray, *args: Any, **kwargs: Any) -> Any:
+        fill = fill_input_ids(self, scheduler_output, cu_num_tokens) if _is_tfm(self) else None
+        out = orig(self, scheduler_output, num_reqs, total_num_scheduled_tokens, cu_num_tokens, *args, **kwargs)
+        if fill is not None:
+            n = fill.apply(self.input_ids.gpu)
+            STATE.metrics.placeholder_drafts_filled += n + fill.host_filled
+        return out
+
+    return _prepare_input_ids
 
 
 def _wrap_sample_tokens(orig: Callable) -> Callable:
@@ -412,6 +479,9 @@ RUNNER_HOOKS: dict[str, tuple[Callable[[Callable], Callable], str]] = {
     "_update_states_after_model_execute": (_wrap_update_states_after, "tfm: commit the accepted path"),
     "propose_draft_token_ids": (_wrap_propose, "tfm: keep the target's sampled hidden states (Weaver)"),
     "sample_tokens": (_wrap_sample_tokens, "tfm: end the step state"),
+    "_bookkeeping_sync": (_wrap_bookkeeping_sync, "tfm: read the sampled tokens' early copy (deferred drafts)"),
+    "take_draft_token_ids": (_wrap_take_draft_token_ids, "tfm: placeholders for the scheduler (deferred drafts)"),
+    "_prepare_input_ids": (_wrap_prepare_input_ids, "tfm: the drafts' tokens into the input ids (deferred drafts)"),
     "profile_run": (_wrap_profile_run, "tfm: capture the Weaver CUDA graphs of every batch size at start-up"),
 }
 

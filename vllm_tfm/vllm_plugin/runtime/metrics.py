@@ -48,6 +48,8 @@ class Metrics:
         self.tp_accept_checks = 0  # verifications found identical on every TP rank
         self.accepted_restored = 0  # rows whose num_accepted_tokens vLLM reset on re-adding them (accepted_offsets.py)
         self.states_moved = 0  # rows whose committed GDN state was moved to slot 0 (accepted_offsets.py)
+        self.placeholder_steps = 0  # steps whose drafts went to the scheduler as placeholders (deferred_drafts.py)
+        self.placeholder_drafts_filled = 0  # draft input ids written from the proposals (deferred_drafts.py)
         self.resumed: Counter[str] = Counter()  # request id -> times vLLM resumed it after a preemption
         self.tree_requests = 0
         self.tree_nodes = 0
@@ -152,6 +154,8 @@ class Metrics:
             "tp_accept_checks": self.tp_accept_checks,
             "accepted_restored": self.accepted_restored,
             "states_moved": self.states_moved,
+            "placeholder_steps": self.placeholder_steps,
+            "placeholder_drafts_filled": self.placeholder_drafts_filled,
             "resumed_requests": dict(self.resumed),
             "tree_requests": self.tree_requests,
             "tree_nodes": self.tree_nodes,

@@ -16,6 +16,7 @@ topology of each request's tree stays here:
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -27,6 +28,7 @@ from vllm_tfm.verify.packed_upload import packed_upload
 from vllm_tfm.verify.tree_tables import TreeTables, tree_table_arrays
 
 from .accepted_offsets import AcceptedOffsets
+from .sampled_copy import SampledCopy
 
 if TYPE_CHECKING:
     from vllm_tfm.kernels.tree_attention import TreeAttentionPlan
@@ -38,7 +40,7 @@ if TYPE_CHECKING:
     from .trace import Tracer
 
 __all__ = [
-    "TreeRecord", "ProposalStore", "GDNStash", "AttnTree", "StepTree", "RuntimeState", "STATE", "LOOKUP_NAMES",
+    "TreeRecord", "ProposalStore", "PLACEHOLDER_DRAFT", "is_placeholder", "GDNStash", "AttnTree", "StepTree", "RuntimeState", "STATE", "LOOKUP_NAMES",
     "LOOKUP_NONE", "LOOKUP_FULL", "LOOKUP_CUT", "LOOKUP_MISS", "LOOKUP_ABSENT", "LOOKUP_OFF",
 ]
 
@@ -64,12 +66,34 @@ def _is_chain(parents: np.ndarray) -> bool:
     return bool(np.array_equal(parents, np.arange(-1, parents.shape[0] - 1)))
 
 
+PLACEHOLDER_DRAFT = -1
+"""The draft id the scheduler holds for a proposal handed out as placeholders (deferred drafts,
+``runtime/deferred_drafts.py``); vLLM's own placeholder for spec tokens. Real token ids are >= 0, so
+a placeholder never matches a draft's value."""
+
+
+def is_placeholder(drafts: Sequence[int]) -> bool:
+    """Drafts the scheduler holds as placeholders: one or more, all ``PLACEHOLDER_DRAFT``."""
+    return len(drafts) > 0 and all(d == PLACEHOLDER_DRAFT for d in drafts)
+
+
 class ProposalStore:
-    """req_id -> TreeRecord of the most recent proposal that included the request."""
+    """req_id -> TreeRecord of the most recent proposal that included the request.
+
+    Deferred drafts (``runtime/deferred_drafts.py``): the scheduler may hold placeholders instead of a
+    proposal's tokens. Placeholders stand for the most recent proposal that included the request (the
+    scheduler's drafts of a request change only when a proposal including it is handed out, as
+    tokens or as placeholders), so ``match`` pairs them with that record by length, and the input ids
+    take that proposal's tokens from the device (``device_drafts``, no wait) or, for a request absent
+    from the latest proposal, from the host copy (``host_drafts``). This holds on every
+    tensor-parallel rank alike, although only rank 0 hands drafts to the scheduler.
+    """
 
     def __init__(self) -> None:
         self._records: dict[str, TreeRecord] = {}
         self._pending: tuple[list[str], Tensor, Tensor, torch.cuda.Event | None] | None = None
+        self._latest: tuple[dict[str, int], Tensor] | None = None  # row by request, device tokens [R, B]
+        self._live: Any = None  # the runner's requests as of the last ``retain`` (pruned at the next ingest)
 
     def __len__(self) -> int:
         self._ingest()
@@ -79,7 +103,8 @@ class ProposalStore:
         """Queue the proposal of this step: tokens [R, B] and parents [R, 1 + B] (any device).
 
         The device-to-host copy is asynchronous (pinned buffers + an event); it is read at the
-        next ``lookup``.
+        next ``lookup`` (not before: the host goes on with vLLM's bookkeeping and scheduling while
+        the drafter still runs).
         """
         if tokens.dim() != 2 or parents.dim() != 2 or parents.shape != (tokens.shape[0], tokens.shape[1] + 1):
             raise ValueError(
@@ -98,6 +123,15 @@ class ProposalStore:
         else:
             tok_h, par_h, event = tokens.to(torch.int64).clone(), parents.to(torch.int64).clone(), None
         self._pending = (list(req_ids), tok_h, par_h, event)
+        self._latest = ({rid: i for i, rid in enumerate(req_ids)}, tokens)
+
+    def latest_is(self, tokens: Any, req_ids: Sequence[str]) -> bool:
+        """Whether ``tokens`` is the most recent proposal's tokens tensor (the object the proposer
+        returned to vLLM) and ``req_ids`` its requests in its order."""
+        if self._latest is None or self._latest[1] is not tokens:
+            return False
+        rows = self._latest[0]
+        return len(rows) == len(req_ids) and all(rows.get(r) == i for i, r in enumerate(req_ids))
 
     def _ingest(self) -> None:
         if self._pending is None:
@@ -111,6 +145,25 @@ class ProposalStore:
         for i, rid in enumerate(req_ids):
             p = pars[i].copy()
             self._records[rid] = TreeRecord(tuple(int(t) for t in toks[i]), p, _is_chain(p))
+        if self._live is not None:
+            live, self._live = self._live, None
+            for rid in [r for r in self._records if r not in live]:
+                del self._records[rid]
+
+    def device_drafts(self, req_id: str) -> tuple[Tensor, int] | None:
+        """(device tokens [R, B] of the most recent proposal, the request's row) when that proposal
+        included ``req_id`` (no wait); None otherwise."""
+        if self._latest is None:
+            return None
+        row = self._latest[0].get(req_id)
+        return None if row is None else (self._latest[1], row)
+
+    def host_drafts(self, req_id: str) -> tuple[int, ...] | None:
+        """The tokens of the most recent proposal that included ``req_id`` (waits for its host copy),
+        or None when none is stored."""
+        self._ingest()
+        rec = self._records.get(req_id)
+        return None if rec is None else rec.tokens
 
     def lookup(self, req_id: str, drafts: list[int]) -> TreeRecord | None:
         """The record whose tokens start with ``drafts`` (the scheduler may truncate), else None.
@@ -122,13 +175,14 @@ class ProposalStore:
 
     def match(self, req_id: str, drafts: list[int]) -> tuple[TreeRecord | None, int, int]:
         """``lookup`` plus how it went: (record or None, one of the ``LOOKUP_*`` codes, length of
-        the stored proposal or 0)."""
+        the stored proposal or 0). Placeholder drafts (``is_placeholder``) match the record by length:
+        the input ids carry its tokens (``deferred_drafts.fill_input_ids``)."""
         self._ingest()
         rec = self._records.get(req_id)
         if rec is None:
             return None, LOOKUP_ABSENT, 0
         n, full = len(drafts), len(rec.tokens)
-        if n > full or tuple(drafts) != rec.tokens[:n]:
+        if n > full or not (is_placeholder(drafts) or tuple(drafts) == rec.tokens[:n]):
             return None, LOOKUP_MISS, full
         if n == full:
             return rec, LOOKUP_FULL, full
@@ -136,8 +190,11 @@ class ProposalStore:
         return TreeRecord(rec.tokens[:n], p, _is_chain(p)), LOOKUP_CUT, full
 
     def retain(self, live_req_ids: set[str] | dict) -> None:
-        """Forget requests that are gone (finished or aborted)."""
-        self._ingest()
+        """Forget requests that are gone (finished or aborted), at the next ingest of a proposal (now
+        when none is pending), so that calling it right after ``put`` does not wait for the copy."""
+        if self._pending is not None:
+            self._live = live_req_ids
+            return
         for rid in [r for r in self._records if r not in live_req_ids]:
             del self._records[rid]
 
@@ -318,6 +375,8 @@ class RuntimeState:
         self.check_tp = False  # VLLM_TFM_CHECK_TP_TREES on a TP > 1 engine (runtime/tensor_parallel.py)
         self.check_step = 0  # steps checked so far (named in a mismatch error)
         self.trace: "Tracer | None" = None  # VLLM_TFM_TRACE: per-request step records (runtime/trace.py), rank 0
+        self.defer_drafts = False  # this step's drafts go to the scheduler as placeholders (deferred_drafts.py)
+        self.sampled_copy = SampledCopy()  # the step's sampled tokens, copied before drafting (deferred_drafts.py)
 
     def current_step(self) -> StepTree | None:
         return self.step

@@ -1,0 +1,234 @@
+"""Deferred drafts (runtime/deferred_drafts.py): placeholders for the scheduler, the drafts' tokens
+written into the input ids from the proposal, vLLM's bookkeeping on the sampled tokens' early copy.
+
+Each test compares the deferred path with what the synchronous path gives: the input ids vLLM
+would have copied had the scheduler held the real tokens, the step tables ``build_step_tree`` builds
+from real drafts."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import torch
+from _trees import random_tree_parents
+
+from vllm_tfm.vllm_plugin.runtime import deferred_drafts as dd
+from vllm_tfm.vllm_plugin.runtime.inputs import build_step_tree
+from vllm_tfm.vllm_plugin.runtime.metrics import Metrics
+from vllm_tfm.vllm_plugin.runtime.sampled_copy import SampledCopy
+from vllm_tfm.vllm_plugin.runtime.state import (
+    LOOKUP_CUT,
+    LOOKUP_FULL,
+    LOOKUP_MISS,
+    PLACEHOLDER_DRAFT,
+    STATE,
+    ProposalStore,
+    is_placeholder,
+)
+
+P = PLACEHOLDER_DRAFT
+
+
+@pytest.fixture(autouse=True)
+def fresh_state():
+    saved = (STATE.store, STATE.metrics, STATE.defer_drafts, STATE.sampled_copy)
+    STATE.store = ProposalStore()
+    STATE.metrics = Metrics(max_depth=8, device="cpu")
+    STATE.defer_drafts = False
+    STATE.sampled_copy = SampledCopy()
+    dd.set_deferred_drafts(None, None)
+    yield
+    STATE.store, STATE.metrics, STATE.defer_drafts, STATE.sampled_copy = saved
+    dd.set_deferred_drafts(None, None)
+
+
+def put(store: ProposalStore, proposals: dict[str, tuple[list[int], list[int]]]) -> torch.Tensor:
+    ids = list(proposals)
+    toks = torch.tensor([proposals[i][0] for i in ids])
+    store.put(ids, toks, torch.tensor([proposals[i][1] for i in ids]))
+    return toks
+
+
+def test_placeholders_match_the_proposal_they_stand_for_by_length():
+    store = ProposalStore()
+    tokens = put(store, {"a": ([7, 8, 9], [-1, 0, 0, 1]), "b": ([4, 5, 6], [-1, 0, 1, 1])})
+    assert store.latest_is(tokens, ["a", "b"]) and not store.latest_is(tokens, ["b", "a"])
+    assert not store.latest_is(tokens.clone(), ["a", "b"])  # not the tensor the proposer returned
+    rec, code, full = store.match("a", [P, P, P])
+    assert code == LOOKUP_FULL and full == 3 and rec.tokens == (7, 8, 9) and rec.parents.tolist() == [-1, 0, 0, 1]
+    rec, code, _ = store.match("b", [P, P])  # the scheduler cut the drafts (token budget)
+    assert code == LOOKUP_CUT and rec.tokens == (4, 5) and rec.parents.tolist() == [-1, 0, 1]
+    assert store.match("a", [7, 8, 9])[1] == LOOKUP_FULL  # the tokens themselves (handed out synchronously)
+    assert store.match("a", [P, P, P, P])[1] == LOOKUP_MISS  # more drafts than proposed
+    assert store.match("a", [7, P, P])[1] == LOOKUP_MISS  # part placeholder: neither
+    assert store.match("a", [0, 0, 0])[1] == LOOKUP_MISS  # vLLM's zeroed drafts
+    assert not is_placeholder([]) and is_placeholder([P]) and not is_placeholder([P, 3])
+
+
+def test_placeholders_of_a_request_absent_from_the_last_proposal_come_from_its_host_copy():
+    store = ProposalStore()
+    t1 = put(store, {"a": ([7, 8, 9], [-1, 0, 0, 1]), "b": ([4, 5, 6], [-1, 0, 1, 1])})
+    assert store.device_drafts("a") == (t1, 0) and store.device_drafts("b")[1] == 1
+    t2 = put(store, {"b": ([1, 2, 3], [-1, 0, 0, 0])})  # "a" was not in this step's batch
+    assert store.device_drafts("a") is None and store.host_drafts("a") == (7, 8, 9)
+    assert store.device_drafts("b") == (t2, 0)
+    assert store.match("b", [P, P, P])[0].parents.tolist() == [-1, 0, 0, 0]
+    assert store.match("a", [P, P])[0].tokens == (7, 8)  # still the first proposal's tree
+    assert store.host_drafts("zz") is None and store.device_drafts("zz") is None
+
+
+def test_retain_right_after_put_waits_for_no_copy_and_prunes_at_the_next_ingest():
+    store = ProposalStore()
+    put(store, {"a": ([1], [-1, 0]), "b": ([2], [-1, 0])})
+    assert store.lookup("a", [1]) is not None  # ingested
+    put(store, {"a": ([3], [-1, 0]), "c": ([4], [-1, 0])})
+    live = {"a": object(), "c": object()}
+    store.retain(live)
+    assert store._pending is not None  # not ingested by retain
+    del live["c"]  # finished before the next step: pruned against the requests as they are then
+    assert len(store) == 1 and store.lookup("a", [3]) is not None and store.lookup("b", [2]) is None
+
+
+def runner_with(input_ids: np.ndarray, req_ids: list[str]) -> SimpleNamespace:
+    cpu = torch.from_numpy(input_ids.copy())
+    return SimpleNamespace(
+        input_ids=SimpleNamespace(np=cpu.numpy(), cpu=cpu, gpu=torch.zeros_like(cpu)),
+        input_batch=SimpleNamespace(req_id_to_index={r: i for i, r in enumerate(req_ids)}),
+    )
+
+
+def test_fill_input_ids_gives_the_input_ids_of_the_real_drafts():
+    """A batch of a prefill, two requests of the last proposal (one cut by the scheduler), one whose
+    placeholders belong to an older proposal, and one whose scheduler drafts are real tokens:
+    after vLLM's copy and ``DraftFill.apply`` the device ids equal those the scheduler's real
+    tokens would have given."""
+    store = STATE.store
+    put(store, {"old": ([91, 92], [-1, 0, 0])})
+    tokens = put(store, {"a": ([11, 12, 13], [-1, 0, 0, 1]), "b": ([21, 22, 23], [-1, 0, 1, 2]),
+                         "real": ([31, 32, 33], [-1, 0, 1, 1])})
+    req_ids = ["prefill", "a", "b", "old", "real"]
+    num_sched = np.array([4, 4, 3, 3, 4])
+    cu = np.cumsum(num_sched)
+    real = {"a": [11, 12, 13], "b": [21, 22], "old": [91, 92], "real": [31, 32, 33]}
+    sched = {"a": [P, P, P], "b": [P, P], "old": [P, P], "real": [31, 32, 33]}
+    last = [100, 200, 300, 400, 500]  # each row's first token (sampled last step, or the prompt)
+    want, host = [], []
+    for i, rid in enumerate(req_ids):
+        first = [last[i]] * (num_sched[i] - len(real.get(rid, [])))
+        want += first + real.get(rid, [])
+        host += first + sched.get(rid, [])
+    runner = runner_with(np.array(host, dtype=np.int32), req_ids)
+    fill = dd.fill_input_ids(runner, SimpleNamespace(scheduled_spec_decode_tokens=sched), cu)
+    assert fill is not None and fill.tokens is tokens and fill.host_filled == 2
+    runner.input_ids.gpu.copy_(runner.input_ids.cpu)  # vLLM's _prepare_input_ids
+    assert fill.apply(runner.input_ids.gpu) == 5
+    assert runner.input_ids.gpu.tolist() == want
+    assert (runner.input_ids.gpu >= 0).all()
+
+
+def test_fill_input_ids_refuses_placeholders_whose_proposal_is_gone():
+    store = STATE.store
+    put(store, {"z": ([3, 4], [-1, 0, 1])})  # the last proposal did not include "a", none before did
+    runner = runner_with(np.array([5, P, P], dtype=np.int32), ["a"])
+    with pytest.raises(RuntimeError, match="scheduled 2 placeholder drafts but its proposal is gone"):
+        dd.fill_input_ids(runner, SimpleNamespace(scheduled_spec_decode_tokens={"a": [P, P]}), np.array([3]))
+
+
+def test_no_placeholders_no_fill():
+    put(STATE.store, {"a": ([1, 2], [-1, 0, 0])})
+    runner = runner_with(np.array([5, 1, 2], dtype=np.int32), ["a"])
+    assert dd.fill_input_ids(runner, SimpleNamespace(scheduled_spec_decode_tokens={"a": [1, 2]}), np.array([3])) is None
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_placeholder_steps_build_the_tables_of_real_drafts(seed):
+    """``build_step_tree`` on placeholder drafts equals it on the real drafts, field by field, for a
+    batch of random trees (cut and uncut), chains and rows without drafts."""
+    rng = np.random.default_rng(seed)
+    gen = torch.Generator().manual_seed(seed)
+    b = 8
+    ids = [f"r{i}" for i in range(6)]
+    proposals = {}
+    for i, rid in enumerate(ids):
+        parents = [-1, *range(b)] if i == 2 else random_tree_parents(b + 1, gen).tolist()
+        proposals[rid] = (rng.integers(0, 1000, size=b).tolist(), parents)
+    real_store, deferred = ProposalStore(), ProposalStore()
+    put(real_store, proposals)
+    put(deferred, proposals)
+    cuts = [b, b, b, 3, 0, b]  # r3 cut by the scheduler, r4 scheduled without drafts
+    num_sched = np.array([c + 1 for c in cuts])
+    real = {rid: proposals[rid][0][:c] for rid, c in zip(ids, cuts)}
+    placeholders = {rid: [P] * c for rid, c in zip(ids, cuts)}
+    a = build_step_tree(ids, num_sched, real, real_store, allow_trees=True)
+    d = build_step_tree(ids, num_sched, placeholders, deferred, allow_trees=True)
+    assert a.tree_active and d.tree_active
+    for name, value in vars(a).items():
+        other = getattr(d, name)
+        if isinstance(value, np.ndarray):
+            assert np.array_equal(value, other), name
+        elif isinstance(value, (bool, int, float, str, type(None))):
+            assert value == other, name
+
+
+def test_sampled_copy_hands_bookkeeping_the_copy_of_the_recorded_tensor_only():
+    from vllm_tfm.vllm_plugin.runtime.hooks import _wrap_bookkeeping_sync
+
+    seen = []
+    bookkeeping = _wrap_bookkeeping_sync(lambda self, so, out, *a: seen.append(out.sampled_token_ids) or "done")
+    sampled = torch.tensor([[5, 6, -1], [7, -1, -1]], dtype=torch.int32)
+    out = SimpleNamespace(sampled_token_ids=sampled)
+    STATE.sampled_copy.record(sampled)
+    assert bookkeeping(SimpleNamespace(_tfm_enabled=True), None, out, None) == "done"
+    assert seen[-1] is not sampled and torch.equal(seen[-1], sampled)  # the copy, same values
+    assert out.sampled_token_ids is sampled  # restored
+    bookkeeping(SimpleNamespace(_tfm_enabled=True), None, out, None)  # the record was consumed
+    assert seen[-1] is sampled
+    STATE.sampled_copy.record(torch.zeros(2, 3, dtype=torch.int32))  # another step's tensor
+    bookkeeping(SimpleNamespace(_tfm_enabled=True), None, out, None)
+    assert seen[-1] is sampled
+    STATE.sampled_copy.record(sampled)
+    bookkeeping(SimpleNamespace(), None, out, None)  # not a tfm runner: vLLM's own
+    assert seen[-1] is sampled
+
+
+def test_take_draft_token_ids_hands_out_placeholders_only_for_the_last_proposal():
+    pytest.importorskip("vllm")
+    from vllm.v1.outputs import DraftTokenIds
+
+    from vllm_tfm.vllm_plugin.runtime.hooks import _wrap_take_draft_token_ids
+
+    calls = []
+
+    def orig(self):
+        calls.append(1)
+        return DraftTokenIds(list(self._draft_token_req_ids), self._draft_token_ids.tolist())
+
+    take = _wrap_take_draft_token_ids(orig)
+    tokens = put(STATE.store, {"a": ([7, 8, 9], [-1, 0, 0, 1]), "b": ([4, 5, 6], [-1, 0, 1, 1])})
+    runner = SimpleNamespace(_tfm_enabled=True, _draft_token_ids=tokens, _draft_token_req_ids=["a", "b"],
+                             num_spec_tokens=3)
+    STATE.defer_drafts = True
+    out = take(runner)
+    assert out.req_ids == ["a", "b"] and out.draft_token_ids == [[P] * 3, [P] * 3] and not calls
+    assert STATE.metrics.placeholder_steps == 1
+    STATE.defer_drafts = False  # e.g. a structured-output request in the batch: the tokens
+    assert take(runner).draft_token_ids == [[7, 8, 9], [4, 5, 6]] and calls == [1]
+    STATE.defer_drafts = True
+    runner._draft_token_req_ids = ["b", "a"]  # not the proposal's requests in its order
+    assert take(runner).draft_token_ids == [[7, 8, 9], [4, 5, 6]] and calls == [1, 1]
+    runner._draft_token_req_ids = ["a", "b"]
+    runner._draft_token_ids = torch.zeros(2, 3, dtype=torch.long)  # vLLM zeroed the drafts (input too long)
+    assert take(runner).draft_token_ids == [[0] * 3, [0] * 3] and calls == [1, 1, 1]
+
+
+def test_the_switch_reads_the_environment_unless_set(monkeypatch):
+    monkeypatch.delenv(dd.DEFERRED_DRAFTS_ENV, raising=False)
+    assert dd.deferred_drafts_enabled()
+    monkeypatch.setenv(dd.DEFERRED_DRAFTS_ENV, "0")
+    assert not dd.deferred_drafts_enabled()
+    assert dd.set_deferred_drafts(None, True) and dd.deferred_drafts_enabled()
+    assert dd.set_deferred_drafts(None, None) is False
+    with pytest.raises(ValueError, match="set_deferred_drafts takes True, False or None, got 'yes'"):
+        dd.set_deferred_drafts(None, "yes")

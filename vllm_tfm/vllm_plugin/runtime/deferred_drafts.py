@@ -1,0 +1,186 @@
+"""Deferred drafts: the host goes on to the next step while the drafter still runs.
+
+In vLLM 0.26's synchronous scheduling a step's host work ends with two waits on the whole GPU queue:
+``_bookkeeping_sync`` turns the sampled tokens into lists (``.cpu()`` on the default stream, so it
+waits for everything queued after the sampler: DFlash and the Weaver tree build), and
+``take_draft_token_ids`` waits for the copy of the drafts. The host then does vLLM's bookkeeping,
+output handling and scheduling and the next step's input preparation with the GPU idle. vLLM's
+asynchronous scheduling, which overlaps all of that with the GPU, is refused for methods other than
+EAGLE / MTP / DFlash / draft models (``VllmConfig.__post_init__``), and tfm's trees need their topology
+on the host before the next forward (the tree tables and plans, ``inputs.build_step_tree``).
+
+Here, in tfm engines (``VLLM_TFM_DEFERRED_DRAFTS``, default on):
+
+1. ``record_sampled``: at the start of ``propose_draft_token_ids`` (sampler and commit queued, no
+   drafting yet) the sampled tokens are copied to pinned memory with an event; ``_bookkeeping_sync``
+   reads that copy (``bookkeeping_sampler_output``), so it waits for the sampler, not the drafter.
+2. ``take_draft_token_ids`` returns ``PLACEHOLDER_DRAFT`` (-1, vLLM's own placeholder) B times per
+   request instead of the tokens of the proposal just made: no wait. The scheduler
+   needs only their number (it schedules 1 + B tokens per request); their values matter to it only
+   for structured outputs, and to vLLM's sampler only for penalties, bad words and the other
+   processors that send a batch to vLLM's own sampler (``sampler.needs_native_sampler``): a step with
+   any of those hands out the real tokens, as before.
+3. ``_prepare_input_ids`` (next step): after vLLM copied the host input ids (placeholders at the
+   draft positions) to the GPU, ``fill_input_ids`` writes each request's drafts from the proposal's
+   device tokens into ``input_ids.gpu``; vLLM's spec-decode metadata gathers ``draft_token_ids`` from
+   there right after (``_calc_spec_decode_metadata``), the forward and the tree sampler read them.
+   Placeholders stand for the most recent proposal that included the request
+   (``ProposalStore``); a request absent from the last proposal (not in the last step's batch) gets
+   its drafts from that older proposal's host copy instead, written into ``input_ids.cpu`` before
+   vLLM's copy. Every tensor-parallel rank does the same from the same scheduler output.
+4. The first wait for the trees' topology is ``ProposalStore.match`` in ``build_step_tree`` (the
+   parents' host copy), after vLLM's ``_update_states`` and ``_prepare_inputs``.
+
+What the host did with the GPU idle after the Weaver (vLLM's bookkeeping, output processing,
+scheduling, ``_update_states``, vLLM's input preparation) now runs while the drafter runs. The
+tokens each request emits are unchanged: the same drafts reach the same forward.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from .sampled_copy import SampledCopy
+from .state import PLACEHOLDER_DRAFT, STATE, ProposalStore, is_placeholder
+
+__all__ = [
+    "DEFERRED_DRAFTS_ENV",
+    "deferred_drafts_enabled",
+    "set_deferred_drafts",
+    "SampledCopy",
+    "placeholder_drafts",
+    "draft_positions",
+    "fill_input_ids",
+    "DraftFill",
+]
+
+DEFERRED_DRAFTS_ENV = "VLLM_TFM_DEFERRED_DRAFTS"
+_SWITCH: dict[str, bool | None] = {"on": None}
+
+
+def deferred_drafts_enabled() -> bool:
+    """``set_deferred_drafts``'s value if set, else ``VLLM_TFM_DEFERRED_DRAFTS`` (default on; 0 / false off)."""
+    on = _SWITCH["on"]
+    if on is not None:
+        return on
+    return os.environ.get(DEFERRED_DRAFTS_ENV, "1") not in ("0", "false", "False")
+
+
+def set_deferred_drafts(worker: object = None, on: bool | None = None) -> bool:
+    """Turn deferred drafts on or off in this process from the next step on (None: back to the
+    environment); returns the setting now in force. The signature suits ``LLM.collective_rpc``
+    (vLLM passes the worker first: ``llm.collective_rpc(set_deferred_drafts, args=(False,))``)."""
+    if on is not None and not isinstance(on, bool):
+        raise ValueError(f"set_deferred_drafts takes True, False or None, got {on!r}")
+    _SWITCH["on"] = on
+    return deferred_drafts_enabled()
+
+
+def placeholder_drafts(num_reqs: int, num_drafts: int) -> list[list[int]]:
+    """What the scheduler gets instead of the tokens: ``PLACEHOLDER_DRAFT`` ``num_drafts`` times per request."""
+    return [[PLACEHOLDER_DRAFT] * num_drafts for _ in range(num_reqs)]
+
+
+def draft_positions(
+    spec_tokens: dict[str, list[int]],
+    req_id_to_index: dict[str, int],
+    cu_num_tokens: np.ndarray,
+    store: ProposalStore,
+) -> tuple[np.ndarray, np.ndarray, Tensor | None, list[tuple[np.ndarray, tuple[int, ...]]]]:
+    """Where the scheduled placeholder drafts of a step go in the flat input ids, and where they come from.
+
+    A request's d scheduled drafts are the last d of its scheduled tokens (vLLM's spec-decode layout,
+    ``_calc_spec_decode_metadata``): flat positions ``cu_num_tokens[i] - d .. cu_num_tokens[i] - 1``.
+    Returns (dst, src, tokens, host_rows): flat positions and flat indices into the most recent
+    proposal's device tokens [R, B] (``tokens``, None when no row reads it), and for rows whose
+    placeholders belong to an older proposal, (positions, their tokens from the host copy).
+    """
+    dst_parts: list[np.ndarray] = []
+    src_parts: list[np.ndarray] = []
+    host_rows: list[tuple[np.ndarray, tuple[int, ...]]] = []
+    tokens: Tensor | None = None
+    for rid, drafts in spec_tokens.items():
+        d = len(drafts)
+        if d == 0 or not is_placeholder(drafts):
+            continue
+        end = int(cu_num_tokens[req_id_to_index[rid]])
+        pos = np.arange(end - d, end, dtype=np.int64)
+        dev = store.device_drafts(rid)
+        if dev is not None:
+            tokens, row = dev
+            dst_parts.append(pos)
+            src_parts.append(row * tokens.shape[1] + np.arange(d, dtype=np.int64))
+            continue
+        host = store.host_drafts(rid)
+        if host is None or len(host) < d:
+            raise RuntimeError(
+                f"vllm-tfm: request {rid!r} was scheduled {d} placeholder drafts but its proposal is gone; "
+                f"set {DEFERRED_DRAFTS_ENV}=0 and report this"
+            )
+        host_rows.append((pos, host[:d]))
+    empty = np.zeros(0, dtype=np.int64)
+    dst = np.concatenate(dst_parts) if dst_parts else empty
+    src = np.concatenate(src_parts) if src_parts else empty
+    return dst, src, tokens, host_rows
+
+
+class _IndexUpload:
+    """A pinned int64 staging buffer for the positions of ``fill_input_ids`` (dst then src), grown as
+    needed. Reused every step: the previous step's copy is complete by then (the host waited for that
+    step's sampled tokens, queued after it)."""
+
+    def __init__(self) -> None:
+        self._host: Tensor | None = None
+
+    def upload(self, dst: np.ndarray, src: np.ndarray, device: torch.device) -> tuple[Tensor, Tensor]:
+        n = dst.shape[0]
+        if self._host is None or self._host.shape[0] < 2 * n:
+            self._host = torch.empty(max(2 * n, 1024), dtype=torch.int64, pin_memory=torch.cuda.is_available())
+        buf = self._host[: 2 * n]
+        view = buf.numpy()
+        view[:n] = dst
+        view[n:] = src
+        dev = buf.to(device, non_blocking=True)
+        return dev[:n], dev[n:]
+
+
+_UPLOAD = _IndexUpload()
+
+
+def fill_input_ids(runner: Any, scheduler_output: Any, cu_num_tokens: np.ndarray) -> DraftFill | None:
+    """Before vLLM's ``_prepare_input_ids``: the placeholder drafts of rows whose proposal is not the
+    most recent one get their tokens from the host copy in ``input_ids.cpu``; returns what must be
+    written into ``input_ids.gpu`` after vLLM's copy (``DraftFill.apply``), or None when nothing."""
+    store = STATE.store
+    spec = scheduler_output.scheduled_spec_decode_tokens
+    if not spec or not any(is_placeholder(d) for d in spec.values()):
+        return None
+    dst, src, tokens, host_rows = draft_positions(spec, runner.input_batch.req_id_to_index, cu_num_tokens, store)
+    if host_rows:
+        ids = runner.input_ids.np
+        for pos, toks in host_rows:
+            ids[pos] = np.asarray(toks, dtype=ids.dtype)
+    if (tokens is None or dst.shape[0] == 0) and not host_rows:
+        return None
+    return DraftFill(dst, src, tokens, sum(len(t) for _, t in host_rows))
+
+
+class DraftFill:
+    """The device half of ``fill_input_ids``: flat positions ``dst`` of the input ids take the
+    proposal's ``tokens.reshape(-1)[src]``."""
+
+    def __init__(self, dst: np.ndarray, src: np.ndarray, tokens: Tensor | None, host_filled: int) -> None:
+        self.dst, self.src, self.tokens, self.host_filled = dst, src, tokens, host_filled
+
+    def apply(self, input_ids_gpu: Tensor) -> int:
+        """Write the drafts (queued on the current stream, no host wait); returns how many."""
+        if self.tokens is None or self.dst.shape[0] == 0:
+            return 0
+        dst_d, src_d = _UPLOAD.upload(self.dst, self.src, input_ids_gpu.device)
+        input_ids_gpu[dst_d] = self.tokens.reshape(-1)[src_d].to(input_ids_gpu.dtype)
+        return int(self.dst.shape[0])
