@@ -232,3 +232,9 @@ def test_the_switch_reads_the_environment_unless_set(monkeypatch):
     assert dd.set_deferred_drafts(None, None) is False
     with pytest.raises(ValueError, match="set_deferred_drafts takes True, False or None, got 'yes'"):
         dd.set_deferred_drafts(None, "yes")
+
+
+def test_the_switch_is_a_known_environment_variable_for_the_options_resolver():
+    from vllm_tfm.vllm_plugin.options import env_overrides
+
+    assert env_overrides({dd.DEFERRED_DRAFTS_ENV: "0", "VLLM_TFM_WIDTH": "4"})[0] == {"width": 4}
