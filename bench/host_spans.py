@@ -59,6 +59,8 @@ ATTR_TARGETS: tuple[tuple[str, str | None, str], ...] = (
     ("vllm_tfm.vllm_plugin.runtime.hooks", None, "tree_positions"),
     ("vllm_tfm.vllm_plugin.runtime.hooks", None, "needs_native_sampler"),
     ("vllm_tfm.vllm_plugin.runtime.metrics", "Metrics", "record_step"),
+    ("vllm_tfm.vllm_plugin.runtime.state", "ProposalStore", "_ingest"),  # the wait for the trees' host copy
+    ("vllm_tfm.vllm_plugin.runtime.state", "StepTree", "complete"),  # deferred topology (deferred_drafts.py)
     ("vllm_tfm.vllm_plugin.runtime.full_graphs", "TreeGraphs", "prepare_replay"),
     ("vllm_tfm.vllm_plugin.runtime.full_graphs", None, "StepKernels"),
     ("vllm_tfm.vllm_plugin.runtime.full_graphs", None, "set_step_kernels"),

@@ -79,6 +79,28 @@ def test_placeholders_of_a_request_absent_from_the_last_proposal_come_from_its_h
     assert store.host_drafts("zz") is None and store.device_drafts("zz") is None
 
 
+def test_a_deferred_build_end_that_rewrites_the_trees_is_what_the_records_and_the_device_hold():
+    store = ProposalStore()
+    tokens = torch.tensor([[7, 8, 9]])
+    parents = torch.tensor([[-1, 0, 0, 1]])
+    calls = []
+
+    def finish() -> bool:  # as weaver_graphs.DeferredTail: tail rounds rewrote the trees in place
+        calls.append(1)
+        tokens.copy_(torch.tensor([[7, 5, 6]]))
+        parents.copy_(torch.tensor([[-1, 0, 1, 2]]))
+        return True
+
+    store.put(["a"], tokens, parents, finish=finish)
+    assert store.provisional_match("a", [P, P, P]) == (LOOKUP_FULL, 3)  # pending: nothing waited yet
+    assert store.device_drafts("a")[0] is tokens
+    rec = store.lookup("a", [P, P, P])
+    assert calls == [1] and rec.tokens == (7, 5, 6) and rec.parents.tolist() == [-1, 0, 1, 2] and rec.is_chain
+    store.finalize()
+    assert calls == [1]  # once
+    assert store.provisional_match("a", [P, P, P]) is None  # ingested: nothing to defer
+
+
 def test_retain_right_after_put_waits_for_no_copy_and_prunes_at_the_next_ingest():
     store = ProposalStore()
     put(store, {"a": ([1], [-1, 0]), "b": ([2], [-1, 0])})
@@ -91,11 +113,19 @@ def test_retain_right_after_put_waits_for_no_copy_and_prunes_at_the_next_ingest(
     assert len(store) == 1 and store.lookup("a", [3]) is not None and store.lookup("b", [2]) is None
 
 
-def runner_with(input_ids: np.ndarray, req_ids: list[str]) -> SimpleNamespace:
+def sampling_metadata(penalties: bool = False) -> SimpleNamespace:
+    """What ``sampler.needs_native_sampler`` reads of vLLM's SamplingMetadata."""
+    return SimpleNamespace(no_penalties=not penalties, bad_words_token_ids={}, allowed_token_ids_mask=None,
+                           max_num_logprobs=None, logitsprocs=SimpleNamespace(non_argmax_invariant=[]))
+
+
+def runner_with(input_ids: np.ndarray, req_ids: list[str], penalties: bool = False) -> SimpleNamespace:
     cpu = torch.from_numpy(input_ids.copy())
     return SimpleNamespace(
         input_ids=SimpleNamespace(np=cpu.numpy(), cpu=cpu, gpu=torch.zeros_like(cpu)),
-        input_batch=SimpleNamespace(req_id_to_index={r: i for i, r in enumerate(req_ids)}),
+        input_batch=SimpleNamespace(req_id_to_index={r: i for i, r in enumerate(req_ids)},
+                                    sampling_metadata=sampling_metadata(penalties),
+                                    spec_token_ids=[[] for _ in req_ids]),
     )
 
 
@@ -123,9 +153,26 @@ def test_fill_input_ids_gives_the_input_ids_of_the_real_drafts():
     fill = dd.fill_input_ids(runner, SimpleNamespace(scheduled_spec_decode_tokens=sched), cu)
     assert fill is not None and fill.tokens is tokens and fill.host_filled == 2
     runner.input_ids.gpu.copy_(runner.input_ids.cpu)  # vLLM's _prepare_input_ids
+    # vLLM's _calc_spec_decode_metadata: the drafts gathered from the device ids, in batch order
+    draft_rows = np.concatenate([np.arange(cu[i] - len(real[r]), cu[i]) for i, r in enumerate(req_ids) if r in real])
+    fill.draft_token_ids = runner.input_ids.gpu[torch.from_numpy(draft_rows)].to(torch.long)
+    assert (fill.draft_token_ids == P).sum() == 5  # before: the placeholders of the last proposal's rows
     assert fill.apply(runner.input_ids.gpu) == 5
     assert runner.input_ids.gpu.tolist() == want
+    assert fill.draft_token_ids.tolist() == real["a"] + real["b"] + real["old"] + real["real"]
     assert (runner.input_ids.gpu >= 0).all()
+
+    # the same batch when a request that needs vLLM's sampler (penalties) is in it: every placeholder
+    # from the host copy, into the input ids and the spec_token_ids vLLM's penalties read
+    runner = runner_with(np.array(host, dtype=np.int32), req_ids, penalties=True)
+    for i, rid in enumerate(req_ids):
+        runner.input_batch.spec_token_ids[i].extend(sched.get(rid, []))
+    lists = [lst for lst in runner.input_batch.spec_token_ids]  # vLLM's sampling metadata holds these objects
+    fill = dd.fill_input_ids(runner, SimpleNamespace(scheduled_spec_decode_tokens=sched), cu)
+    assert fill is not None and fill.host_filled == 7 and fill.apply(runner.input_ids.gpu) == 0
+    assert runner.input_ids.cpu.tolist() == want
+    assert [lst is orig for lst, orig in zip(runner.input_batch.spec_token_ids, lists)] == [True] * 5
+    assert runner.input_batch.spec_token_ids == [[], real["a"], real["b"], real["old"], real["real"]]
 
 
 def test_fill_input_ids_refuses_placeholders_whose_proposal_is_gone():
@@ -142,10 +189,12 @@ def test_no_placeholders_no_fill():
     assert dd.fill_input_ids(runner, SimpleNamespace(scheduled_spec_decode_tokens={"a": [1, 2]}), np.array([3])) is None
 
 
+@pytest.mark.parametrize("defer_topology", [False, True])
 @pytest.mark.parametrize("seed", range(4))
-def test_placeholder_steps_build_the_tables_of_real_drafts(seed):
+def test_placeholder_steps_build_the_tables_of_real_drafts(seed, defer_topology):
     """``build_step_tree`` on placeholder drafts equals it on the real drafts, field by field, for a
-    batch of random trees (cut and uncut), chains and rows without drafts."""
+    batch of random trees (cut and uncut), chains and rows without drafts; with the topology deferred,
+    once ``complete`` filled it (before: every topology entry -2, the shapes already right)."""
     rng = np.random.default_rng(seed)
     gen = torch.Generator().manual_seed(seed)
     b = 8
@@ -162,14 +211,44 @@ def test_placeholder_steps_build_the_tables_of_real_drafts(seed):
     real = {rid: proposals[rid][0][:c] for rid, c in zip(ids, cuts)}
     placeholders = {rid: [P] * c for rid, c in zip(ids, cuts)}
     a = build_step_tree(ids, num_sched, real, real_store, allow_trees=True)
-    d = build_step_tree(ids, num_sched, placeholders, deferred, allow_trees=True)
+    d = build_step_tree(ids, num_sched, placeholders, deferred, allow_trees=True, defer_topology=defer_topology)
     assert a.tree_active and d.tree_active
+    assert d.topology_pending == defer_topology
+    if defer_topology:
+        assert deferred._pending is not None  # nothing waited for the proposal's copy
+        for name in ("local_parent", "depth", "sample_parents", "sample_depth", "spec_parents"):
+            assert getattr(d, name).shape == getattr(a, name).shape and (getattr(d, name) == -2).all(), name
+        assert d.is_tree.tolist() == [True, True, True, True, False, True]  # provisional: r2's chain not known yet
+        seen = []
+        d.after_topology(lambda s: seen.append(s.depth.copy()))
+        assert not seen
+        d.dev("depth")  # any reader of the device arrays completes the step first
+        assert len(seen) == 1 and np.array_equal(seen[0], a.depth) and not d.topology_pending
     for name, value in vars(a).items():
         other = getattr(d, name)
         if isinstance(value, np.ndarray):
             assert np.array_equal(value, other), name
         elif isinstance(value, (bool, int, float, str, type(None))):
             assert value == other, name
+
+
+def test_a_deferred_step_of_chains_keeps_the_tree_path():
+    """When every deferred proposal turns out to be a chain, the step stays tree-active (decided before
+    the topology was known) and verifies the chains on the tree path: the same parents and depths as
+    the synchronous step, which runs vLLM's chain path instead."""
+    b = 4
+    proposals = {"x": ([1, 2, 3, 4], [-1, 0, 1, 2, 3]), "y": ([5, 6, 7, 8], [-1, 0, 1, 2, 3])}
+    real_store, deferred = ProposalStore(), ProposalStore()
+    put(real_store, proposals)
+    put(deferred, proposals)
+    num_sched = np.array([b + 1, b + 1])
+    a = build_step_tree(["x", "y"], num_sched, {k: v[0] for k, v in proposals.items()}, real_store, allow_trees=True)
+    d = build_step_tree(["x", "y"], num_sched, {k: [P] * b for k in proposals}, deferred, allow_trees=True,
+                        defer_topology=True)
+    assert not a.tree_active and d.tree_active and d.topology_pending
+    d.complete()
+    assert d.is_tree.tolist() == [False, False] and np.array_equal(d.local_parent, a.local_parent)
+    assert np.array_equal(d.depth, a.depth) and d.lookup.tolist() == a.lookup.tolist()
 
 
 def test_sampled_copy_hands_bookkeeping_the_copy_of_the_recorded_tensor_only():

@@ -126,3 +126,32 @@ def test_after_the_warm_up_serving_captures_nothing_and_reserves_no_memory():
         torch.cuda.synchronize()
     assert torch.cuda.memory_reserved() == reserved
     assert graphs.captured == [8, 4, 2, 1] and graphs.late_captures == []
+
+
+@pytest.mark.parametrize("cpn", [2, 8])
+def test_a_deferred_tail_gives_the_trees_of_the_eager_build(cpn):
+    """``defer_tail``: the build returns after the replay and its check runs later (``DeferredTail.finish``,
+    or the next build before it replays); the tensors it returned then hold the eager build's trees,
+    also when tail rounds were needed (2 children per node, 4 nodes per round) and when the next
+    replay came first."""
+    w, embed, head = weaver_and_tables(torch.float32)
+    graphs = WeaverGraphs((4,))
+    budget, top_k, width = 24, 16, 4
+    outs = []
+    with torch.inference_mode():
+        for step, r in enumerate([4, 3, 4]):
+            logits, hidden, verifier, roots = drafter_outputs(r, head, torch.float32, seed=step)
+            tok, par = graphs.weaver_trees(w, logits, hidden, verifier, roots, embed, head, budget, top_k, width, cpn,
+                                           defer_tail=True)
+            tail = graphs.last_tail
+            assert tail is not None and not tail.done and tail.tokens is tok and tail.parents is par
+            x = static_inputs(graphs, 4)
+            ref = weaver_trees(w, x.logits, x.hidden, x.verifier, x.roots, embed, head, budget, top_k, width, cpn)
+            outs.append((tok, par, tail, ref))
+        assert outs[0][2].done and outs[1][2].done and not outs[2][2].done  # finished by the next builds
+        outs[2][2].finish()
+    for step, (tok, par, _, (ref_tok, ref_par)) in enumerate(outs):
+        r = tok.shape[0]
+        assert torch.equal(tok, ref_tok[:r]) and torch.equal(par, ref_par[:r]), f"step {step}"
+    assert (graphs.tail_rounds > 0) == (cpn == 2) and graphs.replays == 3
+    assert any(o[2].changed for o in outs) == (cpn == 2)

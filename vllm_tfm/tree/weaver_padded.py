@@ -81,6 +81,7 @@ __all__ = [
     "RoundFn",
     "RoundOutputs",
     "WeaverGrowth",
+    "pending_from_flags",
     "build_weaver_padded",
     "root_token_tensor",
     "weaver_round_reference",
@@ -255,16 +256,18 @@ class WeaverGrowth:
         for _ in range(self.fixed_rounds - 1):
             self.advance()
 
-    def pending(self, rows: int | None = None) -> bool:
-        """Host sync: does any request (of the first ``rows``) still have work after this round?
-        Raises ValueError if a valid scorer row so far was not log-probabilities."""
+    def pending_flags(self, rows: int | None = None) -> Tensor:
+        """[2] bool on the device, no host sync: (does any request of the first ``rows`` still have
+        work after this round, was some valid scorer row so far not log-probabilities)."""
         more = self.room & ((self.n_alive > self.take) | self.expand.any(1))
         if rows is not None:
             more = more[:rows]
-        more_any, bad = torch.stack([more.any(), ~self.fine]).tolist()
-        if bad:
-            raise ValueError("scorer output must be log-probabilities (<= 0, no NaN) in every valid row")
-        return bool(more_any)
+        return torch.stack([more.any(), ~self.fine])
+
+    def pending(self, rows: int | None = None) -> bool:
+        """Host sync: does any request (of the first ``rows``) still have work after this round?
+        Raises ValueError if a valid scorer row so far was not log-probabilities."""
+        return pending_from_flags(self.pending_flags(rows).tolist())
 
     def run_tail(self, rows: int | None = None) -> None:
         """Rounds until no request (of the first ``rows``) has work: one host sync per round."""
@@ -298,6 +301,14 @@ class WeaverGrowth:
             torch.where(real, gf[..., 1], 0.0).to(dt),
             num_nodes,
         )
+
+def pending_from_flags(flags: list[bool]) -> bool:
+    """``WeaverGrowth.pending`` from its ``pending_flags`` read on the host (raises as it does)."""
+    more_any, bad = flags
+    if bad:
+        raise ValueError("scorer output must be log-probabilities (<= 0, no NaN) in every valid row")
+    return bool(more_any)
+
 
 @dataclass(frozen=True)
 class RoundOutputs:

@@ -46,6 +46,7 @@ import torch
 from torch import Tensor
 
 from .sampled_copy import SampledCopy
+from .sampler import needs_native_sampler
 from .state import PLACEHOLDER_DRAFT, STATE, ProposalStore, is_placeholder
 
 __all__ = [
@@ -91,29 +92,39 @@ def draft_positions(
     req_id_to_index: dict[str, int],
     cu_num_tokens: np.ndarray,
     store: ProposalStore,
-) -> tuple[np.ndarray, np.ndarray, Tensor | None, list[tuple[np.ndarray, tuple[int, ...]]]]:
-    """Where the scheduled placeholder drafts of a step go in the flat input ids, and where they come from.
+    host_only: bool = False,
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, Tensor | None, list[tuple[str, np.ndarray, tuple[int, ...]]]]:
+    """Where the scheduled placeholder drafts of a step go, and where they come from.
 
-    A request's d scheduled drafts are the last d of its scheduled tokens (vLLM's spec-decode layout,
-    ``_calc_spec_decode_metadata``): flat positions ``cu_num_tokens[i] - d .. cu_num_tokens[i] - 1``.
-    Returns (dst, src, tokens, host_rows): flat positions and flat indices into the most recent
-    proposal's device tokens [R, B] (``tokens``, None when no row reads it), and for rows whose
-    placeholders belong to an older proposal, (positions, their tokens from the host copy).
+    A request's d scheduled drafts are the last d of its scheduled tokens and, in vLLM's spec-decode
+    metadata, the entries ``cu_draft[i] - d .. cu_draft[i] - 1`` of ``draft_token_ids`` (cu_draft:
+    cumulative drafts in batch order; ``_calc_spec_decode_metadata``). Returns (dst, didx, src, tokens,
+    host_rows): flat positions in the input ids, flat indices into ``draft_token_ids``, flat indices
+    into the most recent proposal's device tokens [R, B] (``tokens``, None when no row reads it),
+    and for rows whose placeholders belong to an older proposal (every row with ``host_only``),
+    (request, positions, its tokens from the host copy).
     """
+    num_draft = np.zeros(len(cu_num_tokens), dtype=np.int64)
+    for rid, drafts in spec_tokens.items():
+        num_draft[req_id_to_index[rid]] = len(drafts)
+    first_draft = np.cumsum(num_draft) - num_draft
     dst_parts: list[np.ndarray] = []
+    didx_parts: list[np.ndarray] = []
     src_parts: list[np.ndarray] = []
-    host_rows: list[tuple[np.ndarray, tuple[int, ...]]] = []
+    host_rows: list[tuple[str, np.ndarray, tuple[int, ...]]] = []
     tokens: Tensor | None = None
     for rid, drafts in spec_tokens.items():
         d = len(drafts)
         if d == 0 or not is_placeholder(drafts):
             continue
-        end = int(cu_num_tokens[req_id_to_index[rid]])
+        i = req_id_to_index[rid]
+        end = int(cu_num_tokens[i])
         pos = np.arange(end - d, end, dtype=np.int64)
-        dev = store.device_drafts(rid)
+        dev = None if host_only else store.device_drafts(rid)
         if dev is not None:
             tokens, row = dev
             dst_parts.append(pos)
+            didx_parts.append(first_draft[i] + np.arange(d, dtype=np.int64))
             src_parts.append(row * tokens.shape[1] + np.arange(d, dtype=np.int64))
             continue
         host = store.host_drafts(rid)
@@ -122,11 +133,9 @@ def draft_positions(
                 f"vllm-tfm: request {rid!r} was scheduled {d} placeholder drafts but its proposal is gone; "
                 f"set {DEFERRED_DRAFTS_ENV}=0 and report this"
             )
-        host_rows.append((pos, host[:d]))
-    empty = np.zeros(0, dtype=np.int64)
-    dst = np.concatenate(dst_parts) if dst_parts else empty
-    src = np.concatenate(src_parts) if src_parts else empty
-    return dst, src, tokens, host_rows
+        host_rows.append((rid, pos, host[:d]))
+    cat = lambda xs: np.concatenate(xs) if xs else np.zeros(0, dtype=np.int64)  # noqa: E731
+    return cat(dst_parts), cat(didx_parts), cat(src_parts), tokens, host_rows
 
 
 class _IndexUpload:
@@ -137,50 +146,64 @@ class _IndexUpload:
     def __init__(self) -> None:
         self._host: Tensor | None = None
 
-    def upload(self, dst: np.ndarray, src: np.ndarray, device: torch.device) -> tuple[Tensor, Tensor]:
-        n = dst.shape[0]
-        if self._host is None or self._host.shape[0] < 2 * n:
-            self._host = torch.empty(max(2 * n, 1024), dtype=torch.int64, pin_memory=torch.cuda.is_available())
-        buf = self._host[: 2 * n]
+    def upload(self, *arrays: np.ndarray, device: torch.device) -> list[Tensor]:
+        n = arrays[0].shape[0]
+        k = len(arrays)
+        if self._host is None or self._host.shape[0] < k * n:
+            self._host = torch.empty(max(k * n, 1024), dtype=torch.int64, pin_memory=torch.cuda.is_available())
+        buf = self._host[: k * n]
         view = buf.numpy()
-        view[:n] = dst
-        view[n:] = src
+        for j, a in enumerate(arrays):
+            view[j * n : (j + 1) * n] = a
         dev = buf.to(device, non_blocking=True)
-        return dev[:n], dev[n:]
+        return [dev[j * n : (j + 1) * n] for j in range(k)]
 
 
 _UPLOAD = _IndexUpload()
 
 
 def fill_input_ids(runner: Any, scheduler_output: Any, cu_num_tokens: np.ndarray) -> DraftFill | None:
-    """Before vLLM's ``_prepare_input_ids``: the placeholder drafts of rows whose proposal is not the
-    most recent one get their tokens from the host copy in ``input_ids.cpu``; returns what must be
-    written into ``input_ids.gpu`` after vLLM's copy (``DraftFill.apply``), or None when nothing."""
+    """Called before vLLM's ``_prepare_input_ids``. Placeholder drafts of rows whose proposal is not the
+    most recent one get their tokens from the host copy in ``input_ids.cpu`` now; the others are
+    written on the device just before the forward (``DraftFill.apply``, from ``_preprocess``: the
+    most recent proposal's build may still be running until then). None when the step has no
+    placeholders.
+
+    A batch that needs vLLM's own sampler (a request with penalties or bad words joined requests
+    holding placeholders) gets every placeholder's tokens from the host copy, in the input ids and
+    in ``input_batch.spec_token_ids``, which vLLM's penalties read (a wait, on such steps only)."""
     store = STATE.store
     spec = scheduler_output.scheduled_spec_decode_tokens
     if not spec or not any(is_placeholder(d) for d in spec.values()):
         return None
-    dst, src, tokens, host_rows = draft_positions(spec, runner.input_batch.req_id_to_index, cu_num_tokens, store)
+    batch = runner.input_batch
+    host_only = needs_native_sampler(batch.sampling_metadata)
+    dst, didx, src, tokens, host_rows = draft_positions(spec, batch.req_id_to_index, cu_num_tokens, store, host_only)
     if host_rows:
         ids = runner.input_ids.np
-        for pos, toks in host_rows:
+        for rid, pos, toks in host_rows:
             ids[pos] = np.asarray(toks, dtype=ids.dtype)
-    if (tokens is None or dst.shape[0] == 0) and not host_rows:
-        return None
-    return DraftFill(dst, src, tokens, sum(len(t) for _, t in host_rows))
+            if host_only:
+                batch.spec_token_ids[batch.req_id_to_index[rid]][:] = toks
+    return DraftFill(dst, didx, src, tokens, sum(len(t) for _, _, t in host_rows))
 
 
 class DraftFill:
-    """The device half of ``fill_input_ids``: flat positions ``dst`` of the input ids take the
-    proposal's ``tokens.reshape(-1)[src]``."""
+    """The device half of ``fill_input_ids``: flat positions ``dst`` of the input ids and ``didx`` of
+    the spec-decode metadata's ``draft_token_ids`` take the proposal's ``tokens.reshape(-1)[src]``."""
 
-    def __init__(self, dst: np.ndarray, src: np.ndarray, tokens: Tensor | None, host_filled: int) -> None:
-        self.dst, self.src, self.tokens, self.host_filled = dst, src, tokens, host_filled
+    def __init__(self, dst: np.ndarray, didx: np.ndarray, src: np.ndarray, tokens: Tensor | None,
+                 host_filled: int) -> None:
+        self.dst, self.didx, self.src, self.tokens, self.host_filled = dst, didx, src, tokens, host_filled
+        self.draft_token_ids: Tensor | None = None  # the step's spec-decode metadata's (set after vLLM built it)
 
     def apply(self, input_ids_gpu: Tensor) -> int:
         """Write the drafts (queued on the current stream, no host wait); returns how many."""
         if self.tokens is None or self.dst.shape[0] == 0:
             return 0
-        dst_d, src_d = _UPLOAD.upload(self.dst, self.src, input_ids_gpu.device)
-        input_ids_gpu[dst_d] = self.tokens.reshape(-1)[src_d].to(input_ids_gpu.dtype)
+        dst_d, didx_d, src_d = _UPLOAD.upload(self.dst, self.didx, self.src, device=input_ids_gpu.device)
+        values = self.tokens.reshape(-1)[src_d]
+        input_ids_gpu[dst_d] = values.to(input_ids_gpu.dtype)
+        if self.draft_token_ids is not None:
+            self.draft_token_ids[didx_d] = values.to(self.draft_token_ids.dtype)
         return int(self.dst.shape[0])

@@ -259,6 +259,7 @@ class TreeGraphs:
     def prepare_replay(self, step: StepTree) -> None:
         """Write the step's trees into the buffers and give it the captured stashes and slot tensors
         (the step replays the full graph of its size next)."""
+        step.complete()
         cap = self.captured.get(step.num_reqs)
         if cap is None or not uniform_tree_step(step, self.nodes):
             raise RuntimeError(f"vllm-tfm: no full tree graph fits this step ({step.num_reqs} requests)")

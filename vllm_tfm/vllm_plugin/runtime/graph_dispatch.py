@@ -121,8 +121,8 @@ def _wrap_determine(orig: Callable) -> Callable:
                     "vllm-tfm: a step was dispatched to a full CUDA graph that does not verify its trees; "
                     "run with cudagraph_mode=PIECEWISE"
                 )
-            if allow_full:
-                graphs.prepare_replay(step)
+            if allow_full:  # the trees into the graph's buffers once their topology is known (deferred drafts)
+                step.after_topology(graphs.prepare_replay)
         if STATE.metrics is not None:
             STATE.metrics.hook(f"cudagraph.{'tree' if tree else 'other'}.{mode}")
         return out

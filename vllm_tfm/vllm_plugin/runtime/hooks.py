@@ -147,6 +147,8 @@ def _wrap_prepare_inputs(orig: Callable) -> Callable:
         out = orig(self, scheduler_output, num_scheduled_tokens)
         if not _is_tfm(self):
             return out
+        if STATE.draft_fill is not None and out[1] is not None:  # the drafts vLLM's spec-decode metadata gathered
+            STATE.draft_fill.draft_token_ids = out[1].draft_token_ids
         metrics = STATE.metrics
         trace = STATE.trace
         accepted_read, plan = None, None
@@ -166,20 +168,49 @@ def _wrap_prepare_inputs(orig: Callable) -> Callable:
                 allow_trees=not native,
                 force_tree_path=force_tree_path() or STATE.replay is not None,  # replay verifies chains too
                 device=self.device,
+                defer_topology=deferred_drafts_enabled(),
             )
-            if step.tree_active:
-                t = step.num_tokens
-                pos = self.mrope_positions.gpu[:, :t] if self.uses_mrope else self.positions[:t]
-                step.seq_positions = pos.clone()
-                pos.copy_(tree_positions(pos, step.dev("query_start"), step.dev("req_index"), step.dev("depth")))
-                metrics.hook("prepare_inputs.depth_positions")
+            if step.topology_pending:
+                metrics.hook("prepare_inputs.topology_deferred")  # filled in _preprocess (deferred_drafts.py)
+            step.after_topology(functools.partial(_tree_positions_and_counts, self))
             STATE.step = step
-            metrics.record_step(step)
         if trace is not None:
+            step.complete()
             trace.begin(self, scheduler_output, step, native, accepted_read, plan)
         return out
 
     return _prepare_inputs
+
+
+def _tree_positions_and_counts(runner: Any, step: StepTree) -> None:
+    """Once the step's topology is known: depth positions (RoPE) of a tree-active step into vLLM's
+    positions buffer (the sequential ones kept for the drafter), and the step's tree counters."""
+    metrics = STATE.metrics
+    if step.tree_active:
+        t = step.num_tokens
+        pos = runner.mrope_positions.gpu[:, :t] if runner.uses_mrope else runner.positions[:t]
+        step.seq_positions = pos.clone()
+        pos.copy_(tree_positions(pos, step.dev("query_start"), step.dev("req_index"), step.dev("depth")))
+        metrics.hook("prepare_inputs.depth_positions")
+    metrics.record_step(step)
+
+
+def _wrap_preprocess(orig: Callable) -> Callable:
+    @functools.wraps(orig)
+    def _preprocess(self: Any, *args: Any, **kwargs: Any) -> Any:
+        if _is_tfm(self):
+            fill, STATE.draft_fill = STATE.draft_fill, None
+            step = STATE.step
+            if fill is not None or (step is not None and step.topology_pending):
+                with STATE.metrics.timed("preprocess.drafts"), TIMER.span("topology_wait"):
+                    if fill is not None:
+                        STATE.store.finalize()  # the last build's end (may wait for the drafter)
+                        STATE.metrics.placeholder_drafts_filled += fill.apply(self.input_ids.gpu) + fill.host_filled
+                    if step is not None:
+                        step.complete()  # the trees' topology (their host copy): positions, plans, uploads
+        return orig(self, *args, **kwargs)
+
+    return _preprocess
 
 
 def _gdn_groups(runner: Any) -> list[tuple[int, list[Any]]]:
@@ -392,12 +423,9 @@ def _wrap_prepare_input_ids(orig: Callable) -> Callable:
     @functools.wraps(orig)
     def _prepare_input_ids(self: Any, scheduler_output: Any, num_reqs: int, total_num_scheduled_tokens: int,
                            cu_num_tokens: np.ndarray, *args: Any, **kwargs: Any) -> Any:
-        fill = fill_input_ids(self, scheduler_output, cu_num_tokens) if _is_tfm(self) else None
-        out = orig(self, scheduler_output, num_reqs, total_num_scheduled_tokens, cu_num_tokens, *args, **kwargs)
-        if fill is not None:
-            n = fill.apply(self.input_ids.gpu)
-            STATE.metrics.placeholder_drafts_filled += n + fill.host_filled
-        return out
+        if _is_tfm(self):  # placeholder drafts: host rows now, the device rows before the forward (_preprocess)
+            STATE.draft_fill = fill_input_ids(self, scheduler_output, cu_num_tokens)
+        return orig(self, scheduler_output, num_reqs, total_num_scheduled_tokens, cu_num_tokens, *args, **kwargs)
 
     return _prepare_input_ids
 
@@ -413,6 +441,7 @@ def _wrap_sample_tokens(orig: Callable) -> Callable:
                 return orig(self, *args, **kwargs)
         finally:
             STATE.step = None
+            STATE.draft_fill = None
             _log_interval_stats()
 
     return sample_tokens
@@ -482,6 +511,7 @@ RUNNER_HOOKS: dict[str, tuple[Callable[[Callable], Callable], str]] = {
     "_bookkeeping_sync": (_wrap_bookkeeping_sync, "tfm: read the sampled tokens' early copy (deferred drafts)"),
     "take_draft_token_ids": (_wrap_take_draft_token_ids, "tfm: placeholders for the scheduler (deferred drafts)"),
     "_prepare_input_ids": (_wrap_prepare_input_ids, "tfm: the drafts' tokens into the input ids (deferred drafts)"),
+    "_preprocess": (_wrap_preprocess, "tfm: the step's tree topology before the forward (deferred drafts)"),
     "profile_run": (_wrap_profile_run, "tfm: capture the Weaver CUDA graphs of every batch size at start-up"),
 }
 

@@ -108,6 +108,7 @@ def build_step_tree(
     allow_trees: bool,
     force_tree_path: bool = False,
     device: torch.device | str = "cpu",
+    defer_topology: bool = False,
 ) -> StepTree:
     """Tree metadata of one step.
 
@@ -119,6 +120,12 @@ def build_step_tree(
         allow_trees: False when the batch needs vLLM's own sampler (penalties, logprobs, ...):
             every request then verifies a chain and the step is not tree-active.
         force_tree_path: make any step with drafts tree-active (debug).
+        defer_topology: rows holding placeholders of the proposal whose host copy is still in flight
+            (deferred drafts) do not wait for it: they count as trees (tree-active step), their
+            lookup is known from the lengths, and the arrays that need their parents (local and
+            sample parents, depths, spec parents, is_tree) are filled by ``StepTree.complete``
+            (vLLM's ``_preprocess``, after the dispatch and the attention metadata). A row whose
+            proposal turns out to be a chain keeps the tree path (exact for chains too).
     """
     num_req = len(req_ids)
     num_scheduled = np.asarray(num_scheduled, dtype=np.int64)
@@ -130,10 +137,10 @@ def build_step_tree(
     num_draft = np.zeros(num_req, dtype=np.int64)
     is_spec = np.zeros(num_req, dtype=bool)
     is_tree = np.zeros(num_req, dtype=bool)
-    local_parent: list[np.ndarray] = []
-    sample_parents: list[np.ndarray] = []
+    local_parent: list[np.ndarray | None] = []
     lookup = np.zeros(num_req, dtype=np.int8)
     proposal_len = np.zeros(num_req, dtype=np.int64)
+    deferred: list[tuple[int, str, list[int]]] = []  # rows whose parents come with the proposal's host copy
     for r, rid in enumerate(req_ids):
         n = int(num_scheduled[r])
         drafts = spec_tokens.get(rid, ())
@@ -146,13 +153,18 @@ def build_step_tree(
         if is_spec[r] and d > 0 and not allow_trees:
             lookup[r] = LOOKUP_OFF
         elif is_spec[r] and d > 0:
-            rec, lookup[r], proposal_len[r] = store.match(rid, list(drafts))
-            if rec is not None and not rec.is_chain:
-                par = rec.parents.astype(np.int64)
+            provisional = store.provisional_match(rid, drafts) if defer_topology else None
+            if provisional is not None:
+                lookup[r], proposal_len[r] = provisional
                 is_tree[r] = True
+                deferred.append((r, rid, list(drafts)))
+                par = None  # filled by StepTree.complete
+            else:
+                rec, lookup[r], proposal_len[r] = store.match(rid, list(drafts))
+                if rec is not None and not rec.is_chain:
+                    par = rec.parents.astype(np.int64)
+                    is_tree[r] = True
         local_parent.append(par)
-        # the logits rows: a spec row's tree; otherwise the last d + 1 rows, any drafts read as a chain
-        sample_parents.append(par if is_spec[r] else np.arange(-1, d, dtype=np.int64))
     has_drafts = bool((is_spec & (num_draft > 0)).any())
     tree_active = bool(allow_trees and (is_tree.any() or (force_tree_path and has_drafts)))
     sample_cu = np.zeros(num_req + 1, dtype=np.int64)
@@ -160,14 +172,6 @@ def build_step_tree(
     spec_idx = np.nonzero(is_spec)[0].astype(np.int64)
     spec_cu = np.zeros(spec_idx.shape[0] + 1, dtype=np.int64)
     np.cumsum(num_scheduled[spec_idx], out=spec_cu[1:])
-    cat = lambda xs: np.concatenate(xs) if xs else np.zeros(0, dtype=np.int64)  # noqa: E731
-    parents_all = cat(local_parent)
-    depth_all = ragged_depths(parents_all, qs)  # whole-array, not per request
-    if is_spec.all():  # every row a spec row (the usual decode step): the logits rows are the scheduled rows
-        sample_parents_all, sample_depth_all = parents_all, depth_all
-    else:
-        sample_parents_all = cat(sample_parents)
-        sample_depth_all = ragged_depths(sample_parents_all, sample_cu)
     step = StepTree(
         num_reqs=num_req,
         num_tokens=int(qs[-1]),
@@ -179,22 +183,68 @@ def build_step_tree(
         req_index=np.repeat(np.arange(num_req, dtype=np.int64), num_scheduled),
         is_spec=is_spec,
         is_tree=is_tree,
-        local_parent=parents_all,
-        depth=depth_all,
-        sample_parents=sample_parents_all,
-        sample_depth=sample_depth_all,
+        **(_pending_arrays(qs, sample_cu, spec_cu) if deferred else
+           _topology_arrays(local_parent, qs, num_draft, is_spec, sample_cu, spec_idx)),
         sample_cu=sample_cu,
-        spec_parents=parents_all if spec_idx.shape[0] == num_req else cat([local_parent[i] for i in spec_idx]),
         spec_cu=spec_cu,
         spec_req_index=spec_idx,
         device=device,
         lookup=lookup,
         proposal_len=proposal_len,
     )
-    if tree_active:
+    if deferred:
+
+        def fill_topology() -> None:
+            for r, rid, drafts in deferred:
+                rec, lookup[r], proposal_len[r] = store.match(rid, drafts)
+                if rec is not None and not rec.is_chain:
+                    local_parent[r] = rec.parents.astype(np.int64)
+                else:  # a chain (or, never expected, no longer matching): verified as a chain on the tree path
+                    local_parent[r] = np.arange(-1, int(num_scheduled[r]) - 1, dtype=np.int64)
+                    is_tree[r] = False
+            for name, value in _topology_arrays(local_parent, qs, num_draft, is_spec, sample_cu, spec_idx).items():
+                setattr(step, name, value)
+
+        step._topology = fill_topology
+    elif tree_active:
         step.defer_attn_plan()  # built by the first tree-masked attention layer; a full-graph step needs none
         step.upload()  # every index array the step's hooks read on the device, in one copy
     return step
+
+
+def _pending_arrays(qs: np.ndarray, sample_cu: np.ndarray, spec_cu: np.ndarray) -> dict[str, np.ndarray]:
+    """``_topology_arrays``' shapes, every entry -2 (not a parent, not a depth) until ``StepTree.complete``."""
+    t, n, ts = int(qs[-1]), int(sample_cu[-1]), int(spec_cu[-1])
+    return {"local_parent": np.full(t, -2, dtype=np.int64), "depth": np.full(t, -2, dtype=np.int64),
+            "sample_parents": np.full(n, -2, dtype=np.int64), "sample_depth": np.full(n, -2, dtype=np.int64),
+            "spec_parents": np.full(ts, -2, dtype=np.int64)}
+
+
+def _topology_arrays(
+    local_parent: list[np.ndarray],
+    qs: np.ndarray,
+    num_draft: np.ndarray,
+    is_spec: np.ndarray,
+    sample_cu: np.ndarray,
+    spec_idx: np.ndarray,
+) -> dict[str, np.ndarray]:
+    """The step's arrays that depend on its trees' parents: local parents and depths of the scheduled
+    rows, the same for the logits rows (a spec row's tree; otherwise the last d + 1 rows, any drafts
+    read as a chain) and the spec rows' parents."""
+    cat = lambda xs: np.concatenate(xs) if xs else np.zeros(0, dtype=np.int64)  # noqa: E731
+    num_req = len(local_parent)
+    parents_all = cat(local_parent)
+    depth_all = ragged_depths(parents_all, qs)  # whole-array, not per request
+    if is_spec.all():  # every row a spec row (the usual decode step): the logits rows are the scheduled rows
+        sample_parents_all, sample_depth_all = parents_all, depth_all
+    else:
+        sample = [local_parent[r] if is_spec[r] else np.arange(-1, int(num_draft[r]), dtype=np.int64)
+                  for r in range(num_req)]
+        sample_parents_all = cat(sample)
+        sample_depth_all = ragged_depths(sample_parents_all, sample_cu)
+    spec_parents = parents_all if spec_idx.shape[0] == num_req else cat([local_parent[i] for i in spec_idx])
+    return {"local_parent": parents_all, "depth": depth_all, "sample_parents": sample_parents_all,
+            "sample_depth": sample_depth_all, "spec_parents": spec_parents}
 
 
 def tree_positions(positions: Tensor, query_start: Tensor, req_index: Tensor, depth: Tensor) -> Tensor:

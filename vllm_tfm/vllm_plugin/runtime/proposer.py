@@ -278,7 +278,8 @@ class TFMProposer(DFlashProposer):
             check_same_on_tp_ranks("draft trees (tokens, parents)", [tokens, parents], req_ids, STATE.check_step)
             if metrics is not None:
                 metrics.tp_tree_checks += 1
-        STATE.store.put(req_ids, tokens, parents)
+        tail = self._weaver_graphs.last_tail if proposal == "tfm" and self._weaver_graphs is not None else None
+        STATE.store.put(req_ids, tokens, parents, finish=None if tail is None else tail.finish)
         STATE.store.retain(self._tfm_runner.requests)
         if metrics is not None:
             metrics.hook(f"proposer.{proposal}")
@@ -309,9 +310,10 @@ class TFMProposer(DFlashProposer):
             dflash_hidden = self._dflash_out.view(num_req, depth, -1)
             verifier = self._verifier_hidden(num_req, num_rejected)
             s = self.tfm_settings
-            build = weaver_trees if self._weaver_graphs is None else self._weaver_graphs.weaver_trees
-            replays = 0 if self._weaver_graphs is None else self._weaver_graphs.replays
-            out = build(
+            graphs = self._weaver_graphs
+            replays = 0 if graphs is None else graphs.replays
+            extra = {} if graphs is None else {"defer_tail": bool(STATE.defer_drafts)}  # deferred_drafts.py
+            out = (weaver_trees if graphs is None else graphs.weaver_trees)(
                 self.weaver,
                 logits,
                 dflash_hidden,
@@ -323,6 +325,7 @@ class TFMProposer(DFlashProposer):
                 s.top_k,
                 s.width,
                 s.children_per_node,
+                **extra,
             )
             if self._weaver_graphs is not None and STATE.metrics is not None:  # which build ran (hooks fired)
                 STATE.metrics.hook("weaver.graph" if self._weaver_graphs.replays > replays else "weaver.eager")

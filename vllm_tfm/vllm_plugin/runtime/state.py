@@ -16,7 +16,7 @@ topology of each request's tree stays here:
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -77,6 +77,15 @@ def is_placeholder(drafts: Sequence[int]) -> bool:
     return len(drafts) > 0 and all(d == PLACEHOLDER_DRAFT for d in drafts)
 
 
+def _copy_to_host(tokens: Tensor, parents: Tensor, tok_h: Tensor, par_h: Tensor) -> torch.cuda.Event:
+    """Queue the copies of a proposal's device tensors into its pinned buffers; the event after them."""
+    tok_h.copy_(tokens, non_blocking=True)
+    par_h.copy_(parents, non_blocking=True)
+    event = torch.cuda.Event()
+    event.record()
+    return event
+
+
 class ProposalStore:
     """req_id -> TreeRecord of the most recent proposal that included the request.
 
@@ -92,19 +101,22 @@ class ProposalStore:
     def __init__(self) -> None:
         self._records: dict[str, TreeRecord] = {}
         self._pending: tuple[list[str], Tensor, Tensor, torch.cuda.Event | None] | None = None
-        self._latest: tuple[dict[str, int], Tensor] | None = None  # row by request, device tokens [R, B]
+        self._latest: tuple[dict[str, int], Tensor, Tensor] | None = None  # row by request, tokens, parents
+        self._finish: Callable[[], bool] | None = None  # the latest proposal's deferred build end (finalize)
         self._live: Any = None  # the runner's requests as of the last ``retain`` (pruned at the next ingest)
 
     def __len__(self) -> int:
         self._ingest()
         return len(self._records)
 
-    def put(self, req_ids: list[str], tokens: Tensor, parents: Tensor) -> None:
+    def put(self, req_ids: list[str], tokens: Tensor, parents: Tensor,
+            finish: Callable[[], bool] | None = None) -> None:
         """Queue the proposal of this step: tokens [R, B] and parents [R, 1 + B] (any device).
 
         The device-to-host copy is asynchronous (pinned buffers + an event); it is read at the
         next ``lookup`` (not before: the host goes on with vLLM's bookkeeping and scheduling while
-        the drafter still runs).
+        the drafter still runs). ``finish``: the build's deferred end (``weaver_graphs.DeferredTail``),
+        called by ``finalize`` before anything reads the proposal; True when it rewrote the tensors.
         """
         if tokens.dim() != 2 or parents.dim() != 2 or parents.shape != (tokens.shape[0], tokens.shape[1] + 1):
             raise ValueError(
@@ -116,14 +128,29 @@ class ProposalStore:
         if tokens.is_cuda:
             tok_h = torch.empty(tokens.shape, dtype=torch.int64, pin_memory=True)
             par_h = torch.empty(parents.shape, dtype=torch.int64, pin_memory=True)
-            tok_h.copy_(tokens, non_blocking=True)
-            par_h.copy_(parents, non_blocking=True)
-            event = torch.cuda.Event()
-            event.record()
+            event = _copy_to_host(tokens, parents, tok_h, par_h)
         else:
             tok_h, par_h, event = tokens.to(torch.int64).clone(), parents.to(torch.int64).clone(), None
         self._pending = (list(req_ids), tok_h, par_h, event)
-        self._latest = ({rid: i for i, rid in enumerate(req_ids)}, tokens)
+        self._finish = finish
+        self._latest = ({rid: i for i, rid in enumerate(req_ids)}, tokens, parents)
+
+    def finalize(self) -> None:
+        """Run the most recent proposal's deferred end if it has one (may wait for the drafter's end);
+        if that rewrote the trees, copy them to the host again. Idempotent."""
+        finish, self._finish = self._finish, None
+        if finish is None or not finish() or self._latest is None:
+            return
+        _, tokens, parents = self._latest
+        if self._pending is None:  # cannot be: ingesting finalizes first
+            return
+        req_ids, tok_h, par_h, event = self._pending
+        if tokens.is_cuda:
+            event = _copy_to_host(tokens, parents, tok_h, par_h)
+        else:
+            tok_h.copy_(tokens)
+            par_h.copy_(parents)
+        self._pending = (req_ids, tok_h, par_h, event)
 
     def latest_is(self, tokens: Any, req_ids: Sequence[str]) -> bool:
         """Whether ``tokens`` is the most recent proposal's tokens tensor (the object the proposer
@@ -136,6 +163,7 @@ class ProposalStore:
     def _ingest(self) -> None:
         if self._pending is None:
             return
+        self.finalize()
         req_ids, tok_h, par_h, event = self._pending
         self._pending = None
         if event is not None:
@@ -164,6 +192,21 @@ class ProposalStore:
         self._ingest()
         rec = self._records.get(req_id)
         return None if rec is None else rec.tokens
+
+    def provisional_match(self, req_id: str, drafts: Sequence[int]) -> tuple[int, int] | None:
+        """(``LOOKUP_FULL`` or ``LOOKUP_CUT``, proposal length) for placeholder drafts of the most recent
+        proposal while its host copy is still in flight, without waiting for it; None otherwise (then
+        ``match`` costs no wait, or the drafts are not such placeholders)."""
+        if self._pending is None or self._latest is None or not is_placeholder(drafts):
+            return None
+        event = self._pending[3]
+        if self._finish is None and event is not None and event.query():  # final and copied: match costs nothing
+            return None
+        rows, tokens, _ = self._latest
+        full = int(tokens.shape[1])
+        if req_id not in rows or len(drafts) > full:
+            return None
+        return (LOOKUP_FULL if len(drafts) == full else LOOKUP_CUT), full
 
     def lookup(self, req_id: str, drafts: list[int]) -> TreeRecord | None:
         """The record whose tokens start with ``drafts`` (the scheduler may truncate), else None.
@@ -284,12 +327,42 @@ class StepTree:
     _attn_plan: TreeAttentionPlan | None = field(default=None, repr=False)
     _attn_plan_due: bool = field(default=False, repr=False)  # attn_plan is built on first read
     _sample_tables: TreeTables | None = field(default=None, repr=False)
+    _topology: Callable[[], None] | None = field(default=None, repr=False)  # fills the topology arrays (deferred)
+    _after_topology: list[Callable[[StepTree], None]] = field(default_factory=list, repr=False)
+
+    @property
+    def topology_pending(self) -> bool:
+        """The trees' topology (parents, depths, is_tree, lookup) is not in this step's arrays yet: the
+        proposal's host copy is still in flight (deferred drafts); ``complete`` waits for it."""
+        return self._topology is not None
+
+    def complete(self) -> StepTree:
+        """Fill the topology arrays if they are pending (waits for the proposal's host copy), upload
+        them on a tree-active step, then run what waited for them (``after_topology``), in order.
+        Idempotent; every reader of the topology arrays (``dev``, ``upload``, ``attn_plan``, the full
+        graph's ``prepare_replay``, the step kernels) calls it first."""
+        fill, self._topology = self._topology, None
+        if fill is not None:
+            fill()
+            if self.tree_active:
+                self.defer_attn_plan()
+                self.upload()
+        while self._after_topology:
+            self._after_topology.pop(0)(self)
+        return self
+
+    def after_topology(self, fn: Callable[[StepTree], None]) -> None:
+        """Run ``fn(step)`` once the topology arrays are filled: now if they are, else in ``complete``."""
+        self._after_topology.append(fn)
+        if self._topology is None:
+            self.complete()
 
     @property
     def attn_plan(self) -> TreeAttentionPlan | None:
         """The tree attention plan of the requests whose tree is not a chain (tree-active steps; None when
         none needs a mask). Built on first read (``inputs.attention_plan``): a step that replays a full
         tree graph never reads it (its graph reads the fixed-layout plan of ``full_graphs.py``)."""
+        self.complete()
         if self._attn_plan_due:
             from .inputs import attention_plan
 
@@ -319,6 +392,7 @@ class StepTree:
         from :meth:`upload`."""
         t = self._dev.get(name)
         if t is None:
+            self.complete()
             if self.tree_active and (name in STEP_UPLOAD or name in DERIVED_UPLOAD):
                 self.upload()
                 return self._dev[name]
@@ -335,6 +409,10 @@ class StepTree:
         it for every tree-active step. Returns the tables."""
         if self._sample_tables is not None:
             return self._sample_tables
+        if self._topology is not None:
+            self.complete()  # fills the arrays and uploads (the tables are then set)
+            if self._sample_tables is not None:
+                return self._sample_tables
         dmax, tables = tree_table_arrays(self.sample_parents, self.sample_cu, self.sample_depth)
         arrays = {n: getattr(self, n) for n in STEP_UPLOAD if n not in self._dev}
         arrays["sample_nonroot"] = np.nonzero(self.sample_parents >= 0)[0]
@@ -377,6 +455,7 @@ class RuntimeState:
         self.trace: "Tracer | None" = None  # VLLM_TFM_TRACE: per-request step records (runtime/trace.py), rank 0
         self.defer_drafts = False  # this step's drafts go to the scheduler as placeholders (deferred_drafts.py)
         self.sampled_copy = SampledCopy()  # the step's sampled tokens, copied before drafting (deferred_drafts.py)
+        self.draft_fill: Any = None  # deferred_drafts.DraftFill of the running step, applied in _preprocess
 
     def current_step(self) -> StepTree | None:
         return self.step

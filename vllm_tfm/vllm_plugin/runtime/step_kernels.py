@@ -65,6 +65,8 @@ class StepKernels:
         ``full_graphs.py``), else built here from the step's trees; groups: the slots of each
         KV-cache group when they are known already (computed by a captured graph), else computed on
         first use."""
+        if isinstance(step, StepTree):
+            step.complete()  # its topology arrays, if they were pending (deferred drafts)
         self.step = step
         self.device = device
         self.plan = plan if plan is not None else TreePlan.build(

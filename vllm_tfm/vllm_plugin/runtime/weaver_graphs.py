@@ -22,6 +22,13 @@ So a batch of R requests is padded up to the smallest bucket >= R:
    them) and the outputs are re-read;
 4. the first R rows of the outputs are copied out (the graph's buffers are reused next step).
 
+With ``defer_tail`` (deferred drafts, ``runtime/deferred_drafts.py``) step 3 waits: the question's
+answer is copied to pinned memory and the outputs of the fixed rounds are returned at once, with a
+:class:`DeferredTail` that asks it later (``finish``: the next step, before the forward reads the
+drafts). If rounds are needed then, they run and the returned tensors are overwritten in place.
+Before any other replay or capture the tail is finished first (it reads the graph's state,
+which the next replay re-initialises and other graphs of the pool may reuse).
+
 The growth object's Python attributes (last-round tensors, counters) are restored from a snapshot
 taken at capture after every replay, so the eager tail always starts from the graph's tensors.
 
@@ -63,12 +70,13 @@ from torch import Tensor, nn
 from vllm_tfm.models.proposal_trees import weaver_growth
 from vllm_tfm.models.vocab_table import ShardedVocabTable, VocabTable
 from vllm_tfm.tree.marginal_padded import check_marginals
-from vllm_tfm.tree.weaver_padded import WeaverGrowth
+from vllm_tfm.tree.weaver_padded import WeaverGrowth, pending_from_flags
 
 from .kernels_or_reference import kernels_enabled
 from .tree_builder_gpu import weaver_trees
 
 __all__ = [
+    "DeferredTail",
     "BUCKETS_ENV",
     "DEFAULT_BUCKETS",
     "GRAPHS_ENV",
@@ -228,6 +236,45 @@ def graph_key(
     )
 
 
+class DeferredTail:
+    """The host check of a replayed Weaver build, deferred (module docstring, step 3): the tail rounds,
+    if any are needed, run when ``finish`` is called, and overwrite ``tokens`` / ``parents`` in place."""
+
+    def __init__(self, owner: WeaverGraphs, growth: Any, rows: int, filler: Tensor, tokens: Tensor,
+                 parents: Tensor) -> None:
+        self._owner, self._growth, self._rows, self._filler = owner, growth, rows, filler
+        self.tokens, self.parents = tokens, parents
+        flags = growth.pending_flags(rows=rows)
+        self._flags = torch.empty(flags.shape, dtype=flags.dtype, pin_memory=True)
+        self._flags.copy_(flags, non_blocking=True)
+        self._event = torch.cuda.Event()
+        self._event.record()
+        self.done = False
+        self.changed = False  # tail rounds ran: tokens / parents were rewritten
+
+    def finish(self) -> bool:
+        """Wait for the check (only the build's end), run the tail rounds if needed; whether the
+        trees changed. Idempotent."""
+        if self.done:
+            return self.changed
+        self.done = True
+        if self._owner._unfinished is self:
+            self._owner._unfinished = None
+        self._event.synchronize()
+        if not pending_from_flags(self._flags.tolist()):
+            return False
+        growth = self._growth
+        fixed = growth.rounds
+        with torch.inference_mode():  # the graph's state and the returned tensors are inference tensors
+            growth.run_tail(rows=self._rows)
+            tokens, parents = growth.trees().draft_layout(self._filler)
+            self.tokens.copy_(tokens[: self._rows])
+            self.parents.copy_(parents[: self._rows])
+        self._owner.tail_rounds += growth.rounds - fixed
+        self.changed = True
+        return True
+
+
 class WeaverGraphs:
     """Weaver tree builds through CUDA graphs, one per key (module docstring)."""
 
@@ -245,6 +292,8 @@ class WeaverGraphs:
         self.captured: list[int] = []  # the bucket of every capture, in order
         self.warmed_up: tuple[int, ...] | None = None  # buckets the warm-up covered; None before it ran
         self.late_captures: list[int] = []  # buckets captured after the warm-up (while serving)
+        self._unfinished: DeferredTail | None = None  # the last replay's deferred check, not finished yet
+        self.last_tail: DeferredTail | None = None  # the deferred check of the last build that deferred it
 
     def capturable(self, device: torch.device, embed: VocabTable, lm_head: VocabTable) -> bool:
         """Whether builds on ``device`` with these tables can replay graphs (not on CPU tensors,
@@ -314,9 +363,14 @@ class WeaverGraphs:
         top_k: int,
         width: int,
         children_per_node: int,
+        defer_tail: bool = False,
     ) -> tuple[Tensor, Tensor]:
         """``tree_builder_gpu.weaver_trees`` through a graph when the batch fits a bucket:
-        tokens [R, B], parents [R, 1 + B] (fresh tensors)."""
+        tokens [R, B], parents [R, 1 + B] (fresh tensors). ``defer_tail``: a replayed build returns
+        without its host check; ``last_tail`` is then its :class:`DeferredTail` (else None)."""
+        self.last_tail = None
+        if self._unfinished is not None:  # its state is the graphs' own: finish it before they run again
+            self._unfinished.finish()
         bucket = self.bucket(dflash_logits, embed, lm_head)
         if bucket is None:
             self.eager_builds += 1
@@ -338,6 +392,10 @@ class WeaverGraphs:
             cap.graph.replay()
             self.replays += 1
             growth = cap.restore()
+            if defer_tail:
+                tokens, parents = cap.tokens[:r].clone(), cap.parents[:r].clone()
+                self.last_tail = self._unfinished = DeferredTail(self, growth, r, cap.filler, tokens, parents)
+                return tokens, parents
             fixed = growth.rounds
             growth.run_tail(rows=r)  # the one host sync of the build
             if growth.rounds == fixed:
