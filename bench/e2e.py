@@ -128,7 +128,7 @@ def measure_estimate_s(arm: Arm, batches: list[int], output_len: int, mal: float
     H200 (about 0.22 s with tfm's drafting and tree verify, session 5), a run needs output_len / MAL
     steps, plus a few seconds of prefill and bookkeeping."""
     step_s = 0.1 if arm.kind == "nospec" else 0.22
-    runs = 3 if clean_run else 1  # a clean run, --ab-deferred's run, the profiled run
+    runs = 4 if clean_run else 1  # a clean run, --ab-deferred's two runs, the profiled run
     per_run = output_len / max(mal, 1.0) * step_s + 3.0
     return 10.0 + runs * len(batches) * per_run
 
@@ -332,10 +332,11 @@ def run_arm(arm: Arm, settings_path: Path) -> int:
                 llm.collective_rpc(set_stage_timing, kwargs={"enabled": False, "reset": True})
                 run.update(one_run(llm, ps[:b], params))
                 log(f"{arm.name} b{b} clean: {run['tokens_per_s']} tok/s (decode {run['decode_tokens_per_s']})")
-                if s.get("ab_deferred") and arm.kind == "tfm":
+                if s.get("ab_deferred") and arm.kind == "tfm":  # on (above), off, on again: order effects show
                     run["deferred_off"] = deferred_off_run(llm, ps[:b], params)
-                    log(f"{arm.name} b{b} clean, deferred drafts off: {run['deferred_off']['tokens_per_s']} tok/s "
-                        f"(decode {run['deferred_off']['decode_tokens_per_s']})")
+                    run["deferred_on_again"] = one_run(llm, ps[:b], params)
+                    log(f"{arm.name} b{b} clean, deferred drafts off: {run['deferred_off']['decode_tokens_per_s']} "
+                        f"decode tok/s, on again: {run['deferred_on_again']['decode_tokens_per_s']}")
             llm.collective_rpc(set_stage_timing, kwargs={"enabled": True, "reset": True})
             prof = one_run(llm, ps[:b], params)
             prof.update(llm.collective_rpc(collect_stage_timings, kwargs={"reset": True})[0])
