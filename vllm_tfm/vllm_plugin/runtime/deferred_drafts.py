@@ -1,39 +1,46 @@
 """Deferred drafts: the host goes on to the next step while the drafter still runs.
 
-In vLLM 0.26's synchronous scheduling a step's host work ends with two waits on the whole GPU queue:
-``_bookkeeping_sync`` turns the sampled tokens into lists (``.cpu()`` on the default stream, so it
-waits for everything queued after the sampler: DFlash and the Weaver tree build), and
-``take_draft_token_ids`` waits for the copy of the drafts. The host then does vLLM's bookkeeping,
+In vLLM 0.26's synchronous scheduling a step's host work waits for the whole drafter three times:
+the Weaver graph build's own host check (whether growth rounds past the captured ones are needed,
+``weaver_graphs``), ``_bookkeeping_sync`` turning the sampled tokens into lists (``.cpu()`` on the
+default stream waits for everything queued after the sampler: DFlash and the Weaver), and
+``take_draft_token_ids`` waiting for the copy of the drafts. The host then does vLLM's bookkeeping,
 output handling and scheduling and the next step's input preparation with the GPU idle. vLLM's
 asynchronous scheduling, which overlaps all of that with the GPU, is refused for methods other than
 EAGLE / MTP / DFlash / draft models (``VllmConfig.__post_init__``), and tfm's trees need their topology
 on the host before the next forward (the tree tables and plans, ``inputs.build_step_tree``).
 
-Here, in tfm engines (``VLLM_TFM_DEFERRED_DRAFTS``, default on):
+Here, in tfm engines (``VLLM_TFM_DEFERRED_DRAFTS``, default on), the host waits for the drafter only
+right before the next forward:
 
-1. ``record_sampled``: at the start of ``propose_draft_token_ids`` (sampler and commit queued, no
+1. The Weaver graph build returns without its host check (``weaver_graphs.DeferredTail``: whether
+   growth rounds past the captured ones are needed is asked later, before anything reads the
+   drafts; if they are, they run then and rewrite the returned tensors in place).
+2. ``SampledCopy.record``: at the start of ``propose_draft_token_ids`` (sampler and commit queued, no
    drafting yet) the sampled tokens are copied to pinned memory with an event; ``_bookkeeping_sync``
-   reads that copy (``bookkeeping_sampler_output``), so it waits for the sampler, not the drafter.
-2. ``take_draft_token_ids`` returns ``PLACEHOLDER_DRAFT`` (-1, vLLM's own placeholder) B times per
-   request instead of the tokens of the proposal just made: no wait. The scheduler
-   needs only their number (it schedules 1 + B tokens per request); their values matter to it only
-   for structured outputs, and to vLLM's sampler only for penalties, bad words and the other
-   processors that send a batch to vLLM's own sampler (``sampler.needs_native_sampler``): a step with
-   any of those hands out the real tokens, as before.
-3. ``_prepare_input_ids`` (next step): after vLLM copied the host input ids (placeholders at the
-   draft positions) to the GPU, ``fill_input_ids`` writes each request's drafts from the proposal's
-   device tokens into ``input_ids.gpu``; vLLM's spec-decode metadata gathers ``draft_token_ids`` from
-   there right after (``_calc_spec_decode_metadata``), the forward and the tree sampler read them.
-   Placeholders stand for the most recent proposal that included the request
-   (``ProposalStore``); a request absent from the last proposal (not in the last step's batch) gets
-   its drafts from that older proposal's host copy instead, written into ``input_ids.cpu`` before
-   vLLM's copy. Every tensor-parallel rank does the same from the same scheduler output.
-4. The first wait for the trees' topology is ``ProposalStore.match`` in ``build_step_tree`` (the
-   parents' host copy), after vLLM's ``_update_states`` and ``_prepare_inputs``.
+   reads that copy, so it waits for the sampler, not the drafter.
+3. ``take_draft_token_ids`` returns ``PLACEHOLDER_DRAFT`` (-1, vLLM's own placeholder) B times per
+   request instead of the tokens of the proposal just made: no wait. The scheduler needs only their
+   number (it schedules 1 + B tokens per request); their values matter to it only for structured
+   outputs, and to vLLM's sampler only for penalties, bad words and the other processors that send
+   a batch to vLLM's own sampler (``sampler.needs_native_sampler``): a step with any of those hands
+   out the real tokens, as before.
+4. The next step: vLLM's ``_update_states`` and ``_prepare_inputs`` run as usual (placeholders in
+   the host input ids); ``build_step_tree`` lays out the tree tables from the lengths and leaves
+   their topology pending (``StepTree.complete``); vLLM's graph dispatch and attention metadata run.
+   Placeholders stand for the most recent proposal that included the request (``ProposalStore``):
+   a request absent from the last proposal gets its drafts from that older proposal's host copy
+   in ``input_ids.cpu`` before vLLM's copy (a wait, rare), as does every request of a batch that
+   needs vLLM's own sampler (also into ``input_batch.spec_token_ids``, which its penalties read).
+5. ``_preprocess`` (just before the forward): the last build's end (``ProposalStore.finalize``),
+   the drafts from the proposal's device tokens into ``input_ids.gpu`` and into the spec-decode
+   metadata's ``draft_token_ids`` (``DraftFill``), then the topology (the trees' host copy),
+   depth positions, uploads and the full graph's plans (``after_topology``).
 
 What the host did with the GPU idle after the Weaver (vLLM's bookkeeping, output processing,
-scheduling, ``_update_states``, vLLM's input preparation) now runs while the drafter runs. The
-tokens each request emits are unchanged: the same drafts reach the same forward.
+scheduling, ``_update_states``, input preparation, graph dispatch and attention metadata) now runs
+while the drafter runs. Every tensor-parallel rank does the same from the same scheduler output.
+The tokens each request emits are unchanged: the same drafts reach the same forward.
 """
 
 from __future__ import annotations
