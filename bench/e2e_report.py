@@ -72,7 +72,9 @@ def stage_breakdown(stages: dict[str, Any]) -> dict[str, float | None]:
     replay_accept = _per_step(stages, "replay_accept")
     sample = _per_step(stages, "sample")
     commit = _per_step(stages, "commit")
-    prepare = _per_step(stages, "prepare_tree")
+    # with deferred drafts the tree metadata is finished in vLLM's _preprocess ("topology_wait"): its
+    # events also span the end of the drafter the host waits for there, so counting it is an upper bound
+    prepare = _per_step(stages, "prepare_tree") + _per_step(stages, "topology_wait")
     if "draft" not in stages:  # in-tree DFlash: the whole propose call is its drafter
         draft = propose
     overhead = (propose - shaping) + (sample - replay_accept) + commit + prepare
@@ -269,6 +271,7 @@ def render_markdown(results: dict[str, Any]) -> str:
                 *rows,
             ]
         lines += _forward_split_table(arms, b)
+    lines += _deferred_ab_lines(arms, batches)
     goals = summ["goals"]
     if goals:
         lines += ["", ("Goals (issue 7): drafting overhead <= 15% of the target forward at batch 1; >= 4.5x over no-spec "
@@ -284,6 +287,27 @@ def render_markdown(results: dict[str, Any]) -> str:
     if skipped:
         lines += ["", "Not run: " + "; ".join(f"{x['arm']} ({x['reason']})" for x in skipped)]
     return "\n".join(lines) + "\n"
+
+
+def _deferred_ab_lines(arms: dict[str, Any], batches: list[int]) -> list[str]:
+    """The same-engine A/B of deferred drafts (``bench/e2e.py --ab-deferred``), where an arm ran it:
+    decode tokens/s of the clean run (on), the run with them off, and on again."""
+    out = []
+    for name, arm in arms.items():
+        cells = []
+        for b in batches:
+            run = _batch(arm, b) or {}
+            off, again = run.get("deferred_off"), run.get("deferred_on_again")
+            if not off:
+                continue
+            cells.append(f"batch {b}: on {_f(run.get('decode_tokens_per_s'))}, off {_f(off.get('decode_tokens_per_s'))}, "
+                         f"on again {_f((again or {}).get('decode_tokens_per_s'))}")
+        if cells:
+            out.append(f"- {name}: " + "; ".join(cells))
+    if not out:
+        return []
+    return ["", "Deferred drafts on / off on the same engine, decode tokens/s (clean runs in this order; "
+            "VLLM_TFM_DEFERRED_DRAFTS, runtime/deferred_drafts.py):", "", *out]
 
 
 def _forward_split_table(arms: dict[str, Any], b: int) -> list[str]:

@@ -537,3 +537,23 @@ def test_report_reads_gzip_compressed_results_like_plain_ones(tmp_path: Path) ->
     packed.write_bytes(gzip.compress(json.dumps(res).encode()))
     assert e2e_report.load_results(packed) == e2e_report.load_results(plain) == json.loads(json.dumps(res))
     assert e2e_report.render_files([str(packed)]) == e2e_report.render_files([str(plain)])
+
+
+def test_render_markdown_lists_the_deferred_drafts_ab_where_it_ran() -> None:
+    res = results()
+    assert "Deferred drafts on / off" not in e2e_report.render_markdown(res)
+    run = res["arms"]["tfm64"]["batches"]["1"]
+    run["deferred_off"] = {"decode_tokens_per_s": 90.0, "placeholder_steps": 0}
+    run["deferred_on_again"] = {"decode_tokens_per_s": 101.0}
+    md = e2e_report.render_markdown(res)
+    assert "- tfm64: batch 1: on 100.0, off 90.0, on again 101.0" in md
+    assert "batch 8" not in md.split("Deferred drafts on / off")[1].split("\n\n")[1]  # batch 8 ran no A/B
+
+
+def test_the_topology_wait_counts_as_tree_metadata() -> None:
+    base = {"target_forward": {"per_step_ms": 20.0}, "propose": {"per_step_ms": 4.0}, "draft": {"per_step_ms": 2.0},
+            "tree_build": {"per_step_ms": 1.5}, "sample": {"per_step_ms": 0.2}, "commit": {"per_step_ms": 0.3},
+            "prepare_tree": {"per_step_ms": 0.1}}
+    d = e2e_report.stage_breakdown(base)
+    deferred = e2e_report.stage_breakdown({**base, "topology_wait": {"per_step_ms": 1.2}})
+    assert deferred["prepare_tree"] == pytest.approx(1.3) and deferred["overhead"] == pytest.approx(d["overhead"] + 1.2)
