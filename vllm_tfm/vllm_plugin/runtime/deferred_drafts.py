@@ -52,7 +52,6 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from .sampled_copy import SampledCopy
 from .sampler import needs_native_sampler
 from .state import PLACEHOLDER_DRAFT, STATE, ProposalStore, is_placeholder
 
@@ -60,7 +59,6 @@ __all__ = [
     "DEFERRED_DRAFTS_ENV",
     "deferred_drafts_enabled",
     "set_deferred_drafts",
-    "SampledCopy",
     "placeholder_drafts",
     "draft_positions",
     "fill_input_ids",
