@@ -10,9 +10,10 @@ Each wrapper calls the original and acts only on a runner built for ``"method": 
 * ``_update_states_after_model_execute`` (1545, called at 4535 between sampling and drafting):
   the commit (KV compaction + GDN state / conv window) before vLLM records ``num_accepted_tokens``;
 * ``propose_draft_token_ids`` (4954): keeps the target's sampled hidden states for the Weaver;
-* ``_bookkeeping_sync`` (3668), ``take_draft_token_ids`` (4833), ``_prepare_input_ids`` (1761):
-  deferred drafts (``deferred_drafts.py``): the sampled tokens' early copy, placeholder drafts for
-  the scheduler, the drafts' tokens written into the input ids on the device;
+* ``_bookkeeping_sync`` (3668), ``take_draft_token_ids`` (4833), ``_prepare_input_ids`` (1761),
+  ``_preprocess``: deferred drafts (``deferred_drafts.py``): the sampled tokens' early copy,
+  placeholder drafts for the scheduler, and right before the forward the drafts' tokens written
+  into the input ids and the spec-decode metadata on the device and the step's tree topology filled;
 * ``sample_tokens`` (4497): clears the step state when the step ends, so profiling and dummy runs
   never see a stale tree;
 * ``profile_run`` (6364, called once at start-up by ``Worker.determine_available_memory``, with or
