@@ -1,17 +1,19 @@
 """Worker-side tree state: proposals keyed by request id, and the tree metadata of the running step.
 
-Only token ids travel from the worker to the scheduler and back (VLLM_HOOKS.md section 4), so the
-topology of each request's tree stays here:
+Only token ids travel from the worker to the scheduler and back (VLLM_HOOKS.md section 4), and with
+deferred drafts (``deferred_drafts.py``, the default) only placeholders for them, so the topology
+of each request's tree stays here:
 
 * ``ProposalStore``: after the drafter runs, each request's B draft tokens and 1 + B local parents
-  are copied to pinned host memory without a sync; the next step reads them (the copy finished
-  long before: the scheduler round trip synchronises on vLLM's own draft-token copy) and checks
-  that the drafts the scheduler sent back are a prefix of what was proposed. Any mismatch (zeroed
-  drafts, a stale proposal) falls back to reading the drafts as a chain, which is always a valid
-  tree, so verification stays exact.
+  are copied to pinned host memory without a sync; the next step reads them (with deferred drafts
+  right before the forward, after the build's deferred end: ``finalize``) and checks that the
+  drafts the scheduler sent back are a prefix of what was proposed, or placeholders of it. Any
+  mismatch (zeroed drafts, a stale proposal) falls back to reading the drafts as a chain, which is
+  always a valid tree, so verification stays exact.
 * ``StepTree``: everything the hooks of one decode step share (built by ``inputs.py`` in the
-  ``_prepare_inputs`` wrapper, filled by the sampler with the accepted paths and by the GDN
-  layers with what the commit needs, cleared when ``sample_tokens`` returns).
+  ``_prepare_inputs`` wrapper, its topology filled there or, deferred, in ``_preprocess``
+  (``complete``), filled by the sampler with the accepted paths and by the GDN layers with what
+  the commit needs, cleared when ``sample_tokens`` returns).
 """
 
 from __future__ import annotations
