@@ -49,8 +49,9 @@ import os
 from typing import Any
 
 import numpy as np
-import torch
 from torch import Tensor
+
+from vllm_tfm.verify.packed_upload import packed_upload
 
 from .sampler import needs_native_sampler
 from .state import PLACEHOLDER_DRAFT, STATE, ProposalStore, is_placeholder
@@ -110,27 +111,20 @@ def draft_positions(
     (request, positions, its tokens from the host copy).
     """
     num_draft = np.zeros(len(cu_num_tokens), dtype=np.int64)
-    for rid, drafts in spec_tokens.items():
-        num_draft[req_id_to_index[rid]] = len(drafts)
-    first_draft = np.cumsum(num_draft) - num_draft
-    dst_parts: list[np.ndarray] = []
-    didx_parts: list[np.ndarray] = []
-    src_parts: list[np.ndarray] = []
+    dev_req: list[int] = []  # batch index and proposal row of each placeholder request read from the device
+    dev_row: list[int] = []
     host_rows: list[tuple[str, np.ndarray, tuple[int, ...]]] = []
     tokens: Tensor | None = None
     for rid, drafts in spec_tokens.items():
-        d = len(drafts)
+        i = req_id_to_index[rid]
+        d = num_draft[i] = len(drafts)
         if d == 0 or not is_placeholder(drafts):
             continue
-        i = req_id_to_index[rid]
-        end = int(cu_num_tokens[i])
-        pos = np.arange(end - d, end, dtype=np.int64)
         dev = None if host_only else store.device_drafts(rid)
         if dev is not None:
             tokens, row = dev
-            dst_parts.append(pos)
-            didx_parts.append(first_draft[i] + np.arange(d, dtype=np.int64))
-            src_parts.append(row * tokens.shape[1] + np.arange(d, dtype=np.int64))
+            dev_req.append(i)
+            dev_row.append(row)
             continue
         host = store.host_drafts(rid)
         if host is None or len(host) < d:
@@ -138,33 +132,19 @@ def draft_positions(
                 f"vllm-tfm: request {rid!r} was scheduled {d} placeholder drafts but its proposal is gone; "
                 f"set {DEFERRED_DRAFTS_ENV}=0 and report this"
             )
-        host_rows.append((rid, pos, host[:d]))
-    cat = lambda xs: np.concatenate(xs) if xs else np.zeros(0, dtype=np.int64)  # noqa: E731
-    return cat(dst_parts), cat(didx_parts), cat(src_parts), tokens, host_rows
-
-
-class _IndexUpload:
-    """A pinned int64 staging buffer for the positions of ``fill_input_ids`` (dst then src), grown as
-    needed. Reused every step: the previous step's copy is complete by then (the host waited for that
-    step's sampled tokens, queued after it)."""
-
-    def __init__(self) -> None:
-        self._host: Tensor | None = None
-
-    def upload(self, *arrays: np.ndarray, device: torch.device) -> list[Tensor]:
-        n = arrays[0].shape[0]
-        k = len(arrays)
-        if self._host is None or self._host.shape[0] < k * n:
-            self._host = torch.empty(max(k * n, 1024), dtype=torch.int64, pin_memory=torch.cuda.is_available())
-        buf = self._host[: k * n]
-        view = buf.numpy()
-        for j, a in enumerate(arrays):
-            view[j * n : (j + 1) * n] = a
-        dev = buf.to(device, non_blocking=True)
-        return [dev[j * n : (j + 1) * n] for j in range(k)]
-
-
-_UPLOAD = _IndexUpload()
+        end = int(cu_num_tokens[i])
+        host_rows.append((rid, np.arange(end - d, end, dtype=np.int64), host[:d]))
+    if tokens is None:
+        empty = np.zeros(0, dtype=np.int64)
+        return empty, empty, empty, None, host_rows
+    req = np.asarray(dev_req, dtype=np.int64)
+    d = num_draft[req]
+    j = np.arange(int(d.sum()), dtype=np.int64) - np.repeat(np.cumsum(d) - d, d)  # draft index within its request
+    first_draft = np.cumsum(num_draft) - num_draft
+    dst = np.repeat(np.asarray(cu_num_tokens, dtype=np.int64)[req] - d, d) + j
+    didx = np.repeat(first_draft[req], d) + j
+    src = np.repeat(np.asarray(dev_row, dtype=np.int64) * tokens.shape[1], d) + j
+    return dst, didx, src, tokens, host_rows
 
 
 def fill_input_ids(runner: Any, scheduler_output: Any, cu_num_tokens: np.ndarray) -> DraftFill | None:
@@ -206,7 +186,8 @@ class DraftFill:
         """Write the drafts (queued on the current stream, no host wait); returns how many."""
         if self.tokens is None or self.dst.shape[0] == 0:
             return 0
-        dst_d, didx_d, src_d = _UPLOAD.upload(self.dst, self.didx, self.src, device=input_ids_gpu.device)
+        idx = packed_upload({"dst": self.dst, "didx": self.didx, "src": self.src}, input_ids_gpu.device)
+        dst_d, didx_d, src_d = idx["dst"], idx["didx"], idx["src"]
         values = self.tokens.reshape(-1)[src_d]
         input_ids_gpu[dst_d] = values.to(input_ids_gpu.dtype)
         if self.draft_token_ids is not None:

@@ -409,12 +409,9 @@ class StepTree:
         transfer: the ``STEP_UPLOAD`` arrays, the ``DERIVED_UPLOAD`` ones and the ``TreeTables``
         of the logits rows' trees (built here with numpy). Idempotent; ``build_step_tree`` calls
         it for every tree-active step. Returns the tables."""
+        self.complete()  # a pending topology: fills the arrays and, on a tree-active step, uploads them
         if self._sample_tables is not None:
             return self._sample_tables
-        if self._topology is not None:
-            self.complete()  # fills the arrays and uploads (the tables are then set)
-            if self._sample_tables is not None:
-                return self._sample_tables
         dmax, tables = tree_table_arrays(self.sample_parents, self.sample_cu, self.sample_depth)
         arrays = {n: getattr(self, n) for n in STEP_UPLOAD if n not in self._dev}
         arrays["sample_nonroot"] = np.nonzero(self.sample_parents >= 0)[0]
