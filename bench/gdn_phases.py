@@ -51,6 +51,43 @@ from vllm_tfm.kernels import loader  # noqa: E402
 from vllm_tfm.kernels.plan import TreePlan  # noqa: E402
 
 SKIPS = (0, 1, 2, 4, 6)
+# version 6 (cuda/gdn_tree_verify_grouped.cu, one kernel): 1 = gram tiles, 2 = projections' k-loop,
+# 4 = substitution, 8 = pair coefficients, 15 = all four (what is left: loads, tables, norms, the S0
+# split, the projections' epilogue, the launch)
+SKIPS_V6 = (0, 1, 2, 4, 8, 15)
+
+
+def phases_v6(n: int, batch: int, reps: int) -> dict:
+    parents, cu, _ = tree_batch(n, batch)
+    plan = TreePlan.build(parents, cu, device="cuda")
+    sets = n_sets_for(batch)
+    gen = device_gen(n * 100 + batch)
+    inputs = [gdn_inputs(plan.num_nodes, gen) for _ in range(sets)]
+    pool = torch.randn(sets * batch, HV, VD, KD, generator=gen, device="cuda") * 0.1
+    slots = [torch.arange(s * batch, (s + 1) * batch, device="cuda") for s in range(sets)]
+    row: dict = dict(n=n, batch=batch, nodes=plan.num_nodes, pairs=plan.num_pairs, max_depth=plan.max_depth,
+                     block_v=kgdn.GROUPED_BV, variant=6, main_us={})
+    for skip in SKIPS_V6:
+        per_set = []
+        for s in range(sets):
+            x = inputs[s]
+            launches, o, d = kgdn.verify_launches(plan, x["q"], x["k"], x["v"], x["g"], x["beta"], pool, slots[s],
+                                                  return_delta=True, variant=6,
+                                                  extra_options=[f"-DGDN_PROFILE_SKIP={skip}"])
+            if [name for name, _ in launches] != ["gdn_tree_verify_grouped"]:
+                row["error"] = f"version 6 does not take n={n}: {[name for name, _ in launches]}"
+                return row
+            per_set.append(launches[0][1])
+            if skip == 0 and s == 0:
+                launches[0][1]()
+                shipped = kgdn.gdn_tree_verify_planned(plan, x["q"], x["k"], x["v"], x["g"], x["beta"], pool, slots[0],
+                                                       return_delta=True, variant=6)
+                row["skip0_equals_kernel"] = bool(torch.equal(o, shipped[0]) and torch.equal(d, shipped[1]))
+        row["main_us"][str(skip)], _ = time_calls(per_set, reps)
+    t = {int(k): v for k, v in row["main_us"].items()}
+    row["phase_us"] = {"gram": t[0] - t[1], "projections": t[0] - t[2], "substitution": t[0] - t[4],
+                       "coefficients": t[0] - t[8], "rest": t[15]}
+    return row
 
 
 def phases(n: int, batch: int, reps: int, variant: int) -> dict:
@@ -90,7 +127,24 @@ def phases(n: int, batch: int, reps: int, variant: int) -> dict:
     return row
 
 
+def table_v6(rows: list[dict]) -> str:
+    lines = ["GDN tree verify version 6 by phase (us, graph-timed medians; '-x' = without x; bf16, one kernel)",
+             f"{'n':>4} {'batch':>5} {'call':>7} {'-gram':>7} {'-proj':>7} {'-subst':>7} {'-coef':>7} {'-all':>7} | "
+             f"{'gram':>6} {'proj':>6} {'subst':>6} {'coef':>6} {'rest':>6}"]
+    for r in rows:
+        if "error" in r:
+            lines.append(f"{r['n']:>4} {r['batch']:>5} {r['error']}")
+            continue
+        m, ph = r["main_us"], r["phase_us"]
+        lines.append(f"{r['n']:>4} {r['batch']:>5} {m['0']:>7.1f} {m['1']:>7.1f} {m['2']:>7.1f} {m['4']:>7.1f} "
+                     f"{m['8']:>7.1f} {m['15']:>7.1f} | {ph['gram']:>6.1f} {ph['projections']:>6.1f} "
+                     f"{ph['substitution']:>6.1f} {ph['coefficients']:>6.1f} {ph['rest']:>6.1f}")
+    return "\n".join(lines)
+
+
 def table(rows: list[dict]) -> str:
+    if rows and rows[0].get("variant") == 6:
+        return table_v6(rows)
     head = (f"{'n':>4} {'batch':>5} {'BV':>3} {'pairs':>7} {'main':>7} {'-mma':>7} {'-chunks':>8} {'-subst':>7} "
             f"{'-both':>7} | {'mma':>6} {'staging':>8} {'subst':>6} {'rest':>6}")
     lines = ["GDN tree verify main kernel by phase (us, graph-timed medians; '-x' = without x; bf16, automatic BV)", head]
@@ -108,7 +162,8 @@ def main() -> None:
     ap.add_argument("--n", type=int, nargs="+", default=[16, 64, 128, 256])
     ap.add_argument("--batch", type=int, nargs="+", default=[1, 8])
     ap.add_argument("--reps", type=int, default=20)
-    ap.add_argument("--variant", type=int, default=3, help="kernel version (3: the default; bit 2 needs 3)")
+    ap.add_argument("--variant", type=int, default=3,
+                    help="kernel version (3: the default; bit 2 needs 3; 6: version 6's own phases)")
     args = ap.parse_args()
     if not torch.cuda.is_available() or not loader.kernels_available():
         sys.exit(f"gdn_phases.py needs a CUDA device and the NVRTC kernels: {loader.kernels_unavailable_reason()}")
@@ -117,7 +172,7 @@ def main() -> None:
     for batch in args.batch:
         for n in args.n:
             print(f"phases n={n} batch={batch} ...", file=sys.stderr, flush=True)
-            rows.append(phases(n, batch, args.reps, args.variant))
+            rows.append(phases_v6(n, batch, args.reps) if args.variant == 6 else phases(n, batch, args.reps, args.variant))
     text = table(rows)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)

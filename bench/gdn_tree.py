@@ -10,7 +10,7 @@ Shape: H = 16 q/k heads, HV = 48 value heads, K = V = 128, q/k/v bf16, fp32 stat
 DDTree-like (best-first over random per-depth marginals, depth <= 16, deterministic seeds).
 For each n in {16, 32, 64, 128, 256} and batch in {1, 8, 32} it times:
   * ours: vllm_tfm.kernels gdn_tree_verify_planned (the default kernel version) at BV = 16, 32,
-    64 and the automatic choice, and every version (1-5) at its own automatic choice (side by side,
+    64 and the automatic choice, and every version (1-6) at its own automatic choice (side by side,
     same run; versions 4 and 5 are also checked bit for bit against version 3);
   * per-kernel breakdown (n in {16, 64, 128}, batch in {1, 8}): the pairs kernel alone, the main
     kernel alone and the whole call, every version, at the automatic BV;
@@ -308,6 +308,22 @@ def bench_verify(n: int, batch: int, bw: float, reps: int, vllm_fn, allow_slow: 
     for variant in (4, 5):
         o_new = call(variant)
         row[f"v{variant}_equals_v3"] = bool(torch.equal(o_new[0], o3b[0]) and torch.equal(o_new[1], o3b[1]))
+    # version 6 (other kernels, other summation order): its distance from version 3, and which kernel ran
+    launches6, _, _ = kgdn.verify_launches(plan, x["q"], x["k"], x["v"], x["g"], x["beta"], pool, slots[0], variant=6)
+    row["v6_kernels"] = [name for name, _ in launches6]
+    if row["v6_kernels"] == ["gdn_tree_verify_grouped"]:  # both CTA sizes, to check grouped_threads' choice
+        row["v6_threads_us"] = {}
+        for threads in (256, 512):
+            fns = []
+            for s in range(sets):
+                xs = inputs[s]
+                ls, _, _ = kgdn.verify_launches(plan, xs["q"], xs["k"], xs["v"], xs["g"], xs["beta"], pool, slots[s],
+                                                variant=6, threads6=threads)
+                fns.append(ls[0][1])
+            row["v6_threads_us"][str(threads)], _ = time_calls(fns, reps)
+    o6 = call(6)
+    row["v6_vs_v3_o_rel"] = rel_err(o6[0], o3b[0])
+    row["v6_vs_v3_delta_rel"] = rel_err(o6[1], o3b[1])
     if n in BREAKDOWN_N and batch in BREAKDOWN_BATCH:
         row["breakdown"] = {}
         for variant in kgdn.VERIFY_VARIANTS:
@@ -320,7 +336,8 @@ def bench_verify(n: int, batch: int, bw: float, reps: int, vllm_fn, allow_slow: 
                     fn()
                 per_set.append(launches)
             parts = {}
-            for idx, name in enumerate(("pairs", "main")):
+            for idx, (kname, _) in enumerate(per_set[0]):  # version 6 is one kernel ("main" here)
+                name = "pairs" if kname == "gdn_tree_pairs" else "main"
                 parts[f"{name}_us"], _ = time_calls([ls[idx][1] for ls in per_set], reps)
             parts["call_us"], _ = time_calls([ours(s, auto_bv_of[variant], variant) for s in range(sets)], reps)
             row["breakdown"][f"v{variant}"] = parts
@@ -497,7 +514,7 @@ def sanitize_case() -> None:
         cg = {k: v.to(DEV) for k, v in c.items()}
         plan = TreePlan.build(cg["parents"], cg["cu_nodes"])
         for variant, bv in ((2, 16), (2, 32), (2, 64), (1, 32), (3, 16), (3, 32), (3, 64), (4, 16), (4, 32), (4, 64),
-                            (5, 16), (5, 32), (5, 64)):
+                            (5, 16), (5, 32), (5, 64), (6, None)):
             o, d = kgdn.gdn_tree_verify_planned(plan, cg["q"], cg["k"], cg["v"], cg["g"], cg["beta"], cg["ssm_state"],
                                                 cg["state_indices"], return_delta=True, block_v=bv, variant=variant)
             assert rel_err(o.cpu(), o_ref) <= tol and rel_err(d.cpu(), d_ref) <= 1e-5, (dtype, bv, variant)
@@ -558,6 +575,33 @@ def sanitize_case() -> None:
                                                         block_v=bv, variant=variant)
             assert rel_err(o_new.cpu(), o_ref) <= 3e-3 and rel_err(d_new.cpu(), d_ref) <= 1e-5, (variant, "tiles", bv)
             assert torch.equal(o_new, o3) and torch.equal(d_new, d3), (variant, "== v3", bv)
+    o6, d6 = kgdn.gdn_tree_verify_planned(plan, cg["q"], cg["k"], cg["v"], cg["g"], cg["beta"], cg["ssm_state"],
+                                          cg["state_indices"], return_delta=True, variant=6)  # 130 nodes: version 3
+    assert rel_err(o6.cpu(), o_ref) <= 3e-3 and rel_err(d6.cpu(), d_ref) <= 1e-5, (6, "tiles")
+    # version 6 on the largest tree it takes (128 nodes, several 16-row tiles, the last of a request ragged)
+    trees = [ddtree_parents(128, 4), ddtree_parents(77, 5)]
+    parents = torch.tensor([p for t in trees for p in t])
+    cu = torch.tensor([0, 128, 205])
+    t_nodes = parents.numel()
+    g, beta = ref_gdn.gdn_gates(torch.randn(t_nodes, hv, generator=gen), torch.randn(t_nodes, hv, generator=gen),
+                                torch.rand(hv, generator=gen), torch.randn(hv, generator=gen))
+    c = dict(q=torch.randn(t_nodes, h, kd, generator=gen).bfloat16(), k=torch.randn(t_nodes, h, kd, generator=gen).bfloat16(),
+             v=torch.randn(t_nodes, hv, vd, generator=gen).bfloat16(), g=g, beta=beta, parents=parents, cu_nodes=cu,
+             ssm_state=torch.randn(3, hv, vd, kd, generator=gen) * 0.3, state_indices=torch.tensor([1, 2]))
+    c64 = {k: v.double() if v.is_floating_point() else v for k, v in c.items()}
+    o_ref, d_ref = ref_gdn.gdn_tree_verify(**c64, return_delta=True)
+    cg = {k: v.to(DEV) for k, v in c.items()}
+    plan = TreePlan.build(cg["parents"], cg["cu_nodes"])
+    launches6, _, _ = kgdn.verify_launches(plan, cg["q"], cg["k"], cg["v"], cg["g"], cg["beta"], cg["ssm_state"],
+                                           cg["state_indices"], variant=6)
+    assert [name for name, _ in launches6] == ["gdn_tree_verify_grouped"], launches6
+    o6, d6 = kgdn.gdn_tree_verify_planned(plan, cg["q"], cg["k"], cg["v"], cg["g"], cg["beta"], cg["ssm_state"],
+                                          cg["state_indices"], return_delta=True, variant=6)
+    assert rel_err(o6.cpu(), o_ref) <= 3e-3 and rel_err(d6.cpu(), d_ref) <= 1e-5, (6, "128 nodes")
+    launches6, o256, d256 = kgdn.verify_launches(plan, cg["q"], cg["k"], cg["v"], cg["g"], cg["beta"], cg["ssm_state"],
+                                                 cg["state_indices"], return_delta=True, variant=6, threads6=256)
+    launches6[0][1]()  # 256-thread CTAs: the same tiles on fewer warps, the same outputs
+    assert torch.equal(o256, o6) and torch.equal(d256, d6), (6, "256 threads")
     torch.cuda.synchronize()
     print("sanitize case: all kernels match the reference")
 
@@ -577,7 +621,7 @@ def table(results: dict) -> str:
              f"times in us (median; ours timed as {'/'.join(modes)}; eager = with Python launch overhead)",
              f"{'n':>4} {'batch':>5} {'floor':>8} {'ours':>8} {'BV':>5} {'x floor':>8} {'auto':>8} {'v1 auto':>8} "
              f"{'v1/v2':>6} {'v3 auto':>8} {'v2/v3':>6} {'v4 auto':>8} {'v3/v4':>6} {'v4==v3':>6} {'v5 auto':>8} "
-             f"{'v3/v5':>6} {'v5==v3':>6} {'eager':>8} "
+             f"{'v3/v5':>6} {'v5==v3':>6} {'v6 auto':>8} {'v3/v6':>6} {'v6-v3 d':>8} {'eager':>8} "
              f"{'per-branch':>11} {'speedup':>8} {'reference':>10} {'err':>8}"]
     for r in results["verify"]:
         xf = r["ours_best_us"] / r["floor_us"] if r.get("ours_best_us") else None
@@ -588,6 +632,8 @@ def table(results: dict) -> str:
                      f"{fmt(r.get('v4_auto_us')):>8} {fmt(ratio(r.get('v3_auto_us'), r.get('v4_auto_us')), '.2f'):>6} "
                      f"{str(r.get('v4_equals_v3', '-')):>6} {fmt(r.get('v5_auto_us')):>8} "
                      f"{fmt(ratio(r.get('v3_auto_us'), r.get('v5_auto_us')), '.2f'):>6} {str(r.get('v5_equals_v3', '-')):>6} "
+                     f"{fmt(r.get('v6_auto_us')):>8} {fmt(ratio(r.get('v3_auto_us'), r.get('v6_auto_us')), '.2f'):>6} "
+                     f"{fmt(r.get('v6_vs_v3_delta_rel'), '.1e'):>8} "
                      f"{fmt(r.get('ours_eager_us')):>8} {fmt(r.get('per_branch_us')):>11} "
                      f"{fmt(r.get('speedup_vs_per_branch')):>8} {fmt(r.get('reference_us'), '.0f'):>10} "
                      f"{fmt(r.get('err_vs_reference'), '.1e'):>8}")

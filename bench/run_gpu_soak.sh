@@ -12,7 +12,7 @@
 #   bash bench/run_gpu_soak.sh soak --nospec-gpu 1 --deadline-s 475 --first-round-share 0.8 --again-requests 400
 #                                                        # 2 GPUs: the no-spec server on GPU 1, its load alongside
 #                                                        # tfm's: all 2,000 requests and a second round in one call
-#                                                        # (bench/results/soak_zoo.json)
+#                                                        # (bench/results/soak_zoo.json.gz)
 #
 # (device tool, repository root, carry .gpu-bundle and .serve-wheels from bench/fetch_serve_wheels.sh;
 # --random uses random tiny models instead of the committed toy zoo)

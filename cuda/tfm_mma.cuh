@@ -3,7 +3,7 @@
 //   mma_16816                mma.sync.aligned.m16n8k16.row.col.f32.{bf16,f16}.{bf16,f16}.f32
 //   mma_1688_tf32            mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32
 //   tf32_rna / split_tf32    cvt.rna.tf32.f32, and x = hi + lo with both parts tf32 (3xTF32 products)
-//   cp_async16 / cp_async_commit / cp_async_wait<N>   cp.async.cg (16 bytes) and its groups
+//   cp_async16 / cp_async4 / cp_async_commit / cp_async_wait<N>   cp.async.cg (16 bytes), .ca (4) and groups
 //   ld_cg / ld_cg4           ld.global.cg (L2, bypassing L1): reading what other CTAs wrote
 //
 // Fragment layouts (PTX ISA, "Matrix Fragments for mma.m16n8k16 with floating point type"; lane l,
@@ -84,6 +84,10 @@ __device__ __forceinline__ u32 tf32_rna(float x) {
 __device__ __forceinline__ void cp_async16(void* smem, const void* gmem) {
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(smem_u32(smem)), "l"(gmem) : "memory");
 }
+// 4 bytes global -> shared, asynchronous (both addresses 4-byte aligned; through L1: .ca).
+__device__ __forceinline__ void cp_async4(void* smem, const void* gmem) {
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 4;\n" ::"r"(smem_u32(smem)), "l"(gmem) : "memory");
+}
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
 // Wait until at most N of this thread's committed groups are still in flight.
 template <int N>
@@ -112,6 +116,7 @@ __device__ __forceinline__ void mma_1688_tf32(float (&c)[4], const u32 (&a)[4], 
 }
 __device__ __forceinline__ u32 tf32_rna(float x) { return tfm_emu_cvt_rna_tf32(x); }
 __device__ __forceinline__ void cp_async16(void* smem, const void* gmem) { tfm_emu_copy16(smem, gmem); }
+__device__ __forceinline__ void cp_async4(void* smem, const void* gmem) { std::memcpy(smem, gmem, 4); }
 __device__ __forceinline__ void cp_async_commit() {}
 template <int N>
 __device__ __forceinline__ void cp_async_wait() {}

@@ -28,6 +28,7 @@ HERE = Path(__file__).resolve().parent
 CUDA_DIR = HERE.parent
 KERNELS = {
     "gdn_tree_verify.cu": ["gdn_tree_pairs", "gdn_tree_verify_main"],
+    "gdn_tree_verify_grouped.cu": ["gdn_tree_verify_grouped"],
     "gdn_tree_commit.cu": ["gdn_tree_commit", "gdn_tree_commit_layers"],
     "tree_conv.cu": ["tree_conv1d", "tree_conv_commit", "tree_conv_commit_layers"],
     "tree_attention.cu": ["tree_attention"],

@@ -137,7 +137,7 @@ def test_memory_change_prefers_the_server_processes() -> None:
 
 
 def test_memory_verdict_judges_the_second_round() -> None:
-    # the first round holds what the engine allocates once (the soak_zoo.json run: +320 MiB, then +0 MiB), the second repeats it
+    # the first round holds what the engine allocates once (the soak_zoo.json.gz run: +320 MiB, then +0 MiB), the second repeats it
     first, again = {"memory_delta_mib": 312.0, "memory_source": "server processes"}, {"memory_delta_mib": 2.0,
                                                                                        "memory_source": "server processes"}
     assert soak.memory_verdict(first, again, 64.0) == {

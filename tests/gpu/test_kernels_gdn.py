@@ -181,6 +181,25 @@ def test_verify_half_inputs(dtype, variant):
     assert rel(d, d_ref) <= FP32_TOL  # delta is float32 math on the same (rounded) inputs
 
 
+V6_SETS = ["single_node", "chain16", "star33", "deep90_depth_ge_64", "mixed_batch", "n65_not_tile_multiple"]
+
+
+@pytest.mark.parametrize("group", [3, 1])
+@pytest.mark.parametrize("name", V6_SETS)
+def test_verify_v6_bf16_matches_float64_reference(name, group):
+    # version 6 (one kernel, a CTA per q/k head serving its group of value heads) on every tree set it
+    # takes: n = 1, a chain, a star, depth >= 64, a batch of mixed trees, n not a multiple of 16
+    trees = TREE_SETS[name](_seeded(len(name) + group))
+    c = make_case(trees, h=2, hv=2 * group, dtype=torch.bfloat16, seed=3 + group)
+    plan = TreePlan.build(c["parents"], c["cu_nodes"])
+    launches, _, _ = kgdn.verify_launches(plan, c["q"], c["k"], c["v"], c["g"], c["beta"], c["ssm_state"],
+                                          c["state_indices"], variant=6)
+    assert [kname for kname, _ in launches] == ["gdn_tree_verify_grouped"]
+    o, d = run_poisoned(c, variant=6)
+    o_ref, d_ref = reference(c)
+    assert rel(o, o_ref) <= HALF_TOL and rel(d, d_ref) <= FP32_TOL
+
+
 @pytest.mark.parametrize("variant", [4, 5])
 @pytest.mark.parametrize("block_v", [16, 32, 64])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])

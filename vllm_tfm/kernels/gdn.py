@@ -57,8 +57,16 @@ COMMIT_THREADS, COMMIT_BV, COMMIT_PC = 128, 16, 32
 # by programmatic dependent launch (it overlaps the pairs kernel until its first read of the pairs'
 # outputs; section 24). All compute the same function; 3 is the default: faster than 2 at every
 # measured size on the H200 (1.02-1.46x, bench/results/gdn_tree_v3.json; section 19).
-VERIFY_VARIANTS = (1, 2, 3, 4, 5)
+# 6 = one kernel per call (cuda/gdn_tree_verify_grouped.cu; section 31): a CTA per (request, q/k
+# head, 16 V columns) serves every value head of the q/k head's group, computes the pair products
+# itself on tensor cores and runs the projections as bf16 mma on a three-part split of S0. It takes
+# bfloat16 inputs whose whole tree fits one CTA's shared memory; other calls run version 3.
+VERIFY_VARIANTS = (1, 2, 3, 4, 5, 6)
 DEFAULT_VERIFY_VARIANT = 3
+GROUPED_SOURCE = "gdn_tree_verify_grouped.cu"
+GROUPED_THREADS, GROUPED_BV = 512, 16
+GROUPED_MARKS = 6  # timeline marks of version 6 (G6_MARKS): start, after phases 0, 1, 2, 3, end
+SM_SMEM_BYTES = 228 * 1024  # shared memory of an sm_90 SM (CTAs also reserve 1 KB each)
 
 DTYPE_CODE = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 NOT_CUDA = "inputs are not CUDA tensors"  # the reference is the CPU implementation: no warning
@@ -85,6 +93,46 @@ def verify_smem_bytes(k_dim: int, block_v: int, n_cap: int, pcap: int, variant: 
         + 3 * _align4(pcap) + 4 * _align4(n_cap) + _align4(n_cap + 1) + 2 * _align4(n_cap) + _align4(n_cap + 2)
     )
     return 4 * words
+
+
+def grouped_smem_bytes(k_dim: int, group: int, n_cap: int, pcap: int, solve_warp: bool = False) -> int:
+    """Dynamic shared memory of ``gdn_tree_verify_grouped`` (mirrors g6_smem_words): q, k rows, the
+    three S0 parts and v in 16 bits, R / Delta and the Q projections, the pair tables of the whole
+    request (pcap entries) for ``group`` value heads, the per-node and per-position tables.
+    ``solve_warp``: the timing-only G6_SOLVE_WARP layout (padded D / O rows, a transposed ancestor table)."""
+    n16 = (n_cap + 15) & ~15
+    kp = k_dim + 8
+    dw = group * n16 * (GROUPED_BV + 4 if solve_warp else GROUPED_BV)
+    words = (
+        2 * _align4(n16 * kp // 2) + _align4(3 * group * GROUPED_BV * kp // 2) + _align4(n_cap * group * GROUPED_BV // 2)
+        + max(2 * dw, 2 * _align4(pcap)) + (1 + int(solve_warp) + 2 * group) * _align4(pcap)
+        + (2 + 3 * group) * _align4(n_cap) + 5 * _align4(n_cap) + _align4(n_cap + 1) + _align4(n_cap + 2)
+    )
+    return 4 * words
+
+
+def grouped_threads(plan: TreePlan, h: int, v_dim: int, smem: int, max_smem_sm: int, num_sms: int) -> int:
+    """Threads per CTA of version 6: 256 when two CTAs fit an SM's shared memory and the grid has at
+    least two CTAs per SM (then one CTA's loads overlap the other's math), else 512 (one CTA per SM)."""
+    ctas = plan.num_requests * h * (v_dim // GROUPED_BV)
+    return 256 if 2 * (smem + 1024) <= max_smem_sm and ctas >= 2 * num_sms else GROUPED_THREADS
+
+
+def grouped_unsupported_reason(plan: TreePlan, qk_dtype: torch.dtype, h: int, hv: int, k_dim: int, v_dim: int,
+                               max_smem: int) -> str | None:
+    """None when version 6 (``gdn_tree_verify_grouped``) takes this call, else why it runs version 3."""
+    if qk_dtype != torch.bfloat16:
+        return f"q/k/v are {qk_dtype}: version 6 takes bfloat16"
+    if v_dim % GROUPED_BV:
+        return f"V={v_dim} is not a multiple of {GROUPED_BV}"
+    group = hv // h
+    if group * 4 > GROUPED_THREADS:
+        return f"{group} value heads per q/k head: version 6 takes at most {GROUPED_THREADS // 4}"
+    smem = grouped_smem_bytes(k_dim, group, plan.max_nodes, plan.max_pairs_per_request)
+    if smem > max_smem:
+        return (f"a tree of {plan.max_nodes} nodes and {plan.max_pairs_per_request} pairs needs {smem} bytes of "
+                f"shared memory in version 6, the device has {max_smem}")
+    return None
 
 
 def commit_smem_bytes(k_dim: int, m_cap: int) -> int:
@@ -197,6 +245,8 @@ def verify_launches(
     delta_out: Tensor | None = None,
     variant: int = DEFAULT_VERIFY_VARIANT,
     extra_options: Sequence[str] = (),
+    threads6: int | None = None,
+    timeline6: Tensor | None = None,
 ) -> tuple[list[tuple[str, Callable[[], None]]], Tensor, Tensor | None]:
     """Prepare one verify call: ([(kernel name, launch)], o, delta) without launching anything.
 
@@ -204,7 +254,11 @@ def verify_launches(
     [T, HV, V] (v.dtype) and delta [T, HV, V] float32 (None unless return_delta); the bench calls
     them one at a time to time each kernel alone. ``extra_options``: more NVRTC options, for
     benchmarks only (``-DGDN_PROFILE_SKIP=...`` in bench/gdn_phases.py leaves phases out and gives
-    wrong outputs). Raises ValueError on a shape mismatch or an unknown variant.
+    wrong outputs). ``threads6``: version 6's threads per CTA (256 or 512; default
+    :func:`grouped_threads`), for tests and benchmarks; ``timeline6``: an int64 CUDA tensor of
+    ``GROUPED_MARKS * 2`` entries per CTA that version 6 fills with the global timer and the SM clock at
+    its phase boundaries (bench/gdn_timeline.py). Raises ValueError on a shape mismatch or an
+    unknown variant.
     """
     if variant not in VERIFY_VARIANTS:
         raise ValueError(f"variant={variant!r} is not a verify kernel version; choose one of {VERIFY_VARIANTS}")
@@ -223,6 +277,29 @@ def verify_launches(
     b32 = beta.to(torch.float32).contiguous()
     sidx, sidx64 = _state_index_arg(state_indices, dev, variant)
     scale = kd**-0.5 if scale is None else float(scale)
+
+    o = _check_out(out, (t_nodes, hv, vd), v.dtype, dev, "out")
+    delta = _check_out(delta_out, (t_nodes, hv, vd), torch.float32, dev, "delta_out") if return_delta else None
+    i32, i64, f32 = ctypes.c_int, ctypes.c_longlong, ctypes.c_float
+    st = ssm_state.stride()
+    if variant == 6:
+        if grouped_unsupported_reason(plan, q.dtype, h, hv, kd, vd, device_smem_optin(dev_index)) is None:
+            pcap6 = plan.max_pairs_per_request
+            smem6 = grouped_smem_bytes(kd, hv // h, plan.max_nodes, pcap6, "-DG6_SOLVE_WARP=1" in extra_options)
+            props = torch.cuda.get_device_properties(dev_index)
+            threads = threads6 or grouped_threads(plan, h, vd, smem6, SM_SMEM_BYTES, props.multi_processor_count)
+            opts = ["--std=c++17", "-lineinfo", f"-DTFM_IN={DTYPE_CODE[v.dtype]}", f"-DGDN_K={kd}", f"-DGDN_V={vd}",
+                    f"-DGDN_GROUP={hv // h}", f"-DG6_THREADS={threads}", *extra_options]
+            k_grouped = get_kernel(GROUPED_SOURCE, "gdn_tree_verify_grouped", opts, dev_index)
+            args = [q, k, v, g32, b32, plan.perm, plan.pair_off, plan.pair_j, plan.cu, ssm_state, sidx, i32(sidx64),
+                    i64(st[0]), i64(st[1]), i64(st[2]), o, delta, i32(h), i32(hv), i32(plan.max_nodes), i32(pcap6),
+                    f32(scale), i32(int(use_qk_l2norm)), timeline6]
+
+            def run_grouped() -> None:
+                launch(k_grouped, (vd // GROUPED_BV, h, plan.num_requests), (threads, 1, 1), args, shared_mem=smem6)
+
+            return [("gdn_tree_verify_grouped", run_grouped)], o, delta
+        variant = 3  # version 6 does not take this call (grouped_unsupported_reason): version 3 does
 
     opts_common = ["--std=c++17", "-lineinfo", f"-DTFM_IN={DTYPE_CODE[v.dtype]}", f"-DGDN_K={kd}", f"-DGDN_V={vd}",
                    f"-DGDN_VARIANT={variant}"]
@@ -245,13 +322,8 @@ def verify_launches(
     n_pairs = plan.num_pairs
     scratch = torch.empty(2 * hv * n_pairs + t_nodes * hv + 2 * h * t_nodes, dtype=torch.float32, device=dev)
     xs, ys, gcum, rk, rq = torch.split(scratch, [hv * n_pairs, hv * n_pairs, t_nodes * hv, h * t_nodes, h * t_nodes])
-    o = _check_out(out, (t_nodes, hv, vd), v.dtype, dev, "out")
-    delta = _check_out(delta_out, (t_nodes, hv, vd), torch.float32, dev, "delta_out") if return_delta else None
-
-    i32, i64, f32 = ctypes.c_int, ctypes.c_longlong, ctypes.c_float
     pairs_args = [q, k, g32, b32, plan.perm, plan.pair_off, plan.pair_j, plan.depth, xs, ys, gcum, rk, rq,
                   i32(t_nodes), i32(h), i32(hv), i64(n_pairs), f32(scale), i32(int(use_qk_l2norm))]
-    st = ssm_state.stride()
     main_args = [q, k, v, b32, gcum, rk, rq, xs, ys, plan.perm, plan.pair_off, plan.pair_j, plan.depth, plan.cu,
                  ssm_state, sidx, i32(sidx64), i64(st[0]), i64(st[1]), i64(st[2]), o, delta,
                  i32(t_nodes), i32(h), i32(hv), i64(n_pairs), i32(plan.max_nodes), i32(pcap)]
@@ -292,7 +364,9 @@ def gdn_tree_verify_planned(
     Returns o [T, HV, V] in v.dtype (and delta [T, HV, V] float32 when return_delta).
     block_v forces the V columns per CTA (16, 32 or 64); default :func:`choose_block_v`.
     out / delta_out: optional contiguous preallocated outputs ([T, HV, V], v.dtype / float32),
-    written in full. variant: kernel version (1 to 5, default :data:`DEFAULT_VERIFY_VARIANT`).
+    written in full. variant: kernel version (1 to 6, default :data:`DEFAULT_VERIFY_VARIANT`); version 6
+    uses 16 V columns per value head and CTA whatever block_v says, and runs version 3 (with block_v)
+    for calls it does not take (:func:`grouped_unsupported_reason`).
     Inputs must be supported (the public wrapper checks); raises ValueError on a shape mismatch.
     """
     launches, o, delta = verify_launches(plan, q, k, v, g, beta, ssm_state, state_indices, scale, use_qk_l2norm,

@@ -1,0 +1,130 @@
+#!/usr/bin/env python3
+"""Verify version 6 (cuda/gdn_tree_verify_grouped.cu) from inside: per-CTA phase times.
+
+Thread 0 of every CTA writes the global timer and the SM clock at the kernel's start and after each
+phase's barrier (``timeline6`` of ``vllm_tfm.kernels.gdn.verify_launches``). This prints, per (n,
+batch), the median and the largest time of each phase over the CTAs, the span from the first CTA's
+start to the last one's end, and the graph-timed whole call (bench/gdn_tree.py's timing) beside it:
+what the CTAs do against what the launch costs. Same trees and inputs as bench/gdn_tree.py.
+
+usage (GPU host, repository root):  python3 bench/gdn_timeline.py [--out FILE] [--n 32 128] [--batch 1 8]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+for p in (REPO, REPO / "bench"):
+    if str(p) not in sys.path:
+        sys.path.insert(0, str(p))
+
+from gdn_tree import HV, KD, VD, device_gen, gdn_inputs, machine_info, n_sets_for, time_calls, tree_batch  # noqa: E402
+
+from vllm_tfm.kernels import gdn as kgdn  # noqa: E402
+from vllm_tfm.kernels import loader  # noqa: E402
+from vllm_tfm.kernels.plan import TreePlan  # noqa: E402
+
+PHASES = ("loads_tables", "norms_gram", "coefficients_split", "projections", "substitution")
+
+
+def timeline(n: int, batch: int, reps: int, threads: int | None, parts: int = 3, solve_warp: bool = False) -> dict:
+    opts = [f"-DGDN_S0_PARTS={parts}"] + (["-DG6_SOLVE_WARP=1"] if solve_warp else [])
+    parents, cu, _ = tree_batch(n, batch)
+    plan = TreePlan.build(parents, cu, device="cuda")
+    sets = n_sets_for(batch)
+    gen = device_gen(n * 100 + batch)
+    inputs = [gdn_inputs(plan.num_nodes, gen) for _ in range(sets)]
+    pool = torch.randn(sets * batch, HV, VD, KD, generator=gen, device="cuda") * 0.1
+    slots = [torch.arange(s * batch, (s + 1) * batch, device="cuda") for s in range(sets)]
+    fns = []
+    for s in range(sets):
+        x = inputs[s]
+        launches, _, _ = kgdn.verify_launches(plan, x["q"], x["k"], x["v"], x["g"], x["beta"], pool, slots[s],
+                                              return_delta=True, variant=6, threads6=threads, extra_options=opts)
+        if [name for name, _ in launches] != ["gdn_tree_verify_grouped"]:
+            return dict(n=n, batch=batch, error=f"version 6 does not take n={n}")
+        fns.append(launches[0][1])
+    call_us, _ = time_calls(fns, reps)
+    x = inputs[0]
+    h = x["q"].shape[1]
+    ctas = plan.num_requests * h * (VD // kgdn.GROUPED_BV)
+    buf = torch.zeros(ctas, kgdn.GROUPED_MARKS, 2, dtype=torch.int64, device="cuda")
+    launches, _, _ = kgdn.verify_launches(plan, x["q"], x["k"], x["v"], x["g"], x["beta"], pool, slots[0],
+                                          return_delta=True, variant=6, threads6=threads, timeline6=buf,
+                                          extra_options=opts)
+    for _ in range(3):  # the last of three back-to-back calls (warm caches of the tables, as in a graph)
+        launches[0][1]()
+    torch.cuda.synchronize()
+    # this layout's outputs against the kernel's (same sums in the same order: equal bit for bit)
+    ls, o_l, d_l = kgdn.verify_launches(plan, x["q"], x["k"], x["v"], x["g"], x["beta"], pool, slots[0],
+                                        return_delta=True, variant=6, threads6=threads, extra_options=opts)
+    ls[0][1]()
+    o_k, d_k = kgdn.gdn_tree_verify_planned(plan, x["q"], x["k"], x["v"], x["g"], x["beta"], pool, slots[0],
+                                            return_delta=True, variant=6)
+    equals_kernel = bool(torch.equal(o_l, o_k) and torch.equal(d_l, d_k))
+    marks = buf.cpu()
+    ns, clk = marks[:, :, 0].double(), marks[:, :, 1].double()
+    ghz = statistics.median(((clk[:, 5] - clk[:, 0]) / (ns[:, 5] - ns[:, 0]).clamp(min=1)).tolist())
+    row = dict(n=n, batch=batch, nodes=plan.num_nodes, pairs=plan.num_pairs, max_depth=plan.max_depth, ctas=ctas,
+               threads=threads or "auto", s0_parts=parts, solve_warp=solve_warp, equals_kernel=equals_kernel,
+               call_us=call_us, clock_ghz=ghz,
+               span_us=float(ns[:, 5].max() - ns[:, 0].min()) / 1e3,
+               cta_us_median=statistics.median(((clk[:, 5] - clk[:, 0]) / ghz / 1e3).tolist()),
+               start_spread_us=float(ns[:, 0].max() - ns[:, 0].min()) / 1e3, phase_us={})
+    for k, name in enumerate(PHASES):
+        d = ((clk[:, k + 1] - clk[:, k]) / ghz / 1e3).tolist()
+        row["phase_us"][name] = {"median": statistics.median(d), "max": max(d)}
+    return row
+
+
+def table(rows: list[dict]) -> str:
+    lines = ["GDN tree verify version 6 from inside (us; per-CTA SM clock, median / max over CTAs; span = first start to "
+             "last end; call = graph-timed whole call)",
+             f"{'n':>4} {'batch':>5} {'thr':>4} {'S0':>2} {'sw':>2} {'eq':>2} {'call':>7} {'span':>7} {'cta':>7} {'spread':>7} | "
+             + " ".join(f"{p[:12]:>13}" for p in PHASES)]
+    for r in rows:
+        if "error" in r:
+            lines.append(f"{r['n']:>4} {r['batch']:>5} {r['error']}")
+            continue
+        ph = r["phase_us"]
+        lines.append(f"{r['n']:>4} {r['batch']:>5} {str(r['threads']):>4} {r['s0_parts']:>2} {int(r['solve_warp']):>2} "
+                     f"{int(r['equals_kernel']):>2} {r['call_us']:>7.1f} {r['span_us']:>7.1f} "
+                     f"{r['cta_us_median']:>7.1f} {r['start_spread_us']:>7.1f} | "
+                     + " ".join(f"{ph[p]['median']:>6.2f}/{ph[p]['max']:<6.2f}" for p in PHASES))
+    return "\n".join(lines)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--out", default=str(REPO / "bench" / "results" / "gdn_timeline_v6.json"))
+    ap.add_argument("--n", type=int, nargs="+", default=[32, 128])
+    ap.add_argument("--batch", type=int, nargs="+", default=[1, 8])
+    ap.add_argument("--threads", type=int, nargs="+", default=[0], help="CTA sizes (0: the automatic choice)")
+    ap.add_argument("--reps", type=int, default=20)
+    ap.add_argument("--s0-parts", type=int, nargs="+", default=[3], help="S0 split parts (3: the kernel; 2: timing only)")
+    ap.add_argument("--solve-warp", action="store_true", help="also time phase 4's warp-per-columns layout (G6_SOLVE_WARP)")
+    args = ap.parse_args()
+    if not torch.cuda.is_available() or not loader.kernels_available():
+        sys.exit(f"gdn_timeline.py needs a CUDA device and the NVRTC kernels: {loader.kernels_unavailable_reason()}")
+    start = time.perf_counter()
+    rows = [timeline(n, b, args.reps, t or None, parts, sw) for b in args.batch for n in args.n for t in args.threads
+            for parts in args.s0_parts for sw in ((False, True) if args.solve_warp else (False,))]
+    text = table(rows)
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(dict(command=" ".join([sys.executable, *sys.argv]), machine=machine_info(), rows=rows,
+                                   elapsed_s=time.perf_counter() - start), indent=1))
+    Path(str(out).replace(".json", ".txt")).write_text(text + "\n")
+    print(text)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,537 @@
+// Gated DeltaNet verify over a token tree, version 6: one kernel per call, one CTA per
+// (request, q/k head, 16 columns of V) for all value heads of the q/k head's group.
+//
+// Same function as cuda/gdn_tree_verify.cu (DESIGN.md section 4; the chunked delta rule of Yang et
+// al., "Gated Delta Networks", ICLR 2025, restricted to ancestor pairs), for bfloat16 q/k/v and a
+// float32 state:
+//   X_ij = beta_i e^{G_i - G_j} khat_i . khat_j        j a strict ancestor of i
+//   Y_ij = e^{G_i - G_j} qhat_i . khat_j               j an ancestor of i or i itself
+//   (I + X) Delta = diag(beta) (V - diag(e^G) K S0^T)   forward substitution over the tree
+//   O = diag(e^G) Q S0^T + Y Delta                       no state is written
+//
+// Why a new layout (bench/NOTES.md section 31): versions 3-5 spend, at n = 128 and batch 1, 8.8 us
+// in a separate pairs kernel and ~9 us in a main kernel's prologue and epilogue, and every value
+// head's CTAs load the q/k rows of their q/k head again (24 CTAs per q/k head at the 27B shape).
+// Here a CTA of 512 threads stages the request's q and k rows of one q/k head once, computes the
+// q/k products of every node with every earlier node on tensor cores (the lower triangle of
+// K K^T and Q K^T, bf16 mma: exact products, float32 sums) and keeps those of ancestor pairs, and
+// then serves the GROUP = HV / H value heads that share those rows:
+//   phase 0  cp.async of the q, k and v rows; S0 rows (GROUP x 16 x K floats) into registers; the
+//            plan's tables into shared memory (no dependent global loads past cu and pair_off)
+//   phase 1  q norms; the gram blocks (16 x 16 lower-triangular tiles, m16n8k16 bf16, a warp per
+//            tile), scattered to the pair table (node i's ancestor at depth e is entry pair_off(i) + e)
+//   phase 2  per (node, value head): path gates and X, Y of the node's pairs (the deepest-first
+//            running sum of versions 1-5, so exp never overflows), e^{G_i}
+//   phase 3  S0 split into three bfloat16 parts (hi + mid + lo carries float32's 24 bits), the
+//            projections K S0^T and Q S0^T on tensor cores (m16n8k16 bf16, exact bf16 q/k times
+//            each part, float32 sums: float32-accurate products), a warp per two 16-row tiles and
+//            value head; R and e^G rq Q S0^T to shared
+//   phase 4  the level-by-level forward substitution and the outputs (o, delta), a warp per 4
+//            columns of a value head (levels synchronised by __syncwarp only)
+//
+// Compile-time constants (NVRTC -D): TFM_IN (must be 1, bfloat16), GDN_K, GDN_V, GDN_GROUP, G6_THREADS.
+// The plan (vllm_tfm/kernels/plan.py) and the state layout (V-first [slot, HV, V, K], read only)
+// are those of the other versions.
+#include "tfm_mma.cuh"
+
+#ifndef GDN_K
+#define GDN_K 128
+#endif
+#ifndef GDN_V
+#define GDN_V 128
+#endif
+#ifndef GDN_GROUP
+#define GDN_GROUP 3
+#endif
+// Timing only (bench/gdn_phases.py --variant 6): leave phases out so that differences of timings say
+// what a phase costs (the outputs are then wrong). Bits: 1 = the gram tiles (phase 1's mma and
+// scatter), 2 = the projections' k-loop (phase 3's ldmatrix and mma; the epilogue kept), 4 = the
+// substitution and the output writes (phase 4), 8 = the pair coefficients (phase 2's path walks).
+#ifndef GDN_PROFILE_SKIP
+#define GDN_PROFILE_SKIP 0
+#endif
+// Parts of the S0 split the projections use (timing only: 2 drops the lo part, 16 bits of S0 instead
+// of float32's 24; bench/gdn_timeline.py --s0-parts 2 measures what the third part costs).
+#ifndef GDN_S0_PARTS
+#define GDN_S0_PARTS 3
+#endif
+static_assert(GDN_S0_PARTS == 2 || GDN_S0_PARTS == 3, "two or three parts of S0");
+// Phase 4's layout: 0 = a unit per (row, value head, 4 columns), a CTA barrier per level (the
+// kernel); 1 = a warp per 4 columns of a value head, levels by __syncwarp, level-transposed pair
+// tables and D / O rows of 20 floats (timing only until measured faster: bench/gdn_timeline.py
+// --solve-warp; the same sums in the same order, so the same outputs bit for bit).
+#ifndef G6_SOLVE_WARP
+#define G6_SOLVE_WARP 0
+#endif
+#define G6_BV 16        // V columns per value head and CTA
+#define G6_DS (G6_SOLVE_WARP ? G6_BV + 4 : G6_BV)  // floats per D / O row
+// Threads per CTA (NVRTC -D): 512 (one CTA per SM) or 256 (two CTAs per SM where the shared memory
+// allows, so that one CTA's loads overlap the other's math: many CTAs, small trees).
+#ifndef G6_THREADS
+#define G6_THREADS 512
+#endif
+#define G6_WARPS (G6_THREADS / 32)
+static_assert(G6_THREADS == 512 || G6_THREADS == 256, "512 or 256 threads per CTA");
+#define G6_KP (GDN_K + 8)  // bf16 per staged row: 16-byte aligned rows, ldmatrix rows in distinct banks
+
+static_assert(TFM_IN == 1, "version 6 takes bfloat16 q/k/v (float32 and float16 inputs run version 3)");
+static_assert(GDN_K % 32 == 0 && GDN_V % G6_BV == 0, "K must be a multiple of 32 and V of 16");
+static_assert(GDN_GROUP >= 1 && GDN_GROUP * 4 <= G6_THREADS, "value heads per q/k head");
+
+// Timeline (bench/gdn_timeline.py): when the caller passes a buffer, thread 0 of each CTA writes the
+// global timer (ns) and the SM clock at the kernel's start and after each phase's barrier.
+#define G6_MARKS 6
+#ifndef TFM_HOST_EMU
+__device__ __forceinline__ long long g6_globaltimer() {
+  long long t;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+  return t;
+}
+__device__ __forceinline__ long long g6_clock() { return clock64(); }
+#else
+__device__ __forceinline__ long long g6_globaltimer() { return 0; }
+__device__ __forceinline__ long long g6_clock() { return 0; }
+#endif
+
+__host__ __device__ constexpr int g6_align4(int x) { return (x + 3) & ~3; }
+__host__ __device__ constexpr int g6_round16(int x) { return (x + 15) & ~15; }
+__host__ __device__ constexpr int g6_max(int a, int b) { return a > b ? a : b; }
+
+struct G6Smem {
+  u16 *qs, *ks, *s0, *vs;        // q, k rows [n16][KP]; S0 parts [3][GROUP][16][KP]; v [n][GROUP][16]
+  float *D, *O, *kk, *qk;        // R then Delta, and e^G rq Q S0^T: [GROUP][n16][16]; raw pair products [pcap]
+  float *X, *Y;                  // [GROUP][pcap]
+  int* pj;                       // ancestor (global node index) of each pair entry [pcap]
+  int* pjT;                      // G6_SOLVE_WARP: local ancestors, level-transposed [pcap]
+  float *rk, *rq, *eg, *bt, *gl; // norm scales [n]; e^G, beta, g [GROUP][n]
+  int *dep_n, *poff_n, *pos_n;   // by local node: depth, first pair entry, level position
+  int *node_p, *dep_p, *poff_p, *lvl;  // by level position: node, depth, first pair entry [n + 1]; first position of a depth
+};
+
+// Words of dynamic shared memory (vllm_tfm/kernels/gdn.py mirrors this in grouped_smem_bytes).
+__host__ __device__ inline int g6_smem_words(int n_cap, int pcap) {
+  const int n16 = g6_round16(n_cap);
+  const int dw = GDN_GROUP * n16 * G6_DS;  // D (and O)
+  return 2 * g6_align4(n16 * G6_KP / 2) + g6_align4(3 * GDN_GROUP * G6_BV * G6_KP / 2) +
+         g6_align4(n_cap * GDN_GROUP * G6_BV / 2) + g6_max(2 * dw, 2 * g6_align4(pcap)) +
+         (1 + G6_SOLVE_WARP + 2 * GDN_GROUP) * g6_align4(pcap) + (2 + 3 * GDN_GROUP) * g6_align4(n_cap) + 2 * g6_align4(n_cap) +
+         3 * g6_align4(n_cap) + g6_align4(n_cap + 1) + g6_align4(n_cap + 2);
+}
+
+__device__ inline G6Smem g6_carve(float* base, int n_cap, int pcap) {
+  G6Smem s;
+  const int n16 = g6_round16(n_cap);
+  const int dw = GDN_GROUP * n16 * G6_DS;
+  float* p = base;
+  s.qs = reinterpret_cast<u16*>(p); p += g6_align4(n16 * G6_KP / 2);
+  s.ks = reinterpret_cast<u16*>(p); p += g6_align4(n16 * G6_KP / 2);
+  s.s0 = reinterpret_cast<u16*>(p); p += g6_align4(3 * GDN_GROUP * G6_BV * G6_KP / 2);
+  s.vs = reinterpret_cast<u16*>(p); p += g6_align4(n_cap * GDN_GROUP * G6_BV / 2);
+  // the raw pair products live until phase 2, D and O from phase 3 on: one region
+  s.D = p; s.O = p + dw;
+  s.kk = p; s.qk = p + g6_align4(pcap);
+  p += g6_max(2 * dw, 2 * g6_align4(pcap));
+  s.pj = reinterpret_cast<int*>(p); p += g6_align4(pcap);
+  s.pjT = reinterpret_cast<int*>(p); p += G6_SOLVE_WARP * g6_align4(pcap);
+  s.X = p; p += GDN_GROUP * g6_align4(pcap);
+  s.Y = p; p += GDN_GROUP * g6_align4(pcap);
+  s.rk = p; p += g6_align4(n_cap);
+  s.rq = p; p += g6_align4(n_cap);
+  s.eg = p; p += GDN_GROUP * g6_align4(n_cap);
+  s.bt = p; p += GDN_GROUP * g6_align4(n_cap);
+  s.gl = p; p += GDN_GROUP * g6_align4(n_cap);
+  s.dep_n = reinterpret_cast<int*>(p); p += g6_align4(n_cap);
+  s.poff_n = reinterpret_cast<int*>(p); p += g6_align4(n_cap);
+  s.pos_n = reinterpret_cast<int*>(p); p += g6_align4(n_cap);
+  s.node_p = reinterpret_cast<int*>(p); p += g6_align4(n_cap);
+  s.dep_p = reinterpret_cast<int*>(p); p += g6_align4(n_cap);
+  s.poff_p = reinterpret_cast<int*>(p); p += g6_align4(n_cap + 1);
+  s.lvl = reinterpret_cast<int*>(p); p += g6_align4(n_cap + 2);
+  return s;
+}
+
+// float32 -> bfloat16 bits, round to nearest even (finite inputs: S0 is a finite state).
+__device__ __forceinline__ u16 g6_bf16_rn(float x) {
+  u32 u = __float_as_uint(x);
+  u += 0x7fffu + ((u >> 16) & 1u);
+  return (u16)(u >> 16);
+}
+
+// x = hi + mid + lo in bfloat16 (each remainder is exact in float32: x - hi and (x - hi) - mid lose
+// nothing), so that three bf16 products with an exact bf16 operand give x's float32 product.
+__device__ __forceinline__ void g6_split3(float x, u16& hi, u16& mid, u16& lo) {
+  hi = g6_bf16_rn(x);
+  const float r1 = x - bf16_bits_to_f32(hi);
+  mid = g6_bf16_rn(r1);
+  lo = g6_bf16_rn(r1 - bf16_bits_to_f32(mid));
+}
+
+extern "C" __global__ void __launch_bounds__(G6_THREADS, 512 / G6_THREADS)
+gdn_tree_verify_grouped(const tin* __restrict__ q, const tin* __restrict__ k, const tin* __restrict__ v,
+                        const float* __restrict__ g, const float* __restrict__ beta, const int* __restrict__ perm,
+                        const int* __restrict__ pair_off, const int* __restrict__ pair_j, const int* __restrict__ cu,
+                        const float* __restrict__ state, const void* __restrict__ state_idx, int sidx64,
+                        i64 st_slot, i64 st_head, i64 st_v, tin* __restrict__ o, float* __restrict__ delta_out,
+                        int H, int HV, int n_cap, int pcap, float scale, int use_l2norm,
+                        long long* __restrict__ timeline) {
+  TFM_DYNAMIC_SMEM(float4, smem_f4);
+  if (dynamic_smem_bytes() < (u32)g6_smem_words(n_cap, pcap) * 4u) __trap();
+  const G6Smem sm = g6_carve(reinterpret_cast<float*>(smem_f4), n_cap, pcap);
+
+  const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
+  const int v0 = blockIdx.x * G6_BV;
+  const int h = blockIdx.y;
+  const int r = blockIdx.z;
+  long long* __restrict__ marks =
+      timeline != nullptr && tid == 0
+          ? timeline + ((i64)(blockIdx.z * gridDim.y + blockIdx.y) * gridDim.x + blockIdx.x) * (2 * G6_MARKS)
+          : nullptr;
+  auto mark = [&](int m) {
+    if (marks != nullptr) {
+      marks[2 * m] = g6_globaltimer();
+      marks[2 * m + 1] = g6_clock();
+    }
+  };
+  mark(0);
+  const int bos = cu[r];
+  const int n = cu[r + 1] - bos;
+  if (n <= 0) return;
+  const int n16 = g6_round16(n);
+  const int hv0 = h * GDN_GROUP;  // value heads hv0 .. hv0 + GROUP - 1
+  const i64 slot = sidx64 ? reinterpret_cast<const i64*>(state_idx)[r] : (i64)reinterpret_cast<const int*>(state_idx)[r];
+
+  // ---- phase 0: copies in flight together.
+  constexpr int CPR = GDN_K / 8;  // 16-byte pieces per q/k row
+  for (int c = tid; c < n16 * CPR; c += G6_THREADS) {
+    const int row = c / CPR, col = (c % CPR) * 8;
+    u16* dq = sm.qs + row * G6_KP + col;
+    u16* dk = sm.ks + row * G6_KP + col;
+    if (row < n) {
+      const i64 src = ((i64)(bos + row) * H + h) * GDN_K + col;
+      cp_async16(dq, q + src);
+      cp_async16(dk, k + src);
+    } else {  // rows past the tree's end: zeros, so the 16-row tiles read defined values
+      uint4 z;
+      z.x = 0u; z.y = 0u; z.z = 0u; z.w = 0u;
+      *reinterpret_cast<uint4*>(dq) = z;
+      *reinterpret_cast<uint4*>(dk) = z;
+    }
+  }
+  for (int c = tid; c < n * GDN_GROUP * 2; c += G6_THREADS) {  // v: 16 columns = two 16-byte pieces per (node, head)
+    const int i = c / (GDN_GROUP * 2), t = (c / 2) % GDN_GROUP, half = c % 2;
+    cp_async16(sm.vs + (i * GDN_GROUP + t) * G6_BV + half * 8,
+               v + ((i64)(bos + i) * HV + hv0 + t) * GDN_V + v0 + half * 8);
+  }
+  // the request's pair table (global node indices: readers subtract bos), g and beta of its nodes
+  const int pbase = pair_off[bos];
+  const int cnt = pair_off[bos + n] - pbase;
+  for (int e = tid; e < cnt; e += G6_THREADS) cp_async4(sm.pj + e, pair_j + pbase + e);
+  for (int c = tid; c < n * GDN_GROUP; c += G6_THREADS) {
+    const int t = c / n, i = c % n;
+    cp_async4(sm.gl + t * n_cap + i, g + (i64)(bos + i) * HV + hv0 + t);
+    cp_async4(sm.bt + t * n_cap + i, beta + (i64)(bos + i) * HV + hv0 + t);
+  }
+  cp_async_commit();
+  // S0 rows v0 .. v0 + 15 of each value head: whole rows per warp (coalesced), held in registers
+  // until phase 3 splits them (their DRAM latency overlaps phases 1 and 2).
+  constexpr int S0_F4 = GDN_GROUP * G6_BV * (GDN_K / 4);
+  constexpr int S0_PER = (S0_F4 + G6_THREADS - 1) / G6_THREADS;
+  float4 s0r[S0_PER];
+#pragma unroll
+  for (int u = 0; u < S0_PER; ++u) {
+    const int idx = tid + u * G6_THREADS;
+    if (idx < S0_F4) {
+      const int t = idx / (G6_BV * (GDN_K / 4)), rem = idx % (G6_BV * (GDN_K / 4));
+      const int row = rem / (GDN_K / 4), c4 = (rem % (GDN_K / 4)) * 4;
+      s0r[u] = *reinterpret_cast<const float4*>(state + slot * st_slot + (i64)(hv0 + t) * st_head +
+                                                (i64)(v0 + row) * st_v + c4);
+    }
+  }
+  // plan tables by level position (for the solve) and, scattered, by local node (for the pairs)
+  for (int p = tid; p < n; p += G6_THREADS) {
+    const int node = perm[bos + p] - bos;
+    const int off = pair_off[bos + p] - pbase;
+    const int d = pair_off[bos + p + 1] - pbase - off - 1;
+    sm.node_p[p] = node;
+    sm.poff_p[p] = off;
+    sm.dep_p[p] = d;
+    sm.dep_n[node] = d;
+    sm.poff_n[node] = off;
+    sm.pos_n[node] = p;
+  }
+  if (tid == 0) sm.poff_p[n] = cnt;
+  cp_async_wait<0>();
+  __syncthreads();  // B1: rows and tables visible
+  mark(1);
+
+  // ---- phase 1.
+  for (int p = tid; p < n; p += G6_THREADS) {  // first level position of each depth (read in phase 4)
+    if (p == 0 || sm.dep_p[p] != sm.dep_p[p - 1]) sm.lvl[sm.dep_p[p]] = p;
+  }
+  if (tid == 0) sm.lvl[sm.dep_p[n - 1] + 1] = n;
+  // q norms: 4 lanes per node, K / 4 elements each
+  for (int base = 0; base < n * 4; base += G6_THREADS) {  // warp-uniform bound (shuffles below)
+    const int u = base + tid;
+    const int i = u >> 2, part = u & 3;
+    float sq = 0.f;
+    if (i < n) {
+      const u16* row = sm.qs + i * G6_KP + part * (GDN_K / 4);
+#pragma unroll
+      for (int c = 0; c < GDN_K / 4; c += 8) {  // 16-byte loads: 8 elements each
+        const uint4 w = *reinterpret_cast<const uint4*>(row + c);
+        const u32 ws[4] = {w.x, w.y, w.z, w.w};
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const float lo = __uint_as_float(ws[e] << 16), hi = __uint_as_float(ws[e] & 0xffff0000u);
+          sq = fmaf(lo, lo, sq);
+          sq = fmaf(hi, hi, sq);
+        }
+      }
+    }
+    sq += __shfl_xor_sync(0xffffffffu, sq, 1);
+    sq += __shfl_xor_sync(0xffffffffu, sq, 2);
+    if (i < n && part == 0) sm.rq[i] = (use_l2norm ? l2norm_scale(sq) : 1.f) * scale;
+  }
+  // gram: 16 x 16 tiles (a, b), b <= a, of K K^T and Q K^T; a warp per tile, round robin (a warp per
+  // row tile and two column tiles shared the row tile's ldmatrix but was slower: the triangle's
+  // imbalance over the warps, section 31)
+  {
+    const int nb = n16 / 16;
+    const int tiles = nb * (nb + 1) / 2;
+    const int fg = lane >> 2, ft = lane & 3;
+    for (int tile = warp; tile < ((GDN_PROFILE_SKIP & 1) ? 0 : tiles); tile += G6_WARPS) {
+      int a = 0, b = tile;
+      while (b > a) { b -= a + 1; ++a; }
+      float ck[2][4], cq[2][4];
+#pragma unroll
+      for (int j = 0; j < 2; ++j)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) { ck[j][e] = 0.f; cq[j][e] = 0.f; }
+      const int arow = a * 16 + (lane & 15), acol = (lane >> 4) * 8;
+      const int brow = b * 16 + (lane & 7) + ((lane >> 4) << 3), bcol = ((lane >> 3) & 1) * 8;
+#pragma unroll 4
+      for (int k0 = 0; k0 < GDN_K; k0 += 16) {
+        u32 fk[4], fq[4], fb[4];
+        ldsm_x4(fk, sm.ks + arow * G6_KP + k0 + acol);
+        ldsm_x4(fq, sm.qs + arow * G6_KP + k0 + acol);
+        ldsm_x4(fb, sm.ks + brow * G6_KP + k0 + bcol);
+        mma_16816<true>(ck[0], fk, fb[0], fb[1]);
+        mma_16816<true>(ck[1], fk, fb[2], fb[3]);
+        mma_16816<true>(cq[0], fq, fb[0], fb[1]);
+        mma_16816<true>(cq[1], fq, fb[2], fb[3]);
+      }
+      // keep the ancestor pairs: j is i's ancestor iff i's path entry at depth(j) is j
+#pragma unroll
+      for (int jt = 0; jt < 2; ++jt)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const int i = a * 16 + fg + (e >= 2 ? 8 : 0);
+          const int j = b * 16 + jt * 8 + 2 * ft + (e & 1);
+          if (i < n && j <= i) {
+            const int dj = sm.dep_n[j], ob = sm.poff_n[i];
+            if (dj <= sm.dep_n[i] && sm.pj[ob + dj] == bos + j) {
+              sm.kk[ob + dj] = ck[jt][e];
+              sm.qk[ob + dj] = cq[jt][e];
+            }
+            if (i == j) sm.rk[i] = use_l2norm ? l2norm_scale(ck[jt][e]) : 1.f;
+          }
+        }
+    }
+  }
+  __syncthreads();  // B2: pair products and norm scales visible
+  mark(2);
+
+  // ---- phase 2: X, Y per value head; e^{G_i}.
+  for (int c = tid; c < ((GDN_PROFILE_SKIP & 8) ? 0 : n * GDN_GROUP); c += G6_THREADS) {
+    const int t = c / n, i = c % n;
+    const int d = sm.dep_n[i], ob = sm.poff_n[i];
+    const float bi = sm.bt[t * n_cap + i], rki = sm.rk[i], rqi = sm.rq[i];
+    float* __restrict__ Xt = sm.X + t * g6_align4(pcap);
+    float* __restrict__ Yt = sm.Y + t * g6_align4(pcap);
+#if G6_SOLVE_WARP  // X, Y and the ancestors stored level-transposed (phase 4's layout)
+    const int l0 = sm.lvl[d], w = sm.lvl[d + 1] - l0, xb = sm.poff_p[l0] + (sm.pos_n[i] - l0);
+#define G6_XIDX(e) (xb + (e) * w)
+#else
+#define G6_XIDX(e) (ob + (e))
+#endif
+    float seg = 0.f;  // sum of g strictly below the entry on the path: G_i - G_j, always <= 0
+    for (int e = d; e >= 0; --e) {
+      const int j = sm.pj[ob + e] - bos;
+      const float f = expf(seg), rkj = sm.rk[j];
+      Xt[G6_XIDX(e)] = e < d ? bi * f * (sm.kk[ob + e] * rki * rkj) : 0.f;
+      Yt[G6_XIDX(e)] = f * (sm.qk[ob + e] * rqi * rkj);
+#if G6_SOLVE_WARP
+      if (t == 0) sm.pjT[G6_XIDX(e)] = j;
+#endif
+      seg += sm.gl[t * n_cap + j];
+    }
+#undef G6_XIDX
+    sm.eg[t * n_cap + i] = expf(seg);  // seg = G_i
+  }
+  // S0 parts to shared memory: [part][t][row][KP], part 0 = lo, 1 = mid, 2 = hi
+  constexpr int PART = GDN_GROUP * G6_BV * G6_KP;
+#pragma unroll
+  for (int u = 0; u < S0_PER; ++u) {
+    const int idx = tid + u * G6_THREADS;
+    if (idx < S0_F4) {
+      const int t = idx / (G6_BV * (GDN_K / 4)), rem = idx % (G6_BV * (GDN_K / 4));
+      const int row = rem / (GDN_K / 4), c4 = (rem % (GDN_K / 4)) * 4;
+      const float xs[4] = {s0r[u].x, s0r[u].y, s0r[u].z, s0r[u].w};
+      u16 hi[4], mid[4], lo[4];
+#pragma unroll
+      for (int c = 0; c < 4; ++c) g6_split3(xs[c], hi[c], mid[c], lo[c]);
+      const int off = (t * G6_BV + row) * G6_KP + c4;
+      uint2 w;
+      w.x = (u32)lo[0] | ((u32)lo[1] << 16); w.y = (u32)lo[2] | ((u32)lo[3] << 16);
+      *reinterpret_cast<uint2*>(sm.s0 + off) = w;
+      w.x = (u32)mid[0] | ((u32)mid[1] << 16); w.y = (u32)mid[2] | ((u32)mid[3] << 16);
+      *reinterpret_cast<uint2*>(sm.s0 + PART + off) = w;
+      w.x = (u32)hi[0] | ((u32)hi[1] << 16); w.y = (u32)hi[2] | ((u32)hi[3] << 16);
+      *reinterpret_cast<uint2*>(sm.s0 + 2 * PART + off) = w;
+    }
+  }
+  __syncthreads();  // B3: X, Y, e^G, S0 parts visible (the pair products' region is free now)
+  mark(3);
+
+  // ---- phase 3: projections. Work item = (two 16-row tiles, value head t): both tiles' q and k
+  // rows against the head's 16 S0 rows, eight m16n8 accumulators. Per k-step of 16: four ldmatrix of
+  // q/k tiles and three of the S0 parts (lo, mid, hi: small terms first, per accumulator) feed 24 mma
+  // (shared-memory traffic per mma a third of one tile per item; the ldmatrix bandwidth, 512 bytes
+  // per x4 at 128 bytes per clock, bounds this phase, section 31).
+  {
+    const int nb = n16 / 16;
+    const int items = ((nb + 1) / 2) * GDN_GROUP;
+    const int fg = lane >> 2, ft = lane & 3;
+    for (int it = warp; it < items; it += G6_WARPS) {
+      const int t = it % GDN_GROUP, a0 = (it / GDN_GROUP) * 2;
+      const bool two = a0 + 1 < nb;  // warp-uniform: the pair's second tile exists
+      float acc[2][2][2][4];  // [tile][q, k][n8][element]
+#pragma unroll
+      for (int r = 0; r < 2; ++r)
+#pragma unroll
+        for (int jb = 0; jb < 2; ++jb)
+#pragma unroll
+          for (int j = 0; j < 2; ++j)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) acc[r][jb][j][e] = 0.f;
+      const int acol = (lane >> 4) * 8;
+      const int brow = t * G6_BV + (lane & 7) + ((lane >> 4) << 3), bcol = ((lane >> 3) & 1) * 8;
+#pragma unroll 1
+      for (int k0 = 0; k0 < ((GDN_PROFILE_SKIP & 2) ? 0 : GDN_K); k0 += 16) {
+        u32 fa[2][2][4];
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+          if (r == 0 || two) {
+            const int arow = (a0 + r) * 16 + (lane & 15);
+            ldsm_x4(fa[r][0], sm.qs + arow * G6_KP + k0 + acol);
+            ldsm_x4(fa[r][1], sm.ks + arow * G6_KP + k0 + acol);
+          }
+        }
+#pragma unroll
+        for (int part = 3 - GDN_S0_PARTS; part < 3; ++part) {
+          u32 fb[4];
+          ldsm_x4(fb, sm.s0 + part * PART + brow * G6_KP + k0 + bcol);
+#pragma unroll
+          for (int r = 0; r < 2; ++r) {
+            if (r == 0 || two) {
+#pragma unroll
+              for (int jb = 0; jb < 2; ++jb) {
+                mma_16816<true>(acc[r][jb][0], fa[r][jb], fb[0], fb[1]);
+                mma_16816<true>(acc[r][jb][1], fa[r][jb], fb[2], fb[3]);
+              }
+            }
+          }
+        }
+      }
+      // R = beta (v - e^G rk K S0^T) and e^G rq Q S0^T; element e of tile j: row fg (+8), column 8 j + 2 ft + (e & 1)
+#pragma unroll
+      for (int r = 0; r < 2; ++r) {
+#pragma unroll
+        for (int half = 0; half < 2; ++half) {
+          const int i = (a0 + r) * 16 + fg + 8 * half;
+          if ((r == 0 || two) && i < n) {
+            const float eg = sm.eg[t * n_cap + i], bt = sm.bt[t * n_cap + i], rki = sm.rk[i], rqi = sm.rq[i];
+            float* __restrict__ drow = sm.D + (t * n16 + i) * G6_DS;
+            float* __restrict__ orow = sm.O + (t * n16 + i) * G6_DS;
+#pragma unroll
+            for (int j = 0; j < 2; ++j)
+#pragma unroll
+              for (int c = 0; c < 2; ++c) {
+                const int col = j * 8 + 2 * ft + c;
+                const float vv = bf16_bits_to_f32(sm.vs[(i * GDN_GROUP + t) * G6_BV + col]);
+                drow[col] = bt * (vv - eg * (rki * acc[r][1][j][2 * half + c]));
+                orow[col] = eg * (rqi * acc[r][0][j][2 * half + c]);
+              }
+          }
+        }
+      }
+    }
+  }
+  __syncthreads();  // B4: R and the Q projections visible
+  mark(4);
+
+#if !G6_SOLVE_WARP
+  // ---- phase 4: forward substitution level by level; a unit is (row, value head, 4 columns), 42
+  // rows in flight, one CTA barrier per level.
+  constexpr int UPR = GDN_GROUP * (G6_BV / 4);  // units per row
+  constexpr int RPAR = G6_THREADS / UPR;        // rows in flight
+  const int rsub = tid / UPR, ut = (tid / (G6_BV / 4)) % GDN_GROUP, uq = tid % (G6_BV / 4);
+  const float* __restrict__ Xt = sm.X + ut * g6_align4(pcap);
+  const float* __restrict__ Yt = sm.Y + ut * g6_align4(pcap);
+  float* __restrict__ Dt = sm.D + ut * n16 * G6_DS + uq * 4;
+  const float* __restrict__ Ot = sm.O + ut * n16 * G6_DS + uq * 4;
+  int s = 0;
+  while (!(GDN_PROFILE_SKIP & 4) && s < n) {
+    const int d = sm.dep_p[s];
+    const int e_end = sm.lvl[d + 1];
+    if (rsub < RPAR) {
+      for (int pp = s + rsub; pp < e_end; pp += RPAR) {
+        const int i = sm.node_p[pp];
+        const int ob = sm.poff_p[pp];
+#define G6_PIDX(e) (ob + (e))
+#define G6_PJ(e) (sm.pj[G6_PIDX(e)] - bos)
+#include "gdn_tree_verify_grouped_row.cuh"
+#undef G6_PJ
+#undef G6_PIDX
+      }
+    }
+    __syncthreads();
+    s = e_end;
+  }
+#else
+  // ---- phase 4 (G6_SOLVE_WARP, timing only until measured faster): columns are independent, so a
+  // warp owns 4 columns of one value head for every row (lane = row of the level) and a level waits
+  // for the warp's own earlier levels only (__syncwarp). The pair tables are level-transposed (entry
+  // e of the r-th node of a level at level base + e * width + r: consecutive lanes, consecutive
+  // words) and D / O rows padded to 20 floats, so that the lanes' loads do not share banks.
+  constexpr int QUADS = G6_BV / 4;
+  for (int cg = warp; cg < ((GDN_PROFILE_SKIP & 4) ? 0 : GDN_GROUP * QUADS); cg += G6_WARPS) {  // warp-uniform
+    const int ut = cg / QUADS, uq = cg % QUADS;
+    const float* __restrict__ Xt = sm.X + ut * g6_align4(pcap);
+    const float* __restrict__ Yt = sm.Y + ut * g6_align4(pcap);
+    float* __restrict__ Dt = sm.D + ut * n16 * G6_DS + uq * 4;
+    const float* __restrict__ Ot = sm.O + ut * n16 * G6_DS + uq * 4;
+    int s = 0;
+    while (s < n) {
+      const int d = sm.dep_p[s];
+      const int e_end = sm.lvl[d + 1];
+      const int w = e_end - s, lbase = sm.poff_p[s];
+      for (int pp = s + lane; pp < e_end; pp += 32) {
+        const int i = sm.node_p[pp];
+        const int r0 = pp - s;
+#define G6_PIDX(e) (lbase + (e) * w + r0)
+#define G6_PJ(e) (sm.pjT[G6_PIDX(e)])
+#include "gdn_tree_verify_grouped_row.cuh"
+#undef G6_PJ
+#undef G6_PIDX
+      }
+      __syncwarp();  // this level's Delta rows visible to the warp's lanes before the next level reads them
+      s = e_end;
+    }
+  }
+#endif
+  if (timeline != nullptr) {  // uniform: the end of the CTA's last warp
+    __syncthreads();
+    mark(5);
+  }
+}

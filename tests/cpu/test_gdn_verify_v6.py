@@ -1,0 +1,200 @@
+"""Verify kernel version 6 (cuda/gdn_tree_verify_grouped.cu: one kernel, a CTA per request, q/k head
+and 16 V columns for all value heads of the group; pair products and projections on bf16 tensor
+cores) through the CPU emulation, against the float64 reference ``vllm_tfm.verify.gdn.gdn_tree_verify``.
+
+Bars as for the other versions with 16-bit inputs: o <= 3e-3 relative (rounded to bf16), delta <= 1e-5
+(the three-part bf16 split of S0 keeps the projections float32-accurate); every NaN-poisoned output
+element written; the state untouched. Trees: random, chain, star, a single node, depth > 64, several
+requests of different sizes in one call, node counts that are not multiples of the 16-row tiles.
+"""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from vllm_tfm.kernels import gdn as kgdn
+from vllm_tfm.kernels.plan import TreePlan
+from vllm_tfm.verify import gdn as ref_gdn
+
+CUDA_DIR = Path(__file__).resolve().parents[2] / "cuda"
+
+pytestmark = [pytest.mark.slow,
+              pytest.mark.skipif(shutil.which("g++") is None, reason="g++ is needed for the CPU emulation")]
+
+
+def _g(seed: int) -> torch.Generator:
+    return torch.Generator().manual_seed(seed)
+
+
+def _random_tree(n: int, gen: torch.Generator) -> torch.Tensor:
+    return torch.tensor([-1] + [int(torch.randint(0, i, (1,), generator=gen)) for i in range(1, n)])
+
+
+def _deep_tree(n: int, gen: torch.Generator) -> torch.Tensor:
+    spine = 4 * n // 5  # a chain of 4n/5 nodes, then side branches
+    return torch.tensor([-1] + list(range(spine - 1)) + [int(torch.randint(0, i, (1,), generator=gen))
+                                                        for i in range(spine, n)])
+
+
+def _case(trees, h, hv, kd, vd, dtype, seed, idx_dtype=torch.int64):
+    gen = _g(seed)
+    parents = torch.cat(trees)
+    cu = torch.zeros(len(trees) + 1, dtype=torch.long)
+    cu[1:] = torch.tensor([t.numel() for t in trees]).cumsum(0)
+    t, r = parents.numel(), len(trees)
+    g, beta = ref_gdn.gdn_gates(torch.randn(t, hv, generator=gen), torch.randn(t, hv, generator=gen),
+                                torch.rand(hv, generator=gen) * 2, torch.randn(hv, generator=gen) * 0.5)
+    slots = r + 2
+    return {"q": torch.randn(t, h, kd, generator=gen).to(dtype), "k": torch.randn(t, h, kd, generator=gen).to(dtype),
+            "v": torch.randn(t, hv, vd, generator=gen).to(dtype), "g": g, "beta": beta, "parents": parents,
+            "cu_nodes": cu, "ssm_state": torch.randn(slots, hv, vd, kd, generator=gen) * 0.3,
+            "state_indices": torch.randperm(slots, generator=gen)[:r].to(idx_dtype)}
+
+
+def _rel(got: torch.Tensor, want: torch.Tensor) -> float:
+    return float((got.double() - want.double()).norm() / want.double().norm())
+
+
+@pytest.fixture(scope="module")
+def emulated(tmp_path_factory):
+    sys.path.insert(0, str(CUDA_DIR / "host_emu"))
+    try:
+        from emulate import emulated_kernels
+    finally:
+        sys.path.pop(0)
+    try:
+        with emulated_kernels(tmp_path_factory.mktemp("emu")) as launches:
+            yield launches
+    except subprocess.CalledProcessError as exc:  # a compiler without C++20 <barrier>
+        pytest.skip(f"g++ could not build the emulation: {exc.stderr[:300]}")
+
+
+def _run(c, plan, variant=6, return_delta=True):
+    before = c["ssm_state"].clone()
+    o = torch.full(c["v"].shape, float("nan"), dtype=c["v"].dtype)
+    d = torch.full(c["v"].shape, float("nan")) if return_delta else None
+    kgdn.gdn_tree_verify_planned(plan, c["q"], c["k"], c["v"], c["g"], c["beta"], c["ssm_state"], c["state_indices"],
+                                 return_delta=return_delta, out=o, delta_out=d, variant=variant)
+    assert not o.isnan().any(), "o left unwritten"
+    assert d is None or not d.isnan().any(), "delta left unwritten"
+    assert torch.equal(c["ssm_state"], before), "the verify wrote the state"
+    return o, d
+
+
+# (name, trees, h, hv, K, V, state index dtype)
+CASES = [
+    ("k128_group3_random_chain_single", [_random_tree(40, _g(1)), torch.arange(-1, 9), torch.tensor([-1])], 1, 3, 128,
+     32, torch.int64),
+    ("k32_group2_n128_and_star", [_random_tree(128, _g(2)), torch.tensor([-1] + [0] * 32)], 2, 4, 32, 16, torch.int32),
+    ("k64_group1_depth_over_64", [_deep_tree(90, _g(3))], 1, 1, 64, 32, torch.int64),
+    ("k32_group3_chain_of_17_and_two_nodes", [torch.arange(-1, 16), torch.tensor([-1, 0])], 1, 3, 32, 16, torch.int32),
+]
+
+
+@pytest.mark.parametrize("name, trees, h, hv, kd, vd, idx_dtype", CASES, ids=[c[0] for c in CASES])
+def test_v6_matches_float64_reference(emulated, name, trees, h, hv, kd, vd, idx_dtype):
+    c = _case(trees, h, hv, kd, vd, torch.bfloat16, seed=len(name), idx_dtype=idx_dtype)
+    plan = TreePlan.build(c["parents"], c["cu_nodes"])
+    c64 = {k: v.double() if v.is_floating_point() else v for k, v in c.items()}
+    o_ref, d_ref = ref_gdn.gdn_tree_verify(**c64, return_delta=True)
+    emulated.clear()
+    o6, d6 = _run(c, plan)
+    assert [name for name, _, _ in emulated] == ["gdn_tree_verify_grouped"]
+    assert _rel(o6, o_ref) <= 3e-3, _rel(o6, o_ref)
+    assert _rel(d6, d_ref) <= 1e-5, _rel(d6, d_ref)
+    if name.startswith("k32_group3"):  # no delta buffer: the same outputs
+        o_only, _ = _run(c, plan, return_delta=False)
+        assert torch.equal(o_only, o6)
+
+
+def test_v6_without_l2norm_and_with_a_scale(emulated):
+    c = _case([_random_tree(21, _g(4))], 1, 2, 32, 16, torch.bfloat16, seed=5)
+    plan = TreePlan.build(c["parents"], c["cu_nodes"])
+    c64 = {k: v.double() if v.is_floating_point() else v for k, v in c.items()}
+    o_ref, d_ref = ref_gdn.gdn_tree_verify(**c64, scale=0.3, use_qk_l2norm=False, return_delta=True)
+    o6, d6 = kgdn.gdn_tree_verify_planned(plan, c["q"], c["k"], c["v"], c["g"], c["beta"], c["ssm_state"],
+                                          c["state_indices"], scale=0.3, use_qk_l2norm=False, return_delta=True,
+                                          variant=6)
+    assert _rel(o6, o_ref) <= 3e-3 and _rel(d6, d_ref) <= 1e-5
+
+
+def test_v6_runs_version_3_where_it_does_not_apply(emulated, monkeypatch):
+    # float32 inputs, and a tree that does not fit the device's shared memory, run version 3's two kernels
+    # (bit for bit version 3); the fit is checked against the device limit, here lowered to 40 KB
+    bf16_tree = _random_tree(40, _g(6))
+    cases = ((torch.float32, _random_tree(20, _g(6)), 227 * 1024), (torch.bfloat16, bf16_tree, 40 * 1024))
+    for dtype, tree, limit in cases:
+        monkeypatch.setattr(kgdn, "device_smem_optin", lambda index, limit=limit: limit)
+        c = _case([tree], 1, 3, 32, 16, dtype, seed=7)
+        plan = TreePlan.build(c["parents"], c["cu_nodes"])
+        assert kgdn.grouped_unsupported_reason(plan, dtype, 1, 3, 32, 16, limit) is not None
+        emulated.clear()
+        o6, d6 = _run(c, plan, variant=6)
+        assert [name for name, _, _ in emulated] == ["gdn_tree_pairs", "gdn_tree_verify_main"]
+        o3, d3 = _run(c, plan, variant=3)
+        assert torch.equal(o6, o3) and torch.equal(d6, d3)
+    # a 130-node chain (8,515 pairs) does not fit 227 KB at K = 32
+    chain = TreePlan.build(torch.arange(-1, 129), torch.tensor([0, 130]))
+    reason = kgdn.grouped_unsupported_reason(chain, torch.bfloat16, 1, 3, 32, 16, 227 * 1024)
+    assert reason is not None and "8515 pairs" in reason, reason
+
+
+def test_v6_shared_memory_mirror():
+    # the 27B layer at n = 128 with 900 pairs fits the H200's 227 KB; a 200-node chain (20,100 pairs) does not
+    assert kgdn.grouped_smem_bytes(128, 3, 128, 900) <= 227 * 1024
+    assert kgdn.grouped_smem_bytes(128, 3, 200, 20100) > 227 * 1024
+    # the raw pair products share the R / Q-projection region: more pairs grow it only past its size
+    base = kgdn.grouped_smem_bytes(128, 3, 33, 16)
+    assert kgdn.grouped_smem_bytes(128, 3, 33, 20) - base == 4 * 7 * 4  # pj, X, Y of 3 heads: 7 words per 4 entries
+    # the timing-only warp-per-columns solve: D / O rows of 20 floats and a transposed ancestor table
+    assert kgdn.grouped_smem_bytes(128, 3, 33, 16, solve_warp=True) - base == 4 * (2 * 3 * 48 * 4 + 16)
+
+
+def test_v6_warp_solve_layout_gives_the_same_outputs(emulated):
+    # G6_SOLVE_WARP (bench/gdn_timeline.py --solve-warp): other layout, the same sums in the same order
+    c = _case([_random_tree(45, _g(10)), torch.arange(-1, 12), torch.tensor([-1] + [0] * 9)], 1, 3, 32, 16,
+              torch.bfloat16, seed=11)
+    plan = TreePlan.build(c["parents"], c["cu_nodes"])
+    res = []
+    for opts in ((), ("-DG6_SOLVE_WARP=1",)):
+        launches, o, d = kgdn.verify_launches(plan, c["q"], c["k"], c["v"], c["g"], c["beta"], c["ssm_state"],
+                                              c["state_indices"], return_delta=True, variant=6, extra_options=opts)
+        for _, fn in launches:
+            fn()
+        res.append((o, d))
+    assert torch.equal(res[0][0], res[1][0]) and torch.equal(res[0][1], res[1][1])
+
+
+def test_v6_with_256_threads_equals_512_bit_for_bit(emulated):
+    # the CTA size changes which warp computes a tile, not a tile's arithmetic: identical outputs
+    c = _case([_random_tree(50, _g(8)), torch.arange(-1, 20), torch.tensor([-1])], 1, 3, 64, 32, torch.bfloat16, seed=9)
+    plan = TreePlan.build(c["parents"], c["cu_nodes"])
+    outs = []
+    for threads in (256, 512):
+        emulated.clear()
+        launches, o, d = kgdn.verify_launches(plan, c["q"], c["k"], c["v"], c["g"], c["beta"], c["ssm_state"],
+                                              c["state_indices"], return_delta=True, variant=6, threads6=threads)
+        for _, fn in launches:
+            fn()
+        assert [(name, grid) for name, grid, _ in emulated] == [("gdn_tree_verify_grouped", (2, 1, 3))]
+        outs.append((o, d))
+    assert torch.equal(outs[0][0], outs[1][0]) and torch.equal(outs[0][1], outs[1][1])
+    c64 = {k: v.double() if v.is_floating_point() else v for k, v in c.items()}
+    o_ref, d_ref = ref_gdn.gdn_tree_verify(**c64, return_delta=True)
+    assert _rel(outs[0][0], o_ref) <= 3e-3 and _rel(outs[0][1], d_ref) <= 1e-5
+
+
+def test_v6_threads_choice():
+    plan1 = TreePlan.build(torch.tensor([-1, 0, 0]), torch.tensor([0, 3]))
+    plan8 = TreePlan.build(torch.tensor([-1, 0, 0] * 8), torch.tensor([3 * r for r in range(9)]))
+    small = kgdn.grouped_smem_bytes(128, 3, 3, 5)
+    # batch 1 at the 27B shape: 128 CTAs for 132 SMs, one each; batch 8: 1,024 CTAs, two per SM when they fit
+    assert kgdn.grouped_threads(plan1, 16, 128, small, kgdn.SM_SMEM_BYTES, 132) == 512
+    assert kgdn.grouped_threads(plan8, 16, 128, small, kgdn.SM_SMEM_BYTES, 132) == 256
+    assert kgdn.grouped_threads(plan8, 16, 128, 120 * 1024, kgdn.SM_SMEM_BYTES, 132) == 512
