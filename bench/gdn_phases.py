@@ -57,7 +57,8 @@ SKIPS = (0, 1, 2, 4, 6)
 SKIPS_V6 = (0, 1, 2, 4, 8, 15)
 
 
-def phases_v6(n: int, batch: int, reps: int) -> dict:
+def phase_case(n: int, batch: int) -> tuple:
+    """(plan, input sets, inputs, state pool, slots per set) of bench/gdn_tree.py's trees and inputs."""
     parents, cu, _ = tree_batch(n, batch)
     plan = TreePlan.build(parents, cu, device="cuda")
     sets = n_sets_for(batch)
@@ -65,6 +66,11 @@ def phases_v6(n: int, batch: int, reps: int) -> dict:
     inputs = [gdn_inputs(plan.num_nodes, gen) for _ in range(sets)]
     pool = torch.randn(sets * batch, HV, VD, KD, generator=gen, device="cuda") * 0.1
     slots = [torch.arange(s * batch, (s + 1) * batch, device="cuda") for s in range(sets)]
+    return plan, sets, inputs, pool, slots
+
+
+def phases_v6(n: int, batch: int, reps: int) -> dict:
+    plan, sets, inputs, pool, slots = phase_case(n, batch)
     row: dict = dict(n=n, batch=batch, nodes=plan.num_nodes, pairs=plan.num_pairs, max_depth=plan.max_depth,
                      block_v=kgdn.GROUPED_BV, variant=6, main_us={})
     for skip in SKIPS_V6:
@@ -91,13 +97,7 @@ def phases_v6(n: int, batch: int, reps: int) -> dict:
 
 
 def phases(n: int, batch: int, reps: int, variant: int) -> dict:
-    parents, cu, _ = tree_batch(n, batch)
-    plan = TreePlan.build(parents, cu, device="cuda")
-    sets = n_sets_for(batch)
-    gen = device_gen(n * 100 + batch)
-    inputs = [gdn_inputs(plan.num_nodes, gen) for _ in range(sets)]
-    pool = torch.randn(sets * batch, HV, VD, KD, generator=gen, device="cuda") * 0.1
-    slots = [torch.arange(s * batch, (s + 1) * batch, device="cuda") for s in range(sets)]
+    plan, sets, inputs, pool, slots = phase_case(n, batch)
     props = torch.cuda.get_device_properties(0)
     bv = kgdn.choose_block_v(plan, HV, KD, VD, loader.device_smem_optin(0), props.multi_processor_count, variant,
                              torch.bfloat16)

@@ -26,24 +26,18 @@ for p in (REPO, REPO / "bench"):
     if str(p) not in sys.path:
         sys.path.insert(0, str(p))
 
-from gdn_tree import HV, KD, VD, device_gen, gdn_inputs, machine_info, n_sets_for, time_calls, tree_batch  # noqa: E402
+from gdn_phases import phase_case  # noqa: E402
+from gdn_tree import VD, machine_info, time_calls  # noqa: E402
 
 from vllm_tfm.kernels import gdn as kgdn  # noqa: E402
 from vllm_tfm.kernels import loader  # noqa: E402
-from vllm_tfm.kernels.plan import TreePlan  # noqa: E402
 
 PHASES = ("loads_tables", "norms_gram", "coefficients_split", "projections", "substitution")
 
 
 def timeline(n: int, batch: int, reps: int, threads: int | None, parts: int = 3, solve_warp: bool = False) -> dict:
     opts = [f"-DGDN_S0_PARTS={parts}"] + (["-DG6_SOLVE_WARP=1"] if solve_warp else [])
-    parents, cu, _ = tree_batch(n, batch)
-    plan = TreePlan.build(parents, cu, device="cuda")
-    sets = n_sets_for(batch)
-    gen = device_gen(n * 100 + batch)
-    inputs = [gdn_inputs(plan.num_nodes, gen) for _ in range(sets)]
-    pool = torch.randn(sets * batch, HV, VD, KD, generator=gen, device="cuda") * 0.1
-    slots = [torch.arange(s * batch, (s + 1) * batch, device="cuda") for s in range(sets)]
+    plan, sets, inputs, pool, slots = phase_case(n, batch)
     fns = []
     for s in range(sets):
         x = inputs[s]

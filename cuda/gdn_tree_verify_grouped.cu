@@ -150,6 +150,14 @@ __device__ inline G6Smem g6_carve(float* base, int n_cap, int pcap) {
   return s;
 }
 
+// Piece idx of the CTA's S0 rows (float4 pieces, whole rows of K per warp): value head t, row, column.
+__device__ __forceinline__ void g6_s0_piece(int idx, int& t, int& row, int& c4) {
+  t = idx / (G6_BV * (GDN_K / 4));
+  const int rem = idx % (G6_BV * (GDN_K / 4));
+  row = rem / (GDN_K / 4);
+  c4 = (rem % (GDN_K / 4)) * 4;
+}
+
 // float32 -> bfloat16 bits, round to nearest even (finite inputs: S0 is a finite state).
 __device__ __forceinline__ u16 g6_bf16_rn(float x) {
   u32 u = __float_as_uint(x);
@@ -241,8 +249,8 @@ gdn_tree_verify_grouped(const tin* __restrict__ q, const tin* __restrict__ k, co
   for (int u = 0; u < S0_PER; ++u) {
     const int idx = tid + u * G6_THREADS;
     if (idx < S0_F4) {
-      const int t = idx / (G6_BV * (GDN_K / 4)), rem = idx % (G6_BV * (GDN_K / 4));
-      const int row = rem / (GDN_K / 4), c4 = (rem % (GDN_K / 4)) * 4;
+      int t, row, c4;
+      g6_s0_piece(idx, t, row, c4);
       s0r[u] = *reinterpret_cast<const float4*>(state + slot * st_slot + (i64)(hv0 + t) * st_head +
                                                 (i64)(v0 + row) * st_v + c4);
     }
@@ -374,8 +382,8 @@ gdn_tree_verify_grouped(const tin* __restrict__ q, const tin* __restrict__ k, co
   for (int u = 0; u < S0_PER; ++u) {
     const int idx = tid + u * G6_THREADS;
     if (idx < S0_F4) {
-      const int t = idx / (G6_BV * (GDN_K / 4)), rem = idx % (G6_BV * (GDN_K / 4));
-      const int row = rem / (GDN_K / 4), c4 = (rem % (GDN_K / 4)) * 4;
+      int t, row, c4;
+      g6_s0_piece(idx, t, row, c4);
       const float xs[4] = {s0r[u].x, s0r[u].y, s0r[u].z, s0r[u].w};
       u16 hi[4], mid[4], lo[4];
 #pragma unroll

@@ -22,43 +22,13 @@ from vllm_tfm.kernels import gdn as kgdn
 from vllm_tfm.kernels.plan import TreePlan
 from vllm_tfm.verify import gdn as ref_gdn
 
+from _gdn_emu_cases import _case, _deep_tree, _g, _random_tree, _rel  # tests/cpu helper module
+
 CUDA_DIR = Path(__file__).resolve().parents[2] / "cuda"
 
 pytestmark = [pytest.mark.slow,
               pytest.mark.skipif(shutil.which("g++") is None, reason="g++ is needed for the CPU emulation")]
 
-
-def _g(seed: int) -> torch.Generator:
-    return torch.Generator().manual_seed(seed)
-
-
-def _random_tree(n: int, gen: torch.Generator) -> torch.Tensor:
-    return torch.tensor([-1] + [int(torch.randint(0, i, (1,), generator=gen)) for i in range(1, n)])
-
-
-def _deep_tree(n: int, gen: torch.Generator) -> torch.Tensor:
-    spine = 4 * n // 5  # a chain of 4n/5 nodes, then side branches
-    return torch.tensor([-1] + list(range(spine - 1)) + [int(torch.randint(0, i, (1,), generator=gen))
-                                                        for i in range(spine, n)])
-
-
-def _case(trees, h, hv, kd, vd, dtype, seed, idx_dtype=torch.int64):
-    gen = _g(seed)
-    parents = torch.cat(trees)
-    cu = torch.zeros(len(trees) + 1, dtype=torch.long)
-    cu[1:] = torch.tensor([t.numel() for t in trees]).cumsum(0)
-    t, r = parents.numel(), len(trees)
-    g, beta = ref_gdn.gdn_gates(torch.randn(t, hv, generator=gen), torch.randn(t, hv, generator=gen),
-                                torch.rand(hv, generator=gen) * 2, torch.randn(hv, generator=gen) * 0.5)
-    slots = r + 2
-    return {"q": torch.randn(t, h, kd, generator=gen).to(dtype), "k": torch.randn(t, h, kd, generator=gen).to(dtype),
-            "v": torch.randn(t, hv, vd, generator=gen).to(dtype), "g": g, "beta": beta, "parents": parents,
-            "cu_nodes": cu, "ssm_state": torch.randn(slots, hv, vd, kd, generator=gen) * 0.3,
-            "state_indices": torch.randperm(slots, generator=gen)[:r].to(idx_dtype)}
-
-
-def _rel(got: torch.Tensor, want: torch.Tensor) -> float:
-    return float((got.double() - want.double()).norm() / want.double().norm())
 
 
 @pytest.fixture(scope="module")
