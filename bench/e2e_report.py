@@ -3,6 +3,8 @@
 
     python3 bench/e2e_report.py bench/results/e2e_27b.json                   # print the tables
     python3 bench/e2e_report.py bench/results/e2e_27b.json --write docs/e2e.md  # refresh the doc
+    python3 bench/e2e_report.py A.json B.json --merge AB.json                    # runs on two GPUs at once
+    python3 bench/e2e_report.py A.json B.json --merge AB.json --merge-sequential # one machine, one after another
 
 ``--write`` replaces what lies between the markers ``<!-- e2e:begin -->`` and ``<!-- e2e:end -->``
 of the doc (the prose around them stays). Plain Python: no torch, no vLLM.
@@ -10,7 +12,8 @@ of the doc (the prose around them stays). Plain Python: no torch, no vLLM.
 Throughput: decode tokens/s (output tokens after each request's first, over the time from the
 last first token to the last token, from vLLM's per-request timestamps) when every arm has it,
 else end-to-end tokens/s (all output tokens over the wall time of the ``generate`` call).
-Ratios compare arms of the same results file (the same run on the same machine).
+Ratios compare arms of the same results file: one run, or runs merged with ``--merge`` (at the same
+time on GPUs of one host, or with ``--merge-sequential`` one after another on the same machine).
 
 Per-stage times are per decode step (the stage's total over the steps of the profiled run),
 from CUDA events (``vllm_tfm.vllm_plugin.runtime.stage_timing``). Drafting overhead =
@@ -219,13 +222,14 @@ def render_markdown(results: dict[str, Any]) -> str:
         (f"Target: {s.get('target', '?')}, dummy weights; prompt {s.get('prompt_len')} tokens, "
         f"{s.get('output_len')} output tokens per request, temperature {s.get('temperature')}, "
         f"{'eager (no CUDA graphs)' if s.get('eager', True) else 'CUDA graphs'} unless the arm says otherwise."),
-        (f"Acceptance: {'measured' if p.get('measured') else 'NOT measured (synthetic)'} profile, {p.get('source', '?')}; "
-        "tfm replays it (acceptance replay), DFlash uses vLLM's synthetic rejection mode with the chain entry."),
+        _acceptance_line(p, arms),
         ("Ratios are like for like: a CUDA-graph arm is divided by the graph run of no-spec / DFlash where that "
          "ran, an eager arm by the eager one."
          + (f" tfm switches: {', '.join(f'{k}={v}' for k, v in s['tfm_env'].items())}." if s.get("tfm_env") else "")
          + (" Tokens/s from runs with the stage timers paused (clean runs)." if s.get("clean_run")
             else " Tokens/s from the timed runs (stage timers on: they include the timers' own cost).")),
+        *([f"Merged from {len(results.get('merged_from') or [])} runs: {results['merge_note']}."]
+          if results.get("merge_note") else []),
         "",
     ]
     metric_names = {b: summ["batches"][str(b)]["metric"] for b in batches}
@@ -248,6 +252,7 @@ def render_markdown(results: dict[str, Any]) -> str:
         if arm.get("status") not in (None, "ok"):
             row[0] += f" ({arm.get('status')}: {str(arm.get('error', ''))[:80]})"
         lines.append("| " + " | ".join(row) + " |")
+    lines += _repeated_arm_lines(results.get("repeated_arms") or [], arms, batches, metric_names)
     for b in batches:
         rows = []
         for name, arm in arms.items():
@@ -287,6 +292,39 @@ def render_markdown(results: dict[str, Any]) -> str:
     if skipped:
         lines += ["", "Not run: " + "; ".join(f"{x['arm']} ({x['reason']})" for x in skipped)]
     return "\n".join(lines) + "\n"
+
+
+def _measured(flag: Any) -> str:
+    return "measured" if flag else "NOT measured (synthetic)"
+
+
+def _acceptance_line(profile: dict[str, Any], arms: dict[str, Any]) -> str:
+    """The report's acceptance line: one profile for every arm, or (runs one after another merged with
+    ``sequential``) the source and entry of each arm that replays one."""
+    how = "tfm replays {} (acceptance replay), DFlash uses vLLM's synthetic rejection mode with {} chain entry."
+    if not profile.get("per_arm"):
+        return f"Acceptance: {_measured(profile.get('measured'))} profile, {profile.get('source', '?')}; " + how.format("it", "the")
+    measured = {s.get("source"): s.get("measured") for s in profile.get("sources") or []}
+    parts = [f"{name} from {arm.get('profile_source')} ({_measured(measured.get(arm.get('profile_source')))}, "
+             f"entry {arm.get('profile_entry')})" for name, arm in arms.items() if arm.get("profile_entry")]
+    return "Acceptance: a profile per arm (runs one after another): " + "; ".join(parts) + "; " + how.format("its entry", "its")
+
+
+def _repeated_arm_lines(repeats: list[dict[str, Any]], arms: dict[str, Any], batches: list[int],
+                        metrics: dict[int, str]) -> list[str]:
+    """One line per arm that ran again in a later command of a sequential merge: its tokens/s next to
+    the run the table shows, so that readers see the run-to-run agreement."""
+    def tps(run: dict[str, Any] | None, b: int) -> float | None:
+        return (run or {}).get("decode_tokens_per_s" if metrics[b] == "decode" else "tokens_per_s")
+
+    out = []
+    for rep in repeats:
+        kept = arms.get(rep["arm"]) or {}
+        cells = [f"b{b} {_f(tps(rep['batches'].get(str(b)), b))} (table: {_f(tps(_batch(kept, b), b))})" for b in batches]
+        out.append(f"- {rep['arm']} again in `{rep['command']}`: " + ", ".join(cells))
+    if not out:
+        return []
+    return ["", "Arms run again in a later command (the table keeps the first run), tokens/s as in the table:", "", *out]
 
 
 def _deferred_ab_lines(arms: dict[str, Any], batches: list[int]) -> list[str]:
@@ -390,33 +428,112 @@ def render_files(paths: list[str]) -> str:
     return "".join(f"### `{p}`\n\n{render_markdown(load_results(p))}\n" for p in paths)
 
 
-def merge_results(paths: list[str], note: str) -> dict[str, Any]:
-    """One results file from several runs of ``bench/e2e.py`` that ran at the same time on GPUs of one
-    host (e.g. ``bench/run_gpu_pair.sh``: no-spec on one GPU, tfm on the other), so that ratios compare
-    them. Settings and profile must agree; every file's command is kept; ``note`` says how they ran."""
-    runs = [load_results(p) for p in paths]
+_NOT_COMPARED = ("plans", "deadline_s", "host_profile")  # planning and debugging inputs, not what was measured
+
+
+def _comparable(section: dict[str, Any] | None, skip: tuple[str, ...]) -> dict[str, Any]:
+    return {k: v for k, v in (section or {}).items() if k not in _NOT_COMPARED + skip}
+
+
+def _check_mergeable(paths: list[str], runs: list[dict[str, Any]], sequential: bool) -> None:
+    """Raise unless every run has the first one's format, machine and settings (and, for runs at the
+    same time, its profile; runs one after another may differ in profile and ``max_model_len``)."""
     first = runs[0]
+    keys = {"settings": ("max_model_len",) if sequential else ()}
+    if not sequential:
+        keys["profile"] = ()
     for p, r in zip(paths[1:], runs[1:]):
         if r.get("format") != RESULTS_FORMAT or r.get("machine") != first.get("machine"):
             raise ValueError(f"{p}: another results format or machine than {paths[0]}")
-        for key in ("settings", "profile"):
-            a = {k: v for k, v in (first.get(key) or {}).items() if k not in ("plans", "deadline_s", "host_profile")}
-            b = {k: v for k, v in (r.get(key) or {}).items() if k not in ("plans", "deadline_s", "host_profile")}
-            if a != b:
+        for key, skip in keys.items():
+            if _comparable(first.get(key), skip) != _comparable(r.get(key), skip):
                 raise ValueError(f"{p}: {key} differ from {paths[0]}'s")
+
+
+def _repeated_arm(name: str, arm: dict[str, Any], command: str) -> dict[str, Any]:
+    """What a later run of an arm that is already merged keeps: its command and tokens/s per batch."""
+    batches = {b: {k: run.get(k) for k in ("tokens_per_s", "decode_tokens_per_s")}
+               for b, run in (arm.get("batches") or {}).items()}
+    return {"arm": name, "command": command, "batches": batches}
+
+
+def _per_arm_profile(runs: list[dict[str, Any]], arms_of_run: list[list[str]]) -> dict[str, Any]:
+    """The merged ``profile`` of runs whose profiles differ: one entry per source with the arms it fed."""
+    sources: list[dict[str, Any]] = []
+    for r, names in zip(runs, arms_of_run):
+        prof = r.get("profile") or {}
+        entry = next((s for s in sources if s["source"] == prof.get("source")), None)
+        if entry is None:
+            entry = {"source": prof.get("source"), "measured": prof.get("measured"),
+                     "temperature": prof.get("temperature"), "arms": []}
+            sources.append(entry)
+        entry["arms"] += names
+    temps = {s["temperature"] for s in sources}
+    return {
+        "per_arm": True,
+        "source": "per arm: " + "; ".join(f"{', '.join(s['arms'])}: {s['source']}" for s in sources),
+        "measured": all(bool(s["measured"]) for s in sources),
+        "temperature": temps.pop() if len(temps) == 1 else None,
+        "sources": sources,
+    }
+
+
+def merge_results(paths: list[str], note: str, sequential: bool = False) -> dict[str, Any]:
+    """One results file from several runs of ``bench/e2e.py``, so that ratios compare them; every file's
+    command is kept and ``note`` says how they ran.
+
+    By default the runs ran at the same time on GPUs of one host (e.g. ``bench/run_gpu_pair.sh``:
+    no-spec on one GPU, tfm on the other): settings and profile must agree and an arm may be in one
+    file only. With ``sequential`` they ran one after another on the same machine: the profile and
+    ``settings.max_model_len`` may differ (each arm records its file's profile source in
+    ``profile_source``; the merged ``profile`` lists the sources per arm and ``max_model_len`` becomes
+    a value per arm where the files differ), and an arm in more than one file keeps the first file's
+    run while the later runs go to ``repeated_arms`` (command and tokens/s), for the run-to-run spread."""
+    runs = [load_results(p) for p in paths]
+    _check_mergeable(paths, runs, sequential)
+    first = runs[0]
     merged = dict(first)
     merged["command"] = " + ".join(r["command"] for r in runs)
     merged["merged_from"] = [{"command": r["command"], "arms": list(r.get("arms") or {})} for r in runs]
     merged["merge_note"] = note
     merged["arms"] = {}
     merged["skipped"] = []
+    repeated: list[dict[str, Any]] = []
+    arms_of_run: list[list[str]] = []
     for r in runs:
+        kept = []
         for name, arm in (r.get("arms") or {}).items():
             if name in merged["arms"]:
-                raise ValueError(f"arm {name} is in more than one file")
-            merged["arms"][name] = arm
+                if not sequential:
+                    raise ValueError(f"arm {name} is in more than one file")
+                repeated.append(_repeated_arm(name, arm, r["command"]))
+                continue
+            merged["arms"][name] = {**arm, "profile_source": (r.get("profile") or {}).get("source")} if sequential else arm
+            kept.append(name)
+        arms_of_run.append(kept)
         merged["skipped"] += list(r.get("skipped") or [])
+    if sequential:
+        merged["sequential"] = True
+        merged["repeated_arms"] = repeated
+        merged["settings"] = _sequential_settings(runs, arms_of_run)
+        if any(r.get("profile") != first.get("profile") for r in runs[1:]):
+            merged["profile"] = _per_arm_profile(runs, arms_of_run)
     return merged
+
+
+def _sequential_settings(runs: list[dict[str, Any]], arms_of_run: list[list[str]]) -> dict[str, Any]:
+    """The first run's settings with every run's arm plans, and ``max_model_len`` per arm where the
+    runs' values differ (each engine is sized for its own arms)."""
+    settings = dict(runs[0].get("settings") or {})
+    plans: dict[str, Any] = {}
+    for r in runs:
+        for name, plan in ((r.get("settings") or {}).get("plans") or {}).items():
+            plans.setdefault(name, plan)
+    settings["plans"] = plans
+    lens = [(r.get("settings") or {}).get("max_model_len") for r in runs]
+    if len(set(lens)) > 1:
+        settings["max_model_len"] = {name: n for n, names in zip(lens, arms_of_run) for name in names}
+    return settings
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -425,10 +542,17 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--write", help="a markdown doc with the e2e markers to refresh (e.g. docs/e2e.md)")
     ap.add_argument("--merge", help="write the arms of all RESULTS files (runs at the same time on GPUs of one host) "
                                     "into this one results file, then report it")
-    ap.add_argument("--merge-note", default="arms ran at the same time, one per GPU of one host")
+    ap.add_argument("--merge-sequential", action="store_true",
+                    help="with --merge: the runs ran one after another on the same machine (profiles and "
+                         "max_model_len may differ; a repeated arm keeps its first run, the others are listed)")
+    ap.add_argument("--merge-note", help="how the merged runs ran (default: one per GPU of one host at the same "
+                                         "time, or one after another on one machine with --merge-sequential)")
     args = ap.parse_args(argv)
     if args.merge:
-        Path(args.merge).write_text(json.dumps(merge_results(args.results, args.merge_note), separators=(",", ":")) + "\n")
+        note = args.merge_note or ("arms ran one after another on one machine" if args.merge_sequential
+                                   else "arms ran at the same time, one per GPU of one host")
+        merged = merge_results(args.results, note, sequential=args.merge_sequential)
+        Path(args.merge).write_text(json.dumps(merged, separators=(",", ":")) + "\n")
         args.results = [args.merge]
     table = render_files(args.results)
     if args.write:

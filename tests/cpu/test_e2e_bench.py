@@ -557,3 +557,89 @@ def test_the_topology_wait_counts_as_tree_metadata() -> None:
     d = e2e_report.stage_breakdown(base)
     deferred = e2e_report.stage_breakdown({**base, "topology_wait": {"per_step_ms": 1.2}})
     assert deferred["prepare_tree"] == pytest.approx(1.3) and deferred["overhead"] == pytest.approx(d["overhead"] + 1.2)
+
+
+def two_sequential_runs(tmp_path: Path) -> tuple[dict, dict, Path, Path]:
+    """Two results files of one machine, one after the other: DFlash + no-spec with one profile, then
+    tfm64 + no-spec again with another profile and a larger max_model_len."""
+    a, b = results(), results()
+    a["arms"] = {"dflash": a["arms"]["dflash"], "nospec": a["arms"]["nospec"]}
+    a["settings"].update(max_model_len=606, plans={"dflash": {"mal": 3.96}, "nospec": {}})
+    a["arms"]["dflash"]["profile_entry"] = "chain B=16 T=0"
+    b["arms"] = {"tfm64": b["arms"]["tfm64"], "nospec": results()["arms"]["nospec"]}
+    b["arms"]["tfm64"]["profile_entry"] = "tfm B=64 T=0"
+    b["arms"]["nospec"]["batches"]["1"]["decode_tokens_per_s"] = 21.0
+    b["command"] = "bash bench/run_gpu_e2e.sh --arms tfm64,nospec --profile w4.json"
+    b["settings"].update(max_model_len=640, plans={"tfm64": {"mal": 6.86}, "nospec": {}})
+    b["profile"] = {"measured": True, "source": "w4.json"}
+    pa, pb = tmp_path / "a.json", tmp_path / "b.json"
+    pa.write_text(json.dumps(a))
+    pb.write_text(json.dumps(b))
+    return a, b, pa, pb
+
+
+def test_sequential_merge_keeps_each_arms_profile_source_and_the_first_run_of_a_repeated_arm(tmp_path: Path) -> None:
+    a, b, pa, pb = two_sequential_runs(tmp_path)
+    m = e2e_report.merge_results([str(pa), str(pb)], "one machine, one call after the other", sequential=True)
+    assert list(m["arms"]) == ["dflash", "nospec", "tfm64"] and m["sequential"] is True
+    assert {k: arm["profile_source"] for k, arm in m["arms"].items()} == {"dflash": "builtin", "nospec": "builtin",
+                                                                          "tfm64": "w4.json"}
+    assert m["profile"]["per_arm"] is True and m["profile"]["measured"] is False  # the builtin one is synthetic
+    assert [(s["source"], s["arms"]) for s in m["profile"]["sources"]] == [("builtin", ["dflash", "nospec"]),
+                                                                           ("w4.json", ["tfm64"])]
+    assert m["profile"]["source"] == "per arm: dflash, nospec: builtin; tfm64: w4.json"
+    assert m["settings"]["max_model_len"] == {"dflash": 606, "nospec": 606, "tfm64": 640}
+    assert list(m["settings"]["plans"]) == ["dflash", "nospec", "tfm64"]
+    assert m["arms"]["nospec"]["batches"]["1"]["decode_tokens_per_s"] == 20.0  # the first file's run
+    assert m["repeated_arms"] == [{"arm": "nospec", "command": b["command"], "batches": {
+        "1": {"tokens_per_s": 18.0, "decode_tokens_per_s": 21.0}, "8": {"tokens_per_s": 108.0, "decode_tokens_per_s": 120.0}}}]
+    x = e2e_report.summarize(m)
+    assert x["batches"]["1"]["x_nospec"]["tfm64"] == 5.0 and x["batches"]["1"]["x_dflash"]["tfm64"] == 2.0
+    assert x["goals"]["tfm64"]["x_dflash_ok_b1"] is True and x["goals"]["tfm64"]["x_nospec_ok_b1"] is True
+    md = e2e_report.render_markdown(m)
+    assert ("Acceptance: a profile per arm (runs one after another): dflash from builtin (NOT measured (synthetic), "
+            "entry chain B=16 T=0); tfm64 from w4.json (measured, entry tfm B=64 T=0);") in md
+    assert f"- nospec again in `{b['command']}`: b1 21.0 (table: 20.0), b8 120.0 (table: 120.0)" in md
+    assert "Merged from 2 runs: one machine, one call after the other." in md
+    assert "- tfm64: overhead 14.5% (met), 5.00x over no-spec (met), 2.00x over DFlash (met)" in md
+
+
+def test_runs_at_the_same_time_still_need_one_profile_and_distinct_arms(tmp_path: Path) -> None:
+    a, b, pa, pb = two_sequential_runs(tmp_path)
+    with pytest.raises(ValueError, match=r"b.json: settings differ from .*a.json's"):  # max_model_len
+        e2e_report.merge_results([str(pa), str(pb)], "x")
+    b["settings"]["max_model_len"] = 606
+    pb.write_text(json.dumps(b))
+    with pytest.raises(ValueError, match=r"b.json: profile differ from .*a.json's"):
+        e2e_report.merge_results([str(pa), str(pb)], "x")
+    b["profile"] = a["profile"]
+    pb.write_text(json.dumps(b))
+    with pytest.raises(ValueError, match="arm nospec is in more than one file"):
+        e2e_report.merge_results([str(pa), str(pb)], "x")
+    m = e2e_report.merge_results([str(pa), str(pb)], "x", sequential=True)
+    assert m["profile"] == a["profile"] and m["settings"]["max_model_len"] == 606  # nothing differs: kept as it was
+    assert "Acceptance: NOT measured (synthetic) profile, builtin;" in e2e_report.render_markdown(m)
+
+
+def test_sequential_merge_still_needs_one_machine_and_the_same_settings(tmp_path: Path) -> None:
+    a, b, pa, pb = two_sequential_runs(tmp_path)
+    b["machine"] = {"device": "another GPU"}
+    pb.write_text(json.dumps(b))
+    with pytest.raises(ValueError, match="another results format or machine"):
+        e2e_report.merge_results([str(pa), str(pb)], "x", sequential=True)
+    b["machine"] = a["machine"]
+    b["settings"]["temperature"] = 0.0
+    pb.write_text(json.dumps(b))
+    with pytest.raises(ValueError, match="settings differ"):
+        e2e_report.merge_results([str(pa), str(pb)], "x", sequential=True)
+
+
+def test_merge_sequential_from_the_command_line(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    _, _, pa, pb = two_sequential_runs(tmp_path)
+    out = tmp_path / "ab.json"
+    assert e2e_report.main([str(pa), str(pb), "--merge", str(out), "--merge-sequential"]) == 0
+    m = json.loads(out.read_text())
+    assert m["merge_note"] == "arms ran one after another on one machine" and len(m["repeated_arms"]) == 1
+    assert "- nospec again in" in capsys.readouterr().out
+    with pytest.raises(ValueError, match="settings differ"):  # without the switch: runs at the same time
+        e2e_report.main([str(pa), str(pb), "--merge", str(out), "--merge-note", "x"])
