@@ -6,7 +6,7 @@
 // output and its rotate_half rows, the K/V scatter into the per-request cache, SDPA with the
 // additive key mask, the [R, heads, w, hd] -> [R w, heads hd] copy) plus, once per call, the
 // gather / scatter / scatter of the nodes' key-mask rows; at R x w = 2 nodes each is a few
-// microseconds of launch-bound work (bench/results/weaver_profile*.json). Bytes per CTA: the
+// microseconds of launch-bound work (bench/results/weaver_profile*.json.gz). Bytes per CTA: the
 // prompt's and the node slots' K and V of one head (2 (1 + D + max_nodes) hd elements, 25 KB at the
 // 27B drafter shape), the w rows' q/k/v and rotate_half rows: latency-bound, not bandwidth-bound.
 //

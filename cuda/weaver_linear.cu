@@ -10,7 +10,7 @@
 //
 // At these M the layers are matrix-vector products bound by the weight bytes (the 27B drafter's
 // qkv with its rotate_half rows: 6144 x 1024 bf16 = 12.6 MB per call). cuBLAS runs them at ~1.8 TB/s
-// with a separate norm kernel before and elementwise kernels after (bench/results/weaver_profile*.json);
+// with a separate norm kernel before and elementwise kernels after (bench/results/weaver_profile*.json.gz);
 // this kernel reads each weight row once at the copy bandwidth and does the rest in registers.
 //
 // One warp per WL_RW weight rows (mode 0: rows 2u, 2u + 1; mode 1: rows u and u + N, one output):

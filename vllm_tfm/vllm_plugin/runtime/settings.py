@@ -16,7 +16,7 @@ them into ``TreeSettings`` here. Two in-process switches come on top:
   all layers (``vllm_tfm.kernels.batched_commit``) instead of two launches per layer
   (``runtime/commit.py``, ``commit_gdn_layers``). Both write the same states bit for bit
   (tests/gpu/test_batched_commit_gpu.py); on the H200 the batched one cut the commit of a 27B
-  step from 10.0 to 3.6 ms (bench/results/e2e_27b_graphs_batched_commit.json).
+  step from 10.0 to 3.6 ms (bench/results/e2e_27b_graphs_batched_commit.json.gz).
 
 One debugging switch is read once, when a tfm model runner is built (``trace_settings``):
 
