@@ -32,11 +32,14 @@ from gdn_tree import VD, machine_info, time_calls  # noqa: E402
 from vllm_tfm.kernels import gdn as kgdn  # noqa: E402
 from vllm_tfm.kernels import loader  # noqa: E402
 
+# with the path solve (G6_SOLVE=1) "projections" also holds phase 2b (the path rows of T and W) and
+# "substitution" is the gathers of the outputs; with the level solve (G6_SOLVE=0) it is the substitution
+SOLVES = {"levels": 0, "paths": 1}
 PHASES = ("loads_tables", "norms_gram", "coefficients_split", "projections", "substitution")
 
 
-def timeline(n: int, batch: int, reps: int, threads: int | None, parts: int = 3, solve_warp: bool = False) -> dict:
-    opts = [f"-DGDN_S0_PARTS={parts}"] + (["-DG6_SOLVE_WARP=1"] if solve_warp else [])
+def timeline(n: int, batch: int, reps: int, threads: int | None, parts: int = 3, solve: str = "auto") -> dict:
+    opts = [f"-DGDN_S0_PARTS={parts}"] + ([f"-DG6_SOLVE={SOLVES[solve]}"] if solve != "auto" else [])
     plan, sets, inputs, pool, slots = phase_case(n, batch)
     fns = []
     for s in range(sets):
@@ -49,6 +52,7 @@ def timeline(n: int, batch: int, reps: int, threads: int | None, parts: int = 3,
     call_us, _ = time_calls(fns, reps)
     x = inputs[0]
     h = x["q"].shape[1]
+    chosen = kgdn.grouped_solve(plan, x["q"].shape[2], x["v"].shape[1] // h, kgdn.device_smem_optin(0), opts)
     ctas = plan.num_requests * h * (VD // kgdn.GROUPED_BV)
     buf = torch.zeros(ctas, kgdn.GROUPED_MARKS, 2, dtype=torch.int64, device="cuda")
     launches, _, _ = kgdn.verify_launches(plan, x["q"], x["k"], x["v"], x["g"], x["beta"], pool, slots[0],
@@ -57,18 +61,22 @@ def timeline(n: int, batch: int, reps: int, threads: int | None, parts: int = 3,
     for _ in range(3):  # the last of three back-to-back calls (warm caches of the tables, as in a graph)
         launches[0][1]()
     torch.cuda.synchronize()
-    # this layout's outputs against the kernel's (same sums in the same order: equal bit for bit)
+    # these options' outputs against the default kernel's: equal bit for bit, or (another solve or S0
+    # split) the relative difference of delta
     ls, o_l, d_l = kgdn.verify_launches(plan, x["q"], x["k"], x["v"], x["g"], x["beta"], pool, slots[0],
                                         return_delta=True, variant=6, threads6=threads, extra_options=opts)
     ls[0][1]()
     o_k, d_k = kgdn.gdn_tree_verify_planned(plan, x["q"], x["k"], x["v"], x["g"], x["beta"], pool, slots[0],
                                             return_delta=True, variant=6)
     equals_kernel = bool(torch.equal(o_l, o_k) and torch.equal(d_l, d_k))
+    delta_rel_vs_kernel = float((d_l.double() - d_k.double()).norm() / d_k.double().norm())
     marks = buf.cpu()
     ns, clk = marks[:, :, 0].double(), marks[:, :, 1].double()
     ghz = statistics.median(((clk[:, 5] - clk[:, 0]) / (ns[:, 5] - ns[:, 0]).clamp(min=1)).tolist())
     row = dict(n=n, batch=batch, nodes=plan.num_nodes, pairs=plan.num_pairs, max_depth=plan.max_depth, ctas=ctas,
-               threads=threads or "auto", s0_parts=parts, solve_warp=solve_warp, equals_kernel=equals_kernel,
+               threads=threads or "auto", s0_parts=parts,
+               solve=solve if solve != "auto" else f"auto-{'paths' if chosen else 'levels'}",
+               equals_kernel=equals_kernel, delta_rel_vs_kernel=delta_rel_vs_kernel,
                call_us=call_us, clock_ghz=ghz,
                span_us=float(ns[:, 5].max() - ns[:, 0].min()) / 1e3,
                cta_us_median=statistics.median(((clk[:, 5] - clk[:, 0]) / ghz / 1e3).tolist()),
@@ -82,15 +90,15 @@ def timeline(n: int, batch: int, reps: int, threads: int | None, parts: int = 3,
 def table(rows: list[dict]) -> str:
     lines = ["GDN tree verify version 6 from inside (us; per-CTA SM clock, median / max over CTAs; span = first start to "
              "last end; call = graph-timed whole call)",
-             f"{'n':>4} {'batch':>5} {'thr':>4} {'S0':>2} {'sw':>2} {'eq':>2} {'call':>7} {'span':>7} {'cta':>7} {'spread':>7} | "
+             f"{'n':>4} {'batch':>5} {'thr':>4} {'S0':>2} {'solve':>12} {'eq':>2} {'drel':>7} {'call':>7} {'span':>7} {'cta':>7} {'spread':>7} | "
              + " ".join(f"{p[:12]:>13}" for p in PHASES)]
     for r in rows:
         if "error" in r:
             lines.append(f"{r['n']:>4} {r['batch']:>5} {r['error']}")
             continue
         ph = r["phase_us"]
-        lines.append(f"{r['n']:>4} {r['batch']:>5} {str(r['threads']):>4} {r['s0_parts']:>2} {int(r['solve_warp']):>2} "
-                     f"{int(r['equals_kernel']):>2} {r['call_us']:>7.1f} {r['span_us']:>7.1f} "
+        lines.append(f"{r['n']:>4} {r['batch']:>5} {str(r['threads']):>4} {r['s0_parts']:>2} {r['solve']:>12} "
+                     f"{int(r['equals_kernel']):>2} {r['delta_rel_vs_kernel']:>7.1e} {r['call_us']:>7.1f} {r['span_us']:>7.1f} "
                      f"{r['cta_us_median']:>7.1f} {r['start_spread_us']:>7.1f} | "
                      + " ".join(f"{ph[p]['median']:>6.2f}/{ph[p]['max']:<6.2f}" for p in PHASES))
     return "\n".join(lines)
@@ -104,13 +112,14 @@ def main() -> None:
     ap.add_argument("--threads", type=int, nargs="+", default=[0], help="CTA sizes (0: the automatic choice)")
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--s0-parts", type=int, nargs="+", default=[3], help="S0 split parts (3: the kernel; 2: timing only)")
-    ap.add_argument("--solve-warp", action="store_true", help="also time phase 4's warp-per-columns layout (G6_SOLVE_WARP)")
+    ap.add_argument("--solve", nargs="+", choices=("auto", *SOLVES), default=["auto"],
+                    help="phase 4's solve: auto (the wrapper's choice, grouped_solve), levels (G6_SOLVE=0), paths (1)")
     args = ap.parse_args()
     if not torch.cuda.is_available() or not loader.kernels_available():
         sys.exit(f"gdn_timeline.py needs a CUDA device and the NVRTC kernels: {loader.kernels_unavailable_reason()}")
     start = time.perf_counter()
     rows = [timeline(n, b, args.reps, t or None, parts, sw) for b in args.batch for n in args.n for t in args.threads
-            for parts in args.s0_parts for sw in ((False, True) if args.solve_warp else (False,))]
+            for parts in args.s0_parts for sw in args.solve]
     text = table(rows)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -26,8 +26,11 @@
 //            projections K S0^T and Q S0^T on tensor cores (m16n8k16 bf16, exact bf16 q/k times
 //            each part, float32 sums: float32-accurate products), a warp per two 16-row tiles and
 //            value head; R and e^G rq Q S0^T to shared
-//   phase 4  the level-by-level forward substitution and the outputs (o, delta), a warp per 4
-//            columns of a value head (levels synchronised by __syncwarp only)
+//   phase 4  the outputs (o, delta). G6_SOLVE = 1 (small shallow trees, bench/NOTES.md section 33): every node's
+//            row of (I + X)^-1 and of Y (I + X)^-1 restricted to its path, by a back substitution
+//            over the path per (node, value head) right after phase 2 (no level barriers), then o and
+//            delta as gathers over the node's path of R rows, all rows in flight at once.
+//            G6_SOLVE = 0: the level-by-level forward substitution, a CTA barrier per tree level.
 //
 // Compile-time constants (NVRTC -D): TFM_IN (must be 1, bfloat16), GDN_K, GDN_V, GDN_GROUP, G6_THREADS.
 // The plan (vllm_tfm/kernels/plan.py) and the state layout (V-first [slot, HV, V, K], read only)
@@ -56,15 +59,22 @@
 #define GDN_S0_PARTS 3
 #endif
 static_assert(GDN_S0_PARTS == 2 || GDN_S0_PARTS == 3, "two or three parts of S0");
-// Phase 4's layout: 0 = a unit per (row, value head, 4 columns), a CTA barrier per level (the
-// kernel); 1 = a warp per 4 columns of a value head, levels by __syncwarp, level-transposed pair
-// tables and D / O rows of 20 floats (timing only until measured faster: bench/gdn_timeline.py
-// --solve-warp; the same sums in the same order, so the same outputs bit for bit).
-#ifndef G6_SOLVE_WARP
-#define G6_SOLVE_WARP 0
+// Phase 4 (the solve). 1 = path rows: a node's Delta and output are sums over its path,
+//   Delta_i = sum_{j in P(i)} T_ij R_j,   O_i = e^{G_i} rq_i Q S0^T + sum_{j in P(i)} W_ij R_j,
+//   T = (I + X)^-1 and W = Y (I + X)^-1, both supported on ancestor pairs. Row i of each depends only
+//   on X restricted to P(i) (the ancestors of an ancestor are ancestors), so a thread computes it by
+//   back substitution over the path: t_i = 1, t_e = -sum_{f > e on the path} t_f X_fe; w the same with
+//   w starting from Y's row. No CTA barrier per tree level.
+// 0 = levels: forward substitution level by level (a unit per (row, value head, 4 columns), a CTA
+//   barrier per level), versions 1-5's order of sums (bench/gdn_timeline.py --solve levels).
+// The wrapper picks one per call (vllm_tfm/kernels/gdn.py grouped_solve: paths for small, shallow
+// trees, where bench/NOTES.md section 33 measured them faster).
+#ifndef G6_SOLVE
+#define G6_SOLVE 0
 #endif
+static_assert(G6_SOLVE == 0 || G6_SOLVE == 1, "G6_SOLVE: 0 = levels, 1 = path rows");
 #define G6_BV 16        // V columns per value head and CTA
-#define G6_DS (G6_SOLVE_WARP ? G6_BV + 4 : G6_BV)  // floats per D / O row
+#define G6_DS G6_BV     // floats per D / O row
 // Threads per CTA (NVRTC -D): 512 (one CTA per SM) or 256 (two CTAs per SM where the shared memory
 // allows, so that one CTA's loads overlap the other's math: many CTAs, small trees).
 #ifndef G6_THREADS
@@ -100,11 +110,12 @@ __host__ __device__ constexpr int g6_max(int a, int b) { return a > b ? a : b; }
 struct G6Smem {
   u16 *qs, *ks, *s0, *vs;        // q, k rows [n16][KP]; S0 parts [3][GROUP][16][KP]; v [n][GROUP][16]
   float *D, *O, *kk, *qk;        // R then Delta, and e^G rq Q S0^T: [GROUP][n16][16]; raw pair products [pcap]
-  float *X, *Y;                  // [GROUP][pcap]
+  float *X, *Y;                  // [GROUP][pcap] (G6_SOLVE 1: Y becomes W = Y (I + X)^-1 in phase 2b)
+  float* T;                      // G6_SOLVE 1: (I + X)^-1 on the pair entries [GROUP][pcap]
   int* pj;                       // ancestor (global node index) of each pair entry [pcap]
-  int* pjT;                      // G6_SOLVE_WARP: local ancestors, level-transposed [pcap]
+  int* pa;                       // G6_SOLVE 1: first pair entry of each entry's ancestor [pcap]
   float *rk, *rq, *eg, *bt, *gl; // norm scales [n]; e^G, beta, g [GROUP][n]
-  int *dep_n, *poff_n, *pos_n;   // by local node: depth, first pair entry, level position
+  int *dep_n, *poff_n;           // by local node: depth, first pair entry
   int *node_p, *dep_p, *poff_p, *lvl;  // by level position: node, depth, first pair entry [n + 1]; first position of a depth
 };
 
@@ -114,8 +125,8 @@ __host__ __device__ inline int g6_smem_words(int n_cap, int pcap) {
   const int dw = GDN_GROUP * n16 * G6_DS;  // D (and O)
   return 2 * g6_align4(n16 * G6_KP / 2) + g6_align4(3 * GDN_GROUP * G6_BV * G6_KP / 2) +
          g6_align4(n_cap * GDN_GROUP * G6_BV / 2) + g6_max(2 * dw, 2 * g6_align4(pcap)) +
-         (1 + G6_SOLVE_WARP + 2 * GDN_GROUP) * g6_align4(pcap) + (2 + 3 * GDN_GROUP) * g6_align4(n_cap) + 2 * g6_align4(n_cap) +
-         3 * g6_align4(n_cap) + g6_align4(n_cap + 1) + g6_align4(n_cap + 2);
+         (1 + G6_SOLVE + (2 + G6_SOLVE) * GDN_GROUP) * g6_align4(pcap) + (2 + 3 * GDN_GROUP) * g6_align4(n_cap) + 2 * g6_align4(n_cap) +
+         2 * g6_align4(n_cap) + g6_align4(n_cap + 1) + g6_align4(n_cap + 2);
 }
 
 __device__ inline G6Smem g6_carve(float* base, int n_cap, int pcap) {
@@ -132,9 +143,10 @@ __device__ inline G6Smem g6_carve(float* base, int n_cap, int pcap) {
   s.kk = p; s.qk = p + g6_align4(pcap);
   p += g6_max(2 * dw, 2 * g6_align4(pcap));
   s.pj = reinterpret_cast<int*>(p); p += g6_align4(pcap);
-  s.pjT = reinterpret_cast<int*>(p); p += G6_SOLVE_WARP * g6_align4(pcap);
+  s.pa = reinterpret_cast<int*>(p); p += G6_SOLVE * g6_align4(pcap);
   s.X = p; p += GDN_GROUP * g6_align4(pcap);
   s.Y = p; p += GDN_GROUP * g6_align4(pcap);
+  s.T = p; p += G6_SOLVE * GDN_GROUP * g6_align4(pcap);
   s.rk = p; p += g6_align4(n_cap);
   s.rq = p; p += g6_align4(n_cap);
   s.eg = p; p += GDN_GROUP * g6_align4(n_cap);
@@ -142,7 +154,6 @@ __device__ inline G6Smem g6_carve(float* base, int n_cap, int pcap) {
   s.gl = p; p += GDN_GROUP * g6_align4(n_cap);
   s.dep_n = reinterpret_cast<int*>(p); p += g6_align4(n_cap);
   s.poff_n = reinterpret_cast<int*>(p); p += g6_align4(n_cap);
-  s.pos_n = reinterpret_cast<int*>(p); p += g6_align4(n_cap);
   s.node_p = reinterpret_cast<int*>(p); p += g6_align4(n_cap);
   s.dep_p = reinterpret_cast<int*>(p); p += g6_align4(n_cap);
   s.poff_p = reinterpret_cast<int*>(p); p += g6_align4(n_cap + 1);
@@ -255,28 +266,29 @@ gdn_tree_verify_grouped(const tin* __restrict__ q, const tin* __restrict__ k, co
                                                 (i64)(v0 + row) * st_v + c4);
     }
   }
-  // plan tables by level position (for the solve) and, scattered, by local node (for the pairs)
+  // plan tables by local node (pairs, paths) and, G6_SOLVE 0, by level position (the level solve)
   for (int p = tid; p < n; p += G6_THREADS) {
     const int node = perm[bos + p] - bos;
     const int off = pair_off[bos + p] - pbase;
     const int d = pair_off[bos + p + 1] - pbase - off - 1;
-    sm.node_p[p] = node;
-    sm.poff_p[p] = off;
-    sm.dep_p[p] = d;
     sm.dep_n[node] = d;
     sm.poff_n[node] = off;
-    sm.pos_n[node] = p;
+    if (!G6_SOLVE) {
+      sm.node_p[p] = node;
+      sm.poff_p[p] = off;
+      sm.dep_p[p] = d;
+    }
   }
-  if (tid == 0) sm.poff_p[n] = cnt;
+  if (!G6_SOLVE && tid == 0) sm.poff_p[n] = cnt;
   cp_async_wait<0>();
   __syncthreads();  // B1: rows and tables visible
   mark(1);
 
   // ---- phase 1.
-  for (int p = tid; p < n; p += G6_THREADS) {  // first level position of each depth (read in phase 4)
+  for (int p = tid; p < (G6_SOLVE ? 0 : n); p += G6_THREADS) {  // first level position of each depth (phase 4, levels)
     if (p == 0 || sm.dep_p[p] != sm.dep_p[p - 1]) sm.lvl[sm.dep_p[p]] = p;
   }
-  if (tid == 0) sm.lvl[sm.dep_p[n - 1] + 1] = n;
+  if (!G6_SOLVE && tid == 0) sm.lvl[sm.dep_p[n - 1] + 1] = n;
   // q norms: 4 lanes per node, K / 4 elements each
   for (int base = 0; base < n * 4; base += G6_THREADS) {  // warp-uniform bound (shuffles below)
     const int u = base + tid;
@@ -356,24 +368,17 @@ gdn_tree_verify_grouped(const tin* __restrict__ q, const tin* __restrict__ k, co
     const float bi = sm.bt[t * n_cap + i], rki = sm.rk[i], rqi = sm.rq[i];
     float* __restrict__ Xt = sm.X + t * g6_align4(pcap);
     float* __restrict__ Yt = sm.Y + t * g6_align4(pcap);
-#if G6_SOLVE_WARP  // X, Y and the ancestors stored level-transposed (phase 4's layout)
-    const int l0 = sm.lvl[d], w = sm.lvl[d + 1] - l0, xb = sm.poff_p[l0] + (sm.pos_n[i] - l0);
-#define G6_XIDX(e) (xb + (e) * w)
-#else
-#define G6_XIDX(e) (ob + (e))
-#endif
     float seg = 0.f;  // sum of g strictly below the entry on the path: G_i - G_j, always <= 0
     for (int e = d; e >= 0; --e) {
       const int j = sm.pj[ob + e] - bos;
       const float f = expf(seg), rkj = sm.rk[j];
-      Xt[G6_XIDX(e)] = e < d ? bi * f * (sm.kk[ob + e] * rki * rkj) : 0.f;
-      Yt[G6_XIDX(e)] = f * (sm.qk[ob + e] * rqi * rkj);
-#if G6_SOLVE_WARP
-      if (t == 0) sm.pjT[G6_XIDX(e)] = j;
+      Xt[ob + e] = e < d ? bi * f * (sm.kk[ob + e] * rki * rkj) : 0.f;
+      Yt[ob + e] = f * (sm.qk[ob + e] * rqi * rkj);
+#if G6_SOLVE
+      if (t == 0) sm.pa[ob + e] = sm.poff_n[j];
 #endif
       seg += sm.gl[t * n_cap + j];
     }
-#undef G6_XIDX
     sm.eg[t * n_cap + i] = expf(seg);  // seg = G_i
   }
   // S0 parts to shared memory: [part][t][row][KP], part 0 = lo, 1 = mid, 2 = hi
@@ -400,6 +405,33 @@ gdn_tree_verify_grouped(const tin* __restrict__ q, const tin* __restrict__ k, co
   }
   __syncthreads();  // B3: X, Y, e^G, S0 parts visible (the pair products' region is free now)
   mark(3);
+
+#if G6_SOLVE
+  // ---- phase 2b: per (node i, value head t), row i of T = (I + X)^-1 and of W = Y (I + X)^-1 on i's
+  // path, by back substitution from i's own entry (depth d) to the root's (depth 0):
+  //   t_d = 1, w_d = Y_ii;  t_e = -sum_{f = e+1..d} t_f X_{P_f, e},  w_e = Y_{i,e} - sum_{f = e+1..d} w_f X_{P_f, e}
+  // (P_f: i's ancestor at depth f; its pair entry e is the same node as i's entry e). Y's row i is read
+  // by this item only, so W overwrites it. Items run from the last thread down, so that the warps with
+  // no projection work below (the highest ones at n <= 128) take them first.
+  for (int c = G6_THREADS - 1 - tid; c < ((GDN_PROFILE_SKIP & 8) ? 0 : n * GDN_GROUP); c += G6_THREADS) {
+    const int t = c / n, i = c % n;
+    const int d = sm.dep_n[i], ob = sm.poff_n[i];
+    const float* __restrict__ Xt = sm.X + t * g6_align4(pcap);
+    float* __restrict__ Wt = sm.Y + t * g6_align4(pcap);
+    float* __restrict__ Tt = sm.T + t * g6_align4(pcap);
+    Tt[ob + d] = 1.f;
+    for (int e = d - 1; e >= 0; --e) {
+      float st = 0.f, sw = 0.f;
+      for (int f = e + 1; f <= d; ++f) {
+        const float x = Xt[sm.pa[ob + f] + e];
+        st = fmaf(Tt[ob + f], x, st);
+        sw = fmaf(Wt[ob + f], x, sw);
+      }
+      Tt[ob + e] = -st;
+      Wt[ob + e] -= sw;
+    }
+  }
+#endif
 
   // ---- phase 3: projections. Work item = (two 16-row tiles, value head t): both tiles' q and k
   // rows against the head's 16 S0 rows, eight m16n8 accumulators. Per k-step of 16: four ldmatrix of
@@ -478,7 +510,37 @@ gdn_tree_verify_grouped(const tin* __restrict__ q, const tin* __restrict__ k, co
   __syncthreads();  // B4: R and the Q projections visible
   mark(4);
 
-#if !G6_SOLVE_WARP
+#if G6_SOLVE
+  // ---- phase 4: outputs as gathers over each node's path (T, W rows from phase 2b, R rows from
+  // phase 3), a unit per (row, value head, 4 columns), every row in flight, no barrier.
+  constexpr int UPR = GDN_GROUP * (G6_BV / 4);  // units per row
+  constexpr int RPAR = G6_THREADS / UPR;        // rows in flight
+  const int rsub = tid / UPR, ut = (tid / (G6_BV / 4)) % GDN_GROUP, uq = tid % (G6_BV / 4);
+  if (!(GDN_PROFILE_SKIP & 4) && rsub < RPAR) {
+    const float* __restrict__ Tt = sm.T + ut * g6_align4(pcap);
+    const float* __restrict__ Wt = sm.Y + ut * g6_align4(pcap);
+    const float* __restrict__ Dt = sm.D + ut * n16 * G6_DS + uq * 4;
+    const float* __restrict__ Ot = sm.O + ut * n16 * G6_DS + uq * 4;
+    for (int i = rsub; i < n; i += RPAR) {
+      const int d = sm.dep_n[i], ob = sm.poff_n[i];
+      float4 dl = make_float4(0.f, 0.f, 0.f, 0.f), ao = *reinterpret_cast<const float4*>(Ot + i * G6_DS);
+#pragma unroll 4
+      for (int e = 0; e <= d; ++e) {
+        const int j = sm.pj[ob + e] - bos;
+        const float tv = Tt[ob + e], wv = Wt[ob + e];
+        const float4 rj = *reinterpret_cast<const float4*>(Dt + j * G6_DS);
+        dl.x = fmaf(tv, rj.x, dl.x); dl.y = fmaf(tv, rj.y, dl.y); dl.z = fmaf(tv, rj.z, dl.z); dl.w = fmaf(tv, rj.w, dl.w);
+        ao.x = fmaf(wv, rj.x, ao.x); ao.y = fmaf(wv, rj.y, ao.y); ao.z = fmaf(wv, rj.z, ao.z); ao.w = fmaf(wv, rj.w, ao.w);
+      }
+      const i64 orow = ((i64)(bos + i) * HV + hv0 + ut) * GDN_V + v0 + uq * 4;
+      uint2 packed;
+      packed.x = (u32)from_f32<tin>(ao.x).bits | ((u32)from_f32<tin>(ao.y).bits << 16);
+      packed.y = (u32)from_f32<tin>(ao.z).bits | ((u32)from_f32<tin>(ao.w).bits << 16);
+      *reinterpret_cast<uint2*>(o + orow) = packed;
+      if (delta_out != nullptr) *reinterpret_cast<float4*>(delta_out + orow) = dl;
+    }
+  }
+#else
   // ---- phase 4: forward substitution level by level; a unit is (row, value head, 4 columns), 42
   // rows in flight, one CTA barrier per level.
   constexpr int UPR = GDN_GROUP * (G6_BV / 4);  // units per row
@@ -496,46 +558,33 @@ gdn_tree_verify_grouped(const tin* __restrict__ q, const tin* __restrict__ k, co
       for (int pp = s + rsub; pp < e_end; pp += RPAR) {
         const int i = sm.node_p[pp];
         const int ob = sm.poff_p[pp];
-#define G6_PIDX(e) (ob + (e))
-#define G6_PJ(e) (sm.pj[G6_PIDX(e)] - bos)
-#include "gdn_tree_verify_grouped_row.cuh"
-#undef G6_PJ
-#undef G6_PIDX
+        float4 ax = make_float4(0.f, 0.f, 0.f, 0.f), ay = ax;
+#pragma unroll 4
+        for (int e = 0; e < d; ++e) {
+          const int j = sm.pj[ob + e] - bos;
+          const float xv = Xt[ob + e], yv = Yt[ob + e];
+          const float4 dj = *reinterpret_cast<const float4*>(Dt + j * G6_DS);
+          ax.x = fmaf(xv, dj.x, ax.x); ax.y = fmaf(xv, dj.y, ax.y); ax.z = fmaf(xv, dj.z, ax.z); ax.w = fmaf(xv, dj.w, ax.w);
+          ay.x = fmaf(yv, dj.x, ay.x); ay.y = fmaf(yv, dj.y, ay.y); ay.z = fmaf(yv, dj.z, ay.z); ay.w = fmaf(yv, dj.w, ay.w);
+        }
+        const float yself = Yt[ob + d];
+        const float4 ri = *reinterpret_cast<const float4*>(Dt + i * G6_DS);
+        const float4 oi = *reinterpret_cast<const float4*>(Ot + i * G6_DS);
+        float4 dl;
+        dl.x = ri.x - ax.x; dl.y = ri.y - ax.y; dl.z = ri.z - ax.z; dl.w = ri.w - ax.w;
+        *reinterpret_cast<float4*>(Dt + i * G6_DS) = dl;
+        const float out[4] = {oi.x + ay.x + yself * dl.x, oi.y + ay.y + yself * dl.y, oi.z + ay.z + yself * dl.z,
+                              oi.w + ay.w + yself * dl.w};
+        const i64 orow = ((i64)(bos + i) * HV + hv0 + ut) * GDN_V + v0 + uq * 4;
+        uint2 packed;
+        packed.x = (u32)from_f32<tin>(out[0]).bits | ((u32)from_f32<tin>(out[1]).bits << 16);
+        packed.y = (u32)from_f32<tin>(out[2]).bits | ((u32)from_f32<tin>(out[3]).bits << 16);
+        *reinterpret_cast<uint2*>(o + orow) = packed;
+        if (delta_out != nullptr) *reinterpret_cast<float4*>(delta_out + orow) = dl;
       }
     }
     __syncthreads();
     s = e_end;
-  }
-#else
-  // ---- phase 4 (G6_SOLVE_WARP, timing only until measured faster): columns are independent, so a
-  // warp owns 4 columns of one value head for every row (lane = row of the level) and a level waits
-  // for the warp's own earlier levels only (__syncwarp). The pair tables are level-transposed (entry
-  // e of the r-th node of a level at level base + e * width + r: consecutive lanes, consecutive
-  // words) and D / O rows padded to 20 floats, so that the lanes' loads do not share banks.
-  constexpr int QUADS = G6_BV / 4;
-  for (int cg = warp; cg < ((GDN_PROFILE_SKIP & 4) ? 0 : GDN_GROUP * QUADS); cg += G6_WARPS) {  // warp-uniform
-    const int ut = cg / QUADS, uq = cg % QUADS;
-    const float* __restrict__ Xt = sm.X + ut * g6_align4(pcap);
-    const float* __restrict__ Yt = sm.Y + ut * g6_align4(pcap);
-    float* __restrict__ Dt = sm.D + ut * n16 * G6_DS + uq * 4;
-    const float* __restrict__ Ot = sm.O + ut * n16 * G6_DS + uq * 4;
-    int s = 0;
-    while (s < n) {
-      const int d = sm.dep_p[s];
-      const int e_end = sm.lvl[d + 1];
-      const int w = e_end - s, lbase = sm.poff_p[s];
-      for (int pp = s + lane; pp < e_end; pp += 32) {
-        const int i = sm.node_p[pp];
-        const int r0 = pp - s;
-#define G6_PIDX(e) (lbase + (e) * w + r0)
-#define G6_PJ(e) (sm.pjT[G6_PIDX(e)])
-#include "gdn_tree_verify_grouped_row.cuh"
-#undef G6_PJ
-#undef G6_PIDX
-      }
-      __syncwarp();  // this level's Delta rows visible to the warp's lanes before the next level reads them
-      s = e_end;
-    }
   }
 #endif
   if (timeline != nullptr) {  // uniform: the end of the CTA's last warp

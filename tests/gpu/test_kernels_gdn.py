@@ -200,6 +200,31 @@ def test_verify_v6_bf16_matches_float64_reference(name, group):
     assert rel(o, o_ref) <= HALF_TOL and rel(d, d_ref) <= FP32_TOL
 
 
+@pytest.mark.parametrize("name", ["mixed_batch", "deep70", "star33"])
+def test_verify_v6_path_solve_equals_level_solve(name):
+    # the path solve (G6_SOLVE=1: rows of (I + X)^-1 and Y (I + X)^-1 over each node's path, then gathers;
+    # the wrapper's choice for small shallow trees) against the level-by-level substitution (G6_SOLVE=0), both
+    # forced, at the 27B group (3 value heads per q/k head): both within the bars against float64, and within
+    # float32 rounding of each other; deep70 has depth 55
+    trees = [deep_tree(70, _seeded(42))] if name == "deep70" else TREE_SETS[name](_seeded(len(name) + 40))
+    c = make_case(trees, h=2, hv=6, dtype=torch.bfloat16, seed=41)
+    plan = TreePlan.build(c["parents"], c["cu_nodes"])
+    o_ref, d_ref = reference(c)
+    outs = []
+    for opts in (("-DG6_SOLVE=1",), ("-DG6_SOLVE=0",)):
+        launches, o, d = kgdn.verify_launches(plan, c["q"], c["k"], c["v"], c["g"], c["beta"], c["ssm_state"],
+                                              c["state_indices"], return_delta=True, variant=6, extra_options=opts)
+        assert [kname for kname, _ in launches] == ["gdn_tree_verify_grouped"]
+        o.fill_(float("nan"))
+        d.fill_(float("nan"))
+        for _, fn in launches:
+            fn()
+        torch.cuda.synchronize()
+        assert rel(o, o_ref) <= HALF_TOL and rel(d, d_ref) <= FP32_TOL, (opts, rel(o, o_ref), rel(d, d_ref))
+        outs.append((o, d))
+    assert rel(outs[0][1], outs[1][1]) <= 1e-6
+
+
 @pytest.mark.parametrize("variant", [4, 5])
 @pytest.mark.parametrize("block_v", [16, 32, 64])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])

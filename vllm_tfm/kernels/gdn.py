@@ -65,6 +65,7 @@ VERIFY_VARIANTS = (1, 2, 3, 4, 5, 6)
 DEFAULT_VERIFY_VARIANT = 3
 GROUPED_SOURCE = "gdn_tree_verify_grouped.cu"
 GROUPED_THREADS, GROUPED_BV = 512, 16
+PATH_SOLVE_MAX_NODES, PATH_SOLVE_MAX_DEPTH = 64, 16  # version 6's path solve: trees it takes (grouped_solve)
 GROUPED_MARKS = 6  # timeline marks of version 6 (G6_MARKS): start, after phases 0, 1, 2, 3, end
 SM_SMEM_BYTES = 228 * 1024  # shared memory of an sm_90 SM (CTAs also reserve 1 KB each)
 
@@ -95,20 +96,36 @@ def verify_smem_bytes(k_dim: int, block_v: int, n_cap: int, pcap: int, variant: 
     return 4 * words
 
 
-def grouped_smem_bytes(k_dim: int, group: int, n_cap: int, pcap: int, solve_warp: bool = False) -> int:
+def grouped_smem_bytes(k_dim: int, group: int, n_cap: int, pcap: int, solve_levels: bool = False) -> int:
     """Dynamic shared memory of ``gdn_tree_verify_grouped`` (mirrors g6_smem_words): q, k rows, the
     three S0 parts and v in 16 bits, R / Delta and the Q projections, the pair tables of the whole
-    request (pcap entries) for ``group`` value heads, the per-node and per-position tables.
-    ``solve_warp``: the timing-only G6_SOLVE_WARP layout (padded D / O rows, a transposed ancestor table)."""
+    request (pcap entries) for ``group`` value heads (X, Y and, with the path solve, T and each entry's
+    ancestor offset), the per-node and per-position tables. ``solve_levels``: the level-by-level solve
+    (``-DG6_SOLVE=0``, bench/gdn_timeline.py), which has no T and no ancestor offsets."""
     n16 = (n_cap + 15) & ~15
     kp = k_dim + 8
-    dw = group * n16 * (GROUPED_BV + 4 if solve_warp else GROUPED_BV)
+    dw = group * n16 * GROUPED_BV
+    paths = 0 if solve_levels else 1
     words = (
         2 * _align4(n16 * kp // 2) + _align4(3 * group * GROUPED_BV * kp // 2) + _align4(n_cap * group * GROUPED_BV // 2)
-        + max(2 * dw, 2 * _align4(pcap)) + (1 + int(solve_warp) + 2 * group) * _align4(pcap)
-        + (2 + 3 * group) * _align4(n_cap) + 5 * _align4(n_cap) + _align4(n_cap + 1) + _align4(n_cap + 2)
+        + max(2 * dw, 2 * _align4(pcap)) + (1 + paths + (2 + paths) * group) * _align4(pcap)
+        + (2 + 3 * group) * _align4(n_cap) + 4 * _align4(n_cap) + _align4(n_cap + 1) + _align4(n_cap + 2)
     )
     return 4 * words
+
+
+def grouped_solve(plan: TreePlan, k_dim: int, group: int, max_smem: int, extra_options: Sequence[str] = ()) -> int:
+    """Version 6's solve for this call (G6_SOLVE): 1 = path rows (each node's rows of (I + X)^-1 and
+    Y (I + X)^-1 by back substitution over its path, then gathers; no barrier per tree level), 0 = the
+    level-by-level substitution. Paths where the H200 measured them faster (bench/NOTES.md section 33:
+    up to 64 nodes per request; their cost grows with depth squared, so at most 16 levels, a DFlash
+    block) and where their larger tables (T and ancestor offsets) fit; an explicit ``-DG6_SOLVE=k``
+    in ``extra_options`` (benchmarks, tests) decides instead."""
+    forced = [o for o in extra_options if o.startswith("-DG6_SOLVE=")]
+    if forced:
+        return int(forced[-1].split("=", 1)[1])
+    fits = grouped_smem_bytes(k_dim, group, plan.max_nodes, plan.max_pairs_per_request) <= max_smem
+    return int(plan.max_nodes <= PATH_SOLVE_MAX_NODES and plan.max_depth <= PATH_SOLVE_MAX_DEPTH and fits)
 
 
 def grouped_threads(plan: TreePlan, h: int, v_dim: int, smem: int, max_smem_sm: int, num_sms: int) -> int:
@@ -128,7 +145,7 @@ def grouped_unsupported_reason(plan: TreePlan, qk_dtype: torch.dtype, h: int, hv
     group = hv // h
     if group * 4 > GROUPED_THREADS:
         return f"{group} value heads per q/k head: version 6 takes at most {GROUPED_THREADS // 4}"
-    smem = grouped_smem_bytes(k_dim, group, plan.max_nodes, plan.max_pairs_per_request)
+    smem = grouped_smem_bytes(k_dim, group, plan.max_nodes, plan.max_pairs_per_request, solve_levels=True)
     if smem > max_smem:
         return (f"a tree of {plan.max_nodes} nodes and {plan.max_pairs_per_request} pairs needs {smem} bytes of "
                 f"shared memory in version 6, the device has {max_smem}")
@@ -285,11 +302,13 @@ def verify_launches(
     if variant == 6:
         if grouped_unsupported_reason(plan, q.dtype, h, hv, kd, vd, device_smem_optin(dev_index)) is None:
             pcap6 = plan.max_pairs_per_request
-            smem6 = grouped_smem_bytes(kd, hv // h, plan.max_nodes, pcap6, "-DG6_SOLVE_WARP=1" in extra_options)
+            solve = grouped_solve(plan, kd, hv // h, device_smem_optin(dev_index), extra_options)
+            smem6 = grouped_smem_bytes(kd, hv // h, plan.max_nodes, pcap6, solve_levels=solve == 0)
             props = torch.cuda.get_device_properties(dev_index)
             threads = threads6 or grouped_threads(plan, h, vd, smem6, SM_SMEM_BYTES, props.multi_processor_count)
             opts = ["--std=c++17", "-lineinfo", f"-DTFM_IN={DTYPE_CODE[v.dtype]}", f"-DGDN_K={kd}", f"-DGDN_V={vd}",
-                    f"-DGDN_GROUP={hv // h}", f"-DG6_THREADS={threads}", *extra_options]
+                    f"-DGDN_GROUP={hv // h}", f"-DG6_THREADS={threads}", f"-DG6_SOLVE={solve}",
+                    *[o for o in extra_options if not o.startswith("-DG6_SOLVE=")]]
             k_grouped = get_kernel(GROUPED_SOURCE, "gdn_tree_verify_grouped", opts, dev_index)
             args = [q, k, v, g32, b32, plan.perm, plan.pair_off, plan.pair_j, plan.cu, ssm_state, sidx, i32(sidx64),
                     i64(st[0]), i64(st[1]), i64(st[2]), o, delta, i32(h), i32(hv), i32(plan.max_nodes), i32(pcap6),
