@@ -185,6 +185,16 @@ __device__ __forceinline__ void g6_split3(float x, u16& hi, u16& mid, u16& lo) {
   lo = g6_bf16_rn(r1 - bf16_bits_to_f32(mid));
 }
 
+// Phase 4's writes of 4 columns of one (node, value head) row: o rounded to bfloat16, delta in float32.
+__device__ __forceinline__ void g6_store_row(tin* __restrict__ o, float* __restrict__ delta_out, i64 orow, float4 out,
+                                             float4 dl) {
+  uint2 packed;
+  packed.x = (u32)from_f32<tin>(out.x).bits | ((u32)from_f32<tin>(out.y).bits << 16);
+  packed.y = (u32)from_f32<tin>(out.z).bits | ((u32)from_f32<tin>(out.w).bits << 16);
+  *reinterpret_cast<uint2*>(o + orow) = packed;
+  if (delta_out != nullptr) *reinterpret_cast<float4*>(delta_out + orow) = dl;
+}
+
 extern "C" __global__ void __launch_bounds__(G6_THREADS, 512 / G6_THREADS)
 gdn_tree_verify_grouped(const tin* __restrict__ q, const tin* __restrict__ k, const tin* __restrict__ v,
                         const float* __restrict__ g, const float* __restrict__ beta, const int* __restrict__ perm,
@@ -411,8 +421,9 @@ gdn_tree_verify_grouped(const tin* __restrict__ q, const tin* __restrict__ k, co
   // path, by back substitution from i's own entry (depth d) to the root's (depth 0):
   //   t_d = 1, w_d = Y_ii;  t_e = -sum_{f = e+1..d} t_f X_{P_f, e},  w_e = Y_{i,e} - sum_{f = e+1..d} w_f X_{P_f, e}
   // (P_f: i's ancestor at depth f; its pair entry e is the same node as i's entry e). Y's row i is read
-  // by this item only, so W overwrites it. Items run from the last thread down, so that the warps with
-  // no projection work below (the highest ones at n <= 128) take them first.
+  // by this item only, so W overwrites it. Items run from the last thread down: up to 64 nodes (the
+  // trees grouped_solve gives this solve) they land on warps with no projection item below; at 128
+  // nodes they share 8 of the 12 projection warps (bench/NOTES.md section 33).
   for (int c = G6_THREADS - 1 - tid; c < ((GDN_PROFILE_SKIP & 8) ? 0 : n * GDN_GROUP); c += G6_THREADS) {
     const int t = c / n, i = c % n;
     const int d = sm.dep_n[i], ob = sm.poff_n[i];
@@ -510,17 +521,18 @@ gdn_tree_verify_grouped(const tin* __restrict__ q, const tin* __restrict__ k, co
   __syncthreads();  // B4: R and the Q projections visible
   mark(4);
 
-#if G6_SOLVE
-  // ---- phase 4: outputs as gathers over each node's path (T, W rows from phase 2b, R rows from
-  // phase 3), a unit per (row, value head, 4 columns), every row in flight, no barrier.
+  // ---- phase 4: a unit per (row, value head ut, 4 columns uq), RPAR rows in flight.
   constexpr int UPR = GDN_GROUP * (G6_BV / 4);  // units per row
   constexpr int RPAR = G6_THREADS / UPR;        // rows in flight
   const int rsub = tid / UPR, ut = (tid / (G6_BV / 4)) % GDN_GROUP, uq = tid % (G6_BV / 4);
+  const float* __restrict__ Ot = sm.O + ut * n16 * G6_DS + uq * 4;
+#if G6_SOLVE
+  // Path solve: outputs as gathers over each node's path (T, W rows from phase 2b, R rows from phase
+  // 3), every row in flight, no barrier.
   if (!(GDN_PROFILE_SKIP & 4) && rsub < RPAR) {
     const float* __restrict__ Tt = sm.T + ut * g6_align4(pcap);
     const float* __restrict__ Wt = sm.Y + ut * g6_align4(pcap);
     const float* __restrict__ Dt = sm.D + ut * n16 * G6_DS + uq * 4;
-    const float* __restrict__ Ot = sm.O + ut * n16 * G6_DS + uq * 4;
     for (int i = rsub; i < n; i += RPAR) {
       const int d = sm.dep_n[i], ob = sm.poff_n[i];
       float4 dl = make_float4(0.f, 0.f, 0.f, 0.f), ao = *reinterpret_cast<const float4*>(Ot + i * G6_DS);
@@ -532,24 +544,14 @@ gdn_tree_verify_grouped(const tin* __restrict__ q, const tin* __restrict__ k, co
         dl.x = fmaf(tv, rj.x, dl.x); dl.y = fmaf(tv, rj.y, dl.y); dl.z = fmaf(tv, rj.z, dl.z); dl.w = fmaf(tv, rj.w, dl.w);
         ao.x = fmaf(wv, rj.x, ao.x); ao.y = fmaf(wv, rj.y, ao.y); ao.z = fmaf(wv, rj.z, ao.z); ao.w = fmaf(wv, rj.w, ao.w);
       }
-      const i64 orow = ((i64)(bos + i) * HV + hv0 + ut) * GDN_V + v0 + uq * 4;
-      uint2 packed;
-      packed.x = (u32)from_f32<tin>(ao.x).bits | ((u32)from_f32<tin>(ao.y).bits << 16);
-      packed.y = (u32)from_f32<tin>(ao.z).bits | ((u32)from_f32<tin>(ao.w).bits << 16);
-      *reinterpret_cast<uint2*>(o + orow) = packed;
-      if (delta_out != nullptr) *reinterpret_cast<float4*>(delta_out + orow) = dl;
+      g6_store_row(o, delta_out, ((i64)(bos + i) * HV + hv0 + ut) * GDN_V + v0 + uq * 4, ao, dl);
     }
   }
 #else
-  // ---- phase 4: forward substitution level by level; a unit is (row, value head, 4 columns), 42
-  // rows in flight, one CTA barrier per level.
-  constexpr int UPR = GDN_GROUP * (G6_BV / 4);  // units per row
-  constexpr int RPAR = G6_THREADS / UPR;        // rows in flight
-  const int rsub = tid / UPR, ut = (tid / (G6_BV / 4)) % GDN_GROUP, uq = tid % (G6_BV / 4);
+  // Level solve: forward substitution level by level, one CTA barrier per level.
   const float* __restrict__ Xt = sm.X + ut * g6_align4(pcap);
   const float* __restrict__ Yt = sm.Y + ut * g6_align4(pcap);
   float* __restrict__ Dt = sm.D + ut * n16 * G6_DS + uq * 4;
-  const float* __restrict__ Ot = sm.O + ut * n16 * G6_DS + uq * 4;
   int s = 0;
   while (!(GDN_PROFILE_SKIP & 4) && s < n) {
     const int d = sm.dep_p[s];
@@ -573,14 +575,9 @@ gdn_tree_verify_grouped(const tin* __restrict__ q, const tin* __restrict__ k, co
         float4 dl;
         dl.x = ri.x - ax.x; dl.y = ri.y - ax.y; dl.z = ri.z - ax.z; dl.w = ri.w - ax.w;
         *reinterpret_cast<float4*>(Dt + i * G6_DS) = dl;
-        const float out[4] = {oi.x + ay.x + yself * dl.x, oi.y + ay.y + yself * dl.y, oi.z + ay.z + yself * dl.z,
-                              oi.w + ay.w + yself * dl.w};
-        const i64 orow = ((i64)(bos + i) * HV + hv0 + ut) * GDN_V + v0 + uq * 4;
-        uint2 packed;
-        packed.x = (u32)from_f32<tin>(out[0]).bits | ((u32)from_f32<tin>(out[1]).bits << 16);
-        packed.y = (u32)from_f32<tin>(out[2]).bits | ((u32)from_f32<tin>(out[3]).bits << 16);
-        *reinterpret_cast<uint2*>(o + orow) = packed;
-        if (delta_out != nullptr) *reinterpret_cast<float4*>(delta_out + orow) = dl;
+        const float4 out = make_float4(oi.x + ay.x + yself * dl.x, oi.y + ay.y + yself * dl.y,
+                                       oi.z + ay.z + yself * dl.z, oi.w + ay.w + yself * dl.w);
+        g6_store_row(o, delta_out, ((i64)(bos + i) * HV + hv0 + ut) * GDN_V + v0 + uq * 4, out, dl);
       }
     }
     __syncthreads();

@@ -300,9 +300,10 @@ def verify_launches(
     i32, i64, f32 = ctypes.c_int, ctypes.c_longlong, ctypes.c_float
     st = ssm_state.stride()
     if variant == 6:
-        if grouped_unsupported_reason(plan, q.dtype, h, hv, kd, vd, device_smem_optin(dev_index)) is None:
+        max_smem = device_smem_optin(dev_index)
+        if grouped_unsupported_reason(plan, q.dtype, h, hv, kd, vd, max_smem) is None:
             pcap6 = plan.max_pairs_per_request
-            solve = grouped_solve(plan, kd, hv // h, device_smem_optin(dev_index), extra_options)
+            solve = grouped_solve(plan, kd, hv // h, max_smem, extra_options)
             smem6 = grouped_smem_bytes(kd, hv // h, plan.max_nodes, pcap6, solve_levels=solve == 0)
             props = torch.cuda.get_device_properties(dev_index)
             threads = threads6 or grouped_threads(plan, h, vd, smem6, SM_SMEM_BYTES, props.multi_processor_count)
