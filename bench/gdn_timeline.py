@@ -38,8 +38,10 @@ SOLVES = {"levels": 0, "paths": 1}
 PHASES = ("loads_tables", "norms_gram", "coefficients_split", "projections", "substitution")
 
 
-def timeline(n: int, batch: int, reps: int, threads: int | None, parts: int = 3, solve: str = "auto") -> dict:
-    opts = [f"-DGDN_S0_PARTS={parts}"] + ([f"-DG6_SOLVE={SOLVES[solve]}"] if solve != "auto" else [])
+def timeline(n: int, batch: int, reps: int, threads: int | None, parts: int = 3, solve: str = "auto",
+             defines: tuple[str, ...] = ()) -> dict:
+    opts = ([f"-DGDN_S0_PARTS={parts}"] + ([f"-DG6_SOLVE={SOLVES[solve]}"] if solve != "auto" else [])
+            + [f"-D{d}" for d in defines])
     plan, sets, inputs, pool, slots = phase_case(n, batch)
     fns = []
     for s in range(sets):
@@ -74,7 +76,7 @@ def timeline(n: int, batch: int, reps: int, threads: int | None, parts: int = 3,
     ns, clk = marks[:, :, 0].double(), marks[:, :, 1].double()
     ghz = statistics.median(((clk[:, 5] - clk[:, 0]) / (ns[:, 5] - ns[:, 0]).clamp(min=1)).tolist())
     row = dict(n=n, batch=batch, nodes=plan.num_nodes, pairs=plan.num_pairs, max_depth=plan.max_depth, ctas=ctas,
-               threads=threads or "auto", s0_parts=parts,
+               threads=threads or "auto", s0_parts=parts, defines=list(defines),
                solve=solve if solve != "auto" else f"auto-{'paths' if chosen else 'levels'}",
                equals_kernel=equals_kernel, delta_rel_vs_kernel=delta_rel_vs_kernel,
                call_us=call_us, clock_ghz=ghz,
@@ -114,11 +116,17 @@ def main() -> None:
     ap.add_argument("--s0-parts", type=int, nargs="+", default=[3], help="S0 split parts (3: the kernel; 2: timing only)")
     ap.add_argument("--solve", nargs="+", choices=("auto", *SOLVES), default=["auto"],
                     help="phase 4's solve: auto (the wrapper's choice, grouped_solve), levels (G6_SOLVE=0), paths (1)")
+    ap.add_argument("--define", action="append", default=[], metavar="NAME=VALUE",
+                    help="a timing-only compile constant for every row (e.g. G6_DPAD=0, GDN_PROFILE_SKIP=16); repeatable")
     args = ap.parse_args()
+    bad = [d for d in args.define if not d.split("=", 1)[0].isidentifier() or d.startswith(("G6_SOLVE", "GDN_S0_PARTS"))]
+    if bad:
+        sys.exit(f"--define takes NAME=VALUE for a compile constant other than G6_SOLVE / GDN_S0_PARTS "
+                 f"(use --solve / --s0-parts): {bad}")
     if not torch.cuda.is_available() or not loader.kernels_available():
         sys.exit(f"gdn_timeline.py needs a CUDA device and the NVRTC kernels: {loader.kernels_unavailable_reason()}")
     start = time.perf_counter()
-    rows = [timeline(n, b, args.reps, t or None, parts, sw) for b in args.batch for n in args.n for t in args.threads
+    rows = [timeline(n, b, args.reps, t or None, parts, sw, tuple(args.define)) for b in args.batch for n in args.n for t in args.threads
             for parts in args.s0_parts for sw in args.solve]
     text = table(rows)
     out = Path(args.out)

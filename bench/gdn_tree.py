@@ -602,6 +602,14 @@ def sanitize_case() -> None:
                                                  cg["state_indices"], return_delta=True, variant=6, threads6=256)
     launches6[0][1]()  # 256-thread CTAs: the same tiles on fewer warps, the same outputs
     assert torch.equal(o256, o6) and torch.equal(d256, d6), (6, "256 threads")
+    # both solves forced on the same trees (the wrapper picks the level solve at 128 nodes): the path
+    # solve's register rows (depth < G6_PATH_REG), its free-warp phase 2b at 128 nodes, at 512 and 256 threads
+    for opts, threads in ((("-DG6_SOLVE=1",), 0), (("-DG6_SOLVE=1",), 256), (("-DG6_SOLVE=0",), 0)):
+        launches6, o_s, d_s = kgdn.verify_launches(plan, cg["q"], cg["k"], cg["v"], cg["g"], cg["beta"], cg["ssm_state"],
+                                                   cg["state_indices"], return_delta=True, variant=6,
+                                                   threads6=threads or None, extra_options=opts)
+        launches6[0][1]()
+        assert rel_err(o_s.cpu(), o_ref) <= 3e-3 and rel_err(d_s.cpu(), d_ref) <= 1e-5, (6, opts, threads)
     torch.cuda.synchronize()
     print("sanitize case: all kernels match the reference")
 

@@ -26,13 +26,14 @@
 //            projections K S0^T and Q S0^T on tensor cores (m16n8k16 bf16, exact bf16 q/k times
 //            each part, float32 sums: float32-accurate products), a warp per two 16-row tiles and
 //            value head; R and e^G rq Q S0^T to shared
-//   phase 4  the outputs (o, delta). G6_SOLVE = 1 (small shallow trees, bench/NOTES.md section 33): every node's
+//   phase 4  the outputs (o, delta). G6_SOLVE = 1 (trees of depth <= 16, bench/NOTES.md sections 33-34): every node's
 //            row of (I + X)^-1 and of Y (I + X)^-1 restricted to its path, by a back substitution
 //            over the path per (node, value head) right after phase 2 (no level barriers), then o and
 //            delta as gathers over the node's path of R rows, all rows in flight at once.
 //            G6_SOLVE = 0: the level-by-level forward substitution, a CTA barrier per tree level.
 //
-// Compile-time constants (NVRTC -D): TFM_IN (must be 1, bfloat16), GDN_K, GDN_V, GDN_GROUP, G6_THREADS.
+// Compile-time constants (NVRTC -D): TFM_IN (must be 1, bfloat16), GDN_K, GDN_V, GDN_GROUP, G6_THREADS,
+// G6_SOLVE, G6_PATH_REG.
 // The plan (vllm_tfm/kernels/plan.py) and the state layout (V-first [slot, HV, V, K], read only)
 // are those of the other versions.
 #include "tfm_mma.cuh"
@@ -49,7 +50,11 @@
 // Timing only (bench/gdn_phases.py --variant 6): leave phases out so that differences of timings say
 // what a phase costs (the outputs are then wrong). Bits: 1 = the gram tiles (phase 1's mma and
 // scatter), 2 = the projections' k-loop (phase 3's ldmatrix and mma; the epilogue kept), 4 = the
-// substitution and the output writes (phase 4), 8 = the pair coefficients (phase 2's path walks).
+// substitution and the output writes (phase 4), 8 = the pair coefficients (phase 2's path walks), 16 =
+// phase 4's global stores of o and delta (its shared-memory work kept: a store survives only for an
+// output whose first element is exactly -1e-30, which keeps the sums from being optimised away), 32 =
+// the S0 rows' global loads (S0 taken as zeros: what waiting for them costs the phases after), 64 = the
+// gram's scatter stores (kept for a product exactly -1e-30), 128 = the gram's k-loop (ldmatrix, mma).
 #ifndef GDN_PROFILE_SKIP
 #define GDN_PROFILE_SKIP 0
 #endif
@@ -67,14 +72,28 @@ static_assert(GDN_S0_PARTS == 2 || GDN_S0_PARTS == 3, "two or three parts of S0"
 //   w starting from Y's row. No CTA barrier per tree level.
 // 0 = levels: forward substitution level by level (a unit per (row, value head, 4 columns), a CTA
 //   barrier per level), versions 1-5's order of sums (bench/gdn_timeline.py --solve levels).
-// The wrapper picks one per call (vllm_tfm/kernels/gdn.py grouped_solve: paths for small, shallow
-// trees, where bench/NOTES.md section 33 measured them faster).
+// The wrapper picks one per call (vllm_tfm/kernels/gdn.py grouped_solve: paths for trees of depth <= 16,
+// faster at every size bench/NOTES.md section 34 measured).
 #ifndef G6_SOLVE
 #define G6_SOLVE 0
 #endif
 static_assert(G6_SOLVE == 0 || G6_SOLVE == 1, "G6_SOLVE: 0 = levels, 1 = path rows");
+// The path solve keeps a path of up to G6_PATH_REG entries (depth < G6_PATH_REG) in registers in phase
+// 2b; deeper paths take a loop over shared memory (vllm_tfm/kernels/gdn.py PATH_SOLVE_MAX_DEPTH gives
+// the path solve trees of at most this many levels).
+#ifndef G6_PATH_REG
+#define G6_PATH_REG 17
+#endif
+static_assert(G6_PATH_REG >= 1 && G6_PATH_REG <= 32, "path entries held in registers");
 #define G6_BV 16        // V columns per value head and CTA
 #define G6_DS G6_BV     // floats per D / O row
+// Floats between two value heads' D (and O) blocks past their n16 rows: 16 puts the same row of
+// consecutive heads in opposite halves of the 32 banks, so phase 4's float4 row loads of two heads
+// in one quarter warp do not conflict (bench/NOTES.md section 34). -DG6_DPAD=0: timing only.
+#ifndef G6_DPAD
+#define G6_DPAD 16
+#endif
+static_assert(G6_DPAD == 0 || G6_DPAD == 16, "D / O head padding: 0 or 16 floats");
 // Threads per CTA (NVRTC -D): 512 (one CTA per SM) or 256 (two CTAs per SM where the shared memory
 // allows, so that one CTA's loads overlap the other's math: many CTAs, small trees).
 #ifndef G6_THREADS
@@ -106,6 +125,7 @@ __device__ __forceinline__ long long g6_clock() { return 0; }
 __host__ __device__ constexpr int g6_align4(int x) { return (x + 3) & ~3; }
 __host__ __device__ constexpr int g6_round16(int x) { return (x + 15) & ~15; }
 __host__ __device__ constexpr int g6_max(int a, int b) { return a > b ? a : b; }
+__host__ __device__ constexpr int g6_head_stride(int n16) { return n16 * G6_DS + G6_DPAD; }  // D / O, floats
 
 struct G6Smem {
   u16 *qs, *ks, *s0, *vs;        // q, k rows [n16][KP]; S0 parts [3][GROUP][16][KP]; v [n][GROUP][16]
@@ -122,7 +142,7 @@ struct G6Smem {
 // Words of dynamic shared memory (vllm_tfm/kernels/gdn.py mirrors this in grouped_smem_bytes).
 __host__ __device__ inline int g6_smem_words(int n_cap, int pcap) {
   const int n16 = g6_round16(n_cap);
-  const int dw = GDN_GROUP * n16 * G6_DS;  // D (and O)
+  const int dw = GDN_GROUP * g6_head_stride(n16);  // D (and O)
   return 2 * g6_align4(n16 * G6_KP / 2) + g6_align4(3 * GDN_GROUP * G6_BV * G6_KP / 2) +
          g6_align4(n_cap * GDN_GROUP * G6_BV / 2) + g6_max(2 * dw, 2 * g6_align4(pcap)) +
          (1 + G6_SOLVE + (2 + G6_SOLVE) * GDN_GROUP) * g6_align4(pcap) + (2 + 3 * GDN_GROUP) * g6_align4(n_cap) + 2 * g6_align4(n_cap) +
@@ -132,7 +152,7 @@ __host__ __device__ inline int g6_smem_words(int n_cap, int pcap) {
 __device__ inline G6Smem g6_carve(float* base, int n_cap, int pcap) {
   G6Smem s;
   const int n16 = g6_round16(n_cap);
-  const int dw = GDN_GROUP * n16 * G6_DS;
+  const int dw = GDN_GROUP * g6_head_stride(n16);
   float* p = base;
   s.qs = reinterpret_cast<u16*>(p); p += g6_align4(n16 * G6_KP / 2);
   s.ks = reinterpret_cast<u16*>(p); p += g6_align4(n16 * G6_KP / 2);
@@ -188,6 +208,7 @@ __device__ __forceinline__ void g6_split3(float x, u16& hi, u16& mid, u16& lo) {
 // Phase 4's writes of 4 columns of one (node, value head) row: o rounded to bfloat16, delta in float32.
 __device__ __forceinline__ void g6_store_row(tin* __restrict__ o, float* __restrict__ delta_out, i64 orow, float4 out,
                                              float4 dl) {
+  if ((GDN_PROFILE_SKIP & 16) && out.x != -1e-30f) return;
   uint2 packed;
   packed.x = (u32)from_f32<tin>(out.x).bits | ((u32)from_f32<tin>(out.y).bits << 16);
   packed.y = (u32)from_f32<tin>(out.z).bits | ((u32)from_f32<tin>(out.w).bits << 16);
@@ -272,8 +293,9 @@ gdn_tree_verify_grouped(const tin* __restrict__ q, const tin* __restrict__ k, co
     if (idx < S0_F4) {
       int t, row, c4;
       g6_s0_piece(idx, t, row, c4);
-      s0r[u] = *reinterpret_cast<const float4*>(state + slot * st_slot + (i64)(hv0 + t) * st_head +
-                                                (i64)(v0 + row) * st_v + c4);
+      s0r[u] = (GDN_PROFILE_SKIP & 32) ? make_float4(0.f, 0.f, 0.f, 0.f)
+                                         : *reinterpret_cast<const float4*>(state + slot * st_slot + (i64)(hv0 + t) * st_head +
+                                                                            (i64)(v0 + row) * st_v + c4);
     }
   }
   // plan tables by local node (pairs, paths) and, G6_SOLVE 0, by level position (the level solve)
@@ -340,7 +362,7 @@ gdn_tree_verify_grouped(const tin* __restrict__ q, const tin* __restrict__ k, co
       const int arow = a * 16 + (lane & 15), acol = (lane >> 4) * 8;
       const int brow = b * 16 + (lane & 7) + ((lane >> 4) << 3), bcol = ((lane >> 3) & 1) * 8;
 #pragma unroll 4
-      for (int k0 = 0; k0 < GDN_K; k0 += 16) {
+      for (int k0 = 0; k0 < ((GDN_PROFILE_SKIP & 128) ? 0 : GDN_K); k0 += 16) {
         u32 fk[4], fq[4], fb[4];
         ldsm_x4(fk, sm.ks + arow * G6_KP + k0 + acol);
         ldsm_x4(fq, sm.qs + arow * G6_KP + k0 + acol);
@@ -350,22 +372,54 @@ gdn_tree_verify_grouped(const tin* __restrict__ q, const tin* __restrict__ k, co
         mma_16816<true>(cq[0], fq, fb[0], fb[1]);
         mma_16816<true>(cq[1], fq, fb[2], fb[3]);
       }
-      // keep the ancestor pairs: j is i's ancestor iff i's path entry at depth(j) is j
+      // keep the ancestor pairs: j is i's ancestor iff i's path entry at depth(j) is j. Branch-free
+      // table loads at clamped indices (two rounds of 8 independent loads per lane), then the stores.
+      {
+        const int* __restrict__ dep_n = sm.dep_n;
+        const int* __restrict__ poff_n = sm.poff_n;
+        const int* __restrict__ pj = sm.pj;
+        float* __restrict__ kk = sm.kk;
+        float* __restrict__ qk = sm.qk;
+        int ii[2], di[2], oi[2], dj[2][2];
 #pragma unroll
-      for (int jt = 0; jt < 2; ++jt)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          const int i = a * 16 + fg + (e >= 2 ? 8 : 0);
-          const int j = b * 16 + jt * 8 + 2 * ft + (e & 1);
-          if (i < n && j <= i) {
-            const int dj = sm.dep_n[j], ob = sm.poff_n[i];
-            if (dj <= sm.dep_n[i] && sm.pj[ob + dj] == bos + j) {
-              sm.kk[ob + dj] = ck[jt][e];
-              sm.qk[ob + dj] = cq[jt][e];
-            }
-            if (i == j) sm.rk[i] = use_l2norm ? l2norm_scale(ck[jt][e]) : 1.f;
-          }
+        for (int h2 = 0; h2 < 2; ++h2) {
+          ii[h2] = a * 16 + fg + 8 * h2;
+          const int ic = ii[h2] < n ? ii[h2] : n - 1;
+          di[h2] = dep_n[ic];
+          oi[h2] = poff_n[ic];
         }
+#pragma unroll
+        for (int jt = 0; jt < 2; ++jt)
+#pragma unroll
+          for (int c = 0; c < 2; ++c) {
+            const int j = b * 16 + jt * 8 + 2 * ft + c;
+            dj[jt][c] = dep_n[j < n ? j : n - 1];
+          }
+        int dst[2][4];
+#pragma unroll
+        for (int jt = 0; jt < 2; ++jt)
+#pragma unroll
+          for (int e = 0; e < 4; ++e) {
+            const int h2 = e >> 1, c = e & 1;
+            const int i = ii[h2], j = b * 16 + jt * 8 + 2 * ft + c;
+            const int d = dj[jt][c] < di[h2] ? dj[jt][c] : di[h2];  // in i's pair range
+            const int pjv = pj[oi[h2] + d];  // unconditional: a valid entry of (clamped) i
+            const bool anc = (i < n) & (j <= i) & (dj[jt][c] <= di[h2]) & (pjv == bos + j);
+            dst[jt][e] = anc ? oi[h2] + d : -1;
+          }
+#pragma unroll
+        for (int jt = 0; jt < 2; ++jt)
+#pragma unroll
+          for (int e = 0; e < 4; ++e) {
+            const bool keep = !(GDN_PROFILE_SKIP & 64) || ck[jt][e] == -1e-30f;
+            if (keep && dst[jt][e] >= 0) {
+              kk[dst[jt][e]] = ck[jt][e];
+              qk[dst[jt][e]] = cq[jt][e];
+            }
+            const int i = ii[e >> 1];
+            if (a == b && i < n && i == b * 16 + jt * 8 + 2 * ft + (e & 1)) sm.rk[i] = use_l2norm ? l2norm_scale(ck[jt][e]) : 1.f;
+          }
+      }
     }
   }
   __syncthreads();  // B2: pair products and norm scales visible
@@ -378,16 +432,26 @@ gdn_tree_verify_grouped(const tin* __restrict__ q, const tin* __restrict__ k, co
     const float bi = sm.bt[t * n_cap + i], rki = sm.rk[i], rqi = sm.rq[i];
     float* __restrict__ Xt = sm.X + t * g6_align4(pcap);
     float* __restrict__ Yt = sm.Y + t * g6_align4(pcap);
+    // restrict: the loads below never read what this loop writes, so consecutive entries' loads can
+    // be in flight together
+    const int* __restrict__ pj = sm.pj;
+    const float* __restrict__ rk = sm.rk;
+    const float* __restrict__ kk = sm.kk;
+    const float* __restrict__ qk = sm.qk;
+    const float* __restrict__ gl = sm.gl + t * n_cap;
+    const int* __restrict__ poff_n = sm.poff_n;
+    int* __restrict__ pa = sm.pa;
     float seg = 0.f;  // sum of g strictly below the entry on the path: G_i - G_j, always <= 0
+#pragma unroll 4
     for (int e = d; e >= 0; --e) {
-      const int j = sm.pj[ob + e] - bos;
-      const float f = expf(seg), rkj = sm.rk[j];
-      Xt[ob + e] = e < d ? bi * f * (sm.kk[ob + e] * rki * rkj) : 0.f;
-      Yt[ob + e] = f * (sm.qk[ob + e] * rqi * rkj);
+      const int j = pj[ob + e] - bos;
+      const float f = expf(seg), rkj = rk[j];
+      Xt[ob + e] = e < d ? bi * f * (kk[ob + e] * rki * rkj) : 0.f;
+      Yt[ob + e] = f * (qk[ob + e] * rqi * rkj);
 #if G6_SOLVE
-      if (t == 0) sm.pa[ob + e] = sm.poff_n[j];
+      if (t == 0) pa[ob + e] = poff_n[j];
 #endif
-      seg += sm.gl[t * n_cap + j];
+      seg += gl[j];
     }
     sm.eg[t * n_cap + i] = expf(seg);  // seg = G_i
   }
@@ -420,26 +484,67 @@ gdn_tree_verify_grouped(const tin* __restrict__ q, const tin* __restrict__ k, co
   // ---- phase 2b: per (node i, value head t), row i of T = (I + X)^-1 and of W = Y (I + X)^-1 on i's
   // path, by back substitution from i's own entry (depth d) to the root's (depth 0):
   //   t_d = 1, w_d = Y_ii;  t_e = -sum_{f = e+1..d} t_f X_{P_f, e},  w_e = Y_{i,e} - sum_{f = e+1..d} w_f X_{P_f, e}
-  // (P_f: i's ancestor at depth f; its pair entry e is the same node as i's entry e). Y's row i is read
-  // by this item only, so W overwrites it. Items run from the last thread down: up to 64 nodes (the
-  // trees grouped_solve gives this solve) they land on warps with no projection item below; at 128
-  // nodes they share 8 of the 12 projection warps (bench/NOTES.md section 33).
-  for (int c = G6_THREADS - 1 - tid; c < ((GDN_PROFILE_SKIP & 8) ? 0 : n * GDN_GROUP); c += G6_THREADS) {
-    const int t = c / n, i = c % n;
-    const int d = sm.dep_n[i], ob = sm.poff_n[i];
-    const float* __restrict__ Xt = sm.X + t * g6_align4(pcap);
-    float* __restrict__ Wt = sm.Y + t * g6_align4(pcap);
-    float* __restrict__ Tt = sm.T + t * g6_align4(pcap);
-    Tt[ob + d] = 1.f;
-    for (int e = d - 1; e >= 0; --e) {
-      float st = 0.f, sw = 0.f;
-      for (int f = e + 1; f <= d; ++f) {
-        const float x = Xt[sm.pa[ob + f] + e];
-        st = fmaf(Tt[ob + f], x, st);
-        sw = fmaf(Wt[ob + f], x, sw);
+  // (P_f: i's ancestor at depth f; its pair entry e is the same node as i's entry e, and its entries
+  // 0 .. f-1 are one contiguous row of X). Y's row i is read by this item only, so W overwrites it.
+  // Items go to the warps that have no phase-3 item (at 128 nodes and GROUP = 3: 4 of 16 warps, which
+  // then run alongside the projections instead of before them on 8 of their warps, bench/NOTES.md
+  // sections 33-34), from the last thread down; when every warp has a phase-3 item, to all threads.
+  {
+    const int p3_items = ((n16 / 16 + 1) / 2) * GDN_GROUP;  // phase 3's work items, a warp each
+    const int b2_threads = G6_THREADS - (p3_items < G6_WARPS ? p3_items * 32 : 0);
+    const int c0 = G6_THREADS - 1 - tid;
+    const int b2_end = (c0 < b2_threads && !(GDN_PROFILE_SKIP & 8)) ? n * GDN_GROUP : 0;
+    for (int c = c0; c < b2_end; c += b2_threads) {
+      const int t = c / n, i = c % n;
+      const int d = sm.dep_n[i], ob = sm.poff_n[i];
+      const float* __restrict__ Xt = sm.X + t * g6_align4(pcap);
+      float* __restrict__ Wt = sm.Y + t * g6_align4(pcap);
+      float* __restrict__ Tt = sm.T + t * g6_align4(pcap);
+      if (d < G6_PATH_REG) {
+        // Paths of up to G6_PATH_REG entries in registers, right-looking: once t_f and w_f are final
+        // (f from the deepest up), subtract their share from every shallower entry. No load depends
+        // on a computed value, so the X rows' loads are all independent of each other.
+        int pf[G6_PATH_REG];
+        float at[G6_PATH_REG], aw[G6_PATH_REG];
+#pragma unroll
+        for (int e = 0; e < G6_PATH_REG; ++e) {
+          pf[e] = e <= d ? sm.pa[ob + e] : 0;
+          aw[e] = e <= d ? Wt[ob + e] : 0.f;
+          at[e] = 0.f;
+        }
+#pragma unroll
+        for (int f = G6_PATH_REG - 1; f >= 1; --f) {
+          if (f <= d) {
+            const float tf = f == d ? 1.f : -at[f], wf = aw[f];
+            const float* __restrict__ xrow = Xt + pf[f];
+#pragma unroll
+            for (int e = 0; e < f; ++e) {
+              const float x = xrow[e];
+              at[e] = fmaf(tf, x, at[e]);
+              aw[e] = fmaf(-wf, x, aw[e]);
+            }
+          }
+        }
+#pragma unroll
+        for (int e = 0; e < G6_PATH_REG; ++e) {
+          if (e <= d) {
+            Tt[ob + e] = e == d ? 1.f : -at[e];
+            Wt[ob + e] = aw[e];
+          }
+        }
+      } else {  // deeper paths (the level solve's trees, forced by -DG6_SOLVE=1): left-looking, in shared memory
+        Tt[ob + d] = 1.f;
+        for (int e = d - 1; e >= 0; --e) {
+          float st = 0.f, sw = 0.f;
+          for (int f = e + 1; f <= d; ++f) {
+            const float x = Xt[sm.pa[ob + f] + e];
+            st = fmaf(Tt[ob + f], x, st);
+            sw = fmaf(Wt[ob + f], x, sw);
+          }
+          Tt[ob + e] = -st;
+          Wt[ob + e] -= sw;
+        }
       }
-      Tt[ob + e] = -st;
-      Wt[ob + e] -= sw;
     }
   }
 #endif
@@ -502,8 +607,8 @@ gdn_tree_verify_grouped(const tin* __restrict__ q, const tin* __restrict__ k, co
           const int i = (a0 + r) * 16 + fg + 8 * half;
           if ((r == 0 || two) && i < n) {
             const float eg = sm.eg[t * n_cap + i], bt = sm.bt[t * n_cap + i], rki = sm.rk[i], rqi = sm.rq[i];
-            float* __restrict__ drow = sm.D + (t * n16 + i) * G6_DS;
-            float* __restrict__ orow = sm.O + (t * n16 + i) * G6_DS;
+            float* __restrict__ drow = sm.D + t * g6_head_stride(n16) + i * G6_DS;
+            float* __restrict__ orow = sm.O + t * g6_head_stride(n16) + i * G6_DS;
 #pragma unroll
             for (int j = 0; j < 2; ++j)
 #pragma unroll
@@ -525,14 +630,14 @@ gdn_tree_verify_grouped(const tin* __restrict__ q, const tin* __restrict__ k, co
   constexpr int UPR = GDN_GROUP * (G6_BV / 4);  // units per row
   constexpr int RPAR = G6_THREADS / UPR;        // rows in flight
   const int rsub = tid / UPR, ut = (tid / (G6_BV / 4)) % GDN_GROUP, uq = tid % (G6_BV / 4);
-  const float* __restrict__ Ot = sm.O + ut * n16 * G6_DS + uq * 4;
+  const float* __restrict__ Ot = sm.O + ut * g6_head_stride(n16) + uq * 4;
 #if G6_SOLVE
   // Path solve: outputs as gathers over each node's path (T, W rows from phase 2b, R rows from phase
   // 3), every row in flight, no barrier.
   if (!(GDN_PROFILE_SKIP & 4) && rsub < RPAR) {
     const float* __restrict__ Tt = sm.T + ut * g6_align4(pcap);
     const float* __restrict__ Wt = sm.Y + ut * g6_align4(pcap);
-    const float* __restrict__ Dt = sm.D + ut * n16 * G6_DS + uq * 4;
+    const float* __restrict__ Dt = sm.D + ut * g6_head_stride(n16) + uq * 4;
     for (int i = rsub; i < n; i += RPAR) {
       const int d = sm.dep_n[i], ob = sm.poff_n[i];
       float4 dl = make_float4(0.f, 0.f, 0.f, 0.f), ao = *reinterpret_cast<const float4*>(Ot + i * G6_DS);
@@ -551,7 +656,7 @@ gdn_tree_verify_grouped(const tin* __restrict__ q, const tin* __restrict__ k, co
   // Level solve: forward substitution level by level, one CTA barrier per level.
   const float* __restrict__ Xt = sm.X + ut * g6_align4(pcap);
   const float* __restrict__ Yt = sm.Y + ut * g6_align4(pcap);
-  float* __restrict__ Dt = sm.D + ut * n16 * G6_DS + uq * 4;
+  float* __restrict__ Dt = sm.D + ut * g6_head_stride(n16) + uq * 4;
   int s = 0;
   while (!(GDN_PROFILE_SKIP & 4) && s < n) {
     const int d = sm.dep_p[s];

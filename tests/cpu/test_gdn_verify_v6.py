@@ -134,8 +134,10 @@ def test_v6_solve_choice():
     limit = 227 * 1024
     shallow = TreePlan.build(_random_tree(64, _g(20)), torch.tensor([0, 64]))
     assert shallow.max_depth <= 16 and kgdn.grouped_solve(shallow, 128, 3, limit) == 1
-    wide = TreePlan.build(torch.tensor([-1] + [0] * 64), torch.tensor([0, 65]))  # 65 nodes, depth 1
-    assert kgdn.grouped_solve(wide, 128, 3, limit) == 0
+    wide = TreePlan.build(torch.tensor([-1] + [0] * 127), torch.tensor([0, 128]))  # 128 nodes, depth 1
+    assert kgdn.grouped_solve(wide, 128, 3, limit) == 1
+    deep100 = TreePlan.build(_deep_tree(100, _g(21)), torch.tensor([0, 100]))
+    assert kgdn.grouped_solve(deep100, 128, 3, limit) == 0  # deeper than a register path
     deep = TreePlan.build(torch.arange(-1, 17), torch.tensor([0, 18]))  # a chain of 18: depth 17
     assert kgdn.grouped_solve(deep, 128, 3, limit) == 0
     # the path solve's tables must fit: the level solve takes a tree whose path tables do not

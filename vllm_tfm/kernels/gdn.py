@@ -65,7 +65,8 @@ VERIFY_VARIANTS = (1, 2, 3, 4, 5, 6)
 DEFAULT_VERIFY_VARIANT = 3
 GROUPED_SOURCE = "gdn_tree_verify_grouped.cu"
 GROUPED_THREADS, GROUPED_BV = 512, 16
-PATH_SOLVE_MAX_NODES, PATH_SOLVE_MAX_DEPTH = 64, 16  # version 6's path solve: trees it takes (grouped_solve)
+GROUPED_DPAD = 16  # floats between value heads' D / O blocks (G6_DPAD)
+PATH_SOLVE_MAX_DEPTH = 16  # version 6's path solve: deepest node it takes (grouped_solve; G6_PATH_REG = this + 1)
 GROUPED_MARKS = 6  # timeline marks of version 6 (G6_MARKS): start, after phases 0, 1, 2, 3, end
 SM_SMEM_BYTES = 228 * 1024  # shared memory of an sm_90 SM (CTAs also reserve 1 KB each)
 
@@ -104,7 +105,7 @@ def grouped_smem_bytes(k_dim: int, group: int, n_cap: int, pcap: int, solve_leve
     (``-DG6_SOLVE=0``, bench/gdn_timeline.py), which has no T and no ancestor offsets."""
     n16 = (n_cap + 15) & ~15
     kp = k_dim + 8
-    dw = group * n16 * GROUPED_BV
+    dw = group * (n16 * GROUPED_BV + GROUPED_DPAD)
     paths = 0 if solve_levels else 1
     words = (
         2 * _align4(n16 * kp // 2) + _align4(3 * group * GROUPED_BV * kp // 2) + _align4(n_cap * group * GROUPED_BV // 2)
@@ -117,15 +118,15 @@ def grouped_smem_bytes(k_dim: int, group: int, n_cap: int, pcap: int, solve_leve
 def grouped_solve(plan: TreePlan, k_dim: int, group: int, max_smem: int, extra_options: Sequence[str] = ()) -> int:
     """Version 6's solve for this call (G6_SOLVE): 1 = path rows (each node's rows of (I + X)^-1 and
     Y (I + X)^-1 by back substitution over its path, then gathers; no barrier per tree level), 0 = the
-    level-by-level substitution. Paths where the H200 measured them faster (bench/NOTES.md section 33:
-    up to 64 nodes per request; their cost grows with depth squared, so at most 16 levels, a DFlash
-    block) and where their larger tables (T and ancestor offsets) fit; an explicit ``-DG6_SOLVE=k``
-    in ``extra_options`` (benchmarks, tests) decides instead."""
+    level-by-level substitution. Paths where the H200 measured them faster (bench/NOTES.md sections 33,
+    34: every size version 6 takes, up to 128 nodes per request) for trees of at most 16 levels below
+    the root (a DFlash block; phase 2b holds a path in registers) whose larger tables (T and ancestor
+    offsets) fit; an explicit ``-DG6_SOLVE=k`` in ``extra_options`` (benchmarks, tests) decides instead."""
     forced = [o for o in extra_options if o.startswith("-DG6_SOLVE=")]
     if forced:
         return int(forced[-1].split("=", 1)[1])
     fits = grouped_smem_bytes(k_dim, group, plan.max_nodes, plan.max_pairs_per_request) <= max_smem
-    return int(plan.max_nodes <= PATH_SOLVE_MAX_NODES and plan.max_depth <= PATH_SOLVE_MAX_DEPTH and fits)
+    return int(plan.max_depth <= PATH_SOLVE_MAX_DEPTH and fits)
 
 
 def grouped_threads(plan: TreePlan, h: int, v_dim: int, smem: int, max_smem_sm: int, num_sms: int) -> int:
@@ -309,6 +310,7 @@ def verify_launches(
             threads = threads6 or grouped_threads(plan, h, vd, smem6, SM_SMEM_BYTES, props.multi_processor_count)
             opts = ["--std=c++17", "-lineinfo", f"-DTFM_IN={DTYPE_CODE[v.dtype]}", f"-DGDN_K={kd}", f"-DGDN_V={vd}",
                     f"-DGDN_GROUP={hv // h}", f"-DG6_THREADS={threads}", f"-DG6_SOLVE={solve}",
+                    *([f"-DG6_PATH_REG={PATH_SOLVE_MAX_DEPTH + 1}"] if solve else []),
                     *[o for o in extra_options if not o.startswith("-DG6_SOLVE=")]]
             k_grouped = get_kernel(GROUPED_SOURCE, "gdn_tree_verify_grouped", opts, dev_index)
             args = [q, k, v, g32, b32, plan.perm, plan.pair_off, plan.pair_j, plan.cu, ssm_state, sidx, i32(sidx64),
