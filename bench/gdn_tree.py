@@ -243,9 +243,12 @@ def n_sets_for(batch: int) -> int:
 # verify
 
 
-def bench_verify(n: int, batch: int, bw: float, reps: int, vllm_fn, allow_slow: bool) -> dict:
+def bench_verify(n: int, batch: int, bw: float, reps: int, vllm_fn, allow_slow: bool, fixed_plan: bool = False) -> dict:
     parents, cu, trees = tree_batch(n, batch)
-    plan = TreePlan.build(parents, cu, device=DEV)
+    if fixed_plan:  # the full CUDA graphs' layout (runtime/full_graphs.py): capacity depth n - 1, n (n + 1) / 2 pairs
+        plan = TreePlan.build_into(torch.zeros(TreePlan.fixed_size(batch, n), dtype=torch.int32, device=DEV), parents, cu, n)
+    else:
+        plan = TreePlan.build(parents, cu, device=DEV)
     t_nodes = plan.num_nodes
     sets = n_sets_for(batch)
     gen = device_gen(n * 100 + batch)
@@ -283,6 +286,10 @@ def bench_verify(n: int, batch: int, bw: float, reps: int, vllm_fn, allow_slow: 
     row["ours_best_bv"] = min(valid, key=valid.get) if valid else None
     row["ours_auto_us"] = ours_us.get(f"bv{auto_bv}")
     row["default_variant"] = kgdn.DEFAULT_VERIFY_VARIANT
+    row["fixed_plan"] = fixed_plan
+    # the version the vLLM runtime runs for this plan (VLLM_TFM_GDN_VERIFY=auto)
+    row["runtime_variant"] = kgdn.runtime_verify_variant(plan, torch.bfloat16, H, HV, KD, VD, loader.device_smem_optin(0),
+                                                         props.multi_processor_count)
     # each version at its own automatic BV (version 4's shared memory differs for 16-bit q/k)
     auto_bv_of = {variant: kgdn.choose_block_v(plan, HV, KD, VD, loader.device_smem_optin(0), props.multi_processor_count,
                                                variant, torch.bfloat16) for variant in kgdn.VERIFY_VARIANTS}
@@ -630,7 +637,7 @@ def table(results: dict) -> str:
              f"{'n':>4} {'batch':>5} {'floor':>8} {'ours':>8} {'BV':>5} {'x floor':>8} {'auto':>8} {'v1 auto':>8} "
              f"{'v1/v2':>6} {'v3 auto':>8} {'v2/v3':>6} {'v4 auto':>8} {'v3/v4':>6} {'v4==v3':>6} {'v5 auto':>8} "
              f"{'v3/v5':>6} {'v5==v3':>6} {'v6 auto':>8} {'v3/v6':>6} {'v6-v3 d':>8} {'eager':>8} "
-             f"{'per-branch':>11} {'speedup':>8} {'reference':>10} {'err':>8}"]
+             f"{'per-branch':>11} {'speedup':>8} {'reference':>10} {'err':>8} {'rt':>3}"]
     for r in results["verify"]:
         xf = r["ours_best_us"] / r["floor_us"] if r.get("ours_best_us") else None
         lines.append(f"{r['n']:>4} {r['batch']:>5} {fmt(r['floor_us']):>8} {fmt(r.get('ours_best_us')):>8} "
@@ -644,7 +651,10 @@ def table(results: dict) -> str:
                      f"{fmt(r.get('v6_vs_v3_delta_rel'), '.1e'):>8} "
                      f"{fmt(r.get('ours_eager_us')):>8} {fmt(r.get('per_branch_us')):>11} "
                      f"{fmt(r.get('speedup_vs_per_branch')):>8} {fmt(r.get('reference_us'), '.0f'):>10} "
-                     f"{fmt(r.get('err_vs_reference'), '.1e'):>8}")
+                     f"{fmt(r.get('err_vs_reference'), '.1e'):>8} {'v' + str(r.get('runtime_variant', '-')):>3}")
+    if any(r.get("fixed_plan") for r in results["verify"]):
+        lines.append("plans: the full CUDA graphs' fixed layout (--fixed-plan)")
+    lines.append("rt: the version the vLLM runtime runs for this plan (VLLM_TFM_GDN_VERIFY=auto)")
     lines.append("verify per-kernel breakdown at the automatic BV, us (each kernel timed alone; call = whole call)")
     versions = [f"v{v}" for v in kgdn.VERIFY_VARIANTS]
     lines.append(f"{'n':>4} {'batch':>5} {'BV':>4} "
@@ -681,6 +691,8 @@ def main() -> None:
     ap.add_argument("--n", type=int, nargs="+", help="tree sizes (default 16 32 64 128 256)")
     ap.add_argument("--batch", type=int, nargs="+", help="batch sizes (default 1 8 32)")
     ap.add_argument("--sanitize-case", action="store_true")
+    ap.add_argument("--fixed-plan", action="store_true",
+                    help="verify on the full CUDA graphs' fixed-layout plans (TreePlan.build_into) instead of per-step plans")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         sys.exit("gdn_tree.py needs a CUDA device")
@@ -718,7 +730,7 @@ def main() -> None:
         for n in ns:
             print(f"verify n={n} batch={batch} ...", file=sys.stderr, flush=True)
             try:
-                results["verify"].append(bench_verify(n, batch, bw, reps, vllm_fn, within_budget()))
+                results["verify"].append(bench_verify(n, batch, bw, reps, vllm_fn, within_budget(), args.fixed_plan))
             except Exception as exc:  # noqa: BLE001 - record and go on
                 results["verify"].append(dict(n=n, batch=batch, floor_us=None, error=f"{type(exc).__name__}: {exc}"[:300]))
             torch.cuda.empty_cache()

@@ -135,16 +135,22 @@ def _emulated_kernel_path(build_dir: Path) -> Iterator[list]:
 
 @pytest.mark.slow
 @pytest.mark.parametrize("name", list(CASES))
-def test_kernel_path_equals_the_previous_layer_bit_for_bit(emu_dir, name):
+def test_kernel_path_equals_the_previous_layer_bit_for_bit(emu_dir, name, monkeypatch):
     spec = CASES[name]
     case = LayerCase(random_trees(spec["sizes"], seed=7), num_plain=spec["num_plain"], seed=13, bias=name == "mixed")
+    monkeypatch.setenv("VLLM_TFM_GDN_VERIFY", "3")  # the previous layer's verify version, for bit equality
     with _emulated_kernel_path(emu_dir) as launches, forward_context(case), torch.inference_mode():
         want = run_layer(before.tree_step_forward_core_before, case)
         assert [n for n, _, _ in launches] == ["tree_conv1d", "gdn_tree_pairs", "gdn_tree_verify_main"]
         got = run_layer(gdn_mod._tree_step_forward_core, case)
         assert [n for n, _, _ in launches[3:]] == ["tree_conv1d", "gdn_tree_pairs", "gdn_tree_verify_main"]
+        # the default (auto): one request's grid is one wave, so these bf16 trees run version 6, one launch
+        monkeypatch.delenv("VLLM_TFM_GDN_VERIFY")
+        got6 = run_layer(gdn_mod._tree_step_forward_core, case)
+        assert [n for n, _, _ in launches[6:]] == ["tree_conv1d", "gdn_tree_verify_grouped"]
     assert_same_layer_outcome(got, want)
     # and it is the layer's function: the references' outputs, to bf16 rounding
     with _reference_path(), forward_context(case), torch.inference_mode():
         ref_out, _ = run_layer(gdn_mod._tree_step_forward_core, case)
     assert torch.allclose(got[0].float(), ref_out.float(), atol=3e-2, rtol=3e-2)
+    assert torch.allclose(got6[0].float(), ref_out.float(), atol=3e-2, rtol=3e-2)

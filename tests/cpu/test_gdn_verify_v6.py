@@ -199,3 +199,41 @@ def test_v6_threads_choice():
     assert kgdn.grouped_threads(plan1, 16, 128, small, kgdn.SM_SMEM_BYTES, 132) == 512
     assert kgdn.grouped_threads(plan8, 16, 128, small, kgdn.SM_SMEM_BYTES, 132) == 256
     assert kgdn.grouped_threads(plan8, 16, 128, 120 * 1024, kgdn.SM_SMEM_BYTES, 132) == 512
+
+
+def test_runtime_verify_variant_follows_the_measured_policy():
+    # bench/NOTES.md section 34: version 6 where the H200 measured it faster than version 3
+    limit, sms = 227 * 1024, 132
+
+    def plan(nodes: int, requests: int) -> TreePlan:
+        parents = torch.cat([_random_tree(nodes, _g(30 + r)) for r in range(requests)])
+        return TreePlan.build(parents, torch.arange(0, nodes * requests + 1, nodes))
+
+    def variant(p: TreePlan, dtype=torch.bfloat16) -> int:  # the 27B shape: H = 16, HV = 48, K = V = 128
+        return kgdn.runtime_verify_variant(p, dtype, 16, 48, 128, 128, limit, sms)
+
+    assert variant(plan(17, 2)) == 6 and variant(plan(17, 8)) == 6 and variant(plan(17, 32)) == 6  # B = 16: every batch
+    assert variant(plan(33, 1)) == 6 and variant(plan(65, 1)) == 6 and variant(plan(128, 1)) == 6  # one wave: 128 CTAs
+    assert variant(plan(33, 2)) == 3 and variant(plan(33, 8)) == 3 and variant(plan(65, 8)) == 3  # two waves and more
+    fixed = TreePlan.build_into(torch.zeros(TreePlan.fixed_size(8, 33), dtype=torch.int32),
+                                torch.cat([_random_tree(33, _g(40 + r)) for r in range(8)]), torch.arange(0, 8 * 33 + 1, 33), 33)
+    assert variant(fixed) == 3 and variant(TreePlan.build_into(torch.zeros(TreePlan.fixed_size(1, 33), dtype=torch.int32),
+                                                              _random_tree(33, _g(50)), torch.tensor([0, 33]), 33)) == 6
+    assert variant(plan(33, 1), torch.float32) == 3 and variant(plan(33, 1), torch.float16) == 3  # bf16 only
+    chain = TreePlan.build(torch.arange(-1, 127), torch.tensor([0, 128]))  # 8,256 pairs: does not fit
+    assert kgdn.grouped_unsupported_reason(chain, torch.bfloat16, 16, 48, 128, 128, limit) is not None
+    assert variant(chain) == 3
+
+
+def test_verify_version_setting(monkeypatch):
+    from vllm_tfm.vllm_plugin.runtime.settings import VERIFY_VERSION_ENV, verify_version_setting
+
+    monkeypatch.delenv(VERIFY_VERSION_ENV, raising=False)
+    assert verify_version_setting() is None
+    for raw, want in (("auto", None), (" 6 ", 6), ("3", 3), ("1", 1)):
+        monkeypatch.setenv(VERIFY_VERSION_ENV, raw)
+        assert verify_version_setting() == want
+    for bad in ("7", "0", "v6", "-3", "3.0"):
+        monkeypatch.setenv(VERIFY_VERSION_ENV, bad)
+        with pytest.raises(ValueError, match=r"VLLM_TFM_GDN_VERIFY must be auto or one of \[1, 2, 3, 4, 5, 6\], got"):
+            verify_version_setting()

@@ -153,6 +153,24 @@ def grouped_unsupported_reason(plan: TreePlan, qk_dtype: torch.dtype, h: int, hv
     return None
 
 
+RUNTIME_V6_MAX_NODES = 17  # version 6 at every batch up to this many nodes per request (runtime_verify_variant)
+
+
+def runtime_verify_variant(plan: TreePlan, qk_dtype: torch.dtype, h: int, hv: int, k_dim: int, v_dim: int,
+                           max_smem: int, num_sms: int) -> int:
+    """The verify version the runtime runs for this plan: 6 where the H200 measured it faster than 3 on
+    both the per-step plans and the full CUDA graphs' fixed-layout plans (bench/NOTES.md section 34;
+    bench/results/gdn_tree_tfm_sizes_s34*.json.gz): a grid of one wave (R H V / 16 CTAs <= the SMs: batch
+    1 at the 27B shape, n = 17 to 128: 1.35-1.77x) and trees of up to 17 nodes (B = 16) at every batch
+    measured (1.09-1.17x at batch 8 and 32); else 3 (e.g. n = 33 on fixed plans at batch 2 to 32:
+    version 6 0.88-0.94x). Bfloat16 q/k only, and trees that fit version 6's shared memory
+    (``grouped_unsupported_reason``)."""
+    if grouped_unsupported_reason(plan, qk_dtype, h, hv, k_dim, v_dim, max_smem) is not None:
+        return 3
+    ctas = plan.num_requests * h * (v_dim // GROUPED_BV)
+    return 6 if plan.max_nodes <= RUNTIME_V6_MAX_NODES or ctas <= num_sms else 3
+
+
 def commit_smem_bytes(k_dim: int, m_cap: int) -> int:
     """Dynamic shared memory of ``gdn_tree_commit`` (mirrors gdn_commit_smem_words)."""
     return 4 * (3 * _align4(m_cap) + _align4(COMMIT_PC * (k_dim + 4)) + _align4(COMMIT_PC * COMMIT_BV) + 4)

@@ -76,6 +76,7 @@ NON_OPTION_ENV_VARS: frozenset[str] = frozenset(
         "VLLM_TFM_DEFERRED_DRAFTS",  # runtime: 0 hands the scheduler the drafts' tokens and waits for the drafter (runtime/deferred_drafts.py)
         "VLLM_TFM_LOAD_TREEFLASH",  # runtime: load TreeFlash beside another proposal (in-process proposal switches)
         "VLLM_TFM_KERNELS",  # runtime: 0 forces the torch references instead of the kernels
+        "VLLM_TFM_GDN_VERIFY",  # runtime: GDN tree verify version, auto (default) or 1-6 (runtime/settings.py)
         "VLLM_TFM_WEAVER_ROUND_KERNEL",  # kernels/weaver_round.py: 0 keeps the torch round of the Weaver growth
         "VLLM_TFM_WEAVER_LINEAR_KERNEL",  # kernels/weaver_linear.py: 0 keeps cuBLAS + torch norms / epilogues in the Weaver scorer
         "VLLM_TFM_CANDIDATE_KERNEL",  # kernels/candidate_scores.py: 0 keeps the torch candidate scores of the Weaver scorer

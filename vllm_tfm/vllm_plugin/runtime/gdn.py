@@ -144,6 +144,7 @@ def spec_tree_gdn(
             o, delta = kgdn.gdn_tree_verify_planned(
                 kernels.plan, q, k, v, g, beta, ssm_state, s0, return_delta=True, block_v=block_v,
                 out=out if _writable_out(out, v) else None, delta_out=delta_out,
+                variant=kernels.verify_variant(q.dtype, num_k_heads, num_v_heads, head_k_dim, head_v_dim),
             )
         else:
             o, delta = ops.gdn_tree_verify(q, k, v, g, beta, parents, cu_nodes, ssm_state, s0, return_delta=True)

@@ -18,6 +18,11 @@ them into ``TreeSettings`` here. Two in-process switches come on top:
   (tests/gpu/test_batched_commit_gpu.py); on the H200 the batched one cut the commit of a 27B
   step from 10.0 to 3.6 ms (bench/results/e2e_27b_graphs_batched_commit.json.gz).
 
+* ``VLLM_TFM_GDN_VERIFY`` (read by every GDN layer call, so at capture for CUDA graphs; default
+  ``auto``): the GDN tree verify kernel version, ``auto`` picking version 6 where the H200
+  measured it faster than version 3 (``kernels.gdn.runtime_verify_variant``), or a version 1-6 for
+  every step.
+
 One debugging switch is read once, when a tfm model runner is built (``trace_settings``):
 
 * ``VLLM_TFM_TRACE=<dir>``: one JSON line per request per step into ``<dir>/trace-<pid>.jsonl``
@@ -75,6 +80,23 @@ BATCHED_COMMIT_ENV = "VLLM_TFM_BATCHED_COMMIT"
 def batched_commit_enabled() -> bool:
     """``VLLM_TFM_BATCHED_COMMIT`` is unset or set to something other than 0 / false (default on)."""
     return os.environ.get(BATCHED_COMMIT_ENV, "1") not in ("0", "false", "False")
+
+
+VERIFY_VERSION_ENV = "VLLM_TFM_GDN_VERIFY"
+
+
+def verify_version_setting() -> int | None:
+    """``VLLM_TFM_GDN_VERIFY``: None (unset or ``auto``: per step, version 6 where it is faster,
+    ``kernels.gdn.runtime_verify_variant``), or a verify kernel version every step runs (1-6; 6 still
+    runs version 3 for calls it does not take)."""
+    from vllm_tfm.kernels.gdn import VERIFY_VARIANTS
+
+    raw = os.environ.get(VERIFY_VERSION_ENV, "").strip()
+    if raw in ("", "auto"):
+        return None
+    if not raw.isdigit() or int(raw) not in VERIFY_VARIANTS:
+        raise ValueError(f"{VERIFY_VERSION_ENV} must be auto or one of {list(VERIFY_VARIANTS)}, got {raw!r}")
+    return int(raw)
 
 
 TRACE_MAX_MB_DEFAULT = 256
