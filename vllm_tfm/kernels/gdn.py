@@ -61,6 +61,8 @@ COMMIT_THREADS, COMMIT_BV, COMMIT_PC = 128, 16, 32
 # head, 16 V columns) serves every value head of the q/k head's group, computes the pair products
 # itself on tensor cores and runs the projections as bf16 mma on a three-part split of S0. It takes
 # bfloat16 inputs whose whole tree fits one CTA's shared memory; other calls run version 3.
+# DEFAULT_VERIFY_VARIANT is the library calls' default; the vLLM runtime picks per step between 3 and 6
+# (runtime_verify_variant, section 34).
 VERIFY_VARIANTS = (1, 2, 3, 4, 5, 6)
 DEFAULT_VERIFY_VARIANT = 3
 GROUPED_SOURCE = "gdn_tree_verify_grouped.cu"
