@@ -2,8 +2,9 @@
 (``tests/cpu/_gdn_before.py``) bit for bit with the real NVRTC kernels, at the Qwen3.6-27B GDN layer
 shape per rank (H 16, HV 48, K = V 128, conv width 4, bf16 activations, float32 state), R = 1 and 8
 requests with 33-node trees: outputs (written into ``core_attn_out`` by the verify kernel now) and
-the stash the commit reads. Two layers of one step alternate, so the kept launch parameter arrays
-(``loader.param_array``) are re-pointed between launches of the same kernels.
+the stash the commit reads, with the verify pinned to version 3 (``VLLM_TFM_GDN_VERIFY=3``, the previous
+code's); with the default (``auto``) the same within bf16 / float32 rounding. Two layers of one step alternate,
+so the kept launch parameter arrays (``loader.param_array``) are re-pointed between launches of the same kernels.
 
 Run on the GPU host: ``python3 -m pytest tests/gpu/test_gdn_layer_gpu.py -q``.
 """
@@ -39,7 +40,8 @@ def _kernels_only():
 
 @pytest.mark.parametrize("num_plain", [0, 5])
 @pytest.mark.parametrize("num_req", [1, 8])
-def test_gdn_layer_on_cuda_equals_the_previous_code(num_req, num_plain):
+def test_gdn_layer_on_cuda_equals_the_previous_code(num_req, num_plain, monkeypatch):
+    monkeypatch.setenv("VLLM_TFM_GDN_VERIFY", "3")  # the previous code's verify version, for bit equality
     trees = random_trees([33] * num_req, seed=num_req)
     layers = [LayerCase(trees, **SHAPE, num_plain=num_plain, device="cuda", seed=20 + i, bias=i == 1) for i in range(2)]
     layers[1].step = layers[0].step  # two layers of one step: the step's kernel tables are shared
@@ -59,3 +61,16 @@ def test_gdn_layer_on_cuda_equals_the_previous_code(num_req, num_plain):
         assert_same_layer_outcome(results["after", i, "again"], results["before", i])
         assert results["after", i][0].abs().sum() > 0
     assert not torch.equal(results["after", 0][0], results["after", 1][0])  # two layers, two outcomes
+    # the default (auto): version 6 where runtime_verify_variant picks it (one request: a grid of one wave
+    # of 128 CTAs), version 3 at 8 requests of 33 nodes; the same function to bf16 / float32 rounding
+    monkeypatch.delenv("VLLM_TFM_GDN_VERIFY")
+    kernels = gdn_mod.step_kernels(layers[0].step, torch.device("cuda"))
+    assert kernels.verify_variant(torch.bfloat16, SHAPE["h"], SHAPE["hv"], SHAPE["k"], SHAPE["v"]) == (6 if num_req == 1 else 3)
+    with torch.inference_mode():
+        for i, case in enumerate(layers):
+            with forward_context(case):
+                out, stash = run_layer(gdn_mod._tree_step_forward_core, case)
+            out0, stash0 = results["before", i]
+            assert (out.float() - out0.float()).norm() <= 3e-3 * out0.float().norm()
+            assert (stash.delta - stash0.delta).norm() <= 1e-5 * stash0.delta.norm()
+            assert torch.equal(stash.k, stash0.k) and torch.equal(stash.g, stash0.g)
