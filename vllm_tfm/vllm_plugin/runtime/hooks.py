@@ -120,6 +120,9 @@ def _wrap_init(orig: Callable) -> Callable:
         enable_tree_graphs(self, int(spec.num_speculative_tokens))  # FULL_AND_PIECEWISE: tree steps in full graphs
         self.rejection_sampler = TFMTreeSampler(self.rejection_sampler, self, replay=STATE.replay)
         STATE.metrics = Metrics(max_depth=int(spec.num_speculative_tokens), device=device)
+        from .settings import verify_version_setting
+
+        verify_version_setting()  # VLLM_TFM_GDN_VERIFY: a bad value fails at start-up, not in the first tree step
         STATE.store = type(STATE.store)()
         STATE.step = None
         from vllm.distributed import get_tensor_model_parallel_rank
