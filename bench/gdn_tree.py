@@ -5,6 +5,8 @@ Usage, from the repository root on the GPU host:
 
     python3 bench/gdn_tree.py [--out bench/results/gdn_tree.json] [--quick] [--budget-s 200]
     python3 bench/gdn_tree.py --sanitize-case     # small correctness run (for compute-sanitizer)
+    python3 bench/gdn_tree.py --n 17 33 65 --batch 1 2 8 32 --fixed-plan [--depth-bound 15]
+        # the full CUDA graphs' plans (TreePlan.build_into), optionally with the runtime's depth bound
 
 Shape: H = 16 q/k heads, HV = 48 value heads, K = V = 128, q/k/v bf16, fp32 state. Trees are
 DDTree-like (best-first over random per-depth marginals, depth <= 16, deterministic seeds).
@@ -93,6 +95,14 @@ def ddtree_parents(n: int, seed: int, max_depth: int = 16, width: int = 64) -> l
         if d + 1 <= max_depth:
             heapq.heappush(heap, (-(score + logp[d + 1][0]), i, d + 1, 0))
     return parents
+
+
+def tree_depth(parents: list[int]) -> int:
+    """Depth of the deepest node (root 0) of a tree whose parents precede their children."""
+    depth = [0] * len(parents)
+    for i, p in enumerate(parents):
+        depth[i] = 0 if p < 0 else depth[p] + 1
+    return max(depth)
 
 
 def tree_batch(n: int, batch: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor, list[list[int]]]:
@@ -243,10 +253,12 @@ def n_sets_for(batch: int) -> int:
 # verify
 
 
-def bench_verify(n: int, batch: int, bw: float, reps: int, vllm_fn, allow_slow: bool, fixed_plan: bool = False) -> dict:
+def bench_verify(n: int, batch: int, bw: float, reps: int, vllm_fn, allow_slow: bool, fixed_plan: bool = False,
+                 depth_bound: int | None = None) -> dict:
     parents, cu, trees = tree_batch(n, batch)
     if fixed_plan:  # the full CUDA graphs' layout (runtime/full_graphs.py): capacity depth n - 1, n (n + 1) / 2 pairs
-        plan = TreePlan.build_into(torch.zeros(TreePlan.fixed_size(batch, n), dtype=torch.int32, device=DEV), parents, cu, n)
+        plan = TreePlan.build_into(torch.zeros(TreePlan.fixed_size(batch, n), dtype=torch.int32, device=DEV), parents, cu, n,
+                                   depth_bound=depth_bound)
     else:
         plan = TreePlan.build(parents, cu, device=DEV)
     t_nodes = plan.num_nodes
@@ -257,7 +269,7 @@ def bench_verify(n: int, batch: int, bw: float, reps: int, vllm_fn, allow_slow: 
     slots = [torch.arange(s * batch, (s + 1) * batch, device=DEV) for s in range(sets)]
     nbytes = batch * STATE_BYTES + t_nodes * NODE_BYTES
     row = dict(n=n, batch=batch, nodes=t_nodes, pairs=plan.num_pairs, max_depth=plan.max_depth,
-               input_sets=sets, bytes=nbytes, floor_us=nbytes / bw * 1e6)
+               depth_bound=plan.depth_bound, tree_max_depth=max(tree_depth(t) for t in trees), input_sets=sets, bytes=nbytes, floor_us=nbytes / bw * 1e6)
     t0 = time.perf_counter()
     TreePlan.build(parents, cu, device=DEV)
     torch.cuda.synchronize()
@@ -287,6 +299,7 @@ def bench_verify(n: int, batch: int, bw: float, reps: int, vllm_fn, allow_slow: 
     row["ours_auto_us"] = ours_us.get(f"bv{auto_bv}")
     row["default_variant"] = kgdn.DEFAULT_VERIFY_VARIANT
     row["fixed_plan"] = fixed_plan
+    row["v6_solve"] = kgdn.grouped_solve(plan, KD, HV // H, loader.device_smem_optin(0))  # 1 paths, 0 levels
     # the version the vLLM runtime runs for this plan (VLLM_TFM_GDN_VERIFY=auto)
     row["runtime_variant"] = kgdn.runtime_verify_variant(plan, torch.bfloat16, H, HV, KD, VD, loader.device_smem_optin(0),
                                                          props.multi_processor_count)
@@ -653,7 +666,11 @@ def table(results: dict) -> str:
                      f"{fmt(r.get('speedup_vs_per_branch')):>8} {fmt(r.get('reference_us'), '.0f'):>10} "
                      f"{fmt(r.get('err_vs_reference'), '.1e'):>8} {'v' + str(r.get('runtime_variant', '-')):>3}")
     if any(r.get("fixed_plan") for r in results["verify"]):
-        lines.append("plans: the full CUDA graphs' fixed layout (--fixed-plan)")
+        bounds = sorted({str(r.get("depth_bound")) for r in results["verify"] if r.get("fixed_plan")})
+        lines.append(f"plans: the full CUDA graphs' fixed layout (--fixed-plan), depth_bound {', '.join(bounds)}; "
+                     f"version 6's solve per row (v6_solve in the JSON): "
+                     + " ".join(f"n{r['n']}b{r['batch']}={'paths' if r.get('v6_solve') else 'levels'}"
+                                for r in results["verify"] if "v6_solve" in r))
     lines.append("rt: the version the vLLM runtime runs for this plan (VLLM_TFM_GDN_VERIFY=auto)")
     lines.append("verify per-kernel breakdown at the automatic BV, us (each kernel timed alone; call = whole call)")
     versions = [f"v{v}" for v in kgdn.VERIFY_VARIANTS]
@@ -693,7 +710,12 @@ def main() -> None:
     ap.add_argument("--sanitize-case", action="store_true")
     ap.add_argument("--fixed-plan", action="store_true",
                     help="verify on the full CUDA graphs' fixed-layout plans (TreePlan.build_into) instead of per-step plans")
+    ap.add_argument("--depth-bound", type=int, default=None,
+                    help="with --fixed-plan: the plans' depth_bound (the runtime's: the drafter's depth, 15 at the 27B "
+                         "drafter's block of 16); the bench trees have depth <= 16")
     args = ap.parse_args()
+    if args.depth_bound is not None and not args.fixed_plan:
+        ap.error("--depth-bound is a property of the fixed-layout plans: add --fixed-plan")
     if not torch.cuda.is_available():
         sys.exit("gdn_tree.py needs a CUDA device")
     if args.sanitize_case:
@@ -730,7 +752,8 @@ def main() -> None:
         for n in ns:
             print(f"verify n={n} batch={batch} ...", file=sys.stderr, flush=True)
             try:
-                results["verify"].append(bench_verify(n, batch, bw, reps, vllm_fn, within_budget(), args.fixed_plan))
+                results["verify"].append(bench_verify(n, batch, bw, reps, vllm_fn, within_budget(), args.fixed_plan,
+                                                          args.depth_bound))
             except Exception as exc:  # noqa: BLE001 - record and go on
                 results["verify"].append(dict(n=n, batch=batch, floor_us=None, error=f"{type(exc).__name__}: {exc}"[:300]))
             torch.cuda.empty_cache()

@@ -198,6 +198,22 @@ def test_replay_writes_the_step_trees_and_installs_the_captured_stash() -> None:
         graphs.prepare_replay(tree_step(2, 5, np.random.default_rng(4)))
 
 
+def test_tree_graph_plans_carry_the_drafters_depth_bound() -> None:
+    # the drafter's depth lets version 6 take its path solve on the fixed-layout plans (kernels.gdn.grouped_solve)
+    for bound, want in ((15, 15), (None, None), (32, None)):  # a bound of n - 1 or more says nothing
+        graphs = TreeGraphs(budget=32, max_reqs=2, max_seq_len=64, device=torch.device("cpu"), depth_bound=bound)
+        with graphs.capture(2):
+            graphs.begin_run()
+            plan = current_step_kernels(STATE.step).plan
+            assert (plan.depth_bound, plan.max_depth) == (want, 32)
+            graphs.end_capture_run(current_step_kernels(STATE.step))
+        step = tree_step(2, 33, np.random.default_rng(5))
+        graphs.prepare_replay(step)
+        assert current_step_kernels(step).plan.depth_bound == want
+    with pytest.raises(ValueError, match="depth_bound must be >= 1, got 0"):
+        TreeGraphs(budget=4, max_reqs=1, max_seq_len=64, device=torch.device("cpu"), depth_bound=0)
+
+
 class FakeRunner:
     _tfm_enabled = True
 

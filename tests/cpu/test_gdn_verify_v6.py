@@ -150,6 +150,56 @@ def test_v6_solve_choice():
     assert kgdn.grouped_solve(star, 128, 3, need, ("-DG6_SOLVE=0",)) == 0
 
 
+def test_v6_solve_choice_on_fixed_layout_plans():
+    # the full graphs' fixed layout says depth n - 1 (its capacity); its depth_bound (the drafter's depth,
+    # runtime/full_graphs.py) decides version 6's solve instead, and nothing else
+    limit, n = 227 * 1024, 33
+    tree = _random_tree(n, _g(60))
+
+    def fixed(bound):
+        return TreePlan.build_into(torch.zeros(TreePlan.fixed_size(1, n), dtype=torch.int32), tree,
+                                   torch.tensor([0, n]), n, depth_bound=bound)
+
+    unbounded = fixed(None)
+    assert unbounded.max_depth == n - 1 and unbounded.depth_bound is None
+    assert kgdn.grouped_solve(unbounded, 128, 3, limit) == 0
+    for bound, solve in ((0, 1), (15, 1), (16, 1), (17, 0), (31, 0)):
+        plan = fixed(bound)
+        assert (plan.depth_bound, plan.max_depth) == (bound, n - 1)
+        assert kgdn.grouped_solve(plan, 128, 3, limit) == solve, bound
+    assert fixed(n - 1).depth_bound is None and fixed(100).depth_bound is None  # no tighter than the capacity
+    with pytest.raises(ValueError, match="depth_bound must be >= 0, got -1"):
+        fixed(-1)
+    # the path solve's tables must still fit (at the fixed layout's n (n + 1) / 2 pairs)
+    need = kgdn.grouped_smem_bytes(128, 3, n, fixed(15).max_pairs_per_request)
+    assert kgdn.grouped_solve(fixed(15), 128, 3, need) == 1 and kgdn.grouped_solve(fixed(15), 128, 3, need - 4) == 0
+    # versions 3-5 and the commit size their tables by max_depth, which the bound leaves alone
+    assert kgdn._pair_capacity(fixed(15)) == kgdn._pair_capacity(unbounded)
+
+
+def test_v6_on_fixed_layout_plans_with_a_depth_bound_takes_the_path_solve(emulated):
+    # full CUDA graphs: R trees of n nodes in the fixed layout; with the drafter's depth as the bound version 6
+    # runs its path solve, exact also for a tree deeper than the bound (a chain of 33: paths of more than
+    # G6_PATH_REG entries are solved in shared memory, the others in registers, in the same CTA)
+    n = 33
+    trees = [_random_tree(n, _g(61)), torch.arange(-1, n - 1), torch.tensor([-1] + [0] * (n - 1))]
+    c = _case(trees, 1, 3, 32, 16, torch.bfloat16, seed=62)
+    c64 = {k: v.double() if v.is_floating_point() else v for k, v in c.items()}
+    o_ref, d_ref = ref_gdn.gdn_tree_verify(**c64, return_delta=True)
+    outs = []
+    for bound, solve in ((None, 0), (15, 1)):
+        plan = TreePlan.build_into(torch.zeros(TreePlan.fixed_size(len(trees), n), dtype=torch.int32), c["parents"],
+                                   c["cu_nodes"], n, depth_bound=bound)
+        assert kgdn.grouped_solve(plan, 32, 3, 227 * 1024) == solve
+        emulated.clear()
+        o, d = _run(c, plan)
+        smem = kgdn.grouped_smem_bytes(32, 3, n, plan.max_pairs_per_request, solve_levels=solve == 0)
+        assert [(name, shared) for name, _, shared in emulated] == [("gdn_tree_verify_grouped", smem)]
+        assert _rel(o, o_ref) <= 3e-3 and _rel(d, d_ref) <= 1e-5, (bound, _rel(o, o_ref), _rel(d, d_ref))
+        outs.append(d)
+    assert _rel(outs[1], outs[0]) <= 1e-6 and not torch.equal(outs[1], outs[0])  # both solves ran
+
+
 def test_v6_path_solve_equals_level_solve(emulated):
     # G6_SOLVE=1 (the default: path rows of (I + X)^-1 and Y (I + X)^-1, then gathers) against G6_SOLVE=0
     # (the level-by-level substitution): the same function, sums in another order. Both within the bars

@@ -9,7 +9,7 @@ import torch
 
 from vllm_tfm.kernels import conv as kconv
 from vllm_tfm.kernels import gdn as kgdn
-from vllm_tfm.kernels.loader import kernels_available, kernels_unavailable_reason
+from vllm_tfm.kernels.loader import device_smem_optin, kernels_available, kernels_unavailable_reason
 from vllm_tfm.kernels.plan import CommitIndices, TreePlan
 
 from test_kernels_gdn import DEV, FP32_TOL, chain, make_case, random_tree, reference, rel, star
@@ -49,6 +49,34 @@ def test_verify_on_a_fixed_plan_equals_the_per_step_plan(variant: int, kinds: st
     assert rel(d, d_ref) <= 1e-6 and rel(o.float(), o_ref.float()) <= 1e-6
     _, d64 = reference({k: (v.float() if v.is_floating_point() else v) for k, v in c.items()})
     assert rel(d, d64) <= FP32_TOL
+
+
+@pytest.mark.parametrize(("kinds", "n"), [("rcsr", 33), ("rrrrrrrr", 33), ("rs", 65)])
+def test_version_6_on_a_fixed_plan_with_the_drafters_depth_bound(kinds: str, n: int) -> None:
+    # the runtime's full graphs give their plans the drafter's depth (15 at a DFlash block of 16) as depth_bound:
+    # version 6 then takes its path solve there (kernels.gdn.grouped_solve), also over the chain (depth n - 1,
+    # deeper than the bound: its long paths are solved in shared memory), within the bars of version 3 on the
+    # per-step plan and of the float64 reference, and within float32 rounding of the level solve
+    c = make_case(trees_of(kinds, n, seed=n + 1), h=2, hv=6, dtype=torch.bfloat16, seed=4)
+    buf = torch.zeros(TreePlan.fixed_size(c["cu_nodes"].numel() - 1, n), dtype=torch.int32, device=DEV)
+    plan = TreePlan.build_into(buf, c["parents"], c["cu_nodes"], n, depth_bound=15)
+    assert kgdn.grouped_solve(plan, 128, 3, device_smem_optin(0)) == 1
+    assert kgdn.grouped_solve(fixed_plan(c["parents"], c["cu_nodes"], n), 128, 3, device_smem_optin(0)) == 0
+    args = (c["q"], c["k"], c["v"], c["g"], c["beta"], c["ssm_state"], c["state_indices"])
+    launches, o, d = kgdn.verify_launches(plan, *args, return_delta=True, variant=6)
+    assert [name for name, _ in launches] == ["gdn_tree_verify_grouped"]
+    o.fill_(float("nan"))
+    d.fill_(float("nan"))
+    for _, fn in launches:
+        fn()
+    o3, d3 = kgdn.gdn_tree_verify_planned(TreePlan.build(c["parents"], c["cu_nodes"], device=DEV), *args,
+                                          return_delta=True, variant=3)
+    _, d_levels = kgdn.gdn_tree_verify_planned(plan, *args, return_delta=True, variant=6,
+                                               extra_options=("-DG6_SOLVE=0",))
+    o_ref, d_ref = reference(c)
+    assert rel(o, o_ref) <= 3e-3 and rel(d, d_ref) <= FP32_TOL, (rel(o, o_ref), rel(d, d_ref))
+    assert rel(o.float(), o3.float()) <= 3e-3 and rel(d, d3) <= FP32_TOL
+    assert rel(d, d_levels) <= 1e-6
 
 
 def test_commit_on_a_fixed_plan_equals_the_per_step_plan() -> None:

@@ -123,12 +123,15 @@ def grouped_solve(plan: TreePlan, k_dim: int, group: int, max_smem: int, extra_o
     level-by-level substitution. Paths where the H200 measured them faster (bench/NOTES.md sections 33,
     34: every size version 6 takes, up to 128 nodes per request) for trees of at most 16 levels below
     the root (a DFlash block; phase 2b holds a path in registers) whose larger tables (T and ancestor
-    offsets) fit; an explicit ``-DG6_SOLVE=k`` in ``extra_options`` (benchmarks, tests) decides instead."""
+    offsets) fit. A fixed-layout plan's depth is its ``depth_bound`` when it has one (full CUDA graphs:
+    the drafter's depth; a deeper path is still exact, solved in shared memory). An explicit
+    ``-DG6_SOLVE=k`` in ``extra_options`` (benchmarks, tests) decides instead."""
     forced = [o for o in extra_options if o.startswith("-DG6_SOLVE=")]
     if forced:
         return int(forced[-1].split("=", 1)[1])
     fits = grouped_smem_bytes(k_dim, group, plan.max_nodes, plan.max_pairs_per_request) <= max_smem
-    return int(plan.max_depth <= PATH_SOLVE_MAX_DEPTH and fits)
+    depth = plan.max_depth if plan.depth_bound is None else min(plan.max_depth, plan.depth_bound)
+    return int(depth <= PATH_SOLVE_MAX_DEPTH and fits)
 
 
 def grouped_threads(plan: TreePlan, h: int, v_dim: int, smem: int, max_smem_sm: int, num_sms: int) -> int:

@@ -69,6 +69,10 @@ class TreePlan:
     pair_off: Tensor
     pair_j: Tensor
     req_of: Tensor
+    depth_bound: int | None = None
+    """A fixed-layout plan's depth that its trees are expected not to exceed (full CUDA graphs: the
+    drafter's ``max_depth``), below its capacity ``max_depth`` = n - 1. Read only by version 6's choice
+    of solve (``kernels.gdn.grouped_solve``), which is exact for any depth; None: ``max_depth``."""
 
     @property
     def device(self) -> torch.device:
@@ -89,7 +93,7 @@ class TreePlan:
 
     @staticmethod
     def build_into(buffer: Tensor, parents: Tensor | np.ndarray, cu_nodes: Tensor | np.ndarray, nodes_per_request: int,
-                   ancestor_bits: np.ndarray | None = None) -> "TreePlan":
+                   ancestor_bits: np.ndarray | None = None, depth_bound: int | None = None) -> "TreePlan":
         """The plan of a batch whose R trees all have ``nodes_per_request`` nodes, written into ``buffer``
         (int32, on the device, at least :meth:`fixed_size` entries) in a layout and with scalars that
         depend only on R and n = ``nodes_per_request``, never on the tree shapes.
@@ -107,6 +111,10 @@ class TreePlan:
         read off the [R, n, n] :func:`ancestor_matrix` with whole-array numpy operations (no ragged
         bookkeeping: a decode step on the critical path of the host); they equal :meth:`build`'s
         (tests/cpu/test_full_graphs.py).
+
+        ``depth_bound``: the plan's :attr:`depth_bound` (0 <= bound; a bound >= n - 1 says nothing and is
+        stored as None). A tree deeper than it is still computed exactly; it only informs the choice
+        of version 6's solve, made once when a CUDA graph is captured.
         """
         n = int(nodes_per_request)
         par = np.asarray(parents.detach().cpu() if isinstance(parents, Tensor) else parents, dtype=np.int64)
@@ -117,6 +125,9 @@ class TreePlan:
         if int(cu[0]) != 0 or int(cu[-1]) != par.shape[0] or bool((counts != n).any()):
             raise ValueError(f"every tree must have {n} nodes for a fixed-layout plan, got counts {counts.tolist()} "
                              f"for {par.shape[0]} parents")
+        if depth_bound is not None and int(depth_bound) < 0:
+            raise ValueError(f"depth_bound must be >= 0, got {depth_bound}")
+        bound = None if depth_bound is None or int(depth_bound) >= n - 1 else int(depth_bound)
         r = counts.shape[0]
         bits = ragged_ancestor_bits(par, cu) if ancestor_bits is None else ancestor_bits  # validates the trees
         words = (n + 63) // 64
@@ -154,7 +165,7 @@ class TreePlan:
         cu_d, perm_d, pos_d, depth_d, off_d, pj_d, req_d = torch.split(view, [r + 1, t, t, t, t + 1, r * cap, t])
         return TreePlan(num_requests=r, num_nodes=t, max_nodes=n, max_depth=n - 1, num_pairs=r * cap,
                         max_pairs_per_request=cap, cu=cu_d, perm=perm_d, pos=pos_d, depth=depth_d, pair_off=off_d,
-                        pair_j=pj_d, req_of=req_d)
+                        pair_j=pj_d, req_of=req_d, depth_bound=bound)
 
     def _tables(self) -> list[Tensor]:
         """The tables in their packed order."""

@@ -9,7 +9,8 @@ which is exactly a tree step of R requests (every request verifies B drafts). He
 * **Capture.** While vLLM warms up and captures the full graph of R x (B + 1) tokens
   (``GPUModelRunner._warmup_and_capture``), ``STATE.step`` is a capture step of R chains whose
   tables live in this object's persistent buffers: the GDN tree plan in the fixed layout of
-  ``TreePlan.build_into`` (addresses, grids, shared memory and scalars depend on R and B only), the
+  ``TreePlan.build_into`` (addresses, grids, shared memory and scalars depend on R and B only; its
+  ``depth_bound``, the drafter's depth, picks version 6's solve at the capture), the
   tree-attention plan of ``TreeAttentionPlan.build_into`` (every request a tree of B + 1 nodes, key
   splits sized for ``max_model_len``), and per GDN layer the tensors the commit reads (pre-conv
   inputs, keys, log decays, deltas: ``LayerStash``). The GDN and attention layers then record the
@@ -117,11 +118,17 @@ def replayable(step: StepTree | None, nodes: int, captured: set[int] | dict[int,
 class TreeGraphs:
     """Persistent buffers and captures of one engine's full tree graphs (module docstring)."""
 
-    def __init__(self, budget: int, max_reqs: int, max_seq_len: int, device: torch.device) -> None:
+    def __init__(self, budget: int, max_reqs: int, max_seq_len: int, device: torch.device,
+                 depth_bound: int | None = None) -> None:
         if budget < 1 or max_reqs < 1:
             raise ValueError(f"budget and max_reqs must be >= 1, got {budget} and {max_reqs}")
+        if depth_bound is not None and depth_bound < 1:
+            raise ValueError(f"depth_bound must be >= 1, got {depth_bound}")
         self.budget = int(budget)
         self.nodes = self.budget + 1
+        # the drafter's depth (settings.max_depth): the GDN plans' depth_bound, which lets version 6
+        # take its path solve on these plans (kernels.gdn.grouped_solve; exact for deeper trees too)
+        self.depth_bound = None if depth_bound is None else int(depth_bound)
         self.max_reqs = int(max_reqs)
         self.max_seq_len = int(max_seq_len)
         self.device = torch.device(device)
@@ -213,7 +220,7 @@ class TreeGraphs:
         if step is None:
             return
         plan = TreePlan.build_into(self.plan_buffer, torch.from_numpy(step.spec_parents), torch.from_numpy(step.spec_cu),
-                                   self.nodes)
+                                   self.nodes, depth_bound=self.depth_bound)
         step.gdn = {}
         set_step_kernels(StepKernels(step, self.device, plan=plan))
 
@@ -265,7 +272,8 @@ class TreeGraphs:
             raise RuntimeError(f"vllm-tfm: no full tree graph fits this step ({step.num_reqs} requests)")
         # a uniform step's rows are its spec rows in order: one set of ancestor bitmasks serves both plans
         bits = ragged_ancestor_bits(step.spec_parents, step.spec_cu)
-        plan = TreePlan.build_into(self.plan_buffer, step.spec_parents, step.spec_cu, self.nodes, ancestor_bits=bits)
+        plan = TreePlan.build_into(self.plan_buffer, step.spec_parents, step.spec_cu, self.nodes, ancestor_bits=bits,
+                                   depth_bound=self.depth_bound)
         TreeAttentionPlan.build_into(self.attn_buffer, step.query_start[:-1], step.local_parent, self.nodes,
                                      ancestor_bits=bits)
         step.gdn = dict(cap.stashes)

@@ -62,9 +62,10 @@ def tree_graphs_of(runner: Any) -> TreeGraphs | None:
     return getattr(runner, "_tfm_tree_graphs", None)
 
 
-def enable_tree_graphs(runner: Any, budget: int) -> TreeGraphs | None:
+def enable_tree_graphs(runner: Any, budget: int, depth_bound: int | None = None) -> TreeGraphs | None:
     """At runner start: full tree graphs when the engine's cudagraph mode captures full decode graphs
-    (FULL_AND_PIECEWISE), sized for min(max_num_seqs, largest capture size // (B + 1)) requests."""
+    (FULL_AND_PIECEWISE), sized for min(max_num_seqs, largest capture size // (B + 1)) requests;
+    ``depth_bound``: the drafter's tree depth (``TreeGraphs``)."""
     from vllm.config import CUDAGraphMode
 
     comp = runner.compilation_config
@@ -77,7 +78,7 @@ def enable_tree_graphs(runner: Any, budget: int) -> TreeGraphs | None:
     max_reqs = min(int(runner.scheduler_config.max_num_seqs), int(largest) // nodes)
     graphs = None
     if max_reqs >= 1:
-        graphs = TreeGraphs(budget, max_reqs, int(runner.max_model_len), runner.device)
+        graphs = TreeGraphs(budget, max_reqs, int(runner.max_model_len), runner.device, depth_bound=depth_bound)
     runner._tfm_tree_graphs = graphs
     return graphs
 

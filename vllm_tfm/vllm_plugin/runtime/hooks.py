@@ -117,7 +117,8 @@ def _wrap_init(orig: Callable) -> Callable:
         self._tfm_enabled = True
         from .graph_dispatch import enable_tree_graphs
 
-        enable_tree_graphs(self, int(spec.num_speculative_tokens))  # FULL_AND_PIECEWISE: tree steps in full graphs
+        # FULL_AND_PIECEWISE: tree steps in full graphs; no tree is deeper than the drafter's depth
+        enable_tree_graphs(self, int(spec.num_speculative_tokens), self.drafter.tfm_settings.max_depth)
         self.rejection_sampler = TFMTreeSampler(self.rejection_sampler, self, replay=STATE.replay)
         STATE.metrics = Metrics(max_depth=int(spec.num_speculative_tokens), device=device)
         from .settings import verify_version_setting
