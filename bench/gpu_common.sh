@@ -29,3 +29,41 @@ gpu_sanitize() {
   done
   return $rc
 }
+
+# Steps of a time-bounded GPU call (bench/run_gpu_kernels.sh, run_gpu_runtime_verify.sh): set OUT and
+# TOTAL_S, call gpu_steps_begin, then gpu_step NAME MAX_SECONDS CMD... runs CMD with a timeout of
+# min(MAX, seconds left of TOTAL_S), logs to $OUT/NAME.log, prints a status line and the log's last
+# lines, and appends the status to GPU_STATUSES (print them with gpu_steps_summary). Steps with less
+# than 20 s left are skipped.
+gpu_steps_begin() {
+  GPU_STEPS_START=$(date +%s)
+  GPU_STATUSES=()
+}
+
+gpu_left() { echo $(( TOTAL_S - ($(date +%s) - GPU_STEPS_START) )); }
+
+gpu_step() {
+  local name=$1 max=$2 budget t0 rc what took
+  shift 2
+  budget=$(gpu_left)
+  (( budget > max )) && budget=$max
+  if (( budget < 20 )); then
+    GPU_STATUSES+=("$name: skipped (time budget spent)")
+    return
+  fi
+  t0=$(date +%s)
+  timeout --kill-after=10 "$budget" "$@" > "$OUT/$name.log" 2>&1
+  rc=$?
+  took=$(( $(date +%s) - t0 ))
+  what="ok"
+  (( rc == 124 || rc == 137 )) && what="TIMED OUT after ${budget}s"
+  (( rc != 0 && rc != 124 && rc != 137 )) && what="FAILED rc=$rc"
+  GPU_STATUSES+=("$name: $what (${took}s) -> $OUT/$name.log")
+  echo "== $name: $what (${took}s)"
+  tail -n 4 "$OUT/$name.log"
+}
+
+gpu_steps_summary() {
+  local s
+  for s in "${GPU_STATUSES[@]}"; do echo "$s"; done
+}

@@ -30,33 +30,11 @@ export VLLM_TFM_CUDA_DIR="$PWD/cuda"
 export VLLM_TFM_CACHE=${VLLM_TFM_CACHE:-/tmp/vllm_tfm_kernel_cache}
 export PYTHONUNBUFFERED=1
 
-start=$(date +%s)
-statuses=()
-left() { echo $(( TOTAL_S - ($(date +%s) - start) )); }
-
-# step NAME MAX_SECONDS CMD...: run with a timeout of min(MAX, time left), log to $OUT/NAME.log
-step() {
-  local name=$1 max=$2
-  shift 2
-  local budget
-  budget=$(left)
-  (( budget > max )) && budget=$max
-  if (( budget < 20 )); then
-    statuses+=("$name: skipped (time budget spent)")
-    return
-  fi
-  local t0 rc
-  t0=$(date +%s)
-  timeout --kill-after=10 "$budget" "$@" > "$OUT/$name.log" 2>&1
-  rc=$?
-  local took=$(( $(date +%s) - t0 ))
-  local what="ok"
-  (( rc == 124 || rc == 137 )) && what="TIMED OUT after ${budget}s"
-  (( rc != 0 && rc != 124 && rc != 137 )) && what="FAILED rc=$rc"
-  statuses+=("$name: $what (${took}s) -> $OUT/$name.log")
-  echo "== $name: $what (${took}s)"
-  tail -n 4 "$OUT/$name.log"
-}
+# shellcheck source=bench/gpu_common.sh
+source bench/gpu_common.sh
+gpu_steps_begin
+left() { gpu_left; }
+step() { gpu_step "$@"; }
 
 {
   date
@@ -83,9 +61,9 @@ bench_left=$(( $(left) - 15 ))
 step bench "$bench_left" python3 "$BENCH" --out "$OUT/$FAMILY.json" --budget-s $(( bench_left * BENCH_SHARE / 10 ))
 
 echo
-echo "== summary ($(( $(date +%s) - start ))s)"
+echo "== summary ($(( $(date +%s) - GPU_STEPS_START ))s)"
 grep -E "passed|failed|error|skipped" "$OUT/pytest.log" | tail -n 1
-for s in "${statuses[@]}"; do echo "$s"; done
+gpu_steps_summary
 grep -E "ERROR SUMMARY|RACECHECK SUMMARY" "$OUT/memcheck.log" "$OUT/racecheck.log" 2>/dev/null
 if [ -f "$OUT/$FAMILY.txt" ]; then
   echo

@@ -26,45 +26,22 @@ gpu_setup "$OUT"  # the bundle, this checkout first on PYTHONPATH (keeping the b
 export VLLM_TFM_CUDA_DIR="$PWD/cuda"
 export VLLM_TFM_CACHE=${VLLM_TFM_CACHE:-/tmp/vllm_tfm_kernel_cache}
 
-start=$(date +%s)
-statuses=()
-left() { echo $(( TOTAL_S - ($(date +%s) - start) )); }
+gpu_steps_begin
 
-# step NAME MAX_SECONDS CMD...: run with a timeout of min(MAX, time left), log to $OUT/NAME.log
-step() {
-  local name=$1 max=$2 budget t0 rc what
-  shift 2
-  budget=$(left)
-  (( budget > max )) && budget=$max
-  if (( budget < 20 )); then
-    statuses+=("$name: skipped (time budget spent)")
-    return
-  fi
-  t0=$(date +%s)
-  timeout --kill-after=10 "$budget" "$@" > "$OUT/$name.log" 2>&1
-  rc=$?
-  what="ok"
-  (( rc == 124 || rc == 137 )) && what="TIMED OUT after ${budget}s"
-  (( rc != 0 && rc != 124 && rc != 137 )) && what="FAILED rc=$rc"
-  statuses+=("$name: $what ($(( $(date +%s) - t0 ))s) -> $OUT/$name.log")
-  echo "== $name: $what ($(( $(date +%s) - t0 ))s)"
-  tail -n 3 "$OUT/$name.log"
-}
-
-step pytest 240 python3 -m pytest -q -p no:cacheprovider --junitxml="$OUT/pytest.xml" \
+gpu_step pytest 240 python3 -m pytest -q -p no:cacheprovider --junitxml="$OUT/pytest.xml" \
   tests/gpu/test_step_kernels_gpu.py tests/gpu/test_gdn_layer_gpu.py tests/gpu/test_step_rewrite_gpu.py \
   tests/gpu/test_batched_commit_gpu.py tests/gpu/test_full_graph_kernels_gpu.py
 
 SIZES=(--n 17 33 65 --batch 1 2 8 32 --budget-s 10)
-step tfm_sizes 90 python3 bench/gdn_tree.py "${SIZES[@]}" --out "$OUT/tfm_sizes.json"
-step tfm_sizes_fixed 90 python3 bench/gdn_tree.py "${SIZES[@]}" --fixed-plan --out "$OUT/tfm_sizes_fixed.json"
-step tfm_sizes_fixed_bound 90 python3 bench/gdn_tree.py "${SIZES[@]}" --fixed-plan --depth-bound "$DEPTH_BOUND" \
+gpu_step tfm_sizes 90 python3 bench/gdn_tree.py "${SIZES[@]}" --out "$OUT/tfm_sizes.json"
+gpu_step tfm_sizes_fixed 90 python3 bench/gdn_tree.py "${SIZES[@]}" --fixed-plan --out "$OUT/tfm_sizes_fixed.json"
+gpu_step tfm_sizes_fixed_bound 90 python3 bench/gdn_tree.py "${SIZES[@]}" --fixed-plan --depth-bound "$DEPTH_BOUND" \
   --out "$OUT/tfm_sizes_fixed_bound.json"
 
 echo
-echo "== summary ($(( $(date +%s) - start ))s)"
+echo "== summary ($(( $(date +%s) - GPU_STEPS_START ))s)"
 grep -E "passed|failed|error" "$OUT/pytest.log" | tail -n 1
-for s in "${statuses[@]}"; do echo "$s"; done
+gpu_steps_summary
 for t in tfm_sizes tfm_sizes_fixed tfm_sizes_fixed_bound; do
   if [ -f "$OUT/$t.txt" ]; then
     echo
