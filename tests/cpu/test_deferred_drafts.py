@@ -317,3 +317,48 @@ def test_the_switch_is_a_known_environment_variable_for_the_options_resolver():
     from vllm_tfm.vllm_plugin.options import env_overrides
 
     assert env_overrides({dd.DEFERRED_DRAFTS_ENV: "0", "VLLM_TFM_WIDTH": "4"})[0] == {"width": 4}
+
+
+def test_complete_leaves_the_sampler_tables_to_their_first_read(monkeypatch):
+    """The host's path from the drafter's end to the forward's launch (``StepTree.complete``: fill, uploads,
+    positions, full-graph plans; bench/step_host.py) does not build the sampler's tree tables: the sampler's
+    first read does, once, and they are the tables of the step's logits rows. The fill also keeps the rows'
+    ancestor bitmasks (computed with the depths) for the full graph's plans."""
+    from vllm_tfm.tree.bitmask import ragged_ancestor_bits
+    from vllm_tfm.verify import tree_tables
+
+    built = []
+    real = tree_tables.tree_table_arrays
+    monkeypatch.setattr(tree_tables, "tree_table_arrays", lambda *a, **k: built.append(1) or real(*a, **k))
+    gen = torch.Generator().manual_seed(3)
+    store = ProposalStore()
+    proposals = {f"r{i}": (list(range(8)), random_tree_parents(9, gen).tolist()) for i in range(3)}
+    put(store, proposals)
+    step = build_step_tree(list(proposals), np.full(3, 9), {rid: [P] * 8 for rid in proposals}, store,
+                           allow_trees=True, defer_topology=True)
+    assert step.topology_pending and step.ancestor_bits is None
+    step.complete()
+    assert not step.topology_pending and built == []
+    assert np.array_equal(step.ancestor_bits, ragged_ancestor_bits(step.local_parent, step.query_start))
+    tables = step.sample_tables()
+    assert built == [1] and step.sample_tables() is tables and built == [1]
+    dmax, want = real(step.sample_parents, step.sample_cu)
+    assert tables.max_depth == dmax
+    for name, array in want.items():
+        assert np.array_equal(getattr(tables, name).numpy(), array), name
+
+
+def test_the_fill_keeps_ancestor_bitmasks_of_small_steps_only():
+    # a decode step's trees (<= 512 rows, requests of <= 64): bitmasks with the depths; a long prefill chunk: none
+    store = ProposalStore()
+    small = build_step_tree(["a", "b"], np.array([9, 1]), {}, store, allow_trees=True)
+    assert small.ancestor_bits is not None and small.ancestor_bits.shape == (10, 1)
+    assert np.array_equal(small.ancestor_bits, ragged_ancestor_bits_of(small))
+    long = build_step_tree(["a", "b"], np.array([65, 1]), {}, store, allow_trees=True)
+    assert long.ancestor_bits is None and long.depth.tolist() == list(range(65)) + [0]
+
+
+def ragged_ancestor_bits_of(step):
+    from vllm_tfm.tree.bitmask import ragged_ancestor_bits
+
+    return ragged_ancestor_bits(step.local_parent, step.query_start)

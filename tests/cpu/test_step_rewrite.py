@@ -534,16 +534,19 @@ def test_commit_step_matches(name, kinds, prefill, path, accept, monkeypatch):
             assert (torch.equal(v0, v1) and v0.dtype == v1.dtype) if isinstance(v0, torch.Tensor) else v0 == v1
 
 
-def test_step_upload_is_one_copy_of_the_host_arrays():
+def test_step_upload_is_one_copy_of_the_host_arrays_and_the_tables_another():
     from vllm_tfm.vllm_plugin.runtime.state import DERIVED_UPLOAD, STEP_UPLOAD
 
     gen = torch.Generator().manual_seed(8)
     step, _, _ = make_step(gen, ["deep", "chain", "star"], extra_prefill=True)
     assert step.tree_active
-    tables = step.sample_tables()
     dev = {name: step.dev(name) for name in STEP_UPLOAD + DERIVED_UPLOAD}
-    storages = {t.untyped_storage().data_ptr() for t in [*dev.values(), tables.paths, tables.children]}
+    assert step._sample_tables is None  # the sampler's tables: built and copied at its first read, after the forward
+    tables = step.sample_tables()
+    storages = {t.untyped_storage().data_ptr() for t in dev.values()}
     assert len(storages) == 1  # one buffer, one transfer
+    table_storages = {getattr(tables, n).untyped_storage().data_ptr() for n in ("starts", "children", "paths", "deepest")}
+    assert len(table_storages) == 1 and table_storages.isdisjoint(storages)  # the tables: one transfer of their own
     for name in STEP_UPLOAD:
         assert dev[name].tolist() == np.asarray(getattr(step, name)).tolist(), name
     assert dev["sample_nonroot"].tolist() == np.nonzero(step.sample_parents >= 0)[0].tolist()

@@ -301,3 +301,42 @@ def test_ragged_depths_equal_walking_the_parents():
     assert ragged_depths(np.array([-1, -1, 0, 1]), np.array([0, 1, 4])).tolist() == [0, 0, 1, 2]  # two trees
     with pytest.raises(ValueError, match="parent chain does not reach a root"):
         ragged_depths(np.array([-1, 2, 1]), np.array([0, 3]))
+
+
+@pytest.mark.parametrize("sizes", [(33,), (33,) * 8, (1, 2, 64, 17, 5), (17,) * 30, (65, 3), (200,), (33,) * 16])
+def test_ancestor_bits_and_depths_equal_the_whole_array_functions(sizes):
+    # the one-pass loop (batches of <= SMALL_BATCH_NODES nodes in trees of <= 64) and the numpy fallback
+    # (bigger batches, trees of more than 64 nodes) give ragged_ancestor_bits' and ragged_depths' arrays
+    from _trees import TREE_KINDS, random_tree_parents
+    from vllm_tfm.tree.bitmask import SMALL_BATCH_NODES, ancestor_bits_and_depths, ragged_depths
+
+    g = torch.Generator().manual_seed(sum(sizes))
+    trees = [random_tree_parents(n, g, TREE_KINDS[i % len(TREE_KINDS)]) for i, n in enumerate(sizes)]
+    parents = torch.cat(trees).numpy()
+    cu = np.concatenate([[0], np.cumsum(sizes)])
+    bits, depths = ancestor_bits_and_depths(parents, cu)
+    want_bits = ragged_ancestor_bits(parents, cu)
+    assert bits.dtype == want_bits.dtype == np.int64 and np.array_equal(bits, want_bits)
+    assert depths.dtype == np.int64 and np.array_equal(depths, ragged_depths(parents, cu))
+    assert bits.shape == (sum(sizes), (max(sizes) + 63) // 64)
+    assert (sum(sizes) <= SMALL_BATCH_NODES and max(sizes) <= 64) == (sizes in ((33,), (33,) * 8, (1, 2, 64, 17, 5),
+                                                                                  (17,) * 30))  # both paths ran
+
+
+@pytest.mark.parametrize(
+    "parents, cu, message",
+    [
+        ([-1, 0, 2], [0, 3], r"parents\[2\] = 2 is invalid for local node 2"),
+        ([0, 0], [0, 2], r"parents\[0\] = 0 is invalid for local node 0"),
+        ([-1, 0, 0, -1, 3], [0, 3, 5], r"parents\[4\] = 3 is invalid for local node 1"),
+        ([-1, 0, -1, 5], [0, 2, 4], r"parents\[3\] = 5 is invalid for local node 1"),
+        ([-1, 0], [0, 1], "must start at 0 and end at the number of nodes 2"),
+        ([-1, -1], [0, 2, 2], "tree 1 has 0 nodes"),
+    ],
+)
+def test_ancestor_bits_and_depths_reject_what_ragged_bits_rejects(parents, cu, message):
+    from vllm_tfm.tree.bitmask import ancestor_bits_and_depths
+
+    for fn in (ancestor_bits_and_depths, ragged_ancestor_bits):  # the same first malformed entry, the same words
+        with pytest.raises(ValueError, match=message):
+            fn(np.array(parents), np.array(cu))

@@ -6,13 +6,19 @@ word ``j // 64`` for every local node j on the root..i path (the layout of
 row holds its ancestors closer than 2^k and its jump pointer names the ancestor 2^k up, so
 ceil(log2(max depth + 1)) rounds of whole-array operations cover every path. Depths come from the
 same pointer doubling, summing the jumped distances (``ragged_depths``).
+
+``ancestor_bits_and_depths`` gives both at once; for a decode step's few hundred nodes it walks the nodes
+in one Python loop instead (a node's row is its parent's row plus its own bit), which costs less there
+than the whole-array passes' dozens of numpy calls.
 """
 
 from __future__ import annotations
 
 import numpy as np
 
-__all__ = ["ragged_ancestor_bits", "ragged_depths"]
+__all__ = ["SMALL_BATCH_NODES", "ancestor_bits_and_depths", "ragged_ancestor_bits", "ragged_depths"]
+
+SMALL_BATCH_NODES = 512  # ancestor_bits_and_depths loops over the nodes up to this many (trees of <= 64 nodes)
 
 
 def ragged_ancestor_bits(parents: np.ndarray, cu_nodes: np.ndarray, words: int | None = None) -> np.ndarray:
@@ -25,15 +31,8 @@ def ragged_ancestor_bits(parents: np.ndarray, cu_nodes: np.ndarray, words: int |
     """
     par = np.asarray(parents, dtype=np.int64)
     cu = np.asarray(cu_nodes, dtype=np.int64)
-    if par.ndim != 1 or cu.ndim != 1 or cu.shape[0] < 1:
-        raise ValueError(f"parents must be [T] and cu_nodes [R + 1], got shapes {par.shape} and {cu.shape}")
+    sizes = _checked_sizes(par, cu)
     total = par.shape[0]
-    sizes = np.diff(cu)
-    if cu[0] != 0 or cu[-1] != total:
-        raise ValueError(f"cu_nodes must start at 0 and end at the number of nodes {total}, got {int(cu[0])}..{int(cu[-1])}")
-    if (sizes <= 0).any():
-        r = int(np.nonzero(sizes <= 0)[0][0])
-        raise ValueError(f"tree {r} has {int(sizes[r])} nodes; every tree needs at least its root")
     need = int((int(sizes.max()) + 63) // 64) if sizes.size else 1
     words = need if words is None else int(words)
     if words < need:
@@ -47,10 +46,7 @@ def ragged_ancestor_bits(parents: np.ndarray, cu_nodes: np.ndarray, words: int |
     bad = (is_root & (par != -1)) | (~is_root & ((par < 0) | (par >= local)))
     if bad.any():
         i = int(np.nonzero(bad)[0][0])
-        raise ValueError(
-            f"parents[{i}] = {int(par[i])} is invalid for local node {int(local[i])}: "
-            "the root needs -1 and every other node 0 <= parent < its local index"
-        )
+        raise _invalid_parent(i, int(par[i]), int(local[i]))
     rows = np.arange(total)
     bits[rows, local // 64] = np.left_shift(np.uint64(1), (local % 64).astype(np.uint64))
     jump = np.where(is_root, -1, par + starts)  # flat index of the ancestor 2^k up (-1: past the root)
@@ -61,6 +57,62 @@ def ragged_ancestor_bits(parents: np.ndarray, cu_nodes: np.ndarray, words: int |
         jump[live] = jump[up]
         live = live[jump[live] >= 0]
     return bits.view(np.int64)
+
+
+def _checked_sizes(par: np.ndarray, cu: np.ndarray) -> np.ndarray:
+    """The trees' node counts; ValueError on malformed shapes or offsets, or an empty tree."""
+    if par.ndim != 1 or cu.ndim != 1 or cu.shape[0] < 1:
+        raise ValueError(f"parents must be [T] and cu_nodes [R + 1], got shapes {par.shape} and {cu.shape}")
+    total = par.shape[0]
+    sizes = np.diff(cu)
+    if cu[0] != 0 or cu[-1] != total:
+        raise ValueError(f"cu_nodes must start at 0 and end at the number of nodes {total}, got {int(cu[0])}..{int(cu[-1])}")
+    if (sizes <= 0).any():
+        r = int(np.nonzero(sizes <= 0)[0][0])
+        raise ValueError(f"tree {r} has {int(sizes[r])} nodes; every tree needs at least its root")
+    return sizes
+
+
+def _invalid_parent(i: int, parent: int, local: int) -> ValueError:
+    return ValueError(
+        f"parents[{i}] = {parent} is invalid for local node {local}: "
+        "the root needs -1 and every other node 0 <= parent < its local index"
+    )
+
+
+def ancestor_bits_and_depths(parents: np.ndarray, cu_nodes: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(``ragged_ancestor_bits(parents, cu_nodes)``, ``ragged_depths(parents, cu_nodes)``), the same arrays.
+
+    Batches of at most ``SMALL_BATCH_NODES`` nodes in trees of at most 64 (a decode step's trees, one word
+    per row) are walked in one Python loop over the nodes: a node's row is its parent's row plus its own
+    bit, its depth its parent's plus one; there that costs a fraction of the two whole-array functions'
+    dozens of numpy calls (bench/NOTES.md section 36). Other batches take those functions. Raises
+    ``ragged_ancestor_bits``' ValueErrors.
+    """
+    par = np.asarray(parents, dtype=np.int64)
+    cu = np.asarray(cu_nodes, dtype=np.int64)
+    sizes = _checked_sizes(par, cu)
+    total = par.shape[0]
+    if total == 0 or total > SMALL_BATCH_NODES or int(sizes.max()) > 64:
+        return ragged_ancestor_bits(par, cu), ragged_depths(par, cu)
+    pl = par.tolist()
+    bits = [0] * total
+    depth = [0] * total
+    i = 0
+    for start, size in zip(cu[:-1].tolist(), sizes.tolist()):
+        if pl[i] != -1:
+            raise _invalid_parent(i, pl[i], 0)
+        bits[i] = 1
+        i += 1
+        for local in range(1, size):
+            p = pl[i]
+            if p < 0 or p >= local:
+                raise _invalid_parent(i, p, local)
+            up = start + p
+            bits[i] = bits[up] | (1 << local)
+            depth[i] = depth[up] + 1
+            i += 1
+    return np.array(bits, dtype=np.uint64).view(np.int64).reshape(total, 1), np.array(depth, dtype=np.int64)
 
 
 def ragged_depths(parents: np.ndarray, cu_nodes: np.ndarray) -> np.ndarray:

@@ -270,8 +270,10 @@ class TreeGraphs:
         cap = self.captured.get(step.num_reqs)
         if cap is None or not uniform_tree_step(step, self.nodes):
             raise RuntimeError(f"vllm-tfm: no full tree graph fits this step ({step.num_reqs} requests)")
-        # a uniform step's rows are its spec rows in order: one set of ancestor bitmasks serves both plans
-        bits = ragged_ancestor_bits(step.spec_parents, step.spec_cu)
+        # a uniform step's rows are its spec rows in order: one set of ancestor bitmasks serves both plans,
+        # computed with the step's depths when it is small (inputs._topology_arrays)
+        bits = step.ancestor_bits if step.ancestor_bits is not None else ragged_ancestor_bits(step.spec_parents,
+                                                                                               step.spec_cu)
         plan = TreePlan.build_into(self.plan_buffer, step.spec_parents, step.spec_cu, self.nodes, ancestor_bits=bits,
                                    depth_bound=self.depth_bound)
         TreeAttentionPlan.build_into(self.attn_buffer, step.query_start[:-1], step.local_parent, self.nodes,

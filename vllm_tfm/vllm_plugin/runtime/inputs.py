@@ -29,7 +29,7 @@ import torch
 from torch import Tensor
 
 from vllm_tfm.kernels.tree_attention import TreeAttentionPlan
-from vllm_tfm.tree.bitmask import ragged_depths
+from vllm_tfm.tree.bitmask import SMALL_BATCH_NODES, ancestor_bits_and_depths, ragged_depths
 from vllm_tfm.tree.types import ancestor_mask
 
 from .state import LOOKUP_OFF, AttnTree, ProposalStore, StepTree
@@ -217,7 +217,7 @@ def _pending_arrays(qs: np.ndarray, sample_cu: np.ndarray, spec_cu: np.ndarray) 
     t, n, ts = int(qs[-1]), int(sample_cu[-1]), int(spec_cu[-1])
     return {"local_parent": np.full(t, -2, dtype=np.int64), "depth": np.full(t, -2, dtype=np.int64),
             "sample_parents": np.full(n, -2, dtype=np.int64), "sample_depth": np.full(n, -2, dtype=np.int64),
-            "spec_parents": np.full(ts, -2, dtype=np.int64)}
+            "spec_parents": np.full(ts, -2, dtype=np.int64), "ancestor_bits": None}
 
 
 def _topology_arrays(
@@ -230,11 +230,16 @@ def _topology_arrays(
 ) -> dict[str, np.ndarray]:
     """The step's arrays that depend on its trees' parents: local parents and depths of the scheduled
     rows, the same for the logits rows (a spec row's tree; otherwise the last d + 1 rows, any drafts
-    read as a chain) and the spec rows' parents."""
+    read as a chain), the spec rows' parents, and the scheduled rows' ancestor bitmasks when the step is
+    a few hundred rows in requests of <= 64 (else None)."""
     cat = lambda xs: np.concatenate(xs) if xs else np.zeros(0, dtype=np.int64)  # noqa: E731
     num_req = len(local_parent)
     parents_all = cat(local_parent)
-    depth_all = ragged_depths(parents_all, qs)  # whole-array, not per request
+    if 0 < parents_all.shape[0] <= SMALL_BATCH_NODES and int(np.diff(qs).max()) <= 64:
+        # a decode step's trees: depths and ancestor bitmasks in one pass (the full graph's plans read the bits)
+        bits, depth_all = ancestor_bits_and_depths(parents_all, qs)
+    else:
+        bits, depth_all = None, ragged_depths(parents_all, qs)  # whole-array, not per request
     if is_spec.all():  # every row a spec row (the usual decode step): the logits rows are the scheduled rows
         sample_parents_all, sample_depth_all = parents_all, depth_all
     else:
@@ -244,7 +249,7 @@ def _topology_arrays(
         sample_depth_all = ragged_depths(sample_parents_all, sample_cu)
     spec_parents = parents_all if spec_idx.shape[0] == num_req else cat([local_parent[i] for i in spec_idx])
     return {"local_parent": parents_all, "depth": depth_all, "sample_parents": sample_parents_all,
-            "sample_depth": sample_depth_all, "spec_parents": spec_parents}
+            "sample_depth": sample_depth_all, "spec_parents": spec_parents, "ancestor_bits": bits}
 
 
 def tree_positions(positions: Tensor, query_start: Tensor, req_index: Tensor, depth: Tensor) -> Tensor:

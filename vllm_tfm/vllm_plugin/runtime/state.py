@@ -27,7 +27,7 @@ import torch
 from torch import Tensor
 
 from vllm_tfm.verify.packed_upload import packed_upload
-from vllm_tfm.verify.tree_tables import TreeTables, tree_table_arrays
+from vllm_tfm.verify.tree_tables import TreeTables
 
 from .accepted_offsets import AcceptedOffsets
 from .sampled_copy import SampledCopy
@@ -170,11 +170,12 @@ class ProposalStore:
         self._pending = None
         if event is not None:
             event.synchronize()
-        toks = tok_h.numpy()
-        pars = par_h.numpy()
+        toks = tok_h.numpy().tolist()  # Python ints for the records, in one call
+        pars = par_h.numpy().astype(np.int64)  # a copy: finalize may copy a rewritten proposal into par_h
+        chain = np.arange(-1, pars.shape[1] - 1)
+        is_chain = (pars == chain).all(axis=1).tolist()
         for i, rid in enumerate(req_ids):
-            p = pars[i].copy()
-            self._records[rid] = TreeRecord(tuple(int(t) for t in toks[i]), p, _is_chain(p))
+            self._records[rid] = TreeRecord(tuple(toks[i]), pars[i], is_chain[i])
         if self._live is not None:
             live, self._live = self._live, None
             for rid in [r for r in self._records if r not in live]:
@@ -315,6 +316,7 @@ class StepTree:
     spec_parents: np.ndarray  # [Ts] int64 local, spec requests only
     spec_cu: np.ndarray  # [Rs + 1]
     spec_req_index: np.ndarray  # [Rs] batch index of each spec request
+    ancestor_bits: np.ndarray | None = None  # [T, 1] ancestor-or-self bitmasks of the scheduled rows (small steps)
     device: torch.device | str = "cpu"
     lookup: np.ndarray | None = None  # [R] int8 LOOKUP_* code of each request
     proposal_len: np.ndarray | None = None  # [R] length of the stored proposal its drafts matched (0: none)
@@ -329,6 +331,7 @@ class StepTree:
     _attn_plan: TreeAttentionPlan | None = field(default=None, repr=False)
     _attn_plan_due: bool = field(default=False, repr=False)  # attn_plan is built on first read
     _sample_tables: TreeTables | None = field(default=None, repr=False)
+    _uploaded: bool = field(default=False, repr=False)  # the STEP_UPLOAD / DERIVED_UPLOAD arrays are in _dev
     _topology: Callable[[], None] | None = field(default=None, repr=False)  # fills the topology arrays (deferred)
     _after_topology: list[Callable[[StepTree], None]] = field(default_factory=list, repr=False)
 
@@ -404,27 +407,28 @@ class StepTree:
             self._dev[name] = t
         return t
 
-    def upload(self) -> TreeTables:
-        """Copy what the sampler, the commit and the other hooks read on the device in one
-        transfer: the ``STEP_UPLOAD`` arrays, the ``DERIVED_UPLOAD`` ones and the ``TreeTables``
-        of the logits rows' trees (built here with numpy). Idempotent; ``build_step_tree`` calls
-        it for every tree-active step. Returns the tables."""
+    def upload(self) -> None:
+        """Copy what the hooks read on the device in one transfer: the ``STEP_UPLOAD`` arrays and the
+        ``DERIVED_UPLOAD`` ones. Idempotent; ``build_step_tree`` calls it for every tree-active step
+        (with deferred drafts, ``complete`` does, between the drafter's end and the forward's launch)."""
         self.complete()  # a pending topology: fills the arrays and, on a tree-active step, uploads them
-        if self._sample_tables is not None:
-            return self._sample_tables
-        dmax, tables = tree_table_arrays(self.sample_parents, self.sample_cu, self.sample_depth)
+        if self._uploaded:
+            return
         arrays = {n: getattr(self, n) for n in STEP_UPLOAD if n not in self._dev}
         arrays["sample_nonroot"] = np.nonzero(self.sample_parents >= 0)[0]
         arrays["replayed"] = self.is_spec & (self.num_draft > 0)
-        arrays.update({f"tables.{n}": a for n, a in tables.items()})
-        dev = packed_upload(arrays, self.device)
-        self._dev.update({n: t for n, t in dev.items() if not n.startswith("tables.")})
-        self._sample_tables = TreeTables.from_arrays(dmax, {n: dev[f"tables.{n}"] for n in tables})
-        return self._sample_tables
+        self._dev.update(packed_upload(arrays, self.device))
+        self._uploaded = True
 
     def sample_tables(self) -> TreeTables:
-        """The ``TreeTables`` of the logits rows' trees (the tree batch the sampler verifies)."""
-        return self.upload()
+        """The ``TreeTables`` of the logits rows' trees (the tree batch the sampler verifies), built
+        with numpy and copied on the first read: the sampler's, after the forward's launch, so off the
+        host's path from the drafter's end to the forward (bench/step_host.py)."""
+        self.complete()
+        if self._sample_tables is None:
+            self._sample_tables = TreeTables.from_host(self.sample_parents, self.sample_cu, self.device,
+                                                       depth=self.sample_depth)
+        return self._sample_tables
 
     @property
     def num_spec_reqs(self) -> int:
