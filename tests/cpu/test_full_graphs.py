@@ -196,6 +196,20 @@ def test_replay_writes_the_step_trees_and_installs_the_captured_stash() -> None:
     assert step.gdn == {"layer.0": "stash"} and step.full_graph
     with pytest.raises(RuntimeError, match="no full tree graph fits"):
         graphs.prepare_replay(tree_step(2, 5, np.random.default_rng(4)))
+    # later replays of R requests reuse the plans' views and write the new trees into the same buffers
+    for seed in (5, 6):
+        again = tree_step(3, 5, np.random.default_rng(seed))
+        graphs.prepare_replay(again)
+        plan2 = current_step_kernels(again).plan
+        ref2 = TreePlan.build(torch.from_numpy(again.spec_parents), torch.from_numpy(again.spec_cu), device="cpu")
+        assert plan2 is plan and torch.equal(plan2.perm, ref2.perm) and torch.equal(plan2.depth, ref2.depth)
+        assert torch.equal(plan2.pair_off, ref2.pair_off) and torch.equal(plan2.pair_j[: ref2.num_pairs], ref2.pair_j)
+        bits2 = ragged_ancestor_bits(again.local_parent, again.query_start)
+        assert not np.array_equal(bits2, bits)
+        assert torch.equal(graphs.attn_buffer[6 : 6 + bits2.size], torch.from_numpy(bits2.reshape(-1)))
+        assert torch.equal(graphs.attn_buffer[:6], torch.from_numpy(
+            TreeAttentionPlan.build(np.arange(3), again.query_start[:-1], np.full(3, 5), bits2, "cpu").meta.numpy()
+            .view(np.int64)))  # the meta of the first write, unchanged
 
 
 def test_tree_graph_plans_carry_the_drafters_depth_bound() -> None:
@@ -331,3 +345,24 @@ def test_the_stash_reserved_after_the_profile_run_is_the_one_the_capture_uses() 
     other = graphs.layer_stash("model.layers.0.linear_attn", x.float(), 2, 8, torch.float32, 3, 16, torch.float32)
     assert other is not st and other.x.dtype == torch.float32
     assert reserve_tree_graph_stash(SimpleNamespace(_tfm_tree_graphs=None)) == 0
+
+
+def test_a_fixed_layout_plan_is_reused_only_for_its_own_buffer_size_and_bound() -> None:
+    rng = np.random.default_rng(21)
+    n = 9
+    buf = torch.zeros(TreePlan.fixed_size(3, n), dtype=torch.int32)
+    cu3, cu2 = np.arange(4) * n, np.arange(3) * n
+    first = TreePlan.build_into(buf, random_parents(rng, 3, n), cu3, n, depth_bound=4)
+    parents = random_parents(rng, 3, n)
+    again = TreePlan.build_into(buf, parents, cu3, n, depth_bound=4, layout=first)
+    ref = TreePlan.build(torch.from_numpy(parents), torch.from_numpy(cu3))
+    assert again is first and torch.equal(again.perm, ref.perm) and torch.equal(again.pair_j[: ref.num_pairs], ref.pair_j)
+    other_buf = torch.zeros_like(buf)
+    for kwargs in ({"buffer": buf, "parents": random_parents(rng, 2, n), "cu": cu2, "bound": 4},  # another R
+                   {"buffer": buf, "parents": parents, "cu": cu3, "bound": 5},  # another bound
+                   {"buffer": other_buf, "parents": parents, "cu": cu3, "bound": 4}):  # another buffer
+        plan = TreePlan.build_into(kwargs["buffer"], kwargs["parents"], kwargs["cu"], n, depth_bound=kwargs["bound"],
+                                   layout=first)
+        assert plan is not first and plan.cu.data_ptr() == kwargs["buffer"].data_ptr()
+        want = TreePlan.build(torch.from_numpy(kwargs["parents"]), torch.from_numpy(kwargs["cu"]))
+        assert torch.equal(plan.perm, want.perm) and plan.depth_bound == kwargs["bound"]

@@ -93,7 +93,8 @@ class TreePlan:
 
     @staticmethod
     def build_into(buffer: Tensor, parents: Tensor | np.ndarray, cu_nodes: Tensor | np.ndarray, nodes_per_request: int,
-                   ancestor_bits: np.ndarray | None = None, depth_bound: int | None = None) -> "TreePlan":
+                   ancestor_bits: np.ndarray | None = None, depth_bound: int | None = None,
+                   layout: "TreePlan | None" = None) -> "TreePlan":
         """The plan of a batch whose R trees all have ``nodes_per_request`` nodes, written into ``buffer``
         (int32, on the device, at least :meth:`fixed_size` entries) in a layout and with scalars that
         depend only on R and n = ``nodes_per_request``, never on the tree shapes.
@@ -115,6 +116,9 @@ class TreePlan:
         ``depth_bound``: the plan's :attr:`depth_bound` (0 <= bound; a bound >= n - 1 says nothing and is
         stored as None). A tree deeper than it is still computed exactly; it only informs the choice
         of version 6's solve, made once when a CUDA graph is captured.
+
+        ``layout``: a plan this function returned for the same buffer, R, n and bound (a full graph's
+        replays): it is returned again with the new contents, without building its views anew.
         """
         n = int(nodes_per_request)
         par = np.asarray(parents.detach().cpu() if isinstance(parents, Tensor) else parents, dtype=np.int64)
@@ -162,6 +166,9 @@ class TreePlan:
                              f"{buffer.dtype} {tuple(buffer.shape)}")
         view = buffer[: packed.shape[0]]
         upload_into(view, torch.from_numpy(packed))
+        if (layout is not None and (layout.num_requests, layout.max_nodes, layout.depth_bound) == (r, n, bound)
+                and layout.num_pairs == r * cap and layout.cu.data_ptr() == buffer.data_ptr()):
+            return layout
         cu_d, perm_d, pos_d, depth_d, off_d, pj_d, req_d = torch.split(view, [r + 1, t, t, t, t + 1, r * cap, t])
         return TreePlan(num_requests=r, num_nodes=t, max_nodes=n, max_depth=n - 1, num_pairs=r * cap,
                         max_pairs_per_request=cap, cu=cu_d, perm=perm_d, pos=pos_d, depth=depth_d, pair_off=off_d,

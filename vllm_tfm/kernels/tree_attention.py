@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import ctypes
 import math
+import dataclasses
 from dataclasses import dataclass
 
 import numpy as np
@@ -137,13 +138,15 @@ class TreeAttentionPlan:
 
     @staticmethod
     def build_into(buffer: Tensor, tree_start: np.ndarray, parents: np.ndarray, nodes_per_request: int,
-                   ancestor_bits: np.ndarray | None = None) -> TreeAttentionPlan:
+                   ancestor_bits: np.ndarray | None = None, layout: TreeAttentionPlan | None = None) -> TreeAttentionPlan:
         """The plan of R requests that are all trees of n = ``nodes_per_request`` nodes (request r's rows
         start at ``tree_start[r]``), written into ``buffer`` (int64 on the device, at least
         :meth:`fixed_size` entries) at addresses that depend on R and n only: a launch recorded once
         (CUDA graphs) reads the bitmasks of whatever batch was written last. ``parents``: [R n] local
         parents in tree order; ``ancestor_bits``: their ``ragged_ancestor_bits`` when the caller has
-        them. One host-to-device copy, in stream order, no host wait."""
+        them. One host-to-device copy, in stream order, no host wait. ``layout``: a plan this function
+        returned for the same buffer and trees' starts and sizes (a full graph's replays): only the
+        bitmasks are written, and a plan with them is returned."""
         from vllm_tfm.kernels.plan import upload_into
 
         start = np.ascontiguousarray(tree_start, dtype=np.int64)
@@ -152,9 +155,13 @@ class TreeAttentionPlan:
         bits = ragged_ancestor_bits(np.asarray(parents, dtype=np.int64), cu) if ancestor_bits is None else ancestor_bits
         if bits.shape != (r * n, (n + 63) // 64):
             raise ValueError(f"ancestor_bits must be [{r * n}, {(n + 63) // 64}], got {bits.shape}")
+        head = 2 * r
+        if (layout is not None and layout.bits.shape == bits.shape and np.array_equal(layout.tree_start, start)
+                and layout.meta.data_ptr() == buffer.data_ptr() and bool((layout.tree_size == n).all())):
+            upload_into(buffer[head : head + bits.size], torch.from_numpy(np.ascontiguousarray(bits).reshape(-1)))
+            return dataclasses.replace(layout, bits=bits)
         size = np.full(r, n, dtype=np.int64)
         meta = np.concatenate([np.arange(r, dtype=np.int64), start, size, cu[:-1]]).astype(np.int32)
-        head = 2 * r
         packed = np.zeros(head + bits.size, dtype=np.int64)
         packed[:head].view(np.int32)[:] = meta
         packed[head:] = bits.reshape(-1)

@@ -137,6 +137,9 @@ class TreeGraphs:
                                        device=device)
         self.layers: dict[str, LayerStash] = {}
         self.captured: dict[int, CapturedTreeGraph] = {}
+        # the plans of the last replay of each R: the next one reuses their views and writes only contents
+        self._plans: dict[int, TreePlan] = {}
+        self._attn_plans: dict[int, TreeAttentionPlan] = {}
         self._capture_step: StepTree | None = None
 
     # ---- sizes -------------------------------------------------------------------------------
@@ -274,10 +277,12 @@ class TreeGraphs:
         # computed with the step's depths when it is small (inputs._topology_arrays)
         bits = step.ancestor_bits if step.ancestor_bits is not None else ragged_ancestor_bits(step.spec_parents,
                                                                                                step.spec_cu)
+        r = step.num_reqs
         plan = TreePlan.build_into(self.plan_buffer, step.spec_parents, step.spec_cu, self.nodes, ancestor_bits=bits,
-                                   depth_bound=self.depth_bound)
-        TreeAttentionPlan.build_into(self.attn_buffer, step.query_start[:-1], step.local_parent, self.nodes,
-                                     ancestor_bits=bits)
+                                   depth_bound=self.depth_bound, layout=self._plans.get(r))
+        self._attn_plans[r] = TreeAttentionPlan.build_into(self.attn_buffer, step.query_start[:-1], step.local_parent,
+                                                           self.nodes, ancestor_bits=bits, layout=self._attn_plans.get(r))
+        self._plans[r] = plan
         step.gdn = dict(cap.stashes)
         groups = {key: dataclasses.replace(g, commit=None) for key, g in cap.groups.items()}
         set_step_kernels(StepKernels(step, self.device, plan=plan, groups=groups))
