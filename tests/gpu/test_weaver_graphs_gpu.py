@@ -15,6 +15,8 @@ import torch
 
 from vllm_tfm.models import Weaver, WeaverConfig
 from vllm_tfm.vllm_plugin.runtime.tree_builder_gpu import weaver_trees
+from vllm_tfm.vllm_plugin.runtime.metrics import Metrics
+from vllm_tfm.vllm_plugin.runtime.state import STATE
 from vllm_tfm.vllm_plugin.runtime.weaver_graphs import WeaverGraphs
 
 pytestmark = [
@@ -129,11 +131,12 @@ def test_after_the_warm_up_serving_captures_nothing_and_reserves_no_memory():
 
 
 @pytest.mark.parametrize("cpn", [2, 8])
-def test_a_deferred_tail_gives_the_trees_of_the_eager_build(cpn):
+def test_a_deferred_tail_gives_the_trees_of_the_eager_build(cpn, monkeypatch):
     """``defer_tail``: the build returns after the replay and its check runs later (``DeferredTail.finish``,
     or the next build before it replays); the tensors it returned then hold the eager build's trees,
     also when tail rounds were needed (2 children per node, 4 nodes per round) and when the next
     replay came first."""
+    monkeypatch.setattr(STATE, "metrics", Metrics(max_depth=24, device="cuda"))
     w, embed, head = weaver_and_tables(torch.float32)
     graphs = WeaverGraphs((4,))
     budget, top_k, width = 24, 16, 4
@@ -155,3 +158,6 @@ def test_a_deferred_tail_gives_the_trees_of_the_eager_build(cpn):
         assert torch.equal(tok, ref_tok[:r]) and torch.equal(par, ref_par[:r]), f"step {step}"
     assert (graphs.tail_rounds > 0) == (cpn == 2) and graphs.replays == 3
     assert any(o[2].changed for o in outs) == (cpn == 2)
+    hooks = STATE.metrics.hooks  # the engine's counters of builds with tail rounds (bench/NOTES.md section 36)
+    assert hooks["weaver.tail_builds"] == sum(o[2].changed for o in outs)
+    assert hooks["weaver.tail_rounds"] == graphs.tail_rounds

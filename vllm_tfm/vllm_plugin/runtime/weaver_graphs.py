@@ -73,6 +73,7 @@ from vllm_tfm.tree.marginal_padded import check_marginals
 from vllm_tfm.tree.weaver_padded import WeaverGrowth, pending_from_flags
 
 from .kernels_or_reference import kernels_enabled
+from .state import STATE
 from .tree_builder_gpu import weaver_trees
 
 __all__ = [
@@ -236,6 +237,15 @@ def graph_key(
     )
 
 
+def _count_tail(rounds: int) -> None:
+    """The engine's metrics: graph builds that needed rounds past the captured ones (``weaver.tail_builds``)
+    and those rounds (``weaver.tail_rounds``), run eagerly; with deferred drafts right before the next
+    forward, on the host's critical path (bench/NOTES.md section 36)."""
+    if STATE.metrics is not None and rounds > 0:
+        STATE.metrics.hooks["weaver.tail_builds"] += 1
+        STATE.metrics.hooks["weaver.tail_rounds"] += rounds
+
+
 class DeferredTail:
     """The host check of a replayed Weaver build, deferred (module docstring, step 3): the tail rounds,
     if any are needed, run when ``finish`` is called, and overwrite ``tokens`` / ``parents`` in place."""
@@ -271,6 +281,7 @@ class DeferredTail:
             self.tokens.copy_(tokens[: self._rows])
             self.parents.copy_(parents[: self._rows])
         self._owner.tail_rounds += growth.rounds - fixed
+        _count_tail(growth.rounds - fixed)
         self.changed = True
         return True
 
@@ -402,6 +413,7 @@ class WeaverGraphs:
                 tokens, parents = cap.tokens, cap.parents
             else:
                 self.tail_rounds += growth.rounds - fixed
+                _count_tail(growth.rounds - fixed)
                 tokens, parents = growth.trees().draft_layout(cap.filler)
             return tokens[:r].clone(), parents[:r].clone()
 
