@@ -40,7 +40,7 @@ gpu_step tfm_sizes_fixed_bound 90 python3 bench/gdn_tree.py "${SIZES[@]}" --fixe
 
 echo
 echo "== summary ($(( $(date +%s) - GPU_STEPS_START ))s)"
-grep -E "passed|failed|error" "$OUT/pytest.log" | tail -n 1
+grep -E "passed|failed|error|skipped" "$OUT/pytest.log" | tail -n 1
 gpu_steps_summary
 for t in tfm_sizes tfm_sizes_fixed tfm_sizes_fixed_bound; do
   if [ -f "$OUT/$t.txt" ]; then
