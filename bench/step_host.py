@@ -83,16 +83,21 @@ class Case:
             self.graphs.end_capture_run(current_step_kernels(STATE.step))
         self.runner = make_runner(num_reqs * (budget + 1))
 
-    def step(self) -> StepTree:
-        """A fresh proposal and the next step's tree metadata with its topology pending."""
+    def step(self, deferred: bool = True) -> StepTree:
+        """A fresh proposal and the next step's tree metadata with its topology pending (``deferred``: the
+        runtime's deferred drafts; else the real drafts, everything done at once, for comparison)."""
         store = ProposalStore()
         store.put(self.req_ids, self.tokens, self.parents)
         STATE.store = store
+        self.runner.positions.copy_(torch.arange(self.runner.positions.shape[0]))  # vLLM's sequential positions
         num_sched = np.full(len(self.req_ids), self.budget + 1, dtype=np.int64)
-        drafts = {rid: [PLACEHOLDER_DRAFT] * self.budget for rid in self.req_ids}
-        step = build_step_tree(self.req_ids, num_sched, drafts, store, allow_trees=True, defer_topology=True)
-        if not step.topology_pending:
-            raise RuntimeError("the step's topology was not deferred: the bench would time nothing")
+        if deferred:
+            drafts = {rid: [PLACEHOLDER_DRAFT] * self.budget for rid in self.req_ids}
+        else:
+            drafts = {rid: self.tokens[i].tolist() for i, rid in enumerate(self.req_ids)}
+        step = build_step_tree(self.req_ids, num_sched, drafts, store, allow_trees=True, defer_topology=deferred)
+        if step.topology_pending != deferred:
+            raise RuntimeError(f"the step's topology {'was not' if deferred else 'was'} deferred")
         step.after_topology(lambda s: hooks._tree_positions_and_counts(self.runner, s))
         step.after_topology(self.graphs.prepare_replay)
         return step
