@@ -106,9 +106,10 @@ def emu_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @contextlib.contextmanager
-def _emulated_kernel_path(build_dir: Path) -> Iterator[list]:
+def _emulated_kernel_path(build_dir: Path) -> Iterator[tuple[list, dict]]:
     """The runtime's kernel path on CPU tensors: the step's kernel tables, the kernels' checks
-    answering "supported", and the kernels themselves emulated on the CPU."""
+    answering "supported", and the kernels themselves emulated on the CPU. Yields the launches made and
+    the steps' kernel tables (clear them to start a new step)."""
     sys.path.insert(0, str(CUDA_DIR / "host_emu"))
     try:
         from emulate import emulated_kernels
@@ -128,7 +129,7 @@ def _emulated_kernel_path(build_dir: Path) -> Iterator[list]:
             stack.enter_context(mock.patch.object(kgdn, "verify_unsupported_reason", lambda *a: None))
             stack.enter_context(mock.patch.object(kconv, "conv_unsupported_reason", lambda *a: None))
             stack.enter_context(mock.patch.object(loader, "device_smem_optin", lambda i: 227 * 1024))
-            yield launches
+            yield launches, tables
     except subprocess.CalledProcessError as exc:  # a compiler without C++20 <barrier>
         pytest.skip(f"g++ could not build the emulation: {exc.stderr[:300]}")
 
@@ -139,13 +140,14 @@ def test_kernel_path_equals_the_previous_layer_bit_for_bit(emu_dir, name, monkey
     spec = CASES[name]
     case = LayerCase(random_trees(spec["sizes"], seed=7), num_plain=spec["num_plain"], seed=13, bias=name == "mixed")
     monkeypatch.setenv("VLLM_TFM_GDN_VERIFY", "3")  # the previous layer's verify version, for bit equality
-    with _emulated_kernel_path(emu_dir) as launches, forward_context(case), torch.inference_mode():
+    with _emulated_kernel_path(emu_dir) as (launches, tables), forward_context(case), torch.inference_mode():
         want = run_layer(before.tree_step_forward_core_before, case)
         assert [n for n, _, _ in launches] == ["tree_conv1d", "gdn_tree_pairs", "gdn_tree_verify_main"]
         got = run_layer(gdn_mod._tree_step_forward_core, case)
         assert [n for n, _, _ in launches[3:]] == ["tree_conv1d", "gdn_tree_pairs", "gdn_tree_verify_main"]
         # the default (auto): one request's grid is one wave, so these bf16 trees run version 6, one launch
         monkeypatch.delenv("VLLM_TFM_GDN_VERIFY")
+        tables.clear()  # the setting is read once per step: a new step's tables
         got6 = run_layer(gdn_mod._tree_step_forward_core, case)
         assert [n for n, _, _ in launches[6:]] == ["tree_conv1d", "gdn_tree_verify_grouped"]
     assert_same_layer_outcome(got, want)

@@ -25,6 +25,7 @@ from _gdn_layer import LayerCase, assert_same_layer_outcome, forward_context, ra
 
 from vllm_tfm.vllm_plugin.runtime import gdn as gdn_mod
 from vllm_tfm.vllm_plugin.runtime.kernels_or_reference import kernels_in_use
+from vllm_tfm.vllm_plugin.runtime.step_kernels import set_step_kernels
 
 SHAPE = {"h": 16, "k": 128, "hv": 48, "v": 128, "width": 4}
 
@@ -64,6 +65,7 @@ def test_gdn_layer_on_cuda_equals_the_previous_code(num_req, num_plain, monkeypa
     # the default (auto): version 6 where runtime_verify_variant picks it (one request: a grid of one wave
     # of 128 CTAs), version 3 at 8 requests of 33 nodes; the same function to bf16 / float32 rounding
     monkeypatch.delenv("VLLM_TFM_GDN_VERIFY")
+    set_step_kernels(None)  # the setting is read once per step: the same trees as a new step's tables
     kernels = gdn_mod.step_kernels(layers[0].step, torch.device("cuda"))
     assert kernels.verify_variant(torch.bfloat16, SHAPE["h"], SHAPE["hv"], SHAPE["k"], SHAPE["v"]) == (6 if num_req == 1 else 3)
     with torch.inference_mode():

@@ -18,7 +18,7 @@ them into ``TreeSettings`` here. Two in-process switches come on top:
   (tests/gpu/test_batched_commit_gpu.py); on the H200 the batched one cut the commit of a 27B
   step from 10.0 to 3.6 ms (bench/results/e2e_27b_graphs_batched_commit.json.gz).
 
-* ``VLLM_TFM_GDN_VERIFY`` (read by every GDN layer call, so at capture for CUDA graphs; default
+* ``VLLM_TFM_GDN_VERIFY`` (read once per step and layer shape, so at capture for CUDA graphs; default
   ``auto``): the GDN tree verify kernel version, ``auto`` picking version 6 where the H200
   measured it faster than version 3 (``kernels.gdn.runtime_verify_variant``), or a version 1-6 for
   every step.

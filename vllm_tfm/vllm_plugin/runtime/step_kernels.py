@@ -122,22 +122,24 @@ class StepKernels:
         return self._block_v[key]
 
     def verify_variant(self, qk_dtype: torch.dtype, k_heads: int, v_heads: int, k_dim: int, v_dim: int) -> int:
-        """The GDN verify kernel version of a layer of this shape (``VLLM_TFM_GDN_VERIFY``, read per
-        call: a pinned version, or ``auto``: ``runtime_verify_variant`` on this step's plan, once per shape)."""
-        from .settings import verify_version_setting
-
-        pinned = verify_version_setting()
-        if pinned is not None:
-            return pinned
+        """The GDN verify kernel version of a layer of this shape, decided once per step and shape (not per
+        layer): ``VLLM_TFM_GDN_VERIFY`` pinned to a version, or ``auto``: ``runtime_verify_variant`` on this
+        step's plan."""
         key = (qk_dtype, k_heads, v_heads, k_dim, v_dim)
         if key not in self._variant:
-            from vllm_tfm.kernels.gdn import runtime_verify_variant
-            from vllm_tfm.kernels.loader import device_smem_optin
+            from .settings import verify_version_setting
 
-            index = self.device.index if self.device.index is not None else torch.cuda.current_device()
-            sms = torch.cuda.get_device_properties(index).multi_processor_count
-            self._variant[key] = runtime_verify_variant(self.plan, qk_dtype, k_heads, v_heads, k_dim, v_dim,
-                                                        device_smem_optin(index), sms)
+            pinned = verify_version_setting()
+            if pinned is not None:
+                self._variant[key] = pinned
+            else:
+                from vllm_tfm.kernels.gdn import runtime_verify_variant
+                from vllm_tfm.kernels.loader import device_smem_optin
+
+                index = self.device.index if self.device.index is not None else torch.cuda.current_device()
+                sms = torch.cuda.get_device_properties(index).multi_processor_count
+                self._variant[key] = runtime_verify_variant(self.plan, qk_dtype, k_heads, v_heads, k_dim, v_dim,
+                                                            device_smem_optin(index), sms)
         return self._variant[key]
 
     def commit_indices(self, group: GroupSlots, last_node: Tensor, num_accepted: Tensor) -> tuple[CommitIndices, CommitIndices]:
