@@ -16,7 +16,8 @@ from __future__ import annotations
 
 import numpy as np
 
-__all__ = ["SMALL_BATCH_NODES", "ancestor_bits_and_depths", "ragged_ancestor_bits", "ragged_depths"]
+__all__ = ["SMALL_BATCH_NODES", "ancestor_bits_and_depths", "ragged_ancestor_bits", "ragged_depths",
+           "walked_in_one_pass"]
 
 SMALL_BATCH_NODES = 512  # ancestor_bits_and_depths loops over the nodes up to this many (trees of <= 64 nodes)
 
@@ -80,6 +81,12 @@ def _invalid_parent(i: int, parent: int, local: int) -> ValueError:
     )
 
 
+def walked_in_one_pass(num_nodes: int, largest_tree: int) -> bool:
+    """Whether ``ancestor_bits_and_depths`` walks a batch of this size in its one Python pass (else it
+    runs the whole-array functions, whose bitmasks cost more than the depths alone)."""
+    return 0 < num_nodes <= SMALL_BATCH_NODES and largest_tree <= 64
+
+
 def ancestor_bits_and_depths(parents: np.ndarray, cu_nodes: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """(``ragged_ancestor_bits(parents, cu_nodes)``, ``ragged_depths(parents, cu_nodes)``), the same arrays.
 
@@ -93,7 +100,7 @@ def ancestor_bits_and_depths(parents: np.ndarray, cu_nodes: np.ndarray) -> tuple
     cu = np.asarray(cu_nodes, dtype=np.int64)
     sizes = _checked_sizes(par, cu)
     total = par.shape[0]
-    if total == 0 or total > SMALL_BATCH_NODES or int(sizes.max()) > 64:
+    if not walked_in_one_pass(total, int(sizes.max()) if sizes.size else 0):
         return ragged_ancestor_bits(par, cu), ragged_depths(par, cu)
     pl = par.tolist()
     bits = [0] * total

@@ -29,7 +29,7 @@ import torch
 from torch import Tensor
 
 from vllm_tfm.kernels.tree_attention import TreeAttentionPlan
-from vllm_tfm.tree.bitmask import SMALL_BATCH_NODES, ancestor_bits_and_depths, ragged_depths
+from vllm_tfm.tree.bitmask import ancestor_bits_and_depths, ragged_depths, walked_in_one_pass
 from vllm_tfm.tree.types import ancestor_mask
 
 from .state import LOOKUP_OFF, AttnTree, ProposalStore, StepTree
@@ -235,7 +235,7 @@ def _topology_arrays(
     cat = lambda xs: np.concatenate(xs) if xs else np.zeros(0, dtype=np.int64)  # noqa: E731
     num_req = len(local_parent)
     parents_all = cat(local_parent)
-    if 0 < parents_all.shape[0] <= SMALL_BATCH_NODES and int(np.diff(qs).max()) <= 64:
+    if parents_all.shape[0] and walked_in_one_pass(parents_all.shape[0], int(np.diff(qs).max())):
         # a decode step's trees: depths and ancestor bitmasks in one pass (the full graph's plans read the bits)
         bits, depth_all = ancestor_bits_and_depths(parents_all, qs)
     else:
