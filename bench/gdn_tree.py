@@ -53,6 +53,7 @@ from vllm_tfm.kernels import conv as kconv  # noqa: E402
 from vllm_tfm.kernels import gdn as kgdn  # noqa: E402
 from vllm_tfm.kernels import loader  # noqa: E402
 from vllm_tfm.kernels.plan import CommitIndices, TreePlan  # noqa: E402
+from vllm_tfm.tree import depths_from_parents  # noqa: E402
 from vllm_tfm.verify import conv as ref_conv  # noqa: E402
 from vllm_tfm.verify import gdn as ref_gdn  # noqa: E402
 
@@ -95,14 +96,6 @@ def ddtree_parents(n: int, seed: int, max_depth: int = 16, width: int = 64) -> l
         if d + 1 <= max_depth:
             heapq.heappush(heap, (-(score + logp[d + 1][0]), i, d + 1, 0))
     return parents
-
-
-def tree_depth(parents: list[int]) -> int:
-    """Depth of the deepest node (root 0) of a tree whose parents precede their children."""
-    depth = [0] * len(parents)
-    for i, p in enumerate(parents):
-        depth[i] = 0 if p < 0 else depth[p] + 1
-    return max(depth)
 
 
 def tree_batch(n: int, batch: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor, list[list[int]]]:
@@ -269,7 +262,7 @@ def bench_verify(n: int, batch: int, bw: float, reps: int, vllm_fn, allow_slow: 
     slots = [torch.arange(s * batch, (s + 1) * batch, device=DEV) for s in range(sets)]
     nbytes = batch * STATE_BYTES + t_nodes * NODE_BYTES
     row = dict(n=n, batch=batch, nodes=t_nodes, pairs=plan.num_pairs, max_depth=plan.max_depth,
-               depth_bound=plan.depth_bound, tree_max_depth=max(tree_depth(t) for t in trees), input_sets=sets, bytes=nbytes, floor_us=nbytes / bw * 1e6)
+               depth_bound=plan.depth_bound, tree_max_depth=max(int(depths_from_parents(torch.tensor(t)).max()) for t in trees), input_sets=sets, bytes=nbytes, floor_us=nbytes / bw * 1e6)
     t0 = time.perf_counter()
     TreePlan.build(parents, cu, device=DEV)
     torch.cuda.synchronize()
