@@ -1,7 +1,8 @@
 """The batched Weaver scorer's fused step (``vllm_tfm/models/weaver_step.py``) against the scorer
 as it was before it (frozen in ``_weaver_unfused``: every norm, projection, RoPE and attention
-through the Weaver modules): scores within 1e-5 relative in float32 on the same calls, the same
-trees, folded weights refreshed when a weight changes, and far fewer kernels per call."""
+through the Weaver modules, the prompt pass included): the same trees, each call's float32 scores
+within 1e-5 relative of the unfused scorer in float64, folded weights refreshed when a weight
+changes, and far fewer kernels per call and per construction."""
 
 from __future__ import annotations
 
@@ -54,25 +55,35 @@ def relative_error(new: torch.Tensor, old: torch.Tensor) -> float:
 @pytest.mark.parametrize("shape", sorted(SHAPES))
 @pytest.mark.parametrize("case", range(len(CASES)))
 def test_fused_scores_match_the_unfused_scorer_and_give_the_same_trees(shape, case):
+    # the same trees as the unfused scorer (float32), and every call's scores within the float32 bar of the
+    # unfused scorer run in float64 on the same inputs (the oracle: the fused and unfused float32 paths
+    # round differently, so each is held to the float64 function, not to the other's roundings)
     r_, budget, width, top_k, cpn, depth = CASES[case]
     w, embed, head, logits, dh, vh, roots = inputs(shape, r_, depth, seed=10 * case + len(shape))
     cand, new, old = scorers(w, embed, head, logits, dh, vh, top_k, budget)
-    rec_new, rec_old = Recorder(new), Recorder(old)
-    got = build_weaver_padded(roots, cand, rec_new, budget, depth, width, cpn)
-    ref = build_weaver_padded(roots, cand, rec_old, budget, depth, width, cpn)
-    for name in ("tokens", "parents", "depth", "num_nodes"):
-        assert torch.equal(getattr(got, name), getattr(ref, name)), name
-    assert int(got.num_nodes.min()) > 1
-    assert len(rec_new.calls) == len(rec_old.calls) > 1
-    worst = 0.0
-    for (a_new, o_new), (a_old, o_old) in zip(rec_new.calls, rec_old.calls):
-        ok = a_old[4]
-        assert all(torch.equal(x, y) for x, y in zip(a_new, a_old))
-        assert torch.isfinite(o_new[ok]).all()
-        worst = max(worst, relative_error(o_new[ok], o_old[ok]))
-    # log-probabilities: relative to |score| (absolute below 1)
-    assert worst < 1e-5, worst
-    assert worst > 0.0  # a different summation order (else the comparison would prove nothing new)
+    cl64 = logits.topk(top_k, dim=-1)[0].double()
+    w64 = Weaver(w.config).double().eval()
+    w64.load_state_dict({k: v.double() for k, v in w.state_dict().items()})
+    f64 = BatchedWeaverTreeScorerUnfused(w64, vh.double(), dh.double(), cand, cl64, embed.double(), head.double(),
+                                         max_nodes=1 + budget)
+    recs = {name: Recorder(s) for name, s in (("new", new), ("old", old), ("f64", f64))}
+    trees = {name: build_weaver_padded(roots, cand, rec, budget, depth, width, cpn) for name, rec in recs.items()}
+    for other in ("old", "f64"):
+        for name in ("tokens", "parents", "depth", "num_nodes"):
+            assert torch.equal(getattr(trees["new"], name), getattr(trees[other], name)), (other, name)
+    assert int(trees["new"].num_nodes.min()) > 1
+    assert len(recs["new"].calls) == len(recs["old"].calls) == len(recs["f64"].calls) > 1
+    worst = {"new": 0.0, "old": 0.0}
+    for calls in zip(*(recs[n].calls for n in ("new", "old", "f64"))):
+        (a_ref, o_ref) = calls[2]
+        ok = a_ref[4]
+        for name, (a, o) in zip(("new", "old"), calls[:2]):
+            assert all(torch.equal(x, y) for x, y in zip(a, a_ref))
+            assert torch.isfinite(o[ok]).all()
+            worst[name] = max(worst[name], relative_error(o[ok].double(), o_ref[ok]))
+    # log-probabilities: relative to |score| (absolute below 1); the project's float32 bar
+    assert worst["new"] < 1e-5 and worst["old"] < 1e-5, worst
+    assert worst["new"] > 0.0  # float32 rounding is there (else the comparison would prove nothing)
 
 
 def test_same_calls_on_invalid_rows_and_the_trash_slot_leave_valid_scores_alone():
@@ -162,3 +173,18 @@ def test_a_call_launches_far_fewer_kernels():
     # key-mask rows and RoPE gather per layer (69 when the scorer did them once per call); the
     # kernel path does all of it in one launch per layer (tests/cpu/test_weaver_attention_kernel.py)
     assert counts[0] <= 76 and counts[1] >= 100, counts
+
+
+def test_the_prompt_pass_launches_far_fewer_kernels():
+    # the scorer's construction (the prompt through the Weaver's layers, the key mask, the RoPE tables) once
+    # the folded weights and the RoPE table are cached on the Weaver: 51 CPU-counted kernels (F.rms_norm and
+    # SDPA decompose here) against the modules' 134 (the scorer before the fused prompt pass: 132)
+    r_, depth = 4, 15
+    w, embed, head, logits, dh, vh, roots = inputs("zoo", r_, depth, seed=1)
+    cl, cand = logits.topk(64, dim=-1)
+    counts = []
+    for cls in (BatchedWeaverTreeScorer, BatchedWeaverTreeScorer, BatchedWeaverTreeScorerUnfused):
+        with torch.no_grad(), KernelCount() as log:
+            cls(w, vh, dh, cand, cl, embed, head, max_nodes=33)
+        counts.append(log.n)
+    assert counts[1] <= 51 and counts[2] >= 120 and counts[0] > counts[1], counts

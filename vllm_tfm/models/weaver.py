@@ -41,7 +41,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from .common import RMSNormWithBias, apply_rope, as_weight, compute_dtype, masked_attention, rope_cos_sin
-from .weaver_step import folded_weaver, norm_linear
+from .weaver_step import folded_weaver, norm_linear, prompt_pass, rope_table
 from .vocab_table import ShardedVocabTable, VocabTable, candidate_scores_reference, table_num_rows, table_rows
 from .io import read_state, target_text_config, write_state
 from .tfm_config import TFM_CONFIG_NAME, WEAVER_WEIGHTS_NAME, TfmConfig, WeaverConfig
@@ -499,36 +499,28 @@ class BatchedWeaverTreeScorer:
         self.cand_logits = cand_logits
         self.folded = folded_weaver(weaver)
         with torch.no_grad():
-            x = weaver.prompt_inputs(verifier_hidden, dflash_hidden)  # [R, 1 + D, d]
-            dev = x.device
-            cos, sin = weaver._rope(torch.arange(1 + depth, device=dev), x.dtype)
-            causal = torch.ones(1 + depth, 1 + depth, dtype=torch.bool, device=dev).tril()
-            # per layer, keys and values [2, R, heads, S, head_dim] of [prompt (1 + D) | node slots
-            # (max_nodes) | trash slot]: heads before positions, the layout attention reads
+            dev, dtype = verifier_hidden.device, self.folded.proposal_in.dtype
             p0 = 1 + depth
-            self.kv_cache: list[Tensor] = []
-            for layer in weaver.layers:
-                q, k, v = layer.qkv_rope(x, cos, sin)
-                kv = x.new_zeros(2, r, layer.n_heads, p0 + max_nodes + 1, layer.head_dim)
-                kv[0, :, :, :p0] = k.transpose(1, 2)
-                kv[1, :, :, :p0] = v.transpose(1, 2)
-                self.kv_cache.append(kv)
-                x = layer.finish(x, masked_attention(q, k, v, causal, layer.head_dim**-0.5))
+            # RoPE of positions 0..D for (q, k, v), cached on the Weaver: the prompt's rows, and rows
+            # 1..D for the node positions ([D, 2 (cos, sin), 3, 1, head_dim], indexed by depth)
+            rope = rope_table(weaver, depth, dtype, dev)
+            self._rope_nodes = rope[1:]
+            # per layer, keys and values [2, R, heads, S, head_dim] of [prompt (1 + D) | node slots
+            # (max_nodes) | trash slot]: heads before positions, the layout attention reads; the
+            # prompt's part written by the fused prompt pass
+            self.kv_cache: list[Tensor] = [
+                torch.zeros(2, r, layer.n_heads, p0 + max_nodes + 1, layer.head_dim, dtype=dtype, device=dev)
+                for layer in weaver.layers
+            ]
+            prompt_pass(weaver, self.folded, verifier_hidden, dflash_hidden, rope, self.kv_cache)
             # additive key mask (0: visible, -inf: not) of every node slot, the trash slot (row
             # max_nodes) and the root's parent (row max_nodes + 1, the prompt only): the whole
             # prompt, then its ancestors-or-self among the node slots; one more column for the
             # trash slot's own key, columns padded to a multiple of 16 (an aligned mask for CUDA's
             # memory-efficient attention); attention reads the first 1 + D + max_nodes columns
             cols = -(-(p0 + max_nodes + 1) // 16) * 16
-            self.key_bias = torch.full((r, max_nodes + 2, cols), float("-inf"), dtype=x.dtype, device=dev)
+            self.key_bias = torch.full((r, max_nodes + 2, cols), float("-inf"), dtype=dtype, device=dev)
             self.key_bias[:, :, :p0] = 0.0
-            # RoPE of the node positions 1..D for q, k and v (cos 1, sin 0: v passes unrotated):
-            # [D, 2 (cos, sin), 3, 1, head_dim], indexed by depth
-            cos_n, sin_n = weaver._rope(torch.arange(1, 1 + depth, device=dev), x.dtype)
-            ones = torch.ones_like(cos_n)
-            self._rope_nodes = torch.stack(
-                [torch.stack([cos_n, cos_n, ones], dim=1), torch.stack([sin_n, sin_n, ones - 1], dim=1)], dim=1
-            )[:, :, :, None, :]
         self._scored = torch.zeros(r, max_nodes, dtype=torch.bool, device=dev) if validate else None
         self._depths = torch.zeros(r, max_nodes, dtype=torch.long, device=dev) if validate else None
 

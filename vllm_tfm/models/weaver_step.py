@@ -32,7 +32,7 @@ from torch import Tensor
 
 from .common import RMSNormWithBias, compute_dtype
 
-__all__ = ["FoldedBlock", "FoldedWeaver", "folded_weaver", "norm_linear"]
+__all__ = ["FoldedBlock", "FoldedWeaver", "folded_weaver", "norm_linear", "prompt_pass", "rope_table"]
 
 
 @dataclass(frozen=True)
@@ -59,6 +59,9 @@ class FoldedBlock:
 class FoldedWeaver:
     """The Weaver's inference weights for ``BatchedWeaverTreeScorer`` (``folded_weaver``)."""
 
+    proposal_in: Tensor  # [H, d] (transposed), output_norm folded in: the prompt's input projection
+    proposal_in_bias: Tensor  # [d]
+    output_eps: float
     token_in: Tensor  # [H, d] (transposed), embed_norm folded in
     token_in_bias: Tensor  # [d]
     embed_eps: float
@@ -123,9 +126,13 @@ def folded_weaver(weaver) -> FoldedWeaver:
     if cached is not None and cached[0] == key:
         return cached[1]
     with torch.no_grad():
+        prop, prop_b = _fold(weaver.output_norm, weaver.proposal_in.weight)
         tok, tok_b = _fold(weaver.embed_norm, weaver.token_in.weight)
         qry, qry_b = _fold(weaver.out_norm, weaver.lm_head_query_in.weight)
         folded = FoldedWeaver(
+            proposal_in=prop.contiguous().t(),
+            proposal_in_bias=prop_b,
+            output_eps=weaver.output_norm.eps,
             token_in=tok.contiguous().t(),
             token_in_bias=tok_b,
             embed_eps=weaver.embed_norm.eps,
@@ -142,3 +149,48 @@ def norm_linear(x: Tensor, weight_t: Tensor, bias: Tensor, eps: float) -> Tensor
     """``Linear(RMSNormWithBias(x))`` with the norm folded into (weight_t [in, out], bias [out]):
     x [N, in] -> [N, out]."""
     return torch.addmm(bias, F.rms_norm(x, (x.shape[-1],), eps=eps), weight_t)
+
+
+def rope_table(weaver, depth: int, dtype: torch.dtype, device: torch.device) -> Tensor:
+    """RoPE of positions 0..depth for (q, k, v): [1 + depth, 2 (cos, sin), 3, 1, head_dim], v with cos 1
+    and sin 0 (unrotated). Row p is prompt position p; ``table[1:]`` are the node positions 1..depth,
+    indexed by a node's depth as the scorer's ``_rope_nodes``. The same values as ``rope_cos_sin`` of
+    those positions, computed once per (depth, dtype, device) and cached on the module: a build
+    launches no kernels for them."""
+    key = (depth, dtype, torch.device(device))
+    cache = weaver.__dict__.setdefault("_rope_tables", {})  # not a module attribute: no state_dict entry
+    table = cache.get(key)
+    if table is None:
+        with torch.no_grad():
+            cos, sin = weaver._rope(torch.arange(1 + depth, device=device), dtype)
+            ones = torch.ones_like(cos)
+            table = torch.stack(
+                [torch.stack([cos, cos, ones], dim=1), torch.stack([sin, sin, ones - 1], dim=1)], dim=1
+            )[:, :, :, None, :].contiguous()
+        cache[key] = table
+    return table
+
+
+def prompt_pass(weaver, folded: FoldedWeaver, verifier_hidden: Tensor, dflash_hidden: Tensor, rope: Tensor,
+                kv_cache: list[Tensor]) -> None:
+    """The Weaver over the prompt (verifier state, then the D DFlash states; causal) in the fused form of
+    the scorer's step: each layer's rotated keys and values of the P = 1 + D prompt positions go to
+    ``kv_cache[layer][:, :, :, :P]`` ([2, R, heads, S, head_dim]); nothing else is kept (the prompt's
+    own outputs are never read). Folded norms, RoPE from the qkv GEMM (``rope``: ``rope_table``),
+    ``scaled_dot_product_attention`` with ``is_causal``: ~15 kernels per layer on CUDA instead of the
+    modules' ~45, the same function to rounding."""
+    r, p0 = verifier_hidden.shape[0], 1 + dflash_hidden.shape[-2]
+    seq = torch.cat([verifier_hidden.unsqueeze(-2), dflash_hidden], dim=-2).flatten(0, 1)  # [R P, H]
+    x = norm_linear(seq, folded.proposal_in, folded.proposal_in_bias, folded.output_eps)  # [R P, d]
+    cos, sin = rope[:, 0], rope[:, 1]  # [P, 3, 1, head_dim]
+    for layer, lw, kv in zip(weaver.layers, folded.layers, kv_cache):
+        heads, hd = layer.n_heads, layer.head_dim
+        proj = norm_linear(x, lw.qkv_rot, lw.qkv_rot_bias, lw.attn_eps).view(r, p0, 2, 3, heads, hd)
+        qkv = torch.addcmul(proj[:, :, 0] * cos, proj[:, :, 1], sin)  # [R, P, 3, heads, hd]
+        kv[:, :, :, :p0] = qkv[:, :, 1:].permute(2, 0, 3, 1, 4)
+        attn = F.scaled_dot_product_attention(
+            qkv[:, :, 0].transpose(1, 2), kv[0, :, :, :p0], kv[1, :, :, :p0], is_causal=True, scale=hd**-0.5
+        )  # [R, heads, P, hd]
+        x = torch.addmm(x, attn.transpose(1, 2).reshape(r * p0, heads * hd), lw.o_proj)
+        gate, up = norm_linear(x, lw.gate_up, lw.gate_up_bias, lw.mlp_eps).chunk(2, dim=-1)
+        x = torch.addmm(x, F.silu(gate) * up, lw.down)
