@@ -86,6 +86,9 @@ class Arm:
     budget: int | None = None  # tfm tree budget B
     graphs: bool = False
     full: bool = False  # tfm with cudagraph_mode FULL_AND_PIECEWISE: tree steps replay full graphs
+    # runtime settings of this arm's engine process on top of the driver's environment (a same-machine A/B
+    # of one switch: tfm32-full-v3 is tfm32-full with the GDN verify pinned to version 3, the compile cache shared)
+    env: tuple[tuple[str, str], ...] = ()
 
     @property
     def num_speculative_tokens(self) -> int:
@@ -106,6 +109,7 @@ ARMS: dict[str, Arm] = {
     "tfm16-full": Arm("tfm16-full", "tfm", 16, graphs=True, full=True),
     "tfm32-full": Arm("tfm32-full", "tfm", 32, graphs=True, full=True),
     "tfm64-full": Arm("tfm64-full", "tfm", 64, graphs=True, full=True),
+    "tfm32-full-v3": Arm("tfm32-full-v3", "tfm", 32, graphs=True, full=True, env=(("VLLM_TFM_GDN_VERIFY", "3"),)),
 }
 DEFAULT_ARMS = "nospec,dflash,tfm32,tfm64,tfm16"
 
@@ -275,7 +279,7 @@ def run_arm(arm: Arm, settings_path: Path) -> int:
     s = json.loads(settings_path.read_text())
     plan = s["plans"].get(arm.name, {})
     res: dict[str, Any] = {"arm": arm.name, "kind": arm.kind, "budget": arm.budget, "graphs": arm.graphs, "full": arm.full,
-                           "num_speculative_tokens": arm.num_speculative_tokens, "status": "started",
+                           "env": dict(arm.env), "num_speculative_tokens": arm.num_speculative_tokens, "status": "started",
                            "profile_entry": plan.get("label"), "profile_mal": plan.get("mal"), "batches": {}}
     path = Path(s["work"]) / f"arm_{arm.name}.json"
 
@@ -471,6 +475,7 @@ def child_env(arm: Arm, s: dict[str, Any], work: Path) -> dict[str, str]:
     if arm.kind == "tfm":
         env.update(VLLM_TFM_BENCHMARK_ACCEPTANCE_REPLAY=str(work / f"profile_{arm.name}.json"),
                    VLLM_TFM_I_AM_BENCHMARKING="1", VLLM_TFM_BENCHMARK_REPLAY_SEED=str(s["seed"]))
+    env.update(arm.env)
     return env
 
 

@@ -203,7 +203,8 @@ def _arm_desc(arm: dict[str, Any]) -> str:
     if kind == "dflash":
         return f"vLLM DFlash chain, K={arm.get('num_speculative_tokens')}" + (" (CUDA graphs)" if arm.get("graphs") else "")
     graphs = " (full CUDA graphs of tree steps)" if arm.get("full") else " (CUDA graphs)"
-    return f"tfm (Weaver trees), B={arm.get('budget')}" + (graphs if arm.get("graphs") else "")
+    env = "".join(f", {k}={v}" for k, v in (arm.get("env") or {}).items())
+    return f"tfm (Weaver trees), B={arm.get('budget')}" + (graphs if arm.get("graphs") else "") + env
 
 
 def render_markdown(results: dict[str, Any]) -> str:

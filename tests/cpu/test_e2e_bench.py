@@ -181,6 +181,16 @@ def test_tfm_graphs_arm_gets_piecewise_graphs_with_tree_step_sizes(big: Any, mon
     assert e2e_report._arm_desc({"kind": "tfm", "budget": 64, "graphs": True}) == "tfm (Weaver trees), B=64 (CUDA graphs)"
 
 
+def test_an_arms_own_settings_reach_its_engine_process_only(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    monkeypatch.setenv("VLLM_TFM_GDN_VERIFY", "6")  # the driver's environment: overridden by the arm's own setting
+    pinned, plain = e2e.ARMS["tfm32-full-v3"], e2e.ARMS["tfm32-full"]
+    assert (pinned.budget, pinned.graphs, pinned.full) == (plain.budget, plain.graphs, plain.full)
+    assert e2e.child_env(pinned, {"seed": 3}, tmp_path)["VLLM_TFM_GDN_VERIFY"] == "3"
+    assert e2e.child_env(plain, {"seed": 3}, tmp_path)["VLLM_TFM_GDN_VERIFY"] == "6"
+    assert e2e_report._arm_desc({"kind": "tfm", "budget": 32, "graphs": True, "full": True, "env": dict(pinned.env)}) == (
+        "tfm (Weaver trees), B=32 (full CUDA graphs of tree steps), VLLM_TFM_GDN_VERIFY=3")
+
+
 # ------------------------------------------------------------------ planning and measurement helpers
 
 
