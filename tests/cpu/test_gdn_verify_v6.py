@@ -252,23 +252,32 @@ def test_v6_threads_choice():
 
 
 def test_runtime_verify_variant_follows_the_measured_policy():
-    # bench/NOTES.md section 34: version 6 where the H200 measured it faster than version 3
+    # bench/NOTES.md sections 34 and 37: version 6 where the H200 measured it faster than version 3
     limit, sms = 227 * 1024, 132
 
+    def trees(nodes: int, requests: int, seed: int = 30) -> tuple[torch.Tensor, torch.Tensor]:
+        parents = torch.cat([_random_tree(nodes, _g(seed + r)) for r in range(requests)])
+        return parents, torch.arange(0, nodes * requests + 1, nodes)
+
     def plan(nodes: int, requests: int) -> TreePlan:
-        parents = torch.cat([_random_tree(nodes, _g(30 + r)) for r in range(requests)])
-        return TreePlan.build(parents, torch.arange(0, nodes * requests + 1, nodes))
+        return TreePlan.build(*trees(nodes, requests))
+
+    def fixed(nodes: int, requests: int, depth_bound: int | None) -> TreePlan:
+        return TreePlan.build_into(torch.zeros(TreePlan.fixed_size(requests, nodes), dtype=torch.int32),
+                                   *trees(nodes, requests, 40), nodes, depth_bound=depth_bound)
 
     def variant(p: TreePlan, dtype=torch.bfloat16) -> int:  # the 27B shape: H = 16, HV = 48, K = V = 128
         return kgdn.runtime_verify_variant(p, dtype, 16, 48, 128, 128, limit, sms)
 
     assert variant(plan(17, 2)) == 6 and variant(plan(17, 8)) == 6 and variant(plan(17, 32)) == 6  # B = 16: every batch
     assert variant(plan(33, 1)) == 6 and variant(plan(65, 1)) == 6 and variant(plan(128, 1)) == 6  # one wave: 128 CTAs
-    assert variant(plan(33, 2)) == 3 and variant(plan(33, 8)) == 3 and variant(plan(65, 8)) == 3  # two waves and more
-    fixed = TreePlan.build_into(torch.zeros(TreePlan.fixed_size(8, 33), dtype=torch.int32),
-                                torch.cat([_random_tree(33, _g(40 + r)) for r in range(8)]), torch.arange(0, 8 * 33 + 1, 33), 33)
-    assert variant(fixed) == 3 and variant(TreePlan.build_into(torch.zeros(TreePlan.fixed_size(1, 33), dtype=torch.int32),
-                                                              _random_tree(33, _g(50)), torch.tensor([0, 33]), 33)) == 6
+    assert variant(plan(65, 2)) == 6 and variant(fixed(65, 2, None)) == 6  # two waves: 256 CTAs <= 264
+    assert variant(plan(65, 3)) == 3 and variant(plan(65, 8)) == 3 and variant(fixed(65, 8, 15)) == 3  # three and more
+    # B = 32: every batch where version 6 takes its path solve (per-step plans, fixed plans with the drafter's
+    # depth bound), version 3 on a fixed plan without one from three waves on (the level solve)
+    assert variant(plan(33, 8)) == 6 and variant(plan(33, 32)) == 6
+    assert variant(fixed(33, 8, 15)) == 6 and variant(fixed(33, 32, 15)) == 6 and variant(fixed(33, 1, None)) == 6
+    assert variant(fixed(33, 8, None)) == 3 and variant(fixed(33, 8, 16)) == 6 and variant(fixed(33, 8, 17)) == 3
     assert variant(plan(33, 1), torch.float32) == 3 and variant(plan(33, 1), torch.float16) == 3  # bf16 only
     chain = TreePlan.build(torch.arange(-1, 127), torch.tensor([0, 128]))  # 8,256 pairs: does not fit
     assert kgdn.grouped_unsupported_reason(chain, torch.bfloat16, 16, 48, 128, 128, limit) is not None

@@ -56,7 +56,7 @@ COMMIT_THREADS, COMMIT_BV, COMMIT_PC = 128, 16, 32
 # float32 q/k run version 3's code; measured no faster), 5 = version 3 with the main kernel launched
 # by programmatic dependent launch (it overlaps the pairs kernel until its first read of the pairs'
 # outputs; section 24). All compute the same function; 3 is the default: faster than 2 at every
-# measured size on the H200 (1.02-1.46x, bench/results/gdn_tree_v3.json; section 19).
+# measured size on the H200 (1.02-1.46x, bench/results/gdn_tree_v3.json.gz; section 19).
 # 6 = one kernel per call (cuda/gdn_tree_verify_grouped.cu; section 31): a CTA per (request, q/k
 # head, 16 V columns) serves every value head of the q/k head's group, computes the pair products
 # itself on tensor cores and runs the projections as bf16 mma on a three-part split of S0. It takes
@@ -158,22 +158,37 @@ def grouped_unsupported_reason(plan: TreePlan, qk_dtype: torch.dtype, h: int, hv
     return None
 
 
-RUNTIME_V6_MAX_NODES = 17  # version 6 at every batch up to this many nodes per request (runtime_verify_variant)
+# runtime_verify_variant's bounds (bench/NOTES.md sections 34 and 37): version 6 at every batch for trees of up to
+# RUNTIME_V6_MAX_NODES nodes, and up to RUNTIME_V6_PATH_NODES where it takes its path solve; at any size when its grid
+# is at most RUNTIME_V6_MAX_WAVES waves of CTAs
+RUNTIME_V6_MAX_NODES = 17
+RUNTIME_V6_PATH_NODES = 33
+RUNTIME_V6_MAX_WAVES = 2
 
 
 def runtime_verify_variant(plan: TreePlan, qk_dtype: torch.dtype, h: int, hv: int, k_dim: int, v_dim: int,
                            max_smem: int, num_sms: int) -> int:
     """The verify version the runtime runs for this plan: 6 where the H200 measured it faster than 3 on
-    both the per-step plans and the full CUDA graphs' fixed-layout plans (bench/NOTES.md section 34;
-    bench/results/gdn_tree_tfm_sizes_s34*.json.gz): a grid of one wave (R H V / 16 CTAs <= the SMs: batch
-    1 at the 27B shape, n = 17 to 128: 1.35-1.77x) and trees of up to 17 nodes (B = 16) at every batch
-    measured (1.09-1.17x at batch 8 and 32); else 3 (e.g. n = 33 on fixed plans at batch 2 to 32:
-    version 6 0.88-0.94x). Bfloat16 q/k only, and trees that fit version 6's shared memory
-    (``grouped_unsupported_reason``)."""
+    per-step plans and on the full CUDA graphs' fixed-layout plans with the drafter's depth bound
+    (bench/NOTES.md section 37; bench/results/gdn_tree_tfm_sizes_s37*.json.gz), else 3:
+
+    * a grid of at most two waves (R H V / 16 CTAs <= 2 x the SMs: batch 1 and 2 at the 27B shape): n = 17 to
+      128 at batch 1, 1.55-1.77x; n = 65 at batch 2, 1.23-1.58x;
+    * trees of up to 17 nodes (B = 16) at every batch measured: 1.02-1.15x;
+    * trees of up to 33 nodes (B = 32) where version 6 takes its path solve (per-step plans, and fixed plans that
+      carry a depth bound <= 16): 1.04-1.10x at batch 8 and 32. Without the bound a fixed plan takes the level
+      solve, 0.88-0.93x there, and runs version 3.
+
+    n = 65 from batch 8 runs version 3 (version 6 0.88-0.93x). Bfloat16 q/k only, and trees that fit version
+    6's shared memory (``grouped_unsupported_reason``)."""
     if grouped_unsupported_reason(plan, qk_dtype, h, hv, k_dim, v_dim, max_smem) is not None:
         return 3
     ctas = plan.num_requests * h * (v_dim // GROUPED_BV)
-    return 6 if plan.max_nodes <= RUNTIME_V6_MAX_NODES or ctas <= num_sms else 3
+    if plan.max_nodes <= RUNTIME_V6_MAX_NODES or ctas <= RUNTIME_V6_MAX_WAVES * num_sms:
+        return 6
+    if plan.max_nodes <= RUNTIME_V6_PATH_NODES and grouped_solve(plan, k_dim, hv // h, max_smem) == 1:
+        return 6
+    return 3
 
 
 def commit_smem_bytes(k_dim: int, m_cap: int) -> int:
