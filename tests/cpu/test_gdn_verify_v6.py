@@ -271,13 +271,15 @@ def test_runtime_verify_variant_follows_the_measured_policy():
 
     assert variant(plan(17, 2)) == 6 and variant(plan(17, 8)) == 6 and variant(plan(17, 32)) == 6  # B = 16: every batch
     assert variant(plan(33, 1)) == 6 and variant(plan(65, 1)) == 6 and variant(plan(128, 1)) == 6  # one wave: 128 CTAs
-    assert variant(plan(65, 2)) == 6 and variant(fixed(65, 2, None)) == 6  # two waves: 256 CTAs <= 264
+    # n = 65: two waves (256 CTAs <= 264) with the path solve, not with the level solve (an unbounded fixed plan)
+    assert variant(plan(65, 2)) == 6 and variant(fixed(65, 2, 15)) == 6 and variant(fixed(65, 2, None)) == 3
     assert variant(plan(65, 3)) == 3 and variant(plan(65, 8)) == 3 and variant(fixed(65, 8, 15)) == 3  # three and more
     # B = 32: every batch where version 6 takes its path solve (per-step plans, fixed plans with the drafter's
     # depth bound), version 3 on a fixed plan without one from three waves on (the level solve)
     assert variant(plan(33, 8)) == 6 and variant(plan(33, 32)) == 6
     assert variant(fixed(33, 8, 15)) == 6 and variant(fixed(33, 32, 15)) == 6 and variant(fixed(33, 1, None)) == 6
-    assert variant(fixed(33, 8, None)) == 3 and variant(fixed(33, 8, 16)) == 6 and variant(fixed(33, 8, 17)) == 3
+    assert variant(fixed(33, 2, None)) == 3 and variant(fixed(33, 8, None)) == 3
+    assert variant(fixed(33, 8, 16)) == 6 and variant(fixed(33, 8, 17)) == 3
     assert variant(plan(33, 1), torch.float32) == 3 and variant(plan(33, 1), torch.float16) == 3  # bf16 only
     chain = TreePlan.build(torch.arange(-1, 127), torch.tensor([0, 128]))  # 8,256 pairs: does not fit
     assert kgdn.grouped_unsupported_reason(chain, torch.bfloat16, 16, 48, 128, 128, limit) is not None

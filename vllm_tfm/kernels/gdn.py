@@ -159,30 +159,37 @@ def grouped_unsupported_reason(plan: TreePlan, qk_dtype: torch.dtype, h: int, hv
 
 
 # runtime_verify_variant's bounds (bench/NOTES.md sections 34 and 37): version 6 at every batch for trees of up to
-# RUNTIME_V6_MAX_NODES nodes, and up to RUNTIME_V6_PATH_NODES where it takes its path solve; at any size when its grid
-# is at most RUNTIME_V6_MAX_WAVES waves of CTAs
+# RUNTIME_V6_MAX_NODES nodes and on grids of one wave; with its path solve also up to RUNTIME_V6_PATH_NODES nodes at
+# every batch, and at any size on grids of up to RUNTIME_V6_PATH_WAVES waves of CTAs
 RUNTIME_V6_MAX_NODES = 17
 RUNTIME_V6_PATH_NODES = 33
-RUNTIME_V6_MAX_WAVES = 2
+RUNTIME_V6_PATH_WAVES = 2
 
 
 def runtime_verify_variant(plan: TreePlan, qk_dtype: torch.dtype, h: int, hv: int, k_dim: int, v_dim: int,
                            max_smem: int, num_sms: int) -> int:
     """The verify version the runtime runs for this plan: 6 where the H200 measured it faster than 3 on
-    per-step plans and on the full CUDA graphs' fixed-layout plans with the drafter's depth bound
-    (bench/NOTES.md section 37; bench/results/gdn_tree_tfm_sizes_s37*.json.gz), else 3:
+    per-step plans and on the full CUDA graphs' fixed-layout plans, with and without the drafter's depth
+    bound (bench/NOTES.md sections 34 and 37; bench/results/gdn_tree_tfm_sizes_s37*.json.gz), else 3:
 
-    * a grid of at most two waves (R H V / 16 CTAs <= 2 x the SMs: batch 1 and 2 at the 27B shape): n = 17 to
-      128 at batch 1, 1.55-1.77x; n = 65 at batch 2, 1.23-1.58x;
+    * a grid of one wave (R H V / 16 CTAs <= the SMs: batch 1 at the 27B shape): n = 17 to 128, 1.37-1.77x;
     * trees of up to 17 nodes (B = 16) at every batch measured: 1.02-1.15x;
-    * trees of up to 33 nodes (B = 32) where version 6 takes its path solve (per-step plans, and fixed plans that
-      carry a depth bound <= 16): 1.04-1.10x at batch 8 and 32. Without the bound a fixed plan takes the level
-      solve, 0.88-0.93x there, and runs version 3.
+    * with version 6's path solve (per-step plans, and fixed plans whose depth bound is <= 16): trees of up to
+      33 nodes at every batch (1.04-1.10x at batch 2 to 32) and grids of up to two waves (n = 65 at batch 2,
+      1.23-1.58x). With the level solve (a fixed plan without a bound) version 6 lost at n = 33 from batch 2
+      (0.88-0.93x), and n = 65 loses from batch 8 with either solve (0.77-0.93x).
 
-    n = 65 from batch 8 runs version 3 (version 6 0.88-0.93x). Bfloat16 q/k only, and trees that fit version
-    6's shared memory (``grouped_unsupported_reason``)."""
+    Bfloat16 q/k only, and trees that fit version 6's shared memory (``grouped_unsupported_reason``)."""
     if grouped_unsupported_reason(plan, qk_dtype, h, hv, k_dim, v_dim, max_smem) is not None:
         return 3
+    ctas = plan.num_requests * h * (v_dim // GROUPED_BV)
+    if plan.max_nodes <= RUNTIME_V6_MAX_NODES or ctas <= num_sms:
+        return 6
+    if grouped_solve(plan, k_dim, hv // h, max_smem) == 1 and (
+        plan.max_nodes <= RUNTIME_V6_PATH_NODES or ctas <= RUNTIME_V6_PATH_WAVES * num_sms
+    ):
+        return 6
+    return 3
     ctas = plan.num_requests * h * (v_dim // GROUPED_BV)
     if plan.max_nodes <= RUNTIME_V6_MAX_NODES or ctas <= RUNTIME_V6_MAX_WAVES * num_sms:
         return 6
