@@ -365,10 +365,12 @@ def ragged_ancestor_bits_of(step):
 
 
 def test_weaver_builds_with_tail_rounds_are_counted_in_the_engine_metrics():
-    from vllm_tfm.vllm_plugin.runtime.weaver_graphs import _count_tail
+    from vllm_tfm.vllm_plugin.runtime.weaver_graphs import WeaverGraphs
 
-    _count_tail(0)
+    graphs = WeaverGraphs()
+    graphs.count_tail(0)
     assert "weaver.tail_builds" not in STATE.metrics.hooks  # a build within its captured rounds
-    _count_tail(3)
-    _count_tail(1)
+    graphs.count_tail(3)
+    graphs.count_tail(1)
     assert STATE.metrics.hooks["weaver.tail_builds"] == 2 and STATE.metrics.hooks["weaver.tail_rounds"] == 4
+    assert graphs.tail_rounds == 4

@@ -190,12 +190,6 @@ def runtime_verify_variant(plan: TreePlan, qk_dtype: torch.dtype, h: int, hv: in
     ):
         return 6
     return 3
-    ctas = plan.num_requests * h * (v_dim // GROUPED_BV)
-    if plan.max_nodes <= RUNTIME_V6_MAX_NODES or ctas <= RUNTIME_V6_MAX_WAVES * num_sms:
-        return 6
-    if plan.max_nodes <= RUNTIME_V6_PATH_NODES and grouped_solve(plan, k_dim, hv // h, max_smem) == 1:
-        return 6
-    return 3
 
 
 def commit_smem_bytes(k_dim: int, m_cap: int) -> int:

@@ -237,15 +237,6 @@ def graph_key(
     )
 
 
-def _count_tail(rounds: int) -> None:
-    """The engine's metrics: graph builds that needed rounds past the captured ones (``weaver.tail_builds``)
-    and those rounds (``weaver.tail_rounds``), run eagerly; with deferred drafts right before the next
-    forward, on the host's critical path (bench/NOTES.md section 36)."""
-    if STATE.metrics is not None and rounds > 0:
-        STATE.metrics.hooks["weaver.tail_builds"] += 1
-        STATE.metrics.hooks["weaver.tail_rounds"] += rounds
-
-
 class DeferredTail:
     """The host check of a replayed Weaver build, deferred (module docstring, step 3): the tail rounds,
     if any are needed, run when ``finish`` is called, and overwrite ``tokens`` / ``parents`` in place."""
@@ -280,8 +271,7 @@ class DeferredTail:
             tokens, parents = growth.trees().draft_layout(self._filler)
             self.tokens.copy_(tokens[: self._rows])
             self.parents.copy_(parents[: self._rows])
-        self._owner.tail_rounds += growth.rounds - fixed
-        _count_tail(growth.rounds - fixed)
+        self._owner.count_tail(growth.rounds - fixed)
         self.changed = True
         return True
 
@@ -412,10 +402,18 @@ class WeaverGraphs:
             if growth.rounds == fixed:
                 tokens, parents = cap.tokens, cap.parents
             else:
-                self.tail_rounds += growth.rounds - fixed
-                _count_tail(growth.rounds - fixed)
+                self.count_tail(growth.rounds - fixed)
                 tokens, parents = growth.trees().draft_layout(cap.filler)
             return tokens[:r].clone(), parents[:r].clone()
+
+    def count_tail(self, rounds: int) -> None:
+        """Rounds run past the captured ones (eagerly; with deferred drafts right before the next forward, on
+        the host's critical path): this object's ``tail_rounds``, and the engine's metrics
+        ``weaver.tail_builds`` / ``weaver.tail_rounds`` (bench/NOTES.md section 36)."""
+        self.tail_rounds += rounds
+        if STATE.metrics is not None and rounds > 0:
+            STATE.metrics.hooks["weaver.tail_builds"] += 1
+            STATE.metrics.hooks["weaver.tail_rounds"] += rounds
 
     def _note_late_capture(self, bucket: int, key: tuple[Any, ...]) -> None:
         first = bucket not in self.late_captures
