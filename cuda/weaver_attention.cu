@@ -29,21 +29,44 @@
 //
 // Invalid rows: computed on clamped inputs, no K/V or mask write, output unspecified.
 //
-// Shared memory (dynamic): q of the w rows (float32, [w][hd]), one probability row per warp
-// ([WA_WARPS][span] float32), then K and V of the span keys as stored ([span][hd + pad] each: rows
-// padded to an odd number of 4-byte words, so that lanes reading one key each hit distinct banks).
+// Layout of the work. Version 1 (bench/NOTES.md section 28) staged K and V in a loop whose every
+// 16-byte load waited before its shared store, and ran RoPE in a loop of dependent loads: two chains
+// of ~12 global round trips per thread, 10-13 us per call on the H200 for ~25 KB per CTA. Now no
+// global load waits for another past the node's indices (bench/NOTES.md section 38):
+//   A  all threads: K (rows padded by 16 bytes: lanes reading one key each with 16-byte loads hit
+//      distinct banks) and V of the span keys into shared memory by cp.async, all in flight at once;
+//   B  one warp per node, overlapping A: the parent's mask row (lane j + 32 m) and the node's q, k,
+//      v with their rotate_half rows and the table's cos / sin (lane l: element pairs 2 l + 64 t),
+//      all loaded before any is used; RoPE; the valid node's k, v into the cache; q, own v, the own
+//      key's score (a warp sum) and the mask to shared memory; the first layer's mask row;
+//   C  after the one CTA barrier, one warp per node from shared memory only: scores with lanes over
+//      keys (q . k in float32, element order), softmax by shuffles, then the output with lanes over
+//      element pairs, the visible keys' V (a warp-uniform skip of zero probabilities) plus the own v,
+//      divided by the sum and rounded once.
+// The node's own K and V are taken from phase B, never from the staged rows (staged before the
+// cache write).
+//
+// Shared memory (dynamic): K of the span keys ([span][hd] + 16 bytes per row), V ([span][hd]), float32
+// q and own v of the w rows ([w][hd] each), the mask / probability rows ([w][span]), the own score
+// and own key column per row ([w] each).
 //
 // Requirements (checked by the wrapper, vllm_tfm/kernels/weaver_attention.py): hd even with rows
 // of hd elements a multiple of 16 bytes; kv [2, R, heads, S, hd], key_bias [R, n_slots + 2, cols]
-// proj [R w, 6 heads hd] and rope contiguous; node ids < n_slots for valid rows.
+// proj [R w, 6 heads hd] and rope contiguous; node ids < n_slots for valid rows; cols <= 32 WA_KEY_ITERS.
 //
-// Compile-time constant (NVRTC -D): TFM_IN, the activations' type (0 float32, 1 bfloat16,
-// 2 float16).
+// Compile-time constants (NVRTC -D): TFM_IN, the activations' type (0 float32, 1 bfloat16,
+// 2 float16); WA_HD, the head dimension hd.
 #include "tfm_common.cuh"
+#include "tfm_mma.cuh"
 
+#ifndef WA_HD
+#error "WA_HD (the head dimension) must be defined"
+#endif
 #define WA_THREADS 128
 #define WA_WARPS (WA_THREADS / 32)
-#define WA_PAD (4 / (int)sizeof(tin))  // elements appended to a staged K / V row: one 4-byte word
+#define WA_ROW_VEC (WA_HD * (int)sizeof(tin) / 16)  // 16-byte pieces of a K / V row
+#define WA_PAIRS ((WA_HD + 63) / 64)                // element pairs per lane: d = 2 lane + 64 t
+#define WA_KEY_ITERS 9                              // key columns per lane: cols <= 32 WA_KEY_ITERS
 
 __device__ __forceinline__ float wa_neg_inf() { return __int_as_float(0xff800000); }
 
@@ -54,41 +77,55 @@ __device__ __forceinline__ tin rope_value(tin x, tin rx, tin c, tin s) {
   return from_f32<tin>(fmaf(to_f32(rx), to_f32(s), to_f32(t)));
 }
 
-// q . K[j] in float32 over hd elements: q float32 in shared memory (16-byte aligned, hd % 4 == 0),
-// the key a staged row of 4-byte words (one element each for float32, two for 16-bit types).
-__device__ __forceinline__ float key_dot(const float* q, const u32* kr, int hd, float) {
+// Two consecutive elements (the first at an even index: 4- or 8-byte aligned) in one load.
+__device__ __forceinline__ void wa_load_pair(const float* p, float (&o)[2]) {
+  const float2 v = *reinterpret_cast<const float2*>(p);
+  o[0] = v.x;
+  o[1] = v.y;
+}
+template <typename T>
+__device__ __forceinline__ void wa_load_pair(const T* p, T (&o)[2]) {
+  const u32 v = *reinterpret_cast<const u32*>(p);
+  o[0].bits = (u16)(v & 0xffffu);
+  o[1].bits = (u16)(v >> 16);
+}
+
+// q . k in float32 over WA_HD elements in element order: q float32 in shared memory (16-byte
+// aligned), k a row of 16-byte pieces in registers.
+__device__ __forceinline__ void wa_word_pair(u32 v, bf16s, float& a, float& b) {
+  a = __uint_as_float(v << 16);
+  b = __uint_as_float(v & 0xffff0000u);
+}
+__device__ __forceinline__ void wa_word_pair(u32 v, f16s, float& a, float& b) {
+  a = f16_bits_to_f32(v & 0xffffu);
+  b = f16_bits_to_f32(v >> 16);
+}
+__device__ __forceinline__ float wa_key_dot(const float* q, const uint4 (&kr)[WA_ROW_VEC], float) {
   float acc = 0.0f;
-  for (int t = 0; t < hd; t += 4) {
-    const float4 q4 = *reinterpret_cast<const float4*>(q + t);
-    acc = fmaf(q4.x, __uint_as_float(kr[t]), acc);
-    acc = fmaf(q4.y, __uint_as_float(kr[t + 1]), acc);
-    acc = fmaf(q4.z, __uint_as_float(kr[t + 2]), acc);
-    acc = fmaf(q4.w, __uint_as_float(kr[t + 3]), acc);
+#pragma unroll
+  for (int c = 0; c < WA_ROW_VEC; ++c) {
+    const float4 q4 = *reinterpret_cast<const float4*>(q + 4 * c);
+    acc = fmaf(q4.x, __uint_as_float(kr[c].x), acc);
+    acc = fmaf(q4.y, __uint_as_float(kr[c].y), acc);
+    acc = fmaf(q4.z, __uint_as_float(kr[c].z), acc);
+    acc = fmaf(q4.w, __uint_as_float(kr[c].w), acc);
   }
   return acc;
 }
-__device__ __forceinline__ float2 word_to_f32(u32 v, bf16s) {
-  float2 f;
-  f.x = __uint_as_float(v << 16);
-  f.y = __uint_as_float(v & 0xffff0000u);
-  return f;
-}
-__device__ __forceinline__ float2 word_to_f32(u32 v, f16s) {
-  float2 f;
-  f.x = f16_bits_to_f32(v & 0xffffu);
-  f.y = f16_bits_to_f32(v >> 16);
-  return f;
-}
 template <typename T>
-__device__ __forceinline__ float key_dot(const float* q, const u32* kr, int hd, T tag) {
+__device__ __forceinline__ float wa_key_dot(const float* q, const uint4 (&kr)[WA_ROW_VEC], T tag) {
   float acc = 0.0f;
-  for (int t = 0; t < hd; t += 4) {
-    const float4 q4 = *reinterpret_cast<const float4*>(q + t);
-    const float2 a = word_to_f32(kr[t / 2], tag), b = word_to_f32(kr[t / 2 + 1], tag);
-    acc = fmaf(q4.x, a.x, acc);
-    acc = fmaf(q4.y, a.y, acc);
-    acc = fmaf(q4.z, b.x, acc);
-    acc = fmaf(q4.w, b.y, acc);
+#pragma unroll
+  for (int c = 0; c < WA_ROW_VEC; ++c) {
+    const u32 words[4] = {kr[c].x, kr[c].y, kr[c].z, kr[c].w};
+#pragma unroll
+    for (int u = 0; u < 4; ++u) {
+      const float2 q2 = *reinterpret_cast<const float2*>(q + 8 * c + 2 * u);
+      float a, b;
+      wa_word_pair(words[u], tag, a, b);
+      acc = fmaf(q2.x, a, acc);
+      acc = fmaf(q2.y, b, acc);
+    }
   }
   return acc;
 }
@@ -98,70 +135,134 @@ extern "C" __global__ void __launch_bounds__(WA_THREADS) weaver_node_attention(
     const i64* __restrict__ node_ids, const i64* __restrict__ parent_ids, const i64* __restrict__ depths,
     const unsigned char* __restrict__ valid, tin* kv, tin* key_bias, tin* __restrict__ out,
     int w, int heads, int hd, int S, int p0, int n_slots, int cols, int D, float scale, int write_mask) {
-  TFM_DYNAMIC_SMEM(float, s_q);           // [w][hd]
-  float* s_p = s_q + w * hd;               // [WA_WARPS][span]
+  (void)hd;  // WA_HD
+  TFM_DYNAMIC_SMEM(uint4, s_raw);
   const int span = p0 + n_slots;
-  const int row_e = hd + WA_PAD;           // elements per staged row
-  tin* s_k = reinterpret_cast<tin*>(s_p + WA_WARPS * span);  // [span][row_e]
-  tin* s_v = s_k + span * row_e;
+  uint4* s_k = s_raw;                                                // [span][WA_ROW_VEC + 1] (padded rows)
+  tin* s_v = reinterpret_cast<tin*>(s_k + span * (WA_ROW_VEC + 1));  // [span][WA_HD]
+  float* s_q = reinterpret_cast<float*>(s_v + span * WA_HD);         // [w][WA_HD]
+  float* s_vs = s_q + w * WA_HD;                                     // [w][WA_HD]: own v
+  float* s_p = s_vs + w * WA_HD;                                     // [w][span]
+  float* s_own = s_p + w * span;                                     // [w]: own score
+  int* s_key = reinterpret_cast<int*>(s_own + w);                    // [w]: own key column
   const int h = blockIdx.x, r = blockIdx.y, R = gridDim.y;
   const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
-  const i64 head_stride = (i64)S * hd;
+  const i64 head_stride = (i64)S * WA_HD;
   tin* kh = kv + ((i64)r * heads + h) * head_stride;               // kv[0, r, h]
   tin* vh = kv + ((i64)(R + r) * heads + h) * head_stride;         // kv[1, r, h]
   const int nb = n_slots + 2;
+  const i64 part_stride = (i64)heads * WA_HD;                      // q -> k -> v columns of proj
 
-  // ---- stage K and V of the span keys (16-byte global loads, 4-byte shared stores)
-  const int vec = 16 / (int)sizeof(tin);   // elements per 16-byte load
-  const int per_row = hd / vec;
-  for (int e = tid; e < 2 * span * per_row; e += WA_THREADS) {
-    const int which = e / (span * per_row), rem = e - which * span * per_row;
-    const int j = rem / per_row, c0 = (rem - j * per_row) * vec;
-    const uint4 val = *reinterpret_cast<const uint4*>((which ? vh : kh) + (i64)j * hd + c0);
-    u32* dst = reinterpret_cast<u32*>((which ? s_v : s_k) + j * row_e + c0);
-    dst[0] = val.x; dst[1] = val.y; dst[2] = val.z; dst[3] = val.w;
-  }
-  __syncthreads();
-
-  // ---- RoPE of q and k; the valid nodes' k and v into the cache and the staged rows
-  for (int e = tid; e < w * 3 * hd; e += WA_THREADS) {
-    const int i = e / (3 * hd), rem = e - i * 3 * hd;
-    const int part = rem / hd, d = rem - part * hd;
-    const i64 row = (i64)r * w + i;
-    const tin* p = proj + row * proj_ld + (i64)part * heads * hd + (i64)h * hd + d;
-    i64 dep = depths[row];
-    dep = dep < 0 ? 0 : (dep >= D ? D - 1 : dep);
-    const tin* cs = rope + (dep * 6 + part) * hd + d;  // rope[dep, 0 (cos), part, 0, d]; sin 3 hd on
-    const tin x = rope_value(p[0], p[(i64)3 * heads * hd], cs[0], cs[3 * hd]);
-    if (part == 0) {
-      s_q[i * hd + d] = to_f32(x);
-    } else if (valid[row]) {
-      const int key = p0 + (int)node_ids[row];
-      (part == 1 ? kh : vh)[(i64)key * hd + d] = x;
-      (part == 1 ? s_k : s_v)[key * row_e + d] = x;
+  // ---- A: K and V of the span keys into shared memory, every copy in flight at once (cp.async)
+  {
+    const uint4* ksrc = reinterpret_cast<const uint4*>(kh);
+    const uint4* vsrc = reinterpret_cast<const uint4*>(vh);
+    uint4* vdst = reinterpret_cast<uint4*>(s_v);
+    for (int e = tid; e < span * WA_ROW_VEC; e += WA_THREADS) {
+      const int j = e / WA_ROW_VEC, c = e - j * WA_ROW_VEC;
+      cp_async16(s_k + j * (WA_ROW_VEC + 1) + c, ksrc + e);
+      cp_async16(vdst + e, vsrc + e);
     }
+    cp_async_commit();
   }
-  __syncthreads();
 
-  // ---- attention: one warp per node row; lanes over keys for the scores, over dims for the output
-  const u32* kw = reinterpret_cast<const u32*>(s_k);
-  const int row_w = row_e * (int)sizeof(tin) / 4;  // 4-byte words per staged row
-  float* prow = s_p + warp * span;
+  // ---- B: one warp per node: q, k, v rotated (lane l: the element pairs 2 l + 64 t), the valid
+  //      node's k and v into the cache, q and own v to shared memory, the own key's score
   for (int i = warp; i < w; i += WA_WARPS) {
     const i64 row = (i64)r * w + i;
-    const bool v = valid[row] != 0;
-    const int key = p0 + (v ? (int)node_ids[row] : n_slots);
+    const bool ok = valid[row] != 0;
+    const int key = p0 + (ok ? (int)node_ids[row] : n_slots);    // invalid: the trash column (= span)
+    i64 dep = depths[row];
+    dep = dep < 0 ? 0 : (dep >= D ? D - 1 : dep);
     i64 par = parent_ids[row] % nb;
     if (par < 0) par += nb;
     const tin* brow = key_bias + ((i64)r * nb + par) * cols;
-    const float* q = s_q + i * hd;
+    const tin* pr = proj + row * proj_ld + (i64)h * WA_HD;
+    const tin* cs = rope + dep * 6 * WA_HD;  // rope[dep, 0 (cos) / 1 (sin), part, 0, :]
+    // every load first (the parent's mask row, lane j + 32 m; two elements per load of the rows
+    // and the table), then the arithmetic
+    tin bias[WA_KEY_ITERS];
+#pragma unroll
+    for (int m = 0; m < WA_KEY_ITERS; ++m) {
+      const int j = lane + 32 * m;
+      if (j < cols) bias[m] = brow[j];
+    }
+    tin xr[WA_PAIRS][3][2][2], tr[WA_PAIRS][3][2][2];  // [t][part][x, rot / cos, sin][element]
+#pragma unroll
+    for (int t = 0; t < WA_PAIRS; ++t) {
+      const int d = 2 * lane + 64 * t;
+      if (d < WA_HD) {
+#pragma unroll
+        for (int part = 0; part < 3; ++part) {
+#pragma unroll
+          for (int u = 0; u < 2; ++u) {
+            wa_load_pair(pr + (part + 3 * u) * part_stride + d, xr[t][part][u]);
+            wa_load_pair(cs + (part + 3 * u) * WA_HD + d, tr[t][part][u]);
+          }
+        }
+      }
+    }
+    float own = 0.0f;  // this lane's part of q . k
+#pragma unroll
+    for (int t = 0; t < WA_PAIRS; ++t) {
+      const int d = 2 * lane + 64 * t;
+      if (d < WA_HD) {
+#pragma unroll
+        for (int c = 0; c < 2; ++c) {
+          tin x[3];
+#pragma unroll
+          for (int part = 0; part < 3; ++part)
+            x[part] = rope_value(xr[t][part][0][c], xr[t][part][1][c], tr[t][part][0][c], tr[t][part][1][c]);
+          s_q[i * WA_HD + d + c] = to_f32(x[0]);
+          s_vs[i * WA_HD + d + c] = to_f32(x[2]);
+          own = fmaf(to_f32(x[0]), to_f32(x[1]), own);
+          if (ok) {
+            kh[(i64)key * WA_HD + d + c] = x[1];
+            vh[(i64)key * WA_HD + d + c] = x[2];
+          }
+        }
+      }
+    }
+    own = warp_sum(own);
+    if (lane == 0) {
+      s_own[i] = own * scale;
+      s_key[i] = key;
+    }
+    // the mask over the span (0 for the own key) for phase C; the valid node's key-mask row (the
+    // call's first layer): the parent's row plus its own column
+    float* prow = s_p + i * span;
+    tin* dst = key_bias + ((i64)r * nb + (key - p0)) * cols;
+    const bool mask_row = write_mask && h == 0 && ok;
+#pragma unroll
+    for (int m = 0; m < WA_KEY_ITERS; ++m) {
+      const int j = lane + 32 * m;
+      if (j < span) prow[j] = j == key ? 0.0f : to_f32(bias[m]);
+      if (mask_row && j < cols) dst[j] = j == key ? from_f32<tin>(0.0f) : bias[m];
+    }
+  }
+  cp_async_wait<0>();
+  __syncthreads();  // the staged K / V rows, every node's q, own v and own score
+
+  // ---- C: one warp per node: scores with lanes over keys, softmax, the mask row, then the
+  //      output with lanes over element pairs
+  for (int i = warp; i < w; i += WA_WARPS) {
+    const i64 row = (i64)r * w + i;
+    const int key = s_key[i];
+    const float own_score = s_own[i];
+    const float* q = s_q + i * WA_HD;
+    float* prow = s_p + i * span;
     float mx = wa_neg_inf();
     for (int j = lane; j < span; j += 32) {
-      const float b = j == key ? 0.0f : to_f32(brow[j]);
+      const float b = prow[j];  // the mask, from phase B
       float sc = wa_neg_inf();
-      if (b != wa_neg_inf()) {
-        const float acc = key_dot(q, kw + j * row_w, hd, tin{});
-        sc = acc * scale + b;
+      if (j == key) {
+        sc = own_score;  // its staged row predates this call's write: the score from phase B
+      } else if (b != wa_neg_inf()) {
+        uint4 kr[WA_ROW_VEC];
+        const uint4* src = s_k + j * (WA_ROW_VEC + 1);
+#pragma unroll
+        for (int c = 0; c < WA_ROW_VEC; ++c) kr[c] = src[c];
+        sc = wa_key_dot(q, kr, tin{}) * scale + b;
       }
       prow[j] = sc;
       mx = fmaxf(mx, sc);
@@ -174,26 +275,35 @@ extern "C" __global__ void __launch_bounds__(WA_THREADS) weaver_node_attention(
       l += pj;
     }
     l = warp_sum(l);
-    __syncwarp();
-    for (int d = lane; d < hd; d += 32) {
-      float acc = 0.0f;
-      for (int j = 0; j < span; ++j) acc = fmaf(prow[j], to_f32(s_v[j * row_e + d]), acc);
-      out[row * heads * hd + (i64)h * hd + d] = from_f32<tin>(acc / l);
+    const float p_own = key < span ? expf(own_score - mx) : 0.0f;  // = prow[key]
+    __syncwarp();  // the probability row, for every lane
+    float acc[2 * WA_PAIRS];
+#pragma unroll
+    for (int u = 0; u < 2 * WA_PAIRS; ++u) acc[u] = 0.0f;
+    for (int j = 0; j < span; ++j) {
+      const float pj = prow[j];
+      if (pj == 0.0f || j == key) continue;  // the same j for every lane: no divergence
+      const tin* vr = s_v + j * WA_HD;
+#pragma unroll
+      for (int t = 0; t < WA_PAIRS; ++t) {
+        const int d = 2 * lane + 64 * t;
+        if (d < WA_HD) {
+          tin v2[2];
+          wa_load_pair(vr + d, v2);
+          acc[2 * t] = fmaf(pj, to_f32(v2[0]), acc[2 * t]);
+          acc[2 * t + 1] = fmaf(pj, to_f32(v2[1]), acc[2 * t + 1]);
+        }
+      }
     }
-    __syncwarp();  // the probability row is reused by the warp's next node
-  }
-
-  // ---- the valid nodes' key-mask rows (first layer of the call only)
-  if (write_mask && h == 0) {
-    for (int e = tid; e < w * cols; e += WA_THREADS) {
-      const int i = e / cols, j = e - i * cols;
-      const i64 row = (i64)r * w + i;
-      if (!valid[row]) continue;
-      const int slot = (int)node_ids[row];
-      i64 par = parent_ids[row] % nb;
-      if (par < 0) par += nb;
-      const tin b = key_bias[((i64)r * nb + par) * cols + j];
-      key_bias[((i64)r * nb + slot) * cols + j] = j == p0 + slot ? from_f32<tin>(0.0f) : b;
+    const float* vs = s_vs + i * WA_HD;
+    tin* o = out + row * heads * WA_HD + (i64)h * WA_HD;
+#pragma unroll
+    for (int t = 0; t < WA_PAIRS; ++t) {
+      const int d = 2 * lane + 64 * t;
+      if (d < WA_HD) {
+        o[d] = from_f32<tin>(fmaf(p_own, vs[d], acc[2 * t]) / l);
+        o[d + 1] = from_f32<tin>(fmaf(p_own, vs[d + 1], acc[2 * t + 1]) / l);
+      }
     }
   }
 }

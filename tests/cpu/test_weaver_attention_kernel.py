@@ -114,6 +114,8 @@ def test_which_inputs_the_kernel_takes(monkeypatch) -> None:
     bad = list(args)
     bad[6] = bad[6].transpose(3, 4).contiguous().transpose(3, 4)
     assert "not contiguous" in ka.unsupported_reason(*bad, True)
+    wide = list(problem(6, 1, 1, 1, 8, 3, 290, torch.bfloat16))  # 4 + 290 + 1 keys: 304 mask columns
+    assert ka.unsupported_reason(*wide, True) == "key_bias has 304 columns, over the kernel's 288 (32 lanes x 9)"
 
 
 def test_dispatch_uses_the_reference_off_cuda_and_when_switched_off(monkeypatch) -> None:

@@ -15,7 +15,7 @@ reference writes them to the trash slot) and their outputs mean nothing in both.
 
 The kernel runs for CUDA tensors of one dtype (float32, bfloat16 or float16), head rows of a
 multiple of 16 bytes, contiguous kv / key_bias / rope table / [R, w] index tensors and
-projection rows, and shared memory for the staged K/V within the device's limit; anything else
+projection rows, and shared memory for the staged V rows within the device's limit; anything else
 (and ``VLLM_TFM_WEAVER_ATTENTION_KERNEL=0``) calls the reference, with a one-time warning for CUDA
 inputs the kernel does not take.
 """
@@ -55,6 +55,7 @@ DTYPE_CODE = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 ENV_SWITCH = "VLLM_TFM_WEAVER_ATTENTION_KERNEL"
 NOT_CUDA = "the tensors are not all on one CUDA device"
 MAX_GRID_Y = 65535
+MAX_COLS = 32 * 9  # 32 lanes x WA_KEY_ITERS key columns in the source
 
 
 def _shape(kv: Tensor, key_bias: Tensor) -> tuple[int, int, int, int]:
@@ -99,9 +100,10 @@ def node_attention_reference(
 
 
 def attention_smem_bytes(w: int, span: int, hd: int, elem: int) -> int:
-    """Dynamic shared memory of one launch: q of the w rows and a probability row per warp
-    (float32), the span keys' K and V rows padded by one 4-byte word."""
-    return 4 * (w * hd + WARPS * span) + 2 * span * (hd * elem + 4)
+    """Dynamic shared memory of one launch (mirrors the kernel's layout): the span keys' K rows padded
+    by 16 bytes and V rows as stored, float32 q and own v of the w rows, a mask / probability row per
+    node, and per node its own score and key column (4 bytes each)."""
+    return span * (2 * hd * elem + 16) + 4 * (2 * w * hd + w * span + 2 * w)
 
 
 def unsupported_reason(
@@ -131,6 +133,8 @@ def unsupported_reason(
     tensors = (proj, rope, node_ids, parent_ids, depths, valid, kv, key_bias)
     if not all(t.is_contiguous() for t in tensors) or proj.data_ptr() % 16 or kv.data_ptr() % 16:
         return "the tensors are not contiguous with 16-byte aligned proj and kv"
+    if cols > MAX_COLS:
+        return f"key_bias has {cols} columns, over the kernel's {MAX_COLS} (32 lanes x {MAX_COLS // 32})"
     if r > MAX_GRID_Y:
         return f"{r} requests are over the kernel's {MAX_GRID_Y}"
     if not all(t.is_cuda for t in tensors) or len({t.device for t in tensors}) != 1:
@@ -141,7 +145,7 @@ def unsupported_reason(
     smem = attention_smem_bytes(w, p0 + n, hd, dt.itemsize)
     limit = device_smem_optin(tensor_device_index(proj))
     if smem > limit:
-        return f"the staged keys need {smem} bytes of shared memory; the device allows {limit}"
+        return f"the staged V rows need {smem} bytes of shared memory; the device allows {limit}"
     return None
 
 
@@ -171,7 +175,7 @@ def node_attention_kernel(
     out = torch.empty(r * w, heads * hd, dtype=proj.dtype, device=proj.device)
     if r * w == 0:
         return out
-    opts = ["--std=c++17", "-lineinfo", f"-DTFM_IN={DTYPE_CODE[proj.dtype]}"]
+    opts = ["--std=c++17", "-lineinfo", f"-DTFM_IN={DTYPE_CODE[proj.dtype]}", f"-DWA_HD={hd}"]
     kernel = get_kernel(SOURCE, "weaver_node_attention", opts, tensor_device_index(proj))
     i32, i64 = ctypes.c_int, ctypes.c_longlong
     launch(
