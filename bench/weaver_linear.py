@@ -1,9 +1,9 @@
 #!/usr/bin/env python3
-"""The Weaver scorer's linear layers: the fused kernel (``cuda/weaver_linear.cu``) and its tensor-core
-form (``cuda/weaver_linear_mma.cu``, 16-bit, up to 32 rows) against the torch path they replace (``weaver_linear_reference``: RMSNorm, cuBLAS, epilogue kernels) at the
+"""The Weaver scorer's linear layers: the fused kernel (``cuda/weaver_linear.cu``) against the torch
+path it replaces (``weaver_linear_reference``: RMSNorm, cuBLAS, epilogue kernels) at the
 Qwen3.6-27B drafter's layer shapes on the GPU host.
 
-usage: python3 bench/weaver_linear.py [--out FILE] [--rows 1,2,4,8,16,32] [--repeats 50]
+usage: python3 bench/weaver_linear.py [--out FILE] [--rows 1,2,4,8,16] [--repeats 50]
        python3 bench/weaver_linear.py --sanitize-case    # small kernel-vs-float64 run for compute-sanitizer
 
 Per layer (token_in 5120 -> 1024 with its norm, qkv + rotate_half 1024 -> 6144 with its norm, o_proj
@@ -54,20 +54,19 @@ def sanitize_case() -> None:
     for m, k, n, mode, dt in ((1, 8, 1, "norm", torch.float32), (3, 264, 7, "swiglu", torch.bfloat16),
                               (16, 136, 9, "residual", torch.float16)):
         args = layer_args(m, k, n, mode, dt)
+        got = kl.weaver_linear_kernel(*args)
         x, w, b, res, eps, sw = args
         ref = kl.weaver_linear_reference(x.double(), w.double(), None if b is None else b.double(),
                                          None if res is None else res.double(), eps, sw)
-        for mma in (False, True) if dt != torch.float32 else (False,):
-            got = kl.weaver_linear_kernel(*args, mma=mma)
-            if float((got.double() - ref).abs().max()) > 0.05 * max(1.0, float(ref.abs().max())):
-                raise SystemExit(f"sanitize case {m}x{k}x{n} {mode} (mma {mma}): kernel and float64 differ")
+        if float((got.double() - ref).abs().max()) > 0.05 * max(1.0, float(ref.abs().max())):
+            raise SystemExit(f"sanitize case {m}x{k}x{n} {mode}: kernel and float64 differ")
     torch.cuda.synchronize()
     print("sanitize case: the kernel equals the float64 layers to rounding")
 
 
 def main() -> int:
     ap = kernel_bench_parser(__doc__, repeats=50)
-    ap.add_argument("--rows", default="1,2,4,8,16,32")
+    ap.add_argument("--rows", default="1,2,4,8,16")
     args = ap.parse_args()
     if args.sanitize_case:
         sanitize_case()
@@ -81,19 +80,14 @@ def main() -> int:
         for m in (int(v) for v in args.rows.split(",")):
             call = layer_args(m, k, n, mode)
             ref_us, ref_mode = time_calls([lambda call=call: kl.weaver_linear_reference(*call)] * 10, args.repeats)
-            ker_us, ker_mode = (time_calls([lambda call=call: kl.weaver_linear_kernel(*call)] * 10, args.repeats)
-                                if m <= kl.MAX_ROWS else (None, None))
-            mma_us, mma_mode = time_calls([lambda call=call: kl.weaver_linear_kernel(*call, mma=True)] * 10, args.repeats)
+            ker_us, ker_mode = time_calls([lambda call=call: kl.weaver_linear_kernel(*call)] * 10, args.repeats)
             moved = call[1].numel() * 2
             case = {"layer": name, "rows": m, "k": k, "n": n, "mode": mode, "reference_us": ref_us,
-                    "kernel_us": ker_us, "mma_kernel_us": mma_us,
-                    "speedup": ref_us / ker_us if ker_us else None, "mma_speedup": ref_us / mma_us,
-                    "timing": {"reference": ref_mode, "kernel": ker_mode, "mma_kernel": mma_mode}, "weight_bytes": moved,
+                    "kernel_us": ker_us, "speedup": ref_us / ker_us, "timing": {"reference": ref_mode, "kernel": ker_mode}, "weight_bytes": moved,
                     "floor_us": moved / bw * 1e6}
             res["cases"].append(case)
-            fma = f"{ker_us:6.1f}" if ker_us else "     -"
-            print(f"{name:8s} M={m:2d}: reference (cuBLAS) {ref_us:6.1f} us, FMA kernel {fma} us, tensor-core kernel "
-                  f"{mma_us:6.1f} us, weight floor {case['floor_us']:5.1f} us", flush=True)
+            print(f"{name:8s} M={m:2d}: reference {ref_us:6.1f} us, kernel {ker_us:6.1f} us ({case['speedup']:.2f}x), "
+                  f"weight floor {case['floor_us']:5.1f} us", flush=True)
     write_result(args.out, res)
     return 0
 

@@ -105,16 +105,6 @@ inline int __shfl_sync(unsigned /*mask*/, int v, int src) {
   return out;
 }
 
-// The float overload: the same exchange, bit for bit.
-inline float __shfl_sync(unsigned mask, float v, int src) {
-  int i;
-  std::memcpy(&i, &v, 4);
-  const int r = __shfl_sync(mask, i, src);
-  float out;
-  std::memcpy(&out, &r, 4);
-  return out;
-}
-
 [[noreturn]] inline void __trap() {
   std::fprintf(stderr, "tfm_emu: __trap() in block (%u,%u,%u) thread %u\n", blockIdx.x, blockIdx.y, blockIdx.z,
                threadIdx.x);

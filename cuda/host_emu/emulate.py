@@ -36,7 +36,6 @@ KERNELS = {
     "weaver_round.cu": ["weaver_round"],
     "candidate_scores.cu": ["candidate_scores"],
     "weaver_linear.cu": ["weaver_linear"],
-    "weaver_linear_mma.cu": ["weaver_linear_mma"],
     "weaver_attention.cu": ["weaver_node_attention"],
 }
 WRAPPERS = ("gdn", "conv", "tree_attention", "batched_commit", "weaver_round", "candidate_scores", "weaver_linear",

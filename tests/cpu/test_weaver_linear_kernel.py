@@ -59,7 +59,7 @@ def test_matches_float64(emu_dir: Path, dtype, mode: str) -> None:
         eps = None if mode in ("residual", "plain") else 1e-6
         x, w, b, res = problem(i, m, k, n, dtype, bias=mode in ("norm_bias", "swiglu"), residual=residual, swiglu=swiglu)
         reason = kl.unsupported_reason(x, w, b, res, eps, swiglu)
-        assert reason == kl.NOT_CUDA if m <= kl.row_limit(dtype) else kl.TOO_MANY_ROWS in reason
+        assert reason == kl.NOT_CUDA if m <= kl.KERNEL_ROWS else kl.TOO_MANY_ROWS in reason
         y, launches = run(emu_dir, x, w, b, res, eps, swiglu)
         units = n if swiglu else (n + 1) // 2
         assert launches == [("weaver_linear", (-(-units // kl.WARPS), 1, 1), 0)]
@@ -90,53 +90,6 @@ def test_fresh_random_shapes(emu_dir: Path) -> None:
         args = problem(50 + i, m, k, n, dtype, bias=rng.random() < 0.6, residual=residual, swiglu=swiglu)
         y, _ = run(emu_dir, *args, eps, swiglu)
         check(y, *float64_layer(*args, eps, swiglu), dtype)
-
-
-def run_mma(emu_dir, *args):
-    with emulated(emu_dir) as launches:
-        y = kl.weaver_linear_kernel(*args, mma=True)
-    return y, launches
-
-
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("mode", ["norm_bias", "residual", "swiglu", "plain"])
-def test_tensor_core_form_matches_float64(emu_dir: Path, dtype, mode: str) -> None:
-    # weaver_linear_mma.cu: 1, 8 (one n-tile), 9 and 32 rows (two and four), K not a multiple of 32 (a
-    # step's lanes partly out of range), N not a multiple of 16 / 8 (clamped tile rows), 64 steps on 8 warps
-    for i, (m, k, n) in enumerate([(1, 8, 1), (8, 264, 7), (9, 64, 33), (32, 2048, 20)]):
-        swiglu, residual = mode == "swiglu", mode == "residual"
-        eps = None if mode in ("residual", "plain") else 1e-6
-        x, w, b, res = problem(100 + i, m, k, n, dtype, bias=mode in ("norm_bias", "swiglu"), residual=residual,
-                               swiglu=swiglu)
-        y, launches = run_mma(emu_dir, x, w, b, res, eps, swiglu)
-        assert launches == [("weaver_linear_mma", (-(-n // (8 if swiglu else 16)), 1, 1), 0)]
-        assert y.shape == (m, n) and y.dtype == dtype
-        check(y, *float64_layer(x, w, b, res, eps, swiglu), dtype)
-
-
-def test_tensor_core_form_with_strided_x_and_fresh_shapes(emu_dir: Path) -> None:
-    x, w, b, _ = problem(9, 16, 136, 19, torch.bfloat16, swiglu=True, x_pad=8)
-    assert x.stride(0) == 144
-    y, _ = run_mma(emu_dir, x, w, b, None, 1e-5, True)
-    check(y, *float64_layer(x, w, b, None, 1e-5, True), torch.bfloat16)
-    rng = random.Random(12)
-    for i in range(4):
-        m, k, n = rng.randint(1, 32), 8 * rng.randint(1, 60), rng.randint(1, 40)
-        dtype, swiglu = rng.choice([torch.bfloat16, torch.float16]), rng.random() < 0.4
-        residual = not swiglu and rng.random() < 0.5
-        eps = rng.choice([None, 1e-6])
-        args = problem(70 + i, m, k, n, dtype, bias=rng.random() < 0.6, residual=residual, swiglu=swiglu)
-        y, _ = run_mma(emu_dir, *args, eps, swiglu)
-        check(y, *float64_layer(*args, eps, swiglu), dtype)
-
-
-def test_tensor_core_form_refuses_float32_and_too_many_rows() -> None:
-    x, w, b, _ = problem(1, 2, 16, 4, torch.float32)
-    with pytest.raises(ValueError, match="weaver_linear_mma takes bfloat16 / float16 and <= 32 rows"):
-        kl.weaver_linear_kernel(x, w, b, None, None, False, mma=True)
-    x, w, b, _ = problem(1, 33, 16, 4, torch.bfloat16)
-    with pytest.raises(ValueError, match="got torch.bfloat16, 33"):
-        kl.weaver_linear_kernel(x, w, b, None, None, False, mma=True)
 
 
 def test_weaver_scorer_through_the_kernels(emu_dir: Path) -> None:
@@ -173,23 +126,6 @@ def test_which_inputs_the_kernel_takes() -> None:
     odd = torch.empty(2 * 16 + 1, dtype=torch.bfloat16)[1:].view(2, 16)
     assert "16-byte aligned" in kl.unsupported_reason(odd, w, None, None, None, False)
     assert "residual's rows" in kl.unsupported_reason(x, w, None, res.t().contiguous().t(), None, False)
-
-
-def test_mma_switch_sets_the_form_and_the_row_limit(monkeypatch) -> None:
-    x, w, b, _ = problem(3, 20, 16, 4, torch.bfloat16)
-    monkeypatch.setenv(kl.MMA_SWITCH, "0")
-    assert not kl.uses_mma(torch.bfloat16) and kl.row_limit(torch.bfloat16) == kl.KERNEL_ROWS
-    assert kl.TOO_MANY_ROWS in kl.unsupported_reason(x, w, b, None, 1e-6, False)
-    monkeypatch.setenv(kl.MMA_SWITCH, "1")
-    assert kl.uses_mma(torch.bfloat16) and kl.uses_mma(torch.float16) and not kl.uses_mma(torch.float32)
-    assert kl.row_limit(torch.bfloat16) == kl.MMA_MAX_ROWS and kl.row_limit(torch.float32) == kl.KERNEL_ROWS
-    assert kl.unsupported_reason(x, w, b, None, 1e-6, False) == kl.NOT_CUDA  # 20 rows: the tensor-core form's
-    calls = []
-    with (mock.patch.object(kl, "unsupported_reason", lambda *a: None),
-          mock.patch.object(kl, "weaver_linear_kernel", lambda *a, mma: calls.append(mma))):
-        kl.weaver_linear(x, w, b, None, 1e-6, False)
-        kl.weaver_linear(x.float(), w.float(), b.float(), None, 1e-6, False)
-    assert calls == [True, False]
 
 
 def test_dispatch_uses_the_reference_off_cuda_and_when_switched_off(monkeypatch) -> None:

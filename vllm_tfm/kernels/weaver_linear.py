@@ -39,28 +39,19 @@ __all__ = [
     "ENV_SWITCH",
     "KERNEL_ROWS",
     "MAX_ROWS",
-    "MMA_MAX_ROWS",
-    "MMA_SWITCH",
     "NOT_CUDA",
-    "row_limit",
     "unsupported_reason",
-    "uses_mma",
     "weaver_linear",
     "weaver_linear_kernel",
     "weaver_linear_reference",
 ]
 
 SOURCE = "weaver_linear.cu"
-MMA_SOURCE = "weaver_linear_mma.cu"
 WARPS = 4  # WL_WARPS in the source
-MMA_WARPS = 8  # WLM_WARPS in weaver_linear_mma.cu
 MAX_ROWS = 16  # WL_M <= 16: one output per lane in the epilogue
-MMA_MAX_ROWS = 32  # weaver_linear_mma.cu: WL_M <= 32 (four n-tiles of 8)
 KERNEL_ROWS = 4  # the dispatch's limit: on the H200 cuBLAS is faster from 8 rows (bench/results/weaver_linear.json)
 DTYPE_CODE = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 ENV_SWITCH = "VLLM_TFM_WEAVER_LINEAR_KERNEL"
-MMA_SWITCH = "VLLM_TFM_WEAVER_LINEAR_MMA"  # 1: the tensor-core form for 16-bit layers of up to MMA_MAX_ROWS rows
-MMA_DEFAULT = "0"
 NOT_CUDA = "the tensors are not all on one CUDA device"
 TOO_MANY_ROWS = "more rows than the kernel's"
 
@@ -82,16 +73,6 @@ def weaver_linear_reference(
     return z
 
 
-def uses_mma(dtype: torch.dtype) -> bool:
-    """Whether the dispatch runs the tensor-core form (``weaver_linear_mma.cu``) for this dtype."""
-    return dtype in (torch.bfloat16, torch.float16) and os.environ.get(MMA_SWITCH, MMA_DEFAULT) == "1"
-
-
-def row_limit(dtype: torch.dtype) -> int:
-    """The most rows of x the dispatch gives a kernel (more: cuBLAS)."""
-    return MMA_MAX_ROWS if uses_mma(dtype) else KERNEL_ROWS
-
-
 def unsupported_reason(
     x: Tensor, weight: Tensor, bias: Tensor | None, residual: Tensor | None, eps: float | None, swiglu: bool
 ) -> str | None:
@@ -102,9 +83,8 @@ def unsupported_reason(
         return f"dtypes {[str(t.dtype) for t in tensors]}: the kernel takes one of float32, bfloat16, float16 for all"
     if x.dim() != 2 or weight.dim() != 2 or x.shape[1] != weight.shape[1]:
         return f"shapes x {tuple(x.shape)}, weight {tuple(weight.shape)} are not [M, K] and [N, K]"
-    limit = row_limit(x.dtype)
-    if x.shape[0] > limit:
-        return f"{x.shape[0]} rows: {TOO_MANY_ROWS} {limit} (cuBLAS is faster there)"
+    if x.shape[0] > KERNEL_ROWS:
+        return f"{x.shape[0]} rows: {TOO_MANY_ROWS} {KERNEL_ROWS} (cuBLAS is faster there)"
     if x.shape[1] % 8:
         return f"K = {x.shape[1]} is not a multiple of 8"
     if swiglu and (residual is not None or weight.shape[0] % 2):
@@ -136,37 +116,27 @@ def weaver_linear(
         if reason != NOT_CUDA and TOO_MANY_ROWS not in reason and x.is_cuda:
             warn_fallback("weaver_linear", reason)
         return weaver_linear_reference(x, weight, bias, residual, eps, swiglu)
-    return weaver_linear_kernel(x, weight, bias, residual, eps, swiglu, mma=uses_mma(x.dtype))
+    return weaver_linear_kernel(x, weight, bias, residual, eps, swiglu)
 
 
 def weaver_linear_kernel(
-    x: Tensor, weight: Tensor, bias: Tensor | None, residual: Tensor | None, eps: float | None, swiglu: bool,
-    mma: bool = False,
+    x: Tensor, weight: Tensor, bias: Tensor | None, residual: Tensor | None, eps: float | None, swiglu: bool
 ) -> Tensor:
-    """The launch itself, for inputs ``unsupported_reason`` accepts (not checked again). ``mma``: the
-    tensor-core form (``weaver_linear_mma.cu``: 16-bit types, up to ``MMA_MAX_ROWS`` rows), else the
-    float32-FMA form (``weaver_linear.cu``: up to ``MAX_ROWS``)."""
+    """The launch itself, for inputs ``unsupported_reason`` accepts (not checked again)."""
     m, k = x.shape
     n = weight.shape[0] // 2 if swiglu else weight.shape[0]
     y = torch.empty(m, n, dtype=x.dtype, device=x.device)
     if m == 0 or n == 0:
         return y
+    units = n if swiglu else (n + 1) // 2
     opts = ["--std=c++17", "-lineinfo", f"-DTFM_IN={DTYPE_CODE[x.dtype]}", f"-DWL_M={m}",
             f"-DWL_MODE={1 if swiglu else 0}", f"-DWL_NORM={0 if eps is None else 1}"]
-    if mma:
-        if x.dtype not in (torch.bfloat16, torch.float16) or m > MMA_MAX_ROWS:
-            raise ValueError(f"weaver_linear_mma takes bfloat16 / float16 and <= {MMA_MAX_ROWS} rows, got {x.dtype}, {m}")
-        kernel = get_kernel(MMA_SOURCE, "weaver_linear_mma", opts, tensor_device_index(x))
-        grid, block = -(-n // (8 if swiglu else 16)), MMA_WARPS * 32  # a CTA per 16 weight rows (8 gate + 8 up)
-    else:
-        kernel = get_kernel(SOURCE, "weaver_linear", opts, tensor_device_index(x))
-        units = n if swiglu else (n + 1) // 2
-        grid, block = -(-units // WARPS), WARPS * 32
+    kernel = get_kernel(SOURCE, "weaver_linear", opts, tensor_device_index(x))
     i32, i64 = ctypes.c_int, ctypes.c_longlong
     launch(
         kernel,
-        (grid, 1, 1),
-        (block, 1, 1),
+        (-(-units // WARPS), 1, 1),
+        (WARPS * 32, 1, 1),
         [x, i64(x.stride(0)), weight, i64(weight.stride(0)), bias, residual,
          i64(residual.stride(0) if residual is not None else 0), y, i64(y.stride(0)), i32(n), i32(k),
          ctypes.c_float(0.0 if eps is None else eps)],
