@@ -14,8 +14,8 @@ rows of valid nodes are the reference's bit for bit. Invalid rows write nothing 
 reference writes them to the trash slot) and their outputs mean nothing in both.
 
 The kernel runs for CUDA tensors of one dtype (float32, bfloat16 or float16), head rows of a
-multiple of 16 bytes, contiguous kv / key_bias / rope table / [R, w] index tensors and
-projection rows, and shared memory for the staged V rows within the device's limit; anything else
+multiple of 16 bytes, contiguous kv / key_bias (at most 288 columns) / rope table / [R, w] index tensors and
+projection rows, and shared memory for the staged K and V rows within the device's limit; anything else
 (and ``VLLM_TFM_WEAVER_ATTENTION_KERNEL=0``) calls the reference, with a one-time warning for CUDA
 inputs the kernel does not take.
 """
@@ -145,7 +145,7 @@ def unsupported_reason(
     smem = attention_smem_bytes(w, p0 + n, hd, dt.itemsize)
     limit = device_smem_optin(tensor_device_index(proj))
     if smem > limit:
-        return f"the staged V rows need {smem} bytes of shared memory; the device allows {limit}"
+        return f"the staged K and V rows need {smem} bytes of shared memory; the device allows {limit}"
     return None
 
 
