@@ -90,41 +90,22 @@ __device__ __forceinline__ void wa_load_pair(const T* p, T (&o)[2]) {
   o[1].bits = (u16)(v >> 16);
 }
 
-// q . k in float32 over WA_HD elements in element order: q float32 in shared memory (16-byte
-// aligned), k a row of 16-byte pieces in registers.
-__device__ __forceinline__ void wa_word_pair(u32 v, bf16s, float& a, float& b) {
-  a = __uint_as_float(v << 16);
-  b = __uint_as_float(v & 0xffff0000u);
-}
-__device__ __forceinline__ void wa_word_pair(u32 v, f16s, float& a, float& b) {
-  a = f16_bits_to_f32(v & 0xffffu);
-  b = f16_bits_to_f32(v >> 16);
-}
-__device__ __forceinline__ float wa_key_dot(const float* q, const uint4 (&kr)[WA_ROW_VEC], float) {
+// q . k in float32 over WA_HD elements in element order: q float32 in shared memory, k a staged row
+// (16-byte aligned), read 16 bytes at a time with tfm_common.cuh's load4 / load8.
+__device__ __forceinline__ float wa_key_dot(const float* q, const tin* k) {
+  constexpr int E = 16 / (int)sizeof(tin);  // elements per 16-byte piece
   float acc = 0.0f;
 #pragma unroll
-  for (int c = 0; c < WA_ROW_VEC; ++c) {
-    const float4 q4 = *reinterpret_cast<const float4*>(q + 4 * c);
-    acc = fmaf(q4.x, __uint_as_float(kr[c].x), acc);
-    acc = fmaf(q4.y, __uint_as_float(kr[c].y), acc);
-    acc = fmaf(q4.z, __uint_as_float(kr[c].z), acc);
-    acc = fmaf(q4.w, __uint_as_float(kr[c].w), acc);
-  }
-  return acc;
-}
-template <typename T>
-__device__ __forceinline__ float wa_key_dot(const float* q, const uint4 (&kr)[WA_ROW_VEC], T tag) {
-  float acc = 0.0f;
+  for (int c = 0; c < WA_HD; c += E) {
+    float kv[E];
+    if constexpr (E == 4) load4(k + c, kv); else load8(k + c, kv);
 #pragma unroll
-  for (int c = 0; c < WA_ROW_VEC; ++c) {
-    const u32 words[4] = {kr[c].x, kr[c].y, kr[c].z, kr[c].w};
-#pragma unroll
-    for (int u = 0; u < 4; ++u) {
-      const float2 q2 = *reinterpret_cast<const float2*>(q + 8 * c + 2 * u);
-      float a, b;
-      wa_word_pair(words[u], tag, a, b);
-      acc = fmaf(q2.x, a, acc);
-      acc = fmaf(q2.y, b, acc);
+    for (int e = 0; e < E; e += 4) {
+      const float4 q4 = *reinterpret_cast<const float4*>(q + c + e);
+      acc = fmaf(q4.x, kv[e], acc);
+      acc = fmaf(q4.y, kv[e + 1], acc);
+      acc = fmaf(q4.z, kv[e + 2], acc);
+      acc = fmaf(q4.w, kv[e + 3], acc);
     }
   }
   return acc;
@@ -258,11 +239,7 @@ extern "C" __global__ void __launch_bounds__(WA_THREADS) weaver_node_attention(
       if (j == key) {
         sc = own_score;  // its staged row predates this call's write: the score from phase B
       } else if (b != wa_neg_inf()) {
-        uint4 kr[WA_ROW_VEC];
-        const uint4* src = s_k + j * (WA_ROW_VEC + 1);
-#pragma unroll
-        for (int c = 0; c < WA_ROW_VEC; ++c) kr[c] = src[c];
-        sc = wa_key_dot(q, kr, tin{}) * scale + b;
+        sc = wa_key_dot(q, reinterpret_cast<const tin*>(s_k + j * (WA_ROW_VEC + 1))) * scale + b;
       }
       prow[j] = sc;
       mx = fmaxf(mx, sc);
