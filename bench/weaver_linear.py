@@ -4,6 +4,7 @@ path it replaces (``weaver_linear_reference``: RMSNorm, cuBLAS, epilogue kernels
 Qwen3.6-27B drafter's layer shapes on the GPU host.
 
 usage: python3 bench/weaver_linear.py [--out FILE] [--rows 1,2,4,8,16] [--repeats 50]
+       python3 bench/weaver_linear.py --chain [--rows 1,2,4] [--out FILE]   # one round's 14 layers in order
        python3 bench/weaver_linear.py --sanitize-case    # small kernel-vs-float64 run for compute-sanitizer
 
 Per layer (token_in 5120 -> 1024 with its norm, qkv + rotate_half 1024 -> 6144 with its norm, o_proj
@@ -11,6 +12,12 @@ Per layer (token_in 5120 -> 1024 with its norm, qkv + rotate_half 1024 -> 6144 w
 residual, query 1024 -> 5120 with its norm; bfloat16) and row count M: device microseconds of one
 call, replayed from a CUDA graph of 10 calls (``bench/gdn_tree.py``'s ``time_calls``), the weight
 bytes and their time at the measured copy bandwidth.
+
+``--chain``: the 14 linear layers of one Weaver round in the scorer's order (token_in, then per
+layer qkv, o_proj, gate_up, down, then query; each reads the previous one's output, o_proj a fixed
+attention output), each with its own weights (122 MB, more than the L2 holds), replayed from a CUDA
+graph: microseconds per round with the kernel launched with and without programmatic dependent
+launch (``VLLM_TFM_WEAVER_LINEAR_PDL``, alternated twice), against the weight floor.
 """
 
 from __future__ import annotations
@@ -52,7 +59,8 @@ def layer_args(m: int, k: int, n: int, mode: str, dtype=torch.bfloat16, seed: in
 
 def sanitize_case() -> None:
     for m, k, n, mode, dt in ((1, 8, 1, "norm", torch.float32), (3, 264, 7, "swiglu", torch.bfloat16),
-                              (16, 136, 9, "residual", torch.float16)):
+                              (16, 136, 9, "residual", torch.float16), (2, 2312, 9, "norm", torch.bfloat16),
+                              (4, 2056, 5, "swiglu", torch.float32)):  # the last two: several load groups, L2 prefetch
         args = layer_args(m, k, n, mode, dt)
         got = kl.weaver_linear_kernel(*args)
         x, w, b, res, eps, sw = args
@@ -64,14 +72,69 @@ def sanitize_case() -> None:
     print("sanitize case: the kernel equals the float64 layers to rounding")
 
 
+def round_chain(m: int, seed: int = 0):
+    """A function running one round's 14 layers on [m, ...] rows, and its weight bytes."""
+    by_name = {name: (k, n, mode) for name, k, n, mode in LAYERS}
+    names = ["token_in"] + ["qkv_rot", "o_proj", "gate_up", "down"] * 3 + ["query"]
+    layers = [layer_args(m, *by_name[name], seed=seed + i) for i, name in enumerate(names)]
+    emb = layers[0][0]
+    attn = layers[2][0]  # a fixed attention output [m, 1024]
+
+    def run() -> torch.Tensor:
+        _, w, b, _, eps, _ = layers[0]
+        x = kl.weaver_linear_kernel(emb, w, b, None, eps, False)
+        for j in range(3):
+            qkv, o, gu, down = layers[1 + 4 * j: 5 + 4 * j]
+            kl.weaver_linear_kernel(x, qkv[1], qkv[2], None, qkv[4], False)
+            x = kl.weaver_linear_kernel(attn, o[1], None, x, None, False)
+            h = kl.weaver_linear_kernel(x, gu[1], gu[2], None, gu[4], True)
+            x = kl.weaver_linear_kernel(h, down[1], None, x, None, False)
+        _, w, b, _, eps, _ = layers[-1]
+        return kl.weaver_linear_kernel(x, w, b, None, eps, False)
+
+    return run, sum(layer[1].numel() * layer[1].element_size() for layer in layers)
+
+
+def chain_bench(args, bw: float) -> dict[str, Any]:
+    import os
+
+    res: dict[str, Any] = {**result_header("bench/weaver_linear.py"), "dtype": "bfloat16",
+                           "copy_bandwidth_gb_s": bw / 1e9, "chains": []}
+    for m in (int(v) for v in args.rows.split(",")):
+        run, moved = round_chain(m)
+        outs, times = {}, {"pdl": [], "no_pdl": []}
+        for pdl in (1, 0, 1, 0):
+            os.environ[kl.PDL_SWITCH] = str(pdl)
+            key = "pdl" if pdl else "no_pdl"
+            us, mode = time_calls([run], args.repeats)
+            if mode != "graph":
+                raise SystemExit(f"chain M={m} {key}: {mode}")
+            times[key].append(us)
+            outs.setdefault(key, run())
+        os.environ.pop(kl.PDL_SWITCH, None)
+        same = bool(torch.equal(outs["pdl"], outs["no_pdl"]))
+        case = {"rows": m, "weight_bytes": moved, "floor_us": moved / bw * 1e6, "pdl_us": times["pdl"],
+                "no_pdl_us": times["no_pdl"], "outputs_equal": same}
+        res["chains"].append(case)
+        print(f"round chain M={m}: PDL {times['pdl']} us, no PDL {times['no_pdl']} us, weight floor "
+              f"{case['floor_us']:.1f} us, outputs equal: {same}", flush=True)
+        if not same:
+            raise SystemExit("the chain's outputs differ with and without programmatic dependent launch")
+    return res
+
+
 def main() -> int:
     ap = kernel_bench_parser(__doc__, repeats=50)
     ap.add_argument("--rows", default="1,2,4,8,16")
+    ap.add_argument("--chain", action="store_true", help="one round's 14 layers in order, PDL on and off")
     args = ap.parse_args()
     if args.sanitize_case:
         sanitize_case()
         return 0
     bw = copy_bandwidth()
+    if args.chain:
+        write_result(args.out, chain_bench(args, bw))
+        return 0
     res: dict[str, Any] = {
         **result_header("bench/weaver_linear.py"),
         "dtype": "bfloat16", "copy_bandwidth_gb_s": bw / 1e9, "cases": [],

@@ -29,7 +29,7 @@ typedef f16s tin;
 
 __device__ __forceinline__ float bf16_bits_to_f32(u32 b) { return __uint_as_float(b << 16); }
 
-// The only inline PTX of the kernels. TFM_HOST_EMU is defined by the CPU emulation harness
+// Inline PTX of the shared helpers. TFM_HOST_EMU is defined by the CPU emulation harness
 // (cuda/host_emu/), which runs these sources as C++ threads to check them without a GPU.
 #ifndef TFM_HOST_EMU
 __device__ __forceinline__ float f16_bits_to_f32(u32 b) {
@@ -50,7 +50,24 @@ __device__ __forceinline__ u32 dynamic_smem_bytes() {
   return r;
 }
 #define TFM_DYNAMIC_SMEM(type, name) extern __shared__ type name[]
+// Programmatic dependent launch (PTX ISA "griddepcontrol", sm_90). A kernel launched with programmatic
+// stream serialization (vllm_tfm/kernels/loader.py, launch(..., programmatic=True)) may start while
+// the previous kernel of its stream still runs: once that kernel has executed pdl_launch_dependents
+// in every block, or its blocks have exited. pdl_wait returns when the previous kernel has completed
+// and its memory is visible; a kernel so launched reads or writes nothing the previous kernels
+// touch before it. Without the launch attribute both are no-ops (the stream serialises anyway).
+__device__ __forceinline__ void pdl_wait() { asm volatile("griddepcontrol.wait;" ::: "memory"); }
+__device__ __forceinline__ void pdl_launch_dependents() { asm volatile("griddepcontrol.launch_dependents;" ::: "memory"); }
+// Fetch `bytes` (a multiple of 16) from a 16-byte aligned global address into L2, by the copy engine
+// (PTX cp.async.bulk.prefetch.L2, sm_90): no registers, no completion to wait for.
+__device__ __forceinline__ void prefetch_l2(const void* p, u32 bytes) {
+  asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(p), "r"(bytes) : "memory");
+}
 #else
+// the emulation runs kernels one after another, which is the order pdl_wait guarantees
+__device__ __forceinline__ void pdl_wait() {}
+__device__ __forceinline__ void pdl_launch_dependents() {}
+__device__ __forceinline__ void prefetch_l2(const void*, u32) {}
 #define TFM_DYNAMIC_SMEM(type, name) type* name = reinterpret_cast<type*>(tfm_emu_dynamic_smem())
 #endif
 
@@ -100,20 +117,54 @@ __device__ __forceinline__ void load8(const float* __restrict__ p, float* o) {
   load4(p, o);
   load4(p + 4, o + 4);
 }
-__device__ __forceinline__ void load8(const bf16s* __restrict__ p, float* o) {
-  uint4 v = *reinterpret_cast<const uint4*>(p);
+__device__ __forceinline__ void bf16x8_to_f32(uint4 v, float* o) {
   o[0] = __uint_as_float(v.x << 16); o[1] = __uint_as_float(v.x & 0xffff0000u);
   o[2] = __uint_as_float(v.y << 16); o[3] = __uint_as_float(v.y & 0xffff0000u);
   o[4] = __uint_as_float(v.z << 16); o[5] = __uint_as_float(v.z & 0xffff0000u);
   o[6] = __uint_as_float(v.w << 16); o[7] = __uint_as_float(v.w & 0xffff0000u);
 }
-__device__ __forceinline__ void load8(const f16s* __restrict__ p, float* o) {
-  uint4 v = *reinterpret_cast<const uint4*>(p);
+__device__ __forceinline__ void f16x8_to_f32(uint4 v, float* o) {
   o[0] = f16_bits_to_f32(v.x & 0xffffu); o[1] = f16_bits_to_f32(v.x >> 16);
   o[2] = f16_bits_to_f32(v.y & 0xffffu); o[3] = f16_bits_to_f32(v.y >> 16);
   o[4] = f16_bits_to_f32(v.z & 0xffffu); o[5] = f16_bits_to_f32(v.z >> 16);
   o[6] = f16_bits_to_f32(v.w & 0xffffu); o[7] = f16_bits_to_f32(v.w >> 16);
 }
+__device__ __forceinline__ void load8(const bf16s* __restrict__ p, float* o) {
+  bf16x8_to_f32(*reinterpret_cast<const uint4*>(p), o);
+}
+__device__ __forceinline__ void load8(const f16s* __restrict__ p, float* o) {
+  f16x8_to_f32(*reinterpret_cast<const uint4*>(p), o);
+}
+
+// Eight consecutive elements of the kernel's input type as loaded (16 bytes of a 16-bit type, 32
+// of float32), converted later by decode8: a kernel can issue all its loads before it converts any.
+#if TFM_IN == 0
+struct raw8 { float4 lo, hi; };
+__device__ __forceinline__ raw8 load_raw8(const tin* __restrict__ p) {
+  raw8 r;
+  r.lo = *reinterpret_cast<const float4*>(p);
+  r.hi = *reinterpret_cast<const float4*>(p + 4);
+  return r;
+}
+__device__ __forceinline__ void decode8(const raw8& r, float* o) {
+  o[0] = r.lo.x; o[1] = r.lo.y; o[2] = r.lo.z; o[3] = r.lo.w;
+  o[4] = r.hi.x; o[5] = r.hi.y; o[6] = r.hi.z; o[7] = r.hi.w;
+}
+#else
+struct raw8 { uint4 v; };
+__device__ __forceinline__ raw8 load_raw8(const tin* __restrict__ p) {
+  raw8 r;
+  r.v = *reinterpret_cast<const uint4*>(p);
+  return r;
+}
+__device__ __forceinline__ void decode8(const raw8& r, float* o) {
+#if TFM_IN == 1
+  bf16x8_to_f32(r.v, o);
+#else
+  f16x8_to_f32(r.v, o);
+#endif
+}
+#endif
 
 // Sum over the 32 lanes of a warp; every lane receives the total.
 __device__ __forceinline__ float warp_sum(float x) {

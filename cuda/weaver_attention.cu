@@ -117,6 +117,9 @@ extern "C" __global__ void __launch_bounds__(WA_THREADS) weaver_node_attention(
     const unsigned char* __restrict__ valid, tin* kv, tin* key_bias, tin* __restrict__ out,
     int w, int heads, int hd, int S, int p0, int n_slots, int cols, int D, float scale, int write_mask) {
   (void)hd;  // WA_HD
+  // the next kernel (the o_proj linear, launched with programmatic dependent launch) may start now:
+  // it loads its weights during this kernel and waits for its completion before reading our output
+  pdl_launch_dependents();
   TFM_DYNAMIC_SMEM(uint4, s_raw);
   const int span = p0 + n_slots;
   uint4* s_k = s_raw;                                                // [span][WA_ROW_VEC + 1] (padded rows)

@@ -15,17 +15,26 @@
 //
 // One warp per WL_RW weight rows (mode 0: rows 2u, 2u + 1; mode 1: rows u and u + N, one output):
 // lane l accumulates k = 8 l + 256 j (16-byte loads of the weight rows; the activation rows, which
-// every warp reads, come through L1), each lane also sums x^2 for the norm; then butterfly sums, and
-// lane i < M x outputs writes one output. Float32 throughout, one rounding to the output type.
-// The additions are in a fixed order (deterministic), not the torch path's: results agree to float32
-// rounding of a sum of K products.
+// every warp reads, come through L1). The weight rows are read WL_G steps of 256 columns at a time,
+// every load of a group issued before the group's first conversion. The norm's sum of squares is
+// split over the block's warps (warp w sums the steps j = w mod WL_WARPS) and gathered through
+// shared memory, so warps past the last unit run the loop on the last unit's rows for their share
+// and write nothing. Then butterfly sums, and lane i < M x outputs writes one output. Float32
+// throughout, one rounding to the output type. The additions are in a fixed order
+// (deterministic), not the torch path's: results agree to float32 rounding of a sum of K products.
+//
+// WL_PDL = 1 (the wrapper launches with programmatic stream serialization): before pdl_wait, a
+// block touches only its weight rows, which no kernel writes: each warp loads its first group into
+// registers and asks the copy engine for the rest of its rows into L2. So the weight stream of
+// this layer starts while the previous kernel of the stream still runs. After the wait the block
+// lets the next kernel in (pdl_launch_dependents), which prefetches its own weights during this one.
 //
 // Requirements (checked by the wrapper, vllm_tfm/kernels/weaver_linear.py): K % 8 == 0; W and x
 // rows contiguous and 16-byte aligned (row strides multiples of 8 elements); residual and y rows
 // contiguous (read and written one element per lane); M == WL_M.
 //
 // Compile-time constants (NVRTC -D): TFM_IN, the type of x, W, bias, residual and y (0 float32,
-// 1 bfloat16, 2 float16); WL_M (1..16); WL_MODE (0 or 1); WL_NORM (0 or 1).
+// 1 bfloat16, 2 float16); WL_M (1..16); WL_MODE (0 or 1); WL_NORM (0 or 1); WL_PDL (0 or 1).
 #include "tfm_common.cuh"
 
 #ifndef WL_M
@@ -41,8 +50,13 @@
 #error "WL_M must be 1..16"
 #endif
 
+#ifndef WL_PDL
+#define WL_PDL 1
+#endif
+
 #define WL_WARPS 4  // the wrapper's WARPS
 #define WL_RW 2     // weight rows per warp
+#define WL_G 4      // 256-column steps per group of weight loads (2 x WL_G 16- or 32-byte loads per lane)
 #if WL_MODE == 0
 #define WL_OUTS 2  // outputs per warp and row m
 #elif WL_MODE == 1
@@ -55,17 +69,39 @@ extern "C" __global__ void __launch_bounds__(WL_WARPS * 32) weaver_linear(
     const tin* __restrict__ x, i64 x_ld, const tin* __restrict__ w, i64 w_ld, const tin* __restrict__ bias,
     const tin* __restrict__ residual, i64 res_ld, tin* __restrict__ y, i64 y_ld, int n_out, int k_dim, float eps) {
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-  const int u = blockIdx.x * WL_WARPS + warp;  // this warp's unit
 #if WL_MODE == 0
   const int units = (n_out + 1) / 2;
-  const int row0 = 2 * u, row1 = 2 * u + 1 < n_out ? 2 * u + 1 : 2 * u;  // an odd N repeats the last row
 #else
   const int units = n_out;
+#endif
+  const bool has_unit = blockIdx.x * WL_WARPS + warp < units;
+  const int u = has_unit ? blockIdx.x * WL_WARPS + warp : units - 1;  // this warp's unit (past the end: the last)
+#if WL_MODE == 0
+  const int row0 = 2 * u, row1 = 2 * u + 1 < n_out ? 2 * u + 1 : 2 * u;  // an odd N repeats the last row
+#else
   const int row0 = u, row1 = u + n_out;
 #endif
-  if (u >= units) return;
   const tin* __restrict__ w0 = w + (i64)row0 * w_ld;
   const tin* __restrict__ w1 = w + (i64)row1 * w_ld;
+  // the first group of weight loads, and the rest of the rows into L2 (weights: no kernel writes them)
+  raw8 ra[WL_G], rb[WL_G];
+#pragma unroll
+  for (int s = 0; s < WL_G; ++s) {
+    const int k = lane * 8 + 256 * s;
+    if (k < k_dim) {
+      ra[s] = load_raw8(w0 + k);
+      rb[s] = load_raw8(w1 + k);
+    }
+  }
+#if WL_PDL
+  if (has_unit && lane == 0 && k_dim > 256 * WL_G) {
+    const u32 rest = (u32)((k_dim - 256 * WL_G) * (int)sizeof(tin));
+    prefetch_l2(w0 + 256 * WL_G, rest);
+    if (row1 != row0) prefetch_l2(w1 + 256 * WL_G, rest);
+  }
+  pdl_wait();               // x, the residual and y belong to earlier kernels of the stream
+  pdl_launch_dependents();  // the next kernel may start (it waits likewise before reading our y)
+#endif
   float acc[WL_M][WL_RW];
   float ss[WL_M];
 #pragma unroll
@@ -74,21 +110,42 @@ extern "C" __global__ void __launch_bounds__(WL_WARPS * 32) weaver_linear(
     acc[m][1] = 0.0f;
     ss[m] = 0.0f;
   }
-#pragma unroll 4
-  for (int k = lane * 8; k < k_dim; k += 256) {  // unrolled: several weight loads in flight per lane
-    float a[8], b[8], v[8];
-    load8(w0 + k, a);
-    load8(w1 + k, b);
+  for (int k0 = lane * 8;;) {
 #pragma unroll
-    for (int m = 0; m < WL_M; ++m) {
-      load8(x + (i64)m * x_ld + k, v);
-#pragma unroll
-      for (int j = 0; j < 8; ++j) {
-        acc[m][0] = fmaf(a[j], v[j], acc[m][0]);
-        acc[m][1] = fmaf(b[j], v[j], acc[m][1]);
+    for (int s = 0; s < WL_G; ++s) {
+      const int k = k0 + 256 * s;
+      if (k < k_dim) {
+        float a[8], b[8], v[8];
+        decode8(ra[s], a);
+        decode8(rb[s], b);
 #if WL_NORM
-        ss[m] = fmaf(v[j], v[j], ss[m]);
+        const bool sum_squares = (((k >> 8) % WL_WARPS) == warp);  // step j = k / 256 (lane * 8 < 256)
 #endif
+#pragma unroll
+        for (int m = 0; m < WL_M; ++m) {
+          load8(x + (i64)m * x_ld + k, v);
+#pragma unroll
+          for (int j = 0; j < 8; ++j) {
+            acc[m][0] = fmaf(a[j], v[j], acc[m][0]);
+            acc[m][1] = fmaf(b[j], v[j], acc[m][1]);
+          }
+#if WL_NORM
+          if (sum_squares) {
+#pragma unroll
+            for (int j = 0; j < 8; ++j) ss[m] = fmaf(v[j], v[j], ss[m]);
+          }
+#endif
+        }
+      }
+    }
+    k0 += 256 * WL_G;
+    if (k0 >= k_dim) break;
+#pragma unroll
+    for (int s = 0; s < WL_G; ++s) {  // the next group, all loads before its first use
+      const int k = k0 + 256 * s;
+      if (k < k_dim) {
+        ra[s] = load_raw8(w0 + k);
+        rb[s] = load_raw8(w1 + k);
       }
     }
   }
@@ -100,8 +157,23 @@ extern "C" __global__ void __launch_bounds__(WL_WARPS * 32) weaver_linear(
     ss[m] = warp_sum(ss[m]);
 #endif
   }
+#if WL_NORM
+  __shared__ float s_ss[WL_WARPS][WL_M];  // each warp's share of every row's sum of squares
+  if (lane == 0) {
+#pragma unroll
+    for (int m = 0; m < WL_M; ++m) s_ss[warp][m] = ss[m];
+  }
+  __syncthreads();
+#pragma unroll
+  for (int m = 0; m < WL_M; ++m) {
+    float t = 0.0f;
+#pragma unroll
+    for (int q = 0; q < WL_WARPS; ++q) t += s_ss[q][m];  // the same order in every warp
+    ss[m] = t;
+  }
+#endif
   // lane i < WL_M * WL_OUTS writes output (m, o) = (i / WL_OUTS, i % WL_OUTS)
-  if (lane >= WL_M * WL_OUTS) return;
+  if (!has_unit || lane >= WL_M * WL_OUTS) return;
   const int m_out = lane / WL_OUTS, o = lane - m_out * WL_OUTS;
   float z0 = 0.0f, z1 = 0.0f, s = 1.0f;
 #pragma unroll

@@ -80,6 +80,20 @@ def test_sixteen_rows_and_strided_x(emu_dir: Path) -> None:
         check(y, *float64_layer(x, w, b, None, 1e-5, swiglu), torch.bfloat16)
 
 
+def test_several_groups_of_weight_loads(emu_dir: Path) -> None:
+    """K past one group of weight loads (4 steps of 256 columns per lane): exactly one group, one
+    group and a partial step, two groups and a partial step; the norm's sum of squares split over the
+    block's warps by step; N leaving warps past the last unit (they sum squares and write nothing)."""
+    cases = [(3, 1024, 9, False, torch.float32), (1, 1032, 5, True, torch.float32),
+             (4, 2312, 11, False, torch.float32), (2, 2312, 3, True, torch.bfloat16)]
+    for i, (m, k, n, swiglu, dtype) in enumerate(cases):
+        x, w, b, _ = problem(70 + i, m, k, n, dtype, swiglu=swiglu)
+        y, launches = run(emu_dir, x, w, b, None, 1e-6, swiglu)
+        units = n if swiglu else (n + 1) // 2
+        assert units % kl.WARPS  # the last block has warps past the last unit
+        check(y, *float64_layer(x, w, b, None, 1e-6, swiglu), dtype)
+
+
 def test_fresh_random_shapes(emu_dir: Path) -> None:
     rng = random.Random(11)
     for i in range(5):

@@ -15,6 +15,11 @@ cuBLAS on the H200, ``bench/results/weaver_linear.json``), K a
 multiple of 8 and 16-byte aligned contiguous rows of x and weight; anything else (and
 ``VLLM_TFM_WEAVER_LINEAR_KERNEL=0``) calls the reference, with a one-time warning for CUDA inputs
 the kernel does not take but for the row count (more rows: cuBLAS, silently).
+
+The kernel is launched with programmatic dependent launch (``loader.launch(..., programmatic=True)``):
+it loads its first weight columns and prefetches the rest of its rows into L2 while the previous
+kernel of the stream still runs, and waits for it before reading x or the residual.
+``VLLM_TFM_WEAVER_LINEAR_PDL=0`` compiles and launches it without (for A/B measurements).
 """
 
 from __future__ import annotations
@@ -40,6 +45,7 @@ __all__ = [
     "KERNEL_ROWS",
     "MAX_ROWS",
     "NOT_CUDA",
+    "PDL_SWITCH",
     "unsupported_reason",
     "weaver_linear",
     "weaver_linear_kernel",
@@ -52,6 +58,7 @@ MAX_ROWS = 16  # WL_M <= 16: one output per lane in the epilogue
 KERNEL_ROWS = 4  # the dispatch's limit: on the H200 cuBLAS is faster from 8 rows (bench/results/weaver_linear.json)
 DTYPE_CODE = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 ENV_SWITCH = "VLLM_TFM_WEAVER_LINEAR_KERNEL"
+PDL_SWITCH = "VLLM_TFM_WEAVER_LINEAR_PDL"
 NOT_CUDA = "the tensors are not all on one CUDA device"
 TOO_MANY_ROWS = "more rows than the kernel's"
 
@@ -129,8 +136,9 @@ def weaver_linear_kernel(
     if m == 0 or n == 0:
         return y
     units = n if swiglu else (n + 1) // 2
+    pdl = os.environ.get(PDL_SWITCH, "1") != "0"
     opts = ["--std=c++17", "-lineinfo", f"-DTFM_IN={DTYPE_CODE[x.dtype]}", f"-DWL_M={m}",
-            f"-DWL_MODE={1 if swiglu else 0}", f"-DWL_NORM={0 if eps is None else 1}"]
+            f"-DWL_MODE={1 if swiglu else 0}", f"-DWL_NORM={0 if eps is None else 1}", f"-DWL_PDL={int(pdl)}"]
     kernel = get_kernel(SOURCE, "weaver_linear", opts, tensor_device_index(x))
     i32, i64 = ctypes.c_int, ctypes.c_longlong
     launch(
@@ -140,5 +148,6 @@ def weaver_linear_kernel(
         [x, i64(x.stride(0)), weight, i64(weight.stride(0)), bias, residual,
          i64(residual.stride(0) if residual is not None else 0), y, i64(y.stride(0)), i32(n), i32(k),
          ctypes.c_float(0.0 if eps is None else eps)],
+        programmatic=pdl,
     )
     return y
