@@ -17,7 +17,8 @@ bytes and their time at the measured copy bandwidth.
 layer qkv, o_proj, gate_up, down, then query; each reads the previous one's output, o_proj a fixed
 attention output), each with its own weights (122 MB, more than the L2 holds), replayed from a CUDA
 graph: microseconds per round with the kernel launched with and without programmatic dependent
-launch (``VLLM_TFM_WEAVER_LINEAR_PDL``, alternated twice), against the weight floor.
+launch (``VLLM_TFM_WEAVER_LINEAR_PDL``) and with and without the K split of ``kl.k_split``
+(arms alternated twice), against the weight floor.
 """
 
 from __future__ import annotations
@@ -95,29 +96,42 @@ def round_chain(m: int, seed: int = 0):
     return run, sum(layer[1].numel() * layer[1].element_size() for layer in layers)
 
 
+CHAIN_ARMS = {  # name: (programmatic dependent launch, K split by kl.k_split or 1)
+    "pdl_ksplit": (True, True), "pdl": (True, False), "no_pdl": (False, False)}
+
+
 def chain_bench(args, bw: float) -> dict[str, Any]:
     import os
 
     res: dict[str, Any] = {**result_header("bench/weaver_linear.py"), "dtype": "bfloat16",
-                           "copy_bandwidth_gb_s": bw / 1e9, "chains": []}
+                           "copy_bandwidth_gb_s": bw / 1e9, "arms": {k: {"pdl": v[0], "k_split": v[1]}
+                                                                     for k, v in CHAIN_ARMS.items()}, "chains": []}
+    k_split = kl.k_split
     for m in (int(v) for v in args.rows.split(",")):
         run, moved = round_chain(m)
-        outs, times = {}, {"pdl": [], "no_pdl": []}
-        for pdl in (1, 0, 1, 0):
-            os.environ[kl.PDL_SWITCH] = str(pdl)
-            key = "pdl" if pdl else "no_pdl"
+        outs: dict[str, torch.Tensor] = {}
+        times: dict[str, list[float]] = {k: [] for k in CHAIN_ARMS}
+        for name in list(CHAIN_ARMS) * 2:  # alternated
+            pdl, split = CHAIN_ARMS[name]
+            os.environ[kl.PDL_SWITCH] = str(int(pdl))
+            kl.k_split = k_split if split else (lambda units, k: 1)
             us, mode = time_calls([run], args.repeats)
             if mode != "graph":
-                raise SystemExit(f"chain M={m} {key}: {mode}")
-            times[key].append(us)
-            outs.setdefault(key, run())
+                raise SystemExit(f"chain M={m} {name}: {mode}")
+            times[name].append(us)
+            outs.setdefault(name, run())
         os.environ.pop(kl.PDL_SWITCH, None)
+        kl.k_split = k_split
+        # PDL changes no arithmetic (same outputs bit for bit); the K split adds partial sums in
+        # another order (float32 rounding)
         same = bool(torch.equal(outs["pdl"], outs["no_pdl"]))
-        case = {"rows": m, "weight_bytes": moved, "floor_us": moved / bw * 1e6, "pdl_us": times["pdl"],
-                "no_pdl_us": times["no_pdl"], "outputs_equal": same}
+        split_err = float((outs["pdl_ksplit"].float() - outs["pdl"].float()).abs().max())
+        case = {"rows": m, "weight_bytes": moved, "floor_us": moved / bw * 1e6, "us": times,
+                "pdl_outputs_equal": same, "k_split_max_abs_diff": split_err}
         res["chains"].append(case)
-        print(f"round chain M={m}: PDL {times['pdl']} us, no PDL {times['no_pdl']} us, weight floor "
-              f"{case['floor_us']:.1f} us, outputs equal: {same}", flush=True)
+        print(f"round chain M={m}: " + ", ".join(f"{k} {v}" for k, v in times.items()) +
+              f" us; weight floor {case['floor_us']:.1f} us; PDL outputs equal: {same}; K split max diff {split_err:.3g}",
+              flush=True)
         if not same:
             raise SystemExit("the chain's outputs differ with and without programmatic dependent launch")
     return res

@@ -13,9 +13,12 @@
 // with a separate norm kernel before and elementwise kernels after (bench/results/weaver_profile*.json.gz);
 // this kernel reads each weight row once at the copy bandwidth and does the rest in registers.
 //
-// One warp per WL_RW weight rows (mode 0: rows 2u, 2u + 1; mode 1: rows u and u + N, one output):
-// lane l accumulates k = 8 l + 256 j (16-byte loads of the weight rows; the activation rows, which
-// every warp reads, come through L1). The weight rows are read WL_G steps of 256 columns at a time,
+// One unit = WL_RW weight rows (mode 0: rows 2u, 2u + 1; mode 1: rows u and u + N, one output),
+// run by WL_KSPLIT warps (1, 2 or 4; the wrapper splits K of layers with few units, so that enough
+// weight loads are in flight): warp part p of the unit takes the steps j = p mod WL_KSPLIT of 256
+// columns, lane l the columns k = 8 l + 256 j (16-byte loads of the weight rows; the activation
+// rows, which every warp reads, come through L1); the parts' sums meet in shared memory, added in
+// part order. The weight rows are read WL_G steps of 256 columns at a time,
 // every load of a group issued before the group's first conversion. The norm's sum of squares is
 // split over the block's warps (warp w sums the steps j = w mod WL_WARPS) and gathered through
 // shared memory, so warps past the last unit run the loop on the last unit's rows for their share
@@ -34,7 +37,8 @@
 // contiguous (read and written one element per lane); M == WL_M.
 //
 // Compile-time constants (NVRTC -D): TFM_IN, the type of x, W, bias, residual and y (0 float32,
-// 1 bfloat16, 2 float16); WL_M (1..16); WL_MODE (0 or 1); WL_NORM (0 or 1); WL_PDL (0 or 1).
+// 1 bfloat16, 2 float16); WL_M (1..16); WL_MODE (0 or 1); WL_NORM (0 or 1); WL_PDL (0 or 1);
+// WL_KSPLIT (1, 2 or 4).
 #include "tfm_common.cuh"
 
 #ifndef WL_M
@@ -53,10 +57,17 @@
 #ifndef WL_PDL
 #define WL_PDL 1
 #endif
+#ifndef WL_KSPLIT
+#define WL_KSPLIT 1
+#endif
 
 #define WL_WARPS 4  // the wrapper's WARPS
 #define WL_RW 2     // weight rows per warp
 #define WL_G 4      // 256-column steps per group of weight loads (2 x WL_G 16- or 32-byte loads per lane)
+#if WL_KSPLIT != 1 && WL_KSPLIT != 2 && WL_KSPLIT != 4
+#error "WL_KSPLIT must be 1, 2 or 4"
+#endif
+#define WL_UNITS_PER_BLOCK (WL_WARPS / WL_KSPLIT)
 #if WL_MODE == 0
 #define WL_OUTS 2  // outputs per warp and row m
 #elif WL_MODE == 1
@@ -69,13 +80,15 @@ extern "C" __global__ void __launch_bounds__(WL_WARPS * 32) weaver_linear(
     const tin* __restrict__ x, i64 x_ld, const tin* __restrict__ w, i64 w_ld, const tin* __restrict__ bias,
     const tin* __restrict__ residual, i64 res_ld, tin* __restrict__ y, i64 y_ld, int n_out, int k_dim, float eps) {
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const int part = warp % WL_KSPLIT;  // this warp's share of K: the steps j = part mod WL_KSPLIT
 #if WL_MODE == 0
   const int units = (n_out + 1) / 2;
 #else
   const int units = n_out;
 #endif
-  const bool has_unit = blockIdx.x * WL_WARPS + warp < units;
-  const int u = has_unit ? blockIdx.x * WL_WARPS + warp : units - 1;  // this warp's unit (past the end: the last)
+  const int unit = blockIdx.x * WL_UNITS_PER_BLOCK + warp / WL_KSPLIT;
+  const bool has_unit = unit < units;
+  const int u = has_unit ? unit : units - 1;  // this warp's unit (past the end: the last)
 #if WL_MODE == 0
   const int row0 = 2 * u, row1 = 2 * u + 1 < n_out ? 2 * u + 1 : 2 * u;  // an odd N repeats the last row
 #else
@@ -83,21 +96,25 @@ extern "C" __global__ void __launch_bounds__(WL_WARPS * 32) weaver_linear(
 #endif
   const tin* __restrict__ w0 = w + (i64)row0 * w_ld;
   const tin* __restrict__ w1 = w + (i64)row1 * w_ld;
+  // lane l's columns: k = 8 l + 256 j for the steps j = part + WL_KSPLIT i, WL_G of them per group
+  constexpr int kStride = 256 * WL_KSPLIT;      // between a warp's consecutive steps
+  constexpr int kGroup = 256 * WL_KSPLIT * WL_G;  // between a warp's consecutive groups
+  const int k_first = lane * 8 + 256 * part;
   // the first group of weight loads, and the rest of the rows into L2 (weights: no kernel writes them)
   raw8 ra[WL_G], rb[WL_G];
 #pragma unroll
   for (int s = 0; s < WL_G; ++s) {
-    const int k = lane * 8 + 256 * s;
+    const int k = k_first + kStride * s;
     if (k < k_dim) {
       ra[s] = load_raw8(w0 + k);
       rb[s] = load_raw8(w1 + k);
     }
   }
 #if WL_PDL
-  if (has_unit && lane == 0 && k_dim > 256 * WL_G) {
-    const u32 rest = (u32)((k_dim - 256 * WL_G) * (int)sizeof(tin));
-    prefetch_l2(w0 + 256 * WL_G, rest);
-    if (row1 != row0) prefetch_l2(w1 + 256 * WL_G, rest);
+  if (has_unit && part == 0 && lane == 0 && k_dim > kGroup) {
+    const u32 rest = (u32)((k_dim - kGroup) * (int)sizeof(tin));
+    prefetch_l2(w0 + kGroup, rest);
+    if (row1 != row0) prefetch_l2(w1 + kGroup, rest);
   }
   pdl_wait();               // x, the residual and y belong to earlier kernels of the stream
   pdl_launch_dependents();  // the next kernel may start (it waits likewise before reading our y)
@@ -110,16 +127,18 @@ extern "C" __global__ void __launch_bounds__(WL_WARPS * 32) weaver_linear(
     acc[m][1] = 0.0f;
     ss[m] = 0.0f;
   }
-  for (int k0 = lane * 8;;) {
+  for (int k0 = k_first;;) {
 #pragma unroll
     for (int s = 0; s < WL_G; ++s) {
-      const int k = k0 + 256 * s;
+      const int k = k0 + kStride * s;
       if (k < k_dim) {
         float a[8], b[8], v[8];
         decode8(ra[s], a);
         decode8(rb[s], b);
 #if WL_NORM
-        const bool sum_squares = (((k >> 8) % WL_WARPS) == warp);  // step j = k / 256 (lane * 8 < 256)
+        // step j = k / 256 (lane * 8 < 256): its squares are summed by warp j mod WL_WARPS, which
+        // runs step j (j mod WL_KSPLIT = part), so the block's warps sum every step once
+        const bool sum_squares = (((k >> 8) % WL_WARPS) == warp);
 #endif
 #pragma unroll
         for (int m = 0; m < WL_M; ++m) {
@@ -138,11 +157,11 @@ extern "C" __global__ void __launch_bounds__(WL_WARPS * 32) weaver_linear(
         }
       }
     }
-    k0 += 256 * WL_G;
+    k0 += kGroup;
     if (k0 >= k_dim) break;
 #pragma unroll
     for (int s = 0; s < WL_G; ++s) {  // the next group, all loads before its first use
-      const int k = k0 + 256 * s;
+      const int k = k0 + kStride * s;
       if (k < k_dim) {
         ra[s] = load_raw8(w0 + k);
         rb[s] = load_raw8(w1 + k);
@@ -157,21 +176,48 @@ extern "C" __global__ void __launch_bounds__(WL_WARPS * 32) weaver_linear(
     ss[m] = warp_sum(ss[m]);
 #endif
   }
+#if WL_NORM || WL_KSPLIT > 1
 #if WL_NORM
   __shared__ float s_ss[WL_WARPS][WL_M];  // each warp's share of every row's sum of squares
+#endif
+#if WL_KSPLIT > 1
+  __shared__ float s_acc[WL_WARPS][WL_M][WL_RW];  // each warp's partial dot products
+#endif
   if (lane == 0) {
 #pragma unroll
-    for (int m = 0; m < WL_M; ++m) s_ss[warp][m] = ss[m];
+    for (int m = 0; m < WL_M; ++m) {
+#if WL_NORM
+      s_ss[warp][m] = ss[m];
+#endif
+#if WL_KSPLIT > 1
+      s_acc[warp][m][0] = acc[m][0];
+      s_acc[warp][m][1] = acc[m][1];
+#endif
+    }
   }
   __syncthreads();
 #pragma unroll
   for (int m = 0; m < WL_M; ++m) {
+#if WL_NORM
     float t = 0.0f;
 #pragma unroll
     for (int q = 0; q < WL_WARPS; ++q) t += s_ss[q][m];  // the same order in every warp
     ss[m] = t;
+#endif
+#if WL_KSPLIT > 1
+    const int first = warp - part;  // the unit's part-0 warp
+    float t0 = 0.0f, t1 = 0.0f;
+#pragma unroll
+    for (int q = 0; q < WL_KSPLIT; ++q) {  // the parts in order
+      t0 += s_acc[first + q][m][0];
+      t1 += s_acc[first + q][m][1];
+    }
+    acc[m][0] = t0;
+    acc[m][1] = t1;
+#endif
   }
 #endif
+  if (part != 0) return;  // the unit's part-0 warp writes its outputs
   // lane i < WL_M * WL_OUTS writes output (m, o) = (i / WL_OUTS, i % WL_OUTS)
   if (!has_unit || lane >= WL_M * WL_OUTS) return;
   const int m_out = lane / WL_OUTS, o = lane - m_out * WL_OUTS;

@@ -62,7 +62,7 @@ def test_matches_float64(emu_dir: Path, dtype, mode: str) -> None:
         assert reason == kl.NOT_CUDA if m <= kl.KERNEL_ROWS else kl.TOO_MANY_ROWS in reason
         y, launches = run(emu_dir, x, w, b, res, eps, swiglu)
         units = n if swiglu else (n + 1) // 2
-        assert launches == [("weaver_linear", (-(-units // kl.WARPS), 1, 1), 0)]
+        assert launches == [("weaver_linear", (-(-units * kl.k_split(units, k) // kl.WARPS), 1, 1), 0)]
         assert y.shape == (m, n) and y.dtype == dtype
         exact, scale = float64_layer(x, w, b, res, eps, swiglu)
         check(y, exact, scale, dtype)
@@ -80,18 +80,36 @@ def test_sixteen_rows_and_strided_x(emu_dir: Path) -> None:
         check(y, *float64_layer(x, w, b, None, 1e-5, swiglu), torch.bfloat16)
 
 
-def test_several_groups_of_weight_loads(emu_dir: Path) -> None:
-    """K past one group of weight loads (4 steps of 256 columns per lane): exactly one group, one
-    group and a partial step, two groups and a partial step; the norm's sum of squares split over the
-    block's warps by step; N leaving warps past the last unit (they sum squares and write nothing)."""
-    cases = [(3, 1024, 9, False, torch.float32), (1, 1032, 5, True, torch.float32),
-             (4, 2312, 11, False, torch.float32), (2, 2312, 3, True, torch.bfloat16)]
+@pytest.mark.parametrize("split", [1, 2, 4])
+def test_several_groups_of_weight_loads_at_each_k_split(emu_dir: Path, monkeypatch, split: int) -> None:
+    """K past one group of weight loads (4 steps of 256 columns per warp): one group, one group and
+    a partial step, two groups and a partial step, with each unit's K split over 1, 2 or 4 warps
+    (partial sums gathered in shared memory); the norm's sum of squares split over the block's
+    warps by step; N leaving warps past the last unit (they sum squares and write nothing)."""
+    monkeypatch.setattr(kl, "k_split", lambda units, k: split)
+    cases = [(3, 1024 * split, 9, False, torch.float32), (1, 1032 * split, 5, True, torch.float32),
+             (4, 2312, 11, False, torch.float32), (2, 2312, 3, True, torch.bfloat16), (2, 264, 9, False, torch.float32)]
+    past_the_end = []
     for i, (m, k, n, swiglu, dtype) in enumerate(cases):
         x, w, b, _ = problem(70 + i, m, k, n, dtype, swiglu=swiglu)
         y, launches = run(emu_dir, x, w, b, None, 1e-6, swiglu)
         units = n if swiglu else (n + 1) // 2
-        assert units % kl.WARPS  # the last block has warps past the last unit
+        assert launches[0][1] == (-(-units * split // kl.WARPS), 1, 1)
+        past_the_end.append(units % (kl.WARPS // split) != 0)
         check(y, *float64_layer(x, w, b, None, 1e-6, swiglu), dtype)
+        res = problem(80 + i, m, k, (n + 1) // 2 * 2, dtype, residual=True)  # the residual epilogue too
+        y, _ = run(emu_dir, res[0], res[1], None, res[3], None, False)
+        check(y, *float64_layer(res[0], res[1], None, res[3], None, False), dtype)
+    assert any(past_the_end) or split == 4  # some last block has warps past the last unit
+
+
+def test_k_split_at_the_27b_weaver_shapes() -> None:
+    """Layers with few units and a long K get 4 warps per unit; wide layers one; never a warp
+    without a step of 256 columns."""
+    shapes = {"token_in": (512, 5120, 4), "down": (512, 3072, 4), "o_proj": (512, 1024, 4), "qkv": (3072, 1024, 1),
+              "gate_up": (3072, 1024, 1), "query": (2560, 1024, 1), "short K": (16, 264, 2), "one step": (16, 200, 1)}
+    for name, (units, k, want) in shapes.items():
+        assert kl.k_split(units, k) == want, name
 
 
 def test_fresh_random_shapes(emu_dir: Path) -> None:

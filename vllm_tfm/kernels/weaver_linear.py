@@ -50,10 +50,12 @@ __all__ = [
     "weaver_linear",
     "weaver_linear_kernel",
     "weaver_linear_reference",
+    "k_split",
 ]
 
 SOURCE = "weaver_linear.cu"
 WARPS = 4  # WL_WARPS in the source
+SPLIT_TARGET_WARPS = 2048  # k_split's aim: about 16 warps per SM on the H200's 132, enough weight loads in flight
 MAX_ROWS = 16  # WL_M <= 16: one output per lane in the epilogue
 KERNEL_ROWS = 4  # the dispatch's limit: on the H200 cuBLAS is faster from 8 rows (bench/results/weaver_linear.json)
 DTYPE_CODE = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
@@ -126,6 +128,18 @@ def weaver_linear(
     return weaver_linear_kernel(x, weight, bias, residual, eps, swiglu)
 
 
+def k_split(units: int, k: int) -> int:
+    """Warps sharing one unit's K (1, 2 or 4; WL_KSPLIT): layers with few output rows and a long K
+    (the 27B Weaver's token_in 5120 -> 1024, down 3072 -> 1024, o_proj) have too few warps to keep
+    enough weight loads in flight, one group of 4 steps of 256 columns each at a time. Doubled while
+    units x split < SPLIT_TARGET_WARPS and every warp keeps >= 1 step of 256 columns."""
+    steps = -(-k // 256)
+    split = 1
+    while split < 4 and units * split < SPLIT_TARGET_WARPS and 2 * split <= steps:
+        split *= 2
+    return split
+
+
 def weaver_linear_kernel(
     x: Tensor, weight: Tensor, bias: Tensor | None, residual: Tensor | None, eps: float | None, swiglu: bool
 ) -> Tensor:
@@ -137,13 +151,15 @@ def weaver_linear_kernel(
         return y
     units = n if swiglu else (n + 1) // 2
     pdl = os.environ.get(PDL_SWITCH, "1") != "0"
+    split = k_split(units, k)
     opts = ["--std=c++17", "-lineinfo", f"-DTFM_IN={DTYPE_CODE[x.dtype]}", f"-DWL_M={m}",
-            f"-DWL_MODE={1 if swiglu else 0}", f"-DWL_NORM={0 if eps is None else 1}", f"-DWL_PDL={int(pdl)}"]
+            f"-DWL_MODE={1 if swiglu else 0}", f"-DWL_NORM={0 if eps is None else 1}", f"-DWL_PDL={int(pdl)}",
+            f"-DWL_KSPLIT={split}"]
     kernel = get_kernel(SOURCE, "weaver_linear", opts, tensor_device_index(x))
     i32, i64 = ctypes.c_int, ctypes.c_longlong
     launch(
         kernel,
-        (-(-units // WARPS), 1, 1),
+        (-(-units * split // WARPS), 1, 1),
         (WARPS * 32, 1, 1),
         [x, i64(x.stride(0)), weight, i64(weight.stride(0)), bias, residual,
          i64(residual.stride(0) if residual is not None else 0), y, i64(y.stride(0)), i32(n), i32(k),
