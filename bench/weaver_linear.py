@@ -106,7 +106,9 @@ def chain_bench(args, bw: float) -> dict[str, Any]:
     res: dict[str, Any] = {**result_header("bench/weaver_linear.py"), "dtype": "bfloat16",
                            "copy_bandwidth_gb_s": bw / 1e9, "arms": {k: {"pdl": v[0], "k_split": v[1]}
                                                                      for k, v in CHAIN_ARMS.items()}, "chains": []}
-    k_split = kl.k_split
+    k_split = getattr(kl, "k_split", None)
+    if k_split is None or not hasattr(kl, "PDL_SWITCH"):  # an older package (a copy of this file beside it)
+        return chain_as_is(args, bw, res)
     for m in (int(v) for v in args.rows.split(",")):
         run, moved = round_chain(m)
         outs: dict[str, torch.Tensor] = {}
@@ -134,6 +136,18 @@ def chain_bench(args, bw: float) -> dict[str, Any]:
               flush=True)
         if not same:
             raise SystemExit("the chain's outputs differ with and without programmatic dependent launch")
+    return res
+
+
+def chain_as_is(args, bw: float, res: dict[str, Any]) -> dict[str, Any]:
+    """The chain with the kernel as the imported package launches it (one arm: ``as_is``), for
+    packages before programmatic dependent launch and the K split."""
+    res["arms"] = {"as_is": {}}
+    for m in (int(v) for v in args.rows.split(",")):
+        run, moved = round_chain(m)
+        times = [time_calls([run], args.repeats)[0] for _ in range(2)]
+        res["chains"].append({"rows": m, "weight_bytes": moved, "floor_us": moved / bw * 1e6, "us": {"as_is": times}})
+        print(f"round chain M={m}: as_is {times} us; weight floor {moved / bw * 1e6:.1f} us", flush=True)
     return res
 
 
