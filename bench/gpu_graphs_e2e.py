@@ -3,7 +3,7 @@
 
 On the trained toy zoo (zoo/target in float32, zoo/drafter with its Weaver: proposal "tfm"),
 tree budget B (TFM_GRAPHS_BUDGET, 32), engines in parallel subprocesses on the one GPU (fixed KV
-cache, no memory profiling), each generating greedily P prompts (TFM_GRAPHS_PROMPTS, 32) x T new
+cache, no memory profiling), each generating greedily P prompts (TFM_GRAPHS_PROMPTS, 32, from bench/graphs_zoo_prompts.json) x T new
 tokens (TFM_GRAPHS_TOKENS, 64) twice: batch 8 (all prompts in one call, max_num_seqs 8) and
 batch 1 (each prompt alone):
 
@@ -107,20 +107,18 @@ def log(*args: object) -> None:
     print(f"[graphs {time.time() - T0:6.1f}s]", *args, flush=True)
 
 
-def prompts(n: int, seed: int = 1234) -> list[list[int]]:
-    """Windows of this repository's Python files, tokenized with the zoo's tokenizer, 5..100 tokens."""
-    from tokenizers import Tokenizer
+PROMPT_FILE = REPO / "bench" / "graphs_zoo_prompts.json"
 
-    rng = random.Random(seed)
-    tok = Tokenizer.from_file(str(ZOO / "target" / "tokenizer.json"))
-    texts = [p.read_text() for p in sorted((REPO / "vllm_tfm").rglob("*.py")) if p.stat().st_size > 4000]
-    out = []
-    for i in range(n):
-        ids = tok.encode(texts[i % len(texts)], add_special_tokens=False).ids
-        length = rng.randint(5, 100)
-        start = rng.randrange(0, max(1, len(ids) - length))
-        out.append(ids[start : start + length])
-    return out
+
+def prompts(n: int) -> list[list[int]]:
+    """The first n of the fixed zoo prompts (``bench/graphs_zoo_prompts.json``: 32 windows of 5..100
+    token ids of this repository's Python files as of one commit). Until section 39 of bench/NOTES.md
+    they were drawn from the live source files, so every edit of those files changed some prompts
+    and with them the acceptance, which then did not compare across commits."""
+    fixed = json.loads(PROMPT_FILE.read_text())["prompts"]
+    if n > len(fixed):
+        raise SystemExit(f"TFM_GRAPHS_PROMPTS={n}: {PROMPT_FILE.name} holds {len(fixed)} prompts")
+    return fixed[:n]
 
 
 def random_prompts(n: int, seed: int = 1234) -> list[list[int]]:

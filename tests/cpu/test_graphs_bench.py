@@ -138,3 +138,18 @@ def test_deferred_usage_wants_placeholders_except_in_the_sync_control_and_the_sa
     assert g.deferred_usage(runs)["tfm-fullpw"]["ok"] is False
     assert ("tfm-fullpw", "tfm-fullpw-sync") in g.REQUIRED
     assert g.ENGINES["tfm-fullpw-sync"]["env"] == {"VLLM_TFM_DEFERRED_DRAFTS": "0"}
+
+
+def test_zoo_prompts_are_a_fixed_file_in_the_zoo_vocabulary() -> None:
+    """The zoo prompts come from bench/graphs_zoo_prompts.json, not from the live source files (whose
+    edits changed the prompts, and the acceptance with them, from commit to commit)."""
+    import json
+
+    fixed = json.loads(g.PROMPT_FILE.read_text())["prompts"]
+    ps = g.prompts(32)
+    assert ps == fixed and len(ps) == 32 and all(5 <= len(p) <= 100 for p in ps)
+    vocab = json.loads((g.ZOO / "target" / "config.json").read_text())["vocab_size"]
+    assert all(0 <= t < vocab for p in ps for t in p)
+    assert g.prompts(8) == ps[:8]
+    with pytest.raises(SystemExit, match="holds 32 prompts"):
+        g.prompts(33)
