@@ -81,20 +81,17 @@ static_assert(GDN_V % GDN_BV == 0, "BV must divide V");
 static_assert(GDN_BV % 4 == 0 && GDN_BV >= 16 && GDN_BV <= 128, "BV must be 16, 32, 64 or 128");
 static_assert(GDN_RT * GDN_KC / 8 == GDN_THREADS, "staging assumes one 8-element chunk per thread");
 
-// Programmatic dependent launch (PTX ISA "griddepcontrol", sm_90; version 5): a primary grid's
-// launch_dependents lets the next kernel of the stream, launched with programmatic stream
-// serialization (vllm_tfm/kernels/loader.py), start before the primary ends; that kernel's wait
-// returns once the primary grid has completed and its memory is visible. Without the launch
-// attribute both are no-ops with respect to ordering (the stream already serialises); the CPU
-// emulation runs the kernels one after the other.
+// Programmatic dependent launch (version 5; tfm_common.cuh's pdl_launch_dependents / pdl_wait):
+// the pairs kernel lets the main kernel start before it ends; the main kernel waits where it reads
+// the pairs kernel's outputs. Other versions launch without it and compile neither instruction.
 __device__ __forceinline__ void gdn_launch_dependents() {
-#if GDN_PDL && !defined(TFM_HOST_EMU)
-  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#if GDN_PDL
+  pdl_launch_dependents();
 #endif
 }
 __device__ __forceinline__ void gdn_wait_prerequisites() {
-#if GDN_PDL && !defined(TFM_HOST_EMU)
-  asm volatile("griddepcontrol.wait;" ::: "memory");
+#if GDN_PDL
+  pdl_wait();
 #endif
 }
 
