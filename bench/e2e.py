@@ -362,6 +362,12 @@ def run_arm(arm: Arm, settings_path: Path) -> int:
                 run["host_spans"] = host_spans_run(llm, ps[:b], params)
                 log(f"{arm.name} b{b} host spans: {run['host_spans']['wall_ms_per_step']} ms/step, untimed "
                     f"{run['host_spans']['untimed_ms_per_step']}")
+            if s.get("kernel_profile"):
+                run["kernel_profile"] = kernel_profile_run(llm, ps[:b], s, Path(s["kernel_profile"]) / f"kernels_{arm.name}_b{b}.json.gz")
+                kp = run["kernel_profile"]
+                log(f"{arm.name} b{b} kernel profile: {kp.get('steps')} steps, GPU {kp.get('gpu_us_per_step')} us/step, "
+                    f"busy fraction {kp.get('busy_fraction')}; " + ", ".join(
+                        f"{k} {v['us_per_step']}" for k, v in list((kp.get("stages") or {}).items())[:8]) + (kp.get("error") or ""))
             if s.get("host_profile"):
                 run["host_profile"] = host_profile_run(llm, ps[:b], params, Path(s["host_profile"]) / f"host_profile_{arm.name}_b{b}.txt")
             save()
@@ -447,6 +453,40 @@ def host_spans_run(llm: Any, ps: list[list[int]], params: Any) -> dict[str, Any]
     return out
 
 
+def kernel_profile_run(llm: Any, ps: list[list[int]], s: dict[str, Any], path: Path) -> dict[str, Any]:
+    """One more (short) run of the batch under torch.profiler with the stage spans annotated: every GPU
+    kernel attributed to the stage that launched it (bench/kernel_trace.py), per step. The Chrome trace
+    goes to ``path`` (gzip); its summary is returned. A failure is recorded, not raised."""
+    import gzip
+    import shutil
+
+    import kernel_trace
+    from torch.profiler import ProfilerActivity, profile
+    from vllm import SamplingParams
+
+    from vllm_tfm.vllm_plugin.runtime.stage_timing import set_stage_timing
+
+    params = SamplingParams(temperature=s["temperature"], max_tokens=s["kernel_profile_tokens"], ignore_eos=True,
+                            detokenize=False)
+    try:
+        llm.collective_rpc(set_stage_timing, kwargs={"enabled": True, "reset": True, "annotate": True})
+        try:
+            with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+                res = one_run(llm, ps, params)
+        finally:
+            llm.collective_rpc(set_stage_timing, kwargs={"enabled": False, "reset": True, "annotate": False})
+        raw = path.with_suffix("")  # .json
+        prof.export_chrome_trace(str(raw))
+        with open(raw, "rb") as fi, gzip.open(path, "wb", compresslevel=6) as fo:
+            shutil.copyfileobj(fi, fo)
+        raw.unlink()
+        out = kernel_trace.summarize(kernel_trace.load_trace(path))
+        out.update(file=path.name, output_tokens=res["output_tokens"], wall_s=res["wall_s"])
+        return out
+    except Exception as e:  # noqa: BLE001 - the arm's other results stay
+        return {"error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc()}
+
+
 def host_profile_run(llm: Any, ps: list[list[int]], params: Any, path: Path) -> dict[str, Any]:
     """One more run of the batch under cProfile (the engine and worker run in this process): where the
     host's Python time goes per step. Writes the top functions by own time and by cumulative time."""
@@ -513,6 +553,8 @@ def driver(args: argparse.Namespace) -> int:
         "deadline_s": args.deadline_s, "work": str(work), "plans": {},
         "host_profile": str(out) if args.host_profile else None,
         "host_spans": args.host_spans,
+        "kernel_profile": str(out) if args.kernel_profile else None,
+        "kernel_profile_tokens": args.kernel_profile_tokens,
         "ab_deferred": args.ab_deferred,
         # tfm switches set for this run (e.g. VLLM_TFM_WEAVER_GRAPHS=1), benchmark-only ones excluded
         "tfm_env": tfm_switches(os.environ),
@@ -625,6 +667,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--host-spans", action="store_true",
                     help="one more run per batch with wall-clock timers around the engine's methods "
                          "(bench/host_spans.py): host ms per step by method, in the arm's JSON")
+    ap.add_argument("--kernel-profile", action="store_true",
+                    help="per arm and batch, one more run of --kernel-profile-tokens tokens under torch.profiler: "
+                         "GPU time per step by stage and kernel (bench/kernel_trace.py) in the arm's JSON, the trace "
+                         "in OUT/kernels_<arm>_b<N>.json.gz")
+    ap.add_argument("--kernel-profile-tokens", type=int, default=32)
     ap.add_argument("--ab-deferred", action="store_true",
                     help="tfm arms: one more clean run per batch with deferred drafts off (runtime/deferred_drafts.py), "
                          "on the same engine: a same-machine before / after in the arm's JSON (deferred_off)")

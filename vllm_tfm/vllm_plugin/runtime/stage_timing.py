@@ -77,6 +77,7 @@ from typing import Any, Self
 import torch
 
 __all__ = [
+    "ANNOTATION_PREFIX",
     "PROFILE_ENV",
     "STAGES",
     "LAYER_STAGES",
@@ -92,6 +93,8 @@ __all__ = [
 ]
 
 PROFILE_ENV = "VLLM_TFM_PROFILE"
+ANNOTATION_PREFIX = "tfm:"
+"""Prefix of the profiler ranges that annotated spans open (``set_stage_timing(annotate=True)``)."""
 STAGES = (
     "execute_model",
     "target_forward",
@@ -145,7 +148,7 @@ def summarize(ms: list[float]) -> dict[str, float | int]:
 
 
 class _Span(AbstractContextManager):
-    __slots__ = ("capturing", "name", "start", "t0", "timer")
+    __slots__ = ("annotation", "capturing", "name", "start", "t0", "timer")
 
     def __init__(self, timer: StageTimer, name: str) -> None:
         self.timer = timer
@@ -154,6 +157,10 @@ class _Span(AbstractContextManager):
     def __enter__(self) -> Self:
         t = time.perf_counter()
         self.start = None
+        self.annotation = None
+        if self.timer.annotate:  # a profiler range of the same name (bench/kernel_trace.py reads it)
+            self.annotation = torch.profiler.record_function(ANNOTATION_PREFIX + self.name)
+            self.annotation.__enter__()
         self.capturing = self.timer.use_cuda and torch.cuda.is_current_stream_capturing()
         if self.timer.use_cuda and not self.capturing:
             self.start = torch.cuda.Event(enable_timing=True)
@@ -164,6 +171,8 @@ class _Span(AbstractContextManager):
 
     def __exit__(self, *exc: object) -> None:
         t = time.perf_counter()
+        if self.annotation is not None:
+            self.annotation.__exit__(None, None, None)
         if self.capturing:  # inside a CUDA-graph capture: nothing runs now, nothing to time
             return
         end = None
@@ -179,6 +188,7 @@ class StageTimer:
 
     def __init__(self, enabled: bool, use_cuda: bool | None = None) -> None:
         self.enabled = enabled
+        self.annotate = False  # also open a torch.profiler range per span (set_stage_timing(annotate=...))
         self.use_cuda = torch.cuda.is_available() if use_cuda is None else use_cuda
         self.reset()
 
@@ -284,14 +294,19 @@ def collect_stage_timings(worker: Any = None, reset: bool = False) -> dict[str, 
     return TIMER.collect(reset=reset)
 
 
-def set_stage_timing(worker: Any = None, enabled: bool | None = None, reset: bool = False) -> bool:
+def set_stage_timing(worker: Any = None, enabled: bool | None = None, reset: bool = False,
+                     annotate: bool | None = None) -> bool:
     """Pause / resume the spans (``enabled``) and drop what was recorded (``reset``); returns whether
     timing is on. Resuming works only where ``VLLM_TFM_PROFILE`` installed the runner hooks.
-    The signature suits ``LLM.collective_rpc``."""
+    ``annotate``: each span also opens a ``torch.profiler.record_function`` range named
+    ``tfm:<stage>``, so that a profiler trace can tell which stage launched each kernel
+    (``bench/e2e.py --kernel-profile``). The signature suits ``LLM.collective_rpc``."""
     if reset:
         TIMER.reset()
     if enabled is not None:
         TIMER.enabled = bool(enabled)
+    if annotate is not None:
+        TIMER.annotate = bool(annotate)
     return TIMER.enabled
 
 
