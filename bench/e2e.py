@@ -480,7 +480,9 @@ def kernel_profile_run(llm: Any, ps: list[list[int]], s: dict[str, Any], path: P
         with open(raw, "rb") as fi, gzip.open(path, "wb", compresslevel=6) as fo:
             shutil.copyfileobj(fi, fo)
         raw.unlink()
-        out = kernel_trace.summarize(kernel_trace.load_trace(path))
+        events = kernel_trace.load_trace(path)
+        out = kernel_trace.summarize(events)
+        out["host"] = kernel_trace.host_summary(events)
         out.update(file=path.name, output_tokens=res["output_tokens"], wall_s=res["wall_s"])
         return out
     except Exception as e:  # noqa: BLE001 - the arm's other results stay

@@ -32,7 +32,8 @@ from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-__all__ = ["ANNOTATION_PREFIX", "CATEGORIES", "GPU_CATS", "attribute", "category", "load_trace", "summarize"]
+__all__ = ["ANNOTATION_PREFIX", "CATEGORIES", "GPU_CATS", "attribute", "category", "host_summary", "load_trace",
+           "summarize"]
 
 ANNOTATION_PREFIX = "tfm:"  # vllm_tfm/vllm_plugin/runtime/stage_timing.py ANNOTATION_PREFIX
 GPU_CATS = ("kernel", "gpu_memcpy", "gpu_memset")
@@ -189,14 +190,81 @@ def summarize(events: Sequence[Mapping[str, Any]], top: int = 25, name_chars: in
     }
 
 
+def host_summary(events: Sequence[Mapping[str, Any]], top: int = 12, name_chars: int = 80) -> dict[str, Any]:
+    """Per step and stage, the host side of the same trace: each ``tfm:`` range's own wall time (its
+    duration minus the ``tfm:`` ranges inside it), how much of that the traced host calls (torch ops,
+    CUDA runtime / driver calls) cover at their top level, and the calls with the most self time (a
+    call's duration minus the calls inside it). What the calls do not cover is Python, vLLM's and ours,
+    between them. Profiler overhead inflates both; compare stages and arms, not absolute times."""
+    host_cats = ("cpu_op", "cuda_runtime", "cuda_driver", "user_annotation")
+    per_tid: dict[tuple[Any, Any], list[tuple[float, float, str, str]]] = defaultdict(list)
+    steps = 0
+    for ev in events:
+        if ev.get("ph") != "X" or ev.get("cat") not in host_cats:
+            continue
+        name = str(ev.get("name", ""))
+        if ev["cat"] == "user_annotation" and not name.startswith(ANNOTATION_PREFIX):
+            continue
+        ts = float(ev["ts"])
+        per_tid[(ev.get("pid"), ev.get("tid"))].append((ts, ts + float(ev.get("dur", 0.0)), ev["cat"], name))
+        steps += name == ANNOTATION_PREFIX + "execute_model"
+    own: dict[str, float] = defaultdict(float)  # stage -> its own wall time
+    covered: dict[str, float] = defaultdict(float)  # stage -> top-level host calls' time inside it
+    self_us: dict[str, dict[str, list[float]]] = defaultdict(lambda: defaultdict(list))
+    for items in per_tid.values():
+        items.sort(key=lambda x: (x[0], -x[1]))
+        stack: list[list[Any]] = []  # [start, end, cat, name, children_us, child_ranges_us, stage]
+
+        def close(fr: list[Any]) -> None:
+            start, end, cat, name, child, child_ranges, stage = fr
+            if cat == "user_annotation":
+                own[name[len(ANNOTATION_PREFIX):]] += (end - start) - child_ranges
+            else:
+                self_us[stage][name].append((end - start) - child)
+
+        for start, end, cat, name in items:
+            while stack and stack[-1][1] <= start:
+                close(stack.pop())
+            parent = stack[-1] if stack else None
+            stage = "none"
+            for fr in reversed(stack):
+                if fr[2] == "user_annotation":
+                    stage = fr[3][len(ANNOTATION_PREFIX):]
+                    break
+            if parent is not None:
+                parent[4] += end - start
+                if cat == "user_annotation":
+                    parent[5] += end - start
+                if cat != "user_annotation" and parent[2] == "user_annotation":
+                    covered[stage] += end - start
+            elif cat != "user_annotation":
+                covered["none"] += end - start
+            stack.append([start, end, cat, name, 0.0, 0.0, stage])
+        while stack:
+            close(stack.pop())
+    per = max(steps, 1)
+    stages = {}
+    for stage in sorted(set(own) | set(self_us), key=lambda k: -own.get(k, 0.0)):
+        calls = sorted(self_us[stage].items(), key=lambda kv: -sum(kv[1]))
+        stages[stage] = {
+            "own_us_per_step": round(own.get(stage, 0.0) / per, 1) if stage in own else None,
+            "calls_us_per_step": round(covered.get(stage, 0.0) / per, 1),
+            "top_self": [{"name": n[:name_chars], "us_per_step": round(sum(d) / per, 1),
+                          "calls_per_step": round(len(d) / per, 2)} for n, d in calls[:top]],
+        }
+    return {"steps": steps, "stages": stages}
+
+
 def main(argv: list[str] | None = None) -> int:
     import argparse
 
     ap = argparse.ArgumentParser(description="per-step GPU time by stage and kernel from a torch profiler trace")
     ap.add_argument("trace", help="Chrome trace (.json or .json.gz) of bench/e2e.py --kernel-profile")
     ap.add_argument("--top", type=int, default=15)
+    ap.add_argument("--host", action="store_true", help="also the host side (host_summary)")
     args = ap.parse_args(argv)
-    s = summarize(load_trace(args.trace), top=args.top)
+    events = load_trace(args.trace)
+    s = summarize(events, top=args.top)
     print(f"steps {s['steps']}, GPU {s.get('gpu_us_per_step')} us/step, busy {s.get('busy_us_per_step')}, "
           f"wall {s.get('wall_us_per_step')} (busy fraction {s.get('busy_fraction')})")
     for stage, st in s["stages"].items():
@@ -205,6 +273,13 @@ def main(argv: list[str] | None = None) -> int:
         for k in st["top"]:
             print(f"  {k['us_per_step']:9.2f} us  {k['calls_per_step']:7.2f} x {k['mean_us']:8.2f}  "
                   f"[{k['category']}] {k['name']}")
+    if args.host:
+        h = host_summary(events, top=args.top)
+        print(f"\nhost, per step ({h['steps']} steps): stage own time, of it in traced calls; top calls by self time")
+        for stage, st in h["stages"].items():
+            print(f"\n{stage}: own {st['own_us_per_step']} us, calls {st['calls_us_per_step']} us")
+            for k in st["top_self"]:
+                print(f"  {k['us_per_step']:9.1f} us  {k['calls_per_step']:7.2f} x  {k['name']}")
     return 0
 
 

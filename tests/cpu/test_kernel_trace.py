@@ -169,3 +169,33 @@ def test_set_stage_timing_switches_annotation() -> None:
     finally:
         stage_timing.TIMER.enabled, stage_timing.TIMER.annotate = saved
     assert kernel_trace.ANNOTATION_PREFIX == stage_timing.ANNOTATION_PREFIX
+
+
+def _op(name: str, ts: float, dur: float, cat: str = "cpu_op", tid: int = 1) -> dict:
+    return {"ph": "X", "cat": cat, "name": name, "ts": ts, "dur": dur, "pid": 7, "tid": tid}
+
+
+def test_host_summary_own_times_coverage_and_self_times() -> None:
+    ev: list[dict] = []
+    for t0 in (0.0, 1000.0):
+        ev += [
+            _range("execute_model", t0, 500.0),
+            _range("target_forward", t0 + 100.0, 200.0),
+            _op("aten::index", t0 + 10.0, 50.0),           # top level in execute_model
+            _op("aten::copy_", t0 + 20.0, 20.0),           # nested in aten::index
+            _op("cudaMemcpyAsync", t0 + 25.0, 10.0, cat="cuda_runtime"),  # nested in aten::copy_
+            _op("cudaGraphLaunch", t0 + 110.0, 30.0, cat="cuda_runtime"),  # top level in target_forward
+            _op("aten::add", t0 + 600.0, 5.0),             # outside every range
+        ]
+    ev.append(_range("unrelated", 0.0, 1.0) | {"name": "not_tfm"})  # other annotations are ignored
+    h = kernel_trace.host_summary(ev)
+    assert h["steps"] == 2
+    st = h["stages"]
+    assert st["execute_model"]["own_us_per_step"] == pytest.approx(300.0)  # 500 minus the forward's 200
+    assert st["target_forward"]["own_us_per_step"] == pytest.approx(200.0)
+    assert st["execute_model"]["calls_us_per_step"] == pytest.approx(50.0)  # only the top-level call
+    assert st["target_forward"]["calls_us_per_step"] == pytest.approx(30.0)
+    selfs = {k["name"]: k["us_per_step"] for k in st["execute_model"]["top_self"]}
+    assert selfs == {"aten::index": 30.0, "aten::copy_": 10.0, "cudaMemcpyAsync": 10.0}
+    assert st["none"]["calls_us_per_step"] == pytest.approx(5.0)
+    assert st["none"]["own_us_per_step"] is None
