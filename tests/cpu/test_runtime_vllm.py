@@ -154,7 +154,7 @@ def fake_attention_impl(**over):
 
 
 def tree_attention_call(monkeypatch, impl, reason=None, enabled=True, kernel=None, vllm_forward=None, loop=None,
-                        layer_name="model.layers.3.self_attn.attn"):
+                        layer_name="model.layers.3.self_attn.attn", all_trees=False, num_actual_tokens=None):
     """Run TFMTritonAttentionImpl.forward on a tree step (vLLM's own forward stubbed); return the
     kernel calls and the per-request fallback calls it made."""
     from vllm.v1.attention.backends.triton_attn import TritonAttentionImpl
@@ -164,8 +164,13 @@ def tree_attention_call(monkeypatch, impl, reason=None, enabled=True, kernel=Non
 
     store = ProposalStore()
     store.put(["a", "b"], torch.tensor([[5, 6, 7], [1, 2, 3]]), torch.tensor([[-1, 0, 0, 1], [-1, 0, 1, 2]]))
-    STATE.step = build_step_tree(["p", "a", "b"], np.array([2, 4, 4]), {"a": [5, 6, 7], "b": [1, 2, 3]}, store,
-                                 allow_trees=True)
+    if all_trees:  # two tree requests and nothing else: the plan's rows are the batch's
+        store.put(["c"], torch.tensor([[8, 9, 4]]), torch.tensor([[-1, 0, 0, 0]]))
+        STATE.step = build_step_tree(["a", "c"], np.array([4, 4]), {"a": [5, 6, 7], "c": [8, 9, 4]}, store,
+                                     allow_trees=True)
+    else:  # a prefill, a tree request, a chain request
+        STATE.step = build_step_tree(["p", "a", "b"], np.array([2, 4, 4]), {"a": [5, 6, 7], "b": [1, 2, 3]}, store,
+                                     allow_trees=True)
     monkeypatch.setattr(STATE, "target_attn_layers", frozenset({"model.layers.3.self_attn.attn"}))
     monkeypatch.setattr(TritonAttentionImpl, "forward", vllm_forward or (lambda self, layer, q, k, v, kv, md, out, *a: out))
     kernel_calls, loop_calls = [], []
@@ -178,6 +183,8 @@ def tree_attention_call(monkeypatch, impl, reason=None, enabled=True, kernel=Non
     kv_cache = torch.randn(6, 2, 16, 32)  # vLLM's logical [blocks, Hkv, block, 2D]
     md = SimpleNamespace(block_table=torch.zeros(3, 4, dtype=torch.int32), seq_lens=torch.tensor([9, 20, 30]),
                          max_seq_len=30)
+    if num_actual_tokens is not None:
+        md.num_actual_tokens = num_actual_tokens
     impl.forward(layer, query, None, None, kv_cache, md, output)
     return kernel_calls, loop_calls, (query, kv_cache, md, output)
 
@@ -209,6 +216,43 @@ def test_tree_attention_runs_one_kernel_call_for_every_tree(monkeypatch):
     # the caches are the TRITON_ATTN split: [blocks, block, Hkv, D] views of K and V
     assert key_cache.shape == (6, 16, 2, 16) and torch.equal(key_cache[1, 3, 1], kv_cache[1, 1, 3, :16])
     assert torch.equal(value_cache[4, 5, 0], kv_cache[4, 0, 5, 16:])
+
+
+def test_tree_attention_skips_vllms_batched_forward_only_when_every_row_is_a_tree_row(monkeypatch):
+    monkeypatch.setenv("VLLM_TFM_TREE_ATTENTION", "kernel")
+    from vllm_tfm.vllm_plugin.runtime.metrics import Metrics
+
+    monkeypatch.setattr(STATE, "metrics", Metrics(max_depth=3))
+    vllm_calls = []
+
+    def vllm_forward(self, layer, q, k, v, kv, md, out, *a):
+        vllm_calls.append(md)
+        return out
+
+    # every row a tree row (8 rows of 2 trees): the kernel alone
+    kernel_calls, loop_calls, _ = tree_attention_call(monkeypatch, fake_attention_impl(), vllm_forward=vllm_forward,
+                                                      all_trees=True, num_actual_tokens=8)
+    plan = STATE.step.attn_plan
+    assert plan.num_rows == 8 and plan.tree_req.tolist() == [0, 1]
+    assert vllm_calls == [] and len(kernel_calls) == 1 and loop_calls == []
+    assert STATE.metrics.hooks["attention.batched_skipped"] == 1
+    # the same batch with padding rows counted differently, or a batch with a prefill and a chain: vLLM's forward too
+    for all_trees, n in ((True, 9), (False, 10), (False, None)):
+        vllm_calls.clear()
+        kernel_calls, loop_calls, _ = tree_attention_call(monkeypatch, fake_attention_impl(), vllm_forward=vllm_forward,
+                                                          all_trees=all_trees, num_actual_tokens=n)
+        assert len(vllm_calls) == 1 and len(kernel_calls) == 1 and loop_calls == []
+    assert STATE.metrics.hooks["attention.batched_skipped"] == 1
+    # every row a tree row but the kernel cannot run: vLLM's forward, then the per-request path
+    import warnings
+
+    vllm_calls.clear()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        kernel_calls, loop_calls, _ = tree_attention_call(monkeypatch, fake_attention_impl(), reason="no NVRTC here",
+                                                          vllm_forward=vllm_forward, all_trees=True,
+                                                          num_actual_tokens=8)
+    assert len(vllm_calls) == 1 and kernel_calls == [] and len(loop_calls) == 1
 
 
 def test_tree_attention_falls_back_to_one_call_per_tree_and_says_why(monkeypatch):

@@ -18,6 +18,7 @@ soft-capping, ALiBi, attention sinks and quantised KV caches.
 from __future__ import annotations
 
 import ctypes
+import functools
 import math
 import dataclasses
 from dataclasses import dataclass
@@ -100,6 +101,11 @@ class TreeAttentionPlan:
     @property
     def num_trees(self) -> int:
         return int(self.tree_size.shape[0])
+
+    @functools.cached_property
+    def num_rows(self) -> int:
+        """Query rows of all the plan's trees (the sum of ``tree_size``)."""
+        return int(self.tree_size.sum())
 
     @property
     def max_nodes(self) -> int:

@@ -9,7 +9,8 @@ launch, so a per-request mask needs one launch per request (VLLM_HOOKS.md sectio
 
 ``TFMTritonAttentionImpl.forward`` therefore runs vLLM's batched forward for the whole batch
 (exact for prefill rows and chain requests) and then recomputes the rows of every request whose
-tree is not a chain:
+tree is not a chain; when those are all the batch's rows (every request verifies a tree: the
+full tree graphs' steps) and the kernel takes them, vLLM's batched forward is skipped:
 
 * kernel path (the default, :data:`DEFAULT_TREE_ATTENTION`; ``VLLM_TFM_TREE_ATTENTION=kernel``):
   ONE launch of ``vllm_tfm.kernels.tree_attention`` for all of
@@ -59,6 +60,7 @@ __all__ = [
     "install_attention_backend",
     "kernel_tree_attention",
     "masked_tree_attention",
+    "plan_covers_batch",
 ]
 
 BACKEND_PATH = "vllm_tfm.vllm_plugin.runtime.attention.TFMTritonAttentionBackend"
@@ -192,6 +194,13 @@ def kernel_tree_attention(
     return True
 
 
+def plan_covers_batch(plan: object, attn_metadata: object) -> bool:
+    """True when the tree plan's rows are every row of the batch (``num_actual_tokens``): no prefill,
+    no plain decode, no chain request; vLLM's batched attention has nothing to add then."""
+    n = getattr(attn_metadata, "num_actual_tokens", None)
+    return plan is not None and n is not None and getattr(plan, "num_rows", -1) == int(n)
+
+
 class TFMTritonAttentionImpl(TritonAttentionImpl):
     """TRITON_ATTN with the tree mask on the target's layers during tree-active steps."""
 
@@ -219,13 +228,24 @@ class TFMTritonAttentionImpl(TritonAttentionImpl):
                 layer, query, key, value, kv_cache, attn_metadata, output, output_scale, output_block_scale
             )
         with TIMER.span("attention_layer"):  # a target layer in a tree step (stage_timing)
+            if output_scale is not None:
+                raise ValueError("vllm-tfm tree attention does not support fused output quantisation")
+            metrics = STATE.metrics
+            if plan_covers_batch(step.attn_plan, attn_metadata):
+                # every row of the batch is a tree row: the kernel writes them all, and vLLM's batched
+                # forward would compute causal rows that the kernel overwrites (bench/NOTES.md section 40)
+                with TIMER.span("attention_tree"):
+                    if metrics is not None:
+                        metrics.hook("attention.tree_mask")
+                    if kernel_tree_attention(self, query, kv_cache, attn_metadata, output, step):
+                        if metrics is not None:
+                            metrics.hook("attention.tree_kernel")
+                            metrics.hook("attention.batched_skipped")
+                        return output
             out = super().forward(
                 layer, query, key, value, kv_cache, attn_metadata, output, output_scale, output_block_scale
             )
-            if output_scale is not None:
-                raise ValueError("vllm-tfm tree attention does not support fused output quantisation")
             with TIMER.span("attention_tree"):
-                metrics = STATE.metrics
                 if metrics is not None:
                     metrics.hook("attention.tree_mask")
                 if kernel_tree_attention(self, query, kv_cache, attn_metadata, output, step):
