@@ -481,8 +481,8 @@ def kernel_profile_run(llm: Any, ps: list[list[int]], s: dict[str, Any], path: P
             shutil.copyfileobj(fi, fo)
         raw.unlink()
         events = kernel_trace.load_trace(path)
-        out = kernel_trace.summarize(events)
-        out["host"] = kernel_trace.host_summary(events)
+        out = kernel_trace.summarize(events, skip_steps=1)  # the first step is the prefill
+        out["host"] = kernel_trace.host_summary(events, skip_steps=1)
         out.update(file=path.name, output_tokens=res["output_tokens"], wall_s=res["wall_s"])
         return out
     except Exception as e:  # noqa: BLE001 - the arm's other results stay

@@ -547,6 +547,20 @@ def sanitize_case() -> None:
                                      "silu", ws.to(DEV))
         y_ref = ref_conv.tree_causal_conv1d(x.double(), parents, cu, cs.double(), sidx, w.double(), b.double(), "silu", ws)
         assert rel_err(y.cpu(), y_ref) <= tol, dtype
+        # the same launch with the GDN prologue's extras (q | k blocks, a copy of x, the gates), exact sizes
+        ga, gb = (torch.randn(t_nodes, 4, generator=gen).to(dtype).to(DEV) for _ in range(2))
+        a_log, dtb = torch.rand(4, generator=gen).log().to(DEV), torch.randn(4, generator=gen).to(DEV)
+        consts = ref_gdn.gate_constants(a_log, dtb)
+        qk = torch.empty(2, t_nodes, 32, dtype=dtype, device=DEV)
+        xc = torch.empty(t_nodes, 96, dtype=dtype, device=DEV)
+        gg, bb = torch.empty(t_nodes, 4, device=DEV), torch.empty(t_nodes, 4, device=DEV)
+        y2 = kconv.tree_causal_conv1d_planned(
+            TreePlan.build(cg["parents"], cg["cu_nodes"]), x.to(DEV), cs.to(DEV), sidx.to(DEV), w.to(DEV), b.to(DEV),
+            "silu", ws.to(DEV), extras=kconv.ConvExtras(qk_out=qk, qk_cols=32, x_copy=xc, gates=(ga, gb, *consts, gg, bb)))
+        assert torch.equal(y2[:, 64:], y[:, 64:]) and torch.equal(qk[0], y[:, :32]) and torch.equal(qk[1], y[:, 32:64])
+        assert torch.equal(xc.cpu(), x), dtype
+        g_ref, b_ref = ref_gdn.gdn_gates(ga, gb, a_log, dtb, consts)
+        assert torch.allclose(gg, g_ref, rtol=1e-6, atol=0) and torch.allclose(bb, b_ref, rtol=1e-6, atol=0), dtype
         csg, cs_ref = cs.to(DEV), cs.clone()
         kconv.tree_conv_commit(x.to(DEV), cg["parents"], cg["cu_nodes"], torch.tensor(acc).to(DEV), csg, torch.tensor(src).to(DEV),
                                torch.tensor(dst).to(DEV), 4, ws.to(DEV), torch.tensor([1, 0, 2]).to(DEV))

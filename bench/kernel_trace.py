@@ -103,13 +103,30 @@ class _Ranges:
         return None
 
 
-def attribute(events: Sequence[Mapping[str, Any]]) -> tuple[list[dict[str, Any]], int]:
+def _step_starts(events: Sequence[Mapping[str, Any]]) -> list[float]:
+    name = ANNOTATION_PREFIX + "execute_model"
+    return sorted(float(ev["ts"]) for ev in events
+                  if ev.get("ph") == "X" and ev.get("cat") == "user_annotation" and ev.get("name") == name)
+
+
+def _cutoff(starts: list[float], skip_steps: int) -> float:
+    """Host time from which steps count: the start of step ``skip_steps`` (0: everything)."""
+    if skip_steps <= 0:
+        return float("-inf")
+    return starts[skip_steps] if skip_steps < len(starts) else float("inf")
+
+
+def attribute(events: Sequence[Mapping[str, Any]], skip_steps: int = 0) -> tuple[list[dict[str, Any]], int]:
     """GPU activities with their stage: a list of {name, cat, ts, dur, stage}, and the number of
-    ``tfm:execute_model`` ranges (the steps)."""
+    ``tfm:execute_model`` ranges (the steps). ``skip_steps``: the activities launched before the
+    start of that step are left out, and the steps counted after it (a run's first step is its
+    prompts' prefill, not a decode step)."""
     ranges: dict[tuple[Any, Any], list[tuple[float, float, str]]] = defaultdict(list)
     launches: dict[int, tuple[Any, Any, float]] = {}
     gpu: list[Mapping[str, Any]] = []
-    steps = 0
+    starts = _step_starts(events)
+    cutoff = _cutoff(starts, skip_steps)
+    steps = max(0, len(starts) - max(0, skip_steps))
     for ev in events:
         if ev.get("ph") != "X":
             continue
@@ -124,16 +141,18 @@ def attribute(events: Sequence[Mapping[str, Any]]) -> tuple[list[dict[str, Any]]
             stage = name[len(ANNOTATION_PREFIX):]
             ts = float(ev["ts"])
             ranges[(ev.get("pid"), ev.get("tid"))].append((ts, ts + float(ev.get("dur", 0.0)), stage))
-            steps += stage == "execute_model"
     lookup = {k: _Ranges(v) for k, v in ranges.items()}
     out = []
     for ev in gpu:
         c = _correlation(ev)
         stage = "unattributed"
+        launched = float(ev["ts"])  # without its launch: the device's own time, on the same clock
         if c is not None and c in launches:
-            pid, tid, ts = launches[c]
+            pid, tid, launched = launches[c]
             r = lookup.get((pid, tid))
-            stage = (r.innermost(ts) if r is not None else None) or "none"
+            stage = (r.innermost(launched) if r is not None else None) or "none"
+        if launched < cutoff:
+            continue
         out.append({"name": str(ev.get("name", "")), "cat": ev.get("cat"), "ts": float(ev["ts"]),
                     "dur": float(ev.get("dur", 0.0)), "stage": stage})
     return out, steps
@@ -149,12 +168,14 @@ def _busy_us(intervals: list[tuple[float, float]]) -> float:
     return total
 
 
-def summarize(events: Sequence[Mapping[str, Any]], top: int = 25, name_chars: int = 110) -> dict[str, Any]:
+def summarize(events: Sequence[Mapping[str, Any]], top: int = 25, name_chars: int = 110,
+              skip_steps: int = 0) -> dict[str, Any]:
     """Per step: each stage's GPU microseconds and activities, its top kernels, its categories; the
-    whole trace's busy time (union of activity intervals) and wall time (first start to last end)."""
-    acts, steps = attribute(events)
+    whole trace's busy time (union of activity intervals) and wall time (first start to last end).
+    ``skip_steps`` as in :func:`attribute`."""
+    acts, steps = attribute(events, skip_steps)
     if not acts:
-        return {"steps": steps, "activities": 0, "stages": {}}
+        return {"steps": steps, "skip_steps": skip_steps, "activities": 0, "stages": {}}
     per = max(steps, 1)
     by_stage: dict[str, list[dict[str, Any]]] = defaultdict(list)
     for a in acts:
@@ -181,6 +202,7 @@ def summarize(events: Sequence[Mapping[str, Any]], top: int = 25, name_chars: in
     busy = _busy_us([(a["ts"], a["ts"] + a["dur"]) for a in acts])
     return {
         "steps": steps,
+        "skip_steps": skip_steps,
         "activities": len(acts),
         "gpu_us_per_step": round(sum(a["dur"] for a in acts) / per, 2),
         "busy_us_per_step": round(busy / per, 2),
@@ -190,15 +212,19 @@ def summarize(events: Sequence[Mapping[str, Any]], top: int = 25, name_chars: in
     }
 
 
-def host_summary(events: Sequence[Mapping[str, Any]], top: int = 12, name_chars: int = 80) -> dict[str, Any]:
+def host_summary(events: Sequence[Mapping[str, Any]], top: int = 12, name_chars: int = 80,
+                 skip_steps: int = 0) -> dict[str, Any]:
     """Per step and stage, the host side of the same trace: each ``tfm:`` range's own wall time (its
     duration minus the ``tfm:`` ranges inside it), how much of that the traced host calls (torch ops,
     CUDA runtime / driver calls) cover at their top level, and the calls with the most self time (a
     call's duration minus the calls inside it). What the calls do not cover is Python, vLLM's and ours,
-    between them. Profiler overhead inflates both; compare stages and arms, not absolute times."""
+    between them. Profiler overhead inflates both; compare stages and arms, not absolute times.
+    ``skip_steps``: host events before the start of that step are left out (as in :func:`attribute`)."""
     host_cats = ("cpu_op", "cuda_runtime", "cuda_driver", "user_annotation")
     per_tid: dict[tuple[Any, Any], list[tuple[float, float, str, str]]] = defaultdict(list)
-    steps = 0
+    starts = _step_starts(events)
+    cutoff = _cutoff(starts, skip_steps)
+    steps = max(0, len(starts) - max(0, skip_steps))
     for ev in events:
         if ev.get("ph") != "X" or ev.get("cat") not in host_cats:
             continue
@@ -206,8 +232,9 @@ def host_summary(events: Sequence[Mapping[str, Any]], top: int = 12, name_chars:
         if ev["cat"] == "user_annotation" and not name.startswith(ANNOTATION_PREFIX):
             continue
         ts = float(ev["ts"])
+        if ts < cutoff:
+            continue
         per_tid[(ev.get("pid"), ev.get("tid"))].append((ts, ts + float(ev.get("dur", 0.0)), ev["cat"], name))
-        steps += name == ANNOTATION_PREFIX + "execute_model"
     own: dict[str, float] = defaultdict(float)  # stage -> its own wall time
     covered: dict[str, float] = defaultdict(float)  # stage -> top-level host calls' time inside it
     self_us: dict[str, dict[str, list[float]]] = defaultdict(lambda: defaultdict(list))
@@ -252,7 +279,7 @@ def host_summary(events: Sequence[Mapping[str, Any]], top: int = 12, name_chars:
             "top_self": [{"name": n[:name_chars], "us_per_step": round(sum(d) / per, 1),
                           "calls_per_step": round(len(d) / per, 2)} for n, d in calls[:top]],
         }
-    return {"steps": steps, "stages": stages}
+    return {"steps": steps, "skip_steps": skip_steps, "stages": stages}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -262,9 +289,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("trace", help="Chrome trace (.json or .json.gz) of bench/e2e.py --kernel-profile")
     ap.add_argument("--top", type=int, default=15)
     ap.add_argument("--host", action="store_true", help="also the host side (host_summary)")
+    ap.add_argument("--skip-steps", type=int, default=1,
+                    help="leave out the first steps (default 1: a run's prefill step; 0 keeps every step)")
     args = ap.parse_args(argv)
     events = load_trace(args.trace)
-    s = summarize(events, top=args.top)
+    s = summarize(events, top=args.top, skip_steps=args.skip_steps)
     print(f"steps {s['steps']}, GPU {s.get('gpu_us_per_step')} us/step, busy {s.get('busy_us_per_step')}, "
           f"wall {s.get('wall_us_per_step')} (busy fraction {s.get('busy_fraction')})")
     for stage, st in s["stages"].items():
@@ -274,7 +303,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"  {k['us_per_step']:9.2f} us  {k['calls_per_step']:7.2f} x {k['mean_us']:8.2f}  "
                   f"[{k['category']}] {k['name']}")
     if args.host:
-        h = host_summary(events, top=args.top)
+        h = host_summary(events, top=args.top, skip_steps=args.skip_steps)
         print(f"\nhost, per step ({h['steps']} steps): stage own time, of it in traced calls; top calls by self time")
         for stage, st in h["stages"].items():
             print(f"\n{stage}: own {st['own_us_per_step']} us, calls {st['calls_us_per_step']} us")

@@ -41,7 +41,18 @@ typedef TFM_CAT(TFM_TYPE_, CONV_WT) twt;
 #define CONV_NPC 8     // nodes per CTA
 #define CONV_WMAX 8    // largest supported conv width
 
+#define CONV_SOFTPLUS_THRESHOLD 20.f  // vLLM's (and torch's F.softplus default): x past it is x
+
 // grid (ceil(D / 256), ceil(T / 8)), block 256.
+// Optional work of the same launch, each skipped when its output pointer is null (the GDN layer's
+// prologue, vllm_tfm/vllm_plugin/runtime/gdn.py; bench/NOTES.md section 40):
+// * qk_out: channels c < 2 qk_cols (q then k) of node i go to qk_out[(c / qk_cols) qk_half + i qk_cols
+//   + c % qk_cols] instead of y (q and k as two contiguous [T, qk_cols] blocks, what the verify reads);
+// * x_copy: x_copy[i x_copy_row + c] = x[i x_row + c] (the pre-conv rows kept for the commit);
+// * g_out / beta_out: the gates of the T x HV (a, b) pairs, spread over the CTAs of blockIdx.y == 0,
+//   with torch's float32 operations in torch's order (vllm_tfm/verify/gdn.py gdn_gates):
+//   g = nea[h] * softplus(a + dtb[h]) (softplus(v) = v past 20, else log1p(exp(v))),
+//   beta = 1 / (1 + exp(-b)).
 extern "C" __global__ void __launch_bounds__(CONV_THREADS)
 tree_conv1d(const tin* __restrict__ x, i64 x_row, const int* __restrict__ req_of,
             const int* __restrict__ cu, const int* __restrict__ pos, const int* __restrict__ depth,
@@ -49,12 +60,26 @@ tree_conv1d(const tin* __restrict__ x, i64 x_row, const int* __restrict__ req_of
             const tst* __restrict__ conv_state, i64 cs_slot, i64 cs_d, i64 cs_l,
             const int* __restrict__ state_idx, const int* __restrict__ window_start,
             const twt* __restrict__ weight, i64 w_d, i64 w_t, const twt* __restrict__ bias,
-            i64 b_d, tin* __restrict__ y, int T, int D, int W, int silu_act) {
+            i64 b_d, tin* __restrict__ y, int T, int D, int W, int silu_act,
+            tin* __restrict__ qk_out, i64 qk_half, int qk_cols,
+            tin* __restrict__ x_copy, i64 x_copy_row,
+            const tin* __restrict__ ga, i64 ga_row, const tin* __restrict__ gb, i64 gb_row,
+            const float* __restrict__ nea, const float* __restrict__ dtb,
+            float* __restrict__ g_out, i64 g_row, float* __restrict__ beta_out, i64 beta_row, int HV) {
   // s_src[a][t] >= 0: flat node index of window entry t of node a; < 0: -(state column + 1).
   __shared__ int s_src[CONV_NPC][CONV_WMAX];
   __shared__ int s_slot[CONV_NPC];
   const int tid = threadIdx.x;
   const int node0 = blockIdx.y * CONV_NPC;
+  if (g_out != nullptr && blockIdx.y == 0) {
+    for (int e = blockIdx.x * CONV_THREADS + tid; e < T * HV; e += gridDim.x * CONV_THREADS) {
+      const int row = e / HV, h = e - row * HV;
+      const float v = to_f32(ga[(i64)row * ga_row + h]) + dtb[h];
+      const float sp = v > CONV_SOFTPLUS_THRESHOLD ? v : log1pf(expf(v));
+      g_out[(i64)row * g_row + h] = nea[h] * sp;
+      beta_out[(i64)row * beta_row + h] = 1.f / (1.f + expf(-to_f32(gb[(i64)row * gb_row + h])));
+    }
+  }
   if (tid < CONV_NPC * W) {
     const int a = tid / W, t = tid % W;
     const int i = node0 + a;
@@ -95,7 +120,13 @@ tree_conv1d(const tin* __restrict__ x, i64 x_row, const int* __restrict__ req_of
     }
     acc += b;
     if (silu_act) acc = silu(acc);
-    y[(i64)i * D + c] = from_f32<tin>(acc);
+    if (x_copy != nullptr) x_copy[(i64)i * x_copy_row + c] = x[(i64)i * x_row + c];
+    if (qk_out != nullptr && c < 2 * qk_cols) {
+      const int half = c >= qk_cols;
+      qk_out[(i64)half * qk_half + (i64)i * qk_cols + (c - half * qk_cols)] = from_f32<tin>(acc);
+    } else {
+      y[(i64)i * D + c] = from_f32<tin>(acc);
+    }
   }
 }
 

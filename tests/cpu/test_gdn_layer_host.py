@@ -140,6 +140,9 @@ def test_kernel_path_equals_the_previous_layer_bit_for_bit(emu_dir, name, monkey
     spec = CASES[name]
     case = LayerCase(random_trees(spec["sizes"], seed=7), num_plain=spec["num_plain"], seed=13, bias=name == "mixed")
     monkeypatch.setenv("VLLM_TFM_GDN_VERIFY", "3")  # the previous layer's verify version, for bit equality
+    # the separate prologue operations (the fused conv launch computes the gates with the C library's
+    # expf / log1pf, torch's CPU ops with their own: ulps apart; test_fused_prologue_* below)
+    monkeypatch.setattr(gdn_mod, "_prologue_extras", lambda *a: None)
     with _emulated_kernel_path(emu_dir) as (launches, tables), forward_context(case), torch.inference_mode():
         want = run_layer(before.tree_step_forward_core_before, case)
         assert [n for n, _, _ in launches] == ["tree_conv1d", "gdn_tree_pairs", "gdn_tree_verify_main"]
@@ -156,3 +159,38 @@ def test_kernel_path_equals_the_previous_layer_bit_for_bit(emu_dir, name, monkey
         ref_out, _ = run_layer(gdn_mod._tree_step_forward_core, case)
     assert torch.allclose(got[0].float(), ref_out.float(), atol=3e-2, rtol=3e-2)
     assert torch.allclose(got6[0].float(), ref_out.float(), atol=3e-2, rtol=3e-2)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["all_spec", "mixed"])
+@pytest.mark.parametrize("piecewise", [True, False])
+def test_fused_prologue_writes_what_the_separate_operations_did(emu_dir, name, piecewise, monkeypatch):
+    """The conv launch's extras (q and k blocks, the gates, the stash's copy of x) against the layer with
+    the separate operations: the same launches otherwise, x and k bit for bit, the gates to float32
+    ulps (CPU: the C library's expf / log1pf against torch's), outputs and deltas to that rounding."""
+    spec = CASES[name]
+    case = LayerCase(random_trees(spec["sizes"], seed=9), num_plain=spec["num_plain"], seed=17, bias=name == "mixed")
+    calls = []
+    real = gdn_mod._prologue_extras
+
+    def counted(*a):
+        calls.append(real(*a))
+        return calls[-1]
+
+    with _emulated_kernel_path(emu_dir) as (launches, tables), forward_context(case, piecewise), \
+            torch.inference_mode():
+        with mock.patch.object(gdn_mod, "_prologue_extras", lambda *a: None):
+            want = run_layer(gdn_mod._tree_step_forward_core, case)
+        n_before = len(launches)
+        with mock.patch.object(gdn_mod, "_prologue_extras", counted):
+            got = run_layer(gdn_mod._tree_step_forward_core, case)
+    assert [n for n, _, _ in launches[n_before:]] == [n for n, _, _ in launches[:n_before]]
+    assert len(calls) == 1 and calls[0] is not None  # the extras were taken
+    (out, stash), (out0, stash0) = got, want
+    assert torch.equal(stash.x, stash0.x) and torch.equal(stash.k, stash0.k)
+    if piecewise and name == "all_spec":  # a copy of x (a graph piece's output is reused), written by the launch
+        assert stash.x.data_ptr() != case.mixed.data_ptr()
+    assert stash.g.dtype == torch.float32 and torch.allclose(stash.g, stash0.g, rtol=2e-6, atol=1e-30)
+    assert torch.allclose(stash.delta, stash0.delta, rtol=1e-4, atol=1e-5)
+    assert torch.allclose(out.float(), out0.float(), rtol=2e-2, atol=2e-2)
+    assert out.abs().sum() > 0

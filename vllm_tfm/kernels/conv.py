@@ -9,6 +9,7 @@ float32, bfloat16 or float16 with a conv width of at most 8; anything else calls
 from __future__ import annotations
 
 import ctypes
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor
@@ -18,7 +19,9 @@ from vllm_tfm.kernels.loader import get_kernel, kernels_unavailable_reason, laun
 from vllm_tfm.kernels.plan import CommitIndices, TreePlan
 
 __all__ = [
+    "ConvExtras",
     "conv_unsupported_reason",
+    "extras_unsupported_reason",
     "tree_causal_conv1d",
     "tree_causal_conv1d_planned",
     "tree_conv_commit",
@@ -59,6 +62,55 @@ def conv_unsupported_reason(x: Tensor, conv_state: Tensor, width: int, *others: 
 
 
 
+@dataclass(frozen=True)
+class ConvExtras:
+    """Work the tree conv launch does besides y (each part optional; ``cuda/tree_conv.cu``), so that a GDN
+    layer's prologue is one launch instead of a copy of x, a copy of q and k and the gates' five ops.
+
+    qk_out: [2, T, qk_cols] in x.dtype, each half contiguous: channels 0 .. 2 qk_cols - 1 of y (q, then k)
+    go there instead of y (whose first 2 qk_cols columns are then left unwritten).
+    x_copy: [T, D] in x.dtype, rows contiguous: a copy of x.
+    gates: (a, b, neg_exp_a, dt_bias, g_out, beta_out): a, b [T, HV] in x.dtype (rows of any stride);
+    neg_exp_a, dt_bias [HV] float32 (``vllm_tfm.verify.gdn.gate_constants``); g_out, beta_out [T, HV]
+    float32 (rows of any stride), written with ``gdn_gates``' values.
+    """
+
+    qk_out: Tensor | None = None
+    qk_cols: int = 0
+    x_copy: Tensor | None = None
+    gates: tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor] | None = None
+
+
+def extras_unsupported_reason(x: Tensor, extras: ConvExtras) -> str | None:
+    """None when the conv launch can do ``extras`` for x [T, D], else why not (host checks only)."""
+    t, d = x.shape
+    if extras.qk_out is not None:
+        q = extras.qk_out
+        if q.dtype != x.dtype or q.dim() != 3 or q.shape[0] != 2 or q.shape[1] != t or q.shape[2] != extras.qk_cols:
+            return f"qk_out must be [2, {t}, qk_cols] in {x.dtype}, got {tuple(q.shape)} {q.dtype}"
+        if q.stride(2) != 1 or q.stride(1) != extras.qk_cols or not 0 < 2 * extras.qk_cols <= d:
+            return "qk_out halves must be contiguous and 2 qk_cols <= D"
+    if extras.x_copy is not None:
+        c = extras.x_copy
+        if c.dtype != x.dtype or c.shape != x.shape or c.stride(1) != 1:
+            return f"x_copy must be [{t}, {d}] in {x.dtype} with contiguous rows"
+    if extras.gates is not None:
+        a, b, nea, dtb, g, beta = extras.gates
+        if a.dtype != x.dtype or b.dtype != x.dtype:
+            return f"gate inputs a, b must be in {x.dtype}, got {a.dtype}, {b.dtype}"
+        hv = a.shape[-1]
+        for name, tt in (("a", a), ("b", b), ("g_out", g), ("beta_out", beta)):
+            if tt.dim() != 2 or tt.shape != (t, hv) or tt.stride(1) != 1:
+                return f"{name} must be [{t}, {hv}] with contiguous rows, got {tuple(tt.shape)}"
+        if g.dtype != torch.float32 or beta.dtype != torch.float32:
+            return "g_out and beta_out must be float32"
+        if nea.shape != (hv,) or dtb.shape != (hv,) or nea.dtype != torch.float32 or dtb.dtype != torch.float32:
+            return "neg_exp_a and dt_bias must be float32 [HV]"
+        if not (nea.is_contiguous() and dtb.is_contiguous()):
+            return "neg_exp_a and dt_bias must be contiguous"
+    return None
+
+
 def tree_causal_conv1d_planned(
     plan: TreePlan,
     x: Tensor,
@@ -69,10 +121,13 @@ def tree_causal_conv1d_planned(
     activation: str | None = "silu",
     window_start: Tensor | None = None,
     out: Tensor | None = None,
+    extras: ConvExtras | None = None,
 ) -> Tensor:
     """CUDA tree conv1d for a prebuilt plan; shapes and result as ``vllm_tfm.verify.conv.tree_causal_conv1d``.
 
-    out: optional contiguous preallocated output [T, D] in x.dtype, written in full.
+    out: optional contiguous preallocated output [T, D] in x.dtype, written in full (but for the
+    columns that ``extras.qk_out`` takes).
+    extras: more outputs of the same launch (:class:`ConvExtras`; must pass :func:`extras_unsupported_reason`).
     """
     t_nodes, dim = x.shape
     width = weight.shape[1]
@@ -80,6 +135,11 @@ def tree_causal_conv1d_planned(
         x = x.contiguous()
     dev = x.device
     y = _check_out(out, (t_nodes, dim), x.dtype, dev, "out")
+    ex = extras or ConvExtras()
+    qk, xc, gates = ex.qk_out, ex.x_copy, ex.gates
+    a = b = nea = dtb = g = beta = None
+    if gates is not None:
+        a, b, nea, dtb, g, beta = gates
     sidx = state_indices.to(device=dev, dtype=torch.int32).contiguous()
     wst = None if window_start is None else window_start.to(device=dev, dtype=torch.int32).contiguous()
     if bias is not None and bias.dtype != weight.dtype:
@@ -94,7 +154,12 @@ def tree_causal_conv1d_planned(
         [x, i64(x.stride(0)), plan.req_of, plan.cu, plan.pos, plan.depth, plan.pair_off, plan.pair_j,
          conv_state, i64(cs[0]), i64(cs[1]), i64(cs[2]), sidx, wst,
          weight, i64(ws[0]), i64(ws[1]), bias, i64(bias.stride(0) if bias is not None else 0),
-         y, i32(t_nodes), i32(dim), i32(width), i32(int(activation == "silu"))],
+         y, i32(t_nodes), i32(dim), i32(width), i32(int(activation == "silu")),
+         qk, i64(qk.stride(0) if qk is not None else 0), i32(ex.qk_cols if qk is not None else 0),
+         xc, i64(xc.stride(0) if xc is not None else 0),
+         a, i64(a.stride(0) if a is not None else 0), b, i64(b.stride(0) if b is not None else 0), nea, dtb,
+         g, i64(g.stride(0) if g is not None else 0), beta, i64(beta.stride(0) if beta is not None else 0),
+         i32(a.shape[1] if a is not None else 0)],
     )
     return y
 

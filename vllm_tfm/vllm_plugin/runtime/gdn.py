@@ -74,6 +74,7 @@ def spec_tree_gdn(
     kernels: StepKernels | None = None,
     out: Tensor | None = None,
     persistent: LayerStash | None = None,
+    x_copy: Tensor | None = None,
 ) -> tuple[Tensor, GDNStash]:
     """Outputs of the spec rows of one GDN layer and the stash for the commit. Writes no state.
 
@@ -88,12 +89,19 @@ def spec_tree_gdn(
     out: optional [Ts, HV, V] destination of o (e.g. the spec rows of ``core_attn_out``): the verify
     kernel writes it directly when it is contiguous, 16-byte aligned and of x's dtype; otherwise
     (or on the reference path) o is a new tensor and the caller copies it.
-    persistent: the layer's stash buffers of a full tree graph capture (``full_graphs.py``): q|k, g
-    and delta are written there (x must be a view of its x already), and only the kernel path is
-    allowed (``FullTreeGraphsUnavailable`` otherwise).
+    persistent: the layer's stash buffers of a full tree graph capture (``full_graphs.py``): x, q|k, g
+    and delta are written there, and only the kernel path is allowed (``FullTreeGraphsUnavailable``
+    otherwise).
+    x_copy: [Ts, conv_dim] where the stash's copy of x goes (x itself is kept when None and there is
+    no ``persistent``: x must then outlive the step).
+    On the kernel path the tree conv's launch also writes the copy of x, q and k as the contiguous
+    blocks the verify reads, and the gates (``kconv.ConvExtras``): one launch where the separate
+    operations took seven (bench/NOTES.md section 40).
     Returns o [Ts, HV, V] in x.dtype (``out`` itself when it was written).
     """
     ops = tree_ops()
+    if persistent is not None:
+        x_copy = persistent.x[: x.shape[0]]
     if kernels is not None:
         grp = kernels.group(state_indices, prev_accepted)
         slots, start, s0, conv_slot, prev = grp.slots, grp.start32, grp.read_slot, grp.conv_slot, grp.prev_accepted
@@ -105,25 +113,40 @@ def spec_tree_gdn(
         conv_slot = slots[:, 0]
     act = "silu" if activation in ("silu", "swish") else activation
     width = conv_weight.shape[1]
+    kd, vd = num_k_heads * head_k_dim, num_v_heads * head_v_dim
+    t = x.shape[0]
+    conv_kernel = (
+        kernels is not None
+        and act in ("silu", None)
+        and kconv.conv_unsupported_reason(x, conv_state, width, conv_weight, conv_bias) is None
+    )
+    fused = None  # the prologue's outputs written by the conv launch: (q, k, g, beta)
+    stash_x = x  # the pre-conv rows the commit reads
     with TIMER.span("gdn_tree_conv"):
-        if (
-            kernels is not None
-            and act in ("silu", None)
-            and kconv.conv_unsupported_reason(x, conv_state, width, conv_weight, conv_bias) is None
-        ):
+        if conv_kernel:
+            extras = _prologue_extras(x, a, b, A_log, dt_bias, num_k_heads, head_k_dim, x_copy, persistent)
             y = kconv.tree_causal_conv1d_planned(
-                kernels.plan, x, conv_state, conv_slot, conv_weight, conv_bias, act, start
+                kernels.plan, x, conv_state, conv_slot, conv_weight, conv_bias, act, start, extras=extras
             )
+            if extras is not None:
+                qk = extras.qk_out.view(2, t, num_k_heads, head_k_dim)
+                fused = (qk[0], qk[1], extras.gates[4], extras.gates[5])
+                if extras.x_copy is not None:
+                    stash_x = extras.x_copy
         else:
             if persistent is not None:
                 raise FullTreeGraphsUnavailable("the tree conv1d of a GDN layer cannot run as a kernel here")
             y = ops.tree_causal_conv1d(x, parents, cu_nodes, conv_state, conv_slot, conv_weight, conv_bias, act, start)
-    kd, vd = num_k_heads * head_k_dim, num_v_heads * head_v_dim
+    if x_copy is not None and stash_x is x:  # the launch did not write the copy
+        stash_x = x_copy.copy_(x)
     q, k, v = torch.split(y, [kd, kd, vd], dim=-1)
     q = q.reshape(-1, num_k_heads, head_k_dim)
     k = k.reshape(-1, num_k_heads, head_k_dim)
     v = v.reshape(-1, num_v_heads, head_v_dim)
-    g, beta = gdn_gates(a, b, A_log, dt_bias, _gate_constants(A_log, dt_bias))
+    if fused is not None:
+        q, k, g, beta = fused
+    else:
+        g, beta = gdn_gates(a, b, A_log, dt_bias, _gate_constants(A_log, dt_bias))
     block_v = None
     if kernels is not None and kgdn.verify_unsupported_reason(q, k, v, ssm_state) is None:
         block_v = kernels.block_v(num_v_heads, head_k_dim, head_v_dim)
@@ -133,14 +156,15 @@ def spec_tree_gdn(
         )
     with TIMER.span("gdn_tree_verify"):
         if block_v is not None:
-            # the kernel reads contiguous q, k and v: q and k come out of one copy ([2, Ts, H, K], q then
-            # k); keeping k in the stash spares the commit its own copy
+            # the kernel reads contiguous q, k and v: q and k come out of the conv launch (or one copy,
+            # [2, Ts, H, K], q then k); keeping k in the stash spares the commit its own copy
             delta_out = qk_out = None
             if persistent is not None:  # a full graph capture: what the commit reads goes to fixed addresses
-                t = y.shape[0]
                 qk_out, delta_out = persistent.qk[:, :t], persistent.delta[:t]
-                g = persistent.g[:t].copy_(g)
-            q, k = _contiguous_qk(y, num_k_heads, head_k_dim, qk_out)
+                if fused is None:
+                    g = persistent.g[:t].copy_(g)
+            if fused is None:
+                q, k = _contiguous_qk(y, num_k_heads, head_k_dim, qk_out)
             o, delta = kgdn.gdn_tree_verify_planned(
                 kernels.plan, q, k, v, g, beta, ssm_state, s0, return_delta=True, block_v=block_v,
                 out=out if _writable_out(out, v) else None, delta_out=delta_out,
@@ -149,7 +173,7 @@ def spec_tree_gdn(
         else:
             o, delta = ops.gdn_tree_verify(q, k, v, g, beta, parents, cu_nodes, ssm_state, s0, return_delta=True)
     stash = GDNStash(
-        x=x,
+        x=stash_x,
         k=k,
         g=g,
         delta=delta,
@@ -160,6 +184,28 @@ def spec_tree_gdn(
         width=conv_weight.shape[1],
     )
     return o.to(x.dtype), stash
+
+
+def _prologue_extras(
+    x: Tensor, a: Tensor, b: Tensor, A_log: Tensor, dt_bias: Tensor, num_k_heads: int, head_k_dim: int,
+    x_copy: Tensor | None, persistent: LayerStash | None,
+) -> kconv.ConvExtras | None:
+    """What the tree conv launch also writes for the layer (``kconv.ConvExtras``): q and k as the verify
+    reads them, the gates, the stash's copy of x; into the full graph's stash buffers when there are
+    some. None when the launch cannot take them (dtypes, layouts): the separate operations run then."""
+    t, hv = a.shape
+    kd = num_k_heads * head_k_dim
+    constants = _gate_constants(A_log, dt_bias)
+    if constants is None:  # inference tensors: per call
+        constants = gate_constants(A_log, dt_bias, torch.float32)
+    if persistent is not None:
+        qk, g = persistent.qk[:, :t].view(2, t, kd), persistent.g[:t]  # each half's rows are contiguous
+    else:
+        qk = torch.empty((2, t, kd), dtype=x.dtype, device=x.device)
+        g = torch.empty((t, hv), dtype=torch.float32, device=x.device)
+    beta = torch.empty((t, hv), dtype=torch.float32, device=x.device)
+    extras = kconv.ConvExtras(qk_out=qk, qk_cols=kd, x_copy=x_copy, gates=(a, b, *constants, g, beta))
+    return extras if kconv.extras_unsupported_reason(x, extras) is None else None
 
 
 def _contiguous_qk(y: Tensor, num_k_heads: int, head_k_dim: int, out: Tensor | None = None) -> tuple[Tensor, Tensor]:
@@ -313,17 +359,17 @@ def _tree_step_forward_core(
         dest = core_attn_out[:num_tokens] if spec_idx is None else None  # the spec rows' outputs
         x = spec_rows(mixed_qkv)
         graphs = getattr(step, "graph_capture", None)
-        persistent = None
+        persistent = x_copy = None
         if graphs is not None:  # a full tree graph capture: the commit's inputs at fixed addresses (full_graphs.py)
             if spec_idx is not None:
                 raise RuntimeError("vllm-tfm: a full tree graph capture saw rows that are not spec decodes")
             persistent = graphs.layer_stash(
                 self.prefix, x, self.num_k_heads // self.tp_size, self.head_k_dim, torch.float32,
                 self.num_v_heads // self.tp_size, self.head_v_dim, x.dtype,
-            )
-            x = persistent.x[:num_tokens].copy_(x)
+            )  # x is copied there (by the conv launch when it can)
         elif spec_idx is None and piece_outputs_are_reused():
-            x = x.clone()  # kept for the commit: a view of a CUDA-graph piece's output would be overwritten
+            # kept for the commit: a view of a CUDA-graph piece's output would be overwritten
+            x_copy = torch.empty((x.shape[0], x.shape[1]), dtype=x.dtype, device=x.device)
         out, stash = spec_tree_gdn(
             x,
             spec_rows(a),
@@ -346,6 +392,7 @@ def _tree_step_forward_core(
             kernels=step_kernels(step, mixed_qkv.device),
             out=dest,
             persistent=persistent,
+            x_copy=x_copy,
         )
         step.gdn[self.prefix] = stash
         if spec_idx is None:
