@@ -335,52 +335,6 @@ def test_tf32_mma_primitives_on_the_gpu_match_float64(seed):
 
 
 @pytest.mark.parametrize("kdtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("strided", [False, True])
-def test_tree_conv1d_extras_equal_the_separate_operations(dtype, strided):
-    """The conv launch's extras (the GDN layer's prologue): q and k blocks equal to y's columns, the copy
-    of x equal to x, the gates equal to gdn_gates' (the same float32 operations: bit for bit on the GPU,
-    checked to 1 ulp-scale here and counted), y's other columns unchanged; rows of a, b, x, g, beta
-    with strides (as views of wider projection outputs are)."""
-    g = _seeded(31)
-    trees = [bushy_tree(70, g), chain(3), torch.tensor([-1]), star(9)]
-    kd, hv, vd = 2 * 64, 6, 6 * 32  # q | k | v columns: 2 kd + vd
-    dim = 2 * kd + vd
-    c = conv_case(trees, dim=dim, dtype=dtype, seed=32)
-    t = c["x"].shape[0]
-    gen = _seeded(33)
-    pad = 5 if strided else 0
-    x_wide = torch.randn(t, dim + pad, generator=gen).to(dtype).to(DEV)
-    x = x_wide[:, :dim]
-    ab = (8 * torch.randn(t, 2 * hv + pad, generator=gen)).to(dtype).to(DEV)
-    ab[0, 0] = 30.0  # past softplus's threshold
-    a, b = ab[:, :hv], ab[:, hv : 2 * hv]
-    a_log = torch.rand(hv, generator=gen).log().to(DEV)
-    dt_bias = torch.randn(hv, generator=gen).to(dtype).to(DEV)
-    constants = ref_gdn.gate_constants(a_log, dt_bias)
-    plan = TreePlan.build(c["parents"], c["cu_nodes"])
-    args = (plan, x, c["conv_state"], c["state_indices"], c["weight"], c["bias"], "silu", c["window_start"])
-    y0 = kconv.tree_causal_conv1d_planned(*args)
-    g_buf = torch.full((t, hv + pad), float("nan"), device=DEV)
-    gout, beta = g_buf[:, :hv], torch.full((t, hv), float("nan"), device=DEV)
-    qk = torch.full((2, t, kd), float("nan"), dtype=dtype, device=DEV)
-    x_copy = torch.full((t, dim), float("nan"), dtype=dtype, device=DEV)
-    extras = kconv.ConvExtras(qk_out=qk, qk_cols=kd, x_copy=x_copy, gates=(a, b, *constants, gout, beta))
-    assert kconv.extras_unsupported_reason(x, extras) is None
-    y = torch.full((t, dim), float("nan"), dtype=dtype, device=DEV)
-    kconv.tree_causal_conv1d_planned(*args, out=y, extras=extras)
-    torch.cuda.synchronize()
-    assert torch.equal(qk[0], y0[:, :kd]) and torch.equal(qk[1], y0[:, kd : 2 * kd])
-    assert torch.equal(y[:, 2 * kd :], y0[:, 2 * kd :]) and y[:, : 2 * kd].isnan().all()  # q, k columns left alone
-    assert torch.equal(x_copy, x)
-    g_ref, beta_ref = ref_gdn.gdn_gates(a, b, a_log, dt_bias, constants)
-    assert torch.allclose(gout, g_ref, rtol=1e-6, atol=0) and torch.allclose(beta, beta_ref, rtol=1e-6, atol=0)
-    print(f"gates bit for bit: g {torch.equal(gout, g_ref)}, beta {torch.equal(beta, beta_ref)}")
-    assert g_buf[:, hv:].isnan().all()  # nothing past the rows' HV columns
-    bad = kconv.ConvExtras(qk_out=qk[:, :-1], qk_cols=kd)
-    assert "qk_out must be" in kconv.extras_unsupported_reason(x, bad)
-
-
 @pytest.mark.parametrize("pattern", ["in_place", "shifted", "cross_alias"])
 def test_commit_matches_float64_reference(kdtype, pattern):
     g = _seeded(12)
@@ -447,6 +401,52 @@ def test_tree_conv1d_matches_reference(dtype, tol, activation, with_bias, transp
         warnings.simplefilter("error")
         y2 = kconv.tree_causal_conv1d(**c, activation=activation)
     assert torch.equal(y2, y)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("strided", [False, True])
+def test_tree_conv1d_extras_equal_the_separate_operations(dtype, strided):
+    """The conv launch's extras (the GDN layer's prologue): q and k blocks equal to y's columns, the copy
+    of x equal to x, the gates equal to gdn_gates' (the same float32 operations: bit for bit on the GPU,
+    checked to 1 ulp-scale here and counted), y's other columns unchanged; rows of a, b, x, g, beta
+    with strides (as views of wider projection outputs are)."""
+    g = _seeded(31)
+    trees = [bushy_tree(70, g), chain(3), torch.tensor([-1]), star(9)]
+    kd, hv, vd = 2 * 64, 6, 6 * 32  # q | k | v columns: 2 kd + vd
+    dim = 2 * kd + vd
+    c = conv_case(trees, dim=dim, dtype=dtype, seed=32)
+    t = c["x"].shape[0]
+    gen = _seeded(33)
+    pad = 5 if strided else 0
+    x_wide = torch.randn(t, dim + pad, generator=gen).to(dtype).to(DEV)
+    x = x_wide[:, :dim]
+    ab = (8 * torch.randn(t, 2 * hv + pad, generator=gen)).to(dtype).to(DEV)
+    ab[0, 0] = 30.0  # past softplus's threshold
+    a, b = ab[:, :hv], ab[:, hv : 2 * hv]
+    a_log = torch.rand(hv, generator=gen).log().to(DEV)
+    dt_bias = torch.randn(hv, generator=gen).to(dtype).to(DEV)
+    constants = ref_gdn.gate_constants(a_log, dt_bias)
+    plan = TreePlan.build(c["parents"], c["cu_nodes"])
+    args = (plan, x, c["conv_state"], c["state_indices"], c["weight"], c["bias"], "silu", c["window_start"])
+    y0 = kconv.tree_causal_conv1d_planned(*args)
+    g_buf = torch.full((t, hv + pad), float("nan"), device=DEV)
+    gout, beta = g_buf[:, :hv], torch.full((t, hv), float("nan"), device=DEV)
+    qk = torch.full((2, t, kd), float("nan"), dtype=dtype, device=DEV)
+    x_copy = torch.full((t, dim), float("nan"), dtype=dtype, device=DEV)
+    extras = kconv.ConvExtras(qk_out=qk, qk_cols=kd, x_copy=x_copy, gates=(a, b, *constants, gout, beta))
+    assert kconv.extras_unsupported_reason(x, extras) is None
+    y = torch.full((t, dim), float("nan"), dtype=dtype, device=DEV)
+    kconv.tree_causal_conv1d_planned(*args, out=y, extras=extras)
+    torch.cuda.synchronize()
+    assert torch.equal(qk[0], y0[:, :kd]) and torch.equal(qk[1], y0[:, kd : 2 * kd])
+    assert torch.equal(y[:, 2 * kd :], y0[:, 2 * kd :]) and y[:, : 2 * kd].isnan().all()  # q, k columns left alone
+    assert torch.equal(x_copy, x)
+    g_ref, beta_ref = ref_gdn.gdn_gates(a, b, a_log, dt_bias, constants)
+    assert torch.allclose(gout, g_ref, rtol=1e-6, atol=0) and torch.allclose(beta, beta_ref, rtol=1e-6, atol=0)
+    print(f"gates bit for bit: g {torch.equal(gout, g_ref)}, beta {torch.equal(beta, beta_ref)}")
+    assert g_buf[:, hv:].isnan().all()  # nothing past the rows' HV columns
+    bad = kconv.ConvExtras(qk_out=qk[:, :-1], qk_cols=kd)
+    assert "qk_out must be" in kconv.extras_unsupported_reason(x, bad)
 
 
 @pytest.mark.parametrize("pattern", ["in_place", "shifted", "cross_alias"])
