@@ -230,32 +230,33 @@ class TFMTritonAttentionImpl(TritonAttentionImpl):
         with TIMER.span("attention_layer"):  # a target layer in a tree step (stage_timing)
             if output_scale is not None:
                 raise ValueError("vllm-tfm tree attention does not support fused output quantisation")
-            metrics = STATE.metrics
-            if plan_covers_batch(step.attn_plan, attn_metadata):
-                # every row of the batch is a tree row: the kernel writes them all, and vLLM's batched
-                # forward would compute causal rows that the kernel overwrites (bench/NOTES.md section 40)
+            # every row of the batch a tree row: the kernel alone writes them all (vLLM's batched forward
+            # would compute causal rows that the kernel overwrites; bench/NOTES.md section 40)
+            whole = plan_covers_batch(step.attn_plan, attn_metadata)
+            kernel = skipped = False
+            out = output
+            if whole:
                 with TIMER.span("attention_tree"):
-                    if metrics is not None:
-                        metrics.hook("attention.tree_mask")
-                    if kernel_tree_attention(self, query, kv_cache, attn_metadata, output, step):
-                        if metrics is not None:
-                            metrics.hook("attention.tree_kernel")
-                            metrics.hook("attention.batched_skipped")
-                        return output
-            out = super().forward(
-                layer, query, key, value, kv_cache, attn_metadata, output, output_scale, output_block_scale
-            )
-            with TIMER.span("attention_tree"):
-                if metrics is not None:
-                    metrics.hook("attention.tree_mask")
-                if kernel_tree_attention(self, query, kv_cache, attn_metadata, output, step):
-                    if metrics is not None:
-                        metrics.hook("attention.tree_kernel")
-                elif getattr(step, "graph_capture", None) is not None:
-                    reason = self.__dict__.get("_tfm_config_reason") or "the tree attention kernel cannot run here"
-                    raise FullTreeGraphsUnavailable(f"tree attention: {reason}")
-                else:
-                    masked_tree_attention(self, layer, query, kv_cache, attn_metadata, output, step.attn_trees)
+                    kernel = skipped = kernel_tree_attention(self, query, kv_cache, attn_metadata, output, step)
+            if not skipped:
+                out = super().forward(
+                    layer, query, key, value, kv_cache, attn_metadata, output, output_scale, output_block_scale
+                )
+                with TIMER.span("attention_tree"):
+                    # (when ``whole``, the kernel has just said it cannot run: the fallback directly)
+                    kernel = not whole and kernel_tree_attention(self, query, kv_cache, attn_metadata, output, step)
+                    if not kernel:
+                        if getattr(step, "graph_capture", None) is not None:
+                            reason = self.__dict__.get("_tfm_config_reason") or "the tree attention kernel cannot run here"
+                            raise FullTreeGraphsUnavailable(f"tree attention: {reason}")
+                        masked_tree_attention(self, layer, query, kv_cache, attn_metadata, output, step.attn_trees)
+            metrics = STATE.metrics
+            if metrics is not None:
+                metrics.hook("attention.tree_mask")
+                if kernel:
+                    metrics.hook("attention.tree_kernel")
+                if skipped:
+                    metrics.hook("attention.batched_skipped")
         return out
 
 
