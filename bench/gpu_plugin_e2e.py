@@ -60,7 +60,8 @@ SSM_DTYPE = os.environ.get("TFM_E2E_SSM_DTYPE") or None
 VOCAB, HIDDEN = 4096, 512
 # TFM_E2E_ZOO=<dir>: run on a trained toy zoo (<dir>/target, <dir>/drafter) instead of random
 # models; prompts are then windows of this repository's own Python files, tokenized with the zoo's
-# tokenizer (text the target reads like its training data, but not from it).
+# tokenizer (text the target reads like its training data, but not from it), fixed in
+# bench/plugin_zoo_prompts.json.
 ZOO = os.environ.get("TFM_E2E_ZOO")
 if ZOO:
     ZOO = str(Path(ZOO).resolve())
@@ -93,10 +94,27 @@ def log(*args: object) -> None:
     print(f"[tfm-e2e {time.time() - T0:7.1f}s]", *args, flush=True)
 
 
+PROMPT_FILE = REPO / "bench" / "plugin_zoo_prompts.json"
+
+
 def prompts() -> list[list[int]]:
-    rng = random.Random(1234)
+    """Random token ids of PROMPT_LENS for the random models; with TFM_E2E_ZOO the first
+    TFM_E2E_PROMPTS of the fixed zoo prompts (``bench/plugin_zoo_prompts.json``, drawn by
+    :func:`draw_zoo_prompts` at one commit: drawn from the live source files, they changed with
+    every edit of those files, and the acceptance with them)."""
     if not ZOO:
+        rng = random.Random(1234)
         return [[rng.randrange(2, VOCAB - 2) for _ in range(n)] for n in PROMPT_LENS]
+    fixed = json.loads(PROMPT_FILE.read_text())["prompts"]
+    if len(PROMPT_LENS) > len(fixed):
+        raise SystemExit(f"TFM_E2E_PROMPTS={len(PROMPT_LENS)}: {PROMPT_FILE.name} holds {len(fixed)} prompts")
+    return fixed[: len(PROMPT_LENS)]
+
+
+def draw_zoo_prompts() -> list[list[int]]:
+    """How ``bench/plugin_zoo_prompts.json`` was drawn (windows of PROMPT_LENS token ids of this
+    repository's Python files over 4,000 bytes, zoo tokenizer, random.Random(1234))."""
+    rng = random.Random(1234)
     from tokenizers import Tokenizer
 
     tok = Tokenizer.from_file(str(SOURCE_TARGET / "tokenizer.json"))
