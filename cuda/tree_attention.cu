@@ -40,7 +40,6 @@
 #define TA_BM 64          // rows per CTA
 #define TA_THREADS 128    // 4 warps x 16 rows
 #define TA_MAX_SPLITS 16  // key splits per row tile
-#define TA_MU 8           // merge: float4 items per thread per pass
 #define TA_NT (TA_BN / 8)  // 8-key column tiles of S per warp
 #define TA_DT (TA_D / 8)   // 8-column tiles of O per warp
 #define TA_EPC (16 / (int)sizeof(tin))  // elements per 16-byte chunk
@@ -405,45 +404,23 @@ tree_attention(const tin* __restrict__ q, i64 q_row, i64 q_head,
     for (int sp = 0; sp < splits; ++sp) s_w[tid][sp] *= inv;
   }
   __syncthreads();
-  // TA_MU float4 items per thread per pass, each split's TA_MU loads issued before any is used: the
-  // partials are read from L2 in splits x passes dependent rounds, not splits x items (bench/NOTES.md
-  // section 40). A split's O is loaded even where its weight is 0 (an empty split, or one no key of
-  // which the row sees, wrote no O there: the value is discarded, never multiplied).
-  for (int base = tid; base < TA_BM * (TA_D / 4); base += TA_THREADS * TA_MU) {
-    int rr[TA_MU], dd[TA_MU];
-    bool ok[TA_MU];
-    float4 acc[TA_MU];
-#pragma unroll
-    for (int u = 0; u < TA_MU; ++u) {
-      const int idx = base + u * TA_THREADS;
-      rr[u] = idx / (TA_D / 4);
-      dd[u] = idx - rr[u] * (TA_D / 4);
-      ok[u] = idx < TA_BM * (TA_D / 4) && m0 + rr[u] < rows;
-      acc[u].x = acc[u].y = acc[u].z = acc[u].w = 0.f;
-    }
+  for (int idx = tid; idx < TA_BM * (TA_D / 4); idx += TA_THREADS) {
+    const int r = idx / (TA_D / 4), d4 = idx - r * (TA_D / 4);
+    const int m = m0 + r;
+    if (m >= rows) continue;
+    float4 acc;
+    acc.x = acc.y = acc.z = acc.w = 0.f;
     for (int sp = 0; sp < splits; ++sp) {
-      float4 v[TA_MU];
-#pragma unroll
-      for (int u = 0; u < TA_MU; ++u) {
-        if (ok[u]) v[u] = ld_cg4(ws_o + ((slot * splits + sp) * TA_BM + rr[u]) * TA_D + dd[u] * 4);
-      }
-#pragma unroll
-      for (int u = 0; u < TA_MU; ++u) {
-        const float w = ok[u] ? s_w[rr[u]][sp] : 0.f;
-        if (w != 0.f) {
-          acc[u].x = fmaf(w, v[u].x, acc[u].x);
-          acc[u].y = fmaf(w, v[u].y, acc[u].y);
-          acc[u].z = fmaf(w, v[u].z, acc[u].z);
-          acc[u].w = fmaf(w, v[u].w, acc[u].w);
-        }
+      const float w = s_w[r][sp];
+      if (w != 0.f) {  // an empty split (or one no key of which row r sees) wrote no O
+        const float4 v = ld_cg4(ws_o + ((slot * splits + sp) * TA_BM + r) * TA_D + d4 * 4);
+        acc.x = fmaf(w, v.x, acc.x);
+        acc.y = fmaf(w, v.y, acc.y);
+        acc.z = fmaf(w, v.z, acc.z);
+        acc.w = fmaf(w, v.w, acc.w);
       }
     }
-#pragma unroll
-    for (int u = 0; u < TA_MU; ++u) {
-      if (!ok[u]) continue;
-      const int m = m0 + rr[u];
-      const int j = m / group, g = m - j * group;
-      ta_store4(out + (i64)(start + j) * o_row + (i64)(h * group + g) * o_head + dd[u] * 4, acc[u]);
-    }
+    const int j = m / group, g = m - j * group;
+    ta_store4(out + (i64)(start + j) * o_row + (i64)(h * group + g) * o_head + d4 * 4, acc);
   }
 }
