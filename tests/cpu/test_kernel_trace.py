@@ -123,7 +123,7 @@ def test_categories_of_known_kernel_names() -> None:
 
 
 def test_empty_trace_and_gzip_round_trip(tmp_path: Path) -> None:
-    assert kernel_trace.summarize([]) == {"steps": 0, "activities": 0, "stages": {}}
+    assert kernel_trace.summarize([]) == {"steps": 0, "skip_steps": 0, "activities": 0, "stages": {}}
     p = tmp_path / "t.json.gz"
     with gzip.open(p, "wt") as f:
         json.dump({"traceEvents": _two_steps()}, f)
