@@ -653,3 +653,26 @@ def test_merge_sequential_from_the_command_line(tmp_path: Path, capsys: pytest.C
     assert "- nospec again in" in capsys.readouterr().out
     with pytest.raises(ValueError, match="settings differ"):  # without the switch: runs at the same time
         e2e_report.main([str(pa), str(pb), "--merge", str(out), "--merge-note", "x"])
+
+
+def test_the_breakdown_is_a_typical_decode_step_not_a_mean_lifted_by_the_prefill() -> None:
+    """Per-step sums of 10 steps, the first the prompts' prefill: the forward's median is a decode
+    step's 16 ms, not the mean's 26; a stage that ran in fewer than half the steps keeps its mean
+    over all steps; files without per-step sums keep per_step_ms."""
+    def entry(sums: list[float], steps: int = 10) -> dict:
+        srt = sorted(sums)
+        mid = len(srt) // 2
+        median = srt[mid] if len(srt) % 2 else (srt[mid - 1] + srt[mid]) / 2
+        return {"per_step_ms": sum(sums) / steps, "per_step_sum": {"count": len(sums), "median_ms": median}}
+
+    stages = {"execute_model": entry([120.0] + [20.0] * 9), "target_forward": entry([116.0] + [16.0] * 9),
+              "propose": entry([4.0] * 10), "sample": entry([0.3] * 10), "commit": entry([0.5] * 9),
+              "topology_wait": entry([1.0] * 4)}
+    d = e2e_report.stage_breakdown(stages)
+    assert d["target_forward"] == pytest.approx(16.0) and d["execute_model"] == pytest.approx(20.0)
+    assert d["commit"] == pytest.approx(0.5)  # ran in 9 of 10 steps: its median
+    assert d["prepare_tree"] == pytest.approx(0.4)  # ran in 4 of 10: its total over the 10 steps
+    assert d["overhead_fraction"] == pytest.approx((4.0 + 0.3 + 0.5 + 0.4) / 16.0)
+    mean_only = {k: {"per_step_ms": v["per_step_ms"]} for k, v in stages.items()}
+    assert e2e_report.stage_breakdown(mean_only)["target_forward"] == pytest.approx(26.0)
+    assert e2e_report.forward_split(stages)["target_forward"] == pytest.approx(16.0)
