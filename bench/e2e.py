@@ -132,7 +132,7 @@ def measure_estimate_s(arm: Arm, batches: list[int], output_len: int, mal: float
     H200 (about 0.22 s with tfm's drafting and tree verify, session 5), a run needs output_len / MAL
     steps, plus a few seconds of prefill and bookkeeping."""
     step_s = 0.1 if arm.kind == "nospec" else 0.22
-    runs = 4 if clean_run else 1  # a clean run, --ab-deferred's two runs, the profiled run
+    runs = 4 if clean_run else 1  # a clean run, --ab-deferred's two runs, the profiled run (--ab-device-topology: 3 more)
     per_run = output_len / max(mal, 1.0) * step_s + 3.0
     return 10.0 + runs * len(batches) * per_run
 
@@ -341,6 +341,10 @@ def run_arm(arm: Arm, settings_path: Path) -> int:
                     run["deferred_on_again"] = one_run(llm, ps[:b], params)
                     log(f"{arm.name} b{b} clean, deferred drafts off: {run['deferred_off']['decode_tokens_per_s']} "
                         f"decode tok/s, on again: {run['deferred_on_again']['decode_tokens_per_s']}")
+                if s.get("ab_device_topology") and arm.kind == "tfm":  # on (above), off, on, off: order effects show
+                    run["device_topology_ab"] = device_topology_ab_runs(llm, ps[:b], params)
+                    log(f"{arm.name} b{b} clean, device topology off / on / off: "
+                        + ", ".join(str(r["decode_tokens_per_s"]) for r in run["device_topology_ab"]) + " decode tok/s")
             llm.collective_rpc(set_stage_timing, kwargs={"enabled": True, "reset": True})
             prof = one_run(llm, ps[:b], params)
             prof.update(llm.collective_rpc(collect_stage_timings, kwargs={"reset": True})[0])
@@ -426,6 +430,29 @@ def deferred_off_run(llm: Any, ps: list[list[int]], params: Any) -> dict[str, An
     finally:
         llm.collective_rpc(set_deferred_drafts, args=(None,))
     out["placeholder_steps"] = placeholder_steps() - before  # 0: the run was the synchronous path
+    return out
+
+
+def device_topology_ab_runs(llm: Any, ps: list[list[int]], params: Any) -> list[dict[str, Any]]:
+    """Three more clean runs after the arm's clean run (device topology on): off, on, off
+    (runtime/device_topology.py; then back to the environment's setting), each with the number of
+    steps whose topology the kernel wrote (``topology_device_steps``): a same-engine A/B."""
+    from vllm_tfm.vllm_plugin.runtime import collect_tree_metrics, set_device_topology
+
+    def device_steps() -> int:
+        return int(((llm.collective_rpc(collect_tree_metrics)[0] or {}).get("hooks") or {}).get("topology.device") or 0)
+
+    out = []
+    try:
+        for on in (False, True, False):
+            llm.collective_rpc(set_device_topology, args=(on,))
+            before = device_steps()
+            run = one_run(llm, ps, params)
+            run["device_topology"] = on
+            run["topology_device_steps"] = device_steps() - before
+            out.append(run)
+    finally:
+        llm.collective_rpc(set_device_topology, args=(None,))
     return out
 
 
@@ -558,6 +585,7 @@ def driver(args: argparse.Namespace) -> int:
         "kernel_profile": str(out) if args.kernel_profile else None,
         "kernel_profile_tokens": args.kernel_profile_tokens,
         "ab_deferred": args.ab_deferred,
+        "ab_device_topology": args.ab_device_topology,
         # tfm switches set for this run (e.g. VLLM_TFM_WEAVER_GRAPHS=1), benchmark-only ones excluded
         "tfm_env": tfm_switches(os.environ),
     }
@@ -677,6 +705,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--ab-deferred", action="store_true",
                     help="tfm arms: one more clean run per batch with deferred drafts off (runtime/deferred_drafts.py), "
                          "on the same engine: a same-machine before / after in the arm's JSON (deferred_off)")
+    ap.add_argument("--ab-device-topology", action="store_true",
+                    help="tfm arms: three more clean runs per batch with the full-graph steps' device topology off, "
+                         "on, off (runtime/device_topology.py), on the same engine (device_topology_ab in the arm's JSON)")
     ap.add_argument("--child", help=argparse.SUPPRESS)
     ap.add_argument("--settings", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)

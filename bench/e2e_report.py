@@ -293,6 +293,7 @@ def render_markdown(results: dict[str, Any]) -> str:
             ]
         lines += _forward_split_table(arms, b)
     lines += _deferred_ab_lines(arms, batches)
+    lines += _topology_ab_lines(arms, batches)
     goals = summ["goals"]
     if goals:
         lines += ["", ("Goals (issue 7): drafting overhead <= 15% of the target forward at batch 1; >= 4.5x over no-spec "
@@ -362,6 +363,28 @@ def _deferred_ab_lines(arms: dict[str, Any], batches: list[int]) -> list[str]:
         return []
     return ["", "Deferred drafts on / off on the same engine, decode tokens/s (clean runs in this order; "
             "VLLM_TFM_DEFERRED_DRAFTS, runtime/deferred_drafts.py):", "", *out]
+
+
+def _topology_ab_lines(arms: dict[str, Any], batches: list[int]) -> list[str]:
+    """The same-engine A/B of the device topology (``bench/e2e.py --ab-device-topology``), where an arm
+    ran it: decode tokens/s of the clean run (on), then off, on, off."""
+    out = []
+    for name, arm in arms.items():
+        cells = []
+        for b in batches:
+            run = _batch(arm, b) or {}
+            ab = run.get("device_topology_ab")
+            if not ab:
+                continue
+            seq = [("on", run.get("decode_tokens_per_s"))] + [("on" if r.get("device_topology") else "off",
+                                                                r.get("decode_tokens_per_s")) for r in ab]
+            cells.append(f"batch {b}: " + ", ".join(f"{k} {_f(v)}" for k, v in seq))
+        if cells:
+            out.append(f"- {name}: " + "; ".join(cells))
+    if not out:
+        return []
+    return ["", "Device topology of full-graph steps on / off on the same engine, decode tokens/s (clean runs in "
+            "this order; VLLM_TFM_DEVICE_TOPOLOGY, runtime/device_topology.py):", "", *out]
 
 
 def _forward_split_table(arms: dict[str, Any], b: int) -> list[str]:

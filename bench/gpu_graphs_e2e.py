@@ -18,16 +18,19 @@ batch 1 (each prompt alone):
                  KV-cache group instead of one build and block-table updates): same arithmetic
   tfm-fullpw-sync  tfm-fullpw with VLLM_TFM_DEFERRED_DRAFTS=0 (the scheduler gets the drafts' tokens,
                  the host waits for the drafter): the same drafts, tokens and acceptance
+  tfm-fullpw-hosttopo  tfm-fullpw with VLLM_TFM_DEVICE_TOPOLOGY=0 (a full-graph step's plans and depth
+                 positions built on the host, not by the topology kernel): the same tables, tokens
 
 Verdicts (all must hold for exit code 0): tfm-graphs == nospec-graphs, tfm-graphs == tfm-eager,
 tfm-eager == nospec-eager, tfm-fullpw == nospec-graphs, tfm-fullpw == tfm-fullpw-pergroup,
-tfm-fullpw == tfm-fullpw-sync (batch 8
+tfm-fullpw == tfm-fullpw-sync, tfm-fullpw == tfm-fullpw-hosttopo (batch 8
 and batch 1, every prompt, every token); tfm-graphs ran its tree steps in piecewise graphs (the
 runtime's ``cudagraph.tree.PIECEWISE`` counter > 0) and never in a full graph; the tfm-fullpw
 engines replayed full graphs for tree steps (``cudagraph.tree.FULL`` > 0); the -pergroup engine
 never reused GDN metadata and, on the random models, the other tfm engines did
 (``gdn.metadata_reused`` > 0); the -sync engine handed the scheduler no placeholder drafts, every
-other tfm engine some, and tfm-fullpw-sync's mean accepted length equals tfm-fullpw's. nospec-graphs vs nospec-eager (compiled vs eager numerics) is reported, not required. A divergence is reported
+other tfm engine some, and tfm-fullpw-sync's mean accepted length equals tfm-fullpw's; tfm-fullpw
+wrote some steps' topology on the device (``topology.device`` > 0), the -hosttopo engine none. nospec-graphs vs nospec-eager (compiled vs eager numerics) is reported, not required. A divergence is reported
 with its position and the no-spec top-2 log-probability margin there.
 
 TFM_GRAPHS_MODELS=random: instead of the zoo, bench/gpu_plugin_e2e.py's random tiny hybrid and
@@ -63,7 +66,7 @@ for _p in (str(REPO), str(BENCH)):
     if _p not in sys.path:
         sys.path.insert(0, _p)
 
-__all__ = ["ENGINES", "REQUIRED", "engine_kwargs", "graph_usage", "main", "verdicts"]
+__all__ = ["ENGINES", "REQUIRED", "engine_kwargs", "graph_usage", "main", "topology_usage", "verdicts"]
 
 ZOO = REPO / "zoo"
 MODELS = os.environ.get("TFM_GRAPHS_MODELS", "zoo")
@@ -89,6 +92,10 @@ ENGINES: dict[str, dict[str, Any]] = {
     # the host waits for the drafter before bookkeeping; the same drafts, so the same tokens and acceptance
     "tfm-fullpw-sync": {"spec": True, "eager": False, "compilation_config": {"cudagraph_mode": "FULL_AND_PIECEWISE"},
                         "env": {"VLLM_TFM_DEFERRED_DRAFTS": "0"}},
+    # tfm-fullpw with the full-graph steps' topology built on the host (runtime/device_topology.py off):
+    # the same tables, so the same tokens bit for bit
+    "tfm-fullpw-hosttopo": {"spec": True, "eager": False, "compilation_config": {"cudagraph_mode": "FULL_AND_PIECEWISE"},
+                            "env": {"VLLM_TFM_DEVICE_TOPOLOGY": "0"}},
 }
 REQUIRED: tuple[tuple[str, str], ...] = (
     ("tfm-graphs", "nospec-graphs"),
@@ -97,10 +104,12 @@ REQUIRED: tuple[tuple[str, str], ...] = (
     ("tfm-fullpw", "nospec-graphs"),
     ("tfm-fullpw", "tfm-fullpw-pergroup"),
     ("tfm-fullpw", "tfm-fullpw-sync"),
+    ("tfm-fullpw", "tfm-fullpw-hosttopo"),
 )
 INFORMATIONAL: tuple[tuple[str, str], ...] = (("nospec-graphs", "nospec-eager"),)
-GRAPH_ENGINES = ("tfm-graphs", "tfm-fullpw", "tfm-fullpw-pergroup", "tfm-fullpw-sync")
+GRAPH_ENGINES = ("tfm-graphs", "tfm-fullpw", "tfm-fullpw-pergroup", "tfm-fullpw-sync", "tfm-fullpw-hosttopo")
 METADATA_REUSED = "gdn.metadata_reused"
+DEVICE_TOPOLOGY = "topology.device"
 
 
 def log(*args: object) -> None:
@@ -220,7 +229,7 @@ def run_engine(name: str, settings_path: Path) -> int:
                 res[f"{label}_graph_steps"] = {k: v for k, v in (snap.get("hooks") or {}).items() if k.startswith("cudagraph.")}
                 # which runtime paths ran (Weaver graph or eager build, tree attention kernel or Triton)
                 res[f"{label}_paths"] = {k: v for k, v in (snap.get("hooks") or {}).items()
-                                         if k.startswith(("weaver.", "attention.", "proposer.", "gdn."))}
+                                         if k.startswith(("weaver.", "attention.", "proposer.", "gdn.", "topology."))}
             log(f"{name} {label}: {sum(map(len, res[label]))} tokens in {res[f'{label}_s']} s "
                 f"{res.get(f'{label}_tree_metrics', '')} {res.get(f'{label}_graph_steps', '')}")
             save()
@@ -308,6 +317,18 @@ def metadata_usage(runs: dict[str, dict[str, Any]], models: str) -> dict[str, An
     return out
 
 
+def topology_usage(runs: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    """Per full-graph tfm engine: steps whose topology the kernel wrote (runtime/device_topology.py).
+    ok iff tfm-fullpw had some and the -hosttopo control none (the others are not judged)."""
+    out: dict[str, Any] = {}
+    for name in ("tfm-fullpw", "tfm-fullpw-hosttopo"):
+        if name not in runs:
+            continue
+        n = sum(int((runs[name].get(f"{label}_paths") or {}).get(DEVICE_TOPOLOGY, 0)) for label in ("b8", "b1"))
+        out[name] = {DEVICE_TOPOLOGY: n, "ok": n == 0 if name.endswith("hosttopo") else n > 0}
+    return out
+
+
 def deferred_usage(runs: dict[str, dict[str, Any]]) -> dict[str, Any]:
     """Per tfm engine: steps whose drafts went to the scheduler as placeholders (runtime/deferred_drafts.py).
     ok iff the -sync control had none and every other tfm engine had some, and the control's mean
@@ -370,11 +391,13 @@ def driver(args: argparse.Namespace) -> int:
               "verdicts": verdicts(runs), "graph_usage": graph_usage(runs),
               "metadata_usage": metadata_usage(runs, MODELS),
               "deferred_usage": deferred_usage(runs),
+              "topology_usage": topology_usage(runs),
               "engines": {n: {k: v for k, v in r.items() if k not in ("b8", "b1", "b8_margins", "b1_margins", "traceback")}
                           for n, r in runs.items()}}
     required = [v["equal"] for v in result["verdicts"].values() if v["required"]]
     ok = bool(required) and all(required) and all(g["ok"] for g in result["graph_usage"].values()) and all(
-        m["ok"] for m in result["metadata_usage"].values()) and all(d["ok"] for d in result["deferred_usage"].values())
+        m["ok"] for m in result["metadata_usage"].values()) and all(d["ok"] for d in result["deferred_usage"].values()) and all(
+        t["ok"] for t in result["topology_usage"].values())
     result["ok"] = ok
     (out / "graphs.json").write_text(json.dumps(result, indent=1, default=str) + "\n")
     for key, v in result["verdicts"].items():
@@ -386,6 +409,8 @@ def driver(args: argparse.Namespace) -> int:
         log(f"graphs {name}: {'OK' if g['ok'] else 'FAIL'} mode {g['cudagraph_mode']} {g['counts']}")
     for name, m in result["metadata_usage"].items():
         log(f"gdn metadata {name}: {'OK' if m['ok'] else 'FAIL'} {METADATA_REUSED} {m[METADATA_REUSED]}")
+    for name, t in result["topology_usage"].items():
+        log(f"topology {name}: {'OK' if t['ok'] else 'FAIL'} {DEVICE_TOPOLOGY} {t[DEVICE_TOPOLOGY]}")
     log(("OK" if ok else "FAIL") + f": results in {out / 'graphs.json'}")
     return 0 if ok else 1
 

@@ -61,6 +61,13 @@ ATTR_TARGETS: tuple[tuple[str, str | None, str], ...] = (
     ("vllm_tfm.vllm_plugin.runtime.metrics", "Metrics", "record_step"),
     ("vllm_tfm.vllm_plugin.runtime.state", "ProposalStore", "_ingest"),  # the wait for the trees' host copy
     ("vllm_tfm.vllm_plugin.runtime.state", "StepTree", "complete"),  # deferred topology (deferred_drafts.py)
+    ("vllm_tfm.vllm_plugin.runtime.state", "ProposalStore", "finalize"),  # the Weaver's deferred tail, then the copy
+    ("vllm_tfm.vllm_plugin.runtime.state", "ProposalStore", "match"),
+    ("vllm_tfm.vllm_plugin.runtime.weaver_graphs", "DeferredTail", "finish"),  # waits for the drafter's end
+    ("vllm_tfm.vllm_plugin.runtime.state", "StepTree", "upload"),
+    ("vllm_tfm.vllm_plugin.runtime.state", None, "packed_upload"),
+    ("vllm_tfm.vllm_plugin.runtime.inputs", None, "_topology_arrays"),
+    ("vllm_tfm.vllm_plugin.runtime.inputs", None, "ancestor_bits_and_depths"),
     ("vllm_tfm.vllm_plugin.runtime.full_graphs", "TreeGraphs", "prepare_replay"),
     ("vllm_tfm.vllm_plugin.runtime.full_graphs", None, "StepKernels"),
     ("vllm_tfm.vllm_plugin.runtime.full_graphs", None, "set_step_kernels"),

@@ -676,3 +676,14 @@ def test_the_breakdown_is_a_typical_decode_step_not_a_mean_lifted_by_the_prefill
     mean_only = {k: {"per_step_ms": v["per_step_ms"]} for k, v in stages.items()}
     assert e2e_report.stage_breakdown(mean_only)["target_forward"] == pytest.approx(26.0)
     assert e2e_report.forward_split(stages)["target_forward"] == pytest.approx(16.0)
+
+
+def test_the_device_topology_ab_is_reported_in_run_order() -> None:
+    res = results()
+    run = res["arms"]["tfm64"]["batches"]["1"]
+    run["decode_tokens_per_s"] = 150.0
+    run["device_topology_ab"] = [{"device_topology": False, "decode_tokens_per_s": 141.0},
+                                 {"device_topology": True, "decode_tokens_per_s": 151.0},
+                                 {"device_topology": False, "decode_tokens_per_s": 140.5}]
+    md = e2e_report.render_markdown(res)
+    assert "- tfm64: batch 1: on 150.0, off 141.0, on 151.0, off 140.5" in md

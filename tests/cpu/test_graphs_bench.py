@@ -153,3 +153,15 @@ def test_zoo_prompts_are_a_fixed_file_in_the_zoo_vocabulary() -> None:
     assert g.prompts(8) == ps[:8]
     with pytest.raises(SystemExit, match="holds 32 prompts"):
         g.prompts(33)
+
+
+def test_the_topology_control_must_not_write_on_the_device_and_tfm_fullpw_must() -> None:
+    def engine(n: int) -> dict:
+        return {"b8_paths": {g.DEVICE_TOPOLOGY: n}, "b1_paths": {}}
+
+    assert g.ENGINES["tfm-fullpw-hosttopo"]["env"] == {"VLLM_TFM_DEVICE_TOPOLOGY": "0"}
+    assert ("tfm-fullpw", "tfm-fullpw-hosttopo") in g.REQUIRED
+    usage = g.topology_usage({"tfm-fullpw": engine(5), "tfm-fullpw-hosttopo": engine(0), "tfm-eager": engine(0)})
+    assert set(usage) == {"tfm-fullpw", "tfm-fullpw-hosttopo"} and all(u["ok"] for u in usage.values())
+    assert not g.topology_usage({"tfm-fullpw": engine(0)})["tfm-fullpw"]["ok"]  # the kernel never ran
+    assert not g.topology_usage({"tfm-fullpw-hosttopo": engine(2)})["tfm-fullpw-hosttopo"]["ok"]  # switch ignored

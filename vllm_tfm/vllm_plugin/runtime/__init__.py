@@ -48,6 +48,7 @@ from __future__ import annotations
 
 __all__ = [
     "install", "is_installed", "snapshot_metrics", "collect_tree_metrics", "flush_trace", "set_deferred_drafts",
+    "set_device_topology",
 ]
 
 
@@ -113,6 +114,17 @@ def set_deferred_drafts(worker: object = None, on: bool | None = None) -> bool:
     from .deferred_drafts import set_deferred_drafts as _set
 
     return _set(worker, on)
+
+
+def set_device_topology(worker: object = None, on: bool | None = None) -> bool:
+    """The device-side topology of full-graph steps (``device_topology.py``) on or off in this process
+    from the next step on (None: ``VLLM_TFM_DEVICE_TOPOLOGY``); the setting now in force. The
+    signature suits ``LLM.collective_rpc``."""
+    from .device_topology import device_topology_enabled
+    from .device_topology import set_device_topology as _set
+
+    _set(on)
+    return device_topology_enabled()
 
 
 def flush_trace(worker: object = None) -> str | None:

@@ -266,6 +266,13 @@ class TreeGraphs:
         return stash
 
     # ---- replay ------------------------------------------------------------------------------
+    def replay_layouts(self, num_reqs: int) -> tuple[TreePlan, TreeAttentionPlan] | None:
+        """The plan and the tree attention plan a replay of R requests wrote last (their tables live in
+        ``plan_buffer`` / ``attn_buffer`` at addresses fixed by R), or None before the first one: what
+        a device-side fill of the same tables writes into (device_topology.py)."""
+        plan, attn = self._plans.get(num_reqs), self._attn_plans.get(num_reqs)
+        return None if plan is None or attn is None else (plan, attn)
+
     def prepare_replay(self, step: StepTree) -> None:
         """Write the step's trees into the buffers and give it the captured stashes and slot tensors
         (the step replays the full graph of its size next)."""
@@ -273,16 +280,20 @@ class TreeGraphs:
         cap = self.captured.get(step.num_reqs)
         if cap is None or not uniform_tree_step(step, self.nodes):
             raise RuntimeError(f"vllm-tfm: no full tree graph fits this step ({step.num_reqs} requests)")
-        # a uniform step's rows are its spec rows in order: one set of ancestor bitmasks serves both plans,
-        # computed with the step's depths when it is small (inputs._topology_arrays)
-        bits = step.ancestor_bits if step.ancestor_bits is not None else ragged_ancestor_bits(step.spec_parents,
-                                                                                               step.spec_cu)
         r = step.num_reqs
-        plan = TreePlan.build_into(self.plan_buffer, step.spec_parents, step.spec_cu, self.nodes, ancestor_bits=bits,
-                                   depth_bound=self.depth_bound, layout=self._plans.get(r))
-        self._attn_plans[r] = TreeAttentionPlan.build_into(self.attn_buffer, step.query_start[:-1], step.local_parent,
-                                                           self.nodes, ancestor_bits=bits, layout=self._attn_plans.get(r))
-        self._plans[r] = plan
+        if step.device_topology:  # the tables are in the buffers already (device_topology.py), same layout
+            plan = self._plans[r]
+        else:
+            # a uniform step's rows are its spec rows in order: one set of ancestor bitmasks serves both
+            # plans, computed with the step's depths when it is small (inputs._topology_arrays)
+            bits = step.ancestor_bits if step.ancestor_bits is not None else ragged_ancestor_bits(step.spec_parents,
+                                                                                                   step.spec_cu)
+            plan = TreePlan.build_into(self.plan_buffer, step.spec_parents, step.spec_cu, self.nodes,
+                                       ancestor_bits=bits, depth_bound=self.depth_bound, layout=self._plans.get(r))
+            self._attn_plans[r] = TreeAttentionPlan.build_into(self.attn_buffer, step.query_start[:-1],
+                                                               step.local_parent, self.nodes, ancestor_bits=bits,
+                                                               layout=self._attn_plans.get(r))
+            self._plans[r] = plan
         step.gdn = dict(cap.stashes)
         groups = {key: dataclasses.replace(g, commit=None) for key, g in cap.groups.items()}
         set_step_kernels(StepKernels(step, self.device, plan=plan, groups=groups))

@@ -123,6 +123,7 @@ def _wrap_determine(orig: Callable) -> Callable:
                     "run with cudagraph_mode=PIECEWISE"
                 )
             if allow_full:  # the trees into the graph's buffers once their topology is known (deferred drafts)
+                step.replay_graphs = graphs
                 step.after_topology(graphs.prepare_replay)
         if STATE.metrics is not None:
             STATE.metrics.hook(f"cudagraph.{'tree' if tree else 'other'}.{mode}")

@@ -48,6 +48,7 @@ import torch
 from .accepted_offsets import OffsetPlan, move_states_to_slot0, plan_offsets
 from .commit import commit_gdn_layers, compact_kv, compaction_rows, spec_accepted
 from .deferred_drafts import deferred_drafts_enabled, fill_input_ids, placeholder_drafts
+from .device_topology import launch_device_topology
 from .inputs import build_step_tree, tree_positions
 from .metrics import Metrics
 from .sampler import TFMTreeSampler, needs_native_sampler
@@ -191,7 +192,7 @@ def _tree_positions_and_counts(runner: Any, step: StepTree) -> None:
     """Once the step's topology is known: depth positions (RoPE) of a tree-active step into vLLM's
     positions buffer (the sequential ones kept for the drafter), and the step's tree counters."""
     metrics = STATE.metrics
-    if step.tree_active:
+    if step.tree_active and not step.device_topology:  # else the topology kernel wrote them (device_topology.py)
         t = step.num_tokens
         pos = runner.mrope_positions.gpu[:, :t] if runner.uses_mrope else runner.positions[:t]
         step.seq_positions = pos.clone()
@@ -211,8 +212,10 @@ def _wrap_preprocess(orig: Callable) -> Callable:
                     if fill is not None:
                         STATE.store.finalize()  # the last build's end (may wait for the drafter)
                         STATE.metrics.placeholder_drafts_filled += fill.apply(self.input_ids.gpu) + fill.host_filled
-                    if step is not None:
-                        step.complete()  # the trees' topology (their host copy): positions, plans, uploads
+                    # the trees' topology: on the device for a full-graph replay (its host copy is read after the
+                    # forward's launch), else from the host copy now: positions, plans, uploads
+                    if step is not None and not launch_device_topology(self, step):
+                        step.complete()
         return orig(self, *args, **kwargs)
 
     return _preprocess

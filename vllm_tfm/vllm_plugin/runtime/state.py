@@ -181,6 +181,17 @@ class ProposalStore:
             for rid in [r for r in self._records if r not in live]:
                 del self._records[rid]
 
+    def latest_parents(self, req_ids: Sequence[str], nodes: int) -> tuple[Tensor, list[int]] | None:
+        """(device parents [P, nodes] of the most recent proposal, each request's row in it) when that
+        proposal included every one of ``req_ids`` with trees of ``nodes`` nodes (no wait); else None."""
+        if self._latest is None:
+            return None
+        rows_of, _, parents = self._latest
+        if parents.shape[1] != nodes:
+            return None
+        rows = [rows_of.get(r) for r in req_ids]
+        return None if any(i is None for i in rows) else (parents, rows)  # type: ignore[return-value]
+
     def device_drafts(self, req_id: str) -> tuple[Tensor, int] | None:
         """(device tokens [R, B] of the most recent proposal, the request's row) when that proposal
         included ``req_id`` (no wait); None otherwise."""
@@ -326,6 +337,8 @@ class StepTree:
     graph_capture: Any = None  # full_graphs.TreeGraphs while this is the step of a full tree graph capture
     attn_max_seq_len: int | None = None  # bound of seq_lens the tree attention sizes its key splits by (captures)
     full_graph: bool = False  # replays a full tree graph (full_graphs.TreeGraphs.prepare_replay)
+    replay_graphs: Any = None  # the full_graphs.TreeGraphs this step was dispatched to replay (graph_dispatch.py)
+    device_topology: bool = False  # its graph's tables and depth positions were written on the device (device_topology.py)
     _dev: dict[str, Tensor] = field(default_factory=dict, repr=False)
     _attn_trees: list[AttnTree] | None = field(default=None, repr=False)
     _attn_plan: TreeAttentionPlan | None = field(default=None, repr=False)
