@@ -344,47 +344,44 @@ def _repeated_arm_lines(repeats: list[dict[str, Any]], arms: dict[str, Any], bat
     return ["", "Arms run again in a later command (the table keeps the first run), tokens/s as in the table:", "", *out]
 
 
+def _ab_lines(arms: dict[str, Any], batches: list[int], cell: Any, title: str) -> list[str]:
+    """Markdown lines of a same-engine A/B: ``cell(run)`` is a batch's runs as text (None: that batch
+    ran no A/B), one line per arm that ran one, under ``title``."""
+    out = []
+    for name, arm in arms.items():
+        cells = [f"batch {b}: {c}" for b in batches if (c := cell(_batch(arm, b) or {})) is not None]
+        if cells:
+            out.append(f"- {name}: " + "; ".join(cells))
+    return ["", title, "", *out] if out else []
+
+
 def _deferred_ab_lines(arms: dict[str, Any], batches: list[int]) -> list[str]:
     """The same-engine A/B of deferred drafts (``bench/e2e.py --ab-deferred``), where an arm ran it:
     decode tokens/s of the clean run (on), the run with them off, and on again."""
-    out = []
-    for name, arm in arms.items():
-        cells = []
-        for b in batches:
-            run = _batch(arm, b) or {}
-            off, again = run.get("deferred_off"), run.get("deferred_on_again")
-            if not off:
-                continue
-            cells.append(f"batch {b}: on {_f(run.get('decode_tokens_per_s'))}, off {_f(off.get('decode_tokens_per_s'))}, "
-                         f"on again {_f((again or {}).get('decode_tokens_per_s'))}")
-        if cells:
-            out.append(f"- {name}: " + "; ".join(cells))
-    if not out:
-        return []
-    return ["", "Deferred drafts on / off on the same engine, decode tokens/s (clean runs in this order; "
-            "VLLM_TFM_DEFERRED_DRAFTS, runtime/deferred_drafts.py):", "", *out]
+    def cell(run: dict[str, Any]) -> str | None:
+        off, again = run.get("deferred_off"), run.get("deferred_on_again")
+        if not off:
+            return None
+        return (f"on {_f(run.get('decode_tokens_per_s'))}, off {_f(off.get('decode_tokens_per_s'))}, "
+                f"on again {_f((again or {}).get('decode_tokens_per_s'))}")
+
+    return _ab_lines(arms, batches, cell, "Deferred drafts on / off on the same engine, decode tokens/s (clean runs "
+                     "in this order; VLLM_TFM_DEFERRED_DRAFTS, runtime/deferred_drafts.py):")
 
 
 def _topology_ab_lines(arms: dict[str, Any], batches: list[int]) -> list[str]:
     """The same-engine A/B of the device topology (``bench/e2e.py --ab-device-topology``), where an arm
     ran it: decode tokens/s of the clean run (on), then off, on, off."""
-    out = []
-    for name, arm in arms.items():
-        cells = []
-        for b in batches:
-            run = _batch(arm, b) or {}
-            ab = run.get("device_topology_ab")
-            if not ab:
-                continue
-            seq = [("on", run.get("decode_tokens_per_s"))] + [("on" if r.get("device_topology") else "off",
-                                                                r.get("decode_tokens_per_s")) for r in ab]
-            cells.append(f"batch {b}: " + ", ".join(f"{k} {_f(v)}" for k, v in seq))
-        if cells:
-            out.append(f"- {name}: " + "; ".join(cells))
-    if not out:
-        return []
-    return ["", "Device topology of full-graph steps on / off on the same engine, decode tokens/s (clean runs in "
-            "this order; VLLM_TFM_DEVICE_TOPOLOGY, runtime/device_topology.py):", "", *out]
+    def cell(run: dict[str, Any]) -> str | None:
+        ab = run.get("device_topology_ab")
+        if not ab:
+            return None
+        seq = [("on", run.get("decode_tokens_per_s"))] + [
+            ("on" if r.get("device_topology") else "off", r.get("decode_tokens_per_s")) for r in ab]
+        return ", ".join(f"{k} {_f(v)}" for k, v in seq)
+
+    return _ab_lines(arms, batches, cell, "Device topology of full-graph steps on / off on the same engine, decode "
+                     "tokens/s (clean runs in this order; VLLM_TFM_DEVICE_TOPOLOGY, runtime/device_topology.py):")
 
 
 def _forward_split_table(arms: dict[str, Any], b: int) -> list[str]:
