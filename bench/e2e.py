@@ -132,7 +132,7 @@ def measure_estimate_s(arm: Arm, batches: list[int], output_len: int, mal: float
     H200 (about 0.22 s with tfm's drafting and tree verify, session 5), a run needs output_len / MAL
     steps, plus a few seconds of prefill and bookkeeping."""
     step_s = 0.1 if arm.kind == "nospec" else 0.22
-    runs = 4 if clean_run else 1  # a clean run, --ab-deferred's two runs, the profiled run (--ab-device-topology: 3 more)
+    runs = 4 if clean_run else 1  # a clean run, --ab-deferred's two runs, the profiled run (--ab-device-topology's 3 not counted)
     per_run = output_len / max(mal, 1.0) * step_s + 3.0
     return 10.0 + runs * len(batches) * per_run
 

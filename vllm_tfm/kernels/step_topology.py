@@ -33,9 +33,10 @@ from torch import Tensor
 
 from vllm_tfm.kernels.loader import get_kernel, kernels_unavailable_reason, launch, tensor_device_index
 from vllm_tfm.kernels.plan import TreePlan, upload_into
-from vllm_tfm.tree.bitmask import ancestor_bits_and_depths
+from vllm_tfm.tree.bitmask import ancestor_bits_and_depths, ragged_ancestor_bits
 
-__all__ = ["MAX_NODES", "MAX_N", "NOT_CUDA", "step_topology", "step_topology_reference", "unsupported_reason"]
+__all__ = ["MAX_NODES", "MAX_N", "NOT_CUDA", "step_topology", "step_topology_kernel", "step_topology_reference",
+           "unsupported_reason"]
 
 SOURCE = "tree_step_topology.cu"
 THREADS = 512  # TOPO_THREADS
@@ -93,6 +94,13 @@ def step_topology(parents: Tensor, rows: Tensor | None, n: int, plan: Tensor, bi
     reason = _shape_error(parents, rows, n, plan, bits, positions, err)
     if reason is not None:
         raise ValueError(f"step_topology: {reason}")
+    step_topology_kernel(parents, rows, n, plan, bits, positions, err)
+
+
+def step_topology_kernel(parents: Tensor, rows: Tensor | None, n: int, plan: Tensor, bits: Tensor,
+                         positions: Tensor | None, err: Tensor) -> None:
+    """The launch itself, for arguments ``unsupported_reason`` accepted (not checked again: the
+    runtime checks once per step, runtime/device_topology.py)."""
     r = bits.shape[0] // n
     kernel = get_kernel(SOURCE, "tree_step_topology", ["--std=c++17", "-lineinfo"], tensor_device_index(parents))
     i32, i64 = ctypes.c_int, ctypes.c_longlong
@@ -115,8 +123,6 @@ def step_topology_reference(parents: Tensor, rows: Tensor | None, n: int, plan: 
     cu = np.arange(r + 1, dtype=np.int64) * n
     anc, depth = ancestor_bits_and_depths(flat, cu)  # validates: ValueError naming the first bad parent
     if anc.shape[1] != bits.shape[1]:  # more than 64 nodes: whole-array bits of the step's width
-        from vllm_tfm.tree.bitmask import ragged_ancestor_bits
-
         anc = ragged_ancestor_bits(flat, cu, words=bits.shape[1])
     TreePlan.build_into(plan, flat, cu, n, ancestor_bits=anc)
     upload_into(bits, torch.from_numpy(np.ascontiguousarray(anc)))

@@ -92,7 +92,7 @@ def launch_device_topology(runner: Any, step: StepTree) -> bool:
     if kst.unsupported_reason(parents, rows_dev, n, graphs.plan_buffer, attn.bits_dev, positions, err) is not None:
         return False
     step.seq_positions = positions.clone()  # sequential positions, for the drafter (as the host path keeps them)
-    kst.step_topology(parents, rows_dev, n, graphs.plan_buffer, attn.bits_dev, positions, err)
+    kst.step_topology_kernel(parents, rows_dev, n, graphs.plan_buffer, attn.bits_dev, positions, err)
     step.device_topology = True
     if STATE.metrics is not None:
         STATE.metrics.hook("topology.device")
