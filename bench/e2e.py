@@ -458,23 +458,35 @@ def device_topology_ab_runs(llm: Any, ps: list[list[int]], params: Any) -> list[
 
 def host_spans_run(llm: Any, ps: list[list[int]], params: Any) -> dict[str, Any]:
     """One more run of the batch with wall-clock spans around the engine's methods (bench/host_spans.py):
-    per-step host milliseconds by method, inclusive and exclusive."""
+    per-step host milliseconds by method, inclusive and exclusive, and a typical step's timeline: at the
+    entry and exit of host_spans.MARKED, when the host got there and when the GPU did (CUDA events)."""
     import host_spans
+    import torch
 
-    clock = host_spans.SpanClock()
+    def marker() -> Any:
+        ev = torch.cuda.Event(enable_timing=True)
+        ev.record()
+        return ev
+
+    clock = host_spans.SpanClock(marker=marker, marked=host_spans.MARKED)
     installed = host_spans.install(clock, host_spans.engine_objects(llm))
     patched, missing = host_spans.install_attrs(clock)
     gc_clock = host_spans.GcClock()
     gc_clock.install()
+    torch.cuda.synchronize()
+    base = marker()  # on the idle GPU: its timestamp is (within microseconds) the host's time below
+    base_s = clock.clock()
     try:
         res = one_run(llm, ps, params)
     finally:
         gc_clock.uninstall()
         host_spans.uninstall_attrs(patched)
         host_spans.uninstall(installed)
+    torch.cuda.synchronize()
     steps = clock.stats.get("runner.execute_model")
     out = clock.report(steps.count if steps is not None else 0, res["wall_s"])
     out["gc"] = gc_clock.report(steps.count if steps is not None else 0)
+    out["timeline"] = host_spans.step_timeline(clock.marks, base_s, base, lambda a, b: a.elapsed_time(b))
     out.update(output_tokens=res["output_tokens"], installed=[f"{type(o).__name__}.{n}" for o, n in installed],
                attrs_missing=missing)
     return out

@@ -12,6 +12,11 @@ every span (``LLM.generate``'s own loop and output handling).
 Why this and not cProfile (``--host-profile``): cProfile charges every Python call, which doubles
 the host time of a step of many small calls; these timers cost two ``perf_counter`` calls per
 span, a few dozen spans per step.
+
+The step's timeline (:func:`step_timeline`): at the entry and exit of the spans in :data:`MARKED` a
+CUDA event is recorded too, so each point of a typical step says when the host got there and when
+the GPU did; where the two meet, the GPU was waiting for the host. ``CUDAGraphWrapper.__call__`` is
+split by what the call did (replayed its graph or ran the wrapped code) and for which caller.
 """
 
 from __future__ import annotations
@@ -24,12 +29,16 @@ from typing import Any
 
 __all__ = [
     "ATTR_TARGETS",
+    "MARKED",
+    "SUFFIXES",
     "TARGETS",
     "GcClock",
     "SpanClock",
     "engine_objects",
+    "graph_call_suffix",
     "install",
     "install_attrs",
+    "step_timeline",
     "uninstall",
     "uninstall_attrs",
 ]
@@ -82,9 +91,39 @@ ATTR_TARGETS: tuple[tuple[str, str | None, str], ...] = (
     ("vllm.v1.attention.backends.triton_attn", "TritonAttentionMetadataBuilder", "update_block_table"),
     ("vllm.v1.worker.block_table", "MultiGroupBlockTable", "compute_slot_mapping"),
     ("vllm.v1.worker.block_table", "MultiGroupBlockTable", "commit_block_table"),
-    ("vllm.compilation.cuda_graph", "CUDAGraphWrapper", "__call__"),
+    ("vllm.compilation.cuda_graph", "CUDAGraphWrapper", "__call__"),  # labelled by mode and caller: SUFFIXES
+    ("vllm.compilation.cuda_graph", None, "get_forward_context"),
+    ("vllm.compilation.cuda_graph", None, "is_forward_context_available"),
+    ("vllm.compilation.cuda_graph", None, "get_offloader"),
     ("torch.cuda.graphs", "CUDAGraph", "replay"),
 )
+
+# Spans whose entry and exit get a GPU mark when the clock has a marker (e2e.py --host-spans): the points
+# of a step where it matters whether the GPU is still busy or waits for the host.
+MARKED: frozenset[str] = frozenset({
+    "runner.execute_model", "runner._prepare_inputs", "runner._build_attention_metadata", "runner._preprocess",
+    "runner._model_forward", "runner._sample", "runner._bookkeeping_sync", "runner._update_states_after_model_execute",
+    "runner.propose_draft_token_ids", "drafter.propose", "scheduler.schedule",
+})
+
+
+def graph_call_suffix(clock: SpanClock, args: tuple[Any, ...]) -> str:
+    """``[<the wrapper's mode> replay|run:<the step's mode> < <caller span>]`` for CUDAGraphWrapper.__call__:
+    whether this call replays its graph or runs the wrapped code, and for whom."""
+    wrapper = args[0] if args else None
+    mode = getattr(getattr(wrapper, "runtime_mode", None), "name", "?")
+    try:
+        from vllm.forward_context import get_forward_context, is_forward_context_available
+
+        now = getattr(get_forward_context().cudagraph_runtime_mode, "name", "?") if is_forward_context_available() \
+            else "no-context"
+    except Exception:  # noqa: BLE001 - a label, never a failure of the timed call
+        now = "?"
+    how = "replay" if now == mode else f"run:{now}"
+    return f"[{mode} {how} < {clock.parent() or '-'}]"
+
+
+SUFFIXES: dict[str, Callable[[SpanClock, tuple[Any, ...]], str]] = {"CUDAGraphWrapper.__call__": graph_call_suffix}
 
 
 @dataclass
@@ -96,24 +135,47 @@ class _Stat:
 
 @dataclass
 class SpanClock:
-    """Nested wall-clock spans: ``with clock.span(name)`` or :meth:`wrap`."""
+    """Nested wall-clock spans: ``with clock.span(name)`` or :meth:`wrap`.
+
+    GPU marks (optional): for the spans named in ``marked``, ``marker()`` is called at the span's entry
+    and exit (on the GPU host: a CUDA event recorded on the current stream) and kept with the host
+    time; :func:`step_timeline` turns them into where the host and the GPU stood at each point of a
+    typical step."""
 
     clock: Callable[[], float] = time.perf_counter
     stats: dict[str, _Stat] = field(default_factory=dict)
-    _stack: list[list[float]] = field(default_factory=list)  # [start, child seconds] per open span
+    _stack: list[list[Any]] = field(default_factory=list)  # [start, child seconds, label] per open span
     top_level_s: float = 0.0
+    marker: Callable[[], Any] | None = None
+    marked: frozenset[str] = frozenset()
+    marks: list[tuple[str, str, float, Any]] = field(default_factory=list)  # (span, "start"/"end", host s, stamp)
+    max_marks: int = 100_000
 
-    def wrap(self, name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
+    def parent(self) -> str | None:
+        """The innermost open span's label."""
+        return self._stack[-1][2] if self._stack else None
+
+    def _mark(self, name: str, phase: str) -> None:
+        if self.marker is not None and name in self.marked and len(self.marks) < self.max_marks:
+            stamp = self.marker()
+            self.marks.append((name, phase, self.clock(), stamp))
+
+    def wrap(self, name: str, fn: Callable[..., Any],
+             suffix: Callable[[SpanClock, tuple[Any, ...]], str] | None = None) -> Callable[..., Any]:
+        """``fn`` timed as ``name`` (plus ``suffix(clock, args)`` when given: e.g. which caller, which mode)."""
+
         @functools.wraps(fn)
         def timed(*args: Any, **kwargs: Any) -> Any:
-            frame = [self.clock(), 0.0]
+            label = name if suffix is None else name + suffix(self, args)
+            self._mark(name, "start")
+            frame: list[Any] = [self.clock(), 0.0, label]
             self._stack.append(frame)
             try:
                 return fn(*args, **kwargs)
             finally:
                 took = self.clock() - frame[0]
                 self._stack.pop()
-                st = self.stats.setdefault(name, _Stat())
+                st = self.stats.setdefault(label, _Stat())
                 st.count += 1
                 st.inclusive_s += took
                 st.exclusive_s += took - frame[1]
@@ -121,12 +183,14 @@ class SpanClock:
                     self._stack[-1][1] += took
                 else:
                     self.top_level_s += took
+                self._mark(name, "end")
 
         return timed
 
     def reset(self) -> None:
         self.stats.clear()
         self._stack.clear()
+        self.marks.clear()
         self.top_level_s = 0.0
 
     def report(self, steps: int, wall_s: float) -> dict[str, Any]:
@@ -251,12 +315,13 @@ def install_attrs(clock: SpanClock, targets: Iterable[tuple[str, str | None, str
         if raw is None:
             missing.append(label)
             continue
+        suffix = SUFFIXES.get(label)
         if isinstance(raw, staticmethod):
-            new: Any = staticmethod(clock.wrap(label, raw.__func__))
+            new: Any = staticmethod(clock.wrap(label, raw.__func__, suffix))
         elif isinstance(raw, classmethod):
-            new = classmethod(clock.wrap(label, raw.__func__))
+            new = classmethod(clock.wrap(label, raw.__func__, suffix))
         elif callable(raw):
-            new = clock.wrap(label, raw)
+            new = clock.wrap(label, raw, suffix)
         else:
             missing.append(label)
             continue
@@ -275,3 +340,47 @@ def uninstall_attrs(saved: list[tuple[Any, str, Any]]) -> None:
             delattr(owner, name)
         else:
             setattr(owner, name, raw)
+
+
+def step_timeline(marks: list[tuple[str, str, float, Any]], base_host_s: float, base_stamp: Any,
+                  elapsed_ms: Callable[[Any, Any], float], step_span: str = "runner.execute_model",
+                  skip_steps: int = 2) -> dict[str, Any]:
+    """Where the host and the GPU stood at each marked point of a typical step.
+
+    ``base_stamp`` was recorded on an idle GPU at host time ``base_host_s`` (after a synchronize), so a
+    stamp's ``elapsed_ms(base_stamp, stamp)`` puts the moment the GPU reached it on the host's clock. A
+    step starts at each entry of ``step_span``; a point is (span, start/end, its n-th occurrence in the
+    step). Per point, medians over the steps after ``skip_steps``: ``host_ms`` (the host's time since the
+    step's start), ``gpu_ms`` (when the GPU got there, same origin) and ``gpu_behind_ms`` (their difference:
+    the GPU work queued ahead of that point; near 0 means the GPU was waiting for the host there).
+    Points present in fewer than half the steps are left out."""
+    import statistics
+
+    steps: list[dict[str, tuple[float, float]]] = []
+    seen: dict[str, int] = {}
+    start_ms = 0.0
+    for name, phase, host_s, stamp in marks:
+        host_ms = 1e3 * (host_s - base_host_s)
+        if name == step_span and phase == "start":
+            steps.append({})
+            seen = {}
+            start_ms = host_ms
+        if not steps:
+            continue
+        key = f"{name}:{phase}"
+        k = seen.get(key, 0)
+        seen[key] = k + 1
+        point = key if k == 0 else f"{key}#{k + 1}"
+        steps[-1][point] = (host_ms - start_ms, elapsed_ms(base_stamp, stamp) - start_ms)
+    used = steps[skip_steps:]
+    rows = []
+    points = {p for st in used for p in st}
+    for p in points:
+        vals = [st[p] for st in used if p in st]
+        if 2 * len(vals) < len(used):
+            continue
+        rows.append({"point": p, "host_ms": round(statistics.median(v[0] for v in vals), 4),
+                     "gpu_ms": round(statistics.median(v[1] for v in vals), 4),
+                     "gpu_behind_ms": round(statistics.median(v[1] - v[0] for v in vals), 4), "steps": len(vals)})
+    rows.sort(key=lambda r: r["host_ms"])
+    return {"steps": len(used), "skipped_steps": min(skip_steps, len(steps)), "points": rows}

@@ -191,3 +191,100 @@ def test_gc_clock_times_real_collections_by_generation() -> None:
         real.uninstall()
     assert real not in gc.callbacks
     assert real.counts.get(2) == 1 and real.seconds[2] >= 0.0
+
+
+def test_marked_spans_record_a_stamp_at_entry_and_exit_in_order() -> None:
+    fake = _FakeClock()
+    stamps = iter(range(100))
+    clock = host_spans.SpanClock(clock=fake, marker=lambda: next(stamps),
+                                 marked=frozenset({"runner.execute_model", "runner._prepare_inputs"}))
+    runner = _Runner(fake)
+    host_spans.install(clock, {"runner": runner}, {"runner": ("execute_model", "_prepare_inputs")})
+    runner.execute_model()
+    assert clock.marks == [("runner.execute_model", "start", 0.0, 0), ("runner._prepare_inputs", "start", 1.0, 1),
+                           ("runner._prepare_inputs", "end", 3.0, 2), ("runner._prepare_inputs", "start", 3.5, 3),
+                           ("runner._prepare_inputs", "end", 5.5, 4), ("runner.execute_model", "end", 5.5, 5)]
+    unmarked = host_spans.SpanClock(clock=fake, marker=lambda: 1 / 0, marked=frozenset({"other"}))
+    host_spans.install(unmarked, {"runner": _Runner(fake)}, {"runner": ("execute_model",)})  # marker never called
+
+
+def test_step_timeline_puts_host_and_gpu_on_one_clock_per_step() -> None:
+    # Three steps of 10 ms each from host time 1.000 s; the base stamp was recorded at host 0.5 s (GPU ms 0).
+    # In each step the host launches the forward at +2 ms; the GPU reaches it at +6 ms in step 2, +4 ms otherwise;
+    # the sync is entered twice in the middle step only (a point in 1 of 3 steps is left out).
+    marks = []
+    for i, gpu_fwd in enumerate((4.0, 6.0, 4.0)):
+        t0 = 1.0 + 0.01 * i
+        marks.append(("runner.execute_model", "start", t0, ("gpu", 500.0 + 1e3 * (t0 - 1.0) + 1.0)))
+        marks.append(("runner._model_forward", "start", t0 + 0.002, ("gpu", 500.0 + 1e3 * (t0 - 1.0) + gpu_fwd)))
+        marks.append(("runner._model_forward", "end", t0 + 0.003, ("gpu", 500.0 + 1e3 * (t0 - 1.0) + gpu_fwd)))
+        marks.append(("runner._model_forward", "end", t0 + 0.004, ("gpu", 500.0 + 1e3 * (t0 - 1.0) + 9.0)))
+        if i == 1:
+            marks.append(("runner._bookkeeping_sync", "start", t0 + 0.005, ("gpu", 0.0)))
+    out = host_spans.step_timeline(marks, 0.5, ("gpu", 0.0), lambda a, b: b[1] - a[1], skip_steps=0)
+    assert out["steps"] == 3 and out["skipped_steps"] == 0
+    rows = {r["point"]: r for r in out["points"]}
+    assert set(rows) == {"runner.execute_model:start", "runner._model_forward:start", "runner._model_forward:end",
+                         "runner._model_forward:end#2"}
+    assert rows["runner.execute_model:start"] == {"point": "runner.execute_model:start", "host_ms": 0.0,
+                                                  "gpu_ms": 1.0, "gpu_behind_ms": 1.0, "steps": 3}
+    assert rows["runner._model_forward:start"]["host_ms"] == pytest.approx(2.0)
+    assert rows["runner._model_forward:start"]["gpu_ms"] == pytest.approx(4.0)  # the median of 4, 6, 4
+    assert rows["runner._model_forward:start"]["gpu_behind_ms"] == pytest.approx(2.0)
+    assert rows["runner._model_forward:end#2"]["gpu_behind_ms"] == pytest.approx(5.0)
+    assert [r["point"] for r in out["points"]][0] == "runner.execute_model:start"  # by host time
+    assert host_spans.step_timeline(marks, 0.5, ("gpu", 0.0), lambda a, b: b[1] - a[1], skip_steps=2)["steps"] == 1
+
+
+def test_graph_wrapper_calls_are_labelled_by_what_they_did_and_for_whom(monkeypatch: pytest.MonkeyPatch) -> None:
+    import enum
+    import types
+
+    import vllm.forward_context as fc
+
+    class Mode(enum.Enum):
+        FULL = 1
+        PIECEWISE = 2
+
+    step_mode = {"mode": Mode.FULL}
+    monkeypatch.setattr(fc, "is_forward_context_available", lambda: True)
+    monkeypatch.setattr(fc, "get_forward_context", lambda: types.SimpleNamespace(cudagraph_runtime_mode=step_mode["mode"]))
+    fake = _FakeClock()
+    clock = host_spans.SpanClock(clock=fake)
+    mod = types.ModuleType("fake_graph_mod")
+
+    class CUDAGraphWrapper:
+        def __init__(self, mode: Mode) -> None:
+            self.runtime_mode = mode
+
+        def __call__(self) -> str:
+            fake.t += 1.0
+            return "y"
+
+    mod.CUDAGraphWrapper = CUDAGraphWrapper
+    sys.modules["fake_graph_mod"] = mod
+    try:
+        saved, missing = host_spans.install_attrs(clock, [("fake_graph_mod", "CUDAGraphWrapper", "__call__")])
+        assert missing == []
+
+        class Caller:
+            def _prepare_inputs(self) -> str:
+                return CUDAGraphWrapper(Mode.FULL)()
+
+        runner = Caller()
+        host_spans.install(clock, {"runner": runner}, {"runner": ("_prepare_inputs",)})
+        runner._prepare_inputs()
+        step_mode["mode"] = Mode.PIECEWISE
+        runner._prepare_inputs()
+        assert CUDAGraphWrapper(Mode.PIECEWISE)() == "y"
+        monkeypatch.setattr(fc, "is_forward_context_available", lambda: False)
+        CUDAGraphWrapper(Mode.FULL)()
+        host_spans.uninstall_attrs(saved)
+    finally:
+        del sys.modules["fake_graph_mod"]
+    assert {k: v.count for k, v in clock.stats.items() if k.startswith("CUDAGraphWrapper")} == {
+        "CUDAGraphWrapper.__call__[FULL replay < runner._prepare_inputs]": 1,
+        "CUDAGraphWrapper.__call__[FULL run:PIECEWISE < runner._prepare_inputs]": 1,
+        "CUDAGraphWrapper.__call__[PIECEWISE replay < -]": 1,
+        "CUDAGraphWrapper.__call__[FULL run:no-context < -]": 1,
+    }
