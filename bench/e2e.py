@@ -131,7 +131,10 @@ def measure_estimate_s(arm: Arm, batches: list[int], output_len: int, mal: float
     """Seconds of an arm's warm-up and runs: a step of the eager 27B target took 85-105 ms on the
     H200 (about 0.22 s with tfm's drafting and tree verify, session 5), a run needs output_len / MAL
     steps, plus a few seconds of prefill and bookkeeping."""
-    step_s = 0.1 if arm.kind == "nospec" else 0.22
+    if arm.graphs:  # CUDA graphs: a 27B step took 15-17 ms without speculation, 23-32 ms with tfm (sessions 39-42)
+        step_s = 0.025 if arm.kind == "nospec" else 0.05
+    else:
+        step_s = 0.1 if arm.kind == "nospec" else 0.22
     runs = 4 if clean_run else 1  # a clean run, --ab-deferred's two runs, the profiled run (--ab-device-topology's 3 not counted)
     per_run = output_len / max(mal, 1.0) * step_s + 3.0
     return 10.0 + runs * len(batches) * per_run
@@ -528,6 +531,12 @@ def kernel_profile_run(llm: Any, ps: list[list[int]], s: dict[str, Any], path: P
         return {"error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc()}
 
 
+# pstats restriction (a regex on "file:line(function)"): the callees of these functions go into the host profile
+HOST_PROFILE_CALLEES = (r"\((propose|_update_states_after_model_execute|commit_step|_sample|_bookkeeping_sync|"
+                        r"set_inputs_first_pass|_prepare_inputs|_build_attention_metadata|_preprocess|"
+                        r"precompute_and_store_context_kv|compute_logits|_sample_draft_tokens)\)")
+
+
 def host_profile_run(llm: Any, ps: list[list[int]], params: Any, path: Path) -> dict[str, Any]:
     """One more run of the batch under cProfile (the engine and worker run in this process): where the
     host's Python time goes per step. Writes the top functions by own time and by cumulative time."""
@@ -544,6 +553,8 @@ def host_profile_run(llm: Any, ps: list[list[int]], params: Any, path: Path) -> 
     buf.write(f"one run under cProfile: {res['output_tokens']} tokens, wall {res['wall_s']} s (profiler overhead included)\n")
     stats.sort_stats("tottime").print_stats(45)
     stats.sort_stats("cumulative").print_stats(70)
+    buf.write("\n== what the step's big host spans call (bench/host_spans.py names them), by cumulative time\n")
+    stats.sort_stats("cumulative").print_callees(HOST_PROFILE_CALLEES)
     path.write_text(buf.getvalue())
     return {"file": path.name, "wall_s": res["wall_s"], "output_tokens": res["output_tokens"]}
 
