@@ -135,7 +135,7 @@ def measure_estimate_s(arm: Arm, batches: list[int], output_len: int, mal: float
         step_s = 0.025 if arm.kind == "nospec" else 0.05
     else:
         step_s = 0.1 if arm.kind == "nospec" else 0.22
-    runs = 4 if clean_run else 1  # a clean run, --ab-deferred's two runs, the profiled run (--ab-device-topology's 3 not counted)
+    runs = 4 if clean_run else 1  # a clean run, --ab-deferred's two runs, the profiled run (--ab-device-topology's and --ab-commit-reuse's 3 not counted)
     per_run = output_len / max(mal, 1.0) * step_s + 3.0
     return 10.0 + runs * len(batches) * per_run
 
@@ -348,6 +348,10 @@ def run_arm(arm: Arm, settings_path: Path) -> int:
                     run["device_topology_ab"] = device_topology_ab_runs(llm, ps[:b], params)
                     log(f"{arm.name} b{b} clean, device topology off / on / off: "
                         + ", ".join(str(r["decode_tokens_per_s"]) for r in run["device_topology_ab"]) + " decode tok/s")
+                if s.get("ab_commit_reuse") and arm.kind == "tfm":  # on (above), off, on, off
+                    run["commit_reuse_ab"] = commit_reuse_ab_runs(llm, ps[:b], params)
+                    log(f"{arm.name} b{b} clean, commit reuse off / on / off: "
+                        + ", ".join(str(r["decode_tokens_per_s"]) for r in run["commit_reuse_ab"]) + " decode tok/s")
             llm.collective_rpc(set_stage_timing, kwargs={"enabled": True, "reset": True})
             prof = one_run(llm, ps[:b], params)
             prof.update(llm.collective_rpc(collect_stage_timings, kwargs={"reset": True})[0])
@@ -436,27 +440,48 @@ def deferred_off_run(llm: Any, ps: list[list[int]], params: Any) -> dict[str, An
     return out
 
 
-def device_topology_ab_runs(llm: Any, ps: list[list[int]], params: Any) -> list[dict[str, Any]]:
-    """Three more clean runs after the arm's clean run (device topology on): off, on, off
-    (runtime/device_topology.py; then back to the environment's setting), each with the number of
-    steps whose topology the kernel wrote (``topology_device_steps``): a same-engine A/B."""
-    from vllm_tfm.vllm_plugin.runtime import collect_tree_metrics, set_device_topology
+def switch_ab_runs(llm: Any, ps: list[list[int]], params: Any, setter: Any, flag: str,
+                   count: tuple[str, str] | None = None) -> list[dict[str, Any]]:
+    """Three more clean runs after the arm's clean run (a runtime switch on): off, on, off, set in the
+    worker through ``setter`` (then back to the environment's setting), each marked ``run[flag]``; with
+    ``count`` = (tree-metrics hook, key), each run also records how many steps took that hook. A
+    same-engine A/B."""
+    from vllm_tfm.vllm_plugin.runtime import collect_tree_metrics
 
-    def device_steps() -> int:
-        return int(((llm.collective_rpc(collect_tree_metrics)[0] or {}).get("hooks") or {}).get("topology.device") or 0)
+    def hooked() -> int:
+        if count is None:
+            return 0
+        return int(((llm.collective_rpc(collect_tree_metrics)[0] or {}).get("hooks") or {}).get(count[0]) or 0)
 
     out = []
     try:
         for on in (False, True, False):
-            llm.collective_rpc(set_device_topology, args=(on,))
-            before = device_steps()
+            llm.collective_rpc(setter, args=(on,))
+            before = hooked()
             run = one_run(llm, ps, params)
-            run["device_topology"] = on
-            run["topology_device_steps"] = device_steps() - before
+            run[flag] = on
+            if count is not None:
+                run[count[1]] = hooked() - before
             out.append(run)
     finally:
-        llm.collective_rpc(set_device_topology, args=(None,))
+        llm.collective_rpc(setter, args=(None,))
     return out
+
+
+def device_topology_ab_runs(llm: Any, ps: list[list[int]], params: Any) -> list[dict[str, Any]]:
+    """``switch_ab_runs`` of the device topology (runtime/device_topology.py), each run with the number of
+    steps whose topology the kernel wrote (``topology_device_steps``)."""
+    from vllm_tfm.vllm_plugin.runtime import set_device_topology
+
+    return switch_ab_runs(llm, ps, params, set_device_topology, "device_topology",
+                          ("topology.device", "topology_device_steps"))
+
+
+def commit_reuse_ab_runs(llm: Any, ps: list[list[int]], params: Any) -> list[dict[str, Any]]:
+    """``switch_ab_runs`` of the commit's reuse across full-graph replays (VLLM_TFM_COMMIT_REUSE)."""
+    from vllm_tfm.vllm_plugin.runtime import set_commit_reuse
+
+    return switch_ab_runs(llm, ps, params, set_commit_reuse, "commit_reuse")
 
 
 def host_spans_run(llm: Any, ps: list[list[int]], params: Any) -> dict[str, Any]:
@@ -609,6 +634,7 @@ def driver(args: argparse.Namespace) -> int:
         "kernel_profile_tokens": args.kernel_profile_tokens,
         "ab_deferred": args.ab_deferred,
         "ab_device_topology": args.ab_device_topology,
+        "ab_commit_reuse": args.ab_commit_reuse,
         # tfm switches set for this run (e.g. VLLM_TFM_WEAVER_GRAPHS=1), benchmark-only ones excluded
         "tfm_env": tfm_switches(os.environ),
     }
@@ -731,6 +757,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--ab-device-topology", action="store_true",
                     help="tfm arms: three more clean runs per batch with the full-graph steps' device topology off, "
                          "on, off (runtime/device_topology.py), on the same engine (device_topology_ab in the arm's JSON)")
+    ap.add_argument("--ab-commit-reuse", action="store_true",
+                    help="tfm arms: three more clean runs per batch after the clean run with the commit's reuse across "
+                         "full-graph replays off, on, off (VLLM_TFM_COMMIT_REUSE, runtime/step_kernels.py), on the same "
+                         "engine (commit_reuse_ab in the arm's JSON)")
     ap.add_argument("--child", help=argparse.SUPPRESS)
     ap.add_argument("--settings", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)

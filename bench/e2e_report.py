@@ -294,6 +294,7 @@ def render_markdown(results: dict[str, Any]) -> str:
         lines += _forward_split_table(arms, b)
     lines += _deferred_ab_lines(arms, batches)
     lines += _topology_ab_lines(arms, batches)
+    lines += _commit_reuse_ab_lines(arms, batches)
     goals = summ["goals"]
     if goals:
         lines += ["", ("Goals (issue 7): drafting overhead <= 15% of the target forward at batch 1; >= 4.5x over no-spec "
@@ -369,19 +370,30 @@ def _deferred_ab_lines(arms: dict[str, Any], batches: list[int]) -> list[str]:
                      "in this order; VLLM_TFM_DEFERRED_DRAFTS, runtime/deferred_drafts.py):")
 
 
-def _topology_ab_lines(arms: dict[str, Any], batches: list[int]) -> list[str]:
-    """The same-engine A/B of the device topology (``bench/e2e.py --ab-device-topology``), where an arm
-    ran it: decode tokens/s of the clean run (on), then off, on, off."""
+def _switch_ab_lines(arms: dict[str, Any], batches: list[int], ab_key: str, flag: str, title: str) -> list[str]:
+    """A runtime switch's same-engine A/B (``bench/e2e.py`` ``switch_ab_runs``: the runs under ``ab_key``,
+    each marked ``flag``), where an arm ran it: decode tokens/s of the clean run (on), then off, on, off."""
     def cell(run: dict[str, Any]) -> str | None:
-        ab = run.get("device_topology_ab")
+        ab = run.get(ab_key)
         if not ab:
             return None
-        seq = [("on", run.get("decode_tokens_per_s"))] + [
-            ("on" if r.get("device_topology") else "off", r.get("decode_tokens_per_s")) for r in ab]
+        seq = [("on", run.get("decode_tokens_per_s"))] + [("on" if r.get(flag) else "off", r.get("decode_tokens_per_s"))
+                                                          for r in ab]
         return ", ".join(f"{k} {_f(v)}" for k, v in seq)
 
-    return _ab_lines(arms, batches, cell, "Device topology of full-graph steps on / off on the same engine, decode "
-                     "tokens/s (clean runs in this order; VLLM_TFM_DEVICE_TOPOLOGY, runtime/device_topology.py):")
+    return _ab_lines(arms, batches, cell, title)
+
+
+def _topology_ab_lines(arms: dict[str, Any], batches: list[int]) -> list[str]:
+    return _switch_ab_lines(arms, batches, "device_topology_ab", "device_topology", "Device topology of full-graph "
+                            "steps on / off on the same engine, decode tokens/s (clean runs in this order; "
+                            "VLLM_TFM_DEVICE_TOPOLOGY, runtime/device_topology.py):")
+
+
+def _commit_reuse_ab_lines(arms: dict[str, Any], batches: list[int]) -> list[str]:
+    return _switch_ab_lines(arms, batches, "commit_reuse_ab", "commit_reuse", "The commit's reuse across full-graph "
+                            "replays on / off on the same engine, decode tokens/s (clean runs in this order; "
+                            "VLLM_TFM_COMMIT_REUSE, runtime/step_kernels.py):")
 
 
 def _forward_split_table(arms: dict[str, Any], b: int) -> list[str]:

@@ -404,3 +404,101 @@ def test_library_batched_commits_match_the_references(emu_dir):
         assert float((got.double() - ref).norm() / ref.norm()) < 1e-5
     for got, ref in zip(cstates, want_c):
         assert torch.equal(got, ref)
+
+
+# ---------------------------------------------------------------------------------------------
+# reuse across full-graph replays (VLLM_TFM_COMMIT_REUSE)
+
+
+def _replay_tables(step: Step, reuse: object) -> StepKernels:
+    """A replay's kernel tables: the captured groups (same slot tensors), fresh per-step commit indices."""
+    groups = {key: dataclasses.replace(g, commit=None) for key, g in step.tables.groups.items()}
+    return StepKernels(step.step, torch.device("cpu"), plan=step.tables.plan, groups=groups, commit_reuse=reuse)
+
+
+@pytest.mark.slow
+def test_commit_reuse_launches_the_first_tables_again_and_writes_the_same_states(monkeypatch, emu_dir):
+    from vllm_tfm.vllm_plugin.runtime.step_kernels import CommitReuse
+
+    step = _mixed_step(5)
+    r = len(step.trees)
+    reused, rebuilt = step.fresh(), step.fresh()  # the same stash objects every "replay", as in a full graph
+    reuse = CommitReuse()
+    builds: list[int] = []
+    real_build = kb.build_commit_tables
+    monkeypatch.setattr(kb, "build_commit_tables", lambda *a: builds.append(1) or real_build(*a))
+    accepted = [(step.last, step.num_acc), (torch.zeros(r, dtype=torch.long), torch.zeros(r, dtype=torch.long)),
+                (step.last.flip(0).clamp(max=0), step.num_acc.flip(0).clamp(max=0))]
+    indices = []
+    monkeypatch.setenv(BATCHED_COMMIT_ENV, "1")
+    with _on_kernel_path(monkeypatch), emulated(emu_dir) as launches:
+        for i, (last, num_acc) in enumerate(accepted):
+            tables = _replay_tables(step, reuse)
+            assert rcommit.commit_gdn_layers(reused, step.parents, step.cu, last, num_acc, tables) == 2
+            indices.append([tables.commit_indices(g, last, num_acc) for g in tables.groups.values()])
+            assert len(builds) == 1 + i  # reuse: built and uploaded at the first replay only (+ i without reuse, below)
+            assert rcommit.commit_gdn_layers(rebuilt, step.parents, step.cu, last, num_acc, _replay_tables(step, None)) == 2
+            assert len(builds) == 2 + i  # without reuse: every step
+            for a, b in zip(reused, rebuilt):
+                assert torch.equal(a.ssm_state, b.ssm_state) and torch.equal(a.conv_state, b.conv_state)
+    assert len(launches) == 4 * len(accepted)
+    first = [t for pair in indices[0] for ci in pair for t in (ci.accepted, ci.src, ci.dst, ci.dst_start)]
+    for later in indices[1:]:  # the same tensor objects every step (filled in place): the rows stay valid
+        assert all(a is b for a, b in zip(first, [t for pair in later for ci in pair for t in (ci.accepted, ci.src, ci.dst,
+                                                                                                 ci.dst_start)]))
+    # the values are those of the indices made anew
+    fresh = _replay_tables(step, None)
+    last, num_acc = accepted[-1]
+    for (got_g, got_c), g in zip(indices[-1], fresh.groups.values()):
+        want_g, want_c = fresh.commit_indices(g, last, num_acc)
+        for got, want in ((got_g, want_g), (got_c, want_c)):
+            for f in ("accepted", "src", "dst", "src_start", "dst_start"):
+                assert torch.equal(getattr(got, f).to(torch.long), getattr(want, f).to(torch.long)), f
+    # another tensor behind a layer (a new stash): the checks and rows run again, then are kept again
+    reused[2] = dataclasses.replace(reused[2], k=reused[2].k.clone())
+    with _on_kernel_path(monkeypatch), _recorded_launches(monkeypatch):
+        rcommit.commit_gdn_layers(reused, step.parents, step.cu, step.last, step.num_acc, _replay_tables(step, reuse))
+        assert len(builds) == len(accepted) + 2
+        rcommit.commit_gdn_layers(reused, step.parents, step.cu, step.last, step.num_acc, _replay_tables(step, reuse))
+        assert len(builds) == len(accepted) + 2
+
+
+def test_commit_reuse_runs_the_kernel_checks_once_per_set_of_tensors(monkeypatch):
+    from vllm_tfm.vllm_plugin.runtime.step_kernels import CommitReuse
+
+    step = _mixed_step(6)
+    stashes = step.fresh()
+    calls: list[int] = []
+    monkeypatch.setattr(kgdn, "commit_unsupported_reason", lambda k, d, s: calls.append(1))
+    monkeypatch.setattr(kconv, "conv_unsupported_reason", lambda x, c, w, *o: None)
+    reuse = CommitReuse()
+    for _ in range(3):
+        assert rcommit.batched_commit_layers(stashes, _replay_tables(step, reuse), step.last, step.num_acc) is not None
+    assert len(calls) == len(stashes)
+    stashes[0] = dataclasses.replace(stashes[0], width=W - 1)  # a different conv width: checked again
+    rcommit.batched_commit_layers(stashes, _replay_tables(step, reuse), step.last, step.num_acc)
+    assert len(calls) == 2 * len(stashes)
+    for _ in range(2):  # no reuse: every call
+        rcommit.batched_commit_layers(stashes, _replay_tables(step, None), step.last, step.num_acc)
+    assert len(calls) == 4 * len(stashes)
+    # a failing check is never remembered
+    monkeypatch.setattr(kgdn, "commit_unsupported_reason", lambda k, d, s: "no")
+    assert rcommit.batched_commit_layers(stashes, _replay_tables(step, CommitReuse()), step.last, step.num_acc) is None
+
+
+def test_reusing_commit_keeps_nothing_when_rows_point_into_copies_made_for_the_call(monkeypatch):
+    step = _mixed_step(7)
+    stashes = step.fresh()
+    with _on_kernel_path(monkeypatch):
+        layers = rcommit.batched_commit_layers(stashes, step.tables, step.last, step.num_acc)
+    gdn, conv = layers
+    with _recorded_launches(monkeypatch) as made:
+        n, kept = kb.commit_layers_reusing(step.tables.plan, gdn, conv, None)
+        assert n == 2 and kept is not None and kept.num_requests == len(step.trees)
+        n2, kept2 = kb.commit_layers_reusing(step.tables.plan, gdn, conv, kept)
+        assert n2 == 2 and kept2 is kept and len(made) == 4
+        k0 = gdn[0].k
+        strided = [dataclasses.replace(gdn[0], k=torch.cat([k0, k0], -1)[..., : k0.shape[-1]]), *gdn[1:]]
+        assert not strided[0].k.is_contiguous()
+        n3, kept3 = kb.commit_layers_reusing(step.tables.plan, strided, conv, kept)
+        assert n3 == 2 and kept3 is None  # a contiguous copy of k was made for this call's rows

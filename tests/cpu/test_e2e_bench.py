@@ -687,3 +687,35 @@ def test_the_device_topology_ab_is_reported_in_run_order() -> None:
                                  {"device_topology": False, "decode_tokens_per_s": 140.5}]
     md = e2e_report.render_markdown(res)
     assert "- tfm64: batch 1: on 150.0, off 141.0, on 151.0, off 140.5" in md
+
+
+def test_the_commit_reuse_ab_is_reported_in_run_order_under_its_own_title() -> None:
+    res = results()
+    run = res["arms"]["tfm64"]["batches"]["1"]
+    run["decode_tokens_per_s"] = 160.0
+    run["commit_reuse_ab"] = [{"commit_reuse": False, "decode_tokens_per_s": 150.5},
+                              {"commit_reuse": True, "decode_tokens_per_s": 161.0},
+                              {"commit_reuse": False, "decode_tokens_per_s": 151.0}]
+    md = e2e_report.render_markdown(res)
+    title = md.index("The commit's reuse across full-graph replays on / off")
+    assert md.index("- tfm64: batch 1: on 160.0, off 150.5, on 161.0, off 151.0") > title
+    assert "Device topology of full-graph steps" not in md  # no topology A/B ran
+
+
+def test_a_switch_ab_sets_off_on_off_then_gives_the_setting_back(monkeypatch) -> None:
+    calls: list[tuple] = []
+
+    class LLM:
+        def collective_rpc(self, fn, args=(), kwargs=None):
+            calls.append((fn.__name__, args))
+            return [{"hooks": {"x.hook": 3 * len(calls)}}]
+
+    monkeypatch.setattr(e2e, "one_run", lambda llm, ps, params: {"decode_tokens_per_s": float(len(calls))})
+
+    def set_thing(worker=None, on=None):
+        return on
+
+    runs = e2e.switch_ab_runs(LLM(), [[1]], None, set_thing, "thing", ("x.hook", "hooked_steps"))
+    assert [r["thing"] for r in runs] == [False, True, False]
+    assert [c[1] for c in calls if c[0] == "set_thing"] == [(False,), (True,), (False,), (None,)]
+    assert all(r["hooked_steps"] == 3 for r in runs)  # the hook count read before and after each run

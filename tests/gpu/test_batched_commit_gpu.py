@@ -135,6 +135,37 @@ def test_batched_commit_equals_the_per_layer_commit_bit_for_bit(monkeypatch, cas
         assert not torch.equal(ssm_b[li], step.ssm0[li]) and not torch.equal(conv_b[li], step.conv0[li])
 
 
+@pytest.mark.parametrize("case", ["mixed_r8", "deep_r1"])
+def test_reused_commit_tables_write_the_per_layer_commits_states_over_replays(monkeypatch, case):
+    """VLLM_TFM_COMMIT_REUSE: the same stashes and groups every "replay" (as a full graph gives them), the
+    accepted nodes changing; the tables uploaded at the first replay, launched again, write the states of
+    the per-layer commit bit for bit at every step."""
+    from vllm_tfm.vllm_plugin.runtime.step_kernels import CommitReuse
+
+    step = Step(case, 4, torch.bfloat16, seed=sum(map(ord, case)) + 1)
+    r = step.last.shape[0]
+    zeros = torch.zeros(r, dtype=step.last.dtype, device=step.last.device)
+    accepted = [(step.last, step.num_acc), (zeros, zeros.to(step.num_acc.dtype)), (step.last, step.num_acc)]
+    reuse = CommitReuse()
+    (reused, ssm_r, conv_r), (per_layer, ssm_p, conv_p) = step.fresh(), step.fresh()
+
+    def tables(with_reuse: CommitReuse | None) -> StepKernels:
+        groups = {key: dataclasses.replace(g, commit=None) for key, g in step.tables.groups.items()}
+        return StepKernels(step.tables.step, DEV, plan=step.tables.plan, groups=groups, commit_reuse=with_reuse)
+
+    first = None
+    for last, num_acc in accepted:
+        monkeypatch.setenv(BATCHED_COMMIT_ENV, "1")
+        assert commit_gdn_layers(reused, step.parents, step.cu, last, num_acc, tables(reuse)) == 2
+        first = first or reuse.uploaded
+        assert reuse.uploaded is first  # uploaded once
+        monkeypatch.setenv(BATCHED_COMMIT_ENV, "0")
+        assert commit_gdn_layers(per_layer, step.parents, step.cu, last, num_acc, tables(None)) is None
+        torch.cuda.synchronize()
+        for li in range(len(ssm_r)):
+            assert torch.equal(ssm_r[li], ssm_p[li]) and torch.equal(conv_r[li], conv_p[li]), f"layer position {li}"
+
+
 def test_library_batched_commits_equal_per_layer_kernel_calls():
     """``gdn_tree_commit_layers`` / ``tree_conv_commit_layers`` against ``gdn_tree_commit`` /
     ``tree_conv_commit`` per layer, with slots that alias across requests (snapshots)."""

@@ -46,8 +46,11 @@ __all__ = [
     "ConvCommitLayer",
     "GDNCommitLayer",
     "Launch",
+    "UploadedCommit",
     "build_commit_tables",
     "commit_layers_planned",
+    "commit_layers_reusing",
+    "commit_operands",
     "conv_layer_row",
     "gdn_layer_row",
     "gdn_tree_commit_layers",
@@ -291,6 +294,65 @@ def commit_layers_planned(
         return 0
     gdn_table, conv_table = upload_commit_tables(tables, plan.device)
     return launch_commit_tables(plan, tables, gdn_table, conv_table, use_qk_l2norm)
+
+
+@dataclass(frozen=True)
+class UploadedCommit:
+    """A batched commit's tables on the device, to be launched again while its layers' operands are the
+    same tensor objects (``commit_layers_reusing``).
+
+    The rows hold the operands' addresses, so a reuse is valid only while every operand is the tensor
+    it was (same object, storage never swapped); the caller keeps its per-step index tensors in place
+    (filled, not reallocated) to get there. ``num_requests``: the R the launches were cut for.
+    """
+
+    operands: tuple[object, ...]
+    num_requests: int
+    tables: CommitTables
+    gdn_table: Tensor
+    conv_table: Tensor
+
+    def matches(self, operands: tuple[object, ...], num_requests: int) -> bool:
+        return (num_requests == self.num_requests and len(operands) == len(self.operands)
+                and all(a is b for a, b in zip(operands, self.operands)))
+
+
+def commit_operands(gdn_layers: Sequence[GDNCommitLayer], conv_layers: Sequence[ConvCommitLayer]) -> tuple[object, ...]:
+    """Everything a batched commit's rows and launches are made of, per layer (tensors by identity,
+    the conv width by value): two commits with the same operands have the same tables."""
+    out: list[object] = []
+    for g in gdn_layers:
+        i = g.idx
+        out += (g.k, g.g, g.delta, g.ssm_state, i.accepted, i.src, i.dst, i.snapshot)
+    for c in conv_layers:
+        i = c.idx
+        out += (c.x, c.conv_state, c.width, i.accepted, i.src, i.dst, i.src_start, i.dst_start, i.snapshot)
+    return tuple(out)
+
+
+def commit_layers_reusing(
+    plan: TreePlan,
+    gdn_layers: Sequence[GDNCommitLayer],
+    conv_layers: Sequence[ConvCommitLayer],
+    previous: UploadedCommit | None,
+    use_qk_l2norm: bool = True,
+) -> tuple[int, UploadedCommit | None]:
+    """``commit_layers_planned``, launching ``previous``'s uploaded tables when they were made from the same
+    operands (``commit_operands``) for the same R: no rows built, no upload, only the launches. Returns
+    (launches, what the next call can reuse: ``previous``, the tables made now, or None when the rows
+    point into tensors made for this call: contiguous copies or snapshots)."""
+    operands = commit_operands(gdn_layers, conv_layers)
+    r = plan.num_requests
+    if previous is not None and previous.matches(operands, r):
+        if not previous.tables.launches:
+            return 0, previous
+        return launch_commit_tables(plan, previous.tables, previous.gdn_table, previous.conv_table, use_qk_l2norm), previous
+    tables = build_commit_tables(gdn_layers, conv_layers, r)
+    if not tables.launches:
+        return 0, (UploadedCommit(operands, r, tables, torch.empty(0), torch.empty(0)) if not tables.keep else None)
+    gdn_table, conv_table = upload_commit_tables(tables, plan.device)
+    launches = launch_commit_tables(plan, tables, gdn_table, conv_table, use_qk_l2norm)
+    return launches, (UploadedCommit(operands, r, tables, gdn_table, conv_table) if not tables.keep else None)
 
 
 def _check_counts(names: str, *seqs: Sequence) -> None:

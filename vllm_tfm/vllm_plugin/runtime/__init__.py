@@ -48,7 +48,7 @@ from __future__ import annotations
 
 __all__ = [
     "install", "is_installed", "snapshot_metrics", "collect_tree_metrics", "flush_trace", "set_deferred_drafts",
-    "set_device_topology",
+    "set_device_topology", "set_commit_reuse",
 ]
 
 
@@ -125,6 +125,17 @@ def set_device_topology(worker: object = None, on: bool | None = None) -> bool:
 
     _set(on)
     return device_topology_enabled()
+
+
+def set_commit_reuse(worker: object = None, on: bool | None = None) -> bool:
+    """The commit's reuse across full-graph replays (``step_kernels.CommitReuse``) on or off in this process
+    from the next step on (None: ``VLLM_TFM_COMMIT_REUSE``); the setting now in force. The signature
+    suits ``LLM.collective_rpc``."""
+    from .settings import commit_reuse_enabled
+    from .settings import set_commit_reuse as _set
+
+    _set(on)
+    return commit_reuse_enabled()
 
 
 def flush_trace(worker: object = None) -> str | None:

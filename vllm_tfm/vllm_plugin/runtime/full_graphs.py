@@ -42,7 +42,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -55,7 +55,8 @@ from vllm_tfm.tree.bitmask import ragged_ancestor_bits
 
 from .stage_timing import TIMER
 from .state import STATE, GDNStash, StepTree
-from .step_kernels import GroupSlots, StepKernels, set_step_kernels
+from .settings import commit_reuse_enabled
+from .step_kernels import CommitReuse, GroupSlots, StepKernels, set_step_kernels
 
 __all__ = ["CapturedTreeGraph", "FullTreeGraphsUnavailable", "LayerStash", "TreeGraphs", "chain_parents", "replayable",
            "uniform_tree_step"]
@@ -90,6 +91,7 @@ class CapturedTreeGraph:
     num_reqs: int
     stashes: dict[str, GDNStash]
     groups: dict[int, GroupSlots]
+    commit_reuse: CommitReuse = field(default_factory=CommitReuse)  # the commit's tables across replays
 
 
 def chain_parents(num_reqs: int, nodes: int) -> np.ndarray:
@@ -296,7 +298,8 @@ class TreeGraphs:
             self._plans[r] = plan
         step.gdn = dict(cap.stashes)
         groups = {key: dataclasses.replace(g, commit=None) for key, g in cap.groups.items()}
-        set_step_kernels(StepKernels(step, self.device, plan=plan, groups=groups))
+        reuse = cap.commit_reuse if commit_reuse_enabled() else None
+        set_step_kernels(StepKernels(step, self.device, plan=plan, groups=groups, commit_reuse=reuse))
         step.full_graph = True
         if STATE.metrics is not None:
             STATE.metrics.hook("cudagraph.tree.full_replay")

@@ -52,6 +52,9 @@ __all__ = [
     "force_tree_path",
     "batched_commit_enabled",
     "BATCHED_COMMIT_ENV",
+    "COMMIT_REUSE_ENV",
+    "commit_reuse_enabled",
+    "set_commit_reuse",
     "trace_settings",
     "TRACE_MAX_MB_DEFAULT",
 ]
@@ -80,6 +83,25 @@ BATCHED_COMMIT_ENV = "VLLM_TFM_BATCHED_COMMIT"
 def batched_commit_enabled() -> bool:
     """``VLLM_TFM_BATCHED_COMMIT`` is unset or set to something other than 0 / false (default on)."""
     return os.environ.get(BATCHED_COMMIT_ENV, "1") not in ("0", "false", "False")
+
+
+COMMIT_REUSE_ENV = "VLLM_TFM_COMMIT_REUSE"
+_COMMIT_REUSE_OVERRIDE: dict[str, bool | None] = {"on": None}
+
+
+def commit_reuse_enabled() -> bool:
+    """``VLLM_TFM_COMMIT_REUSE`` unset or not 0 / false (default on), unless ``set_commit_reuse`` overrode it:
+    full-graph steps keep the batched commit's index tensors in place and launch its uploaded tables
+    again (``step_kernels.CommitReuse``)."""
+    if _COMMIT_REUSE_OVERRIDE["on"] is not None:
+        return bool(_COMMIT_REUSE_OVERRIDE["on"])
+    return os.environ.get(COMMIT_REUSE_ENV, "1") not in ("0", "false", "False")
+
+
+def set_commit_reuse(enabled: bool | None) -> None:
+    """Override ``VLLM_TFM_COMMIT_REUSE`` in this process (None: back to the environment's); for a
+    same-engine A/B (bench/e2e.py --ab-commit-reuse, through ``collective_rpc``)."""
+    _COMMIT_REUSE_OVERRIDE["on"] = None if enabled is None else bool(enabled)
 
 
 VERIFY_VERSION_ENV = "VLLM_TFM_GDN_VERIFY"

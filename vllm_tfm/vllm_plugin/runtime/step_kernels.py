@@ -33,7 +33,30 @@ from vllm_tfm.kernels.plan import CommitIndices, TreePlan
 from .kernels_or_reference import tree_ops
 from .state import StepTree
 
-__all__ = ["GroupSlots", "StepKernels", "current_step_kernels", "set_step_kernels", "step_kernels"]
+__all__ = ["CommitReuse", "GroupSlots", "StepKernels", "current_step_kernels", "set_step_kernels", "step_kernels"]
+
+
+@dataclass
+class CommitReuse:
+    """What the commit of a full graph's replays (one batch size) keeps across steps
+    (``VLLM_TFM_COMMIT_REUSE``, default on).
+
+    A full graph's replays give every step the same stash tensors and slot tensors, so the batched
+    commit's table rows (addresses and strides, ``kernels.batched_commit``) would be the same every
+    step but for the per-step commit indices. Here those indices live in tensors filled in place each
+    step (``StepKernels.commit_indices``), so the rows do not change at all: the commit launches the
+    tables it uploaded at the first replay (``uploaded``), and the per-layer kernel checks, which read
+    only the stash tensors' metadata, ran once for these tensors (``checked``). Host work per step:
+    ~10 small index writes and the launches, instead of 48 layers' checks, rows and an upload.
+
+    indices: by ``id`` of a group's slot tensor: (that tensor, GDN indices, conv indices);
+    shared: (accepted node int32 [R], p int32 [R], zeros int32 [R]), shared by every group.
+    """
+
+    indices: dict[int, tuple[Tensor, CommitIndices, CommitIndices]] = field(default_factory=dict)
+    shared: tuple[Tensor, Tensor, Tensor] | None = None
+    checked: tuple[object, ...] | None = None
+    uploaded: object | None = None  # kernels.batched_commit.UploadedCommit
 
 
 @dataclass
@@ -60,11 +83,13 @@ class StepKernels:
     """Kernel tables of one tree-active step (module docstring)."""
 
     def __init__(self, step: StepTree, device: torch.device, plan: TreePlan | None = None,
-                 groups: dict[int, GroupSlots] | None = None) -> None:
+                 groups: dict[int, GroupSlots] | None = None, commit_reuse: CommitReuse | None = None) -> None:
         """plan: the step's tree plan when already built (a fixed-layout plan of full CUDA graphs,
         ``full_graphs.py``), else built here from the step's trees; groups: the slots of each
         KV-cache group when they are known already (computed by a captured graph), else computed on
-        first use."""
+        first use; commit_reuse: a full graph's ``CommitReuse`` (its groups' slot tensors are the same
+        objects every replay), None to make the commit indices anew."""
+        self.commit_reuse = commit_reuse
         if isinstance(step, StepTree):
             step.complete()  # its topology arrays, if they were pending (deferred drafts)
         self.step = step
@@ -150,6 +175,8 @@ class StepKernels:
         The parts that do not depend on the group (accepted nodes, p as int32, zeros) are made once
         per step and shared by all groups (read-only).
         """
+        if group.commit is None and self.commit_reuse is not None:
+            group.commit = self._reused_commit_indices(self.commit_reuse, group, last_node, num_accepted)
         if group.commit is None:
             shared = self._accepted
             if shared is None or shared[0] is not last_node or shared[1] is not num_accepted:
@@ -164,6 +191,34 @@ class StepKernels:
                 CommitIndices(acc, conv, conv, group.start32, p32, None),
             )
         return group.commit
+
+
+    def _reused_commit_indices(self, reuse: CommitReuse, group: GroupSlots, last_node: Tensor,
+                               num_accepted: Tensor) -> tuple[CommitIndices, CommitIndices]:
+        """``commit_indices`` written into ``reuse``'s tensors (made at the first call): the same values,
+        the same tensor objects every step."""
+        r = last_node.shape[0]
+        if reuse.shared is None or reuse.shared[0].shape[0] != r:
+            reuse.shared = tuple(torch.zeros(r, dtype=torch.int32, device=self.device) for _ in range(3))  # type: ignore[assignment]
+            reuse.indices.clear()
+        acc, p32, zeros = reuse.shared  # type: ignore[misc]
+        shared = self._accepted
+        if shared is None or shared[0] is not last_node or shared[1] is not num_accepted:
+            acc.copy_(last_node)
+            p32.copy_(num_accepted)
+            shared = self._accepted = (last_node, num_accepted, num_accepted.to(device=self.device, dtype=torch.long))
+        p = shared[2]
+        entry = reuse.indices.get(id(group.slots))
+        if entry is None or entry[0] is not group.slots:
+            src, dst = torch.empty(r, dtype=torch.int32, device=self.device), torch.empty(r, dtype=torch.int32, device=self.device)
+            conv = group.conv_slot
+            entry = (group.slots, CommitIndices(acc, src, dst, zeros, zeros, None),
+                     CommitIndices(acc, conv, conv, group.start32, p32, None))
+            reuse.indices[id(group.slots)] = entry
+        _, gdn_idx, conv_idx = entry
+        gdn_idx.src.copy_(group.read_slot)
+        gdn_idx.dst.copy_(group.slots.gather(1, p[:, None]).squeeze(1))
+        return gdn_idx, conv_idx
 
 
 _CURRENT: dict[str, StepKernels | None] = {"tables": None}
