@@ -75,7 +75,7 @@ __all__ = ["Arm", "ARMS", "DEFAULT_ARMS", "parse_arms", "arm_estimate_s", "compi
 
 RESULTS_FORMAT = "vllm-tfm-e2e/1"
 DFLASH_K = 15  # in-tree DFlash chain length: the drafter's block 16 minus the bonus slot
-FIRST_START_GUESS_S = 150.0  # engine start before any was measured (JIT caches cold)
+FIRST_START_GUESS_S = 100.0  # engine start before any was measured, compile aside (tfm16-full with its compile: 212-282 s, sessions 39-42)
 START_MARGIN_S = 20.0  # process start + imports on top of a measured engine start
 
 
