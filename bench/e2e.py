@@ -345,11 +345,11 @@ def run_arm(arm: Arm, settings_path: Path) -> int:
                     log(f"{arm.name} b{b} clean, deferred drafts off: {run['deferred_off']['decode_tokens_per_s']} "
                         f"decode tok/s, on again: {run['deferred_on_again']['decode_tokens_per_s']}")
                 if s.get("ab_device_topology") and arm.kind == "tfm":  # on (above), off, on, off: order effects show
-                    run["device_topology_ab"] = device_topology_ab_runs(llm, ps[:b], params)
+                    run["device_topology_ab"] = device_topology_ab_runs(llm, ps[:b], params, s.get("ab_repeats", 1))
                     log(f"{arm.name} b{b} clean, device topology off / on / off: "
                         + ", ".join(str(r["decode_tokens_per_s"]) for r in run["device_topology_ab"]) + " decode tok/s")
                 if s.get("ab_commit_reuse") and arm.kind == "tfm":  # on (above), off, on, off
-                    run["commit_reuse_ab"] = commit_reuse_ab_runs(llm, ps[:b], params)
+                    run["commit_reuse_ab"] = commit_reuse_ab_runs(llm, ps[:b], params, s.get("ab_repeats", 1))
                     log(f"{arm.name} b{b} clean, commit reuse off / on / off: "
                         + ", ".join(str(r["decode_tokens_per_s"]) for r in run["commit_reuse_ab"]) + " decode tok/s")
             llm.collective_rpc(set_stage_timing, kwargs={"enabled": True, "reset": True})
@@ -440,11 +440,22 @@ def deferred_off_run(llm: Any, ps: list[list[int]], params: Any) -> dict[str, An
     return out
 
 
+def ab_order(repeats: int) -> tuple[bool, ...]:
+    """The settings of a switch A/B's runs after the arm's clean run (which has the switch on): off, on,
+    off for one repeat; else ``repeats`` pairs in ABBA order (off on, on off, off on, ...), so that a
+    drift over the runs, or a slow run at a fixed position, weighs on both settings alike."""
+    if repeats < 1:
+        raise ValueError(f"--ab-repeats must be at least 1, got {repeats}")
+    if repeats == 1:
+        return (False, True, False)
+    return tuple(v for i in range(repeats) for v in ((False, True) if i % 2 == 0 else (True, False)))
+
+
 def switch_ab_runs(llm: Any, ps: list[list[int]], params: Any, setter: Any, flag: str,
-                   count: tuple[str, str] | None = None) -> list[dict[str, Any]]:
-    """Three more clean runs after the arm's clean run (a runtime switch on): off, on, off, set in the
-    worker through ``setter`` (then back to the environment's setting), each marked ``run[flag]``; with
-    ``count`` = (tree-metrics hook, key), each run also records how many steps took that hook. A
+                   count: tuple[str, str] | None = None, repeats: int = 1) -> list[dict[str, Any]]:
+    """More clean runs after the arm's clean run (a runtime switch on), in ``ab_order(repeats)``, set in
+    the worker through ``setter`` (then back to the environment's setting), each marked ``run[flag]``;
+    with ``count`` = (tree-metrics hook, key), each run also records how many steps took that hook. A
     same-engine A/B."""
     from vllm_tfm.vllm_plugin.runtime import collect_tree_metrics
 
@@ -455,7 +466,7 @@ def switch_ab_runs(llm: Any, ps: list[list[int]], params: Any, setter: Any, flag
 
     out = []
     try:
-        for on in (False, True, False):
+        for on in ab_order(repeats):
             llm.collective_rpc(setter, args=(on,))
             before = hooked()
             run = one_run(llm, ps, params)
@@ -468,20 +479,20 @@ def switch_ab_runs(llm: Any, ps: list[list[int]], params: Any, setter: Any, flag
     return out
 
 
-def device_topology_ab_runs(llm: Any, ps: list[list[int]], params: Any) -> list[dict[str, Any]]:
+def device_topology_ab_runs(llm: Any, ps: list[list[int]], params: Any, repeats: int = 1) -> list[dict[str, Any]]:
     """``switch_ab_runs`` of the device topology (runtime/device_topology.py), each run with the number of
     steps whose topology the kernel wrote (``topology_device_steps``)."""
     from vllm_tfm.vllm_plugin.runtime import set_device_topology
 
     return switch_ab_runs(llm, ps, params, set_device_topology, "device_topology",
-                          ("topology.device", "topology_device_steps"))
+                          ("topology.device", "topology_device_steps"), repeats)
 
 
-def commit_reuse_ab_runs(llm: Any, ps: list[list[int]], params: Any) -> list[dict[str, Any]]:
+def commit_reuse_ab_runs(llm: Any, ps: list[list[int]], params: Any, repeats: int = 1) -> list[dict[str, Any]]:
     """``switch_ab_runs`` of the commit's reuse across full-graph replays (VLLM_TFM_COMMIT_REUSE)."""
     from vllm_tfm.vllm_plugin.runtime import set_commit_reuse
 
-    return switch_ab_runs(llm, ps, params, set_commit_reuse, "commit_reuse")
+    return switch_ab_runs(llm, ps, params, set_commit_reuse, "commit_reuse", repeats=repeats)
 
 
 def host_spans_run(llm: Any, ps: list[list[int]], params: Any) -> dict[str, Any]:
@@ -614,6 +625,7 @@ def driver(args: argparse.Namespace) -> int:
     out.mkdir(parents=True, exist_ok=True)
     work.mkdir(parents=True, exist_ok=True)
     arms = parse_arms(args.arms)
+    ab_order(args.ab_repeats)  # its one-line error before any engine starts
     batches = sorted({int(b) for b in args.batches.split(",")})
     profile, profile_path = resolve_profile(args.profile, args.temperature)
     if not profile.measured:
@@ -635,6 +647,7 @@ def driver(args: argparse.Namespace) -> int:
         "ab_deferred": args.ab_deferred,
         "ab_device_topology": args.ab_device_topology,
         "ab_commit_reuse": args.ab_commit_reuse,
+        "ab_repeats": args.ab_repeats,
         # tfm switches set for this run (e.g. VLLM_TFM_WEAVER_GRAPHS=1), benchmark-only ones excluded
         "tfm_env": tfm_switches(os.environ),
     }
@@ -757,6 +770,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--ab-device-topology", action="store_true",
                     help="tfm arms: three more clean runs per batch with the full-graph steps' device topology off, "
                          "on, off (runtime/device_topology.py), on the same engine (device_topology_ab in the arm's JSON)")
+    ap.add_argument("--ab-repeats", type=int, default=1,
+                    help="--ab-device-topology / --ab-commit-reuse: 1 runs off, on, off; N > 1 runs N off/on pairs in "
+                         "ABBA order (bench/e2e.py ab_order), the report gives each setting's mean")
     ap.add_argument("--ab-commit-reuse", action="store_true",
                     help="tfm arms: three more clean runs per batch after the clean run with the commit's reuse across "
                          "full-graph replays off, on, off (VLLM_TFM_COMMIT_REUSE, runtime/step_kernels.py), on the same "

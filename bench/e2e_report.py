@@ -295,6 +295,8 @@ def render_markdown(results: dict[str, Any]) -> str:
     lines += _deferred_ab_lines(arms, batches)
     lines += _topology_ab_lines(arms, batches)
     lines += _commit_reuse_ab_lines(arms, batches)
+    for b in batches:
+        lines += _timeline_table(arms, b)
     goals = summ["goals"]
     if goals:
         lines += ["", ("Goals (issue 7): drafting overhead <= 15% of the target forward at batch 1; >= 4.5x over no-spec "
@@ -379,7 +381,12 @@ def _switch_ab_lines(arms: dict[str, Any], batches: list[int], ab_key: str, flag
             return None
         seq = [("on", run.get("decode_tokens_per_s"))] + [("on" if r.get(flag) else "off", r.get("decode_tokens_per_s"))
                                                           for r in ab]
-        return ", ".join(f"{k} {_f(v)}" for k, v in seq)
+        text = ", ".join(f"{k} {_f(v)}" for k, v in seq)
+        if len(ab) >= 4:  # balanced repeats (bench/e2e.py --ab-repeats): each setting's mean over the A/B runs
+            means = {k: [v for kk, v in seq[1:] if kk == k and v is not None] for k in ("on", "off")}
+            text += " (A/B runs' means: " + ", ".join(
+                f"{k} {_f(sum(v) / len(v))} of {len(v)}" for k, v in means.items() if v) + ")"
+        return text
 
     return _ab_lines(arms, batches, cell, title)
 
@@ -394,6 +401,33 @@ def _commit_reuse_ab_lines(arms: dict[str, Any], batches: list[int]) -> list[str
     return _switch_ab_lines(arms, batches, "commit_reuse_ab", "commit_reuse", "The commit's reuse across full-graph "
                             "replays on / off on the same engine, decode tokens/s (clean runs in this order; "
                             "VLLM_TFM_COMMIT_REUSE, runtime/step_kernels.py):")
+
+
+TIMELINE_POINTS = (
+    "runner.execute_model:start", "runner._build_attention_metadata:start", "runner._preprocess:start",
+    "runner._model_forward:start", "runner._sample:start", "runner._update_states_after_model_execute:start",
+    "drafter.propose:start", "runner._bookkeeping_sync:start", "runner._bookkeeping_sync:end", "scheduler.schedule:start",
+)
+
+
+def _timeline_table(arms: dict[str, Any], b: int) -> list[str]:
+    """Markdown lines of a typical step's timeline at batch ``b`` (``bench/e2e.py --host-spans``:
+    ``host_spans.timeline``), for the arms that have one: at each point, ms since the step's start when
+    the host got there and when the GPU did (CUDA events), and the GPU's backlog there (0: the GPU
+    waited for the host)."""
+    out = []
+    for name, arm in arms.items():
+        tl = (((_batch(arm, b) or {}).get("host_spans") or {}).get("timeline") or {})
+        rows = {r["point"]: r for r in tl.get("points") or []}
+        pts = [p for p in TIMELINE_POINTS if p in rows]
+        if not pts:
+            continue
+        out += ["", (f"Where a typical {name} step waits at batch {b} (host-spans run, medians over {tl.get('steps')} "
+                     "steps; ms since the step's start; GPU backlog 0.0: the GPU waits for the host):"), "",
+                "| point | host at | GPU at | GPU backlog |", "| --- | --- | --- | --- |"]
+        out += [f"| {p} | {_f(rows[p]['host_ms'], '{:.2f}')} | {_f(rows[p]['gpu_ms'], '{:.2f}')} | "
+                f"{_f(rows[p]['gpu_behind_ms'], '{:.2f}')} |" for p in pts]
+    return out
 
 
 def _forward_split_table(arms: dict[str, Any], b: int) -> list[str]:

@@ -719,3 +719,42 @@ def test_a_switch_ab_sets_off_on_off_then_gives_the_setting_back(monkeypatch) ->
     assert [r["thing"] for r in runs] == [False, True, False]
     assert [c[1] for c in calls if c[0] == "set_thing"] == [(False,), (True,), (False,), (None,)]
     assert all(r["hooked_steps"] == 3 for r in runs)  # the hook count read before and after each run
+
+
+def test_the_step_timeline_is_rendered_in_host_order_for_the_arms_that_have_one() -> None:
+    res = results()
+    run = res["arms"]["tfm64"]["batches"]["1"]
+    pts = [("runner._model_forward:start", 4.8, 4.81), ("runner.execute_model:start", 0.0, 2.3),
+           ("runner._sample:start", 5.3, 21.3), ("not.listed:start", 1.0, 1.0)]
+    run["host_spans"] = {"timeline": {"steps": 70, "points": [
+        {"point": p, "host_ms": h, "gpu_ms": g, "gpu_behind_ms": round(g - h, 4), "steps": 70} for p, h, g in pts]}}
+    md = e2e_report.render_markdown(res)
+    assert "Where a typical tfm64 step waits at batch 1 (host-spans run, medians over 70 steps" in md
+    i, j, k = (md.index(f"| {p} |") for p in ("runner.execute_model:start", "runner._model_forward:start",
+                                                 "runner._sample:start"))
+    assert i < j < k
+    assert "| runner._model_forward:start | 4.80 | 4.81 | 0.01 |" in md and "not.listed" not in md
+    assert "tfm64 step waits at batch 8" not in md  # no timeline at batch 8
+
+
+def test_ab_order_is_balanced_for_repeats_and_refuses_none() -> None:
+    assert e2e.ab_order(1) == (False, True, False)
+    assert e2e.ab_order(3) == (False, True, True, False, False, True)
+    for r in (2, 4):
+        order = e2e.ab_order(r)
+        assert sum(order) == r and len(order) == 2 * r
+        # mean position of each setting is the same: no drift favours one
+        assert sum(i for i, v in enumerate(order) if v) == sum(i for i, v in enumerate(order) if not v)
+    with pytest.raises(ValueError, match="--ab-repeats must be at least 1, got 0"):
+        e2e.ab_order(0)
+
+
+def test_a_repeated_switch_ab_reports_each_settings_mean() -> None:
+    res = results()
+    run = res["arms"]["tfm64"]["batches"]["1"]
+    run["decode_tokens_per_s"] = 150.0
+    vals = [(False, 140.0), (True, 150.0), (True, 152.0), (False, 142.0)]
+    run["commit_reuse_ab"] = [{"commit_reuse": on, "decode_tokens_per_s": v} for on, v in vals]
+    md = e2e_report.render_markdown(res)
+    assert ("- tfm64: batch 1: on 150.0, off 140.0, on 150.0, on 152.0, off 142.0 "
+            "(A/B runs' means: on 151.0 of 2, off 141.0 of 2)") in md
