@@ -678,28 +678,23 @@ def test_the_breakdown_is_a_typical_decode_step_not_a_mean_lifted_by_the_prefill
     assert e2e_report.forward_split(stages)["target_forward"] == pytest.approx(16.0)
 
 
-def test_the_device_topology_ab_is_reported_in_run_order() -> None:
+def _switch_ab_markdown(ab_key: str, flag: str, clean: float, runs: list[tuple[bool, float]]) -> str:
     res = results()
     run = res["arms"]["tfm64"]["batches"]["1"]
-    run["decode_tokens_per_s"] = 150.0
-    run["device_topology_ab"] = [{"device_topology": False, "decode_tokens_per_s": 141.0},
-                                 {"device_topology": True, "decode_tokens_per_s": 151.0},
-                                 {"device_topology": False, "decode_tokens_per_s": 140.5}]
-    md = e2e_report.render_markdown(res)
-    assert "- tfm64: batch 1: on 150.0, off 141.0, on 151.0, off 140.5" in md
+    run["decode_tokens_per_s"] = clean
+    run[ab_key] = [{flag: on, "decode_tokens_per_s": v} for on, v in runs]
+    return e2e_report.render_markdown(res)
 
 
-def test_the_commit_reuse_ab_is_reported_in_run_order_under_its_own_title() -> None:
-    res = results()
-    run = res["arms"]["tfm64"]["batches"]["1"]
-    run["decode_tokens_per_s"] = 160.0
-    run["commit_reuse_ab"] = [{"commit_reuse": False, "decode_tokens_per_s": 150.5},
-                              {"commit_reuse": True, "decode_tokens_per_s": 161.0},
-                              {"commit_reuse": False, "decode_tokens_per_s": 151.0}]
-    md = e2e_report.render_markdown(res)
-    title = md.index("The commit's reuse across full-graph replays on / off")
-    assert md.index("- tfm64: batch 1: on 160.0, off 150.5, on 161.0, off 151.0") > title
-    assert "Device topology of full-graph steps" not in md  # no topology A/B ran
+@pytest.mark.parametrize(("ab_key", "flag", "title", "other"), [
+    ("device_topology_ab", "device_topology", "Device topology of full-graph steps on / off", "The commit's reuse"),
+    ("commit_reuse_ab", "commit_reuse", "The commit's reuse across full-graph replays on / off", "Device topology"),
+])
+def test_a_switch_ab_is_reported_in_run_order_under_its_own_title(ab_key, flag, title, other) -> None:
+    md = _switch_ab_markdown(ab_key, flag, 150.0, [(False, 141.0), (True, 151.0), (False, 140.5)])
+    assert md.index("- tfm64: batch 1: on 150.0, off 141.0, on 151.0, off 140.5") > md.index(title)
+    assert other not in md  # no other A/B ran
+    assert "A/B runs' means" not in md  # one repeat: no means
 
 
 def test_a_switch_ab_sets_off_on_off_then_gives_the_setting_back(monkeypatch) -> None:
@@ -750,11 +745,7 @@ def test_ab_order_is_balanced_for_repeats_and_refuses_none() -> None:
 
 
 def test_a_repeated_switch_ab_reports_each_settings_mean() -> None:
-    res = results()
-    run = res["arms"]["tfm64"]["batches"]["1"]
-    run["decode_tokens_per_s"] = 150.0
-    vals = [(False, 140.0), (True, 150.0), (True, 152.0), (False, 142.0)]
-    run["commit_reuse_ab"] = [{"commit_reuse": on, "decode_tokens_per_s": v} for on, v in vals]
-    md = e2e_report.render_markdown(res)
+    md = _switch_ab_markdown("commit_reuse_ab", "commit_reuse", 150.0,
+                             [(False, 140.0), (True, 150.0), (True, 152.0), (False, 142.0)])
     assert ("- tfm64: batch 1: on 150.0, off 140.0, on 150.0, on 152.0, off 142.0 "
             "(A/B runs' means: on 151.0 of 2, off 141.0 of 2)") in md
