@@ -47,7 +47,8 @@ class CommitReuse:
     step (``StepKernels.commit_indices``), so the rows do not change at all: the commit launches the
     tables it uploaded at the first replay (``uploaded``), and the per-layer kernel checks, which read
     only the stash tensors' metadata, ran once for these tensors (``checked``). Host work per step:
-    ~10 small index writes and the launches, instead of 48 layers' checks, rows and an upload.
+    two small index writes, three per KV-cache group, and the launches, instead of 48 layers' checks,
+    rows and an upload.
 
     indices: by ``id`` of a group's slot tensor: (that tensor, GDN indices, conv indices);
     shared: (accepted node int32 [R], p int32 [R], zeros int32 [R]), shared by every group.
