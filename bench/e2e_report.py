@@ -422,8 +422,9 @@ def _timeline_table(arms: dict[str, Any], b: int) -> list[str]:
         pts = [p for p in TIMELINE_POINTS if p in rows]
         if not pts:
             continue
+        length = f", a step {_f(tl['step_ms'], '{:.2f}')} ms" if tl.get("step_ms") is not None else ""
         out += ["", (f"Where a typical {name} step waits at batch {b} (host-spans run, medians over {tl.get('steps')} "
-                     "steps; ms since the step's start; GPU backlog 0.0: the GPU waits for the host):"), "",
+                     f"steps{length}; ms since the step's start; GPU backlog 0.0: the GPU waits for the host):"), "",
                 "| point | host at | GPU at | GPU backlog |", "| --- | --- | --- | --- |"]
         out += [f"| {p} | {_f(rows[p]['host_ms'], '{:.2f}')} | {_f(rows[p]['gpu_ms'], '{:.2f}')} | "
                 f"{_f(rows[p]['gpu_behind_ms'], '{:.2f}')} |" for p in pts]

@@ -352,17 +352,20 @@ def step_timeline(marks: list[tuple[str, str, float, Any]], base_host_s: float, 
     step starts at each entry of ``step_span``; a point is (span, start/end, its n-th occurrence in the
     step). Per point, medians over the steps after ``skip_steps``: ``host_ms`` (the host's time since the
     step's start), ``gpu_ms`` (when the GPU got there, same origin) and ``gpu_behind_ms`` (their difference:
-    the GPU work queued ahead of that point; near 0 means the GPU was waiting for the host there).
-    Points present in fewer than half the steps are left out."""
+    the GPU work queued ahead of that point; near 0 means the GPU was waiting for the host there), and
+    ``step_ms``, the median time from one step's start to the next's. Points present in fewer than half
+    the steps are left out."""
     import statistics
 
     steps: list[dict[str, tuple[float, float]]] = []
+    starts: list[float] = []
     seen: dict[str, int] = {}
     start_ms = 0.0
     for name, phase, host_s, stamp in marks:
         host_ms = 1e3 * (host_s - base_host_s)
         if name == step_span and phase == "start":
             steps.append({})
+            starts.append(host_ms)
             seen = {}
             start_ms = host_ms
         if not steps:
@@ -383,4 +386,6 @@ def step_timeline(marks: list[tuple[str, str, float, Any]], base_host_s: float, 
                      "gpu_ms": round(statistics.median(v[1] for v in vals), 4),
                      "gpu_behind_ms": round(statistics.median(v[1] - v[0] for v in vals), 4), "steps": len(vals)})
     rows.sort(key=lambda r: r["host_ms"])
-    return {"steps": len(used), "skipped_steps": min(skip_steps, len(steps)), "points": rows}
+    lengths = [b - a for a, b in zip(starts[skip_steps:], starts[skip_steps + 1:])]
+    step_ms = round(statistics.median(lengths), 4) if lengths else None
+    return {"steps": len(used), "skipped_steps": min(skip_steps, len(steps)), "step_ms": step_ms, "points": rows}

@@ -721,10 +721,10 @@ def test_the_step_timeline_is_rendered_in_host_order_for_the_arms_that_have_one(
     run = res["arms"]["tfm64"]["batches"]["1"]
     pts = [("runner._model_forward:start", 4.8, 4.81), ("runner.execute_model:start", 0.0, 2.3),
            ("runner._sample:start", 5.3, 21.3), ("not.listed:start", 1.0, 1.0)]
-    run["host_spans"] = {"timeline": {"steps": 70, "points": [
+    run["host_spans"] = {"timeline": {"steps": 70, "step_ms": 23.05, "points": [
         {"point": p, "host_ms": h, "gpu_ms": g, "gpu_behind_ms": round(g - h, 4), "steps": 70} for p, h, g in pts]}}
     md = e2e_report.render_markdown(res)
-    assert "Where a typical tfm64 step waits at batch 1 (host-spans run, medians over 70 steps" in md
+    assert "Where a typical tfm64 step waits at batch 1 (host-spans run, medians over 70 steps, a step 23.05 ms;" in md
     i, j, k = (md.index(f"| {p} |") for p in ("runner.execute_model:start", "runner._model_forward:start",
                                                  "runner._sample:start"))
     assert i < j < k

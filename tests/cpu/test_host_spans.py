@@ -222,7 +222,7 @@ def test_step_timeline_puts_host_and_gpu_on_one_clock_per_step() -> None:
         if i == 1:
             marks.append(("runner._bookkeeping_sync", "start", t0 + 0.005, ("gpu", 0.0)))
     out = host_spans.step_timeline(marks, 0.5, ("gpu", 0.0), lambda a, b: b[1] - a[1], skip_steps=0)
-    assert out["steps"] == 3 and out["skipped_steps"] == 0
+    assert out["steps"] == 3 and out["skipped_steps"] == 0 and out["step_ms"] == pytest.approx(10.0)
     rows = {r["point"]: r for r in out["points"]}
     assert set(rows) == {"runner.execute_model:start", "runner._model_forward:start", "runner._model_forward:end",
                          "runner._model_forward:end#2"}
