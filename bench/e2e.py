@@ -344,14 +344,13 @@ def run_arm(arm: Arm, settings_path: Path) -> int:
                     run["deferred_on_again"] = one_run(llm, ps[:b], params)
                     log(f"{arm.name} b{b} clean, deferred drafts off: {run['deferred_off']['decode_tokens_per_s']} "
                         f"decode tok/s, on again: {run['deferred_on_again']['decode_tokens_per_s']}")
-                if s.get("ab_device_topology") and arm.kind == "tfm":  # on (above), off, on, off: order effects show
-                    run["device_topology_ab"] = device_topology_ab_runs(llm, ps[:b], params, s.get("ab_repeats", 1))
-                    log(f"{arm.name} b{b} clean, device topology off / on / off: "
-                        + ", ".join(str(r["decode_tokens_per_s"]) for r in run["device_topology_ab"]) + " decode tok/s")
-                if s.get("ab_commit_reuse") and arm.kind == "tfm":  # on (above), off, on, off
-                    run["commit_reuse_ab"] = commit_reuse_ab_runs(llm, ps[:b], params, s.get("ab_repeats", 1))
-                    log(f"{arm.name} b{b} clean, commit reuse off / on / off: "
-                        + ", ".join(str(r["decode_tokens_per_s"]) for r in run["commit_reuse_ab"]) + " decode tok/s")
+                if arm.kind == "tfm":  # runtime switches' same-engine A/Bs: on (above), then ab_order's runs
+                    for name in s.get("ab_switches", ()):
+                        sw = SWITCH_ABS[name]
+                        run[sw.ab_key] = switch_ab(llm, ps[:b], params, name, s.get("ab_repeats", 1))
+                        log(f"{arm.name} b{b} clean, {name} " + " / ".join(
+                            ("on" if r[sw.flag] else "off") for r in run[sw.ab_key]) + ": "
+                            + ", ".join(str(r["decode_tokens_per_s"]) for r in run[sw.ab_key]) + " decode tok/s")
             llm.collective_rpc(set_stage_timing, kwargs={"enabled": True, "reset": True})
             prof = one_run(llm, ps[:b], params)
             prof.update(llm.collective_rpc(collect_stage_timings, kwargs={"reset": True})[0])
@@ -451,6 +450,18 @@ def ab_order(repeats: int) -> tuple[bool, ...]:
     return tuple(v for i in range(repeats) for v in ((False, True) if i % 2 == 0 else (True, False)))
 
 
+def parse_ab_switches(names: list[str], device_topology: bool = False, commit_reuse: bool = False) -> list[str]:
+    """The switch A/Bs asked for (``--ab-switch``, and the two older flags), in order, once each; a
+    one-line error for an unknown name."""
+    out: list[str] = []
+    for name in [*names, *(["device_topology"] if device_topology else []), *(["commit_reuse"] if commit_reuse else [])]:
+        if name not in SWITCH_ABS:
+            raise ValueError(f"--ab-switch: unknown switch {name!r}; expected one of {', '.join(SWITCH_ABS)}")
+        if name not in out:
+            out.append(name)
+    return out
+
+
 def switch_ab_runs(llm: Any, ps: list[list[int]], params: Any, setter: Any, flag: str,
                    count: tuple[str, str] | None = None, repeats: int = 1) -> list[dict[str, Any]]:
     """More clean runs after the arm's clean run (a runtime switch on), in ``ab_order(repeats)``, set in
@@ -479,20 +490,35 @@ def switch_ab_runs(llm: Any, ps: list[list[int]], params: Any, setter: Any, flag
     return out
 
 
-def device_topology_ab_runs(llm: Any, ps: list[list[int]], params: Any, repeats: int = 1) -> list[dict[str, Any]]:
-    """``switch_ab_runs`` of the device topology (runtime/device_topology.py), each run with the number of
-    steps whose topology the kernel wrote (``topology_device_steps``)."""
-    from vllm_tfm.vllm_plugin.runtime import set_device_topology
+@dataclass(frozen=True)
+class SwitchAB:
+    """A runtime switch a same-engine A/B can flip (``--ab-switch NAME``): its setter in
+    ``vllm_tfm.vllm_plugin.runtime`` (collective_rpc signature), where the runs go in the arm's JSON
+    (``ab_key``, each marked ``flag``), and optionally a tree-metrics hook counted per run (hook, key)."""
 
-    return switch_ab_runs(llm, ps, params, set_device_topology, "device_topology",
-                          ("topology.device", "topology_device_steps"), repeats)
+    setter: str
+    ab_key: str
+    flag: str
+    count: tuple[str, str] | None = None
 
 
-def commit_reuse_ab_runs(llm: Any, ps: list[list[int]], params: Any, repeats: int = 1) -> list[dict[str, Any]]:
-    """``switch_ab_runs`` of the commit's reuse across full-graph replays (VLLM_TFM_COMMIT_REUSE)."""
-    from vllm_tfm.vllm_plugin.runtime import set_commit_reuse
+SWITCH_ABS: dict[str, SwitchAB] = {
+    # the full-graph steps' topology on the device (runtime/device_topology.py)
+    "device_topology": SwitchAB("set_device_topology", "device_topology_ab", "device_topology",
+                                ("topology.device", "topology_device_steps")),
+    # the commit's tables reused across full-graph replays (VLLM_TFM_COMMIT_REUSE, runtime/step_kernels.py)
+    "commit_reuse": SwitchAB("set_commit_reuse", "commit_reuse_ab", "commit_reuse"),
+    # the sampled tokens' copy queued before the commit (VLLM_TFM_EARLY_SAMPLED_COPY, runtime/deferred_drafts.py)
+    "early_sampled_copy": SwitchAB("set_early_sampled_copy", "early_sampled_copy_ab", "early_sampled_copy"),
+}
 
-    return switch_ab_runs(llm, ps, params, set_commit_reuse, "commit_reuse", repeats=repeats)
+
+def switch_ab(llm: Any, ps: list[list[int]], params: Any, name: str, repeats: int = 1) -> list[dict[str, Any]]:
+    """``switch_ab_runs`` of the runtime switch ``name`` of ``SWITCH_ABS``."""
+    import vllm_tfm.vllm_plugin.runtime as runtime
+
+    sw = SWITCH_ABS[name]
+    return switch_ab_runs(llm, ps, params, getattr(runtime, sw.setter), sw.flag, sw.count, repeats)
 
 
 def host_spans_run(llm: Any, ps: list[list[int]], params: Any) -> dict[str, Any]:
@@ -626,6 +652,7 @@ def driver(args: argparse.Namespace) -> int:
     work.mkdir(parents=True, exist_ok=True)
     arms = parse_arms(args.arms)
     ab_order(args.ab_repeats)  # its one-line error before any engine starts
+    ab_switches = parse_ab_switches(args.ab_switch, args.ab_device_topology, args.ab_commit_reuse)
     batches = sorted({int(b) for b in args.batches.split(",")})
     profile, profile_path = resolve_profile(args.profile, args.temperature)
     if not profile.measured:
@@ -645,8 +672,7 @@ def driver(args: argparse.Namespace) -> int:
         "kernel_profile": str(out) if args.kernel_profile else None,
         "kernel_profile_tokens": args.kernel_profile_tokens,
         "ab_deferred": args.ab_deferred,
-        "ab_device_topology": args.ab_device_topology,
-        "ab_commit_reuse": args.ab_commit_reuse,
+        "ab_switches": ab_switches,
         "ab_repeats": args.ab_repeats,
         # tfm switches set for this run (e.g. VLLM_TFM_WEAVER_GRAPHS=1), benchmark-only ones excluded
         "tfm_env": tfm_switches(os.environ),
@@ -767,16 +793,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--ab-deferred", action="store_true",
                     help="tfm arms: one more clean run per batch with deferred drafts off (runtime/deferred_drafts.py), "
                          "on the same engine: a same-machine before / after in the arm's JSON (deferred_off)")
-    ap.add_argument("--ab-device-topology", action="store_true",
-                    help="tfm arms: three more clean runs per batch with the full-graph steps' device topology off, "
-                         "on, off (runtime/device_topology.py), on the same engine (device_topology_ab in the arm's JSON)")
+    ap.add_argument("--ab-switch", action="append", default=[], metavar="NAME",
+                    help="tfm arms: more clean runs per batch after the clean run with the runtime switch NAME off and "
+                         f"on (one of {', '.join(SWITCH_ABS)}; see SWITCH_ABS), on the same engine (<NAME>_ab in the "
+                         "arm's JSON); repeatable")
+    ap.add_argument("--ab-device-topology", action="store_true", help="the same as --ab-switch device_topology")
+    ap.add_argument("--ab-commit-reuse", action="store_true", help="the same as --ab-switch commit_reuse")
     ap.add_argument("--ab-repeats", type=int, default=1,
-                    help="--ab-device-topology / --ab-commit-reuse: 1 runs off, on, off; N > 1 runs N off/on pairs in "
-                         "ABBA order (bench/e2e.py ab_order), the report gives each setting's mean")
-    ap.add_argument("--ab-commit-reuse", action="store_true",
-                    help="tfm arms: three more clean runs per batch after the clean run with the commit's reuse across "
-                         "full-graph replays off, on, off (VLLM_TFM_COMMIT_REUSE, runtime/step_kernels.py), on the same "
-                         "engine (commit_reuse_ab in the arm's JSON)")
+                    help="--ab-switch: 1 runs off, on, off; N > 1 runs N off/on pairs in ABBA order (bench/e2e.py "
+                         "ab_order), the report gives each setting's mean")
     ap.add_argument("--child", help=argparse.SUPPRESS)
     ap.add_argument("--settings", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)

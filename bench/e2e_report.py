@@ -293,8 +293,8 @@ def render_markdown(results: dict[str, Any]) -> str:
             ]
         lines += _forward_split_table(arms, b)
     lines += _deferred_ab_lines(arms, batches)
-    lines += _topology_ab_lines(arms, batches)
-    lines += _commit_reuse_ab_lines(arms, batches)
+    for ab_key, (flag, title) in SWITCH_AB_TITLES.items():
+        lines += _switch_ab_lines(arms, batches, ab_key, flag, title)
     for b in batches:
         lines += _timeline_table(arms, b)
     goals = summ["goals"]
@@ -391,16 +391,16 @@ def _switch_ab_lines(arms: dict[str, Any], batches: list[int], ab_key: str, flag
     return _ab_lines(arms, batches, cell, title)
 
 
-def _topology_ab_lines(arms: dict[str, Any], batches: list[int]) -> list[str]:
-    return _switch_ab_lines(arms, batches, "device_topology_ab", "device_topology", "Device topology of full-graph "
-                            "steps on / off on the same engine, decode tokens/s (clean runs in this order; "
-                            "VLLM_TFM_DEVICE_TOPOLOGY, runtime/device_topology.py):")
-
-
-def _commit_reuse_ab_lines(arms: dict[str, Any], batches: list[int]) -> list[str]:
-    return _switch_ab_lines(arms, batches, "commit_reuse_ab", "commit_reuse", "The commit's reuse across full-graph "
-                            "replays on / off on the same engine, decode tokens/s (clean runs in this order; "
-                            "VLLM_TFM_COMMIT_REUSE, runtime/step_kernels.py):")
+# bench/e2e.py SWITCH_ABS: the arm JSON's key of each switch A/B -> (its runs' flag, the report's title)
+SWITCH_AB_TITLES: dict[str, tuple[str, str]] = {
+    "device_topology_ab": ("device_topology", "Device topology of full-graph steps on / off on the same engine, decode "
+                           "tokens/s (clean runs in this order; VLLM_TFM_DEVICE_TOPOLOGY, runtime/device_topology.py):"),
+    "commit_reuse_ab": ("commit_reuse", "The commit's reuse across full-graph replays on / off on the same engine, "
+                        "decode tokens/s (clean runs in this order; VLLM_TFM_COMMIT_REUSE, runtime/step_kernels.py):"),
+    "early_sampled_copy_ab": ("early_sampled_copy", "The sampled tokens' copy before the commit (on) / after it (off) "
+                              "on the same engine, decode tokens/s (clean runs in this order; "
+                              "VLLM_TFM_EARLY_SAMPLED_COPY, runtime/deferred_drafts.py):"),
+}
 
 
 TIMELINE_POINTS = (

@@ -374,3 +374,50 @@ def test_weaver_builds_with_tail_rounds_are_counted_in_the_engine_metrics():
     graphs.count_tail(1)
     assert STATE.metrics.hooks["weaver.tail_builds"] == 2 and STATE.metrics.hooks["weaver.tail_rounds"] == 4
     assert graphs.tail_rounds == 4
+
+
+@pytest.mark.parametrize("early", [True, False])
+def test_the_sampled_copy_is_queued_before_the_commit_when_early_and_once_per_step(monkeypatch, early):
+    """Early (the default): the copy bookkeeping waits for is queued before the commit's launches, so the
+    host's wait does not include the commit; off: at the start of the proposal, after them. Either way one
+    copy per step, and the proposal keeps the decision made for its tensor."""
+    from vllm_tfm.vllm_plugin.runtime import hooks
+
+    monkeypatch.setattr(dd, "defers_drafts", lambda sampled, so, md: isinstance(sampled, torch.Tensor))
+    recorded: list[torch.Tensor] = []
+    record = STATE.sampled_copy.record
+    monkeypatch.setattr(STATE.sampled_copy, "record", lambda t: recorded.append(t) or record(t))
+    seen_at_commit: list[bool] = []
+    monkeypatch.setattr(hooks, "commit_step", lambda runner, step: seen_at_commit.append(STATE.sampled_copy.holds(sampled)))
+    saved_step, saved_trace = STATE.step, STATE.trace
+    STATE.step, STATE.trace = SimpleNamespace(tree_active=True), None
+    dd.set_early_sampled_copy(None, early)
+    try:
+        sampled = torch.tensor([[5, 6, -1]], dtype=torch.int32)
+        runner = SimpleNamespace(_tfm_enabled=True, model_config=SimpleNamespace(is_hybrid=False),
+                                 input_batch=SimpleNamespace(sampling_metadata=None))
+        so = SimpleNamespace(has_structured_output_requests=False)
+        STATE.defer_drafts = False
+        hooks._wrap_update_states_after(lambda self, o, s: None)(runner, sampled, so)
+        assert seen_at_commit == [early] and STATE.defer_drafts is early
+        propose = hooks._wrap_propose(lambda self, *a, **k: "drafts")
+        assert propose(runner, so, sampled, None, None, None) == "drafts"
+        assert STATE.defer_drafts and len(recorded) == 1 and recorded[0] is sampled
+        assert torch.equal(STATE.sampled_copy.host_for(sampled), sampled)
+    finally:
+        STATE.step, STATE.trace = saved_step, saved_trace
+        dd.set_early_sampled_copy(None, None)
+
+
+def test_the_early_copy_switch_reads_the_environment_unless_set(monkeypatch):
+    from vllm_tfm.vllm_plugin.options import env_overrides
+
+    monkeypatch.delenv(dd.EARLY_SAMPLED_COPY_ENV, raising=False)
+    assert dd.early_sampled_copy_enabled()
+    monkeypatch.setenv(dd.EARLY_SAMPLED_COPY_ENV, "0")
+    assert not dd.early_sampled_copy_enabled()
+    assert dd.set_early_sampled_copy(None, True) and dd.early_sampled_copy_enabled()
+    assert dd.set_early_sampled_copy(None, None) is False
+    with pytest.raises(ValueError, match="set_early_sampled_copy takes True, False or None, got 1"):
+        dd.set_early_sampled_copy(None, 1)
+    assert env_overrides({dd.EARLY_SAMPLED_COPY_ENV: "0"})[0] == {}

@@ -749,3 +749,26 @@ def test_a_repeated_switch_ab_reports_each_settings_mean() -> None:
                              [(False, 140.0), (True, 150.0), (True, 152.0), (False, 142.0)])
     assert ("- tfm64: batch 1: on 150.0, off 140.0, on 150.0, on 152.0, off 142.0 "
             "(A/B runs' means: on 151.0 of 2, off 141.0 of 2)") in md
+
+
+def test_every_switch_ab_has_a_setter_and_a_report_title_and_bad_names_are_refused() -> None:
+    import vllm_tfm.vllm_plugin.runtime as runtime
+
+    assert set(e2e.SWITCH_ABS) == {"device_topology", "commit_reuse", "early_sampled_copy"}
+    for name, sw in e2e.SWITCH_ABS.items():
+        assert callable(getattr(runtime, sw.setter)) and sw.setter in runtime.__all__
+        assert e2e_report.SWITCH_AB_TITLES[sw.ab_key][0] == sw.flag
+    assert set(e2e_report.SWITCH_AB_TITLES) == {sw.ab_key for sw in e2e.SWITCH_ABS.values()}
+    assert e2e.parse_ab_switches(["early_sampled_copy", "commit_reuse"], commit_reuse=True, device_topology=True) == [
+        "early_sampled_copy", "commit_reuse", "device_topology"]
+    with pytest.raises(ValueError, match="--ab-switch: unknown switch 'early_copy'; expected one of device_topology, "
+                                         "commit_reuse, early_sampled_copy"):
+        e2e.parse_ab_switches(["early_copy"])
+
+
+def test_the_early_copy_ab_is_reported_under_its_title() -> None:
+    md = _switch_ab_markdown("early_sampled_copy_ab", "early_sampled_copy", 160.0,
+                             [(False, 150.0), (True, 161.0), (True, 159.0), (False, 152.0)])
+    title = "The sampled tokens' copy before the commit (on) / after it (off) on the same engine"
+    assert md.index("- tfm64: batch 1: on 160.0, off 150.0, on 161.0, on 159.0, off 152.0 "
+                    "(A/B runs' means: on 160.0 of 2, off 151.0 of 2)") > md.index(title)

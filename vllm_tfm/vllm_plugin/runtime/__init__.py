@@ -48,7 +48,7 @@ from __future__ import annotations
 
 __all__ = [
     "install", "is_installed", "snapshot_metrics", "collect_tree_metrics", "flush_trace", "set_deferred_drafts",
-    "set_device_topology", "set_commit_reuse",
+    "set_device_topology", "set_commit_reuse", "set_early_sampled_copy",
 ]
 
 
@@ -112,6 +112,15 @@ def set_deferred_drafts(worker: object = None, on: bool | None = None) -> bool:
     """Deferred drafts on or off in this process from the next step on (None: ``VLLM_TFM_DEFERRED_DRAFTS``);
     the setting now in force. The signature suits ``LLM.collective_rpc``."""
     from .deferred_drafts import set_deferred_drafts as _set
+
+    return _set(worker, on)
+
+
+def set_early_sampled_copy(worker: object = None, on: bool | None = None) -> bool:
+    """The sampled tokens' copy queued before the commit (``deferred_drafts.record_sampled_copy``) or after
+    it, in this process from the next step on (None: ``VLLM_TFM_EARLY_SAMPLED_COPY``); the setting now in
+    force. The signature suits ``LLM.collective_rpc``."""
+    from .deferred_drafts import set_early_sampled_copy as _set
 
     return _set(worker, on)
 

@@ -16,9 +16,11 @@ right before the next forward:
 1. The Weaver graph build returns without its host check (``weaver_graphs.DeferredTail``: whether
    growth rounds past the captured ones are needed is asked later, before anything reads the
    drafts; if they are, they run then and rewrite the returned tensors in place).
-2. ``SampledCopy.record``: at the start of ``propose_draft_token_ids`` (sampler and commit queued, no
-   drafting yet) the sampled tokens are copied to pinned memory with an event; ``_bookkeeping_sync``
-   reads that copy, so it waits for the sampler, not the drafter.
+2. ``SampledCopy.record``: right after the sampler, at the start of ``_update_states_after_model_execute``
+   (before the commit's launches; ``VLLM_TFM_EARLY_SAMPLED_COPY=0``: at the start of
+   ``propose_draft_token_ids``, after them), the sampled tokens are copied to pinned memory with an
+   event; ``_bookkeeping_sync`` reads that copy, so it waits for the sampler, not the commit and the
+   drafter, which the GPU runs while the host does the next step's bookkeeping and input preparation.
 3. ``take_draft_token_ids`` returns ``PLACEHOLDER_DRAFT`` (-1, vLLM's own placeholder) B times per
    request instead of the tokens of the proposal just made: no wait. The scheduler needs only their
    number (it schedules 1 + B tokens per request); their values matter to it only for structured
@@ -58,8 +60,13 @@ from .state import PLACEHOLDER_DRAFT, STATE, ProposalStore, is_placeholder
 
 __all__ = [
     "DEFERRED_DRAFTS_ENV",
+    "EARLY_SAMPLED_COPY_ENV",
     "deferred_drafts_enabled",
     "set_deferred_drafts",
+    "early_sampled_copy_enabled",
+    "set_early_sampled_copy",
+    "defers_drafts",
+    "record_sampled_copy",
     "placeholder_drafts",
     "draft_positions",
     "fill_input_ids",
@@ -86,6 +93,53 @@ def set_deferred_drafts(worker: object = None, on: bool | None = None) -> bool:
         raise ValueError(f"set_deferred_drafts takes True, False or None, got {on!r}")
     _SWITCH["on"] = on
     return deferred_drafts_enabled()
+
+
+EARLY_SAMPLED_COPY_ENV = "VLLM_TFM_EARLY_SAMPLED_COPY"
+_EARLY: dict[str, bool | None] = {"on": None}
+
+
+def early_sampled_copy_enabled() -> bool:
+    """``set_early_sampled_copy``'s value if set, else ``VLLM_TFM_EARLY_SAMPLED_COPY`` (default on; 0 / false
+    off): the sampled tokens' copy is queued before the commit instead of after it."""
+    on = _EARLY["on"]
+    if on is not None:
+        return on
+    return os.environ.get(EARLY_SAMPLED_COPY_ENV, "1") not in ("0", "false", "False")
+
+
+def set_early_sampled_copy(worker: object = None, on: bool | None = None) -> bool:
+    """Queue the sampled tokens' copy before the commit (True) or after it (False) from the next step on
+    (None: back to the environment); returns the setting now in force. The signature suits
+    ``LLM.collective_rpc`` (a same-engine A/B, bench/e2e.py ``--ab-switch early_sampled_copy``)."""
+    if on is not None and not isinstance(on, bool):
+        raise ValueError(f"set_early_sampled_copy takes True, False or None, got {on!r}")
+    _EARLY["on"] = on
+    return early_sampled_copy_enabled()
+
+
+def defers_drafts(sampled: Any, scheduler_output: Any, sampling_metadata: Any) -> bool:
+    """Whether this step's drafts are deferred: the switch is on, the sampled tokens are on the GPU, and
+    no request needs the drafts' real tokens in the scheduler (structured outputs) or vLLM's own
+    sampler (penalties, bad words, other processors)."""
+    return (
+        deferred_drafts_enabled()
+        and isinstance(sampled, Tensor)
+        and sampled.is_cuda
+        and not scheduler_output.has_structured_output_requests
+        and not needs_native_sampler(sampling_metadata)
+    )
+
+
+def record_sampled_copy(sampled: Any, scheduler_output: Any, sampling_metadata: Any) -> None:
+    """Decide this step's deferral (``STATE.defer_drafts``) and, when deferred, queue the sampled tokens'
+    copy that ``_bookkeeping_sync`` will read. Once per step: a second call for the same tensor (the
+    early call's, then ``propose_draft_token_ids``'s) keeps the first decision and copy."""
+    if STATE.sampled_copy.holds(sampled):
+        return
+    STATE.defer_drafts = defers_drafts(sampled, scheduler_output, sampling_metadata)
+    if STATE.defer_drafts:
+        STATE.sampled_copy.record(sampled)
 
 
 def placeholder_drafts(num_reqs: int, num_drafts: int) -> list[list[int]]:

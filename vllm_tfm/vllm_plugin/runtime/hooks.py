@@ -47,7 +47,13 @@ import torch
 
 from .accepted_offsets import OffsetPlan, move_states_to_slot0, plan_offsets
 from .commit import commit_gdn_layers, compact_kv, compaction_rows, spec_accepted
-from .deferred_drafts import deferred_drafts_enabled, fill_input_ids, placeholder_drafts
+from .deferred_drafts import (
+    deferred_drafts_enabled,
+    early_sampled_copy_enabled,
+    fill_input_ids,
+    placeholder_drafts,
+    record_sampled_copy,
+)
 from .device_topology import launch_device_topology
 from .inputs import build_step_tree, tree_positions
 from .metrics import Metrics
@@ -343,6 +349,8 @@ def _wrap_update_states_after(orig: Callable) -> Callable:
     @functools.wraps(orig)
     def _update_states_after_model_execute(self: Any, output_token_ids: Any, scheduler_output: Any) -> Any:
         if _is_tfm(self):
+            if early_sampled_copy_enabled():  # before the commit's launches: bookkeeping waits for the sampler only
+                record_sampled_copy(output_token_ids, scheduler_output, self.input_batch.sampling_metadata)
             step = STATE.step
             if step is not None and step.tree_active:
                 with STATE.metrics.timed("commit"), TIMER.span("commit"):
@@ -368,15 +376,8 @@ def _wrap_propose(orig: Callable) -> Callable:
                 return orig(self, scheduler_output, sampled_token_ids, sampling_metadata, hidden_states,
                             sample_hidden_states, *args, **kwargs)
         STATE.final_hidden = sample_hidden_states
-        STATE.defer_drafts = (
-            deferred_drafts_enabled()
-            and isinstance(sampled_token_ids, torch.Tensor)
-            and sampled_token_ids.is_cuda
-            and not scheduler_output.has_structured_output_requests
-            and not needs_native_sampler(sampling_metadata)
-        )
-        if STATE.defer_drafts:  # sampler and commit queued, drafting not yet: the copy bookkeeping waits for
-            STATE.sampled_copy.record(sampled_token_ids)
+        # the copy bookkeeping waits for, unless queued right after the sampler (_update_states_after_model_execute)
+        record_sampled_copy(sampled_token_ids, scheduler_output, sampling_metadata)
         try:
             with STATE.metrics.timed("propose"), TIMER.span("propose"):
                 return orig(self, scheduler_output, sampled_token_ids, sampling_metadata, hidden_states,

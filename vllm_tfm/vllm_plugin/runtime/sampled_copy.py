@@ -36,6 +36,10 @@ class SampledCopy:
             self._event = torch.cuda.Event()
         self._event.record()
 
+    def holds(self, sampled: Any) -> bool:
+        """Whether the pending record is of ``sampled`` (the same tensor object)."""
+        return self._src is not None and self._src is sampled
+
     def host_for(self, sampled: Any) -> Tensor | None:
         """The host copy of ``sampled`` once complete (waits for the copy only), or None when the
         last recorded tensor is not ``sampled``. Consumes the record."""
