@@ -465,15 +465,19 @@ def parse_ab_switches(names: list[str], device_topology: bool = False, commit_re
 def switch_ab_runs(llm: Any, ps: list[list[int]], params: Any, setter: Any, flag: str,
                    count: tuple[str, str] | None = None, repeats: int = 1) -> list[dict[str, Any]]:
     """More clean runs after the arm's clean run (a runtime switch on), in ``ab_order(repeats)``, set in
-    the worker through ``setter`` (then back to the environment's setting), each marked ``run[flag]``;
-    with ``count`` = (tree-metrics hook, key), each run also records how many steps took that hook. A
-    same-engine A/B."""
+    the worker through ``setter`` (then back to the environment's setting), each marked ``run[flag]``.
+    Each run also records its tree steps (``tree_steps``: steps that committed a tree, the ``commit``
+    hook) and its decode milliseconds per tree step (``decode_ms_per_step``): the replayed acceptance
+    differs from run to run, so tokens/s mixes the switch with the run's accepted lengths, and the step
+    time does not. With ``count`` = (tree-metrics hook, key), each run also records how many steps took
+    that hook. A same-engine A/B."""
     from vllm_tfm.vllm_plugin.runtime import collect_tree_metrics
 
-    def hooked() -> int:
-        if count is None:
-            return 0
-        return int(((llm.collective_rpc(collect_tree_metrics)[0] or {}).get("hooks") or {}).get(count[0]) or 0)
+    hooks = [("commit", "tree_steps")] + ([count] if count is not None else [])
+
+    def hooked() -> dict[str, int]:
+        got = (llm.collective_rpc(collect_tree_metrics)[0] or {}).get("hooks") or {}
+        return {key: int(got.get(hook) or 0) for hook, key in hooks}
 
     out = []
     try:
@@ -482,12 +486,23 @@ def switch_ab_runs(llm: Any, ps: list[list[int]], params: Any, setter: Any, flag
             before = hooked()
             run = one_run(llm, ps, params)
             run[flag] = on
-            if count is not None:
-                run[count[1]] = hooked() - before
+            after = hooked()
+            for _, key in hooks:
+                run[key] = after[key] - before[key]
+            run["decode_ms_per_step"] = decode_ms_per_step(run, len(ps))
             out.append(run)
     finally:
         llm.collective_rpc(setter, args=(None,))
     return out
+
+
+def decode_ms_per_step(run: dict[str, Any], num_requests: int) -> float | None:
+    """Milliseconds per tree step of a run's decode window (``decode_rate``'s tokens after each request's
+    first, over its tokens/s, over the tree steps); None without a rate or steps."""
+    rate, steps = run.get("decode_tokens_per_s"), run.get("tree_steps")
+    if not rate or not steps:
+        return None
+    return round(1000.0 * (run["output_tokens"] - num_requests) / rate / steps, 3)
 
 
 @dataclass(frozen=True)

@@ -386,6 +386,11 @@ def _switch_ab_lines(arms: dict[str, Any], batches: list[int], ab_key: str, flag
             means = {k: [v for kk, v in seq[1:] if kk == k and v is not None] for k in ("on", "off")}
             text += " (A/B runs' means: " + ", ".join(
                 f"{k} {_f(sum(v) / len(v))} of {len(v)}" for k, v in means.items() if v) + ")"
+        ms = {k: [r["decode_ms_per_step"] for r in ab if ("on" if r.get(flag) else "off") == k
+                  and r.get("decode_ms_per_step")] for k in ("on", "off")}
+        if ms["on"] and ms["off"]:  # bench/e2e.py decode_ms_per_step: free of the runs' differing acceptance
+            text += "; ms per tree step, A/B runs' means: " + ", ".join(
+                f"{k} {sum(v) / len(v):.2f}" for k, v in ms.items())
         return text
 
     return _ab_lines(arms, batches, cell, title)

@@ -19,12 +19,19 @@
 // float32 inputs: the same fragments computed with FFMA from shared memory (exact float32).
 // Softmax: online, base 2, float32, -inf safe (a split may hold no visible key of a row).
 // Splits (flash-decoding): with few CTAs the keys of a row tile are split; each split writes its
-// (O, m, l) partial to a workspace and the last CTA of the row tile to finish (atomic counter, reset
-// to zero by that CTA) merges them. One launch per call whatever the split count.
+// (O, m, l) partial to a workspace and a second launch (tree_attention_merge: a thread per output
+// chunk of 4 values, so the whole GPU merges) combines them. One launch with one split, two with more.
+//
+// Pipeline: TA_STAGES K/V tiles in flight (cp.async groups; the first holds the Q tile too). A
+// tile's keys are located from its first key once (one division by the block size and at most two
+// block-table loads per tile, before any copy is issued, when a block holds a whole tile). The
+// running output is rescaled only when some row of the warp has a new maximum.
 //
 // Compile-time constants (NVRTC -D): TFM_IN (0 float32, 1 bfloat16, 2 float16: q, caches, out),
-// TA_D (head size, multiple of 32, <= 256), TA_BN (keys per tile, multiple of 16), TA_MINB (CTAs
-// per SM for __launch_bounds__). Host side: vllm_tfm/kernels/tree_attention.py.
+// TA_D (head size, multiple of 32, <= 256), TA_BN (keys per tile, multiple of 16), TA_STAGES (K/V
+// tiles in flight, 2..4), TA_MINB (CTAs per SM for __launch_bounds__), TA_PROFILE_SKIP (timing
+// only, the outputs are then wrong: 1 = the K/V copies after the first tiles, 2 = S = Q K^T,
+// 4 = O += P V). Host side: vllm_tfm/kernels/tree_attention.py.
 #include "tfm_common.cuh"
 #include "tfm_mma.cuh"
 
@@ -36,6 +43,12 @@
 #endif
 #ifndef TA_MINB
 #define TA_MINB 1
+#endif
+#ifndef TA_STAGES
+#define TA_STAGES 2
+#endif
+#ifndef TA_PROFILE_SKIP
+#define TA_PROFILE_SKIP 0
 #endif
 #define TA_BM 64          // rows per CTA
 #define TA_THREADS 128    // 4 warps x 16 rows
@@ -53,6 +66,7 @@
 
 static_assert(TA_D % 32 == 0 && TA_D <= 256, "TA_D must be a multiple of 32, at most 256");
 static_assert(TA_BN % 16 == 0 && TA_BN <= 128, "TA_BN must be a multiple of 16, at most 128");
+static_assert(TA_STAGES >= 2 && TA_STAGES <= 4, "TA_STAGES must be 2, 3 or 4");
 
 __device__ __forceinline__ float ta_neg_inf() { return __int_as_float(0xff800000); }
 
@@ -90,9 +104,9 @@ __device__ __forceinline__ u32 ta_pack2(float a, float b) {
 }
 #endif
 
-// Dynamic shared memory (bytes) for the host: Q tile, two K and two V stages, float32 P staging.
+// Dynamic shared memory (bytes) for the host: Q tile, TA_STAGES K and V stages, float32 P staging.
 // Mirrored by tree_attention_smem_bytes in vllm_tfm/kernels/tree_attention.py.
-//   (TA_BM + 4 TA_BN) TA_PITCH sizeof(tin) + (TFM_IN == 0 ? 4 x 16 x TA_SP_PITCH x 4 : 0)
+//   (TA_BM + 2 TA_STAGES TA_BN) TA_PITCH sizeof(tin) + (TFM_IN == 0 ? 4 x 16 x TA_SP_PITCH x 4 : 0)
 
 // grid (row tiles of the largest tree, Hkv x splits, trees), block 128.
 // meta [4, trees] int32: request, first query row, nodes n, first bitmask row (prefix sum of n).
@@ -103,17 +117,15 @@ tree_attention(const tin* __restrict__ q, i64 q_row, i64 q_head,
                const int* __restrict__ block_table, i64 bt_row, const int* __restrict__ seq_lens,
                const int* __restrict__ meta, const unsigned long long* __restrict__ bits, int words,
                tin* __restrict__ out, i64 o_row, i64 o_head,
-               float* __restrict__ ws_o, float* __restrict__ ws_ml, int* __restrict__ counters,
+               float* __restrict__ ws_o, float* __restrict__ ws_ml,
                int num_trees, int hkv, int group, int block_size, int splits, int mtiles, float scale_log2) {
   TFM_DYNAMIC_SMEM(uint4, smem_raw);
   tin* sQ = reinterpret_cast<tin*>(smem_raw);
   tin* sK0 = sQ + TA_BM * TA_PITCH;           // stage s at sK0 + s TA_BN TA_PITCH
-  tin* sV0 = sK0 + 2 * TA_BN * TA_PITCH;
+  tin* sV0 = sK0 + TA_STAGES * TA_BN * TA_PITCH;
 #if TFM_IN == 0
-  float* sP = reinterpret_cast<float*>(sV0 + 2 * TA_BN * TA_PITCH);
+  float* sP = reinterpret_cast<float*>(sV0 + TA_STAGES * TA_BN * TA_PITCH);
 #endif
-  __shared__ float s_w[TA_BM][TA_MAX_SPLITS];
-  __shared__ int s_last;
 
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int gq = lane >> 2, tq = lane & 3;
@@ -153,12 +165,44 @@ tree_attention(const tin* __restrict__ q, i64 q_row, i64 q_head,
   float lrow[2] = {0.f, 0.f};
 
   // K/V tile `it` -> stage `st`: keys it*TA_BN .. +TA_BN-1; keys at or past kv_end are zeros.
+  // With blocks of at least TA_BN keys a tile spans two blocks at most: their two block-table
+  // entries are loaded once, before any copy; thread tid then copies chunk tid % TA_CPR of rows
+  // tid / TA_CPR + k TA_THREADS / TA_CPR. Otherwise (or when TA_CPR does not divide TA_THREADS),
+  // chunk by chunk with a block-table lookup each.
   auto load_tile = [&](int it, int st) {
+    if ((TA_PROFILE_SKIP & 1) && it >= t_begin + TA_STAGES - 1) return;
     tin* dk = sK0 + st * TA_BN * TA_PITCH;
     tin* dv = sV0 + st * TA_BN * TA_PITCH;
+    const int p0 = it * TA_BN;  // < kv_end: the tile holds a key
+    if constexpr (TA_THREADS % TA_CPR == 0) {
+      if (block_size >= TA_BN) {
+        constexpr int RPP = TA_THREADS / TA_CPR;  // rows per pass
+        const int kr0 = tid / TA_CPR, ch = tid - kr0 * TA_CPR;
+        const int lb0 = p0 / block_size, s0 = p0 - lb0 * block_size;
+        const int split_row = block_size - s0;  // rows from here on are in the next block
+        const i64 b0 = (i64)bt[lb0];
+        const i64 b1 = split_row < TA_BN && p0 + split_row < kv_end ? (i64)bt[lb0 + 1] : 0;
+#pragma unroll
+        for (int kr = kr0; kr < TA_BN; kr += RPP) {
+          tin* sk = dk + kr * TA_PITCH + ch * TA_EPC;
+          tin* sv = dv + kr * TA_PITCH + ch * TA_EPC;
+          if (p0 + kr < kv_end) {
+            const bool next = kr >= split_row;
+            const i64 blk = next ? b1 : b0;
+            const i64 slot = next ? kr - split_row : s0 + kr;
+            cp_async16(sk, kc + blk * k_blk + slot * k_tok + kh + ch * TA_EPC);
+            cp_async16(sv, vc + blk * v_blk + slot * v_tok + vh + ch * TA_EPC);
+          } else {
+            ta_zero16(sk);
+            ta_zero16(sv);
+          }
+        }
+        return;
+      }
+    }
     for (int c = tid; c < TA_BN * TA_CPR; c += TA_THREADS) {
       const int kr = c / TA_CPR, ch = c - kr * TA_CPR;
-      const int p = it * TA_BN + kr;
+      const int p = p0 + kr;
       tin* sk = dk + kr * TA_PITCH + ch * TA_EPC;
       tin* sv = dv + kr * TA_PITCH + ch * TA_EPC;
       if (p < kv_end) {
@@ -186,15 +230,19 @@ tree_attention(const tin* __restrict__ q, i64 q_row, i64 q_head,
         ta_zero16(dst);
       }
     }
-    load_tile(t_begin, 0);
-    cp_async_commit();
+#pragma unroll
+    for (int s = 0; s < TA_STAGES - 1; ++s) {  // one group per stage; the first holds Q too
+      if (t_begin + s < t_end) load_tile(t_begin + s, s);
+      cp_async_commit();
+    }
 
     for (int it = t_begin; it < t_end; ++it) {
-      const int st = (it - t_begin) & 1;
-      if (it + 1 < t_end) load_tile(it + 1, st ^ 1);
+      const int st = (it - t_begin) % TA_STAGES;
+      const int nxt = it + TA_STAGES - 1;
+      if (nxt < t_end) load_tile(nxt, (nxt - t_begin) % TA_STAGES);
       cp_async_commit();
-      cp_async_wait<1>();  // Q and tile `it` have landed (this thread's copies) ...
-      __syncthreads();     // ... and every thread's
+      cp_async_wait<TA_STAGES - 1>();  // Q and tile `it` have landed (this thread's copies) ...
+      __syncthreads();                 // ... and every thread's
       const tin* sK = sK0 + st * TA_BN * TA_PITCH;
       const tin* sV = sV0 + st * TA_BN * TA_PITCH;
       const int key0 = it * TA_BN;
@@ -208,7 +256,7 @@ tree_attention(const tin* __restrict__ q, i64 q_row, i64 q_head,
         const tin* qrow = sQ + (warp * 16 + (lane & 15)) * TA_PITCH + (lane >> 4) * 8;
         const tin* krow = sK + (lane & 7) * TA_PITCH + (lane >> 3) * 8;
 #pragma unroll
-        for (int kk = 0; kk < TA_D; kk += 32) {
+        for (int kk = 0; kk < ((TA_PROFILE_SKIP & 2) ? 0 : TA_D); kk += 32) {
           u32 a0[4], a1[4];
           ldsm_x4(a0, qrow + kk);
           ldsm_x4(a1, qrow + kk + 16);
@@ -263,20 +311,24 @@ tree_attention(const tin* __restrict__ q, i64 q_row, i64 q_head,
           mx[r] = fmaxf(mx[r], v);
         }
       }
-      float ref[2];
+      float ref[2], alpha[2];
 #pragma unroll
       for (int r = 0; r < 2; ++r) {
         mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 1));
         mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 2));
         const float m_new = fmaxf(mrow[r], mx[r]);
         ref[r] = m_new == ta_neg_inf() ? 0.f : m_new;
-        const float alpha = exp2f(mrow[r] - ref[r]);
+        alpha[r] = exp2f(mrow[r] - ref[r]);
         mrow[r] = m_new;
-        lrow[r] *= alpha;
+        lrow[r] *= alpha[r];
+      }
+      if (__any_sync(0xffffffffu, alpha[0] != 1.f || alpha[1] != 1.f)) {  // x 1 is exact: skipped
 #pragma unroll
         for (int dt = 0; dt < TA_DT; ++dt) {
-          o[dt][2 * r] *= alpha;
-          o[dt][2 * r + 1] *= alpha;
+          o[dt][0] *= alpha[0];
+          o[dt][1] *= alpha[0];
+          o[dt][2] *= alpha[1];
+          o[dt][3] *= alpha[1];
         }
       }
 #pragma unroll
@@ -290,7 +342,7 @@ tree_attention(const tin* __restrict__ q, i64 q_row, i64 q_head,
       {
         const tin* vrow = sV + ((lane & 7) + ((lane >> 3) & 1) * 8) * TA_PITCH + (lane >> 4) * 8;
 #pragma unroll
-        for (int ks = 0; ks < TA_BN / 16; ++ks) {
+        for (int ks = 0; ks < ((TA_PROFILE_SKIP & 4) ? 0 : TA_BN / 16); ++ks) {
           u32 a[4];
           a[0] = ta_pack2(s[2 * ks][0], s[2 * ks][1]);
           a[1] = ta_pack2(s[2 * ks][2], s[2 * ks][3]);
@@ -377,50 +429,67 @@ tree_attention(const tin* __restrict__ q, i64 q_row, i64 q_head,
       ws_ml[2 * prow + 1] = lrow[r];
     }
   }
-  __threadfence();
-  __syncthreads();
-  if (tid == 0) {
-    const int last = atomicAdd(counters + slot, 1) == splits - 1;
-    if (last) atomicExch(counters + slot, 0);  // ready for the next launch
-    s_last = last;
-  }
-  __syncthreads();
-  if (!s_last) return;
-  __threadfence();
+}
 
-  // last split of this row tile: merge. Weight of split s for row r: 2^(m_s - M) / L.
-  if (tid < TA_BM) {
-    float mm = ta_neg_inf();
-    for (int sp = 0; sp < splits; ++sp) mm = fmaxf(mm, ld_cg(ws_ml + 2 * ((slot * splits + sp) * TA_BM + tid)));
-    float big_l = 0.f;
-    for (int sp = 0; sp < splits; ++sp) {
-      const i64 prow = (slot * splits + sp) * TA_BM + tid;
-      const float ms = ld_cg(ws_ml + 2 * prow);
-      const float w = ms == ta_neg_inf() ? 0.f : exp2f(ms - mm);
-      s_w[tid][sp] = w;
-      big_l += w * ld_cg(ws_ml + 2 * prow + 1);
+// The splits' merge, a launch after the split kernel's (same stream): thread (row r, float4 column
+// c) of row tile `slot` = (tree, KV head, row tile) sums its column over the splits. Weight of split
+// s for row r: w_s = 2^(m_s - M) / L with M = max m_s and L = sum 2^(m_s - M) l_s (an empty split,
+// or one no key of which row r sees, has m_s = -inf: weight 0, its O is neither written nor read).
+// All of a thread's loads of one phase are in flight together; sums in split order.
+// grid (ceil(TA_BM TA_D / 4 / TA_THREADS), slots), block TA_THREADS.
+extern "C" __global__ void __launch_bounds__(TA_THREADS)
+tree_attention_merge(const float* __restrict__ ws_o, const float* __restrict__ ws_ml,
+                     const int* __restrict__ meta, tin* __restrict__ out, i64 o_row, i64 o_head,
+                     int num_trees, int hkv, int group, int splits, int mtiles) {
+  const int slot = blockIdx.y;
+  const int mt = slot % mtiles, h = (slot / mtiles) % hkv, tree = slot / (mtiles * hkv);
+  const int start = meta[num_trees + tree], n = meta[2 * num_trees + tree];
+  const int idx = blockIdx.x * TA_THREADS + threadIdx.x;
+  const int r = idx / (TA_D / 4), d4 = idx - r * (TA_D / 4);
+  const int m = mt * TA_BM + r;
+  if (r >= TA_BM || m >= n * group) return;
+  const i64 row0 = (i64)slot * splits * TA_BM + r;  // partial row of split 0; split s at + s TA_BM
+  float ms[TA_MAX_SPLITS], ls[TA_MAX_SPLITS];
+#pragma unroll
+  for (int sp = 0; sp < TA_MAX_SPLITS; ++sp) {
+    if (sp < splits) {
+      ms[sp] = ws_ml[2 * (row0 + (i64)sp * TA_BM)];
+      ls[sp] = ws_ml[2 * (row0 + (i64)sp * TA_BM) + 1];
     }
-    const float inv = big_l > 0.f ? 1.f / big_l : 0.f;
-    for (int sp = 0; sp < splits; ++sp) s_w[tid][sp] *= inv;
   }
-  __syncthreads();
-  for (int idx = tid; idx < TA_BM * (TA_D / 4); idx += TA_THREADS) {
-    const int r = idx / (TA_D / 4), d4 = idx - r * (TA_D / 4);
-    const int m = m0 + r;
-    if (m >= rows) continue;
-    float4 acc;
-    acc.x = acc.y = acc.z = acc.w = 0.f;
-    for (int sp = 0; sp < splits; ++sp) {
-      const float w = s_w[r][sp];
-      if (w != 0.f) {  // an empty split (or one no key of which row r sees) wrote no O
-        const float4 v = ld_cg4(ws_o + ((slot * splits + sp) * TA_BM + r) * TA_D + d4 * 4);
-        acc.x = fmaf(w, v.x, acc.x);
-        acc.y = fmaf(w, v.y, acc.y);
-        acc.z = fmaf(w, v.z, acc.z);
-        acc.w = fmaf(w, v.w, acc.w);
-      }
+  float mm = ta_neg_inf();
+#pragma unroll
+  for (int sp = 0; sp < TA_MAX_SPLITS; ++sp)
+    if (sp < splits) mm = fmaxf(mm, ms[sp]);
+  float w[TA_MAX_SPLITS];
+  float big_l = 0.f;
+#pragma unroll
+  for (int sp = 0; sp < TA_MAX_SPLITS; ++sp) {
+    if (sp < splits) {
+      w[sp] = ms[sp] == ta_neg_inf() ? 0.f : exp2f(ms[sp] - mm);
+      big_l += w[sp] * ls[sp];  // as the merge inside the split kernel wrote it (same contraction)
     }
-    const int j = m / group, g = m - j * group;
-    ta_store4(out + (i64)(start + j) * o_row + (i64)(h * group + g) * o_head + d4 * 4, acc);
   }
+  const float inv = big_l > 0.f ? 1.f / big_l : 0.f;
+  float4 v[TA_MAX_SPLITS];
+#pragma unroll
+  for (int sp = 0; sp < TA_MAX_SPLITS; ++sp) {
+    if (sp < splits) {
+      w[sp] *= inv;
+      if (w[sp] != 0.f) v[sp] = *reinterpret_cast<const float4*>(ws_o + (row0 + (i64)sp * TA_BM) * TA_D + d4 * 4);
+    }
+  }
+  float4 acc;
+  acc.x = acc.y = acc.z = acc.w = 0.f;
+#pragma unroll
+  for (int sp = 0; sp < TA_MAX_SPLITS; ++sp) {
+    if (sp < splits && w[sp] != 0.f) {
+      acc.x = fmaf(w[sp], v[sp].x, acc.x);
+      acc.y = fmaf(w[sp], v[sp].y, acc.y);
+      acc.z = fmaf(w[sp], v[sp].z, acc.z);
+      acc.w = fmaf(w[sp], v[sp].w, acc.w);
+    }
+  }
+  const int j = m / group, g = m - j * group;
+  ta_store4(out + (i64)(start + j) * o_row + (i64)(h * group + g) * o_head + d4 * 4, acc);
 }

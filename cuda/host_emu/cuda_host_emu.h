@@ -105,6 +105,20 @@ inline int __shfl_sync(unsigned /*mask*/, int v, int src) {
   return out;
 }
 
+// Whether any lane of the warp passes a non-zero predicate; every lane must call it (a full mask).
+inline int __any_sync(unsigned /*mask*/, int pred) {
+  const unsigned tid = threadIdx.x;
+  const unsigned warp = tid / 32, lane = tid % 32;
+  auto& buf = *tfm_emu::t_ctx->shfl_buf;
+  auto& bar = *(*tfm_emu::t_ctx->warp_bars)[warp];
+  buf[warp * 32 + lane] = pred ? 1.f : 0.f;
+  bar.arrive_and_wait();
+  int any = 0;
+  for (unsigned l = 0; l < 32; ++l) any |= buf[warp * 32 + l] != 0.f;
+  bar.arrive_and_wait();
+  return any;
+}
+
 [[noreturn]] inline void __trap() {
   std::fprintf(stderr, "tfm_emu: __trap() in block (%u,%u,%u) thread %u\n", blockIdx.x, blockIdx.y, blockIdx.z,
                threadIdx.x);

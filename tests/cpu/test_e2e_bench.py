@@ -714,6 +714,14 @@ def test_a_switch_ab_sets_off_on_off_then_gives_the_setting_back(monkeypatch) ->
     assert [r["thing"] for r in runs] == [False, True, False]
     assert [c[1] for c in calls if c[0] == "set_thing"] == [(False,), (True,), (False,), (None,)]
     assert all(r["hooked_steps"] == 3 for r in runs)  # the hook count read before and after each run
+    assert all(r["tree_steps"] == 0 and r["decode_ms_per_step"] is None for r in runs)  # no commit hook here
+
+
+def test_decode_ms_per_step_divides_the_decode_window_by_the_tree_steps() -> None:
+    # 8 requests, 2048 tokens: 2040 after the first ones, at 850 tok/s = 2.4 s over 100 steps
+    assert e2e.decode_ms_per_step({"output_tokens": 2048, "decode_tokens_per_s": 850.0, "tree_steps": 100}, 8) == 24.0
+    assert e2e.decode_ms_per_step({"output_tokens": 256, "decode_tokens_per_s": None, "tree_steps": 70}, 1) is None
+    assert e2e.decode_ms_per_step({"output_tokens": 256, "decode_tokens_per_s": 160.0, "tree_steps": 0}, 1) is None
 
 
 def test_the_step_timeline_is_rendered_in_host_order_for_the_arms_that_have_one() -> None:
@@ -772,3 +780,15 @@ def test_the_early_copy_ab_is_reported_under_its_title() -> None:
     title = "The sampled tokens' copy before the commit (on) / after it (off) on the same engine"
     assert md.index("- tfm64: batch 1: on 160.0, off 150.0, on 161.0, on 159.0, off 152.0 "
                     "(A/B runs' means: on 160.0 of 2, off 151.0 of 2)") > md.index(title)
+    assert "ms per tree step" not in md  # runs without steps
+
+
+def test_a_switch_ab_with_steps_reports_each_settings_step_time() -> None:
+    res = results()
+    run = res["arms"]["tfm64"]["batches"]["1"]
+    run["decode_tokens_per_s"] = 160.0
+    run["early_sampled_copy_ab"] = [{"early_sampled_copy": on, "decode_tokens_per_s": v, "decode_ms_per_step": ms}
+                                    for on, v, ms in [(False, 150.0, 21.0), (True, 161.0, 20.5), (True, 159.0, 20.7),
+                                                      (False, 152.0, 21.2)]]
+    md = e2e_report.render_markdown(res)
+    assert "(A/B runs' means: on 160.0 of 2, off 151.0 of 2); ms per tree step, A/B runs' means: on 20.60, off 21.10" in md

@@ -220,8 +220,11 @@ def test_plan_packs_meta_and_bits_in_one_buffer():
 def test_split_and_tile_choice():
     assert kta.choose_splits(896, 130, 132) == 1  # 32 requests x n=65 at the 27B shape: enough CTAs
     assert kta.choose_splits(28, 130, 132) == 10  # one request: split the keys
-    assert kta.choose_splits(28, 9, 132) == 2  # short context: at least 4 tiles per split
+    assert kta.choose_splits(28, 9, 132) == 9  # short context: at least a tile per split
     assert kta.choose_splits(1, 10**6, 132) == kta.MAX_SPLITS
+    assert kta.choose_splits(8, 17, 132) == kta.MAX_SPLITS  # one tree of 17 nodes at 512 keys, the 27B shape
+    assert kta.choose_splits(132, 10**6, 132) == 1  # a wave of row tiles already: no split
+    assert kta.choose_splits(64, 17, 132) == 5
     assert kta.choose_block_n(256, torch.bfloat16) == 32 and kta.choose_block_n(128, torch.float16) == 64
     assert kta.choose_block_n(64, torch.float32) == 32
     # 27B shape, bf16: two CTAs per SM fit an H100/H200 (227 KB per block, 228 KB per SM)
@@ -276,8 +279,14 @@ def test_kernel_under_cpu_emulation_matches_the_reference(tmp_path, monkeypatch)
                 assert not out[rows].isnan().any(), dtype
                 assert out[others].isnan().all(), dtype  # only tree rows are written
                 assert _rel(out[rows], want[rows]) < tol, (dtype, _rel(out[rows], want[rows]))
-                assert launches[-1][0] == "tree_attention" and launches[-1][1][1] == hkv * splits
-        assert len(launches) == len(cases)  # one launch per call, splits or not
+                split_launch = launches[-2] if splits > 1 else launches[-1]
+                assert split_launch[0] == "tree_attention" and split_launch[1][1] == hkv * splits
+                if splits > 1:  # the splits' merge: one more launch, a CTA per 128 x 4 outputs of each row tile
+                    mtiles, _, trees = split_launch[1]
+                    assert launches[-1][0] == "tree_attention_merge"
+                    assert launches[-1][1] == (-(-kta.BLOCK_M * dim // (4 * kta.THREADS)), trees * hkv * mtiles, 1)
+        # one launch per call with one split, two with more
+        assert len(launches) == sum(1 + (c[5] > 1) for c in cases)
     except subprocess.CalledProcessError as exc:  # a compiler without C++20 <barrier>
         pytest.skip(f"g++ could not build the emulation: {exc.stderr[:300]}")
 

@@ -95,6 +95,18 @@ def test_long_contexts_and_every_split_count(dtype):
     assert max(errs) <= TOL[dtype]
 
 
+@pytest.mark.parametrize("block_size", [16, 1104])
+def test_deeper_pipelines_give_the_same_outputs_bit_for_bit(block_size):
+    # 3 and 4 key tiles in flight move copies only: the same sums in the same order as 2
+    trees = [tree_parents("ddtree", 17, 21), tree_parents("ddtree", 17, 22), tree_parents("chain", 9, 23)]
+    case = make_case(trees, [4000, 300, 31], block_size=block_size, seed=21)
+    for splits in (1, 4, kta.MAX_SPLITS):
+        outs = [run_poisoned(case, splits=splits, stages=st) for st in (2, 3, 4)]
+        for o in outs[1:]:
+            assert torch.equal(o.isnan(), outs[0].isnan()) and torch.equal(o.nan_to_num(0.0), outs[0].nan_to_num(0.0))
+    check(case, stages=4)
+
+
 def test_wide_trees_several_bitmask_words():
     trees = [tree_parents("ddtree", 129, 6), tree_parents("random", 128, 7), tree_parents("deep", 200, 8)]
     case = make_case(trees, [300, 64, 0], dtype=torch.bfloat16, block_size=16, seed=12)
@@ -122,14 +134,13 @@ def test_strided_query_and_output_like_vllm():
     assert wide[..., dim:].isnan().all()
 
 
-def test_split_counters_reset_and_repeated_calls_are_identical():
+def test_repeated_split_calls_are_identical():
     trees = [tree_parents("ddtree", 65, 14)]
     case = make_case(trees, [3000], block_size=64, seed=14)
     a = run_poisoned(case, splits=7)
     b = run_poisoned(case, splits=7)
     # rows outside the trees keep their NaN poison (NaN != NaN): compare the poison pattern and the rest bitwise
     assert torch.equal(a.isnan(), b.isnan()) and torch.equal(a.nan_to_num(0.0), b.nan_to_num(0.0))
-    assert int(kta._counters[("cuda", torch.cuda.current_device())].abs().sum()) == 0
 
 
 def test_public_wrapper_takes_the_kernel_silently_and_falls_back_with_a_warning():

@@ -1,8 +1,9 @@
 """Torch-facing wrapper of the tree attention kernel (``cuda/tree_attention.cu``).
 
 ``tree_attention`` has the signature of the torch reference ``vllm_tfm.verify.tree_attention`` and
-computes the same function: every tree request of a batch in ONE kernel launch over vLLM's paged KV
-cache (prefix fully visible, tree keys by ancestor bitmask, GQA). It runs the kernel for CUDA inputs
+computes the same function: every tree request of a batch in one kernel launch over vLLM's paged KV
+cache (prefix fully visible, tree keys by ancestor bitmask, GQA), plus a merge launch when the keys
+are split across CTAs (long contexts, few rows). It runs the kernel for CUDA inputs
 of float32, bfloat16 or float16 with a head size that is a multiple of 32 up to 256, a contiguous
 last dimension and 16-byte aligned rows; otherwise it calls the reference (with a one-time warning
 for CUDA inputs).
@@ -50,20 +51,21 @@ SOURCE = "tree_attention.cu"
 THREADS = 128
 BLOCK_M = 64  # rows (node, head of the group) per CTA: TA_BM in the source
 MAX_SPLITS = 16  # TA_MAX_SPLITS
-MIN_TILES_PER_SPLIT = 4  # a split of the keys is worth its merge only past a few tiles
+DEFAULT_STAGES = 2  # K/V tiles in flight (TA_STAGES)
+MIN_TILES_PER_SPLIT = 1  # the merge is its own launch over the whole GPU: even a tile per split pays
 DTYPE_CODE = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 NOT_CUDA = "inputs are not CUDA tensors"  # the reference is the CPU implementation: no warning
 LOG2E = 1.4426950408889634
 MIN_COMPUTE_CAPABILITY = (8, 0)
-STATIC_SMEM_BYTES = 4 * BLOCK_M * MAX_SPLITS + 16  # s_w and s_last in the source
+STATIC_SMEM_BYTES = 0  # the kernel has no static shared memory (its merge is a launch of its own)
 
 
-def tree_attention_smem_bytes(head_dim: int, block_n: int, dtype: torch.dtype) -> int:
+def tree_attention_smem_bytes(head_dim: int, block_n: int, dtype: torch.dtype, stages: int = DEFAULT_STAGES) -> int:
     """Dynamic shared memory of one CTA (mirrors the comment in the source)."""
     fp32 = dtype == torch.float32
     pitch = head_dim + (4 if fp32 else 8)
     elem = 4 if fp32 else 2
-    smem = (BLOCK_M + 4 * block_n) * pitch * elem
+    smem = (BLOCK_M + 2 * stages * block_n) * pitch * elem
     if fp32:
         smem += 4 * 16 * (block_n + 4) * 4
     return smem
@@ -75,8 +77,11 @@ def choose_block_n(head_dim: int, dtype: torch.dtype) -> int:
 
 
 def choose_splits(base_ctas: int, max_tiles: int, num_sms: int) -> int:
-    """Key splits per row tile: enough CTAs for two per SM, at least MIN_TILES_PER_SPLIT tiles per split."""
-    if base_ctas <= 0:
+    """Key splits per row tile: none when the row tiles already fill the SMs (a split then adds its merge,
+    not parallelism: 32 trees of 17 nodes at a 512-key context ran 66 us unsplit, 95 in two splits);
+    else enough CTAs for two per SM, at least MIN_TILES_PER_SPLIT tiles per split (bench/NOTES.md
+    section 43: one tree of 17 nodes at 512 keys ran 14.5 us in 16 splits of one or two tiles, 20.7 in 4)."""
+    if base_ctas <= 0 or base_ctas >= num_sms:
         return 1
     want = math.ceil(2 * num_sms / base_ctas)
     return max(1, min(MAX_SPLITS, want, max_tiles // MIN_TILES_PER_SPLIT))
@@ -233,23 +238,6 @@ def _workspace(numel: int, device: torch.device) -> Tensor:
     return torch.empty(numel, dtype=torch.float32, device=device)
 
 
-_counters: dict[tuple[str, int], Tensor] = {}
-
-
-def _split_counters(device: torch.device, size: int) -> Tensor:
-    """Zeroed int32 counters, one per row tile, kept per device (each merging CTA resets its own to 0).
-
-    Shared by every call on the device: calls must not run concurrently on two streams.
-    """
-    index = device.index if device.index is not None else (torch.cuda.current_device() if device.type == "cuda" else 0)
-    key = (device.type, index)
-    buf = _counters.get(key)
-    if buf is None or buf.numel() < size:
-        buf = torch.zeros(max(size, 1024), dtype=torch.int32, device=device)
-        _counters[key] = buf
-    return buf
-
-
 def tree_attention_planned(
     plan: TreeAttentionPlan,
     q: Tensor,
@@ -262,15 +250,22 @@ def tree_attention_planned(
     max_seq_len: int,
     splits: int | None = None,
     block_n: int | None = None,
+    stages: int = DEFAULT_STAGES,
+    extra_options: tuple[str, ...] = (),
 ) -> Tensor:
-    """One launch: the tree rows of ``out`` for every tree of ``plan`` (no host synchronisation).
+    """One launch (two with split keys): the tree rows of ``out`` for every tree of ``plan`` (no host
+    synchronisation).
 
     q, out [T, Hq, D]; key_cache, value_cache [num_blocks, block_size, Hkv, D]; block_table
     [num_requests, max_blocks] int32; seq_lens [num_requests] int32 (on the device, vLLM's);
     max_seq_len: an upper bound of seq_lens over the plan's requests (sizes the key splits).
     Inputs must be supported (:func:`tree_attention_unsupported` is None) and valid (the public
-    :func:`tree_attention` checks). ``splits`` / ``block_n`` force the key splits / keys per tile.
+    :func:`tree_attention` checks). ``splits`` / ``block_n`` force the key splits / keys per tile,
+    ``stages`` the K/V tiles in flight (2-4); ``extra_options`` are added to the NVRTC options (timing
+    variants, e.g. ``-DTA_PROFILE_SKIP=8``).
     """
+    if not 2 <= stages <= 4:
+        raise ValueError(f"stages={stages} must be 2, 3 or 4")
     if plan.num_trees == 0:
         return out
     dev = q.device
@@ -279,7 +274,7 @@ def tree_attention_planned(
     hkv, block_size = key_cache.shape[2], key_cache.shape[1]
     group = hq // hkv
     bn = block_n or choose_block_n(dim, q.dtype)
-    smem = tree_attention_smem_bytes(dim, bn, q.dtype)
+    smem = tree_attention_smem_bytes(dim, bn, q.dtype, stages)
     mtiles = -(-plan.max_nodes * group // BLOCK_M)
     if splits is None:
         base = int((-(-plan.tree_size * group // BLOCK_M)).sum()) * hkv
@@ -293,15 +288,14 @@ def tree_attention_planned(
         seq_lens = seq_lens.to(torch.int32)
     minb = 2 if q.dtype != torch.float32 and 2 * smem <= device_smem_optin(dev_index) else 1
     opts = ["--std=c++17", "-lineinfo", f"-DTFM_IN={DTYPE_CODE[q.dtype]}", f"-DTA_D={dim}", f"-DTA_BN={bn}",
-            f"-DTA_MINB={minb}"]
+            f"-DTA_MINB={minb}", f"-DTA_STAGES={stages}", *extra_options]
     kern = get_kernel(SOURCE, "tree_attention", opts, dev_index)
     slots = plan.num_trees * hkv * mtiles
     if splits > 1:
         ws = _workspace(slots * splits * BLOCK_M * (dim + 2), dev)
         ws_o, ws_ml = ws[: slots * splits * BLOCK_M * dim], ws[slots * splits * BLOCK_M * dim :]
-        counters = _split_counters(dev, slots)
     else:
-        ws_o = ws_ml = counters = None
+        ws_o = ws_ml = None
     i32, i64, f32 = ctypes.c_int, ctypes.c_longlong, ctypes.c_float
     ks, vs, qs, os_ = key_cache.stride(), value_cache.stride(), q.stride(), out.stride()
     launch(
@@ -314,11 +308,20 @@ def tree_attention_planned(
          block_table, i64(block_table.stride(0)), seq_lens,
          plan.meta, plan.bits_dev, i32(plan.words),
          out, i64(os_[0]), i64(os_[1]),
-         ws_o, ws_ml, counters,
+         ws_o, ws_ml,
          i32(plan.num_trees), i32(hkv), i32(group), i32(block_size), i32(splits), i32(mtiles),
          f32(float(scale) * LOG2E)],
         shared_mem=smem,
     )
+    if splits > 1:  # the splits' merge: a thread per 4 output values of every row tile
+        merge = get_kernel(SOURCE, "tree_attention_merge", opts, dev_index)
+        launch(
+            merge,
+            (-(-BLOCK_M * dim // (4 * THREADS)), slots, 1),
+            (THREADS, 1, 1),
+            [ws_o, ws_ml, plan.meta, out, i64(os_[0]), i64(os_[1]),
+             i32(plan.num_trees), i32(hkv), i32(group), i32(splits), i32(mtiles)],
+        )
     return out
 
 

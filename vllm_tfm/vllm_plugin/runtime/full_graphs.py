@@ -50,7 +50,7 @@ import torch
 from torch import Tensor
 
 from vllm_tfm.kernels.plan import TreePlan
-from vllm_tfm.kernels.tree_attention import TreeAttentionPlan, _split_counters
+from vllm_tfm.kernels.tree_attention import TreeAttentionPlan
 from vllm_tfm.tree.bitmask import ragged_ancestor_bits
 
 from .stage_timing import TIMER
@@ -207,9 +207,6 @@ class TreeGraphs:
             raise RuntimeError("vllm-tfm: nested full tree graph captures")
         saved_step, saved_timer = STATE.step, TIMER.enabled
         self._capture_step = self._step_for(num_reqs)
-        # the tree attention's split counters are shared by every launch: grown now (for the largest
-        # batch, up to 64 KV heads x 64 row tiles per tree), never inside a capture
-        _split_counters(self.device, self.max_reqs * 64 * 64)
         STATE.step = self._capture_step
         TIMER.enabled = False
         try:
