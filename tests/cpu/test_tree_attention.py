@@ -219,12 +219,13 @@ def test_plan_packs_meta_and_bits_in_one_buffer():
 
 def test_split_and_tile_choice():
     assert kta.choose_splits(896, 130, 132) == 1  # 32 requests x n=65 at the 27B shape: enough CTAs
-    assert kta.choose_splits(28, 130, 132) == 10  # one request: split the keys
-    assert kta.choose_splits(28, 9, 132) == 9  # short context: at least a tile per split
+    assert kta.choose_splits(28, 130, 132) == 9  # one request: split the keys, within one wave (252 of 264)
+    assert kta.choose_splits(28, 6, 132) == 6  # short context: at least a tile per split
     assert kta.choose_splits(1, 10**6, 132) == kta.MAX_SPLITS
     assert kta.choose_splits(8, 17, 132) == kta.MAX_SPLITS  # one tree of 17 nodes at 512 keys, the 27B shape
     assert kta.choose_splits(132, 10**6, 132) == 1  # a wave of row tiles already: no split
-    assert kta.choose_splits(64, 17, 132) == 5
+    assert kta.choose_splits(64, 17, 132) == 4  # 8 such trees: 256 CTAs, one wave of two per SM (5 would spill)
+    assert kta.choose_splits(64, 17, 132, ctas_per_sm=1) == 2
     assert kta.choose_block_n(256, torch.bfloat16) == 32 and kta.choose_block_n(128, torch.float16) == 64
     assert kta.choose_block_n(64, torch.float32) == 32
     # 27B shape, bf16: two CTAs per SM fit an H100/H200 (227 KB per block, 228 KB per SM)

@@ -76,14 +76,16 @@ def choose_block_n(head_dim: int, dtype: torch.dtype) -> int:
     return 64 if dtype != torch.float32 and head_dim <= 128 else 32
 
 
-def choose_splits(base_ctas: int, max_tiles: int, num_sms: int) -> int:
+def choose_splits(base_ctas: int, max_tiles: int, num_sms: int, ctas_per_sm: int = 2) -> int:
     """Key splits per row tile: none when the row tiles already fill the SMs (a split then adds its merge,
     not parallelism: 32 trees of 17 nodes at a 512-key context ran 66 us unsplit, 95 in two splits);
-    else enough CTAs for two per SM, at least MIN_TILES_PER_SPLIT tiles per split (bench/NOTES.md
-    section 43: one tree of 17 nodes at 512 keys ran 14.5 us in 16 splits of one or two tiles, 20.7 in 4)."""
+    else as many as one wave of ``ctas_per_sm`` CTAs per SM holds (a partial second wave costs a whole
+    one: 8 such trees at 4096 keys ran 120 us in 4 splits, one wave, and 164 in 5), at least
+    MIN_TILES_PER_SPLIT key tiles each (one tree of 17 nodes at 512 keys ran 14.5 us in 16 splits of
+    one or two tiles, 20.7 in 4). bench/NOTES.md section 43."""
     if base_ctas <= 0 or base_ctas >= num_sms:
         return 1
-    want = math.ceil(2 * num_sms / base_ctas)
+    want = (ctas_per_sm * num_sms) // base_ctas
     return max(1, min(MAX_SPLITS, want, max_tiles // MIN_TILES_PER_SPLIT))
 
 
@@ -276,17 +278,17 @@ def tree_attention_planned(
     bn = block_n or choose_block_n(dim, q.dtype)
     smem = tree_attention_smem_bytes(dim, bn, q.dtype, stages)
     mtiles = -(-plan.max_nodes * group // BLOCK_M)
+    minb = 2 if q.dtype != torch.float32 and 2 * smem <= device_smem_optin(dev_index) else 1
     if splits is None:
         base = int((-(-plan.tree_size * group // BLOCK_M)).sum()) * hkv
         sms = torch.cuda.get_device_properties(dev_index).multi_processor_count
-        splits = choose_splits(base, -(-max_seq_len // bn), sms)
+        splits = choose_splits(base, -(-max_seq_len // bn), sms, minb)
     if not 1 <= splits <= MAX_SPLITS:
         raise ValueError(f"splits={splits} must be in 1..{MAX_SPLITS}")
     if block_table.dtype != torch.int32:
         block_table = block_table.to(torch.int32)
     if seq_lens.dtype != torch.int32:
         seq_lens = seq_lens.to(torch.int32)
-    minb = 2 if q.dtype != torch.float32 and 2 * smem <= device_smem_optin(dev_index) else 1
     opts = ["--std=c++17", "-lineinfo", f"-DTFM_IN={DTYPE_CODE[q.dtype]}", f"-DTA_D={dim}", f"-DTA_BN={bn}",
             f"-DTA_MINB={minb}", f"-DTA_STAGES={stages}", *extra_options]
     kern = get_kernel(SOURCE, "tree_attention", opts, dev_index)
