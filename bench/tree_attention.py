@@ -238,7 +238,8 @@ def host_metadata_us(case: dict, reps: int = 20) -> tuple[float, float]:
     return statistics.median(new) * 1e6, statistics.median(old) * 1e6
 
 
-def bench_one(r: int, n: int, ctx: int, block_size: int, reps: int, check_reference: bool) -> dict:
+def bench_one(r: int, n: int, ctx: int, block_size: int, reps: int, check_reference: bool,
+              defines: tuple[str, ...] = ()) -> dict:
     trees = [tree_parents("ddtree", n, 1000 * n + k) for k in range(r)]
     case = make_case(trees, [ctx] * r, block_size=block_size, seed=r * 7 + n + ctx, gap_rows=0)
     case["_parents"] = trees
@@ -247,7 +248,8 @@ def bench_one(r: int, n: int, ctx: int, block_size: int, reps: int, check_refere
     rows = tree_rows(args)
     res = {"R": r, "n": n, "ctx": ctx, "block_size": block_size, **predicted(r, n, ctx)}
     outs = {}
-    for name, make in (("ours", lambda o: ours_fn(args, plan, o)), ("loop", lambda o: loop_fn(args, plan, o)),
+    for name, make in (("ours", lambda o: ours_fn(args, plan, o, extra_options=defines)),
+                       ("loop", lambda o: loop_fn(args, plan, o)),
                        ("causal", lambda o: causal_fn(args, o))):
         out = torch.zeros_like(args["q"])
         try:
@@ -328,6 +330,9 @@ def main() -> None:
     ap.add_argument("--block-size", type=int, default=BLOCK_SIZE_27B)
     ap.add_argument("--budget-s", type=float, default=300.0, help="skip remaining configurations after this long")
     ap.add_argument("--sanitize-case", action="store_true")
+    ap.add_argument("--define", action="append", default=[], metavar="NAME=VALUE",
+                    help="a compile constant for our kernel only, e.g. TA_PROFILE_SKIP=1 (leave the K/V copies out: "
+                         "timing only, the outputs are then wrong; cuda/tree_attention.cu)")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         sys.exit("tree_attention.py needs a CUDA device")
@@ -336,6 +341,7 @@ def main() -> None:
     if args.sanitize_case:
         sanitize_case()
         return
+    defines = tuple(f"-D{d}" for d in args.define)
     start = time.perf_counter()
     results = []
     for ctx in args.ctx:
@@ -344,7 +350,8 @@ def main() -> None:
                 if time.perf_counter() - start > args.budget_s:
                     results.append({"R": r, "n": n, "ctx": ctx, "skipped": "time budget"})
                     continue
-                res = bench_one(r, n, ctx, args.block_size, args.reps, check_reference=r <= 8)
+                res = bench_one(r, n, ctx, args.block_size, args.reps, check_reference=r <= 8 and not defines,
+                                defines=defines)
                 results.append(res)
                 print(json.dumps({k: (round(v, 3) if isinstance(v, float) else v) for k, v in res.items()}), flush=True)
     done = [r for r in results if "skipped" not in r]

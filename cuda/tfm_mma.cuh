@@ -4,7 +4,6 @@
 //   mma_1688_tf32            mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32
 //   tf32_rna / split_tf32    cvt.rna.tf32.f32, and x = hi + lo with both parts tf32 (3xTF32 products)
 //   cp_async16 / cp_async4 / cp_async_commit / cp_async_wait<N>   cp.async.cg (16 bytes), .ca (4) and groups
-//   ld_cg / ld_cg4           ld.global.cg (L2, bypassing L1): reading what other CTAs wrote
 //
 // Fragment layouts (PTX ISA, "Matrix Fragments for mma.m16n8k16 with floating point type"; lane l,
 // g = l / 4, t = l % 4; each 32-bit register holds two 16-bit elements, the lower index in the low
@@ -94,16 +93,6 @@ template <int N>
 __device__ __forceinline__ void cp_async_wait() {
   asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
 }
-__device__ __forceinline__ float ld_cg(const float* p) {
-  float v;
-  asm volatile("ld.global.cg.f32 %0, [%1];\n" : "=f"(v) : "l"(p));
-  return v;
-}
-__device__ __forceinline__ float4 ld_cg4(const float* p) {
-  float4 v;
-  asm volatile("ld.global.cg.v4.f32 {%0, %1, %2, %3}, [%4];\n" : "=f"(v.x), "=f"(v.y), "=f"(v.z), "=f"(v.w) : "l"(p));
-  return v;
-}
 #else
 __device__ __forceinline__ void ldsm_x4(u32 (&r)[4], const void* row) { tfm_emu_ldmatrix_x4(r, row, false); }
 __device__ __forceinline__ void ldsm_x4_trans(u32 (&r)[4], const void* row) { tfm_emu_ldmatrix_x4(r, row, true); }
@@ -120,8 +109,6 @@ __device__ __forceinline__ void cp_async4(void* smem, const void* gmem) { std::m
 __device__ __forceinline__ void cp_async_commit() {}
 template <int N>
 __device__ __forceinline__ void cp_async_wait() {}
-__device__ __forceinline__ float ld_cg(const float* p) { return *p; }
-__device__ __forceinline__ float4 ld_cg4(const float* p) { return *reinterpret_cast<const float4*>(p); }
 #endif
 
 // x = hi + lo, both tf32 (lo = tf32(x - hi); x - hi is exact in float32).

@@ -302,15 +302,22 @@ def test_take_draft_token_ids_hands_out_placeholders_only_for_the_last_proposal(
     assert take(runner).draft_token_ids == [[0] * 3, [0] * 3] and calls == [1, 1, 1]
 
 
-def test_the_switch_reads_the_environment_unless_set(monkeypatch):
-    monkeypatch.delenv(dd.DEFERRED_DRAFTS_ENV, raising=False)
-    assert dd.deferred_drafts_enabled()
-    monkeypatch.setenv(dd.DEFERRED_DRAFTS_ENV, "0")
-    assert not dd.deferred_drafts_enabled()
-    assert dd.set_deferred_drafts(None, True) and dd.deferred_drafts_enabled()
-    assert dd.set_deferred_drafts(None, None) is False
-    with pytest.raises(ValueError, match="set_deferred_drafts takes True, False or None, got 'yes'"):
-        dd.set_deferred_drafts(None, "yes")
+@pytest.mark.parametrize("env, enabled, setter, bad, shown", [
+    (dd.DEFERRED_DRAFTS_ENV, dd.deferred_drafts_enabled, dd.set_deferred_drafts, "yes", "'yes'"),
+    (dd.EARLY_SAMPLED_COPY_ENV, dd.early_sampled_copy_enabled, dd.set_early_sampled_copy, 1, "1"),
+])
+def test_the_switches_read_the_environment_unless_set(monkeypatch, env, enabled, setter, bad, shown):
+    from vllm_tfm.vllm_plugin.options import env_overrides
+
+    monkeypatch.delenv(env, raising=False)
+    assert enabled()
+    monkeypatch.setenv(env, "0")
+    assert not enabled()
+    assert setter(None, True) and enabled()
+    assert setter(None, None) is False
+    with pytest.raises(ValueError, match=f"{setter.__name__} takes True, False or None, got {shown}"):
+        setter(None, bad)
+    assert env_overrides({env: "0"})[0] == {}  # a known runtime switch, not a tree option
 
 
 def test_the_switch_is_a_known_environment_variable_for_the_options_resolver():
@@ -407,17 +414,3 @@ def test_the_sampled_copy_is_queued_before_the_commit_when_early_and_once_per_st
     finally:
         STATE.step, STATE.trace = saved_step, saved_trace
         dd.set_early_sampled_copy(None, None)
-
-
-def test_the_early_copy_switch_reads_the_environment_unless_set(monkeypatch):
-    from vllm_tfm.vllm_plugin.options import env_overrides
-
-    monkeypatch.delenv(dd.EARLY_SAMPLED_COPY_ENV, raising=False)
-    assert dd.early_sampled_copy_enabled()
-    monkeypatch.setenv(dd.EARLY_SAMPLED_COPY_ENV, "0")
-    assert not dd.early_sampled_copy_enabled()
-    assert dd.set_early_sampled_copy(None, True) and dd.early_sampled_copy_enabled()
-    assert dd.set_early_sampled_copy(None, None) is False
-    with pytest.raises(ValueError, match="set_early_sampled_copy takes True, False or None, got 1"):
-        dd.set_early_sampled_copy(None, 1)
-    assert env_overrides({dd.EARLY_SAMPLED_COPY_ENV: "0"})[0] == {}

@@ -57,7 +57,6 @@ DTYPE_CODE = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 NOT_CUDA = "inputs are not CUDA tensors"  # the reference is the CPU implementation: no warning
 LOG2E = 1.4426950408889634
 MIN_COMPUTE_CAPABILITY = (8, 0)
-STATIC_SMEM_BYTES = 0  # the kernel has no static shared memory (its merge is a launch of its own)
 
 
 def tree_attention_smem_bytes(head_dim: int, block_n: int, dtype: torch.dtype, stages: int = DEFAULT_STAGES) -> int:
@@ -229,8 +228,8 @@ def tree_attention_unsupported(q: Tensor, key_cache: Tensor, value_cache: Tensor
         cc = torch.cuda.get_device_capability(dev_index)
         if cc < MIN_COMPUTE_CAPABILITY:
             reason = f"compute capability {cc[0]}.{cc[1]}: the kernel needs 8.0 (cp.async, ldmatrix, bf16 mma.sync)"
-        elif smem + STATIC_SMEM_BYTES > device_smem_optin(dev_index):
-            reason = (f"the kernel needs {smem + STATIC_SMEM_BYTES} bytes of shared memory; "
+        elif smem > device_smem_optin(dev_index):
+            reason = (f"the kernel needs {smem} bytes of shared memory; "
                       f"the device allows {device_smem_optin(dev_index)}")
     return reason
 
@@ -264,7 +263,7 @@ def tree_attention_planned(
     Inputs must be supported (:func:`tree_attention_unsupported` is None) and valid (the public
     :func:`tree_attention` checks). ``splits`` / ``block_n`` force the key splits / keys per tile,
     ``stages`` the K/V tiles in flight (2-4); ``extra_options`` are added to the NVRTC options (timing
-    variants, e.g. ``-DTA_PROFILE_SKIP=8``).
+    variants, e.g. ``-DTA_PROFILE_SKIP=1``; ``bench/tree_attention.py --define``).
     """
     if not 2 <= stages <= 4:
         raise ValueError(f"stages={stages} must be 2, 3 or 4")

@@ -47,7 +47,6 @@ The tokens each request emits are unchanged: the same drafts reach the same forw
 
 from __future__ import annotations
 
-import os
 from typing import Any
 
 import numpy as np
@@ -56,6 +55,7 @@ from torch import Tensor
 from vllm_tfm.verify.packed_upload import packed_upload
 
 from .sampler import needs_native_sampler
+from .settings import RuntimeSwitch
 from .state import PLACEHOLDER_DRAFT, STATE, ProposalStore, is_placeholder
 
 __all__ = [
@@ -74,48 +74,34 @@ __all__ = [
 ]
 
 DEFERRED_DRAFTS_ENV = "VLLM_TFM_DEFERRED_DRAFTS"
-_SWITCH: dict[str, bool | None] = {"on": None}
+_DEFERRED = RuntimeSwitch(DEFERRED_DRAFTS_ENV, "set_deferred_drafts")
+EARLY_SAMPLED_COPY_ENV = "VLLM_TFM_EARLY_SAMPLED_COPY"
+_EARLY = RuntimeSwitch(EARLY_SAMPLED_COPY_ENV, "set_early_sampled_copy")
 
 
 def deferred_drafts_enabled() -> bool:
     """``set_deferred_drafts``'s value if set, else ``VLLM_TFM_DEFERRED_DRAFTS`` (default on; 0 / false off)."""
-    on = _SWITCH["on"]
-    if on is not None:
-        return on
-    return os.environ.get(DEFERRED_DRAFTS_ENV, "1") not in ("0", "false", "False")
+    return _DEFERRED.enabled()
 
 
 def set_deferred_drafts(worker: object = None, on: bool | None = None) -> bool:
     """Turn deferred drafts on or off in this process from the next step on (None: back to the
     environment); returns the setting now in force. The signature suits ``LLM.collective_rpc``
     (vLLM passes the worker first: ``llm.collective_rpc(set_deferred_drafts, args=(False,))``)."""
-    if on is not None and not isinstance(on, bool):
-        raise ValueError(f"set_deferred_drafts takes True, False or None, got {on!r}")
-    _SWITCH["on"] = on
-    return deferred_drafts_enabled()
-
-
-EARLY_SAMPLED_COPY_ENV = "VLLM_TFM_EARLY_SAMPLED_COPY"
-_EARLY: dict[str, bool | None] = {"on": None}
+    return _DEFERRED.set(on)
 
 
 def early_sampled_copy_enabled() -> bool:
     """``set_early_sampled_copy``'s value if set, else ``VLLM_TFM_EARLY_SAMPLED_COPY`` (default on; 0 / false
     off): the sampled tokens' copy is queued before the commit instead of after it."""
-    on = _EARLY["on"]
-    if on is not None:
-        return on
-    return os.environ.get(EARLY_SAMPLED_COPY_ENV, "1") not in ("0", "false", "False")
+    return _EARLY.enabled()
 
 
 def set_early_sampled_copy(worker: object = None, on: bool | None = None) -> bool:
     """Queue the sampled tokens' copy before the commit (True) or after it (False) from the next step on
     (None: back to the environment); returns the setting now in force. The signature suits
     ``LLM.collective_rpc`` (a same-engine A/B, bench/e2e.py ``--ab-switch early_sampled_copy``)."""
-    if on is not None and not isinstance(on, bool):
-        raise ValueError(f"set_early_sampled_copy takes True, False or None, got {on!r}")
-    _EARLY["on"] = on
-    return early_sampled_copy_enabled()
+    return _EARLY.set(on)
 
 
 def defers_drafts(sampled: Any, scheduler_output: Any, sampling_metadata: Any) -> bool:

@@ -27,7 +27,6 @@ shapes (``step_topology.unsupported_reason``).
 
 from __future__ import annotations
 
-import os
 from typing import Any
 
 import numpy as np
@@ -35,28 +34,26 @@ import torch
 
 from vllm_tfm.kernels import step_topology as kst
 
+from .settings import RuntimeSwitch
 from .state import LOOKUP_FULL, STATE, StepTree
 
 __all__ = ["DEVICE_TOPOLOGY_ENV", "device_topology_enabled", "launch_device_topology", "set_device_topology"]
 
 DEVICE_TOPOLOGY_ENV = "VLLM_TFM_DEVICE_TOPOLOGY"
-_override: bool | None = None
+_SWITCH = RuntimeSwitch(DEVICE_TOPOLOGY_ENV, "set_device_topology")
 _err: dict[torch.device, torch.Tensor] = {}
 
 
 def device_topology_enabled() -> bool:
     """``VLLM_TFM_DEVICE_TOPOLOGY`` unset or not 0 / false (default on), unless ``set_device_topology``
     overrides it."""
-    if _override is not None:
-        return _override
-    return os.environ.get(DEVICE_TOPOLOGY_ENV, "1") not in ("0", "false", "False")
+    return _SWITCH.enabled()
 
 
 def set_device_topology(enabled: bool | None) -> None:
     """Override the setting in this process (None: back to the environment's); for a same-engine A/B
-    (bench/e2e.py --ab-device-topology, through ``collective_rpc``)."""
-    global _override
-    _override = None if enabled is None else bool(enabled)
+    (bench/e2e.py --ab-switch device_topology, through ``collective_rpc``)."""
+    _SWITCH.set(enabled)
 
 
 def _row_map(rows: list[int], device: torch.device) -> torch.Tensor | None:

@@ -45,6 +45,7 @@ from vllm_tfm.tree.weaver import default_weaver_width
 from ..options import VLLM_PROPOSALS
 
 __all__ = [
+    "RuntimeSwitch",
     "TreeSettings",
     "settings_from_options",
     "set_proposal_override",
@@ -58,6 +59,28 @@ __all__ = [
     "trace_settings",
     "TRACE_MAX_MB_DEFAULT",
 ]
+
+class RuntimeSwitch:
+    """An on-by-default runtime switch read every step: its environment variable unset or not 0 / false,
+    unless ``set`` overrode it in this process (a same-engine A/B through ``collective_rpc``)."""
+
+    def __init__(self, env: str, setter_name: str) -> None:
+        self.env = env
+        self._setter_name = setter_name  # the public setter, for the one-line error
+        self._override: bool | None = None
+
+    def enabled(self) -> bool:
+        if self._override is not None:
+            return self._override
+        return os.environ.get(self.env, "1") not in ("0", "false", "False")
+
+    def set(self, on: bool | None) -> bool:
+        """Override (None: back to the environment's); the setting now in force."""
+        if on is not None and not isinstance(on, bool):
+            raise ValueError(f"{self._setter_name} takes True, False or None, got {on!r}")
+        self._override = on
+        return self.enabled()
+
 
 _OVERRIDE: dict[str, str | None] = {"proposal": None}
 
@@ -86,22 +109,20 @@ def batched_commit_enabled() -> bool:
 
 
 COMMIT_REUSE_ENV = "VLLM_TFM_COMMIT_REUSE"
-_COMMIT_REUSE_OVERRIDE: dict[str, bool | None] = {"on": None}
+_COMMIT_REUSE = RuntimeSwitch(COMMIT_REUSE_ENV, "set_commit_reuse")
 
 
 def commit_reuse_enabled() -> bool:
     """``VLLM_TFM_COMMIT_REUSE`` unset or not 0 / false (default on), unless ``set_commit_reuse`` overrode it:
     full-graph steps keep the batched commit's index tensors in place and launch its uploaded tables
     again (``step_kernels.CommitReuse``)."""
-    if _COMMIT_REUSE_OVERRIDE["on"] is not None:
-        return bool(_COMMIT_REUSE_OVERRIDE["on"])
-    return os.environ.get(COMMIT_REUSE_ENV, "1") not in ("0", "false", "False")
+    return _COMMIT_REUSE.enabled()
 
 
 def set_commit_reuse(enabled: bool | None) -> None:
     """Override ``VLLM_TFM_COMMIT_REUSE`` in this process (None: back to the environment's); for a
-    same-engine A/B (bench/e2e.py --ab-commit-reuse, through ``collective_rpc``)."""
-    _COMMIT_REUSE_OVERRIDE["on"] = None if enabled is None else bool(enabled)
+    same-engine A/B (bench/e2e.py --ab-switch commit_reuse, through ``collective_rpc``)."""
+    _COMMIT_REUSE.set(enabled)
 
 
 VERIFY_VERSION_ENV = "VLLM_TFM_GDN_VERIFY"
