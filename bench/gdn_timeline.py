@@ -39,9 +39,9 @@ PHASES = ("loads_tables", "norms_gram", "coefficients_split", "projections", "su
 
 
 def timeline(n: int, batch: int, reps: int, threads: int | None, parts: int = 3, solve: str = "auto",
-             defines: tuple[str, ...] = ()) -> dict:
+             defines: tuple[str, ...] = (), cluster: int = 0) -> dict:
     opts = ([f"-DGDN_S0_PARTS={parts}"] + ([f"-DG6_SOLVE={SOLVES[solve]}"] if solve != "auto" else [])
-            + [f"-D{d}" for d in defines])
+            + ([f"-DG6_CLUSTER={cluster}"] if cluster else []) + [f"-D{d}" for d in defines])
     plan, sets, inputs, pool, slots = phase_case(n, batch)
     fns = []
     for s in range(sets):
@@ -55,6 +55,14 @@ def timeline(n: int, batch: int, reps: int, threads: int | None, parts: int = 3,
     x = inputs[0]
     h = x["q"].shape[1]
     chosen = kgdn.grouped_solve(plan, x["q"].shape[2], x["v"].shape[1] // h, kgdn.device_smem_optin(0), opts)
+    n_threads = threads or kgdn.grouped_threads(
+        plan, h, VD, kgdn.grouped_smem_bytes(x["q"].shape[2], x["v"].shape[1] // h, plan.max_nodes,
+                                             plan.max_pairs_per_request, solve_levels=chosen == 0),
+        kgdn.SM_SMEM_BYTES, torch.cuda.get_device_properties(0).multi_processor_count)
+    cl = kgdn.grouped_cluster(plan, VD, n_threads, torch.cuda.get_device_properties(0).major, opts)
+    run = launches[0][1]
+    # clusters the device holds at once (one wave): cuOccupancyMaxActiveClusters
+    max_clusters = loader.max_active_clusters(run.kernel, *run.config) if cl > 1 else None
     ctas = plan.num_requests * h * (VD // kgdn.GROUPED_BV)
     buf = torch.zeros(ctas, kgdn.GROUPED_MARKS, 2, dtype=torch.int64, device="cuda")
     launches, _, _ = kgdn.verify_launches(plan, x["q"], x["k"], x["v"], x["g"], x["beta"], pool, slots[0],
@@ -77,6 +85,7 @@ def timeline(n: int, batch: int, reps: int, threads: int | None, parts: int = 3,
     ghz = statistics.median(((clk[:, 5] - clk[:, 0]) / (ns[:, 5] - ns[:, 0]).clamp(min=1)).tolist())
     row = dict(n=n, batch=batch, nodes=plan.num_nodes, pairs=plan.num_pairs, max_depth=plan.max_depth, ctas=ctas,
                threads=threads or "auto", s0_parts=parts, defines=list(defines),
+               cluster=cl if cluster else f"auto-{cl}", max_active_clusters=max_clusters,
                solve=solve if solve != "auto" else f"auto-{'paths' if chosen else 'levels'}",
                equals_kernel=equals_kernel, delta_rel_vs_kernel=delta_rel_vs_kernel,
                call_us=call_us, clock_ghz=ghz,
@@ -91,15 +100,15 @@ def timeline(n: int, batch: int, reps: int, threads: int | None, parts: int = 3,
 
 def table(rows: list[dict]) -> str:
     lines = ["GDN tree verify version 6 from inside (us; per-CTA SM clock, median / max over CTAs; span = first start to "
-             "last end; call = graph-timed whole call)",
-             f"{'n':>4} {'batch':>5} {'thr':>4} {'S0':>2} {'solve':>12} {'eq':>2} {'drel':>7} {'call':>7} {'span':>7} {'cta':>7} {'spread':>7} | "
+             "last end; call = graph-timed whole call; cl:max = CTAs per cluster : clusters the device holds at once)",
+             f"{'n':>4} {'batch':>5} {'thr':>4} {'S0':>2} {'solve':>12} {'cl:max':>9} {'eq':>2} {'drel':>7} {'call':>7} {'span':>7} {'cta':>7} {'spread':>7} | "
              + " ".join(f"{p[:12]:>13}" for p in PHASES)]
     for r in rows:
         if "error" in r:
             lines.append(f"{r['n']:>4} {r['batch']:>5} {r['error']}")
             continue
         ph = r["phase_us"]
-        lines.append(f"{r['n']:>4} {r['batch']:>5} {str(r['threads']):>4} {r['s0_parts']:>2} {r['solve']:>12} "
+        lines.append(f"{r['n']:>4} {r['batch']:>5} {str(r['threads']):>4} {r['s0_parts']:>2} {r['solve']:>12} {str(r.get('cluster', 1)) + (f":{r['max_active_clusters']}" if r.get('max_active_clusters') else ''):>9} "
                      f"{int(r['equals_kernel']):>2} {r['delta_rel_vs_kernel']:>7.1e} {r['call_us']:>7.1f} {r['span_us']:>7.1f} "
                      f"{r['cta_us_median']:>7.1f} {r['start_spread_us']:>7.1f} | "
                      + " ".join(f"{ph[p]['median']:>6.2f}/{ph[p]['max']:<6.2f}" for p in PHASES))
@@ -116,18 +125,20 @@ def main() -> None:
     ap.add_argument("--s0-parts", type=int, nargs="+", default=[3], help="S0 split parts (3: the kernel; 2: timing only)")
     ap.add_argument("--solve", nargs="+", choices=("auto", *SOLVES), default=["auto"],
                     help="phase 4's solve: auto (the wrapper's choice, grouped_solve), levels (G6_SOLVE=0), paths (1)")
+    ap.add_argument("--cluster", type=int, nargs="+", default=[0],
+                    help="CTAs per thread block cluster, G6_CLUSTER (0: the wrapper's choice, grouped_cluster)")
     ap.add_argument("--define", action="append", default=[], metavar="NAME=VALUE",
                     help="a timing-only compile constant for every row (e.g. G6_DPAD=0, GDN_PROFILE_SKIP=16); repeatable")
     args = ap.parse_args()
-    bad = [d for d in args.define if not d.split("=", 1)[0].isidentifier() or d.startswith(("G6_SOLVE", "GDN_S0_PARTS"))]
+    bad = [d for d in args.define if not d.split("=", 1)[0].isidentifier() or d.startswith(("G6_SOLVE", "GDN_S0_PARTS", "G6_CLUSTER"))]
     if bad:
-        sys.exit(f"--define takes NAME=VALUE for a compile constant other than G6_SOLVE / GDN_S0_PARTS "
-                 f"(use --solve / --s0-parts): {bad}")
+        sys.exit(f"--define takes NAME=VALUE for a compile constant other than G6_SOLVE / GDN_S0_PARTS / G6_CLUSTER "
+                 f"(use --solve / --s0-parts / --cluster): {bad}")
     if not torch.cuda.is_available() or not loader.kernels_available():
         sys.exit(f"gdn_timeline.py needs a CUDA device and the NVRTC kernels: {loader.kernels_unavailable_reason()}")
     start = time.perf_counter()
-    rows = [timeline(n, b, args.reps, t or None, parts, sw, tuple(args.define)) for b in args.batch for n in args.n for t in args.threads
-            for parts in args.s0_parts for sw in args.solve]
+    rows = [timeline(n, b, args.reps, t or None, parts, sw, tuple(args.define), cl) for b in args.batch for n in args.n
+            for t in args.threads for parts in args.s0_parts for sw in args.solve for cl in args.cluster]
     text = table(rows)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)

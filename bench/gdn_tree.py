@@ -293,6 +293,10 @@ def bench_verify(n: int, batch: int, bw: float, reps: int, vllm_fn, allow_slow: 
     row["default_variant"] = kgdn.DEFAULT_VERIFY_VARIANT
     row["fixed_plan"] = fixed_plan
     row["v6_solve"] = kgdn.grouped_solve(plan, KD, HV // H, loader.device_smem_optin(0))  # 1 paths, 0 levels
+    v6_threads = kgdn.grouped_threads(plan, H, VD, kgdn.grouped_smem_bytes(KD, HV // H, plan.max_nodes,
+                                      plan.max_pairs_per_request, solve_levels=row["v6_solve"] == 0),
+                                      kgdn.SM_SMEM_BYTES, props.multi_processor_count)
+    row["v6_cluster"] = kgdn.grouped_cluster(plan, VD, v6_threads, props.major)  # CTAs per cluster (G6_CLUSTER)
     # the version the vLLM runtime runs for this plan (VLLM_TFM_GDN_VERIFY=auto)
     row["runtime_variant"] = kgdn.runtime_verify_variant(plan, torch.bfloat16, H, HV, KD, VD, loader.device_smem_optin(0),
                                                          props.multi_processor_count)
@@ -629,6 +633,14 @@ def sanitize_case() -> None:
                                                  cg["state_indices"], return_delta=True, variant=6, threads6=256)
     launches6[0][1]()  # 256-thread CTAs: the same tiles on fewer warps, the same outputs
     assert torch.equal(o256, o6) and torch.equal(d256, d6), (6, "256 threads")
+    # thread block clusters (G6_CLUSTER; the wrapper's choice at 128 nodes is kgdn.GROUPED_CLUSTER): every size,
+    # at 512 and 256 threads, gives the same bits (the gram tiles split over the cluster, stored into each CTA)
+    for cl, threads in ((1, 0), (4, 0), (8, 0), (4, 256), (8, 256)):
+        launches6, o_c, d_c = kgdn.verify_launches(plan, cg["q"], cg["k"], cg["v"], cg["g"], cg["beta"], cg["ssm_state"],
+                                                   cg["state_indices"], return_delta=True, variant=6,
+                                                   threads6=threads or None, extra_options=(f"-DG6_CLUSTER={cl}",))
+        launches6[0][1]()
+        assert torch.equal(o_c, o6) and torch.equal(d_c, d6), (6, "cluster", cl, threads)
     # both solves forced on the same trees (the wrapper picks the level solve at 128 nodes): the path
     # solve's register rows (depth < G6_PATH_REG), its free-warp phase 2b at 128 nodes, at 512 and 256 threads
     for opts, threads in ((("-DG6_SOLVE=1",), 0), (("-DG6_SOLVE=1",), 256), (("-DG6_SOLVE=0",), 0)):
@@ -679,6 +691,8 @@ def table(results: dict) -> str:
                      + " ".join(f"n{r['n']}b{r['batch']}={'paths' if r.get('v6_solve') else 'levels'}"
                                 for r in results["verify"] if "v6_solve" in r))
     lines.append("rt: the version the vLLM runtime runs for this plan (VLLM_TFM_GDN_VERIFY=auto)")
+    lines.append("version 6's thread block cluster per row (v6_cluster in the JSON): "
+                 + " ".join(f"n{r['n']}b{r['batch']}={r['v6_cluster']}" for r in results["verify"] if "v6_cluster" in r))
     lines.append("verify per-kernel breakdown at the automatic BV, us (each kernel timed alone; call = whole call)")
     versions = [f"v{v}" for v in kgdn.VERIFY_VARIANTS]
     lines.append(f"{'n':>4} {'batch':>5} {'BV':>4} "

@@ -19,11 +19,12 @@
 //   phase 0  cp.async of the q, k and v rows; S0 rows (GROUP x 16 x K floats) into registers; the
 //            plan's tables into shared memory (no dependent global loads past cu and pair_off)
 //   phase 1  q norms; the gram blocks (16 x 16 lower-triangular tiles, m16n8k16 bf16, a warp per
-//            tile), scattered to the pair table (node i's ancestor at depth e is entry pair_off(i) + e)
+//            tile; with G6_CLUSTER > 1 split over a cluster of the q/k head's CTAs), scattered to the
+//            pair table (node i's ancestor at depth e is entry pair_off(i) + e); S0 split into three
+//            bfloat16 parts (hi + mid + lo carries float32's 24 bits)
 //   phase 2  per (node, value head): path gates and X, Y of the node's pairs (the deepest-first
 //            running sum of versions 1-5, so exp never overflows), e^{G_i}
-//   phase 3  S0 split into three bfloat16 parts (hi + mid + lo carries float32's 24 bits), the
-//            projections K S0^T and Q S0^T on tensor cores (m16n8k16 bf16, exact bf16 q/k times
+//   phase 3  the projections K S0^T and Q S0^T on tensor cores (m16n8k16 bf16, exact bf16 q/k times
 //            each part, float32 sums: float32-accurate products), a warp per two 16-row tiles and
 //            value head; R and e^G rq Q S0^T to shared
 //   phase 4  the outputs (o, delta). G6_SOLVE = 1 (trees of depth <= 16, bench/NOTES.md sections 33-34): every node's
@@ -33,7 +34,7 @@
 //            G6_SOLVE = 0: the level-by-level forward substitution, a CTA barrier per tree level.
 //
 // Compile-time constants (NVRTC -D): TFM_IN (must be 1, bfloat16), GDN_K, GDN_V, GDN_GROUP, G6_THREADS,
-// G6_SOLVE, G6_PATH_REG.
+// G6_SOLVE, G6_PATH_REG, G6_CLUSTER.
 // The plan (vllm_tfm/kernels/plan.py) and the state layout (V-first [slot, HV, V, K], read only)
 // are those of the other versions.
 #include "tfm_mma.cuh"
@@ -85,6 +86,20 @@ static_assert(G6_SOLVE == 0 || G6_SOLVE == 1, "G6_SOLVE: 0 = levels, 1 = path ro
 #define G6_PATH_REG 17
 #endif
 static_assert(G6_PATH_REG >= 1 && G6_PATH_REG <= 32, "path entries held in registers");
+// CTAs per thread block cluster (vllm_tfm/kernels/gdn.py grouped_cluster; sm_90). The V / 16 CTAs of one
+// (request, q/k head) differ only in their 16 V columns, yet each computed the whole gram (bench/NOTES.md
+// sections 35, 44). With a cluster of G6_CLUSTER of them (consecutive along x; the launch sets the
+// cluster dimension), CTA rank c computes the gram tiles c, c + G6_CLUSTER, ... and stores each kept
+// product and k-norm scale into the shared memory of every CTA of the cluster (mapa), so each tile is
+// computed once per cluster; a cluster barrier then stands where the CTA barrier B2 stood. The outputs
+// are those of G6_CLUSTER = 1 bit for bit (the same tiles, the same arithmetic, on another SM).
+#ifndef G6_CLUSTER
+#define G6_CLUSTER 1
+#endif
+static_assert(G6_CLUSTER == 1 || G6_CLUSTER == 2 || G6_CLUSTER == 4 || G6_CLUSTER == 8, "cluster of 1, 2, 4 or 8 CTAs");
+#if G6_CLUSTER > 1 && defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 900
+#error "G6_CLUSTER > 1 needs thread block clusters (sm_90)"
+#endif
 #define G6_BV 16        // V columns per value head and CTA
 #define G6_DS G6_BV     // floats per D / O row
 // Floats between two value heads' D (and O) blocks past their n16 rows: 16 puts the same row of
@@ -216,6 +231,17 @@ __device__ __forceinline__ void g6_store_row(tin* __restrict__ o, float* __restr
   if (delta_out != nullptr) *reinterpret_cast<float4*>(delta_out + orow) = dl;
 }
 
+// p (this CTA's shared memory) in cluster CTA `rank`; p itself without clusters.
+template <typename T>
+__device__ __forceinline__ T* g6_peer(T* p, int rank) {
+#if G6_CLUSTER > 1
+  return cluster_map(p, (u32)rank);
+#else
+  (void)rank;
+  return p;
+#endif
+}
+
 extern "C" __global__ void __launch_bounds__(G6_THREADS, 512 / G6_THREADS)
 gdn_tree_verify_grouped(const tin* __restrict__ q, const tin* __restrict__ k, const tin* __restrict__ v,
                         const float* __restrict__ g, const float* __restrict__ beta, const int* __restrict__ perm,
@@ -245,7 +271,14 @@ gdn_tree_verify_grouped(const tin* __restrict__ q, const tin* __restrict__ k, co
   mark(0);
   const int bos = cu[r];
   const int n = cu[r + 1] - bos;
-  if (n <= 0) return;
+  if (n <= 0) return;  // the whole cluster: its CTAs share the request
+#if G6_CLUSTER > 1
+  if (cluster_nctarank() != G6_CLUSTER) __trap();  // launched with another cluster size than compiled for
+  cluster_arrive_relaxed();  // this CTA has started: peers may store into its shared memory once all have
+  const int crank = (int)cluster_ctarank();
+#else
+  const int crank = 0;
+#endif
   const int n16 = g6_round16(n);
   const int hv0 = h * GDN_GROUP;  // value heads hv0 .. hv0 + GROUP - 1
   const i64 slot = sidx64 ? reinterpret_cast<const i64*>(state_idx)[r] : (i64)reinterpret_cast<const int*>(state_idx)[r];
@@ -346,12 +379,17 @@ gdn_tree_verify_grouped(const tin* __restrict__ q, const tin* __restrict__ k, co
   }
   // gram: 16 x 16 tiles (a, b), b <= a, of K K^T and Q K^T; a warp per tile, round robin (a warp per
   // row tile and two column tiles shared the row tile's ldmatrix but was slower: the triangle's
-  // imbalance over the warps, section 31)
+  // imbalance over the warps, section 31). With a cluster, this CTA's tiles are crank, crank + G6_CLUSTER, ...
+  // and every kept product goes to all the cluster's CTAs.
+#if G6_CLUSTER > 1
+  cluster_wait();  // every CTA of the cluster has started
+#endif
   {
     const int nb = n16 / 16;
     const int tiles = nb * (nb + 1) / 2;
     const int fg = lane >> 2, ft = lane & 3;
-    for (int tile = warp; tile < ((GDN_PROFILE_SKIP & 1) ? 0 : tiles); tile += G6_WARPS) {
+    for (int lt = warp; lt * G6_CLUSTER + crank < ((GDN_PROFILE_SKIP & 1) ? 0 : tiles); lt += G6_WARPS) {
+      const int tile = lt * G6_CLUSTER + crank;
       int a = 0, b = tile;
       while (b > a) { b -= a + 1; ++a; }
       float ck[2][4], cq[2][4];
@@ -408,21 +446,57 @@ gdn_tree_verify_grouped(const tin* __restrict__ q, const tin* __restrict__ k, co
             dst[jt][e] = anc ? oi[h2] + d : -1;
           }
 #pragma unroll
-        for (int jt = 0; jt < 2; ++jt)
+        for (int cr = 0; cr < G6_CLUSTER; ++cr) {  // this CTA, or each CTA of the cluster
+          float* __restrict__ kkd = g6_peer(kk, cr);
+          float* __restrict__ qkd = g6_peer(qk, cr);
+          float* __restrict__ rkd = g6_peer(sm.rk, cr);
 #pragma unroll
-          for (int e = 0; e < 4; ++e) {
-            const bool keep = !(GDN_PROFILE_SKIP & 64) || ck[jt][e] == -1e-30f;
-            if (keep && dst[jt][e] >= 0) {
-              kk[dst[jt][e]] = ck[jt][e];
-              qk[dst[jt][e]] = cq[jt][e];
+          for (int jt = 0; jt < 2; ++jt)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+              const bool keep = !(GDN_PROFILE_SKIP & 64) || ck[jt][e] == -1e-30f;
+              if (keep && dst[jt][e] >= 0) {
+                kkd[dst[jt][e]] = ck[jt][e];
+                qkd[dst[jt][e]] = cq[jt][e];
+              }
+              const int i = ii[e >> 1];
+              if (a == b && i < n && i == b * 16 + jt * 8 + 2 * ft + (e & 1)) rkd[i] = use_l2norm ? l2norm_scale(ck[jt][e]) : 1.f;
             }
-            const int i = ii[e >> 1];
-            if (a == b && i < n && i == b * 16 + jt * 8 + 2 * ft + (e & 1)) sm.rk[i] = use_l2norm ? l2norm_scale(ck[jt][e]) : 1.f;
-          }
+        }
       }
     }
   }
+#if G6_CLUSTER > 1
+  cluster_arrive();  // this CTA's pair products and norm scales are in every CTA of the cluster
+#endif
+  // S0 parts to shared memory: [part][t][row][KP], part 0 = lo, 1 = mid, 2 = hi (between the cluster
+  // barrier's arrival and its wait: work of this CTA alone)
+  constexpr int PART = GDN_GROUP * G6_BV * G6_KP;
+#pragma unroll
+  for (int u = 0; u < S0_PER; ++u) {
+    const int idx = tid + u * G6_THREADS;
+    if (idx < S0_F4) {
+      int t, row, c4;
+      g6_s0_piece(idx, t, row, c4);
+      const float xs[4] = {s0r[u].x, s0r[u].y, s0r[u].z, s0r[u].w};
+      u16 hi[4], mid[4], lo[4];
+#pragma unroll
+      for (int c = 0; c < 4; ++c) g6_split3(xs[c], hi[c], mid[c], lo[c]);
+      const int off = (t * G6_BV + row) * G6_KP + c4;
+      uint2 w;
+      w.x = (u32)lo[0] | ((u32)lo[1] << 16); w.y = (u32)lo[2] | ((u32)lo[3] << 16);
+      *reinterpret_cast<uint2*>(sm.s0 + off) = w;
+      w.x = (u32)mid[0] | ((u32)mid[1] << 16); w.y = (u32)mid[2] | ((u32)mid[3] << 16);
+      *reinterpret_cast<uint2*>(sm.s0 + PART + off) = w;
+      w.x = (u32)hi[0] | ((u32)hi[1] << 16); w.y = (u32)hi[2] | ((u32)hi[3] << 16);
+      *reinterpret_cast<uint2*>(sm.s0 + 2 * PART + off) = w;
+    }
+  }
+#if G6_CLUSTER > 1
+  cluster_wait();  // B2 over the cluster: all pair products and norm scales visible
+#else
   __syncthreads();  // B2: pair products and norm scales visible
+#endif
   mark(2);
 
   // ---- phase 2: X, Y per value head; e^{G_i}.
@@ -454,28 +528,6 @@ gdn_tree_verify_grouped(const tin* __restrict__ q, const tin* __restrict__ k, co
       seg += gl[j];
     }
     sm.eg[t * n_cap + i] = expf(seg);  // seg = G_i
-  }
-  // S0 parts to shared memory: [part][t][row][KP], part 0 = lo, 1 = mid, 2 = hi
-  constexpr int PART = GDN_GROUP * G6_BV * G6_KP;
-#pragma unroll
-  for (int u = 0; u < S0_PER; ++u) {
-    const int idx = tid + u * G6_THREADS;
-    if (idx < S0_F4) {
-      int t, row, c4;
-      g6_s0_piece(idx, t, row, c4);
-      const float xs[4] = {s0r[u].x, s0r[u].y, s0r[u].z, s0r[u].w};
-      u16 hi[4], mid[4], lo[4];
-#pragma unroll
-      for (int c = 0; c < 4; ++c) g6_split3(xs[c], hi[c], mid[c], lo[c]);
-      const int off = (t * G6_BV + row) * G6_KP + c4;
-      uint2 w;
-      w.x = (u32)lo[0] | ((u32)lo[1] << 16); w.y = (u32)lo[2] | ((u32)lo[3] << 16);
-      *reinterpret_cast<uint2*>(sm.s0 + off) = w;
-      w.x = (u32)mid[0] | ((u32)mid[1] << 16); w.y = (u32)mid[2] | ((u32)mid[3] << 16);
-      *reinterpret_cast<uint2*>(sm.s0 + PART + off) = w;
-      w.x = (u32)hi[0] | ((u32)hi[1] << 16); w.y = (u32)hi[2] | ((u32)hi[3] << 16);
-      *reinterpret_cast<uint2*>(sm.s0 + 2 * PART + off) = w;
-    }
   }
   __syncthreads();  // B3: X, Y, e^G, S0 parts visible (the pair products' region is free now)
   mark(3);

@@ -63,6 +63,32 @@ __device__ __forceinline__ void pdl_launch_dependents() { asm volatile("griddepc
 __device__ __forceinline__ void prefetch_l2(const void* p, u32 bytes) {
   asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(p), "r"(bytes) : "memory");
 }
+// Thread block clusters (PTX ISA: %cluster_ctarank, barrier.cluster, mapa; sm_90). A kernel launched
+// with a cluster dimension (vllm_tfm/kernels/loader.py, launch(..., cluster=C)) has its C CTAs resident
+// together; each can store into the others' shared memory through cluster_map's generic address. The
+// barrier is split: every thread of every CTA of the cluster arrives, then waits. `release` orders this
+// thread's earlier stores (its remote ones included) before the arrival, the wait acquires them all;
+// the relaxed arrival orders nothing (a CTA only says it has started, before a peer stores into it).
+__device__ __forceinline__ u32 cluster_ctarank() {
+  u32 r;
+  asm volatile("mov.u32 %0, %%cluster_ctarank;" : "=r"(r));
+  return r;
+}
+__device__ __forceinline__ u32 cluster_nctarank() {
+  u32 r;
+  asm volatile("mov.u32 %0, %%cluster_nctarank;" : "=r"(r));
+  return r;
+}
+__device__ __forceinline__ void cluster_arrive_relaxed() { asm volatile("barrier.cluster.arrive.relaxed.aligned;" ::: "memory"); }
+__device__ __forceinline__ void cluster_arrive() { asm volatile("barrier.cluster.arrive.release.aligned;" ::: "memory"); }
+__device__ __forceinline__ void cluster_wait() { asm volatile("barrier.cluster.wait.acquire.aligned;" ::: "memory"); }
+// The generic address of the same shared-memory location (p: this CTA's shared memory) in CTA `rank`.
+template <typename T>
+__device__ __forceinline__ T* cluster_map(T* p, u32 rank) {
+  unsigned long long out;
+  asm volatile("mapa.u64 %0, %1, %2;" : "=l"(out) : "l"(p), "r"(rank));
+  return reinterpret_cast<T*>(out);
+}
 #else
 // the emulation runs kernels one after another, which is the order pdl_wait guarantees
 __device__ __forceinline__ void pdl_wait() {}

@@ -3,7 +3,9 @@
 // Not a simulator of timing or of the memory model: every CUDA thread of a block is a std::thread,
 // __syncthreads is a std::barrier over the block, warp shuffles exchange through a per-warp buffer
 // between two warp barriers, __shared__ variables are process-wide statics (blocks run one after
-// another), and dynamic shared memory is one buffer per block launch. The warp-level matrix ops
+// another), and dynamic shared memory is one buffer per block. A thread block cluster's blocks run
+// concurrently (so a clustered kernel must keep to dynamic shared memory), with a std::barrier over
+// all their threads for barrier.cluster and mapa as pointer arithmetic between their buffers. The warp-level matrix ops
 // of cuda/tfm_mma.cuh (ldmatrix, mma.sync m16n8k16 and m16n8k8.tf32) exchange their operands through
 // a per-warp buffer and follow the PTX ISA's fragment layouts; cvt.rna.tf32 is the hardware's bit
 // arithmetic; cp.async copies at once; atomics are host atomics. A kernel source is compiled as C++20 with this header force-included and TFM_HOST_EMU
@@ -22,6 +24,7 @@
 #include <cstring>
 #include <functional>
 #include <memory>
+#include <optional>
 #include <thread>
 #include <tuple>
 #include <type_traits>
@@ -51,9 +54,19 @@ struct BlockCtx {
   unsigned char* smem;
   unsigned smem_bytes;
 };
+// A cluster's CTAs run concurrently (their threads together), each with its own shared memory.
+struct ClusterCtx {
+  std::barrier<>* bar;                  // every thread of every CTA of the cluster
+  std::vector<unsigned char*> smem;     // by rank
+  unsigned size;
+};
 inline thread_local dim3 t_threadIdx, t_blockIdx;
 inline dim3 g_blockDim, g_gridDim;
+inline unsigned g_cluster_x = 1;  // CTAs per cluster along x for the next launch (tfm_emu_set_cluster)
 inline thread_local BlockCtx* t_ctx = nullptr;
+inline thread_local ClusterCtx* t_cluster = nullptr;
+inline thread_local unsigned t_crank = 0;
+inline thread_local std::optional<std::barrier<>::arrival_token> t_cluster_token;
 }  // namespace tfm_emu
 
 #define threadIdx (tfm_emu::t_threadIdx)
@@ -65,6 +78,37 @@ inline void* tfm_emu_dynamic_smem() { return tfm_emu::t_ctx->smem; }
 inline unsigned dynamic_smem_bytes() { return tfm_emu::t_ctx->smem_bytes; }
 
 inline void __syncthreads() { tfm_emu::t_ctx->block_bar->arrive_and_wait(); }
+
+// Thread block clusters: the rank along x, the split cluster barrier (an arrival keeps its token until
+// the thread's wait) and a peer CTA's copy of a shared-memory address.
+inline unsigned cluster_ctarank() { return tfm_emu::t_crank; }
+inline unsigned cluster_nctarank() { return tfm_emu::t_cluster->size; }
+inline void cluster_arrive() {
+  if (tfm_emu::t_cluster_token) {
+    std::fprintf(stderr, "tfm_emu: barrier.cluster.arrive twice without a wait\n");
+    std::abort();
+  }
+  tfm_emu::t_cluster_token.emplace(tfm_emu::t_cluster->bar->arrive());
+}
+inline void cluster_arrive_relaxed() { cluster_arrive(); }
+inline void cluster_wait() {
+  if (!tfm_emu::t_cluster_token) {
+    std::fprintf(stderr, "tfm_emu: barrier.cluster.wait without an arrival\n");
+    std::abort();
+  }
+  tfm_emu::t_cluster->bar->wait(std::move(*tfm_emu::t_cluster_token));
+  tfm_emu::t_cluster_token.reset();
+}
+template <typename T>
+inline T* cluster_map(T* p, unsigned rank) {
+  const auto* c = reinterpret_cast<const unsigned char*>(p);
+  const auto* base = tfm_emu::t_ctx->smem;
+  if (c < base || c >= base + tfm_emu::t_ctx->smem_bytes || rank >= tfm_emu::t_cluster->size) {
+    std::fprintf(stderr, "tfm_emu: mapa of an address outside shared memory or to rank %u\n", rank);
+    std::abort();
+  }
+  return reinterpret_cast<T*>(tfm_emu::t_cluster->smem[rank] + (c - base));
+}
 
 inline float __shfl_xor_sync(unsigned /*mask*/, float v, int m) {
   const unsigned tid = threadIdx.x;
@@ -261,40 +305,60 @@ using std::min;
 using std::max;
 
 namespace tfm_emu {
-// Run `body` as a grid of blocks, each block's threads concurrently (1-D blocks only).
+// Run `body` as a grid of blocks, each block's threads concurrently (1-D blocks only). With clusters
+// (g_cluster_x > 1) the g_cluster_x blocks of a cluster (consecutive along x) run concurrently.
 inline void run(dim3 grid, dim3 block, unsigned smem_bytes, const std::function<void()>& body) {
   g_gridDim = grid;
   g_blockDim = block;
   const unsigned nthreads = block.x * block.y * block.z;
+  const unsigned csize = g_cluster_x;
   if (block.y != 1 || block.z != 1 || nthreads % 32 != 0) {
     std::fprintf(stderr, "tfm_emu: only 1-D blocks of whole warps are emulated\n");
     std::abort();
   }
-  std::vector<unsigned char> smem(std::max(smem_bytes, 1u));
+  if (csize < 1 || grid.x % csize != 0) {
+    std::fprintf(stderr, "tfm_emu: grid.x %u is not a multiple of the cluster size %u\n", grid.x, csize);
+    std::abort();
+  }
+  std::vector<std::vector<unsigned char>> smem(csize, std::vector<unsigned char>(std::max(smem_bytes, 1u)));
   for (unsigned bz = 0; bz < grid.z; ++bz)
     for (unsigned by = 0; by < grid.y; ++by)
-      for (unsigned bx = 0; bx < grid.x; ++bx) {
-        std::barrier<> block_bar(nthreads);
-        std::vector<std::unique_ptr<std::barrier<>>> warp_bars;
-        for (unsigned w = 0; w < nthreads / 32; ++w) warp_bars.emplace_back(new std::barrier<>(32));
-        std::vector<float> shfl(nthreads);
-        std::vector<std::uint64_t> xchg(nthreads * 8);
-        // poison shared memory so that a read of something nothing wrote shows up as NaN
-        std::memset(smem.data(), 0xff, smem.size());
-        BlockCtx ctx{&block_bar, &warp_bars, &shfl, &xchg, smem.data(), smem_bytes};
-        std::vector<std::thread> threads;
-        threads.reserve(nthreads);
-        for (unsigned t = 0; t < nthreads; ++t) {
-          threads.emplace_back([&, t] {
-            t_ctx = &ctx;
-            t_threadIdx = dim3{t, 0, 0};
-            t_blockIdx = dim3{bx, by, bz};
-            body();
-            // an exited thread no longer takes part in barriers (as on sm_70+)
-            ctx.block_bar->arrive_and_drop();
-            (*ctx.warp_bars)[t / 32]->arrive_and_drop();
-          });
+      for (unsigned cx = 0; cx < grid.x / csize; ++cx) {
+        std::barrier<> cluster_bar(nthreads * csize);
+        ClusterCtx cluster{&cluster_bar, {}, csize};
+        std::vector<std::unique_ptr<std::barrier<>>> block_bars;
+        std::vector<std::vector<std::unique_ptr<std::barrier<>>>> warp_bars(csize);
+        std::vector<std::vector<float>> shfl(csize, std::vector<float>(nthreads));
+        std::vector<std::vector<std::uint64_t>> xchg(csize, std::vector<std::uint64_t>(nthreads * 8));
+        std::vector<BlockCtx> ctx;
+        ctx.reserve(csize);
+        for (unsigned rank = 0; rank < csize; ++rank) {
+          block_bars.emplace_back(new std::barrier<>(nthreads));
+          for (unsigned w = 0; w < nthreads / 32; ++w) warp_bars[rank].emplace_back(new std::barrier<>(32));
+          // poison shared memory so that a read of something nothing wrote shows up as NaN
+          std::memset(smem[rank].data(), 0xff, smem[rank].size());
+          cluster.smem.push_back(smem[rank].data());
+          ctx.push_back(BlockCtx{block_bars[rank].get(), &warp_bars[rank], &shfl[rank], &xchg[rank], smem[rank].data(),
+                                 smem_bytes});
         }
+        std::vector<std::thread> threads;
+        threads.reserve(nthreads * csize);
+        for (unsigned rank = 0; rank < csize; ++rank)
+          for (unsigned t = 0; t < nthreads; ++t) {
+            threads.emplace_back([&, t, rank] {
+              t_ctx = &ctx[rank];
+              t_cluster = &cluster;
+              t_crank = rank;
+              t_cluster_token.reset();
+              t_threadIdx = dim3{t, 0, 0};
+              t_blockIdx = dim3{cx * csize + rank, by, bz};
+              body();
+              // an exited thread no longer takes part in barriers (as on sm_70+)
+              t_ctx->block_bar->arrive_and_drop();
+              (*t_ctx->warp_bars)[t / 32]->arrive_and_drop();
+              cluster_bar.arrive_and_drop();
+            });
+          }
         for (auto& th : threads) th.join();
       }
 }
@@ -312,8 +376,12 @@ void launch_packed(void (*fn)(Args...), unsigned gx, unsigned gy, unsigned gz, u
 }
 }  // namespace tfm_emu
 
+// The cluster size along x of the launches that follow (emulate.py sets it before each launch).
+extern "C" void tfm_emu_set_cluster(unsigned cx) { tfm_emu::g_cluster_x = cx; }
+
 // One exported launcher per kernel: extern "C" emu_<name>(grid, block, smem, void** params),
 // taking the same parameter array as cuLaunchKernel.
+
 #define TFM_EMU_EXPORT(name)                                                                      \
   extern "C" void emu_##name(unsigned gx, unsigned gy, unsigned gz, unsigned bx, unsigned by,    \
                              unsigned bz, unsigned smem, void** params) {                        \

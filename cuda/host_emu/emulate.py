@@ -64,22 +64,35 @@ def build(source: str, options: list[str], out_dir: Path, sanitize: bool = False
 
 
 class _EmuKernel:
-    def __init__(self, fn: Any, name: str) -> None:
+    def __init__(self, fn: Any, name: str, set_cluster: Any) -> None:
         self.function = fn
+        self.set_cluster = set_cluster
         self.name = name
         self.device_index = 0
         self.max_dynamic_smem = 227 * 1024  # an H100/H200 block's opt-in limit
 
 
+class _Launches(list):
+    """(kernel name, grid, shared memory bytes) of each launch; ``clusters``: each one's cluster size."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.clusters: list[int] = []
+
+    def clear(self) -> None:
+        super().clear()
+        self.clusters.clear()
+
+
 @contextlib.contextmanager
-def emulated_kernels(out_dir: Path | None = None, sanitize: bool = False) -> Iterator[list[tuple[str, tuple, int]]]:
+def emulated_kernels(out_dir: Path | None = None, sanitize: bool = False) -> Iterator[_Launches]:
     """Patch the loader so that kernels run on the CPU; yields the list of launches made."""
     from vllm_tfm.kernels import loader
 
     work = out_dir or Path(os.environ.get("TFM_EMU_BUILD", tempfile.gettempdir())) / "tfm_host_emu"
     work.mkdir(parents=True, exist_ok=True)
     libs: dict[str, ctypes.CDLL] = {}
-    launches: list[tuple[str, tuple, int]] = []
+    launches = _Launches()
 
     def get_kernel(source_name: str, kernel_name: str, options, device_index: int = 0):
         path = build(source_name, list(options), work, sanitize)
@@ -87,22 +100,30 @@ def emulated_kernels(out_dir: Path | None = None, sanitize: bool = False) -> Ite
         fn = getattr(lib, f"emu_{kernel_name}")
         fn.argtypes = [ctypes.c_uint] * 7 + [ctypes.c_void_p]
         fn.restype = None
-        return _EmuKernel(fn, kernel_name)
+        set_cluster = lib.tfm_emu_set_cluster
+        set_cluster.argtypes = [ctypes.c_uint]
+        set_cluster.restype = None
+        return _EmuKernel(fn, kernel_name, set_cluster)
 
-    def launch(kernel, grid, block, args, shared_mem: int = 0, programmatic: bool = False) -> None:
+    def launch(kernel, grid, block, args, shared_mem: int = 0, programmatic: bool = False, cluster: int = 1) -> None:
         # programmatic (dependent launch): the emulation runs kernels one after the other, which is
-        # the ordering griddepcontrol.wait guarantees
+        # the ordering griddepcontrol.wait guarantees; cluster: CTAs per cluster along x, run together
         if shared_mem > kernel.max_dynamic_smem:
             raise loader.KernelLaunchError(f"{kernel.name} needs {shared_mem} bytes of shared memory")
+        if cluster < 1 or grid[0] % cluster:
+            raise loader.KernelLaunchError(f"{kernel.name}: grid {tuple(grid)} is not a multiple of cluster {cluster}")
         if min(grid) <= 0:
             return
         values = [loader._ctype_arg(a) for a in args]
         ptrs = (ctypes.c_void_p * max(len(values), 1))(*[ctypes.addressof(v) for v in values])
         launches.append((kernel.name, tuple(grid), int(shared_mem)))
+        launches.clusters.append(int(cluster))
+        kernel.set_cluster(int(cluster))
         kernel.function(*grid, *block, int(shared_mem), ctypes.addressof(ptrs))
 
     class _Props:
         multi_processor_count = 132
+        major, minor = 9, 0
 
     with contextlib.ExitStack() as stack:
         stack.enter_context(mock.patch.object(loader, "get_kernel", get_kernel))

@@ -241,6 +241,50 @@ def test_v6_with_256_threads_equals_512_bit_for_bit(emulated):
     assert _rel(outs[0][0], o_ref) <= 3e-3 and _rel(outs[0][1], d_ref) <= 1e-5
 
 
+def test_v6_cluster_equals_no_cluster_bit_for_bit(emulated):
+    # G6_CLUSTER: the V / 16 CTAs of a (request, q/k head) split the gram tiles and store each product into
+    # every CTA's shared memory (distributed shared memory, emulated as concurrent blocks). Same tiles, same
+    # arithmetic: the outputs of every cluster size equal those without one, bit for bit, at 256 threads (8
+    # warps: 78 tiles of the 150-node tree are several rounds per CTA) and 512; each against float64 too
+    trees = [_random_tree(150, _g(30)), torch.arange(-1, 16), torch.tensor([-1]), torch.tensor([-1] + [0] * 20)]
+    c = _case(trees, 2, 4, 32, 128, torch.bfloat16, seed=31)
+    plan = TreePlan.build(c["parents"], c["cu_nodes"])
+    c64 = {k: v.double() if v.is_floating_point() else v for k, v in c.items()}
+    o_ref, d_ref = ref_gdn.gdn_tree_verify(**c64, return_delta=True)
+    for threads, clusters in ((256, (1, 2, 4, 8)), (512, (1, 4))):
+        outs = []
+        for cluster in clusters:
+            emulated.clear()
+            launches, o, d = kgdn.verify_launches(plan, c["q"], c["k"], c["v"], c["g"], c["beta"], c["ssm_state"],
+                                                  c["state_indices"], return_delta=True, variant=6, threads6=threads,
+                                                  extra_options=(f"-DG6_CLUSTER={cluster}",))
+            for _, fn in launches:
+                fn()
+            assert [(name, grid) for name, grid, _ in emulated] == [("gdn_tree_verify_grouped", (8, 2, 4))]
+            assert emulated.clusters == [cluster]
+            outs.append((o, d))
+        assert _rel(outs[0][0], o_ref) <= 3e-3 and _rel(outs[0][1], d_ref) <= 1e-5
+        for cluster, (o, d) in zip(clusters[1:], outs[1:]):
+            assert torch.equal(o, outs[0][0]) and torch.equal(d, outs[0][1]), (threads, cluster)
+
+
+def test_v6_cluster_choice():
+    n128 = TreePlan.build(_random_tree(128, _g(32)), torch.tensor([0, 128]))
+    n80 = TreePlan.build(_random_tree(80, _g(33)), torch.tensor([0, 80]))
+    n81 = TreePlan.build(_random_tree(81, _g(34)), torch.tensor([0, 81]))
+    # sm_90 and more gram tiles than warps (n = 128: 36 tiles; n = 80: 15, one round at 16 warps): a cluster
+    assert kgdn.grouped_cluster(n128, 128, 512, 9) == kgdn.GROUPED_CLUSTER == 2
+    assert kgdn.grouped_cluster(n81, 128, 512, 9) == 2 and kgdn.grouped_cluster(n80, 128, 512, 9) == 1
+    assert kgdn.grouped_cluster(n80, 128, 256, 9) == 2  # 8 warps: two rounds
+    assert kgdn.grouped_cluster(n128, 128, 512, 8) == 1  # no clusters before sm_90
+    assert kgdn.grouped_cluster(n128, 16, 512, 9) == 1  # 1 V slice: no cluster of 2
+    assert kgdn.grouped_cluster(n80, 128, 512, 9, ("-DG6_CLUSTER=8",)) == 8  # an explicit option decides
+    with pytest.raises(ValueError, match="G6_CLUSTER=4: a cluster of 1, 2, 4 or 8 CTAs that divides the 2 V slices"):
+        kgdn.grouped_cluster(n80, 32, 512, 9, ("-DG6_CLUSTER=4",))
+    with pytest.raises(ValueError, match="G6_CLUSTER=3: "):
+        kgdn.grouped_cluster(n80, 128, 512, 9, ("-DG6_CLUSTER=3",))
+
+
 def test_v6_threads_choice():
     plan1 = TreePlan.build(torch.tensor([-1, 0, 0]), torch.tensor([0, 3]))
     plan8 = TreePlan.build(torch.tensor([-1, 0, 0] * 8), torch.tensor([3 * r for r in range(9)]))

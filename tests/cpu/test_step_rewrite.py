@@ -490,7 +490,7 @@ def test_commit_step_matches(name, kinds, prefill, path, accept, monkeypatch):
         for mod, fn in ((kgdn, "commit_unsupported_reason"), (kgdn, "verify_unsupported_reason"), (kconv, "conv_unsupported_reason")):
             monkeypatch.setattr(mod, fn, lambda *a, **k: None)
         monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
-        monkeypatch.setattr(torch.cuda, "get_device_properties", lambda i: SimpleNamespace(multi_processor_count=132))
+        monkeypatch.setattr(torch.cuda, "get_device_properties", lambda i: SimpleNamespace(multi_processor_count=132, major=9))
         monkeypatch.setattr("vllm_tfm.kernels.loader.device_smem_optin", lambda i: 227 * 1024)
         # the per-layer commit kernels, as the step before the rewrite ran them (the batched commit,
         # on by default, has its own tests: test_batched_commit.py)

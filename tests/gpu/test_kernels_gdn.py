@@ -225,6 +225,33 @@ def test_verify_v6_path_solve_equals_level_solve(name):
     assert rel(outs[0][1], outs[1][1]) <= 1e-6
 
 
+@pytest.mark.parametrize("threads", [512, 256])
+@pytest.mark.parametrize("name", ["mixed_batch", "n128", "chain16"])
+def test_verify_v6_cluster_equals_no_cluster_bit_for_bit(name, threads):
+    # G6_CLUSTER: the 8 V-slice CTAs of a (request, q/k head) split the gram tiles over a thread block cluster and
+    # store each product into every CTA's shared memory; the same tiles and arithmetic, so every cluster size
+    # gives the outputs of none bit for bit (27B group of 3 value heads, K = V = 128)
+    gen = _seeded(len(name) + 50)
+    trees = [random_tree(128, gen), random_tree(100, gen)] if name == "n128" else TREE_SETS[name](gen)
+    c = make_case(trees, h=2, hv=6, dtype=torch.bfloat16, seed=51)
+    plan = TreePlan.build(c["parents"], c["cu_nodes"])
+    outs = []
+    for cl in (1, 2, 4, 8):
+        launches, o, d = kgdn.verify_launches(plan, c["q"], c["k"], c["v"], c["g"], c["beta"], c["ssm_state"],
+                                              c["state_indices"], return_delta=True, variant=6, threads6=threads,
+                                              extra_options=(f"-DG6_CLUSTER={cl}",))
+        assert [kname for kname, _ in launches] == ["gdn_tree_verify_grouped"]
+        o.fill_(float("nan"))
+        d.fill_(float("nan"))
+        launches[0][1]()
+        torch.cuda.synchronize()
+        outs.append((o, d))
+    o_ref, d_ref = reference(c)
+    assert rel(outs[0][0], o_ref) <= HALF_TOL and rel(outs[0][1], d_ref) <= FP32_TOL
+    for cl, (o, d) in zip((2, 4, 8), outs[1:]):
+        assert torch.equal(o, outs[0][0]) and torch.equal(d, outs[0][1]), cl
+
+
 @pytest.mark.parametrize("variant", [4, 5])
 @pytest.mark.parametrize("block_v", [16, 32, 64])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])

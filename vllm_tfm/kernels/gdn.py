@@ -134,6 +134,34 @@ def grouped_solve(plan: TreePlan, k_dim: int, group: int, max_smem: int, extra_o
     return int(depth <= PATH_SOLVE_MAX_DEPTH and fits)
 
 
+# grouped_cluster's cluster size where the gram takes more than one round of tiles. 2, not 4 or 8 (bench/NOTES.md
+# section 44): the H200 holds 66 clusters of 2 of these CTAs at once but only 30 of 4 and 15 of 8, so batch 1's
+# 128 CTAs at the 27B shape run in two waves with 4 or 8; and each remote store of the gram's scatter costs a CTA
+# time that grows with the cluster (n = 33, one round either way: phase 1 2.4 / 2.9 / 4.1 / 5.9 us at 1 / 2 / 4 / 8).
+GROUPED_CLUSTER = 2
+GROUPED_CLUSTERS = (1, 2, 4, 8)
+
+
+def grouped_cluster(plan: TreePlan, v_dim: int, threads: int, cc_major: int, extra_options: Sequence[str] = ()) -> int:
+    """CTAs per thread block cluster of version 6 (G6_CLUSTER): the V / 16 CTAs of one (request, q/k head)
+    split the gram tiles between them and store the products into each other's shared memory (sm_90).
+    :data:`GROUPED_CLUSTER` where a CTA alone would run more than one round of gram tiles (more tiles
+    than warps: n > 80 at 512 threads) and the V slices divide by it; 1 otherwise and before sm_90.
+    An explicit ``-DG6_CLUSTER=k`` in ``extra_options`` (benchmarks, tests) decides instead; a size that
+    does not divide the V slices is a ValueError."""
+    slices = v_dim // GROUPED_BV
+    forced = [o for o in extra_options if o.startswith("-DG6_CLUSTER=")]
+    if forced:
+        c = int(forced[-1].split("=", 1)[1])
+        if c not in GROUPED_CLUSTERS or slices % c:
+            raise ValueError(f"G6_CLUSTER={c}: a cluster of 1, 2, 4 or 8 CTAs that divides the {slices} V slices")
+        return c
+    nb = (plan.max_nodes + 15) // 16
+    if cc_major < 9 or slices % GROUPED_CLUSTER or nb * (nb + 1) // 2 <= threads // 32:
+        return 1
+    return GROUPED_CLUSTER
+
+
 def grouped_threads(plan: TreePlan, h: int, v_dim: int, smem: int, max_smem_sm: int, num_sms: int) -> int:
     """Threads per CTA of version 6: 256 when two CTAs fit an SM's shared memory and the grid has at
     least two CTAs per SM (then one CTA's loads overlap the other's math), else 512 (one CTA per SM)."""
@@ -347,17 +375,24 @@ def verify_launches(
             smem6 = grouped_smem_bytes(kd, hv // h, plan.max_nodes, pcap6, solve_levels=solve == 0)
             props = torch.cuda.get_device_properties(dev_index)
             threads = threads6 or grouped_threads(plan, h, vd, smem6, SM_SMEM_BYTES, props.multi_processor_count)
+            cluster = grouped_cluster(plan, vd, threads, props.major, extra_options)
             opts = ["--std=c++17", "-lineinfo", f"-DTFM_IN={DTYPE_CODE[v.dtype]}", f"-DGDN_K={kd}", f"-DGDN_V={vd}",
-                    f"-DGDN_GROUP={hv // h}", f"-DG6_THREADS={threads}", f"-DG6_SOLVE={solve}",
+                    f"-DGDN_GROUP={hv // h}", f"-DG6_THREADS={threads}", f"-DG6_SOLVE={solve}", f"-DG6_CLUSTER={cluster}",
                     *([f"-DG6_PATH_REG={PATH_SOLVE_MAX_DEPTH + 1}"] if solve else []),
-                    *[o for o in extra_options if not o.startswith("-DG6_SOLVE=")]]
+                    *[o for o in extra_options if not o.startswith(("-DG6_SOLVE=", "-DG6_CLUSTER="))]]
             k_grouped = get_kernel(GROUPED_SOURCE, "gdn_tree_verify_grouped", opts, dev_index)
             args = [q, k, v, g32, b32, plan.perm, plan.pair_off, plan.pair_j, plan.cu, ssm_state, sidx, i32(sidx64),
                     i64(st[0]), i64(st[1]), i64(st[2]), o, delta, i32(h), i32(hv), i32(plan.max_nodes), i32(pcap6),
                     f32(scale), i32(int(use_qk_l2norm)), timeline6]
 
+            grid6 = (vd // GROUPED_BV, h, plan.num_requests)
+            cluster_kw = {"cluster": cluster} if cluster > 1 else {}
+
             def run_grouped() -> None:
-                launch(k_grouped, (vd // GROUPED_BV, h, plan.num_requests), (threads, 1, 1), args, shared_mem=smem6)
+                launch(k_grouped, grid6, (threads, 1, 1), args, shared_mem=smem6, **cluster_kw)
+
+            # what the launch is, for benchmarks (bench/gdn_timeline.py: loader.max_active_clusters)
+            run_grouped.kernel, run_grouped.config = k_grouped, (grid6, (threads, 1, 1), smem6, cluster)  # type: ignore[attr-defined]
 
             return [("gdn_tree_verify_grouped", run_grouped)], o, delta
         variant = 3  # version 6 does not take this call (grouped_unsupported_reason): version 3 does

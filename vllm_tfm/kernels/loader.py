@@ -430,20 +430,45 @@ def param_array(kernel: CompiledKernel, args: Sequence[Any]) -> ctypes.Array:
     return params
 
 
-def _programmatic_config(driver: Any, grid: tuple[int, int, int], block: tuple[int, int, int], shared_mem: int,
-                         stream: int) -> Any:
-    """``CUlaunchConfig`` of a launch with the programmatic stream serialization attribute."""
-    attr = driver.CUlaunchAttribute()
-    attr.id = driver.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
-    attr.value.programmaticStreamSerializationAllowed = 1
+def _launch_config(driver: Any, grid: tuple[int, int, int], block: tuple[int, int, int], shared_mem: int,
+                   stream: int, programmatic: bool, cluster: int) -> Any:
+    """``CUlaunchConfig`` of a launch with the programmatic stream serialization attribute and / or a
+    cluster dimension (``cluster`` CTAs along x)."""
+    attrs = []
+    if programmatic:
+        attr = driver.CUlaunchAttribute()
+        attr.id = driver.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
+        attr.value.programmaticStreamSerializationAllowed = 1
+        attrs.append(attr)
+    if cluster > 1:
+        attr = driver.CUlaunchAttribute()
+        attr.id = driver.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION
+        attr.value.clusterDim.x, attr.value.clusterDim.y, attr.value.clusterDim.z = int(cluster), 1, 1
+        attrs.append(attr)
     cfg = driver.CUlaunchConfig()
     cfg.gridDimX, cfg.gridDimY, cfg.gridDimZ = (int(x) for x in grid)
     cfg.blockDimX, cfg.blockDimY, cfg.blockDimZ = (int(x) for x in block)
     cfg.sharedMemBytes = int(shared_mem)
     cfg.hStream = driver.CUstream(stream)
-    cfg.attrs = [attr]
-    cfg.numAttrs = 1
+    cfg.attrs = attrs
+    cfg.numAttrs = len(attrs)
     return cfg
+
+
+def max_active_clusters(kernel: CompiledKernel, grid: tuple[int, int, int], block: tuple[int, int, int],
+                        shared_mem: int, cluster: int) -> int:
+    """How many clusters of ``cluster`` CTAs of this launch the device can hold at once
+    (``cuOccupancyMaxActiveClusters``): a grid of more clusters runs in several waves."""
+    driver, _ = _import_cuda()
+    import torch
+
+    if needs_smem_optin(kernel, shared_mem):
+        _check_cu(driver.cuFuncSetAttribute(kernel.function,
+                                            driver.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                                            int(shared_mem)), f"cuFuncSetAttribute({kernel.name})")
+    stream = torch.cuda.current_stream(kernel.device_index)
+    cfg = _launch_config(driver, grid, block, shared_mem, stream.cuda_stream, False, cluster)
+    return int(_check_cu(driver.cuOccupancyMaxActiveClusters(kernel.function, cfg), "cuOccupancyMaxActiveClusters"))
 
 
 class _Pointer(ctypes.c_void_p):
@@ -457,6 +482,7 @@ def launch(
     args: Sequence[Any],
     shared_mem: int = 0,
     programmatic: bool = False,
+    cluster: int = 1,
 ) -> None:
     """Launch ``kernel`` on torch's current stream of its device.
 
@@ -466,6 +492,8 @@ def launch(
     stream serialization (``cuLaunchKernelEx``), so that the kernel may start while the previous
     kernel of the stream, if it executes ``griddepcontrol.launch_dependents``, still runs; the
     kernel must ``griddepcontrol.wait`` before it reads that kernel's outputs (GDN verify version 5).
+    ``cluster``: CTAs per thread block cluster along x (sm_90; grid x a multiple of it), for kernels
+    that share work through distributed shared memory (GDN verify version 6 with ``G6_CLUSTER``).
     With ``VLLM_TFM_SYNC_LAUNCH=1`` the stream is synchronised after the launch so that an
     asynchronous fault is reported at its launch.
     """
@@ -494,9 +522,11 @@ def launch(
         _ensure_context(kernel.device_index)
     pointers = param_array(kernel, args)
     stream = torch.cuda.current_stream(kernel.device_index)
-    if programmatic:
-        result = driver.cuLaunchKernelEx(_programmatic_config(driver, grid, block, shared_mem, stream.cuda_stream),
-                                         kernel.function, ctypes.addressof(pointers), 0)
+    if cluster > 1 and grid[0] % cluster:
+        raise KernelLaunchError(f"{kernel.name}: grid {tuple(grid)} is not a multiple of the cluster size {cluster}")
+    if programmatic or cluster > 1:
+        cfg = _launch_config(driver, grid, block, shared_mem, stream.cuda_stream, programmatic, cluster)
+        result = driver.cuLaunchKernelEx(cfg, kernel.function, ctypes.addressof(pointers), 0)
     else:
         result = driver.cuLaunchKernel(
             kernel.function, *grid, *block, int(shared_mem), driver.CUstream(stream.cuda_stream),
@@ -504,7 +534,7 @@ def launch(
         )
     if (result[0] if isinstance(result, tuple) else result) != driver.CUresult.CUDA_SUCCESS:
         # the message is formatted only on failure (this runs hundreds of times per decode step)
-        call = "cuLaunchKernelEx" if programmatic else "cuLaunchKernel"
+        call = "cuLaunchKernelEx" if programmatic or cluster > 1 else "cuLaunchKernel"
         _check_cu(result, f"{call}({kernel.name}, grid={grid}, block={block}, smem={shared_mem})")
     if os.environ.get("VLLM_TFM_SYNC_LAUNCH") == "1":
         _check_cu(driver.cuStreamSynchronize(driver.CUstream(stream.cuda_stream)), f"after {kernel.name}")
