@@ -52,7 +52,8 @@
 #endif
 #define TA_BM 64          // rows per CTA
 #define TA_THREADS 128    // 4 warps x 16 rows
-#define TA_MAX_SPLITS 16  // key splits per row tile
+#define TA_MAX_SPLITS 64  // key splits per row tile
+#define TA_MERGE_CHUNK 16  // splits the merge holds in registers at a time
 #define TA_NT (TA_BN / 8)  // 8-key column tiles of S per warp
 #define TA_DT (TA_D / 8)   // 8-column tiles of O per warp
 #define TA_EPC (16 / (int)sizeof(tin))  // elements per 16-byte chunk
@@ -431,27 +432,12 @@ tree_attention(const tin* __restrict__ q, i64 q_row, i64 q_head,
   }
 }
 
-// The splits' merge, a launch after the split kernel's (same stream): thread (row r, float4 column
-// c) of row tile `slot` = (tree, KV head, row tile) sums its column over the splits. Weight of split
-// s for row r: w_s = 2^(m_s - M) / L with M = max m_s and L = sum 2^(m_s - M) l_s (an empty split,
-// or one no key of which row r sees, has m_s = -inf: weight 0, its O is neither written nor read).
-// All of a thread's loads of one phase are in flight together; sums in split order.
-// grid (ceil(TA_BM TA_D / 4 / TA_THREADS), slots), block TA_THREADS.
-extern "C" __global__ void __launch_bounds__(TA_THREADS)
-tree_attention_merge(const float* __restrict__ ws_o, const float* __restrict__ ws_ml,
-                     const int* __restrict__ meta, tin* __restrict__ out, i64 o_row, i64 o_head,
-                     int num_trees, int hkv, int group, int splits, int mtiles) {
-  const int slot = blockIdx.y;
-  const int mt = slot % mtiles, h = (slot / mtiles) % hkv, tree = slot / (mtiles * hkv);
-  const int start = meta[num_trees + tree], n = meta[2 * num_trees + tree];
-  const int idx = blockIdx.x * TA_THREADS + threadIdx.x;
-  const int r = idx / (TA_D / 4), d4 = idx - r * (TA_D / 4);
-  const int m = mt * TA_BM + r;
-  if (r >= TA_BM || m >= n * group) return;
-  const i64 row0 = (i64)slot * splits * TA_BM + r;  // partial row of split 0; split s at + s TA_BM
-  float ms[TA_MAX_SPLITS], ls[TA_MAX_SPLITS];
+// The merge of up to TA_MERGE_CHUNK splits: every split's (m, l) loaded in one round, its O in a second.
+__device__ __forceinline__ float4 ta_merge_few(const float* __restrict__ ws_o, const float* __restrict__ ws_ml, i64 row0,
+                                               int d4, int splits) {
+  float ms[TA_MERGE_CHUNK], ls[TA_MERGE_CHUNK];
 #pragma unroll
-  for (int sp = 0; sp < TA_MAX_SPLITS; ++sp) {
+  for (int sp = 0; sp < TA_MERGE_CHUNK; ++sp) {
     if (sp < splits) {
       ms[sp] = ws_ml[2 * (row0 + (i64)sp * TA_BM)];
       ls[sp] = ws_ml[2 * (row0 + (i64)sp * TA_BM) + 1];
@@ -459,21 +445,21 @@ tree_attention_merge(const float* __restrict__ ws_o, const float* __restrict__ w
   }
   float mm = ta_neg_inf();
 #pragma unroll
-  for (int sp = 0; sp < TA_MAX_SPLITS; ++sp)
+  for (int sp = 0; sp < TA_MERGE_CHUNK; ++sp)
     if (sp < splits) mm = fmaxf(mm, ms[sp]);
-  float w[TA_MAX_SPLITS];
+  float w[TA_MERGE_CHUNK];
   float big_l = 0.f;
 #pragma unroll
-  for (int sp = 0; sp < TA_MAX_SPLITS; ++sp) {
+  for (int sp = 0; sp < TA_MERGE_CHUNK; ++sp) {
     if (sp < splits) {
       w[sp] = ms[sp] == ta_neg_inf() ? 0.f : exp2f(ms[sp] - mm);
       big_l += w[sp] * ls[sp];  // as the merge inside the split kernel wrote it (same contraction)
     }
   }
   const float inv = big_l > 0.f ? 1.f / big_l : 0.f;
-  float4 v[TA_MAX_SPLITS];
+  float4 v[TA_MERGE_CHUNK];
 #pragma unroll
-  for (int sp = 0; sp < TA_MAX_SPLITS; ++sp) {
+  for (int sp = 0; sp < TA_MERGE_CHUNK; ++sp) {
     if (sp < splits) {
       w[sp] *= inv;
       if (w[sp] != 0.f) v[sp] = *reinterpret_cast<const float4*>(ws_o + (row0 + (i64)sp * TA_BM) * TA_D + d4 * 4);
@@ -482,7 +468,7 @@ tree_attention_merge(const float* __restrict__ ws_o, const float* __restrict__ w
   float4 acc;
   acc.x = acc.y = acc.z = acc.w = 0.f;
 #pragma unroll
-  for (int sp = 0; sp < TA_MAX_SPLITS; ++sp) {
+  for (int sp = 0; sp < TA_MERGE_CHUNK; ++sp) {
     if (sp < splits && w[sp] != 0.f) {
       acc.x = fmaf(w[sp], v[sp].x, acc.x);
       acc.y = fmaf(w[sp], v[sp].y, acc.y);
@@ -490,6 +476,105 @@ tree_attention_merge(const float* __restrict__ ws_o, const float* __restrict__ w
       acc.w = fmaf(w[sp], v[sp].w, acc.w);
     }
   }
+  return acc;
+}
+
+// The merge of more splits (long contexts), TA_MERGE_CHUNK splits at a time in registers; the same sums,
+// in split order, as ta_merge_few at <= TA_MERGE_CHUNK splits (bit for bit), one more round of loads.
+__device__ __forceinline__ float4 ta_merge_many(const float* __restrict__ ws_o, const float* __restrict__ ws_ml, i64 row0,
+                                                int d4, int splits) {
+  float mm = ta_neg_inf();
+  for (int s0 = 0; s0 < splits; s0 += TA_MERGE_CHUNK) {
+    float ms[TA_MERGE_CHUNK];
+#pragma unroll
+    for (int c = 0; c < TA_MERGE_CHUNK; ++c)
+      if (s0 + c < splits) ms[c] = ws_ml[2 * (row0 + (i64)(s0 + c) * TA_BM)];
+#pragma unroll
+    for (int c = 0; c < TA_MERGE_CHUNK; ++c)
+      if (s0 + c < splits) mm = fmaxf(mm, ms[c]);
+  }
+  float big_l = 0.f;
+  for (int s0 = 0; s0 < splits; s0 += TA_MERGE_CHUNK) {
+    float ms[TA_MERGE_CHUNK], ls[TA_MERGE_CHUNK];
+#pragma unroll
+    for (int c = 0; c < TA_MERGE_CHUNK; ++c) {
+      if (s0 + c < splits) {
+        ms[c] = ws_ml[2 * (row0 + (i64)(s0 + c) * TA_BM)];
+        ls[c] = ws_ml[2 * (row0 + (i64)(s0 + c) * TA_BM) + 1];
+      }
+    }
+#pragma unroll
+    for (int c = 0; c < TA_MERGE_CHUNK; ++c) {
+      if (s0 + c < splits) {
+        const float w = ms[c] == ta_neg_inf() ? 0.f : exp2f(ms[c] - mm);
+        big_l += w * ls[c];  // as the merge inside the split kernel wrote it (same contraction)
+      }
+    }
+  }
+  const float inv = big_l > 0.f ? 1.f / big_l : 0.f;
+  float4 acc;
+  acc.x = acc.y = acc.z = acc.w = 0.f;
+  for (int s0 = 0; s0 < splits; s0 += TA_MERGE_CHUNK) {
+    float w[TA_MERGE_CHUNK];
+    float4 v[TA_MERGE_CHUNK];
+#pragma unroll
+    for (int c = 0; c < TA_MERGE_CHUNK; ++c) {
+      if (s0 + c < splits) {
+        const float ms = ws_ml[2 * (row0 + (i64)(s0 + c) * TA_BM)];
+        w[c] = (ms == ta_neg_inf() ? 0.f : exp2f(ms - mm)) * inv;
+        if (w[c] != 0.f) v[c] = *reinterpret_cast<const float4*>(ws_o + (row0 + (i64)(s0 + c) * TA_BM) * TA_D + d4 * 4);
+      }
+    }
+#pragma unroll
+    for (int c = 0; c < TA_MERGE_CHUNK; ++c) {
+      if (s0 + c < splits && w[c] != 0.f) {
+        acc.x = fmaf(w[c], v[c].x, acc.x);
+        acc.y = fmaf(w[c], v[c].y, acc.y);
+        acc.z = fmaf(w[c], v[c].z, acc.z);
+        acc.w = fmaf(w[c], v[c].w, acc.w);
+      }
+    }
+  }
+  return acc;
+}
+
+// The splits' merge, a launch after the split kernel's (same stream): thread (row r, float4 column
+// c) of row tile `slot` = (tree, KV head, row tile) sums its column over the splits. Weight of split
+// s for row r: w_s = 2^(m_s - M) / L with M = max m_s and L = sum 2^(m_s - M) l_s (an empty split,
+// or one no key of which row r sees, has m_s = -inf: weight 0, its O is neither written nor read).
+// All of a thread's loads of one phase are in flight together; sums in split order.
+// grid (ceil(TA_BM TA_D / 4 / TA_THREADS), slots), block TA_THREADS.
+template <bool MANY>
+__device__ __forceinline__ void ta_merge_tile(const float* __restrict__ ws_o, const float* __restrict__ ws_ml,
+                                              const int* __restrict__ meta, tin* __restrict__ out, i64 o_row, i64 o_head,
+                                              int num_trees, int hkv, int group, int splits, int mtiles) {
+  const int slot = blockIdx.y;
+  const int mt = slot % mtiles, h = (slot / mtiles) % hkv, tree = slot / (mtiles * hkv);
+  const int start = meta[num_trees + tree], n = meta[2 * num_trees + tree];
+  const int idx = blockIdx.x * TA_THREADS + threadIdx.x;
+  const int r = idx / (TA_D / 4), d4 = idx - r * (TA_D / 4);
+  const int m = mt * TA_BM + r;
+  if (r >= TA_BM || m >= n * group) return;
+  const i64 row0 = (i64)slot * splits * TA_BM + r;  // partial row of split 0; split s at + s TA_BM
+  const float4 acc = MANY ? ta_merge_many(ws_o, ws_ml, row0, d4, splits) : ta_merge_few(ws_o, ws_ml, row0, d4, splits);
   const int j = m / group, g = m - j * group;
   ta_store4(out + (i64)(start + j) * o_row + (i64)(h * group + g) * o_head + d4 * 4, acc);
+}
+
+// Up to TA_MERGE_CHUNK splits (ta_merge_few, 93 registers), and more (ta_merge_many): two entry points, so
+// that the common case keeps the smaller kernel (one with both paths took 113 registers and ran ~1 us slower
+// per call at one tree, bench/NOTES.md section 44). The wrapper launches the one the split count needs.
+extern "C" __global__ void __launch_bounds__(TA_THREADS)
+tree_attention_merge(const float* __restrict__ ws_o, const float* __restrict__ ws_ml,
+                     const int* __restrict__ meta, tin* __restrict__ out, i64 o_row, i64 o_head,
+                     int num_trees, int hkv, int group, int splits, int mtiles) {
+  if (splits > TA_MERGE_CHUNK) __trap();  // the wrapper launches tree_attention_merge_many for these
+  ta_merge_tile<false>(ws_o, ws_ml, meta, out, o_row, o_head, num_trees, hkv, group, splits, mtiles);
+}
+
+extern "C" __global__ void __launch_bounds__(TA_THREADS)
+tree_attention_merge_many(const float* __restrict__ ws_o, const float* __restrict__ ws_ml,
+                          const int* __restrict__ meta, tin* __restrict__ out, i64 o_row, i64 o_head,
+                          int num_trees, int hkv, int group, int splits, int mtiles) {
+  ta_merge_tile<true>(ws_o, ws_ml, meta, out, o_row, o_head, num_trees, hkv, group, splits, mtiles);
 }

@@ -31,7 +31,7 @@ KERNELS = {
     "gdn_tree_verify_grouped.cu": ["gdn_tree_verify_grouped"],
     "gdn_tree_commit.cu": ["gdn_tree_commit", "gdn_tree_commit_layers"],
     "tree_conv.cu": ["tree_conv1d", "tree_conv_commit", "tree_conv_commit_layers"],
-    "tree_attention.cu": ["tree_attention", "tree_attention_merge"],
+    "tree_attention.cu": ["tree_attention", "tree_attention_merge", "tree_attention_merge_many"],
     "tfm_mma_check.cu": ["tfm_mma_tf32_check"],
     "weaver_round.cu": ["weaver_round"],
     "candidate_scores.cu": ["candidate_scores"],

@@ -222,7 +222,11 @@ def test_split_and_tile_choice():
     assert kta.choose_splits(28, 130, 132) == 9  # one request: split the keys, within one wave (252 of 264)
     assert kta.choose_splits(28, 6, 132) == 6  # short context: at least a tile per split
     assert kta.choose_splits(1, 10**6, 132) == kta.MAX_SPLITS
-    assert kta.choose_splits(8, 17, 132) == kta.MAX_SPLITS  # one tree of 17 nodes at 512 keys, the 27B shape
+    assert kta.choose_splits(8, 17, 132) == 16  # one tree of 17 nodes at 512 keys, the 27B shape: one chunk of merge
+    assert kta.choose_splits(8, 128, 132) == 16  # at 4096 keys (tiles of 32): more splits lost there (section 44)
+    assert kta.choose_splits(8, 1024, 132) == 33  # at 32k keys: one wave of 264 CTAs, ~31 tiles each
+    assert kta.choose_splits(8, 400, 132) == 25  # between: 16 tiles or more per split past 16 splits
+    assert kta.choose_splits(8, 10**6, 132) == 33
     assert kta.choose_splits(132, 10**6, 132) == 1  # a wave of row tiles already: no split
     assert kta.choose_splits(64, 17, 132) == 4  # 8 such trees: 256 CTAs, one wave of two per SM (5 would spill)
     assert kta.choose_splits(64, 17, 132, ctas_per_sm=1) == 2

@@ -56,19 +56,21 @@ def test_every_split_count_matches_the_reference(emu_dir: Path, dtype, tol) -> N
     want = ref.tree_attention(**a64)
     outs = {}
     with emulated(emu_dir) as launches:
-        for splits in (1, 2, 3, 5, 16):
+        for splits in (1, 2, 3, 5, 16, 40):  # 40: the merge's second and third chunks of 16, empty splits
             out = torch.full_like(a["q"], float("nan"))
             kta.tree_attention_planned(plan, a["q"], a["key_cache"], a["value_cache"], a["block_table"], a["seq_lens"],
                                        a["scale"], out, max_len, splits=splits)
             outs[splits] = out
     # one launch with one split; with more, the split kernel then the merge
-    assert [n for n, *_ in launches] == ["tree_attention"] + ["tree_attention", "tree_attention_merge"] * 4
+    # (more than 16 splits: the merge's chunked entry point)
+    assert [n for n, *_ in launches] == (["tree_attention"] + ["tree_attention", "tree_attention_merge"] * 4
+                                         + ["tree_attention", "tree_attention_merge_many"])
     for splits, out in outs.items():
         assert not out.isnan().any(), splits
         err = ((out.double() - want).abs().max() / want.abs().max()).item()
         assert err <= tol, (splits, err)
     if dtype == torch.float32:  # the splits' merge changes only the float32 summation order
-        for splits in (2, 3, 5, 16):
+        for splits in (2, 3, 5, 16, 40):
             assert torch.allclose(outs[splits], outs[1], rtol=1e-5, atol=1e-6), splits
 
 

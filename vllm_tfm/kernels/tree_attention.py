@@ -50,9 +50,14 @@ __all__ = [
 SOURCE = "tree_attention.cu"
 THREADS = 128
 BLOCK_M = 64  # rows (node, head of the group) per CTA: TA_BM in the source
-MAX_SPLITS = 16  # TA_MAX_SPLITS
+MAX_SPLITS = 64  # TA_MAX_SPLITS
 DEFAULT_STAGES = 2  # K/V tiles in flight (TA_STAGES)
 MIN_TILES_PER_SPLIT = 1  # the merge is its own launch over the whole GPU: even a tile per split pays
+MERGE_CHUNK = 16  # TA_MERGE_CHUNK: the merge of more splits takes another round of loads
+# key tiles per split below which no more than MERGE_CHUNK splits are taken (bench/NOTES.md section 44: one tree
+# of 17 nodes, 27B shape, ran 124.5 us at 32k keys in 33 splits of ~31 tiles against 158.6 in 16, but 36.7 at 4096
+# keys in 33 splits of ~4 tiles against 34.7 in 16)
+LONG_SPLIT_MIN_TILES = 16
 DTYPE_CODE = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 NOT_CUDA = "inputs are not CUDA tensors"  # the reference is the CPU implementation: no warning
 LOG2E = 1.4426950408889634
@@ -81,11 +86,15 @@ def choose_splits(base_ctas: int, max_tiles: int, num_sms: int, ctas_per_sm: int
     else as many as one wave of ``ctas_per_sm`` CTAs per SM holds (a partial second wave costs a whole
     one: 8 such trees at 4096 keys ran 120 us in 4 splits, one wave, and 164 in 5), at least
     MIN_TILES_PER_SPLIT key tiles each (one tree of 17 nodes at 512 keys ran 14.5 us in 16 splits of
-    one or two tiles, 20.7 in 4). bench/NOTES.md section 43."""
+    one or two tiles, 20.7 in 4). bench/NOTES.md section 43. More than MERGE_CHUNK splits only at long
+    contexts, LONG_SPLIT_MIN_TILES tiles or more each (section 44)."""
     if base_ctas <= 0 or base_ctas >= num_sms:
         return 1
     want = (ctas_per_sm * num_sms) // base_ctas
-    return max(1, min(MAX_SPLITS, want, max_tiles // MIN_TILES_PER_SPLIT))
+    splits = max(1, min(MAX_SPLITS, want, max_tiles // MIN_TILES_PER_SPLIT))
+    if splits > MERGE_CHUNK:
+        splits = max(MERGE_CHUNK, min(splits, max_tiles // LONG_SPLIT_MIN_TILES))
+    return splits
 
 
 @dataclass(frozen=True)
@@ -315,7 +324,8 @@ def tree_attention_planned(
         shared_mem=smem,
     )
     if splits > 1:  # the splits' merge: a thread per 4 output values of every row tile
-        merge = get_kernel(SOURCE, "tree_attention_merge", opts, dev_index)
+        merge = get_kernel(SOURCE, "tree_attention_merge_many" if splits > MERGE_CHUNK else "tree_attention_merge", opts,
+                           dev_index)
         launch(
             merge,
             (-(-BLOCK_M * dim // (4 * THREADS)), slots, 1),
