@@ -8,6 +8,7 @@ the profile's; spine-first marginals must give trees deep enough for every draw.
 
 from __future__ import annotations
 
+import gzip
 import json
 import math
 import sys
@@ -101,6 +102,12 @@ def test_profile_from_eval_and_selection(tmp_path: Path) -> None:
     assert not loaded.measured and "RANDOM" in loaded.source
     save_profile(prof, tmp_path / "p.json")
     assert load_profile(tmp_path / "p.json") == prof
+    # a gzip-compressed profile (how superseded profiles are stored in bench/results) loads the same
+    (tmp_path / "p.json.gz").write_bytes(gzip.compress((tmp_path / "p.json").read_bytes()))
+    assert load_profile(tmp_path / "p.json.gz") == prof
+    (tmp_path / "plain.json.gz").write_bytes((tmp_path / "p.json").read_bytes())  # named .gz, not compressed
+    with pytest.raises(ValueError, match=r"plain.json.gz: cannot read JSON \(Not a gzipped file"):
+        load_profile(tmp_path / "plain.json.gz")
     with pytest.raises(ValueError, match="no such file"):
         load_profile(tmp_path / "missing.json")
     (tmp_path / "bad.json").write_text(json.dumps({"format": "vllm-tfm-acceptance-profile/1", "source": "x",

@@ -27,6 +27,7 @@ Plain Python (no torch, no vLLM): the GPU benchmark's driver and the plugin both
 
 from __future__ import annotations
 
+import gzip
 import json
 import math
 from collections.abc import Iterable, Mapping, Sequence
@@ -294,13 +295,15 @@ def builtin_geometric_profile(depth: int = 15, temperatures: Sequence[float] = (
 
 
 def load_profile(path: str | Path) -> AcceptanceProfile:
-    """A profile JSON or a ``vllm-tfm eval`` results JSON (one-line ValueError otherwise)."""
+    """A profile JSON or a ``vllm-tfm eval`` results JSON, gzip-compressed when its name ends in ``.gz``
+    (one-line ValueError otherwise)."""
     p = Path(path)
     try:
-        data = json.loads(p.read_text())
+        raw = p.read_bytes()
+        data = json.loads(gzip.decompress(raw) if p.suffix == ".gz" else raw)
     except FileNotFoundError:
         raise ValueError(f"acceptance profile {p}: no such file") from None
-    except (OSError, json.JSONDecodeError) as e:
+    except (OSError, EOFError, json.JSONDecodeError, UnicodeDecodeError) as e:
         raise ValueError(f"acceptance profile {p}: cannot read JSON ({e})") from None
     if not isinstance(data, dict):
         raise ValueError(f"acceptance profile {p}: expected a JSON object")
