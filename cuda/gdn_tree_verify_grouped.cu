@@ -316,7 +316,7 @@ gdn_tree_verify_grouped(const tin* __restrict__ q, const tin* __restrict__ k, co
   }
   cp_async_commit();
   // S0 rows v0 .. v0 + 15 of each value head: whole rows per warp (coalesced), held in registers
-  // until phase 3 splits them (their DRAM latency overlaps phases 1 and 2).
+  // until the end of phase 1 splits them (their DRAM latency overlaps the norms and the gram).
   constexpr int S0_F4 = GDN_GROUP * G6_BV * (GDN_K / 4);
   constexpr int S0_PER = (S0_F4 + G6_THREADS - 1) / G6_THREADS;
   float4 s0r[S0_PER];
