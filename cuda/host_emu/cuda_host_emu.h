@@ -5,11 +5,12 @@
 // between two warp barriers, __shared__ variables are process-wide statics (blocks run one after
 // another), and dynamic shared memory is one buffer per block. A thread block cluster's blocks run
 // concurrently (so a clustered kernel must keep to dynamic shared memory), with a std::barrier over
-// all their threads for barrier.cluster and mapa as pointer arithmetic between their buffers. The warp-level matrix ops
-// of cuda/tfm_mma.cuh (ldmatrix, mma.sync m16n8k16 and m16n8k8.tf32) exchange their operands through
-// a per-warp buffer and follow the PTX ISA's fragment layouts; cvt.rna.tf32 is the hardware's bit
-// arithmetic; cp.async copies at once; atomics are host atomics. A kernel source is compiled as C++20 with this header force-included and TFM_HOST_EMU
-// defined (see emulate.py beside this).
+// all their threads for barrier.cluster and mapa as pointer arithmetic between their buffers. The
+// warp-level matrix ops of cuda/tfm_mma.cuh (ldmatrix, mma.sync m16n8k16 and m16n8k8.tf32) exchange
+// their operands through a per-warp buffer and follow the PTX ISA's fragment layouts; cvt.rna.tf32
+// is the hardware's bit arithmetic; cp.async copies at once; atomics are host atomics. A kernel
+// source is compiled as C++20 with this header force-included and TFM_HOST_EMU defined (see
+// emulate.py beside this).
 // What it checks: indexing, bounds (with -fsanitize=address), barrier placement, the host-side
 // sizes (shared memory words) and the arithmetic, against the torch reference.
 #pragma once
@@ -381,7 +382,6 @@ extern "C" void tfm_emu_set_cluster(unsigned cx) { tfm_emu::g_cluster_x = cx; }
 
 // One exported launcher per kernel: extern "C" emu_<name>(grid, block, smem, void** params),
 // taking the same parameter array as cuLaunchKernel.
-
 #define TFM_EMU_EXPORT(name)                                                                      \
   extern "C" void emu_##name(unsigned gx, unsigned gy, unsigned gz, unsigned bx, unsigned by,    \
                              unsigned bz, unsigned smem, void** params) {                        \

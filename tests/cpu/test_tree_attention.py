@@ -227,6 +227,9 @@ def test_split_and_tile_choice():
     assert kta.choose_splits(8, 1024, 132) == 33  # at 32k keys: one wave of 264 CTAs, ~31 tiles each
     assert kta.choose_splits(8, 400, 132) == 25  # between: 16 tiles or more per split past 16 splits
     assert kta.choose_splits(8, 10**6, 132) == 33
+    # a CUDA graph captured at the engine's max_model_len replays at every context: within one merge chunk
+    assert kta.choose_splits(8, 1024, 132, long_splits=False) == kta.MERGE_CHUNK == 16
+    assert kta.choose_splits(64, 1024, 132, long_splits=False) == 4  # below a chunk: the same as with long splits
     assert kta.choose_splits(132, 10**6, 132) == 1  # a wave of row tiles already: no split
     assert kta.choose_splits(64, 17, 132) == 4  # 8 such trees: 256 CTAs, one wave of two per SM (5 would spill)
     assert kta.choose_splits(64, 17, 132, ctas_per_sm=1) == 2

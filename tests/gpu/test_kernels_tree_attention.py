@@ -176,6 +176,9 @@ def test_runtime_kernel_path_agrees_with_the_per_request_triton_path(monkeypatch
     kv = kv_cache_of(case)
     ours = torch.full_like(case["q"], float("nan"))
     assert kernel_tree_attention(impl, case["q"], kv, md, ours, SimpleNamespace(attn_plan=plan))
+    # as in a CUDA graph captured at a long engine bound (its splits stay within one merge chunk): the same rows
+    bounded = torch.full_like(case["q"], float("nan"))
+    assert kernel_tree_attention(impl, case["q"], kv, md, bounded, SimpleNamespace(attn_plan=plan, attn_max_seq_len=1 << 18))
     loop = torch.full_like(case["q"], float("nan"))
     masked_tree_attention(impl, layer, case["q"], kv, md, loop, per_request_trees(plan, "cuda"))
     torch.cuda.synchronize()
@@ -184,3 +187,4 @@ def test_runtime_kernel_path_agrees_with_the_per_request_triton_path(monkeypatch
     assert rel(ours[rows], want) <= TOL[torch.bfloat16]
     assert rel(loop[rows], want) <= 1e-2  # vLLM's Triton kernel (bf16 P, its own accumulation order)
     assert rel(ours[rows], loop[rows]) <= 1e-2
+    assert rel(bounded[rows], want) <= TOL[torch.bfloat16]

@@ -80,20 +80,22 @@ def choose_block_n(head_dim: int, dtype: torch.dtype) -> int:
     return 64 if dtype != torch.float32 and head_dim <= 128 else 32
 
 
-def choose_splits(base_ctas: int, max_tiles: int, num_sms: int, ctas_per_sm: int = 2) -> int:
+def choose_splits(base_ctas: int, max_tiles: int, num_sms: int, ctas_per_sm: int = 2, long_splits: bool = True) -> int:
     """Key splits per row tile: none when the row tiles already fill the SMs (a split then adds its merge,
     not parallelism: 32 trees of 17 nodes at a 512-key context ran 66 us unsplit, 95 in two splits);
     else as many as one wave of ``ctas_per_sm`` CTAs per SM holds (a partial second wave costs a whole
     one: 8 such trees at 4096 keys ran 120 us in 4 splits, one wave, and 164 in 5), at least
     MIN_TILES_PER_SPLIT key tiles each (one tree of 17 nodes at 512 keys ran 14.5 us in 16 splits of
     one or two tiles, 20.7 in 4). bench/NOTES.md section 43. More than MERGE_CHUNK splits only at long
-    contexts, LONG_SPLIT_MIN_TILES tiles or more each (section 44)."""
+    contexts, LONG_SPLIT_MIN_TILES tiles or more each (section 44), and only with ``long_splits``: False
+    when ``max_tiles`` is an engine bound rather than the call's (a CUDA graph captured at the engine's
+    max_model_len replays at every context, and a short one would be cut into a few tiles per split)."""
     if base_ctas <= 0 or base_ctas >= num_sms:
         return 1
     want = (ctas_per_sm * num_sms) // base_ctas
     splits = max(1, min(MAX_SPLITS, want, max_tiles // MIN_TILES_PER_SPLIT))
     if splits > MERGE_CHUNK:
-        splits = max(MERGE_CHUNK, min(splits, max_tiles // LONG_SPLIT_MIN_TILES))
+        splits = max(MERGE_CHUNK, min(splits, max_tiles // LONG_SPLIT_MIN_TILES)) if long_splits else MERGE_CHUNK
     return splits
 
 
@@ -262,13 +264,16 @@ def tree_attention_planned(
     block_n: int | None = None,
     stages: int = DEFAULT_STAGES,
     extra_options: tuple[str, ...] = (),
+    seq_len_bound: bool = False,
 ) -> Tensor:
     """One launch (two with split keys): the tree rows of ``out`` for every tree of ``plan`` (no host
     synchronisation).
 
     q, out [T, Hq, D]; key_cache, value_cache [num_blocks, block_size, Hkv, D]; block_table
     [num_requests, max_blocks] int32; seq_lens [num_requests] int32 (on the device, vLLM's);
-    max_seq_len: an upper bound of seq_lens over the plan's requests (sizes the key splits).
+    max_seq_len: an upper bound of seq_lens over the plan's requests (sizes the key splits);
+    ``seq_len_bound``: it is only the engine's bound (a CUDA graph capture), not this call's maximum, so
+    the splits stay within one merge chunk (:func:`choose_splits`).
     Inputs must be supported (:func:`tree_attention_unsupported` is None) and valid (the public
     :func:`tree_attention` checks). ``splits`` / ``block_n`` force the key splits / keys per tile,
     ``stages`` the K/V tiles in flight (2-4); ``extra_options`` are added to the NVRTC options (timing
@@ -290,7 +295,7 @@ def tree_attention_planned(
     if splits is None:
         base = int((-(-plan.tree_size * group // BLOCK_M)).sum()) * hkv
         sms = torch.cuda.get_device_properties(dev_index).multi_processor_count
-        splits = choose_splits(base, -(-max_seq_len // bn), sms, minb)
+        splits = choose_splits(base, -(-max_seq_len // bn), sms, minb, long_splits=not seq_len_bound)
     if not 1 <= splits <= MAX_SPLITS:
         raise ValueError(f"splits={splits} must be in 1..{MAX_SPLITS}")
     if block_table.dtype != torch.int32:

@@ -184,9 +184,10 @@ def kernel_tree_attention(
             _say_fallback(reason)
         return False
     try:
-        max_seq_len = getattr(step, "attn_max_seq_len", None) or int(attn_metadata.max_seq_len)  # a capture: the engine bound
+        bound = getattr(step, "attn_max_seq_len", None)  # a capture: the engine's bound, replayed at every context
+        max_seq_len = bound or int(attn_metadata.max_seq_len)
         tree_attention_planned(step.attn_plan, query, key_cache, value_cache, attn_metadata.block_table,
-                               attn_metadata.seq_lens, impl.scale, output, max_seq_len)
+                               attn_metadata.seq_lens, impl.scale, output, max_seq_len, seq_len_bound=bound is not None)
     except (KernelCompileError, KernelLaunchError) as exc:  # nothing was launched: this layer falls back for good
         impl._tfm_config_reason = f"{type(exc).__name__}: {exc}"
         _say_fallback(impl._tfm_config_reason)
