@@ -154,7 +154,8 @@ def fake_attention_impl(**over):
 
 
 def tree_attention_call(monkeypatch, impl, reason=None, enabled=True, kernel=None, vllm_forward=None, loop=None,
-                        layer_name="model.layers.3.self_attn.attn", all_trees=False, num_actual_tokens=None):
+                        layer_name="model.layers.3.self_attn.attn", all_trees=False, num_actual_tokens=None,
+                        attn_max_seq_len=None):
     """Run TFMTritonAttentionImpl.forward on a tree step (vLLM's own forward stubbed); return the
     kernel calls and the per-request fallback calls it made."""
     from vllm.v1.attention.backends.triton_attn import TritonAttentionImpl
@@ -175,7 +176,7 @@ def tree_attention_call(monkeypatch, impl, reason=None, enabled=True, kernel=Non
     monkeypatch.setattr(TritonAttentionImpl, "forward", vllm_forward or (lambda self, layer, q, k, v, kv, md, out, *a: out))
     kernel_calls, loop_calls = [], []
     monkeypatch.setattr(attn_mod, "tree_attention_unsupported", lambda *a: reason)
-    monkeypatch.setattr(attn_mod, "tree_attention_planned", kernel or (lambda *a: kernel_calls.append(a)))
+    monkeypatch.setattr(attn_mod, "tree_attention_planned", kernel or (lambda *a, **kw: kernel_calls.append((*a, kw))))
     monkeypatch.setattr(attn_mod, "masked_tree_attention", loop or (lambda *a: loop_calls.append(a)))
     monkeypatch.setitem(kor._STATE, "enabled", enabled)
     layer = SimpleNamespace(layer_name=layer_name)
@@ -185,6 +186,8 @@ def tree_attention_call(monkeypatch, impl, reason=None, enabled=True, kernel=Non
                          max_seq_len=30)
     if num_actual_tokens is not None:
         md.num_actual_tokens = num_actual_tokens
+    if attn_max_seq_len is not None:  # as a full tree graph's capture sets it (full_graphs.py)
+        STATE.step.attn_max_seq_len = attn_max_seq_len
     impl.forward(layer, query, None, None, kv_cache, md, output)
     return kernel_calls, loop_calls, (query, kv_cache, md, output)
 
@@ -209,13 +212,23 @@ def test_tree_attention_runs_one_kernel_call_for_every_tree(monkeypatch):
     impl = fake_attention_impl()
     kernel_calls, loop_calls, (query, kv_cache, md, output) = tree_attention_call(monkeypatch, impl)
     assert loop_calls == [] and len(kernel_calls) == 1
-    plan, q, key_cache, value_cache, bt, seq_lens, scale, out, max_len = kernel_calls[0]
+    plan, q, key_cache, value_cache, bt, seq_lens, scale, out, max_len, kw = kernel_calls[0]
     assert plan is STATE.step.attn_plan and plan.tree_req.tolist() == [1] and plan.tree_start.tolist() == [2]
     assert q is query and out is output and bt is md.block_table and seq_lens is md.seq_lens
-    assert scale == 0.25 and max_len == 30
+    assert scale == 0.25 and max_len == 30 and kw == {"seq_len_bound": False}  # the step's own longest context
     # the caches are the TRITON_ATTN split: [blocks, block, Hkv, D] views of K and V
     assert key_cache.shape == (6, 16, 2, 16) and torch.equal(key_cache[1, 3, 1], kv_cache[1, 1, 3, :16])
     assert torch.equal(value_cache[4, 5, 0], kv_cache[4, 0, 5, 16:])
+
+
+def test_tree_attention_in_a_graph_capture_sizes_its_splits_by_the_engine_bound(monkeypatch):
+    # a full tree graph is captured with the engine's max_model_len as the context bound and replays at every
+    # context: the kernel is told so (seq_len_bound), which keeps its key splits within one merge chunk
+    monkeypatch.setenv("VLLM_TFM_TREE_ATTENTION", "kernel")
+    kernel_calls, loop_calls, _ = tree_attention_call(monkeypatch, fake_attention_impl(), attn_max_seq_len=1 << 18)
+    assert loop_calls == [] and len(kernel_calls) == 1
+    *_, max_len, kw = kernel_calls[0]
+    assert max_len == 1 << 18 and kw == {"seq_len_bound": True}
 
 
 def test_tree_attention_skips_vllms_batched_forward_only_when_every_row_is_a_tree_row(monkeypatch):
@@ -290,7 +303,7 @@ def test_tree_attention_falls_back_to_one_call_per_tree_and_says_why(monkeypatch
     # a kernel that fails to compile: this step and every later one take the per-request path
     attempts = []
 
-    def broken(*a):
+    def broken(*a, **kw):
         attempts.append(a)
         raise loader.KernelCompileError("tree_attention.cu", ["-DTA_D=64"], "error: no such intrinsic")
 
