@@ -108,7 +108,9 @@ def table(rows: list[dict]) -> str:
             lines.append(f"{r['n']:>4} {r['batch']:>5} {r['error']}")
             continue
         ph = r["phase_us"]
-        lines.append(f"{r['n']:>4} {r['batch']:>5} {str(r['threads']):>4} {r['s0_parts']:>2} {r['solve']:>12} {str(r.get('cluster', 1)) + (f":{r['max_active_clusters']}" if r.get('max_active_clusters') else ''):>9} "
+        mac = r.get("max_active_clusters")
+        cl = f"{r.get('cluster', 1)}" + (f":{mac}" if mac else "")
+        lines.append(f"{r['n']:>4} {r['batch']:>5} {str(r['threads']):>4} {r['s0_parts']:>2} {r['solve']:>12} {cl:>9} "
                      f"{int(r['equals_kernel']):>2} {r['delta_rel_vs_kernel']:>7.1e} {r['call_us']:>7.1f} {r['span_us']:>7.1f} "
                      f"{r['cta_us_median']:>7.1f} {r['start_spread_us']:>7.1f} | "
                      + " ".join(f"{ph[p]['median']:>6.2f}/{ph[p]['max']:<6.2f}" for p in PHASES))

@@ -455,6 +455,22 @@ def _launch_config(driver: Any, grid: tuple[int, int, int], block: tuple[int, in
     return cfg
 
 
+def _raise_smem_limit(driver: Any, kernel: CompiledKernel, shared_mem: int) -> None:
+    """Raise the kernel's dynamic shared-memory limit to ``shared_mem`` where the launch needs the opt-in
+    (once per kernel and size)."""
+    skey = (id(kernel.function), kernel.name, kernel.device_index)
+    if needs_smem_optin(kernel, shared_mem) and _smem_set.get(skey, 0) < shared_mem:
+        _check_cu(
+            driver.cuFuncSetAttribute(
+                kernel.function,
+                driver.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                int(shared_mem),
+            ),
+            f"cuFuncSetAttribute({kernel.name}, MAX_DYNAMIC_SHARED_SIZE_BYTES={shared_mem})",
+        )
+        _smem_set[skey] = shared_mem
+
+
 def max_active_clusters(kernel: CompiledKernel, grid: tuple[int, int, int], block: tuple[int, int, int],
                         shared_mem: int, cluster: int) -> int:
     """How many clusters of ``cluster`` CTAs of this launch the device can hold at once
@@ -462,10 +478,7 @@ def max_active_clusters(kernel: CompiledKernel, grid: tuple[int, int, int], bloc
     driver, _ = _import_cuda()
     import torch
 
-    if needs_smem_optin(kernel, shared_mem):
-        _check_cu(driver.cuFuncSetAttribute(kernel.function,
-                                            driver.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
-                                            int(shared_mem)), f"cuFuncSetAttribute({kernel.name})")
+    _raise_smem_limit(driver, kernel, shared_mem)
     stream = torch.cuda.current_stream(kernel.device_index)
     cfg = _launch_config(driver, grid, block, shared_mem, stream.cuda_stream, False, cluster)
     return int(_check_cu(driver.cuOccupancyMaxActiveClusters(kernel.function, cfg), "cuOccupancyMaxActiveClusters"))
@@ -504,17 +517,7 @@ def launch(
         raise KernelLaunchError(
             f"{kernel.name} needs {shared_mem} bytes of shared memory; the device allows {kernel.max_dynamic_smem}"
         )
-    skey = (id(kernel.function), kernel.name, kernel.device_index)
-    if needs_smem_optin(kernel, shared_mem) and _smem_set.get(skey, 0) < shared_mem:
-        _check_cu(
-            driver.cuFuncSetAttribute(
-                kernel.function,
-                driver.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
-                int(shared_mem),
-            ),
-            f"cuFuncSetAttribute({kernel.name}, MAX_DYNAMIC_SHARED_SIZE_BYTES={shared_mem})",
-        )
-        _smem_set[skey] = shared_mem
+    _raise_smem_limit(driver, kernel, shared_mem)
     if min(grid) <= 0:
         return  # nothing to do (empty batch)
     current = _check_cu(driver.cuCtxGetCurrent(), "cuCtxGetCurrent")

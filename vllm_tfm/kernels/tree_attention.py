@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import math
 import dataclasses
 from dataclasses import dataclass
 

@@ -30,13 +30,13 @@ it off (for before/after measurements). Tested against ten full builds field by 
 from __future__ import annotations
 
 import dataclasses
-import os
 import weakref
 from dataclasses import dataclass
 from typing import Any
 
 from torch import Tensor
 
+from .settings import env_on
 from .state import STATE
 
 __all__ = [
@@ -67,7 +67,7 @@ _SHARED: dict[int, tuple[weakref.ref, dict[str, Tensor]]] = {}
 
 def gdn_metadata_once_enabled() -> bool:
     """``VLLM_TFM_GDN_METADATA_ONCE`` is unset or not 0 / false (default on)."""
-    return os.environ.get(GDN_METADATA_ONCE_ENV, "1") not in ("0", "false", "False")
+    return env_on(GDN_METADATA_ONCE_ENV)
 
 
 @dataclass(frozen=True)

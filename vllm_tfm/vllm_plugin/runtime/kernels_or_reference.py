@@ -9,12 +9,13 @@ uses it when its kernel check fails).
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable
 from types import SimpleNamespace
 
 from vllm_tfm.verify import conv as _conv
 from vllm_tfm.verify import gdn as _gdn
+
+from .settings import env_on
 
 __all__ = ["tree_ops", "kernels_in_use", "kernels_enabled", "set_kernels_enabled"]
 
@@ -33,7 +34,7 @@ def kernels_enabled() -> bool:
     """False after ``set_kernels_enabled(False)`` or with ``VLLM_TFM_KERNELS=0`` (tree attention then
     keeps vLLM's Triton path too)."""
     if _STATE["enabled"] is None:
-        _STATE["enabled"] = os.environ.get(KERNELS_ENV, "1") not in ("0", "false", "False")
+        _STATE["enabled"] = env_on(KERNELS_ENV)
     return bool(_STATE["enabled"])
 
 

@@ -46,6 +46,7 @@ from ..options import VLLM_PROPOSALS
 
 __all__ = [
     "RuntimeSwitch",
+    "env_on",
     "TreeSettings",
     "settings_from_options",
     "set_proposal_override",
@@ -60,6 +61,11 @@ __all__ = [
     "TRACE_MAX_MB_DEFAULT",
 ]
 
+def env_on(env: str) -> bool:
+    """An on-by-default environment switch: unset, or set to anything but 0 / false."""
+    return os.environ.get(env, "1") not in ("0", "false", "False")
+
+
 class RuntimeSwitch:
     """An on-by-default runtime switch read every step: its environment variable unset or not 0 / false,
     unless ``set`` overrode it in this process (a same-engine A/B through ``collective_rpc``)."""
@@ -72,7 +78,7 @@ class RuntimeSwitch:
     def enabled(self) -> bool:
         if self._override is not None:
             return self._override
-        return os.environ.get(self.env, "1") not in ("0", "false", "False")
+        return env_on(self.env)
 
     def set(self, on: bool | None) -> bool:
         """Override (None: back to the environment's); the setting now in force."""
@@ -105,7 +111,7 @@ BATCHED_COMMIT_ENV = "VLLM_TFM_BATCHED_COMMIT"
 
 def batched_commit_enabled() -> bool:
     """``VLLM_TFM_BATCHED_COMMIT`` is unset or set to something other than 0 / false (default on)."""
-    return os.environ.get(BATCHED_COMMIT_ENV, "1") not in ("0", "false", "False")
+    return env_on(BATCHED_COMMIT_ENV)
 
 
 COMMIT_REUSE_ENV = "VLLM_TFM_COMMIT_REUSE"
