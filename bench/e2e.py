@@ -525,6 +525,9 @@ SWITCH_ABS: dict[str, SwitchAB] = {
     "commit_reuse": SwitchAB("set_commit_reuse", "commit_reuse_ab", "commit_reuse"),
     # the sampled tokens' copy queued before the commit (VLLM_TFM_EARLY_SAMPLED_COPY, runtime/deferred_drafts.py)
     "early_sampled_copy": SwitchAB("set_early_sampled_copy", "early_sampled_copy_ab", "early_sampled_copy"),
+    # the GDN metadata's fast build on all-spec full-graph steps (VLLM_TFM_GDN_METADATA_FAST, runtime/gdn_metadata.py)
+    "gdn_metadata_fast": SwitchAB("set_gdn_metadata_fast", "gdn_metadata_fast_ab", "gdn_metadata_fast",
+                                  ("gdn.metadata_fast", "gdn_metadata_fast_builds")),
 }
 
 

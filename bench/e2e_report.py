@@ -405,6 +405,9 @@ SWITCH_AB_TITLES: dict[str, tuple[str, str]] = {
     "early_sampled_copy_ab": ("early_sampled_copy", "The sampled tokens' copy before the commit (on) / after it (off) "
                               "on the same engine, decode tokens/s (clean runs in this order; "
                               "VLLM_TFM_EARLY_SAMPLED_COPY, runtime/deferred_drafts.py):"),
+    "gdn_metadata_fast_ab": ("gdn_metadata_fast", "The GDN metadata's fast build on all-spec full-graph steps on / off "
+                             "on the same engine, decode tokens/s (clean runs in this order; "
+                             "VLLM_TFM_GDN_METADATA_FAST, runtime/gdn_metadata.py):"),
 }
 
 

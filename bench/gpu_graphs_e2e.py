@@ -28,7 +28,8 @@ and batch 1, every prompt, every token); tfm-graphs ran its tree steps in piecew
 runtime's ``cudagraph.tree.PIECEWISE`` counter > 0) and never in a full graph; the tfm-fullpw
 engines replayed full graphs for tree steps (``cudagraph.tree.FULL`` > 0); the -pergroup engine
 never reused GDN metadata and, on the random models, the other tfm engines did
-(``gdn.metadata_reused`` > 0); the -sync engine handed the scheduler no placeholder drafts, every
+(``gdn.metadata_reused`` > 0); the full-graph tfm engines but the -pergroup control built some
+steps' GDN metadata by the fast path (``gdn.metadata_fast`` > 0), the others none; the -sync engine handed the scheduler no placeholder drafts, every
 other tfm engine some, and tfm-fullpw-sync's mean accepted length equals tfm-fullpw's; tfm-fullpw
 wrote some steps' topology on the device (``topology.device`` > 0), the -hosttopo engine none. nospec-graphs vs nospec-eager (compiled vs eager numerics) is reported, not required. A divergence is reported
 with its position and the no-spec top-2 log-probability margin there.
@@ -109,6 +110,7 @@ REQUIRED: tuple[tuple[str, str], ...] = (
 INFORMATIONAL: tuple[tuple[str, str], ...] = (("nospec-graphs", "nospec-eager"),)
 GRAPH_ENGINES = ("tfm-graphs", "tfm-fullpw", "tfm-fullpw-pergroup", "tfm-fullpw-sync", "tfm-fullpw-hosttopo")
 METADATA_REUSED = "gdn.metadata_reused"
+METADATA_FAST = "gdn.metadata_fast"
 DEVICE_TOPOLOGY = "topology.device"
 
 
@@ -304,16 +306,22 @@ def graph_usage(runs: dict[str, dict[str, Any]]) -> dict[str, Any]:
 
 def metadata_usage(runs: dict[str, dict[str, Any]], models: str) -> dict[str, Any]:
     """Per tfm engine: how many GDN KV-cache groups took the step's GDN metadata with their own block
-    table (runtime/gdn_metadata.py). ok iff the -pergroup control never did and, on the random
-    models (two GDN groups; the zoo has one), every other tfm engine did."""
+    table, and how many builds took the fast all-spec full-graph path (runtime/gdn_metadata.py). ok iff
+    the -pergroup control did neither; on the random models (two GDN groups; the zoo has one) every
+    other tfm engine reused; and the engines with full graphs (the -pergroup control aside) made fast
+    builds, the others none (their builder has no full-graph buffers to write)."""
     out: dict[str, Any] = {}
     for name, r in runs.items():
         if not ENGINES.get(name, {}).get("spec"):
             continue
-        n = sum(int((r.get(f"{label}_paths") or {}).get(METADATA_REUSED, 0)) for label in ("b8", "b1"))
+        paths = [r.get(f"{label}_paths") or {} for label in ("b8", "b1")]
+        n = sum(int(p.get(METADATA_REUSED, 0)) for p in paths)
+        fast = sum(int(p.get(METADATA_FAST, 0)) for p in paths)
         off = (ENGINES[name].get("env") or {}).get("VLLM_TFM_GDN_METADATA_ONCE") == "0"
+        full = "FULL" in str((ENGINES[name].get("compilation_config") or {}).get("cudagraph_mode", ""))
         ok = n == 0 if off else (n > 0 if models == "random" else True)
-        out[name] = {METADATA_REUSED: n, "ok": ok}
+        ok = ok and (fast > 0 if full and not off else fast == 0)
+        out[name] = {METADATA_REUSED: n, METADATA_FAST: fast, "ok": ok}
     return out
 
 
@@ -408,7 +416,8 @@ def driver(args: argparse.Namespace) -> int:
     for name, g in result["graph_usage"].items():
         log(f"graphs {name}: {'OK' if g['ok'] else 'FAIL'} mode {g['cudagraph_mode']} {g['counts']}")
     for name, m in result["metadata_usage"].items():
-        log(f"gdn metadata {name}: {'OK' if m['ok'] else 'FAIL'} {METADATA_REUSED} {m[METADATA_REUSED]}")
+        log(f"gdn metadata {name}: {'OK' if m['ok'] else 'FAIL'} {METADATA_REUSED} {m[METADATA_REUSED]}"
+            f" {METADATA_FAST} {m[METADATA_FAST]}")
     for name, t in result["topology_usage"].items():
         log(f"topology {name}: {'OK' if t['ok'] else 'FAIL'} {DEVICE_TOPOLOGY} {t[DEVICE_TOPOLOGY]}")
     log(("OK" if ok else "FAIL") + f": results in {out / 'graphs.json'}")

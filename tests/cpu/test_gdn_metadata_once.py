@@ -62,17 +62,19 @@ def make_config(full_graphs: bool, method: str = TFM_METHOD, mode: str = "none",
     )
 
 
-def make_builders(config: FakeVllmConfig) -> list[GDNAttentionMetadataBuilder]:
+def make_builders(config: FakeVllmConfig, device: str = "cpu") -> list[GDNAttentionMetadataBuilder]:
     spec = MambaSpec(
         block_size=1024, shapes=((3, 64), (4, 16, 16)), dtypes=(torch.float32, torch.float32),
         num_speculative_blocks=S,
     )
-    return [GDNAttentionMetadataBuilder(spec, [f"layer{g}"], config, torch.device("cpu")) for g in range(GROUPS)]
+    return [GDNAttentionMetadataBuilder(spec, [f"layer{g}"], config, torch.device(device)) for g in range(GROUPS)]
 
 
-def batch(query_lens: list[int], drafts: list[int], seed: int) -> tuple[list[CommonAttentionMetadata], torch.Tensor]:
+def batch(
+    query_lens: list[int], drafts: list[int], seed: int, device: str = "cpu"
+) -> tuple[list[CommonAttentionMetadata], torch.Tensor]:
     """One step's common metadata for every group (only the block table and slots differ) and
-    vLLM's ``num_decode_draft_tokens`` (>= 0: a spec decode; -1: not)."""
+    vLLM's ``num_decode_draft_tokens`` (>= 0: a spec decode; -1: not). The device tensors on ``device``."""
     gen = torch.Generator().manual_seed(seed)
     n = len(query_lens)
     qsl = torch.zeros(n + 1, dtype=torch.int32)
@@ -84,9 +86,10 @@ def batch(query_lens: list[int], drafts: list[int], seed: int) -> tuple[list[Com
         blocks = torch.randperm(4096, generator=gen)[: n * (1 + S)].view(n, 1 + S).to(torch.int32) + 1
         out.append(
             CommonAttentionMetadata(
-                query_start_loc=qsl.clone(), query_start_loc_cpu=qsl.clone(), seq_lens=seq_lens.clone(),
+                query_start_loc=qsl.to(device), query_start_loc_cpu=qsl.clone(), seq_lens=seq_lens.to(device),
                 num_reqs=n, num_actual_tokens=tokens, max_query_len=max(query_lens), max_seq_len=int(seq_lens.max()),
-                block_table_tensor=blocks, slot_mapping=torch.randint(0, 10**6, (tokens,), generator=gen),
+                block_table_tensor=blocks.to(device),
+                slot_mapping=torch.randint(0, 10**6, (tokens,), generator=gen).to(device),
             )
         )
     return out, torch.tensor(drafts, dtype=torch.int32)
@@ -240,3 +243,123 @@ def test_patch_is_idempotent_and_registered(patched):
     gdn_metadata.install_gdn_metadata_patch()  # second call: no-op
     for name in ("__init__", "build", "update_block_table"):
         assert patching.is_patched(GDNAttentionMetadataBuilder, name)
+
+
+# ---- the fast build of all-spec FULL-graph steps (gdn_metadata._fast_build)
+
+# A sequence of steps on the same builders: (query lengths, drafts, fast build expected). The shapes
+# repeat and change so that every "write only what changed" shortcut meets a step where its buffer
+# must be rewritten; the non-prefix step takes vLLM's FULL-graph branch and writes the shared buffers
+# with other values, which the next fast step (same shape as before it) must not trust.
+STEPS = [
+    ([S + 1] * 4, [S] * 4, True),
+    ([S + 1] * 4, [S] * 4, True),  # same shape, new slots and accepted counts
+    ([S + 1] * 3 + [0], [S] * 3 + [-1], True),  # a padded row
+    ([S + 1, S + 1, 3, 0], [S, S, 2, -1], True),  # fewer drafts on one row: other start offsets
+    ([S + 1] * 2 + [0], [S] * 2 + [-1], True),
+    ([S + 1, 0, S + 1], [S, -1, S], False),  # spec rows not a prefix: vLLM's FULL-graph branch
+    ([S + 1] * 2 + [0], [S] * 2 + [-1], True),  # the shape before it again
+    ([S + 1, 17, S + 1], [S, -1, S], False),  # a prefill: vLLM's mixed branch
+    ([S + 1] * 4, [S] * 4, True),
+    ([1] * 3, [0] * 3, False),  # drafts that sum to 0: no spec decodes (vLLM)
+    ([S + 1] * 4, [S] * 4, True),
+    ([S + 1] * 2 + [0, 0], [S] * 2 + [-1, -1], True),
+    ([S + 1, 0, S + 1, S + 1], [S, -1, S, S], False),  # vLLM's branch writes row 2 of each group's slots
+    ([S + 1] * 2 + [0, 0], [S] * 2 + [-1, -1], True),  # row 2 is padding again: the null block
+]
+
+
+@pytest.mark.parametrize(
+    "device",
+    ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
+                                                                           reason="needs a CUDA device")])],
+)
+def test_fast_build_equals_vllm_over_a_sequence_of_steps(patched, monkeypatch, device):
+    """On the GPU host also with CUDA buffers: the device copies and fills queued on the stream."""
+    monkeypatch.setenv(gdn_metadata.GDN_METADATA_ONCE_ENV, "0")
+    vllm_builders = make_builders(make_config(True), device)
+    monkeypatch.delenv(gdn_metadata.GDN_METADATA_ONCE_ENV)
+    builders = make_builders(make_config(True), device)
+    for step, (query_lens, drafts, fast) in enumerate(STEPS):
+        commons, drafts_t = batch(query_lens, drafts, 100 + step, device)
+        accepted = accepted_for(len(query_lens), 100 + step).to(device)
+        ref = per_group_vllm(vllm_builders, commons, drafts_t, accepted)
+        ours = as_runner(builders, commons, drafts_t, accepted)
+        for g in range(GROUPS):
+            took = getattr(ours[g], "_tfm_fast_rows", None) is not None
+            assert took == fast, f"step {step}, group {g}: fast build {took}, expected {fast}"
+            assert_same(snapshot(ours[g]), ref[g], f"step {step}, group {g}: metadata")
+            if fast:
+                assert ours[g].spec_state_indices_tensor.data_ptr() == builders[g].spec_state_indices_tensor.data_ptr()
+
+
+def test_fast_build_after_capture_builds(patched):
+    """Capture builds (every group builds, ``build_for_cudagraph_capture``) at other batch sizes, then steps."""
+    builders = make_builders(make_config(True))
+    for n in (MAX_SEQS, 1, 2):
+        commons, _ = batch([S + 1] * n, [S] * n, 30 + n)
+        for b, c in zip(builders, commons):
+            b.build_for_cudagraph_capture(c)
+    for step, n in enumerate((2, 2, 1)):
+        commons, drafts = batch([S + 1] * n, [S] * n, 40 + step)
+        accepted = accepted_for(n, 40 + step)
+        ours = as_runner(builders, commons, drafts, accepted)
+        for g, (b, c, md) in enumerate(zip(builders, commons, ours)):
+            assert getattr(md, "_tfm_fast_rows", None) == (n, n), f"step {step}, group {g}: not the fast build"
+            assert torch.equal(md.spec_state_indices_tensor, c.block_table_tensor[:, : S + 1]), f"step {step}, group {g}"
+            assert torch.equal(md.num_accepted_tokens, accepted), f"step {step}, group {g}"
+            assert torch.equal(md.spec_query_start_loc, c.query_start_loc), f"step {step}, group {g}"
+            assert bool(md.spec_sequence_masks.all()) and torch.equal(
+                md.spec_token_indx, torch.arange(n * (S + 1), dtype=torch.int32)
+            ), f"step {step}, group {g}"
+
+
+class _Writes(torch.utils._python_dispatch.TorchDispatchMode):
+    """Counts the in-place tensor operations (what becomes a device launch on the GPU) under it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = func._schema.name
+        if func._schema.is_mutable or name.endswith("_"):
+            self.ops.append(name)
+        return func(*args, **(kwargs or {}))
+
+
+def test_fast_build_writes_only_the_step_values_when_the_shape_repeats(patched):
+    builders = make_builders(make_config(True))
+    for step in range(2):
+        commons, drafts = batch([S + 1] * 3 + [0], [S] * 3 + [-1], 50 + step)
+        accepted = accepted_for(4, 50 + step)
+        with _Writes() as w:
+            as_runner(builders, commons, drafts, accepted)
+        if step == 0:
+            assert len(w.ops) > GROUPS + 1  # first step: the shared buffers and every group's padding
+        else:
+            # the accepted counts once, each group's state slots once: nothing else
+            assert sorted(w.ops) == ["aten::copy_"] * (GROUPS + 1), w.ops
+
+
+def test_switch_keeps_vllms_build(patched, monkeypatch):
+    builders = make_builders(make_config(True))
+    commons, drafts = batch([S + 1] * 3, [S] * 3, 60)
+    accepted = accepted_for(3, 60)
+    try:
+        gdn_metadata.set_gdn_metadata_fast(False)
+        assert not gdn_metadata.gdn_metadata_fast_enabled()
+        off = as_runner(builders, commons, drafts, accepted)
+        assert all(getattr(md, "_tfm_fast_rows", None) is None for md in off)
+        gdn_metadata.set_gdn_metadata_fast(None)
+        monkeypatch.setenv(gdn_metadata.GDN_METADATA_FAST_ENV, "0")
+        assert not gdn_metadata.gdn_metadata_fast_enabled()
+        monkeypatch.delenv(gdn_metadata.GDN_METADATA_FAST_ENV)
+        on = as_runner(builders, commons, drafts, accepted)
+        assert all(getattr(md, "_tfm_fast_rows", None) == (3, 3) for md in on)
+        for g in range(GROUPS):
+            assert_same(snapshot(on[g]), snapshot(off[g]), f"group {g}")
+    finally:
+        gdn_metadata.set_gdn_metadata_fast(None)
+    with pytest.raises(ValueError, match="set_gdn_metadata_fast takes True, False or None"):
+        gdn_metadata.set_gdn_metadata_fast("yes")  # type: ignore[arg-type]

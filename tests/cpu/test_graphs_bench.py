@@ -95,19 +95,36 @@ def test_graph_usage_wants_full_tree_steps_of_the_full_and_piecewise_engine() ->
 
 
 def test_metadata_usage_wants_the_update_on_random_models_and_never_in_the_control() -> None:
-    def engine(b8: int, b1: int) -> dict[str, object]:
-        return {"status": "ok", "b8_paths": {g.METADATA_REUSED: b8} if b8 else {}, "b1_paths": {g.METADATA_REUSED: b1}}
+    def engine(b8: int, b1: int, fast: int = 0) -> dict[str, object]:
+        return {"status": "ok", "b8_paths": {g.METADATA_REUSED: b8} if b8 else {},
+                "b1_paths": {g.METADATA_REUSED: b1, g.METADATA_FAST: fast}}
 
-    runs = {"nospec-eager": engine(0, 0), "tfm-eager": engine(4, 9), "tfm-fullpw": engine(4, 9),
+    runs = {"nospec-eager": engine(0, 0), "tfm-eager": engine(4, 9), "tfm-fullpw": engine(4, 9, 5),
             "tfm-fullpw-pergroup": engine(0, 0)}
     usage = g.metadata_usage(runs, "random")
     assert set(usage) == {"tfm-eager", "tfm-fullpw", "tfm-fullpw-pergroup"}  # no-spec has no tfm hooks
-    assert usage["tfm-fullpw"] == {g.METADATA_REUSED: 13, "ok": True} and usage["tfm-fullpw-pergroup"]["ok"]
+    assert usage["tfm-fullpw"] == {g.METADATA_REUSED: 13, g.METADATA_FAST: 5, "ok": True}
+    assert usage["tfm-fullpw-pergroup"]["ok"] and usage["tfm-eager"]["ok"]
     runs["tfm-fullpw-pergroup"] = engine(0, 2)  # the switch did not take: the control reused metadata
     assert g.metadata_usage(runs, "random")["tfm-fullpw-pergroup"]["ok"] is False
-    runs["tfm-fullpw"] = engine(0, 0)  # on the random models (two GDN groups) the update must run
+    runs["tfm-fullpw"] = engine(0, 0, 5)  # on the random models (two GDN groups) the update must run
     assert g.metadata_usage(runs, "random")["tfm-fullpw"]["ok"] is False
     assert g.metadata_usage(runs, "zoo")["tfm-fullpw"]["ok"] is True  # the zoo has one GDN group
+
+
+def test_metadata_usage_wants_fast_builds_only_where_full_graphs_run() -> None:
+    def engine(fast: int) -> dict[str, object]:
+        return {"status": "ok", "b8_paths": {g.METADATA_REUSED: 3}, "b1_paths": {g.METADATA_FAST: fast}}
+
+    runs = {"tfm-fullpw": engine(0), "tfm-graphs": engine(0), "tfm-fullpw-pergroup": {"status": "ok"}}
+    usage = g.metadata_usage(runs, "zoo")
+    assert usage["tfm-fullpw"]["ok"] is False  # full graphs, all-spec steps: the fast build must have run
+    assert usage["tfm-graphs"]["ok"] is True  # piecewise graphs only: vLLM's build, never the fast one
+    assert usage["tfm-fullpw-pergroup"]["ok"] is True
+    runs = {"tfm-fullpw": engine(7), "tfm-graphs": engine(2), "tfm-fullpw-pergroup": engine(1)}
+    usage = g.metadata_usage(runs, "zoo")
+    assert usage["tfm-fullpw"]["ok"] is True
+    assert usage["tfm-graphs"]["ok"] is False and usage["tfm-fullpw-pergroup"]["ok"] is False
 
 
 def test_the_per_group_control_is_a_required_bit_for_bit_pair() -> None:

@@ -9,7 +9,8 @@ patches, once per process:
 * ``QwenGatedDeltaNetAttention._forward_core`` -> ``gdn.tree_forward_core``: tree conv1d + exact
   rollback-free tree verify for the spec rows, no state written;
 * ``GDNAttentionMetadataBuilder`` (``gdn_metadata.py``): in tfm engines one GDN metadata build per
-  step for all GDN KV-cache groups (the others take it with their block table);
+  step for all GDN KV-cache groups (the others take it with their block table), and on all-spec
+  full-graph steps a build that writes only the values that changed;
 * ``GPUModelRunner`` methods (``hooks.py``): the tfm drafter and tree sampler, per-step tree
   metadata and depth positions, the commit after acceptance, step-state lifetime;
 * ``GPUModelRunner._determine_batch_execution_and_padding`` (``graph_dispatch.py``): steps that
@@ -48,7 +49,7 @@ from __future__ import annotations
 
 __all__ = [
     "install", "is_installed", "snapshot_metrics", "collect_tree_metrics", "flush_trace", "set_deferred_drafts",
-    "set_device_topology", "set_commit_reuse", "set_early_sampled_copy",
+    "set_device_topology", "set_commit_reuse", "set_early_sampled_copy", "set_gdn_metadata_fast",
 ]
 
 
@@ -145,6 +146,17 @@ def set_commit_reuse(worker: object = None, on: bool | None = None) -> bool:
 
     _set(on)
     return commit_reuse_enabled()
+
+
+def set_gdn_metadata_fast(worker: object = None, on: bool | None = None) -> bool:
+    """The fast GDN metadata build of all-spec full-graph steps (``gdn_metadata.py``) on or off in this
+    process from the next step on (None: ``VLLM_TFM_GDN_METADATA_FAST``); the setting now in force. The
+    signature suits ``LLM.collective_rpc``."""
+    from .gdn_metadata import gdn_metadata_fast_enabled
+    from .gdn_metadata import set_gdn_metadata_fast as _set
+
+    _set(on)
+    return gdn_metadata_fast_enabled()
 
 
 def flush_trace(worker: object = None) -> str | None:

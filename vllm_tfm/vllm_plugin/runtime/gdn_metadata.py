@@ -25,6 +25,18 @@ as it is; "align" would need the sequence lengths, which the GDN metadata does n
 engines, the no-spec baselines included, build as vLLM does. ``VLLM_TFM_GDN_METADATA_ONCE=0`` turns
 it off (for before/after measurements). Tested against ten full builds field by field
 (tests/cpu/test_gdn_metadata_once.py).
+
+The build itself has a fast path for the step a tfm engine runs almost always: every row a spec decode
+(padded rows at the back with no tokens) taking vLLM's FULL-graph branch. vLLM's build there spends ~20
+small device operations and as many CPU tensor operations (0.59 ms of a batch-1 step's host time on the
+H200 host, bench/NOTES.md section 44) to write buffers that hold the same values step after step: the
+spec-row mask, ``arange`` token indices, the query start offsets. The fast path derives the same
+metadata from the CPU tensors' values as Python integers, writes the per-step values (the accepted
+counts, each group's state slots: one copy each) and rewrites the others only when their values
+change: the engine remembers what it last wrote to each shared buffer, and a builder what it last
+padded its own with. Any other build (vLLM's own code) forgets both, since it writes those buffers.
+``VLLM_TFM_GDN_METADATA_FAST=0`` (or ``set_gdn_metadata_fast``) keeps vLLM's build with the reuse
+above. Tested field by field against vLLM's build over sequences of steps whose shapes change.
 """
 
 from __future__ import annotations
@@ -34,19 +46,25 @@ import weakref
 from dataclasses import dataclass
 from typing import Any
 
+import torch
 from torch import Tensor
 
-from .settings import env_on
+from .settings import RuntimeSwitch, env_on
 from .state import STATE
 
 __all__ = [
+    "GDN_METADATA_FAST_ENV",
     "GDN_METADATA_ONCE_ENV",
     "SHARED_BUFFERS",
+    "gdn_metadata_fast_enabled",
     "gdn_metadata_once_enabled",
     "install_gdn_metadata_patch",
+    "set_gdn_metadata_fast",
 ]
 
 GDN_METADATA_ONCE_ENV = "VLLM_TFM_GDN_METADATA_ONCE"
+GDN_METADATA_FAST_ENV = "VLLM_TFM_GDN_METADATA_FAST"
+_FAST = RuntimeSwitch(GDN_METADATA_FAST_ENV, "set_gdn_metadata_fast")
 
 # Persistent FULL-graph buffers of GDNAttentionMetadataBuilder (gdn_attn.py:123-165) whose contents
 # come from the step's common metadata only, the same for every KV-cache group.
@@ -60,14 +78,39 @@ SHARED_BUFFERS = (
 )
 
 _ROWS_ATTR = "_tfm_block_rows"  # set on the metadata a sharing builder built
+_FAST_ATTR = "_tfm_fast_rows"  # set on the metadata of a fast build: (spec rows, batch rows)
+_PAD_ATTR = "_tfm_state_pad"  # on a builder: (spec rows, batch rows) its state-slot buffer was last padded for
 _ORIGINAL: dict[str, Any] = {}
-# id(vllm_config) -> (weak reference to it, the shared buffers of that engine's GDN builders)
-_SHARED: dict[int, tuple[weakref.ref, dict[str, Tensor]]] = {}
+
+
+@dataclass
+class _Engine:
+    """The GDN builders of one engine: their shared buffers, and what the fast build last wrote to each
+    (buffer name -> the values' key; absent: unknown, write before use)."""
+
+    buffers: dict[str, Tensor] = dataclasses.field(default_factory=dict)
+    written: dict[str, object] = dataclasses.field(default_factory=dict)
+
+
+# id(vllm_config) -> (weak reference to it, that engine's GDN builders' shared state)
+_SHARED: dict[int, tuple[weakref.ref, _Engine]] = {}
 
 
 def gdn_metadata_once_enabled() -> bool:
     """``VLLM_TFM_GDN_METADATA_ONCE`` is unset or not 0 / false (default on)."""
     return env_on(GDN_METADATA_ONCE_ENV)
+
+
+def gdn_metadata_fast_enabled() -> bool:
+    """``VLLM_TFM_GDN_METADATA_FAST`` unset or not 0 / false (default on), unless ``set_gdn_metadata_fast``
+    overrode it: all-spec FULL-graph steps take the fast build (module docstring)."""
+    return _FAST.enabled()
+
+
+def set_gdn_metadata_fast(on: bool | None) -> None:
+    """Override ``VLLM_TFM_GDN_METADATA_FAST`` in this process (None: back to the environment's); for a
+    same-engine A/B (bench/e2e.py --ab-switch gdn_metadata_fast, through ``collective_rpc``)."""
+    _FAST.set(on)
 
 
 @dataclass(frozen=True)
@@ -99,20 +142,20 @@ def _eligible(builder: Any) -> bool:
     )
 
 
-def _shared_buffers(vllm_config: Any) -> dict[str, Tensor]:
+def _engine(vllm_config: Any) -> _Engine:
     key = id(vllm_config)
     entry = _SHARED.get(key)
     if entry is None or entry[0]() is not vllm_config:
         for k in [k for k, (ref, _) in _SHARED.items() if ref() is None]:
             del _SHARED[k]
-        entry = (weakref.ref(vllm_config), {})
+        entry = (weakref.ref(vllm_config), _Engine())
         _SHARED[key] = entry
     return entry[1]
 
 
 def _share(builder: Any) -> None:
     """Point this builder's block-table-free buffers at its engine's shared ones (the first builder's)."""
-    shared = _shared_buffers(builder.vllm_config)
+    shared = _engine(builder.vllm_config).buffers
     for name in SHARED_BUFFERS:
         own: Tensor = getattr(builder, name)
         first = shared.setdefault(name, own)
@@ -148,11 +191,119 @@ def _block_rows(builder: Any, md: Any, num_decode_draft_tokens_cpu: Tensor | Non
     )
 
 
-def _build(self: Any, common_prefix_len: int, common_attn_metadata: Any, *args: Any, **kwargs: Any) -> Any:
-    md = _ORIGINAL["build"](self, common_prefix_len, common_attn_metadata, *args, **kwargs)
-    if getattr(self, "_tfm_update_block_table", False):
-        drafts = kwargs.get("num_decode_draft_tokens_cpu", args[1] if len(args) > 1 else None)
-        object.__setattr__(md, _ROWS_ATTR, _block_rows(self, md, drafts, common_attn_metadata.num_reqs))
+def _all_spec_rows(self: Any, m: Any, accepted: Tensor | None, drafts: Tensor | None) -> tuple[int, int] | None:
+    """(spec rows, tokens) when vLLM's build would take its all-spec FULL-graph branch (gdn_attn.py:
+    189-204, 224-270, 404-440) with the spec rows a prefix; None otherwise. From the CPU tensors only."""
+    if not self.use_full_cuda_graph or accepted is None or drafts is None:
+        return None
+    d = drafts.tolist()
+    qsl = m.query_start_loc_cpu.tolist()
+    if len(qsl) != len(d) + 1:
+        return None
+    ns = 0
+    while ns < len(d) and d[ns] >= 0:
+        ns += 1
+    if ns == 0 or sum(d[:ns]) == 0:  # vLLM: no spec decodes when the spec rows' drafts sum to 0
+        return None
+    for r in range(ns, len(d)):  # later rows: padding (no tokens) only, never a spec, decode or prefill row
+        if d[r] >= 0 or qsl[r + 1] != qsl[r]:
+            return None
+    tokens = qsl[-1] - qsl[0]
+    if ns > self.decode_cudagraph_max_bs or tokens > self.decode_cudagraph_max_bs:
+        return None
+    return ns, tokens
+
+
+def _state_slots(self: Any, ns: int, bs: int) -> tuple[Tensor, Tensor]:
+    """This builder's state-slot buffer as (rows [0, ns), rows [0, bs)), with rows [ns, bs) holding the null
+    block as vLLM's FULL-graph branch writes them (gdn_attn.py:425-427); the padding is written and the
+    views made only when (ns, bs) changed since this builder last did."""
+    pad: tuple[int, int, Tensor, Tensor] | None = getattr(self, _PAD_ATTR, None)
+    if pad is None or pad[0] != ns or pad[1] != bs:
+        buf: Tensor = self.spec_state_indices_tensor
+        buf[ns:bs].fill_(_ORIGINAL["NULL_BLOCK_ID"])
+        pad = (ns, bs, buf[:ns], buf[:bs])
+        setattr(self, _PAD_ATTR, pad)
+    return pad[2], pad[3]
+
+
+def _fast_build(self: Any, m: Any, accepted: Tensor, ns: int, tokens: int) -> Any:
+    """The metadata vLLM's all-spec FULL-graph branch returns, field for field, writing only what
+    changed (module docstring). ``accepted`` is the runner's accepted counts per (padded) row."""
+    from vllm.v1.attention.backends.gdn_attn import GDNAttentionMetadata
+
+    eng = _engine(self.vllm_config)
+    written = eng.written
+    bs = m.num_reqs
+    rows = (ns, bs)
+    qsl_cpu = m.query_start_loc_cpu
+    if written.get("spec_sequence_masks") != rows:
+        self.spec_sequence_masks[:ns].fill_(True)
+        self.spec_sequence_masks[ns:bs].fill_(False)
+        written["spec_sequence_masks"] = rows
+    width = self.num_spec + 1
+    n_idx = min(ns * width, int(qsl_cpu[-1]))
+    size = self.spec_token_indx.numel()
+    if written.get("spec_token_indx") != size:  # arange over the whole buffer: every prefix is vLLM's arange
+        self.spec_token_indx.copy_(torch.arange(size, dtype=self.spec_token_indx.dtype, device=self.spec_token_indx.device))
+        written["spec_token_indx"] = size
+    starts = (tuple(qsl_cpu[: ns + 1].tolist()), bs)
+    if written.get("spec_query_start_loc") != starts:
+        self.spec_query_start_loc[: ns + 1].copy_(m.query_start_loc[: ns + 1], non_blocking=True)
+        self.spec_query_start_loc[ns + 1 : bs + 1].fill_(starts[0][-1])
+        written["spec_query_start_loc"] = starts
+    self.num_accepted_tokens[:ns].copy_(accepted[:ns], non_blocking=True)
+    if written.get("num_accepted_tokens") != rows:
+        self.num_accepted_tokens[ns:bs].fill_(1)
+        written["num_accepted_tokens"] = rows
+    slots, slots_bs = _state_slots(self, ns, bs)
+    slots.copy_(m.block_table_tensor[:ns, :width], non_blocking=True)
+    if STATE.metrics is not None:
+        STATE.metrics.hook("gdn.metadata_fast")
+    md = GDNAttentionMetadata(
+        num_prefills=0,
+        num_prefill_tokens=0,
+        num_decodes=0,
+        num_decode_tokens=0,
+        num_spec_decodes=ns,
+        num_spec_decode_tokens=tokens,
+        num_actual_tokens=m.num_actual_tokens,
+        spec_query_start_loc=self.spec_query_start_loc[: bs + 1],
+        spec_state_indices_tensor=slots_bs,
+        spec_sequence_masks=self.spec_sequence_masks[:bs],
+        spec_token_indx=self.spec_token_indx[:n_idx],
+        non_spec_token_indx=self.non_spec_token_indx[:0],
+        num_accepted_tokens=self.num_accepted_tokens[:bs],
+    )
+    object.__setattr__(md, _FAST_ATTR, rows)
+    return md
+
+
+def _build(
+    self: Any,
+    common_prefix_len: int,
+    common_attn_metadata: Any,
+    num_accepted_tokens: Tensor | None = None,
+    num_decode_draft_tokens_cpu: Tensor | None = None,
+    *args: Any,
+    **kwargs: Any,
+) -> Any:
+    sharing = getattr(self, "_tfm_update_block_table", False)
+    if sharing and gdn_metadata_fast_enabled():
+        rows = _all_spec_rows(self, common_attn_metadata, num_accepted_tokens, num_decode_draft_tokens_cpu)
+        if rows is not None:
+            assert num_accepted_tokens is not None
+            return _fast_build(self, common_attn_metadata, num_accepted_tokens, *rows)
+    if sharing:  # vLLM's build writes the shared buffers and this builder's own
+        _engine(self.vllm_config).written.clear()
+        setattr(self, _PAD_ATTR, None)
+    md = _ORIGINAL["build"](
+        self, common_prefix_len, common_attn_metadata, num_accepted_tokens, num_decode_draft_tokens_cpu, *args, **kwargs
+    )
+    if sharing:
+        object.__setattr__(
+            md, _ROWS_ATTR, _block_rows(self, md, num_decode_draft_tokens_cpu, common_attn_metadata.num_reqs)
+        )
     return md
 
 
@@ -168,8 +319,21 @@ def _update_block_table(self: Any, metadata: Any, blk_table: Tensor, slot_mappin
     """``metadata`` (built by another GDN builder of this engine, this step) with this group's block
     table: the state indices ``build`` would have derived from it, in this builder's buffers where
     the build used its own."""
+    if not getattr(self, "_tfm_update_block_table", False):
+        return _ORIGINAL["update_block_table"](self, metadata, blk_table, slot_mapping)
+    fast: tuple[int, int] | None = getattr(metadata, _FAST_ATTR, None)
+    if fast is not None:  # a fast build's metadata: this group's slots into this builder's buffer
+        ns, bs = fast
+        slots, slots_bs = _state_slots(self, ns, bs)
+        slots.copy_(blk_table[:ns, : self.num_spec + 1], non_blocking=True)
+        if STATE.metrics is not None:
+            STATE.metrics.hook("gdn.metadata_reused")
+        out = object.__new__(type(metadata))  # a shallow copy (GDNAttentionMetadata keeps its fields in __dict__)
+        out.__dict__.update(metadata.__dict__)
+        out.spec_state_indices_tensor = slots_bs
+        return out
     rows: _BlockRows | None = getattr(metadata, _ROWS_ATTR, None)
-    if not getattr(self, "_tfm_update_block_table", False) or rows is None:
+    if rows is None:
         return _ORIGINAL["update_block_table"](self, metadata, blk_table, slot_mapping)
     null_block = _ORIGINAL["NULL_BLOCK_ID"]
     width = self.num_spec + 1
@@ -186,6 +350,7 @@ def _update_block_table(self: Any, metadata: Any, blk_table: Tensor, slot_mappin
             non_spec = blk_table[~rows.spec_mask, 0]
     if rows.spec_in_buffer:  # FULL-graph branch of the build (gdn_attn.py:420-434)
         assert spec is not None
+        setattr(self, _PAD_ATTR, None)
         n = spec.size(0)
         self.spec_state_indices_tensor[:n].copy_(spec, non_blocking=True)
         spec = self.spec_state_indices_tensor[: rows.num_reqs]
