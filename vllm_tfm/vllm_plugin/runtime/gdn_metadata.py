@@ -79,7 +79,7 @@ SHARED_BUFFERS = (
 
 _ROWS_ATTR = "_tfm_block_rows"  # set on the metadata a sharing builder built
 _FAST_ATTR = "_tfm_fast_rows"  # set on the metadata of a fast build: (spec rows, batch rows)
-_PAD_ATTR = "_tfm_state_pad"  # on a builder: (spec rows, batch rows) its state-slot buffer was last padded for
+_PAD_ATTR = "_tfm_state_pad"  # on a builder: (spec rows, batch rows, the two views) its slot buffer was last padded for
 _ORIGINAL: dict[str, Any] = {}
 
 
@@ -245,7 +245,8 @@ def _fast_build(self: Any, m: Any, accepted: Tensor, ns: int, tokens: int) -> An
     n_idx = min(ns * width, int(qsl_cpu[-1]))
     size = self.spec_token_indx.numel()
     if written.get("spec_token_indx") != size:  # arange over the whole buffer: every prefix is vLLM's arange
-        self.spec_token_indx.copy_(torch.arange(size, dtype=self.spec_token_indx.dtype, device=self.spec_token_indx.device))
+        idx = self.spec_token_indx
+        idx.copy_(torch.arange(size, dtype=idx.dtype, device=idx.device))
         written["spec_token_indx"] = size
     starts = (tuple(qsl_cpu[: ns + 1].tolist()), bs)
     if written.get("spec_query_start_loc") != starts:
