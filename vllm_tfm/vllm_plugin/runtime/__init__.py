@@ -13,8 +13,10 @@ patches, once per process:
   full-graph steps a build that writes only the values that changed;
 * ``GPUModelRunner`` methods (``hooks.py``): the tfm drafter and tree sampler, per-step tree
   metadata and depth positions, the commit after acceptance, step-state lifetime;
-* ``GPUModelRunner._determine_batch_execution_and_padding`` (``graph_dispatch.py``): steps that
-  verify trees never replay a full CUDA graph (``vllm_plugin/cuda_graphs.py`` for the modes).
+* ``GPUModelRunner._determine_batch_execution_and_padding`` (``graph_dispatch.py``): which graph a
+  step replays: a tree step replays tfm's own full graph of its size (``full_graphs.py``, mode
+  FULL_AND_PIECEWISE) or a piecewise one, never vLLM's chain graphs (``vllm_plugin/cuda_graphs.py``
+  for the modes).
 
 One decode step of a tfm engine (sync scheduling; eager, or with piecewise CUDA graphs of the
 target and drafter forwards, the tree code running between the graph pieces):
