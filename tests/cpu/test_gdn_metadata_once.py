@@ -260,6 +260,7 @@ STEPS = [
     ([S + 1, 0, S + 1], [S, -1, S], False),  # spec rows not a prefix: vLLM's FULL-graph branch
     ([S + 1] * 2 + [0], [S] * 2 + [-1], True),  # the shape before it again
     ([S + 1, 17, S + 1], [S, -1, S], False),  # a prefill: vLLM's mixed branch
+    ([S + 1, S + 1, 9], [S, S, -1], False),  # a prefill after the spec rows (not padding: it has tokens)
     ([S + 1] * 4, [S] * 4, True),
     ([1] * 3, [0] * 3, False),  # drafts that sum to 0: no spec decodes (vLLM)
     ([S + 1] * 4, [S] * 4, True),

@@ -154,11 +154,9 @@ def set_gdn_metadata_fast(worker: object = None, on: bool | None = None) -> bool
     """The fast GDN metadata build of all-spec full-graph steps (``gdn_metadata.py``) on or off in this
     process from the next step on (None: ``VLLM_TFM_GDN_METADATA_FAST``); the setting now in force. The
     signature suits ``LLM.collective_rpc``."""
-    from .gdn_metadata import gdn_metadata_fast_enabled
     from .gdn_metadata import set_gdn_metadata_fast as _set
 
-    _set(on)
-    return gdn_metadata_fast_enabled()
+    return _set(on)
 
 
 def flush_trace(worker: object = None) -> str | None:

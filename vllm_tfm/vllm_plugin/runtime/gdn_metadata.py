@@ -107,10 +107,10 @@ def gdn_metadata_fast_enabled() -> bool:
     return _FAST.enabled()
 
 
-def set_gdn_metadata_fast(on: bool | None) -> None:
-    """Override ``VLLM_TFM_GDN_METADATA_FAST`` in this process (None: back to the environment's); for a
-    same-engine A/B (bench/e2e.py --ab-switch gdn_metadata_fast, through ``collective_rpc``)."""
-    _FAST.set(on)
+def set_gdn_metadata_fast(on: bool | None) -> bool:
+    """Override ``VLLM_TFM_GDN_METADATA_FAST`` in this process (None: back to the environment's); the
+    setting now in force. For a same-engine A/B (bench/e2e.py --ab-switch gdn_metadata_fast)."""
+    return _FAST.set(on)
 
 
 @dataclass(frozen=True)
@@ -191,27 +191,35 @@ def _block_rows(builder: Any, md: Any, num_decode_draft_tokens_cpu: Tensor | Non
     )
 
 
-def _all_spec_rows(self: Any, m: Any, accepted: Tensor | None, drafts: Tensor | None) -> tuple[int, int] | None:
-    """(spec rows, tokens) when vLLM's build would take its all-spec FULL-graph branch (gdn_attn.py:
-    189-204, 224-270, 404-440) with the spec rows a prefix; None otherwise. From the CPU tensors only."""
+@dataclass(frozen=True)
+class _AllSpec:
+    """An all-spec FULL-graph step as the fast build needs it, from the CPU tensors."""
+
+    ns: int  # spec rows (a prefix of the batch)
+    tokens: int  # query tokens of the step (vLLM's num_spec_decode_tokens)
+    starts: tuple[int, ...]  # query start offsets of rows 0 .. ns
+
+
+def _all_spec_rows(self: Any, m: Any, accepted: Tensor | None, drafts: Tensor | None) -> _AllSpec | None:
+    """The step when vLLM's build would take its all-spec FULL-graph branch (gdn_attn.py: 189-204,
+    224-270, 404-440) with the spec rows a prefix; None otherwise. From the CPU tensors only, a fixed
+    number of numpy operations whatever the batch size."""
     if not self.use_full_cuda_graph or accepted is None or drafts is None:
         return None
-    d = drafts.tolist()
-    qsl = m.query_start_loc_cpu.tolist()
-    if len(qsl) != len(d) + 1:
+    d = drafts.numpy()
+    qsl = m.query_start_loc_cpu.numpy()
+    if qsl.shape[0] != d.shape[0] + 1:
         return None
-    ns = 0
-    while ns < len(d) and d[ns] >= 0:
-        ns += 1
-    if ns == 0 or sum(d[:ns]) == 0:  # vLLM: no spec decodes when the spec rows' drafts sum to 0
+    spec = d >= 0
+    ns = int(spec.sum())  # a prefix of spec rows iff no spec row lies past the first ns (checked below)
+    # vLLM: no spec decodes when the spec rows' drafts sum to 0; later rows must be padding (no tokens),
+    # never a spec, decode or prefill row
+    if ns == 0 or not d[:ns].any() or spec[ns:].any() or (qsl[ns + 1 :] != qsl[ns]).any():
         return None
-    for r in range(ns, len(d)):  # later rows: padding (no tokens) only, never a spec, decode or prefill row
-        if d[r] >= 0 or qsl[r + 1] != qsl[r]:
-            return None
-    tokens = qsl[-1] - qsl[0]
+    tokens = int(qsl[-1] - qsl[0])
     if ns > self.decode_cudagraph_max_bs or tokens > self.decode_cudagraph_max_bs:
         return None
-    return ns, tokens
+    return _AllSpec(ns, tokens, tuple(qsl[: ns + 1].tolist()))
 
 
 def _state_slots(self: Any, ns: int, bs: int) -> tuple[Tensor, Tensor]:
@@ -227,31 +235,30 @@ def _state_slots(self: Any, ns: int, bs: int) -> tuple[Tensor, Tensor]:
     return pad[2], pad[3]
 
 
-def _fast_build(self: Any, m: Any, accepted: Tensor, ns: int, tokens: int) -> Any:
+def _fast_build(self: Any, m: Any, accepted: Tensor, step: _AllSpec) -> Any:
     """The metadata vLLM's all-spec FULL-graph branch returns, field for field, writing only what
     changed (module docstring). ``accepted`` is the runner's accepted counts per (padded) row."""
     from vllm.v1.attention.backends.gdn_attn import GDNAttentionMetadata
 
     eng = _engine(self.vllm_config)
     written = eng.written
-    bs = m.num_reqs
+    ns, bs = step.ns, m.num_reqs
     rows = (ns, bs)
-    qsl_cpu = m.query_start_loc_cpu
     if written.get("spec_sequence_masks") != rows:
         self.spec_sequence_masks[:ns].fill_(True)
         self.spec_sequence_masks[ns:bs].fill_(False)
         written["spec_sequence_masks"] = rows
     width = self.num_spec + 1
-    n_idx = min(ns * width, int(qsl_cpu[-1]))
+    n_idx = min(ns * width, step.starts[-1])
     size = self.spec_token_indx.numel()
     if written.get("spec_token_indx") != size:  # arange over the whole buffer: every prefix is vLLM's arange
         idx = self.spec_token_indx
         idx.copy_(torch.arange(size, dtype=idx.dtype, device=idx.device))
         written["spec_token_indx"] = size
-    starts = (tuple(qsl_cpu[: ns + 1].tolist()), bs)
+    starts = (step.starts, bs)
     if written.get("spec_query_start_loc") != starts:
         self.spec_query_start_loc[: ns + 1].copy_(m.query_start_loc[: ns + 1], non_blocking=True)
-        self.spec_query_start_loc[ns + 1 : bs + 1].fill_(starts[0][-1])
+        self.spec_query_start_loc[ns + 1 : bs + 1].fill_(step.starts[-1])
         written["spec_query_start_loc"] = starts
     self.num_accepted_tokens[:ns].copy_(accepted[:ns], non_blocking=True)
     if written.get("num_accepted_tokens") != rows:
@@ -267,7 +274,7 @@ def _fast_build(self: Any, m: Any, accepted: Tensor, ns: int, tokens: int) -> An
         num_decodes=0,
         num_decode_tokens=0,
         num_spec_decodes=ns,
-        num_spec_decode_tokens=tokens,
+        num_spec_decode_tokens=step.tokens,
         num_actual_tokens=m.num_actual_tokens,
         spec_query_start_loc=self.spec_query_start_loc[: bs + 1],
         spec_state_indices_tensor=slots_bs,
@@ -291,10 +298,10 @@ def _build(
 ) -> Any:
     sharing = getattr(self, "_tfm_update_block_table", False)
     if sharing and gdn_metadata_fast_enabled():
-        rows = _all_spec_rows(self, common_attn_metadata, num_accepted_tokens, num_decode_draft_tokens_cpu)
-        if rows is not None:
+        step = _all_spec_rows(self, common_attn_metadata, num_accepted_tokens, num_decode_draft_tokens_cpu)
+        if step is not None:
             assert num_accepted_tokens is not None
-            return _fast_build(self, common_attn_metadata, num_accepted_tokens, *rows)
+            return _fast_build(self, common_attn_metadata, num_accepted_tokens, step)
     if sharing:  # vLLM's build writes the shared buffers and this builder's own
         _engine(self.vllm_config).written.clear()
         setattr(self, _PAD_ATTR, None)
