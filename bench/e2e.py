@@ -528,6 +528,9 @@ SWITCH_ABS: dict[str, SwitchAB] = {
     # the GDN metadata's fast build on all-spec full-graph steps (VLLM_TFM_GDN_METADATA_FAST, runtime/gdn_metadata.py)
     "gdn_metadata_fast": SwitchAB("set_gdn_metadata_fast", "gdn_metadata_fast_ab", "gdn_metadata_fast",
                                   ("gdn.metadata_fast", "gdn_metadata_fast_builds")),
+    # the Weaver graphs' tail check read after the forward (VLLM_TFM_WEAVER_LAZY_TAIL, runtime/weaver_graphs.py)
+    "weaver_lazy_tail": SwitchAB("set_weaver_lazy_tail", "weaver_lazy_tail_ab", "weaver_lazy_tail",
+                                 ("weaver.tail_skipped", "weaver_tail_skipped")),
 }
 
 

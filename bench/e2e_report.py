@@ -408,6 +408,9 @@ SWITCH_AB_TITLES: dict[str, tuple[str, str]] = {
     "gdn_metadata_fast_ab": ("gdn_metadata_fast", "The GDN metadata's fast build on all-spec full-graph steps on / off "
                              "on the same engine, decode tokens/s (clean runs in this order; "
                              "VLLM_TFM_GDN_METADATA_FAST, runtime/gdn_metadata.py):"),
+    "weaver_lazy_tail_ab": ("weaver_lazy_tail", "The Weaver graphs' tail check read after the forward (on) / waited "
+                            "for before it (off) on the same engine, decode tokens/s (clean runs in this order; "
+                            "VLLM_TFM_WEAVER_LAZY_TAIL, runtime/weaver_graphs.py):"),
 }
 
 

@@ -762,7 +762,8 @@ def test_a_repeated_switch_ab_reports_each_settings_mean() -> None:
 def test_every_switch_ab_has_a_setter_and_a_report_title_and_bad_names_are_refused() -> None:
     import vllm_tfm.vllm_plugin.runtime as runtime
 
-    assert set(e2e.SWITCH_ABS) == {"device_topology", "commit_reuse", "early_sampled_copy", "gdn_metadata_fast"}
+    assert set(e2e.SWITCH_ABS) == {"device_topology", "commit_reuse", "early_sampled_copy", "gdn_metadata_fast",
+                                   "weaver_lazy_tail"}
     for name, sw in e2e.SWITCH_ABS.items():
         assert callable(getattr(runtime, sw.setter)) and sw.setter in runtime.__all__
         assert e2e_report.SWITCH_AB_TITLES[sw.ab_key][0] == sw.flag
@@ -770,7 +771,7 @@ def test_every_switch_ab_has_a_setter_and_a_report_title_and_bad_names_are_refus
     assert e2e.parse_ab_switches(["early_sampled_copy", "commit_reuse"], commit_reuse=True, device_topology=True) == [
         "early_sampled_copy", "commit_reuse", "device_topology"]
     with pytest.raises(ValueError, match="--ab-switch: unknown switch 'early_copy'; expected one of device_topology, "
-                                         "commit_reuse, early_sampled_copy, gdn_metadata_fast"):
+                                         "commit_reuse, early_sampled_copy, gdn_metadata_fast, weaver_lazy_tail"):
         e2e.parse_ab_switches(["early_copy"])
 
 

@@ -16,12 +16,16 @@ from vllm_tfm.models import Weaver, WeaverConfig
 from vllm_tfm.vllm_plugin.runtime.tree_builder_gpu import weaver_trees
 from vllm_tfm.vllm_plugin.runtime.weaver_graphs import (
     DEFAULT_BUCKETS,
+    LAZY_TAIL_ENV,
+    DeferredTail,
     StaticInputs,
     WeaverGraphs,
     bucket_for,
     graph_buckets,
+    set_weaver_lazy_tail,
     warm_up_buckets,
     weaver_graphs_from_env,
+    weaver_lazy_tail_enabled,
 )
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -191,3 +195,89 @@ def test_graphs_share_one_set_of_input_buffers():
     assert len(graphs._inputs) == 2
     with pytest.raises(ValueError, match="a graph bucket of 65 does not fit input buffers of 64 rows"):
         shared.rows(65)
+
+
+class FakeGrowth:
+    """What ``DeferredTail`` reads of a ``WeaverGrowth``: the check's flags (CPU tensors) and the tail."""
+
+    def __init__(self, more: bool, bad: bool = False) -> None:
+        self.flags = torch.tensor([more, bad])
+        self.rounds = 3
+        self.tail_calls = 0
+
+    def pending_flags(self, rows: int | None = None) -> torch.Tensor:
+        return self.flags
+
+    def run_tail(self, rows: int | None = None) -> None:
+        self.tail_calls += 1
+        self.rounds += 2
+
+    def trees(self):
+        class _Trees:
+            def draft_layout(self, filler):
+                return torch.full((2, 3), 9), torch.tensor([[-1, 0, 1, 2]] * 2)
+
+        return _Trees()
+
+
+def deferred(graphs: WeaverGraphs, growth: FakeGrowth, key: tuple, lazy: bool) -> DeferredTail:
+    tail = DeferredTail(graphs, growth, 1, torch.zeros(1, dtype=torch.long), torch.zeros(1, 3, dtype=torch.long),
+                        torch.tensor([[-1, 0, 0, 0]]), key, lazy)
+    graphs._unfinished = graphs.last_tail = tail
+    return tail
+
+
+def test_a_lazy_tail_check_does_not_hold_the_forward_and_its_key_waits_once_it_needed_a_tail(caplog, monkeypatch):
+    from vllm_tfm.vllm_plugin.runtime.metrics import Metrics
+    from vllm_tfm.vllm_plugin.runtime.state import STATE
+
+    monkeypatch.setattr(STATE, "metrics", Metrics(max_depth=8, device="cpu"))
+    monkeypatch.delenv(LAZY_TAIL_ENV, raising=False)
+    graphs = WeaverGraphs()
+    key_a, key_b = (4, 16, "a"), (8, 16, "b")
+    assert graphs.defers_lazily(key_a) and graphs.defers_lazily(key_b)  # on by default
+    short, full = FakeGrowth(more=True), FakeGrowth(more=False)
+    t1 = deferred(graphs, short, key_a, graphs.defers_lazily(key_a))
+    assert t1.finish() is False and t1.done and not t1.changed  # no tail rounds, the returned trees as they are
+    assert short.tail_calls == 0 and t1.tokens.tolist() == [[0, 0, 0]] and t1.skipped is None
+    assert graphs._unfinished is None and graphs._unchecked == [t1]
+    t2 = deferred(graphs, full, key_b, graphs.defers_lazily(key_b))
+    t2.finish()
+    with caplog.at_level(logging.WARNING, logger="vllm.tfm"):
+        assert graphs.check_skipped_tails() == 1  # read after the forward: t1's trees were short
+    assert (t1.skipped, t2.skipped) == (True, False) and graphs._unchecked == [] and graphs.skipped_tails == 1
+    assert STATE.metrics.hooks["weaver.tail_skipped"] == 1
+    (warned,) = [r.getMessage() for r in caplog.records]
+    assert warned.startswith("vllm-tfm: a Weaver build (batch bucket 4) needed growth rounds past the captured ones")
+    # key_a waits from now on (the eager tail rewrites the trees); key_b stays lazy
+    assert not graphs.defers_lazily(key_a) and graphs.defers_lazily(key_b)
+    again = FakeGrowth(more=True)
+    t3 = deferred(graphs, again, key_a, graphs.defers_lazily(key_a))
+    assert t3.finish() is True and again.tail_calls == 1 and t3.tokens.tolist() == [[9, 9, 9]]
+    assert graphs._unchecked == [] and graphs.check_skipped_tails() == 0
+
+
+def test_a_lazy_check_raises_for_scores_that_were_not_log_probabilities_one_step_later():
+    graphs = WeaverGraphs()
+    tail = deferred(graphs, FakeGrowth(more=False, bad=True), (1,), lazy=True)
+    assert tail.finish() is False  # nothing read yet
+    with pytest.raises(ValueError, match="scorer output must be log-probabilities"):
+        graphs.check_skipped_tails()
+    waiting = deferred(graphs, FakeGrowth(more=False, bad=True), (1,), lazy=False)
+    with pytest.raises(ValueError, match="scorer output must be log-probabilities"):
+        waiting.finish()
+
+
+def test_the_lazy_tail_switch(monkeypatch):
+    graphs = WeaverGraphs()
+    monkeypatch.setenv(LAZY_TAIL_ENV, "0")
+    assert not weaver_lazy_tail_enabled() and not graphs.defers_lazily((1,))
+    try:
+        assert set_weaver_lazy_tail(True) is True and graphs.defers_lazily((1,))
+        assert set_weaver_lazy_tail(None) is False
+        monkeypatch.delenv(LAZY_TAIL_ENV)
+        assert weaver_lazy_tail_enabled()
+        with pytest.raises(ValueError, match="set_weaver_lazy_tail takes True, False or None"):
+            set_weaver_lazy_tail("yes")  # type: ignore[arg-type]
+    finally:
+        set_weaver_lazy_tail(None)

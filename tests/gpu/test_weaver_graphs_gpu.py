@@ -17,7 +17,7 @@ from vllm_tfm.models import Weaver, WeaverConfig
 from vllm_tfm.vllm_plugin.runtime.tree_builder_gpu import weaver_trees
 from vllm_tfm.vllm_plugin.runtime.metrics import Metrics
 from vllm_tfm.vllm_plugin.runtime.state import STATE
-from vllm_tfm.vllm_plugin.runtime.weaver_graphs import WeaverGraphs
+from vllm_tfm.vllm_plugin.runtime.weaver_graphs import LAZY_TAIL_ENV, WeaverGraphs, _build
 
 pytestmark = [
     pytest.mark.gpu,
@@ -137,6 +137,7 @@ def test_a_deferred_tail_gives_the_trees_of_the_eager_build(cpn, monkeypatch):
     also when tail rounds were needed (2 children per node, 4 nodes per round) and when the next
     replay came first."""
     monkeypatch.setattr(STATE, "metrics", Metrics(max_depth=24, device="cuda"))
+    monkeypatch.setenv(LAZY_TAIL_ENV, "0")  # every check waits (the lazy check: the next test)
     w, embed, head = weaver_and_tables(torch.float32)
     graphs = WeaverGraphs((4,))
     budget, top_k, width = 24, 16, 4
@@ -161,3 +162,37 @@ def test_a_deferred_tail_gives_the_trees_of_the_eager_build(cpn, monkeypatch):
     hooks = STATE.metrics.hooks  # the engine's counters of builds with tail rounds (bench/NOTES.md section 36)
     assert hooks["weaver.tail_builds"] == sum(o[2].changed for o in outs)
     assert hooks["weaver.tail_rounds"] == graphs.tail_rounds
+
+
+@pytest.mark.parametrize("cpn", [2, 8])
+def test_a_lazy_tail_hands_out_the_captured_rounds_trees_and_its_key_then_waits(cpn, monkeypatch):
+    """The lazy check (default): ``finish`` does not wait; the trees are those of the captured rounds, equal
+    to an eager run of the same rounds. With 2 children per node the first build needed a tail: the next
+    build finds that out (``check_skipped_tails``), counts it, and its key waits from then on, so the later
+    builds give the eager build's full trees. With 8 no build needs a tail and every tree is the eager one."""
+    monkeypatch.setattr(STATE, "metrics", Metrics(max_depth=24, device="cuda"))
+    monkeypatch.delenv(LAZY_TAIL_ENV, raising=False)
+    w, embed, head = weaver_and_tables(torch.float32)
+    graphs = WeaverGraphs((4,))
+    budget, top_k, width = 24, 16, 4
+    with torch.inference_mode():
+        for step, r in enumerate([4, 3, 4]):
+            logits, hidden, verifier, roots = drafter_outputs(r, head, torch.float32, seed=step)
+            tok, par = graphs.weaver_trees(w, logits, hidden, verifier, roots, embed, head, budget, top_k, width, cpn,
+                                           defer_tail=True)
+            tail = graphs.last_tail
+            lazy = tail.lazy
+            assert lazy == (step == 0 or cpn == 8)
+            tail.finish()
+            x = static_inputs(graphs, 4)
+            full = weaver_trees(w, x.logits, x.hidden, x.verifier, x.roots, embed, head, budget, top_k, width, cpn)
+            _, _, fixed_tok, fixed_par = _build(w, x, embed, head, budget, top_k, width, cpn)  # the captured rounds only
+            want = (fixed_tok, fixed_par) if lazy else full
+            assert torch.equal(tok, want[0][:r]) and torch.equal(par, want[1][:r]), f"step {step}"
+            if cpn == 8:
+                assert torch.equal(fixed_tok, full[0]) and torch.equal(fixed_par, full[1])
+            elif step == 0:
+                assert not torch.equal(fixed_par, full[1])  # the tail would have changed the trees
+        graphs.check_skipped_tails()
+    assert graphs.skipped_tails == (1 if cpn == 2 else 0)
+    assert STATE.metrics.hooks["weaver.tail_skipped"] == graphs.skipped_tails

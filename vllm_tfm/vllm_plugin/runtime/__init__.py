@@ -52,6 +52,7 @@ from __future__ import annotations
 __all__ = [
     "install", "is_installed", "snapshot_metrics", "collect_tree_metrics", "flush_trace", "set_deferred_drafts",
     "set_device_topology", "set_commit_reuse", "set_early_sampled_copy", "set_gdn_metadata_fast",
+    "set_weaver_lazy_tail",
 ]
 
 
@@ -155,6 +156,15 @@ def set_gdn_metadata_fast(worker: object = None, on: bool | None = None) -> bool
     process from the next step on (None: ``VLLM_TFM_GDN_METADATA_FAST``); the setting now in force. The
     signature suits ``LLM.collective_rpc``."""
     from .gdn_metadata import set_gdn_metadata_fast as _set
+
+    return _set(on)
+
+
+def set_weaver_lazy_tail(worker: object = None, on: bool | None = None) -> bool:
+    """The Weaver graphs' lazy tail check (``weaver_graphs.py``: the forward does not wait for it) on or off
+    in this process from the next step on (None: ``VLLM_TFM_WEAVER_LAZY_TAIL``); the setting now in force.
+    The signature suits ``LLM.collective_rpc``."""
+    from .weaver_graphs import set_weaver_lazy_tail as _set
 
     return _set(on)
 

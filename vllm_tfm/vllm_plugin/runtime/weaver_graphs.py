@@ -29,6 +29,19 @@ drafts). If rounds are needed then, they run and the returned tensors are overwr
 Before any other replay or capture the tail is finished first (it reads the graph's state,
 which the next replay re-initialises and other graphs of the pool may reuse).
 
+Lazy tail check (``VLLM_TFM_WEAVER_LAZY_TAIL``, default on; ``set_weaver_lazy_tail``): waiting for the
+answer before the forward costs the GPU an idle gap on a fast host, the host's work between the wait
+and the forward's launch (~0.4-0.6 ms per batch-1 step on the H200 host, bench/NOTES.md section 46),
+to ask a question whose answer at this bench's shapes is always no (no tail build in any e2e run).
+So a key that has never needed a tail does not wait: ``finish`` returns at once, the forward verifies
+the trees of the fixed rounds, and the answer is read after the forward (``check_skipped_tails``, at
+the next build, when the build has long ended). Verification is exact for any tree (a tree short of
+nodes is completed with ``filler`` nodes, ``tree.padded.fill_to_budget``), so the tokens a request
+emits do not depend on it; a build whose key did need a tail verified a tree with fewer useful
+nodes: it is counted (``skipped_tails``, metric ``weaver.tail_skipped``), logged once, and builds
+of that key wait for the check from then on (eager tails as above). A scorer output that was not
+log-probabilities raises the same ValueError one step later.
+
 The growth object's Python attributes (last-round tensors, counters) are restored from a snapshot
 taken at capture after every replay, so the eager tail always starts from the graph's tensors.
 
@@ -73,12 +86,14 @@ from vllm_tfm.tree.marginal_padded import check_marginals
 from vllm_tfm.tree.weaver_padded import WeaverGrowth, pending_from_flags
 
 from .kernels_or_reference import kernels_enabled
+from .settings import RuntimeSwitch
 from .state import STATE
 from .tree_builder_gpu import weaver_trees
 
 __all__ = [
     "DeferredTail",
     "BUCKETS_ENV",
+    "LAZY_TAIL_ENV",
     "DEFAULT_BUCKETS",
     "GRAPHS_ENV",
     "DrafterOutputs",
@@ -87,8 +102,10 @@ __all__ = [
     "bucket_for",
     "graph_buckets",
     "graph_key",
+    "set_weaver_lazy_tail",
     "warm_up_buckets",
     "weaver_graphs_from_env",
+    "weaver_lazy_tail_enabled",
 ]
 
 logger = logging.getLogger("vllm.tfm")  # under vLLM's logger: printed next to its own start-up lines
@@ -96,6 +113,20 @@ logger = logging.getLogger("vllm.tfm")  # under vLLM's logger: printed next to i
 GRAPHS_ENV = "VLLM_TFM_WEAVER_GRAPHS"
 BUCKETS_ENV = "VLLM_TFM_WEAVER_GRAPH_BUCKETS"
 DEFAULT_BUCKETS: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64, 128)
+LAZY_TAIL_ENV = "VLLM_TFM_WEAVER_LAZY_TAIL"
+_LAZY_TAIL = RuntimeSwitch(LAZY_TAIL_ENV, "set_weaver_lazy_tail")
+
+
+def weaver_lazy_tail_enabled() -> bool:
+    """``VLLM_TFM_WEAVER_LAZY_TAIL`` unset or not 0 / false (default on), unless ``set_weaver_lazy_tail``
+    overrode it: deferred tail checks of keys that never needed a tail are read after the forward."""
+    return _LAZY_TAIL.enabled()
+
+
+def set_weaver_lazy_tail(on: bool | None) -> bool:
+    """Override ``VLLM_TFM_WEAVER_LAZY_TAIL`` in this process (None: back to the environment's); the
+    setting now in force. For a same-engine A/B (bench/e2e.py --ab-switch weaver_lazy_tail)."""
+    return _LAZY_TAIL.set(on)
 
 
 def graph_buckets(text: str | None) -> tuple[int, ...]:
@@ -239,30 +270,45 @@ def graph_key(
 
 class DeferredTail:
     """The host check of a replayed Weaver build, deferred (module docstring, step 3): the tail rounds,
-    if any are needed, run when ``finish`` is called, and overwrite ``tokens`` / ``parents`` in place."""
+    if any are needed, run when ``finish`` is called, and overwrite ``tokens`` / ``parents`` in place.
+    ``lazy``: ``finish`` neither waits nor runs tail rounds; ``check`` reads the answer later."""
 
     def __init__(self, owner: WeaverGraphs, growth: Any, rows: int, filler: Tensor, tokens: Tensor,
-                 parents: Tensor) -> None:
+                 parents: Tensor, key: tuple[Any, ...] | None = None, lazy: bool = False) -> None:
         self._owner, self._growth, self._rows, self._filler = owner, growth, rows, filler
         self.tokens, self.parents = tokens, parents
+        self.key, self.lazy = key, lazy
         flags = growth.pending_flags(rows=rows)
-        self._flags = torch.empty(flags.shape, dtype=flags.dtype, pin_memory=True)
-        self._flags.copy_(flags, non_blocking=True)
-        self._event = torch.cuda.Event()
-        self._event.record()
+        self._event: torch.cuda.Event | None = None
+        if flags.is_cuda:
+            self._flags = torch.empty(flags.shape, dtype=flags.dtype, pin_memory=True)
+            self._flags.copy_(flags, non_blocking=True)
+            self._event = torch.cuda.Event()
+            self._event.record()
+        else:
+            self._flags = flags.clone()
         self.done = False
         self.changed = False  # tail rounds ran: tokens / parents were rewritten
+        self.skipped: bool | None = None  # lazy: whether the fixed rounds' trees were short (None: not read yet)
+
+    def _read_flags(self) -> bool:
+        """Wait for the build's end (only it) and answer ``WeaverGrowth.pending`` (raises as it does)."""
+        if self._event is not None:
+            self._event.synchronize()
+        return pending_from_flags(self._flags.tolist())
 
     def finish(self) -> bool:
         """Wait for the check (only the build's end), run the tail rounds if needed; whether the
-        trees changed. Idempotent."""
+        trees changed. Lazy: no wait, nothing changes (the answer is read by ``check``). Idempotent."""
         if self.done:
             return self.changed
         self.done = True
         if self._owner._unfinished is self:
             self._owner._unfinished = None
-        self._event.synchronize()
-        if not pending_from_flags(self._flags.tolist()):
+        if self.lazy:
+            self._owner._unchecked.append(self)
+            return False
+        if not self._read_flags():
             return False
         growth = self._growth
         fixed = growth.rounds
@@ -274,6 +320,14 @@ class DeferredTail:
         self._owner.count_tail(growth.rounds - fixed)
         self.changed = True
         return True
+
+    def check(self) -> bool:
+        """Lazy: read the answer (the build ended long ago) and record it in ``skipped``: whether the trees
+        handed out were short of the tail rounds. Raises ValueError for a scorer output that was not
+        log-probabilities, as the eager check does. Idempotent."""
+        if self.skipped is None:
+            self.skipped = self._read_flags()
+        return self.skipped
 
 
 class WeaverGraphs:
@@ -295,6 +349,9 @@ class WeaverGraphs:
         self.late_captures: list[int] = []  # buckets captured after the warm-up (while serving)
         self._unfinished: DeferredTail | None = None  # the last replay's deferred check, not finished yet
         self.last_tail: DeferredTail | None = None  # the deferred check of the last build that deferred it
+        self._unchecked: list[DeferredTail] = []  # lazy checks finished without reading their answer
+        self._tail_keys: set[tuple[Any, ...]] = set()  # keys whose builds needed a tail: their checks wait
+        self.skipped_tails = 0  # lazy builds whose trees were short of tail rounds (module docstring)
 
     def capturable(self, device: torch.device, embed: VocabTable, lm_head: VocabTable) -> bool:
         """Whether builds on ``device`` with these tables can replay graphs (not on CPU tensors,
@@ -372,6 +429,7 @@ class WeaverGraphs:
         self.last_tail = None
         if self._unfinished is not None:  # its state is the graphs' own: finish it before they run again
             self._unfinished.finish()
+        self.check_skipped_tails()
         bucket = self.bucket(dflash_logits, embed, lm_head)
         if bucket is None:
             self.eager_builds += 1
@@ -395,7 +453,8 @@ class WeaverGraphs:
             growth = cap.restore()
             if defer_tail:
                 tokens, parents = cap.tokens[:r].clone(), cap.parents[:r].clone()
-                self.last_tail = self._unfinished = DeferredTail(self, growth, r, cap.filler, tokens, parents)
+                self.last_tail = self._unfinished = DeferredTail(self, growth, r, cap.filler, tokens, parents, key,
+                                                                 self.defers_lazily(key))
                 return tokens, parents
             fixed = growth.rounds
             growth.run_tail(rows=r)  # the one host sync of the build
@@ -405,6 +464,31 @@ class WeaverGraphs:
                 self.count_tail(growth.rounds - fixed)
                 tokens, parents = growth.trees().draft_layout(cap.filler)
             return tokens[:r].clone(), parents[:r].clone()
+
+    def defers_lazily(self, key: tuple[Any, ...]) -> bool:
+        """Whether a deferred check of a build of ``key`` is read after the forward (module docstring):
+        the switch is on and no build of this key has needed a tail."""
+        return weaver_lazy_tail_enabled() and key not in self._tail_keys
+
+    def check_skipped_tails(self) -> int:
+        """Read the answers of the lazy checks finished so far (each build has ended: a forward and its
+        sampler, which the host waited for, ran after it); count the builds whose trees were short of tail
+        rounds and make their keys wait from now on. The number of such builds found by this call."""
+        pending, self._unchecked = self._unchecked, []
+        skipped = [tail for tail in pending if tail.check()]
+        for tail in skipped:
+            self.skipped_tails += 1
+            if STATE.metrics is not None:
+                STATE.metrics.hooks["weaver.tail_skipped"] += 1
+            if tail.key not in self._tail_keys:
+                self._tail_keys.add(tail.key)
+                logger.warning(
+                    "vllm-tfm: a Weaver build (batch bucket %s) needed growth rounds past the captured ones; its "
+                    "step verified the trees of the captured rounds (exact, with fewer useful nodes). Builds of "
+                    "this shape now wait for that check before the forward (VLLM_TFM_WEAVER_LAZY_TAIL)",
+                    tail.key[0] if tail.key else "?",
+                )
+        return len(skipped)
 
     def count_tail(self, rounds: int) -> None:
         """Rounds run past the captured ones (eagerly; with deferred drafts right before the next forward, on
