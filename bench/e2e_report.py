@@ -411,6 +411,9 @@ SWITCH_AB_TITLES: dict[str, tuple[str, str]] = {
     "weaver_lazy_tail_ab": ("weaver_lazy_tail", "The Weaver graphs' tail check read after the forward (on) / waited "
                             "for before it (off) on the same engine, decode tokens/s (clean runs in this order; "
                             "VLLM_TFM_WEAVER_LAZY_TAIL, runtime/weaver_graphs.py):"),
+    "kv_compact_kernel_ab": ("kv_compact_kernel", "The K/V compaction of the accepted paths in one kernel launch (on) / "
+                             "a gather and a scatter per attention layer (off) on the same engine, decode tokens/s "
+                             "(clean runs in this order; VLLM_TFM_KV_COMPACT_KERNEL, runtime/commit.py):"),
 }
 
 

@@ -18,7 +18,8 @@ sys.path.insert(0, str(BENCH))
 gdn_tree = importlib.import_module("gdn_tree")
 
 SCRIPTS = {"candidate_scores": ("--nodes", "1x2,1x4,8x2,8x4,32x2", 50), "weaver_linear": ("--rows", "1,2,4,8,16", 50),
-           "weaver_round": ("--budgets", "32,64", 30), "weaver_attention": ("--cases", "1:2,1:4,8:2,8:4,32:2", 50)}
+           "weaver_round": ("--budgets", "32,64", 30), "weaver_attention": ("--cases", "1:2,1:4,8:2,8:4,32:2", 50),
+           "kv_compact": ("--batches", "1,8", 50)}
 
 
 def test_parser_has_the_shared_options() -> None:

@@ -189,6 +189,8 @@ VARIANTS = [
     ("tree_attention.cu", ["-DTFM_IN=1", "-DTA_D=256", "-DTA_BN=32", "-DTA_MINB=2"]),
     ("tree_attention.cu", ["-DTFM_IN=2", "-DTA_D=128", "-DTA_BN=64", "-DTA_MINB=2"]),
     ("tree_attention.cu", ["-DTFM_IN=0", "-DTA_D=64", "-DTA_BN=32", "-DTA_MINB=1"]),
+    ("kv_compact.cu", ["-DKVC_UNIT=16"]),
+    ("kv_compact.cu", ["-DKVC_UNIT=1"]),
 ]
 
 

@@ -13,6 +13,7 @@ MATH_MODULES = [
     "vllm_tfm.verify.logits_processing",
     "vllm_tfm.verify.tree_attention",
     "vllm_tfm.kernels.tree_attention",
+    "vllm_tfm.kernels.kv_compact",
     "vllm_tfm.models",
 ]
 

@@ -12,6 +12,9 @@ unsupported dtype or shape) it calls the reference instead and says so once.
   the commits of many layers in one launch per kernel kind (``batched_commit``).
 * ``weaver_round.round_fn_for``: one launch per Weaver growth round (its torch reference is
   ``vllm_tfm.tree.weaver_padded.weaver_round_reference``, the same signature).
+* :func:`kv_compact_layers`: the K/V moves of the accepted tree paths in every full-attention layer of
+  a KV-cache group, one launch (its torch reference :func:`kv_compact_reference`, the same signature;
+  :func:`kv_compact_unsupported_reason` says when the kernel cannot run).
 * :func:`kernels_available`: whether the CUDA path can run on this machine.
 """
 
@@ -32,6 +35,11 @@ from vllm_tfm.kernels.gdn import (
     gdn_tree_verify,
     gdn_tree_verify_planned,
 )
+from vllm_tfm.kernels.kv_compact import (
+    kv_compact_layers,
+    kv_compact_reference,
+    kv_compact_unsupported_reason,
+)
 from vllm_tfm.kernels.loader import KernelCompileError, KernelLaunchError, kernels_available
 from vllm_tfm.kernels.plan import CommitIndices, TreePlan
 
@@ -47,6 +55,9 @@ __all__ = [
     "gdn_tree_verify",
     "gdn_tree_verify_planned",
     "kernels_available",
+    "kv_compact_layers",
+    "kv_compact_reference",
+    "kv_compact_unsupported_reason",
     "tree_causal_conv1d",
     "tree_causal_conv1d_planned",
     "tree_conv_commit",

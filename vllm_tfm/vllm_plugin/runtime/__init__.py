@@ -52,7 +52,7 @@ from __future__ import annotations
 __all__ = [
     "install", "is_installed", "snapshot_metrics", "collect_tree_metrics", "flush_trace", "set_deferred_drafts",
     "set_device_topology", "set_commit_reuse", "set_early_sampled_copy", "set_gdn_metadata_fast",
-    "set_weaver_lazy_tail",
+    "set_weaver_lazy_tail", "set_kv_compact_kernel",
 ]
 
 
@@ -165,6 +165,15 @@ def set_weaver_lazy_tail(worker: object = None, on: bool | None = None) -> bool:
     in this process from the next step on (None: ``VLLM_TFM_WEAVER_LAZY_TAIL``); the setting now in force.
     The signature suits ``LLM.collective_rpc``."""
     from .weaver_graphs import set_weaver_lazy_tail as _set
+
+    return _set(on)
+
+
+def set_kv_compact_kernel(worker: object = None, on: bool | None = None) -> bool:
+    """The one-launch K/V compaction kernel (``commit.py`` ``compact_kv``) on or off in this process from the
+    next step on (None: ``VLLM_TFM_KV_COMPACT_KERNEL``); the setting now in force. The signature suits
+    ``LLM.collective_rpc``."""
+    from .commit import set_kv_compact_kernel as _set
 
     return _set(on)
 

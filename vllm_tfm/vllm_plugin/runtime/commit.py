@@ -9,7 +9,12 @@ request looks exactly as if it had verified the chain root, path_1, ..., path_p:
   scheduler then rolls ``num_computed_tokens`` back by the rejected count, so the next step
   appends after ``ctx + p``. RoPE used the depth positions, so the moved keys carry exactly the
   rotation a chain would have given them. All reads happen before all writes, so r_k >= k needs
-  no ordering.
+  no ordering. ``compact_kv`` moves every layer of a KV-cache group in one launch of the NVRTC
+  kernel (``vllm_tfm.kernels.kv_compact``: 1 launch instead of about 35-40 small torch kernels at the
+  27B's 16 attention layers, and no per-layer host dispatch) when it can run, else with the torch
+  reference (``kv_compact_reference``, the same moves bit for bit). ``VLLM_TFM_KV_COMPACT_KERNEL=0``
+  (or ``set_kv_compact_kernel(False)`` in the worker) keeps the reference; ``VLLM_TFM_KERNELS=0``
+  does too.
 * GDN (VLLM_HOOKS.md section 5, "What the commit must produce"), with a = p + 1: SSM slot
   ``[n, a - 1]`` holds the state after the last accepted token, and conv slot ``[n, 0]`` columns
   ``a - 1 .. a + W - 3`` hold the last W - 1 pre-conv inputs of ``[history, x_root, x_path...]``.
@@ -36,14 +41,32 @@ from torch import Tensor
 from vllm_tfm.kernels import batched_commit as kbatch
 from vllm_tfm.kernels import conv as kconv
 from vllm_tfm.kernels import gdn as kgdn
+from vllm_tfm.kernels import kv_compact as kkv
+from vllm_tfm.kernels.loader import warn_fallback
 from vllm_tfm.verify.accept_result import AcceptResult
 
-from .kernels_or_reference import tree_ops
-from .settings import batched_commit_enabled
+from .kernels_or_reference import kernels_enabled, tree_ops
+from .settings import RuntimeSwitch, batched_commit_enabled
 from .state import GDNStash, StepTree
 from .step_kernels import StepKernels
 
-__all__ = ["compaction_rows", "compact_kv", "commit_gdn_layer", "commit_gdn_layers", "batched_commit_layers", "spec_accepted"]
+__all__ = ["compaction_rows", "compact_kv", "commit_gdn_layer", "commit_gdn_layers", "batched_commit_layers", "spec_accepted",
+           "KV_COMPACT_KERNEL_ENV", "kv_compact_kernel_enabled", "set_kv_compact_kernel"]
+
+KV_COMPACT_KERNEL_ENV = "VLLM_TFM_KV_COMPACT_KERNEL"
+_KVC = RuntimeSwitch(KV_COMPACT_KERNEL_ENV, "set_kv_compact_kernel")
+
+
+def kv_compact_kernel_enabled() -> bool:
+    """``VLLM_TFM_KV_COMPACT_KERNEL`` unset or not 0 / false (default on), unless ``set_kv_compact_kernel``
+    overrode it: ``compact_kv`` runs the one-launch kernel where it can."""
+    return _KVC.enabled()
+
+
+def set_kv_compact_kernel(on: bool | None) -> bool:
+    """Override ``VLLM_TFM_KV_COMPACT_KERNEL`` in this process (None: back to the environment's); the
+    setting now in force. For a same-engine A/B (kernel vs torch reference) through ``collective_rpc``."""
+    return _KVC.set(on)
 
 
 def compaction_rows(row_base: Tensor, accepted_nodes: Tensor) -> tuple[Tensor, Tensor]:
@@ -68,21 +91,19 @@ def compact_kv(kv_caches: list[Tensor], slot_mapping: Tensor, src_rows: Tensor, 
 
     kv_caches: TRITON_ATTN caches, logical [num_blocks, H, block_size, 2 * head_size] (any
     physical stride order); slot_mapping: [>= T] int64, slot of every token row of the step.
-    The (block, offset) indices are computed once per block size: each layer then costs one
-    gather and one scatter.
+    The kernel (``kv_compact_layers``, one launch for the group) when the switch is on, the tensors
+    are on a CUDA device and the kernel takes their layout; else the torch reference, saying once
+    why when the tensors are on a CUDA device. Never waits for the device.
     """
-    if src_rows.numel() == 0:
+    if src_rows.numel() == 0 or not kv_caches:
         return
-    src = slot_mapping[src_rows].to(torch.long)
-    dst = slot_mapping[dst_rows].to(torch.long)
-    split: dict[int, tuple[Tensor, Tensor, Tensor, Tensor]] = {}
-    for kv in kv_caches:
-        bs = kv.shape[2]
-        idx = split.get(bs)
-        if idx is None:
-            idx = split[bs] = (src // bs, src % bs, dst // bs, dst % bs)
-        src_block, src_off, dst_block, dst_off = idx
-        kv[dst_block, :, dst_off] = kv[src_block, :, src_off]  # the gather is a copy: every read before any write
+    if kv_compact_kernel_enabled() and kernels_enabled():
+        reason = kkv.try_kv_compact_layers(kv_caches, slot_mapping, src_rows, dst_rows)  # one check, then the launch
+        if reason is None:
+            return
+        if reason != kkv.NOT_CUDA:
+            warn_fallback("compact_kv", reason)
+    kkv.kv_compact_reference(kv_caches, slot_mapping, src_rows, dst_rows)
 
 
 def spec_accepted(step: StepTree, accept: AcceptResult) -> tuple[Tensor, Tensor]:

@@ -18,6 +18,11 @@ them into ``TreeSettings`` here. Two in-process switches come on top:
   (tests/gpu/test_batched_commit_gpu.py); on the H200 the batched one cut the commit of a 27B
   step from 10.0 to 3.6 ms (bench/results/e2e_27b_graphs_batched_commit.json.gz).
 
+* ``VLLM_TFM_KV_COMPACT_KERNEL`` (read every step; default on, ``0`` turns it off; the switch lives in
+  ``runtime/commit.py``, ``set_kv_compact_kernel``): the K/V compaction of the accepted paths runs as
+  one NVRTC launch per KV-cache group (``vllm_tfm.kernels.kv_compact``) instead of a gather and a
+  scatter per attention layer; both move the same bytes.
+
 * ``VLLM_TFM_GDN_VERIFY`` (read once per step and layer shape, so at capture for CUDA graphs; default
   ``auto``): the GDN tree verify kernel version, ``auto`` picking version 6 where the H200
   measured it faster than version 3 (``kernels.gdn.runtime_verify_variant``), or a version 1-6 for
