@@ -26,12 +26,7 @@ echo "== install vllm-tfm ($(( $(date +%s) - start )) s)"
 source bench/install_checkout.sh
 install_checkout "$OUT/pip.log" || echo "using the checkout on PYTHONPATH without entry points"
 export VLLM_ENABLE_V1_MULTIPROCESSING=0
-# Triton's autotuning results cached on disk beside its kernels (~/.triton/cache): an engine started after
-# another on the same machine reuses the first one's autotuning of the prefill kernels in vLLM's profiling
-# run instead of timing every config again (bench/NOTES.md section 46). TRITON_CACHE_AUTOTUNING=0 to time
-# them in every engine.
-export TRITON_CACHE_AUTOTUNING=${TRITON_CACHE_AUTOTUNING:-1}
-export E2E_COMMAND="$(env | grep "^VLLM_TFM_" | sort | tr "\n" " ")TRITON_CACHE_AUTOTUNING=$TRITON_CACHE_AUTOTUNING bash bench/run_gpu_e2e.sh $*"
+export E2E_COMMAND="$(env | grep "^VLLM_TFM_" | sort | tr "\n" " ")bash bench/run_gpu_e2e.sh $*"
 nvidia-smi --query-gpu=name,memory.used,memory.total,driver_version --format=csv,noheader || true
 echo "== GPU checks of the benchmark switches ($(( $(date +%s) - start )) s)"
 timeout 60 python3 -m pytest tests/gpu/test_benchmark_gpu.py -q -p no:cacheprovider 2>&1 | tail -n 3
