@@ -532,7 +532,8 @@ SWITCH_ABS: dict[str, SwitchAB] = {
     "weaver_lazy_tail": SwitchAB("set_weaver_lazy_tail", "weaver_lazy_tail_ab", "weaver_lazy_tail",
                                  ("weaver.tail_skipped", "weaver_tail_skipped")),
     # the K/V compaction of the accepted paths in one launch (VLLM_TFM_KV_COMPACT_KERNEL, runtime/commit.py)
-    "kv_compact_kernel": SwitchAB("set_kv_compact_kernel", "kv_compact_kernel_ab", "kv_compact_kernel"),
+    "kv_compact_kernel": SwitchAB("set_kv_compact_kernel", "kv_compact_kernel_ab", "kv_compact_kernel",
+                                  ("commit.kv_compact_kernel", "kv_compact_kernel_calls")),
 }
 
 

@@ -191,6 +191,8 @@ def main() -> int:
     ap.add_argument("--batches", default="1,8")
     ap.add_argument("--dmax", type=int, default=16)
     ap.add_argument("--block-sizes", default=f"16,{BLOCK_27B}")
+    ap.add_argument("--budget-s", type=float, default=None,
+                    help="start no case past this many seconds (bench/run_gpu_kernels.sh kv_compact); skipped cases are listed")
     args = ap.parse_args()
     if args.sanitize_case:
         sanitize_case()
@@ -202,9 +204,15 @@ def main() -> int:
                   "tree_nodes": TREE_NODES, "dmax": args.dmax},
         "copy_bandwidth_gb_s": bw / 1e9,
         "cases": [],
+        "skipped": [],
     }
+    start = time.perf_counter()
     for bs in (int(v) for v in args.block_sizes.split(",")):
         for batch in (int(v) for v in args.batches.split(",")):
+            if args.budget_s is not None and time.perf_counter() - start > args.budget_s:
+                res["skipped"].append({"batch": batch, "block_size": bs, "why": f"past --budget-s {args.budget_s:g}"})
+                print(f"batch {batch:2d} block {bs:4d}: skipped (past --budget-s)", flush=True)
+                continue
             case = bench_case(batch, args.dmax, bs, args.repeats, bw)
             res["cases"].append(case)
             print(f"batch {batch:2d} block {bs:4d} moves {case['real_moves']:3d}: "

@@ -5,6 +5,7 @@
 #
 #     bash bench/run_gpu_kernels.sh                  # GDN tree verify / commit / conv (bench/gdn_tree.py)
 #     bash bench/run_gpu_kernels.sh tree_attention   # tree attention (bench/tree_attention.py)
+#     bash bench/run_gpu_kernels.sh kv_compact       # the K/V compaction of the commit (bench/kv_compact.py)
 #
 # Writes under $OUT: pytest.log/.xml, memcheck.log, racecheck.log, bench.log, <family>.json,
 # <family>.txt (gdn_tree / tree_attention), env.txt. Whole run bounded by TOTAL_S (default 500 s);
@@ -16,7 +17,8 @@ FAMILY=${1:-gdn_tree}
 case "$FAMILY" in
   gdn_tree)        TESTS=tests/gpu/test_kernels_gdn.py; T_PYTEST=210; T_MEM=90; T_RACE=120; T_BENCH=300; BENCH_SHARE=6 ;;
   tree_attention)  TESTS=tests/gpu/test_kernels_tree_attention.py; T_PYTEST=170; T_MEM=75; T_RACE=90; T_BENCH=240; BENCH_SHARE=7 ;;
-  *) echo "usage: bash bench/run_gpu_kernels.sh [gdn_tree|tree_attention]" >&2; exit 2 ;;
+  kv_compact)      TESTS=tests/gpu/test_kv_compact_gpu.py; T_PYTEST=60; T_MEM=60; T_RACE=60; T_BENCH=60; BENCH_SHARE=8 ;;
+  *) echo "usage: bash bench/run_gpu_kernels.sh [gdn_tree|tree_attention|kv_compact]" >&2; exit 2 ;;
 esac
 BENCH=bench/$FAMILY.py
 OUT=${OUT:-/tmp/vllm_tfm_out}

@@ -20,6 +20,8 @@ from vllm_tfm.kernels import kv_compact as kkv
 from vllm_tfm.kernels import loader
 from vllm_tfm.vllm_plugin.runtime import commit as rcommit
 from vllm_tfm.vllm_plugin.runtime import kernels_or_reference as kor
+from vllm_tfm.vllm_plugin.runtime.metrics import Metrics
+from vllm_tfm.vllm_plugin.runtime.state import STATE
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -335,6 +337,7 @@ def _dispatch_case(seed: int) -> tuple[list[torch.Tensor], torch.Tensor, torch.T
 
 
 def test_dispatch_runs_the_kernel_where_it_can(monkeypatch, emu_dir, switch_reset):
+    monkeypatch.setattr(STATE, "metrics", Metrics(max_depth=8, device="cpu"))
     caches, slot_mapping, src, dst = _dispatch_case(20)
     want = [kv.clone() for kv in caches]
     kkv.kv_compact_reference(want, slot_mapping, src, dst)
@@ -346,6 +349,7 @@ def test_dispatch_runs_the_kernel_where_it_can(monkeypatch, emu_dir, switch_rese
         rcommit.compact_kv(caches, slot_mapping, src, dst)
     assert [name for name, *_ in launches] == ["kv_compact_layers"]
     _assert_same(caches, want)
+    assert STATE.metrics.hooks["commit.kv_compact_kernel"] == 1 and "commit.kv_compact_reference" not in STATE.metrics.hooks
 
 
 @pytest.mark.parametrize("reason, warns", [(kkv.NOT_CUDA, False), ("some unsupported layout", True)])
@@ -379,6 +383,7 @@ def test_a_cpu_step_takes_the_reference_silently(switch_reset):
 
 @pytest.mark.parametrize("off", ["switch", "kernels"])
 def test_switched_off_the_kernel_is_not_tried(monkeypatch, switch_reset, off):
+    monkeypatch.setattr(STATE, "metrics", Metrics(max_depth=8, device="cpu"))
     caches, slot_mapping, src, dst = _dispatch_case(23)
     want = [kv.clone() for kv in caches]
     kkv.kv_compact_reference(want, slot_mapping, src, dst)
@@ -390,3 +395,4 @@ def test_switched_off_the_kernel_is_not_tried(monkeypatch, switch_reset, off):
         monkeypatch.setitem(kor._STATE, "enabled", False)  # VLLM_TFM_KERNELS=0
     rcommit.compact_kv(caches, slot_mapping, src, dst)
     _assert_same(caches, want)
+    assert STATE.metrics.hooks["commit.kv_compact_reference"] == 1 and "commit.kv_compact_kernel" not in STATE.metrics.hooks

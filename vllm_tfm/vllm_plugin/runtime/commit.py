@@ -47,7 +47,7 @@ from vllm_tfm.verify.accept_result import AcceptResult
 
 from .kernels_or_reference import kernels_enabled, tree_ops
 from .settings import RuntimeSwitch, batched_commit_enabled
-from .state import GDNStash, StepTree
+from .state import STATE, GDNStash, StepTree
 from .step_kernels import StepKernels
 
 __all__ = ["compaction_rows", "compact_kv", "commit_gdn_layer", "commit_gdn_layers", "batched_commit_layers", "spec_accepted",
@@ -93,17 +93,23 @@ def compact_kv(kv_caches: list[Tensor], slot_mapping: Tensor, src_rows: Tensor, 
     physical stride order); slot_mapping: [>= T] int64, slot of every token row of the step.
     The kernel (``kv_compact_layers``, one launch for the group) when the switch is on, the tensors
     are on a CUDA device and the kernel takes their layout; else the torch reference, saying once
-    why when the tensors are on a CUDA device. Never waits for the device.
+    why when the tensors are on a CUDA device. Never waits for the device. The engine's metrics count
+    the calls of each path (hooks ``commit.kv_compact_kernel`` / ``commit.kv_compact_reference``).
     """
     if src_rows.numel() == 0 or not kv_caches:
         return
+    metrics = STATE.metrics
     if kv_compact_kernel_enabled() and kernels_enabled():
         reason = kkv.try_kv_compact_layers(kv_caches, slot_mapping, src_rows, dst_rows)  # one check, then the launch
         if reason is None:
+            if metrics is not None:
+                metrics.hook("commit.kv_compact_kernel")
             return
         if reason != kkv.NOT_CUDA:
             warn_fallback("compact_kv", reason)
     kkv.kv_compact_reference(kv_caches, slot_mapping, src_rows, dst_rows)
+    if metrics is not None:
+        metrics.hook("commit.kv_compact_reference")
 
 
 def spec_accepted(step: StepTree, accept: AcceptResult) -> tuple[Tensor, Tensor]:
