@@ -30,9 +30,10 @@ Before any other replay or capture the tail is finished first (it reads the grap
 which the next replay re-initialises and other graphs of the pool may reuse).
 
 Lazy tail check (``VLLM_TFM_WEAVER_LAZY_TAIL``, default on; ``set_weaver_lazy_tail``): waiting for the
-answer before the forward costs the GPU an idle gap on a fast host, the host's work between the wait
-and the forward's launch (~0.4-0.6 ms per batch-1 step on the H200 host, bench/NOTES.md section 46),
-to ask a question whose answer at this bench's shapes is always no (no tail build in any e2e run).
+answer before the forward leaves the GPU idle while the host does its work between the wait and the
+forward's launch, wherever the GPU is the bound (on the H200 at 27B shape: batch 8, 28.57 -> 27.65 ms per
+step; batch 1 unchanged on a host that was the bound there; bench/NOTES.md section 46), to ask a
+question whose answer at the e2e bench's shapes has always been no (no tail build in any run).
 So a key that has never needed a tail does not wait: ``finish`` returns at once, the forward verifies
 the trees of the fixed rounds, and the answer is read after the forward (``check_skipped_tails``, at
 the next build, when the build has long ended). Verification is exact for any tree (a tree short of
