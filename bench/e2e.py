@@ -463,14 +463,15 @@ def parse_ab_switches(names: list[str], device_topology: bool = False, commit_re
 
 
 def switch_ab_runs(llm: Any, ps: list[list[int]], params: Any, setter: Any, flag: str,
-                   count: tuple[str, str] | None = None, repeats: int = 1) -> list[dict[str, Any]]:
+                   count: tuple[str, str] | None = None, repeats: int = 1, warm_off: bool = False) -> list[dict[str, Any]]:
     """More clean runs after the arm's clean run (a runtime switch on), in ``ab_order(repeats)``, set in
     the worker through ``setter`` (then back to the environment's setting), each marked ``run[flag]``.
     Each run also records its tree steps (``tree_steps``: steps that committed a tree, the ``commit``
     hook) and its decode milliseconds per tree step (``decode_ms_per_step``): the replayed acceptance
     differs from run to run, so tokens/s mixes the switch with the run's accepted lengths, and the step
     time does not. With ``count`` = (tree-metrics hook, key), each run also records how many steps took
-    that hook. A same-engine A/B."""
+    that hook. A same-engine A/B. ``warm_off``: one unrecorded run with the switch off first, for switches
+    that select another CUDA graph (captured on its first use, which must not land in a timed run)."""
     from vllm_tfm.vllm_plugin.runtime import collect_tree_metrics
 
     hooks = [("commit", "tree_steps")] + ([count] if count is not None else [])
@@ -481,6 +482,9 @@ def switch_ab_runs(llm: Any, ps: list[list[int]], params: Any, setter: Any, flag
 
     out = []
     try:
+        if warm_off:
+            llm.collective_rpc(setter, args=(False,))
+            one_run(llm, ps, params)
         for on in ab_order(repeats):
             llm.collective_rpc(setter, args=(on,))
             before = hooked()
@@ -515,6 +519,7 @@ class SwitchAB:
     ab_key: str
     flag: str
     count: tuple[str, str] | None = None
+    warm_off: bool = False  # switch_ab_runs' warm_off: the switch picks another CUDA graph
 
 
 SWITCH_ABS: dict[str, SwitchAB] = {
@@ -534,6 +539,9 @@ SWITCH_ABS: dict[str, SwitchAB] = {
     # the K/V compaction of the accepted paths in one launch (VLLM_TFM_KV_COMPACT_KERNEL, runtime/commit.py)
     "kv_compact_kernel": SwitchAB("set_kv_compact_kernel", "kv_compact_kernel_ab", "kv_compact_kernel",
                                   ("commit.kv_compact_kernel", "kv_compact_kernel_calls")),
+    # the DFlash top-K of the Weaver build in one launch (VLLM_TFM_TOPK_KERNEL, kernels/topk_rows.py); the
+    # Weaver graphs key on it, so the off setting's graph is captured in an unrecorded run first
+    "topk_kernel": SwitchAB("set_topk_kernel", "topk_kernel_ab", "topk_kernel", warm_off=True),
 }
 
 
@@ -542,7 +550,7 @@ def switch_ab(llm: Any, ps: list[list[int]], params: Any, name: str, repeats: in
     import vllm_tfm.vllm_plugin.runtime as runtime
 
     sw = SWITCH_ABS[name]
-    return switch_ab_runs(llm, ps, params, getattr(runtime, sw.setter), sw.flag, sw.count, repeats)
+    return switch_ab_runs(llm, ps, params, getattr(runtime, sw.setter), sw.flag, sw.count, repeats, sw.warm_off)
 
 
 def host_spans_run(llm: Any, ps: list[list[int]], params: Any) -> dict[str, Any]:

@@ -39,9 +39,10 @@ KERNELS = {
     "weaver_attention.cu": ["weaver_node_attention"],
     "tree_step_topology.cu": ["tree_step_topology"],
     "kv_compact.cu": ["kv_compact_layers"],
+    "topk_rows.cu": ["topk_rows"],
 }
 WRAPPERS = ("gdn", "conv", "tree_attention", "batched_commit", "weaver_round", "candidate_scores", "weaver_linear",
-            "weaver_attention", "step_topology", "kv_compact")  # vllm_tfm.kernels modules that launch kernels
+            "weaver_attention", "step_topology", "kv_compact", "topk_rows")  # vllm_tfm.kernels modules that launch kernels
 
 
 def build(source: str, options: list[str], out_dir: Path, sanitize: bool = False) -> Path:

@@ -717,6 +717,30 @@ def test_a_switch_ab_sets_off_on_off_then_gives_the_setting_back(monkeypatch) ->
     assert all(r["tree_steps"] == 0 and r["decode_ms_per_step"] is None for r in runs)  # no commit hook here
 
 
+def test_a_graph_selecting_switch_runs_its_off_setting_once_unrecorded_first(monkeypatch) -> None:
+    calls: list[tuple] = []
+    runs_seen: list[object] = []
+
+    class LLM:
+        def collective_rpc(self, fn, args=(), kwargs=None):
+            calls.append((fn.__name__, args))
+            return [{"hooks": {}}]
+
+    def one_run(llm, ps, params):
+        runs_seen.append([a for name, a in calls if name == "set_thing"][-1])
+        return {"decode_tokens_per_s": 1.0}
+
+    monkeypatch.setattr(e2e, "one_run", one_run)
+
+    def set_thing(worker=None, on=None):
+        return on
+
+    runs = e2e.switch_ab_runs(LLM(), [[1]], None, set_thing, "thing", repeats=1, warm_off=True)
+    assert runs_seen == [(False,), (False,), (True,), (False,)]  # the warm run first, then off / on / off
+    assert [r["thing"] for r in runs] == [False, True, False]  # the warm run is not among them
+    assert e2e.SWITCH_ABS["topk_kernel"].warm_off and not e2e.SWITCH_ABS["kv_compact_kernel"].warm_off
+
+
 def test_decode_ms_per_step_divides_the_decode_window_by_the_tree_steps() -> None:
     # 8 requests, 2048 tokens: 2040 after the first ones, at 850 tok/s = 2.4 s over 100 steps
     assert e2e.decode_ms_per_step({"output_tokens": 2048, "decode_tokens_per_s": 850.0, "tree_steps": 100}, 8) == 24.0
@@ -763,7 +787,7 @@ def test_every_switch_ab_has_a_setter_and_a_report_title_and_bad_names_are_refus
     import vllm_tfm.vllm_plugin.runtime as runtime
 
     assert set(e2e.SWITCH_ABS) == {"device_topology", "commit_reuse", "early_sampled_copy", "gdn_metadata_fast",
-                                   "weaver_lazy_tail", "kv_compact_kernel"}
+                                   "weaver_lazy_tail", "kv_compact_kernel", "topk_kernel"}
     for name, sw in e2e.SWITCH_ABS.items():
         assert callable(getattr(runtime, sw.setter)) and sw.setter in runtime.__all__
         assert e2e_report.SWITCH_AB_TITLES[sw.ab_key][0] == sw.flag
@@ -771,7 +795,8 @@ def test_every_switch_ab_has_a_setter_and_a_report_title_and_bad_names_are_refus
     assert e2e.parse_ab_switches(["early_sampled_copy", "commit_reuse"], commit_reuse=True, device_topology=True) == [
         "early_sampled_copy", "commit_reuse", "device_topology"]
     with pytest.raises(ValueError, match="--ab-switch: unknown switch 'early_copy'; expected one of device_topology, "
-                                         "commit_reuse, early_sampled_copy, gdn_metadata_fast, weaver_lazy_tail, kv_compact_kernel"):
+                                         "commit_reuse, early_sampled_copy, gdn_metadata_fast, weaver_lazy_tail, kv_compact_kernel, "
+                                         "topk_kernel"):
         e2e.parse_ab_switches(["early_copy"])
 
 

@@ -4,7 +4,8 @@ The glue between the drafter models and the lockstep tree builders of ``vllm_tfm
 by the vLLM runtime (``vllm_plugin.runtime.tree_builder_gpu``) and offline evaluation:
 
 * ``weaver_padded_trees`` / ``weaver_draft_trees``: TfM trees. DFlash top-K candidates per depth
-  (``torch.topk`` of the raw logits, as the reference decoder's ``DFlashProposer`` does), one
+  (the top K of the raw logits, as the reference decoder's ``DFlashProposer`` takes them: ``torch.topk``, or
+  ``vllm_tfm.kernels.topk_rows`` with the scorer's kernels), one
   ``BatchedWeaverTreeScorer`` for all requests, ``WeaverGrowth`` (``build_weaver_padded``);
   ``weaver_growth`` is their part without host syncs (what a CUDA graph can capture).
 * ``treeflash_padded_trees``: TreeFlash trees from the marginals and a
@@ -20,6 +21,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
+from vllm_tfm.kernels.topk_rows import topk_candidates
 from vllm_tfm.kernels.weaver_round import round_fn_for
 from vllm_tfm.tree.padded import PaddedTrees
 from vllm_tfm.tree.treeflash_padded import build_treeflash_padded
@@ -32,14 +34,15 @@ from .weaver import BatchedWeaverTreeScorer, Weaver
 __all__ = ["treeflash_padded_trees", "weaver_draft_trees", "weaver_growth", "weaver_padded_trees"]
 
 
-def _candidates(dflash_logits: Tensor, top_k: int) -> tuple[Tensor, Tensor]:
-    """(cand_logits, cand_ids) [R, D, K]: topk of the logits in float32 (float64 stays float64)."""
+def _candidates(dflash_logits: Tensor, top_k: int, kernel: bool = False) -> tuple[Tensor, Tensor]:
+    """(cand_logits, cand_ids) [R, D, K]: topk of the logits in float32 (float64 stays float64).
+    ``kernel``: the one-launch top-K (``vllm_tfm.kernels.topk_rows``) where it takes the logits, which
+    orders equal logits by index (``torch.topk`` in no fixed way); else ``torch.topk``."""
     if dflash_logits.dim() != 3 or 0 in dflash_logits.shape:
         raise ValueError(f"dflash_logits must be [R, D, V] and non-empty, got {tuple(dflash_logits.shape)}")
     if isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 1:
         raise ValueError(f"top_k must be an integer >= 1, got {top_k!r}")
-    logits = dflash_logits if dflash_logits.dtype == torch.float64 else dflash_logits.float()
-    return torch.topk(logits, min(top_k, logits.shape[-1]), dim=-1)
+    return topk_candidates(dflash_logits, top_k, kernel=kernel)
 
 
 def weaver_growth(
@@ -66,8 +69,9 @@ def weaver_growth(
     it takes these tensors (CUDA; the same trees), else with the torch round. ``score_kernel``: the
     scorer's kernels where they take the tensors (``BatchedWeaverTreeScorer``: its linear layers
     through ``vllm_tfm.kernels.weaver_linear``, its candidate scores through
-    ``vllm_tfm.kernels.candidate_scores``; the same scores to the activations' rounding)."""
-    cand_logits, cand_ids = _candidates(dflash_logits, top_k)
+    ``vllm_tfm.kernels.candidate_scores``; the same scores to the activations' rounding), and the DFlash
+    top-K through ``vllm_tfm.kernels.topk_rows`` (equal logits ordered by index)."""
+    cand_logits, cand_ids = _candidates(dflash_logits, top_k, kernel=score_kernel)
     if logits_dtype is not None:
         cand_logits = cand_logits.to(logits_dtype)
     scorer = BatchedWeaverTreeScorer(
