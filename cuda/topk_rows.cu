@@ -43,6 +43,7 @@
 #define TK_MAX_BINS 4096      // 12-bit digits
 #define TK_MAX_CLUSTER 8
 #define TK_MAX_K 1024
+#define TK_LOADS 8            // 16-byte loads per thread in flight while the chunk is read
 #define TK_MISC 64            // ints: [0, 8) slice totals, [8, 16) > T counts, [16, 24) == T counts,
                               // 24 decided bin, 25 entries above it, [32, 40) warp sums
 
@@ -135,14 +136,38 @@ topk_rows(const tk_raw* __restrict__ x, i64 row_stride, int V, int k, int kp, in
   const tk_raw* src = x + row * row_stride + lo;
 
   // The chunk into shared memory.
+  // (TK_LOADS loads per thread issued before their stores: one memory round trip per TK_LOADS x 4 KB)
   if (vec) {
     constexpr int PER16 = 16 / (int)sizeof(tk_raw);
     const int nv = n / PER16;
-    for (int i = tid; i < nv; i += TK_THREADS)
-      reinterpret_cast<uint4*>(data)[i] = reinterpret_cast<const uint4*>(src)[i];
+    for (int i0 = 0; i0 < nv; i0 += TK_LOADS * TK_THREADS) {
+      uint4 r[TK_LOADS];
+#pragma unroll
+      for (int u = 0; u < TK_LOADS; ++u) {
+        const int i = i0 + u * TK_THREADS + tid;
+        if (i < nv) r[u] = reinterpret_cast<const uint4*>(src)[i];
+      }
+#pragma unroll
+      for (int u = 0; u < TK_LOADS; ++u) {
+        const int i = i0 + u * TK_THREADS + tid;
+        if (i < nv) reinterpret_cast<uint4*>(data)[i] = r[u];
+      }
+    }
     for (int i = nv * PER16 + tid; i < n; i += TK_THREADS) data[i] = src[i];
   } else {
-    for (int i = tid; i < n; i += TK_THREADS) data[i] = src[i];
+    for (int i0 = 0; i0 < n; i0 += TK_LOADS * TK_THREADS) {
+      tk_raw r[TK_LOADS];
+#pragma unroll
+      for (int u = 0; u < TK_LOADS; ++u) {
+        const int i = i0 + u * TK_THREADS + tid;
+        if (i < n) r[u] = src[i];
+      }
+#pragma unroll
+      for (int u = 0; u < TK_LOADS; ++u) {
+        const int i = i0 + u * TK_THREADS + tid;
+        if (i < n) data[i] = r[u];
+      }
+    }
   }
   if (rank == 0)
     for (int i = k + tid; i < kp; i += TK_THREADS) cand[i] = 0ull;
@@ -166,9 +191,13 @@ topk_rows(const tk_raw* __restrict__ x, i64 row_stride, int V, int k, int kp, in
     cluster_arrive();
     cluster_wait();
     const int per = nb / C, b0 = rank * per;
-    for (int j = tid; j < per; j += TK_THREADS) {
+    for (int j = tid; j < per; j += TK_THREADS) {  // the C remote loads of a bin issued together
+      int v[TK_MAX_CLUSTER];
+#pragma unroll
+      for (int r = 0; r < TK_MAX_CLUSTER; ++r) v[r] = r < C ? cluster_map(hist, (u32)r)[b0 + j] : 0;
       int s = 0;
-      for (int r = 0; r < C; ++r) s += cluster_map(hist, (u32)r)[b0 + j];
+#pragma unroll
+      for (int r = 0; r < TK_MAX_CLUSTER; ++r) s += v[r];
       tot[j] = s;
     }
     int s = 0;
@@ -230,6 +259,7 @@ topk_rows(const tk_raw* __restrict__ x, i64 row_stride, int V, int k, int kp, in
   const int run = (n + TK_THREADS - 1) / TK_THREADS;
   const int a = min(n, tid * run), e = min(n, a + run);
   int ngt = 0, neq = 0;
+#pragma unroll 8
   for (int i = a; i < e; ++i) {
     const u32 key = tk_key(data[i]);
     ngt += key > T;
