@@ -6,6 +6,7 @@ they are, at the Qwen3.6-27B shape on the GPU host.
 
 usage: python3 bench/topk_rows.py [--out FILE] [--rows 15,120] [--k 512] [--vocab 248320] [--repeats 50]
        python3 bench/topk_rows.py --sanitize-case   # small kernel-vs-reference run for compute-sanitizer
+       python3 bench/topk_rows.py --sweep           # the kernel alone at clusters 4, 8 and k 8, 64, 512
 
 Rows: batch x depths (15 depths of a DFlash block of 16: 15 rows at batch 1, 120 at batch 8) of bf16 logits
 (random normal, and a second set with only 64 distinct values, where the k-th value ties with thousands).
@@ -85,8 +86,21 @@ def bench_case(rows: int, vocab: int, k: int, ties: bool, reps: int, bw: float) 
     return res
 
 
+def sweep(rows_list: list[int], vocab: int, reps: int) -> None:
+    """The kernel's graph time per call at clusters 4 and 8 and k = 8, 64, 512 (normal bf16 logits): how the
+    time follows the entries per CTA (the cluster) and the sort (k)."""
+    g = torch.Generator(device="cuda").manual_seed(0)
+    for rows in rows_list:
+        x = (torch.randn(rows, vocab, generator=g, device="cuda") * 3).to(torch.bfloat16)
+        for c in (4, 8):
+            for k in (8, 64, 512):
+                us, mode = time_calls([lambda: ktk.topk_rows(x, k, cluster=c)] * CALLS, reps, graph=True)
+                print(f"rows {rows} cluster {c} k {k}: {us:7.1f} us ({mode})", flush=True)
+
+
 def main() -> int:
     ap = kernel_bench_parser(__doc__, repeats=50)
+    ap.add_argument("--sweep", action="store_true", help="the kernel alone at clusters 4, 8 and k 8, 64, 512")
     ap.add_argument("--rows", default="15,120")
     ap.add_argument("--k", type=int, default=512)
     ap.add_argument("--vocab", type=int, default=248320)
@@ -94,6 +108,9 @@ def main() -> int:
     args = ap.parse_args()
     if args.sanitize_case:
         sanitize_case()
+        return 0
+    if args.sweep:
+        sweep([int(v) for v in args.rows.split(",")], args.vocab, 30)
         return 0
     bw = copy_bandwidth()
     res: dict[str, Any] = {**result_header("bench/topk_rows.py"), "copy_bandwidth_gb_s": bw / 1e9, "cases": [],
