@@ -416,7 +416,7 @@ SWITCH_AB_TITLES: dict[str, tuple[str, str]] = {
                              "(clean runs in this order; VLLM_TFM_KV_COMPACT_KERNEL, runtime/commit.py):"),
     "topk_kernel_ab": ("topk_kernel", "The DFlash top-K of the Weaver build in one kernel launch (on) / torch.topk (off) "
                        "on the same engine, decode tokens/s (clean runs in this order, after an unrecorded run that "
-                       "captured the off setting's Weaver graphs; VLLM_TFM_TOPK_KERNEL, kernels/topk_rows.py):"),
+                       "captured the off setting's Weaver graphs; VLLM_TFM_TOPK_KERNEL, runtime/tree_builder_gpu.py):"),
 }
 
 

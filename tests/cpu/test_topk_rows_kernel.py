@@ -136,32 +136,40 @@ def test_candidates_dispatch_and_switch(monkeypatch) -> None:
     assert ktk.topk_candidates(x, 10_000)[1].shape == (5, 600)  # k clipped to V
     x64 = x.double()
     assert ktk.topk_candidates(x64, 3)[0].dtype == torch.float64
-    monkeypatch.setenv(ktk.ENV_SWITCH, "0")
-    assert not ktk.topk_kernel_enabled()
+
+
+def test_the_runtime_switch_and_the_weaver_graphs_key(monkeypatch) -> None:
+    """``VLLM_TFM_TOPK_KERNEL`` / ``set_topk_kernel`` (runtime/tree_builder_gpu.py) and the Weaver graphs' key,
+    which holds the setting, so that a same-engine A/B replays another graph."""
+    from vllm_tfm.vllm_plugin.runtime import tree_builder_gpu as tbg
+    from vllm_tfm.vllm_plugin.runtime.weaver_graphs import graph_key
+
+    monkeypatch.setenv(tbg.TOPK_KERNEL_ENV, "0")
+    assert not tbg.topk_kernel_enabled()
     try:
-        assert ktk.set_topk_kernel(True) is True
-        assert ktk.set_topk_kernel(None) is False  # back to the environment's
+        assert tbg.set_topk_kernel(True) is True
+        assert tbg.set_topk_kernel(None) is False  # back to the environment's
+        logits, hidden, verifier = torch.zeros(1, 3, 50), torch.zeros(1, 3, 8), torch.zeros(1, 8)
+        table, weaver = torch.zeros(50, 8), torch.nn.Linear(1, 1)
+        keys = {on: (tbg.set_topk_kernel(on), graph_key(1, weaver, logits, hidden, verifier, table, table, 4, 5, 2, 2))[1]
+                for on in (False, True)}
+        assert keys[False] != keys[True] and keys[False][:-1] == keys[True][:-1]
     finally:
-        ktk.set_topk_kernel(None)
-    monkeypatch.delenv(ktk.ENV_SWITCH)
-    assert ktk.topk_kernel_enabled()
+        tbg.set_topk_kernel(None)
+    monkeypatch.delenv(tbg.TOPK_KERNEL_ENV)
+    assert tbg.topk_kernel_enabled()
 
 
 def test_candidates_take_the_kernel_where_it_runs(emu_dir, monkeypatch) -> None:
     """With the device checks passed (as on a GPU), the dispatcher launches the kernel and its order."""
     gen = torch.Generator().manual_seed(2)
     x = _rows(gen, 3, 900, torch.bfloat16, levels=20)
-    monkeypatch.setattr(ktk, "topk_rows_unsupported_reason", lambda logits, k: None)
+    plan = ktk._checked_plan
+    monkeypatch.setattr(ktk, "_checked_plan", lambda x, k, need_cuda, **kw: plan(x, k, need_cuda=False, **kw))
     with emulated(emu_dir) as launches:
         vals, idx = ktk.topk_candidates(x, 50)
         assert len(launches) == 1
-        ktk.set_topk_kernel(False)
-        try:
-            ktk.topk_candidates(x, 50)  # the switch: torch.topk, no launch
-        finally:
-            ktk.set_topk_kernel(None)
-        assert len(launches) == 1
-        ktk.topk_candidates(x, 50, kernel=False)
+        ktk.topk_candidates(x, 50, kernel=False)  # torch.topk, no launch
         assert len(launches) == 1
     want_v, want_i = ktk.topk_rows_reference(x, 50)
     assert torch.equal(idx, want_i) and torch.equal(vals, want_v)

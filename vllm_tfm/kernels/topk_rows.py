@@ -16,15 +16,15 @@ place, the choice) of equal logits; verification is exact for any tree, so token
 
 The kernel takes CUDA float32 / bfloat16 / float16 rows with a contiguous last dimension, 1 <= k <=
 min(V, :data:`MAX_K`), and rows whose chunk fits one CTA's shared memory at a cluster of at most
-:data:`MAX_CLUSTER` (V up to ~800k 16-bit values). ``VLLM_TFM_TOPK_KERNEL=0`` (or ``set_topk_kernel``)
-keeps ``torch.topk``; any input the kernel does not take falls back to it too (a one-time warning for
-CUDA inputs).
+:data:`MAX_CLUSTER` (V up to ~800k 16-bit values). ``topk_candidates(..., kernel=False)`` keeps
+``torch.topk`` (the runtime's switch ``VLLM_TFM_TOPK_KERNEL`` lives in
+``vllm_plugin/runtime/tree_builder_gpu.py``); any input the kernel does not take falls back to it too (a
+one-time warning for CUDA inputs).
 """
 
 from __future__ import annotations
 
 import ctypes
-import os
 
 import torch
 from torch import Tensor
@@ -39,14 +39,11 @@ from vllm_tfm.kernels.loader import (
 )
 
 __all__ = [
-    "ENV_SWITCH",
     "MAX_CLUSTER",
     "MAX_K",
     "NOT_CUDA",
     "launch_plan",
-    "set_topk_kernel",
     "topk_candidates",
-    "topk_kernel_enabled",
     "topk_rows",
     "topk_rows_reference",
     "topk_rows_unsupported_reason",
@@ -62,48 +59,19 @@ MISC_INTS = 64  # TK_MISC
 MAX_GRID_Y = 65535
 SMEM_TARGET = 100 * 1024  # per CTA: two CTAs per SM (228 KB) where the rows allow
 DTYPE_CODE = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
-ENV_SWITCH = "VLLM_TFM_TOPK_KERNEL"
 NOT_CUDA = "the logits are not a CUDA tensor"
-_override: bool | None = None
-
-
-def topk_kernel_enabled() -> bool:
-    """``VLLM_TFM_TOPK_KERNEL`` unset or not 0 / false (default on), unless ``set_topk_kernel`` overrides it."""
-    if _override is not None:
-        return _override
-    return os.environ.get(ENV_SWITCH, "1").strip().lower() not in ("0", "false")
-
-
-def set_topk_kernel(on: bool | None) -> bool:
-    """Override ``VLLM_TFM_TOPK_KERNEL`` in this process (None: back to the environment's); returns the
-    setting now in force. The Weaver CUDA graphs key on it, so a change captures (or picks) the other graph."""
-    global _override
-    _override = on
-    return topk_kernel_enabled()
-
-
-def _order_keys(x: Tensor) -> Tensor:
-    """int64 keys in the kernel's order (module docstring): larger key = earlier; every NaN the largest."""
-    if x.dtype == torch.float32:
-        bits = x.view(torch.int32).to(torch.int64) & 0xFFFFFFFF
-        sign, mag, nan_min, top = 1 << 31, bits & 0x7FFFFFFF, 0x7F800000, (1 << 32) - 1
-    else:
-        bits = x.view(torch.int16).to(torch.int64) & 0xFFFF
-        sign, mag, nan_min, top = 1 << 15, bits & 0x7FFF, (0x7F80 if x.dtype == torch.bfloat16 else 0x7C00), (1 << 16) - 1
-    key = torch.where(bits >= sign, top - bits, bits + sign)
-    key = torch.where(mag == 0, torch.full_like(key, sign), key)
-    return torch.where(mag > nan_min, torch.full_like(key, top), key)
 
 
 def topk_rows_reference(x: Tensor, k: int) -> tuple[Tensor, Tensor]:
     """(values float32 [..., k], indices int64 [..., k]): the k largest entries of each row of ``x``
-    [..., V] (float32, bfloat16 or float16), best first, ties to the lower index, NaN first."""
+    [..., V] (float32, bfloat16 or float16), best first, ties to the lower index, NaN first: a stable
+    descending sort (torch's sort puts NaN above every number and -0.0 level with 0.0), truncated."""
     if x.dtype not in DTYPE_CODE:
         raise ValueError(f"topk_rows_reference: x must be float32, bfloat16 or float16, got {x.dtype}")
     if not 1 <= k <= x.shape[-1]:
         raise ValueError(f"topk_rows_reference: k must be in [1, {x.shape[-1]}], got {k}")
-    idx = torch.sort(_order_keys(x), dim=-1, descending=True, stable=True).indices[..., :k]
-    return x.gather(-1, idx).float(), idx
+    vals, idx = torch.sort(x, dim=-1, descending=True, stable=True)
+    return vals[..., :k].float(), idx[..., :k]
 
 
 def _pow2_at_least(n: int) -> int:
@@ -155,49 +123,37 @@ def _shape_reason(x: Tensor, k: int) -> str | None:
     return None
 
 
+def _checked_plan(x: Tensor, k: int, need_cuda: bool, cluster: int | None = None, num_sms: int | None = None,
+                  max_smem: int | None = None) -> tuple[int, int, int] | str:
+    """The launch plan of ``x``, ``k`` or why the kernel does not take them; ``need_cuda``: on this machine's
+    CUDA device through the loader (``NOT_CUDA`` for CPU tensors), else any device (the CPU emulation runs
+    the kernel on CPU tensors, planned for an H200 unless ``num_sms`` / ``max_smem`` say otherwise)."""
+    reason = _shape_reason(x, k)
+    if reason is None and need_cuda:
+        reason = NOT_CUDA if not x.is_cuda else kernels_unavailable_reason(tensor_device_index(x))
+    if reason is not None:
+        return reason
+    if x.is_cuda:
+        num_sms = num_sms or torch.cuda.get_device_properties(x.device).multi_processor_count
+        max_smem = max_smem or device_smem_optin(tensor_device_index(x))
+    rows = x.numel() // x.shape[-1]
+    return launch_plan(rows, int(x.shape[-1]), k, x.element_size(), num_sms or 132, max_smem or 227 * 1024, cluster)
+
+
 def topk_rows_unsupported_reason(x: Tensor, k: int) -> str | None:
     """None when ``topk_rows`` runs ``x``, ``k`` here, else why not (``NOT_CUDA`` for CPU tensors)."""
-    reason = _shape_reason(x, k)
-    if reason is not None:
-        return reason
-    if not x.is_cuda:
-        return NOT_CUDA
-    reason = kernels_unavailable_reason(tensor_device_index(x))
-    if reason is not None:
-        return reason
-    rows = x.numel() // x.shape[-1]
-    props = torch.cuda.get_device_properties(x.device)
-    plan = launch_plan(rows, int(x.shape[-1]), k, x.element_size(), props.multi_processor_count,
-                       device_smem_optin(tensor_device_index(x)))
+    plan = _checked_plan(x, k, need_cuda=True)
     return plan if isinstance(plan, str) else None
 
 
-def topk_rows(x: Tensor, k: int, cluster: int | None = None, num_sms: int | None = None,
-              max_smem: int | None = None) -> tuple[Tensor, Tensor]:
-    """The kernel: (values float32 [..., k], indices int64 [..., k]) as ``topk_rows_reference``.
-    Raises ValueError for what it does not take (``_shape_reason``, ``launch_plan``); the device and the
-    loader are not checked (``topk_rows_unsupported_reason`` does; the CPU emulation runs it on CPU
-    tensors). ``cluster`` / ``num_sms`` / ``max_smem``: the launch plan's inputs, for tests."""
-    reason = _shape_reason(x, k)
-    if reason is not None:
-        raise ValueError(f"topk_rows: {reason}")
+def _launch(x: Tensor, k: int, plan: tuple[int, int, int]) -> tuple[Tensor, Tensor]:
+    c, chunk, smem = plan
     v = int(x.shape[-1])
     rows_shape = tuple(x.shape[:-1])
     x2 = x.reshape(-1, v)
     if x2.stride(-1) != 1 and v > 1:
         x2 = x2.contiguous()
     rows = int(x2.shape[0])
-    if num_sms is None or max_smem is None:
-        if x.is_cuda:
-            dev = tensor_device_index(x)
-            num_sms = num_sms or torch.cuda.get_device_properties(x.device).multi_processor_count
-            max_smem = max_smem or device_smem_optin(dev)
-        else:
-            num_sms, max_smem = num_sms or 132, max_smem or 227 * 1024
-    plan = launch_plan(rows, v, k, x.element_size(), num_sms, max_smem, cluster)
-    if isinstance(plan, str):
-        raise ValueError(f"topk_rows: {plan}")
-    c, chunk, smem = plan
     values = torch.empty(rows, k, dtype=torch.float32, device=x.device)
     indices = torch.empty(rows, k, dtype=torch.int64, device=x.device)
     es = x.element_size()
@@ -212,17 +168,29 @@ def topk_rows(x: Tensor, k: int, cluster: int | None = None, num_sms: int | None
     return values.reshape(*rows_shape, k), indices.reshape(*rows_shape, k)
 
 
+def topk_rows(x: Tensor, k: int, cluster: int | None = None, num_sms: int | None = None,
+              max_smem: int | None = None) -> tuple[Tensor, Tensor]:
+    """The kernel: (values float32 [..., k], indices int64 [..., k]) as ``topk_rows_reference``.
+    Raises ValueError for what it does not take (``_shape_reason``, ``launch_plan``); the device and the
+    loader are not checked (``topk_rows_unsupported_reason`` does; the CPU emulation runs it on CPU
+    tensors). ``cluster`` / ``num_sms`` / ``max_smem``: the launch plan's inputs, for tests."""
+    plan = _checked_plan(x, k, need_cuda=False, cluster=cluster, num_sms=num_sms, max_smem=max_smem)
+    if isinstance(plan, str):
+        raise ValueError(f"topk_rows: {plan}")
+    return _launch(x, k, plan)
+
+
 def topk_candidates(logits: Tensor, k: int, kernel: bool = True) -> tuple[Tensor, Tensor]:
     """The DFlash candidates: (values float32, indices int64) of the ``k`` largest logits of every row
-    (``min(k, V)`` of them). The kernel when ``kernel`` and ``topk_kernel_enabled()`` and it takes the
-    input; else ``torch.topk`` of the float32 logits (float64 stays float64), the path before the
-    kernel, with a one-time warning for CUDA inputs the kernel does not take."""
+    (``min(k, V)`` of them). The kernel when ``kernel`` and it takes the input (one plan, checked once);
+    else ``torch.topk`` of the float32 logits (float64 stays float64), the path before the kernel, with a
+    one-time warning for CUDA inputs the kernel does not take."""
     k = min(k, int(logits.shape[-1]))
-    if kernel and topk_kernel_enabled() and logits.dtype != torch.float64:
-        reason = topk_rows_unsupported_reason(logits, k)
-        if reason is None:
-            return topk_rows(logits, k)
-        if reason != NOT_CUDA and logits.is_cuda:
-            warn_fallback("topk_rows", reason)
+    if kernel and logits.dtype != torch.float64:
+        plan = _checked_plan(logits, k, need_cuda=True)
+        if not isinstance(plan, str):
+            return _launch(logits, k, plan)
+        if plan != NOT_CUDA and logits.is_cuda:
+            warn_fallback("topk_rows", plan)
     x = logits if logits.dtype == torch.float64 else logits.float()
     return torch.topk(x, k, dim=-1)

@@ -5,7 +5,7 @@ by the vLLM runtime (``vllm_plugin.runtime.tree_builder_gpu``) and offline evalu
 
 * ``weaver_padded_trees`` / ``weaver_draft_trees``: TfM trees. DFlash top-K candidates per depth
   (the top K of the raw logits, as the reference decoder's ``DFlashProposer`` takes them: ``torch.topk``, or
-  ``vllm_tfm.kernels.topk_rows`` with the scorer's kernels), one
+  ``vllm_tfm.kernels.topk_rows`` with ``topk_kernel``), one
   ``BatchedWeaverTreeScorer`` for all requests, ``WeaverGrowth`` (``build_weaver_padded``);
   ``weaver_growth`` is their part without host syncs (what a CUDA graph can capture).
 * ``treeflash_padded_trees``: TreeFlash trees from the marginals and a
@@ -60,6 +60,7 @@ def weaver_growth(
     logits_dtype: torch.dtype | None = None,
     round_kernel: bool = True,
     score_kernel: bool = True,
+    topk_kernel: bool = True,
 ) -> tuple[WeaverGrowth, Tensor]:
     """The host-sync-free part of ``weaver_padded_trees``: DFlash top-K candidates, the batched
     Weaver scorer and the first ``fixed_rounds`` rounds of growth. Returns (growth, cand_ids);
@@ -69,9 +70,10 @@ def weaver_growth(
     it takes these tensors (CUDA; the same trees), else with the torch round. ``score_kernel``: the
     scorer's kernels where they take the tensors (``BatchedWeaverTreeScorer``: its linear layers
     through ``vllm_tfm.kernels.weaver_linear``, its candidate scores through
-    ``vllm_tfm.kernels.candidate_scores``; the same scores to the activations' rounding), and the DFlash
-    top-K through ``vllm_tfm.kernels.topk_rows`` (equal logits ordered by index)."""
-    cand_logits, cand_ids = _candidates(dflash_logits, top_k, kernel=score_kernel)
+    ``vllm_tfm.kernels.candidate_scores``; the same scores to the activations' rounding). ``topk_kernel``:
+    the DFlash top-K through ``vllm_tfm.kernels.topk_rows`` where it takes the logits (equal logits
+    ordered by index), else ``torch.topk``."""
+    cand_logits, cand_ids = _candidates(dflash_logits, top_k, kernel=topk_kernel)
     if logits_dtype is not None:
         cand_logits = cand_logits.to(logits_dtype)
     scorer = BatchedWeaverTreeScorer(
@@ -104,6 +106,7 @@ def weaver_padded_trees(
     logits_dtype: torch.dtype | None = None,
     round_kernel: bool = True,
     score_kernel: bool = True,
+    topk_kernel: bool = True,
 ) -> tuple[PaddedTrees, Tensor]:
     """TfM trees of R requests, ``max_depth`` = D: (trees, cand_ids [R, D, K]).
 
@@ -116,7 +119,7 @@ def weaver_padded_trees(
     """
     growth, cand_ids = weaver_growth(
         weaver, dflash_logits, dflash_hidden, verifier_hidden, root_tokens, embed, lm_head,
-        budget, top_k, width, children_per_node, logits_dtype, round_kernel, score_kernel,
+        budget, top_k, width, children_per_node, logits_dtype, round_kernel, score_kernel, topk_kernel,
     )
     growth.run_tail()
     return growth.trees(), cand_ids
@@ -137,12 +140,13 @@ def weaver_draft_trees(
     logits_dtype: torch.dtype | None = None,
     round_kernel: bool = True,
     score_kernel: bool = True,
+    topk_kernel: bool = True,
 ) -> tuple[Tensor, Tensor]:
     """``weaver_padded_trees`` in the runtime layout: tokens [R, B], parents [R, 1 + B]; a tree
     smaller than B is completed with the best depth-1 candidate."""
     trees, cand_ids = weaver_padded_trees(
         weaver, dflash_logits, dflash_hidden, verifier_hidden, root_tokens, embed, lm_head,
-        budget, top_k, width, children_per_node, logits_dtype, round_kernel, score_kernel,
+        budget, top_k, width, children_per_node, logits_dtype, round_kernel, score_kernel, topk_kernel,
     )
     return trees.draft_layout(cand_ids[:, 0, 0])
 

@@ -183,7 +183,7 @@ def set_topk_kernel(worker: object = None, on: bool | None = None) -> bool:
     from the next build on (None: ``VLLM_TFM_TOPK_KERNEL``); the setting now in force. The Weaver CUDA graphs
     key on it: the first build after a change captures the other setting's graph (a late capture). The
     signature suits ``LLM.collective_rpc``."""
-    from vllm_tfm.kernels.topk_rows import set_topk_kernel as _set
+    from .tree_builder_gpu import set_topk_kernel as _set
 
     return _set(on)
 

@@ -41,8 +41,27 @@ from vllm_tfm.tree.marginal_padded import (
 from vllm_tfm.tree.padded import fill_to_budget
 
 from .kernels_or_reference import kernels_enabled
+from .settings import RuntimeSwitch
 
-__all__ = ["chain_trees", "ddtree_trees", "fill_to_budget", "ranked_top", "treeflash_trees", "weaver_trees"]
+__all__ = ["TOPK_KERNEL_ENV", "chain_trees", "ddtree_trees", "fill_to_budget", "ranked_top", "set_topk_kernel",
+           "topk_kernel_enabled", "treeflash_trees", "weaver_trees"]
+
+TOPK_KERNEL_ENV = "VLLM_TFM_TOPK_KERNEL"
+_TOPK = RuntimeSwitch(TOPK_KERNEL_ENV, "set_topk_kernel")
+
+
+def topk_kernel_enabled() -> bool:
+    """``VLLM_TFM_TOPK_KERNEL`` unset or not 0 / false (default on), unless ``set_topk_kernel`` overrode it: the
+    Weaver build's DFlash top-K runs as one kernel launch (``vllm_tfm.kernels.topk_rows``) where it can, with
+    the other kernels (``kernels_enabled()``)."""
+    return _TOPK.enabled()
+
+
+def set_topk_kernel(on: bool | None) -> bool:
+    """Override ``VLLM_TFM_TOPK_KERNEL`` in this process (None: back to the environment's); the setting now in
+    force. The Weaver CUDA graphs key on it (``weaver_graphs.graph_key``), so the next build after a change
+    replays (or captures) the other setting's graph."""
+    return _TOPK.set(on)
 
 
 def weaver_trees(
@@ -70,7 +89,7 @@ def weaver_trees(
     return weaver_draft_trees(
         weaver, dflash_logits, dflash_hidden, verifier_hidden, root_tokens, embed, lm_head,
         budget, top_k, width, children_per_node, logits_dtype=dflash_hidden.dtype, round_kernel=kernels_enabled(),
-        score_kernel=kernels_enabled(),
+        score_kernel=kernels_enabled(), topk_kernel=kernels_enabled() and topk_kernel_enabled(),
     )
 
 

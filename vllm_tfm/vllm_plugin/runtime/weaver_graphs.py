@@ -81,7 +81,6 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from vllm_tfm.kernels.topk_rows import topk_kernel_enabled
 from vllm_tfm.models.proposal_trees import weaver_growth
 from vllm_tfm.models.vocab_table import ShardedVocabTable, VocabTable
 from vllm_tfm.tree.marginal_padded import check_marginals
@@ -90,7 +89,7 @@ from vllm_tfm.tree.weaver_padded import WeaverGrowth, pending_from_flags
 from .kernels_or_reference import kernels_enabled
 from .settings import RuntimeSwitch
 from .state import STATE
-from .tree_builder_gpu import weaver_trees
+from .tree_builder_gpu import topk_kernel_enabled, weaver_trees
 
 __all__ = [
     "DeferredTail",
@@ -243,7 +242,7 @@ def _build(
     growth, cand_ids = weaver_growth(
         weaver, inputs.logits, inputs.hidden, inputs.verifier, inputs.roots, embed, lm_head,
         budget, top_k, width, cpn, logits_dtype=inputs.hidden.dtype, round_kernel=kernels_enabled(),
-        score_kernel=kernels_enabled(),
+        score_kernel=kernels_enabled(), topk_kernel=kernels_enabled() and topk_kernel_enabled(),
     )
     filler = cand_ids[:, 0, 0]
     tokens, parents = growth.trees().draft_layout(filler)
