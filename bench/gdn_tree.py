@@ -213,6 +213,17 @@ def write_result(path: str | None, res: dict) -> None:
         Path(path).write_text(json.dumps(res, separators=(",", ":")) + "\n")
 
 
+def past_budget(start: float, budget_s: float | None, skipped: list, **case: object) -> bool:
+    """A kernel bench's ``--budget-s``: True once ``budget_s`` seconds have passed since ``start``
+    (``time.perf_counter``), and then the case (its parameters, ``case``) is added to ``skipped`` with the
+    reason and printed; always False without a budget."""
+    if budget_s is None or time.perf_counter() - start <= budget_s:
+        return False
+    skipped.append({**case, "why": f"past --budget-s {budget_s:g}"})
+    print(" ".join(f"{k} {v}" for k, v in case.items()) + ": skipped (past --budget-s)", flush=True)
+    return True
+
+
 def rel_err(got: torch.Tensor, want: torch.Tensor) -> float:
     return float((got.double() - want.double()).norm() / want.double().norm())
 

@@ -42,6 +42,7 @@ for p in (REPO, REPO / "bench"):
 from gdn_tree import (  # noqa: E402
     copy_bandwidth,
     kernel_bench_parser,
+    past_budget,
     result_header,
     time_calls,
     write_result,
@@ -209,9 +210,7 @@ def main() -> int:
     start = time.perf_counter()
     for bs in (int(v) for v in args.block_sizes.split(",")):
         for batch in (int(v) for v in args.batches.split(",")):
-            if args.budget_s is not None and time.perf_counter() - start > args.budget_s:
-                res["skipped"].append({"batch": batch, "block_size": bs, "why": f"past --budget-s {args.budget_s:g}"})
-                print(f"batch {batch:2d} block {bs:4d}: skipped (past --budget-s)", flush=True)
+            if past_budget(start, args.budget_s, res["skipped"], batch=batch, block_size=bs):
                 continue
             case = bench_case(batch, args.dmax, bs, args.repeats, bw)
             res["cases"].append(case)

@@ -31,7 +31,9 @@ for p in (REPO, REPO / "bench"):
     if str(p) not in sys.path:
         sys.path.insert(0, str(p))
 
-from gdn_tree import copy_bandwidth, kernel_bench_parser, result_header, time_calls, write_result  # noqa: E402
+from gdn_tree import (  # noqa: E402
+    copy_bandwidth, kernel_bench_parser, past_budget, result_header, time_calls, write_result,
+)
 
 from vllm_tfm.kernels import topk_rows as ktk  # noqa: E402
 
@@ -118,8 +120,7 @@ def main() -> int:
     start = time.perf_counter()
     for ties in (False, True):
         for rows in (int(v) for v in args.rows.split(",")):
-            if args.budget_s is not None and time.perf_counter() - start > args.budget_s:
-                res["skipped"].append({"rows": rows, "ties": ties, "why": f"past --budget-s {args.budget_s:g}"})
+            if past_budget(start, args.budget_s, res["skipped"], rows=rows, ties=ties):
                 continue
             c = bench_case(rows, args.vocab, args.k, ties, args.repeats, bw)
             res["cases"].append(c)

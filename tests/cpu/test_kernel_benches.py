@@ -31,6 +31,16 @@ def test_parser_has_the_shared_options() -> None:
     assert ap.description == "First paragraph."
 
 
+def test_budget_skips_cases_only_past_it(capsys) -> None:
+    skipped: list = []
+    now = gdn_tree.time.perf_counter()
+    assert not gdn_tree.past_budget(now - 1e6, None, skipped, rows=15)  # no budget: never
+    assert not gdn_tree.past_budget(now, 60.0, skipped, rows=15)
+    assert gdn_tree.past_budget(now - 5.0, 1.5, skipped, rows=120, ties=True)
+    assert skipped == [{"rows": 120, "ties": True, "why": "past --budget-s 1.5"}]
+    assert "rows 120 ties True: skipped (past --budget-s)" in capsys.readouterr().out
+
+
 def test_header_and_compact_result(monkeypatch, tmp_path: Path) -> None:
     monkeypatch.setattr(gdn_tree.torch.cuda, "get_device_name", lambda dev: "Some GPU")
     monkeypatch.setattr(sys, "argv", ["bench/x.py", "--rows", "1,2"])

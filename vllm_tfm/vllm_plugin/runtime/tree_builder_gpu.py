@@ -52,8 +52,8 @@ _TOPK = RuntimeSwitch(TOPK_KERNEL_ENV, "set_topk_kernel")
 
 def topk_kernel_enabled() -> bool:
     """``VLLM_TFM_TOPK_KERNEL`` unset or not 0 / false (default on), unless ``set_topk_kernel`` overrode it: the
-    Weaver build's DFlash top-K runs as one kernel launch (``vllm_tfm.kernels.topk_rows``) where it can, with
-    the other kernels (``kernels_enabled()``)."""
+    Weaver build's DFlash top-K runs as one kernel launch (``vllm_tfm.kernels.topk_rows``) where it can. The
+    builds pass ``kernels_enabled() and topk_kernel_enabled()``: ``VLLM_TFM_KERNELS=0`` turns it off too."""
     return _TOPK.enabled()
 
 
