@@ -19,6 +19,9 @@ this script) measures, for each arm, output tokens/s at batch 1 and batch 8:
   tfm16/32/64-full  (optional) as -graphs with cudagraph_mode FULL_AND_PIECEWISE (tfm's default on one
                  GPU): tree steps whose requests all verify B drafts replay one full graph of the
                  target forward with the tree verify inside (vllm_tfm/vllm_plugin/runtime/full_graphs.py)
+  tfm16-full-async  (optional) tfm16-full with vLLM's asynchronous scheduling (async_scheduling=True,
+                 opted in by VLLM_TFM_ASYNC_SCHEDULING=1: vllm_tfm/vllm_plugin/async_scheduling.py), as
+                 vLLM runs its no-spec and DFlash arms by default
 
 The target is written here with the exact Qwen3.6-27B text shape (``bench/e2e_models.py``) and
 loaded with dummy weights (``load_format="dummy"``, bf16, about 54 GB), the drafter is the
@@ -89,6 +92,7 @@ class Arm:
     # runtime settings of this arm's engine process on top of the driver's environment (a same-machine A/B
     # of one switch: tfm32-full-v3 is tfm32-full with the GDN verify pinned to version 3, the compile cache shared)
     env: tuple[tuple[str, str], ...] = ()
+    async_scheduling: bool | None = None  # vLLM's async_scheduling for this engine (None: vLLM's default, off for tfm)
 
     @property
     def num_speculative_tokens(self) -> int:
@@ -110,6 +114,8 @@ ARMS: dict[str, Arm] = {
     "tfm32-full": Arm("tfm32-full", "tfm", 32, graphs=True, full=True),
     "tfm64-full": Arm("tfm64-full", "tfm", 64, graphs=True, full=True),
     "tfm32-full-v3": Arm("tfm32-full-v3", "tfm", 32, graphs=True, full=True, env=(("VLLM_TFM_GDN_VERIFY", "3"),)),
+    "tfm16-full-async": Arm("tfm16-full-async", "tfm", 16, graphs=True, full=True,
+                            env=(("VLLM_TFM_ASYNC_SCHEDULING", "1"),), async_scheduling=True),
 }
 DEFAULT_ARMS = "nospec,dflash,tfm32,tfm64,tfm16"
 
@@ -222,6 +228,8 @@ def engine_kwargs(arm: Arm, s: dict[str, Any], plan: dict[str, Any]) -> dict[str
     elif arm.kind == "tfm":
         kw["speculative_config"] = {"method": "tfm", "model": s["drafter"], "num_speculative_tokens": arm.budget,
                                     "attention_backend": "TRITON_ATTN"}
+    if arm.async_scheduling is not None:
+        kw["async_scheduling"] = arm.async_scheduling
     return kw
 
 

@@ -20,17 +20,21 @@ batch 1 (each prompt alone):
                  the host waits for the drafter): the same drafts, tokens and acceptance
   tfm-fullpw-hosttopo  tfm-fullpw with VLLM_TFM_DEVICE_TOPOLOGY=0 (a full-graph step's plans and depth
                  positions built on the host, not by the topology kernel): the same tables, tokens
+  tfm-fullpw-async  tfm-fullpw with vLLM's asynchronous scheduling (async_scheduling=True and the opt-in
+                 VLLM_TFM_ASYNC_SCHEDULING=1, vllm_tfm/vllm_plugin/async_scheduling.py): the same drafts,
+                 tokens and acceptance
 
 Verdicts (all must hold for exit code 0): tfm-graphs == nospec-graphs, tfm-graphs == tfm-eager,
 tfm-eager == nospec-eager, tfm-fullpw == nospec-graphs, tfm-fullpw == tfm-fullpw-pergroup,
-tfm-fullpw == tfm-fullpw-sync, tfm-fullpw == tfm-fullpw-hosttopo (batch 8
-and batch 1, every prompt, every token); tfm-graphs ran its tree steps in piecewise graphs (the
+tfm-fullpw == tfm-fullpw-sync, tfm-fullpw == tfm-fullpw-hosttopo, tfm-fullpw-async == nospec-graphs,
+tfm-fullpw == tfm-fullpw-async (batch 8 and batch 1, every prompt, every token); tfm-graphs ran its tree steps in piecewise graphs (the
 runtime's ``cudagraph.tree.PIECEWISE`` counter > 0) and never in a full graph; the tfm-fullpw
 engines replayed full graphs for tree steps (``cudagraph.tree.FULL`` > 0); the -pergroup engine
 never reused GDN metadata and, on the random models, the other tfm engines did
 (``gdn.metadata_reused`` > 0); the full-graph tfm engines but the -pergroup control built some
 steps' GDN metadata by the fast path (``gdn.metadata_fast`` > 0), the others none; the -sync engine handed the scheduler no placeholder drafts, every
-other tfm engine some, and tfm-fullpw-sync's mean accepted length equals tfm-fullpw's; tfm-fullpw
+other tfm engine some (the -async engine none: its scheduler makes its own), and the mean accepted length of
+tfm-fullpw-sync and of tfm-fullpw-async equals tfm-fullpw's; tfm-fullpw
 wrote some steps' topology on the device (``topology.device`` > 0), the -hosttopo engine none. nospec-graphs vs nospec-eager (compiled vs eager numerics) is reported, not required. A divergence is reported
 with its position and the no-spec top-2 log-probability margin there.
 
@@ -97,6 +101,11 @@ ENGINES: dict[str, dict[str, Any]] = {
     # the same tables, so the same tokens bit for bit
     "tfm-fullpw-hosttopo": {"spec": True, "eager": False, "compilation_config": {"cudagraph_mode": "FULL_AND_PIECEWISE"},
                             "env": {"VLLM_TFM_DEVICE_TOPOLOGY": "0"}},
+    # tfm-fullpw with vLLM's asynchronous scheduling (opt-in for tfm, vllm_plugin/async_scheduling.py): the
+    # scheduler runs a step ahead with placeholder drafts and vLLM corrects the counts on the device; the same
+    # drafts reach the same forward, so the same tokens and acceptance
+    "tfm-fullpw-async": {"spec": True, "eager": False, "compilation_config": {"cudagraph_mode": "FULL_AND_PIECEWISE"},
+                         "async_scheduling": True, "env": {"VLLM_TFM_ASYNC_SCHEDULING": "1"}},
 }
 REQUIRED: tuple[tuple[str, str], ...] = (
     ("tfm-graphs", "nospec-graphs"),
@@ -106,9 +115,11 @@ REQUIRED: tuple[tuple[str, str], ...] = (
     ("tfm-fullpw", "tfm-fullpw-pergroup"),
     ("tfm-fullpw", "tfm-fullpw-sync"),
     ("tfm-fullpw", "tfm-fullpw-hosttopo"),
+    ("tfm-fullpw-async", "nospec-graphs"),
+    ("tfm-fullpw", "tfm-fullpw-async"),
 )
 INFORMATIONAL: tuple[tuple[str, str], ...] = (("nospec-graphs", "nospec-eager"),)
-GRAPH_ENGINES = ("tfm-graphs", "tfm-fullpw", "tfm-fullpw-pergroup", "tfm-fullpw-sync", "tfm-fullpw-hosttopo")
+GRAPH_ENGINES = ("tfm-graphs", "tfm-fullpw", "tfm-fullpw-pergroup", "tfm-fullpw-sync", "tfm-fullpw-hosttopo", "tfm-fullpw-async")
 METADATA_REUSED = "gdn.metadata_reused"
 METADATA_FAST = "gdn.metadata_fast"
 DEVICE_TOPOLOGY = "topology.device"
@@ -163,6 +174,8 @@ def engine_kwargs(name: str, target: str, drafter: str, budget: int) -> dict[str
     if e["spec"]:
         kw["speculative_config"] = {"method": "tfm", "model": drafter, "num_speculative_tokens": budget,
                                     "attention_backend": "TRITON_ATTN"}
+    if "async_scheduling" in e:
+        kw["async_scheduling"] = e["async_scheduling"]
     return kw
 
 
@@ -339,20 +352,23 @@ def topology_usage(runs: dict[str, dict[str, Any]]) -> dict[str, Any]:
 
 def deferred_usage(runs: dict[str, dict[str, Any]]) -> dict[str, Any]:
     """Per tfm engine: steps whose drafts went to the scheduler as placeholders (runtime/deferred_drafts.py).
-    ok iff the -sync control had none and every other tfm engine had some, and the control's mean
-    accepted length equals tfm-fullpw's in both batches (the same drafts reached the same forward)."""
+    ok iff the -sync control had none and every other synchronous tfm engine had some (an asynchronous
+    engine none: vLLM's scheduler makes its own placeholders), and the mean accepted length of the -sync
+    control and of the -async engine equals tfm-fullpw's in both batches (the same drafts reached the
+    same forward)."""
     out: dict[str, Any] = {}
     for name, r in runs.items():
         if not ENGINES.get(name, {}).get("spec"):
             continue
         n = sum(int((r.get(f"{label}_tree_metrics") or {}).get("placeholder_steps") or 0) for label in ("b8", "b1"))
         off = (ENGINES[name].get("env") or {}).get("VLLM_TFM_DEFERRED_DRAFTS") == "0"
+        off = off or bool(ENGINES[name].get("async_scheduling"))
         out[name] = {"placeholder_steps": n, "ok": n == 0 if off else n > 0}
-    if "tfm-fullpw" in runs and "tfm-fullpw-sync" in runs:
-        mal = {label: [(runs[e].get(f"{label}_tree_metrics") or {}).get("mean_accepted_length")
-                       for e in ("tfm-fullpw", "tfm-fullpw-sync")] for label in ("b8", "b1")}
-        out["same_acceptance"] = {"mean_accepted_length": mal,
-                                  "ok": all(a is not None and a == b for a, b in mal.values())}
+    for other, key in (("tfm-fullpw-sync", "same_acceptance"), ("tfm-fullpw-async", "same_acceptance_async")):
+        if "tfm-fullpw" in runs and other in runs:
+            mal = {label: [(runs[e].get(f"{label}_tree_metrics") or {}).get("mean_accepted_length")
+                           for e in ("tfm-fullpw", other)] for label in ("b8", "b1")}
+            out[key] = {"mean_accepted_length": mal, "ok": all(a is not None and a == b for a, b in mal.values())}
     return out
 
 

@@ -191,6 +191,19 @@ def test_an_arms_own_settings_reach_its_engine_process_only(monkeypatch: pytest.
         "tfm (Weaver trees), B=32 (full CUDA graphs of tree steps), VLLM_TFM_GDN_VERIFY=3")
 
 
+def test_the_async_arm_is_tfm16_full_with_asynchronous_scheduling_opted_in(tmp_path: Path) -> None:
+    arm, plain = e2e.ARMS["tfm16-full-async"], e2e.ARMS["tfm16-full"]
+    assert (arm.kind, arm.budget, arm.graphs, arm.full) == (plain.kind, plain.budget, plain.graphs, plain.full)
+    assert e2e.child_env(arm, {"seed": 3}, tmp_path)["VLLM_TFM_ASYNC_SCHEDULING"] == "1"
+    assert "VLLM_TFM_ASYNC_SCHEDULING" not in e2e.child_env(plain, {"seed": 3}, tmp_path)
+    plan = {"rates": [0.5] * 15}
+    s = {"target": "t", "drafter": "d", "seed": 0, "gpu_memory_utilization": 0.9, "max_model_len": 4096, "batches": [1, 8],
+         "max_num_batched_tokens": 4096}
+    kw, plain_kw = e2e.engine_kwargs(arm, s, plan), e2e.engine_kwargs(plain, s, plan)
+    assert kw.pop("async_scheduling") is True and kw == plain_kw  # nothing else differs
+    assert "async_scheduling" not in e2e.engine_kwargs(e2e.ARMS["nospec-graphs"], s, plan)  # vLLM's default (on)
+
+
 # ------------------------------------------------------------------ planning and measurement helpers
 
 

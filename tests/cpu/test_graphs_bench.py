@@ -43,6 +43,25 @@ def test_engine_configs(session: Any) -> None:
     nospec = args("nospec-graphs")
     assert mode(nospec) == "PIECEWISE" and nospec.compilation_config.cudagraph_capture_sizes is None  # vLLM's own
     assert args("nospec-eager").speculative_config is None
+    assert nospec.async_scheduling is None and args("tfm-fullpw").async_scheduling is None  # vLLM's default / tfm's
+
+
+def test_the_async_engine_asks_for_asynchronous_scheduling_with_the_opt_in(session: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    from vllm.config import ParallelConfig
+    from vllm.engine.arg_utils import EngineArgs
+
+    kw = g.engine_kwargs("tfm-fullpw-async", str(g.ZOO / "target"), str(g.ZOO / "drafter"), 32)
+    assert kw["async_scheduling"] is True and kw["compilation_config"] == {"cudagraph_mode": "FULL_AND_PIECEWISE"}
+    env = g.ENGINES["tfm-fullpw-async"]["env"]
+    assert env == {"VLLM_TFM_ASYNC_SCHEDULING": "1"}
+    a = EngineArgs(**kw)
+    monkeypatch.delenv("VLLM_TFM_ASYNC_SCHEDULING", raising=False)
+    with pytest.raises(ValueError, match="opt in to its experimental asynchronous scheduling with VLLM_TFM_ASYNC_SCHEDULING=1"):
+        a.create_speculative_config(a.create_model_config(), ParallelConfig())
+    monkeypatch.setenv(*next(iter(env.items())))  # what run_engine puts into the environment first
+    assert a.create_speculative_config(a.create_model_config(), ParallelConfig()).method == "tfm"
+    assert ("tfm-fullpw-async", "nospec-graphs") in g.REQUIRED and ("tfm-fullpw", "tfm-fullpw-async") in g.REQUIRED
+    assert "tfm-fullpw-async" in g.GRAPH_ENGINES
 
 
 def run(b8: list[list[int]], b1: list[list[int]] | None = None, **extra: Any) -> dict[str, Any]:
@@ -155,6 +174,21 @@ def test_deferred_usage_wants_placeholders_except_in_the_sync_control_and_the_sa
     assert g.deferred_usage(runs)["tfm-fullpw"]["ok"] is False
     assert ("tfm-fullpw", "tfm-fullpw-sync") in g.REQUIRED
     assert g.ENGINES["tfm-fullpw-sync"]["env"] == {"VLLM_TFM_DEFERRED_DRAFTS": "0"}
+
+
+def test_deferred_usage_of_the_async_engine_wants_no_handed_placeholders_and_the_same_acceptance() -> None:
+    def engine(b8: int, b1: int, mal: tuple[float, float] = (3.5, 2.5)) -> dict[str, object]:
+        return {"status": "ok", "b8_tree_metrics": {"placeholder_steps": b8, "mean_accepted_length": mal[0]},
+                "b1_tree_metrics": {"placeholder_steps": b1, "mean_accepted_length": mal[1]}}
+
+    runs = {"tfm-fullpw": engine(5, 40), "tfm-fullpw-async": engine(0, 0)}
+    usage = g.deferred_usage(runs)
+    assert set(usage) == {"tfm-fullpw", "tfm-fullpw-async", "same_acceptance_async"}
+    assert all(u["ok"] for u in usage.values())
+    runs["tfm-fullpw-async"] = engine(0, 3)  # the engine ran synchronously: its wrapper handed placeholders out
+    assert g.deferred_usage(runs)["tfm-fullpw-async"]["ok"] is False
+    runs["tfm-fullpw-async"] = engine(0, 0, (3.5, 2.6))  # other drafts (or stale states) reached the forward
+    assert g.deferred_usage(runs)["same_acceptance_async"]["ok"] is False
 
 
 def test_zoo_prompts_are_a_fixed_file_in_the_zoo_vocabulary() -> None:

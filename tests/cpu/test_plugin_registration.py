@@ -25,6 +25,8 @@ CONFIG_PATCHES = {
     "vllm.config.speculative.SpeculativeConfig.__post_init__",
     "vllm.config.speculative.SpeculativeConfig.method[Literal]",
     "vllm.sampling_params.SamplingParams._validate_spec_decode",
+    "vllm.config.vllm.EagleModelTypes",
+    "vllm.config.vllm.VllmConfig.__post_init__",
     "vllm ModelRegistry[Qwen3_5ForCausalLM]",
     "vllm ModelRegistry[Qwen3_5MoeForCausalLM]",
 }

@@ -6,7 +6,8 @@ Config time (the process that builds the engine config, from ``config_patch``):
   vLLM does not see as hybrid (the model registration did not run);
 * pipeline parallelism > 1 (drafts exist only on the last PP rank in vLLM 0.26);
 * ``VLLM_USE_V2_MODEL_RUNNER=1`` (tfm hooks the V1 runner; V2 knows no 'tfm');
-* ``async_scheduling=True`` (vLLM 0.26 runs non-EAGLE methods with sync scheduling);
+* ``async_scheduling=True`` without ``VLLM_TFM_ASYNC_SCHEDULING=1`` (tfm's asynchronous scheduling
+  is experimental and opt-in: ``async_scheduling``);
 * prefix caching / ``mamba_cache_mode`` other than ``none`` on a hybrid target (the GDN commit
   replays the accepted path into vLLM's own state slots; ``align`` mode copies them itself);
 * vLLM sampling knobs that have a tree meaning of their own: ``draft_sample_method``,
@@ -33,6 +34,7 @@ import logging
 from collections.abc import Callable, Mapping
 from typing import Any
 
+from .async_scheduling import check_async_request
 from .patching import replace_attribute
 
 __all__ = [
@@ -115,8 +117,7 @@ def check_model_runner_env() -> None:
 
 def check_engine_args(engine_args: Any, target_model_config: Any) -> None:
     """Engine-wide settings (from ``EngineArgs``); CUDA graphs: ``cuda_graphs.configure_engine_graphs``."""
-    if getattr(engine_args, "async_scheduling", None) is True:
-        raise ValueError("method 'tfm' runs with synchronous scheduling in vLLM 0.26; drop async_scheduling=True")
+    check_async_request(getattr(engine_args, "async_scheduling", None))
     if getattr(target_model_config, "is_hybrid", False):
         if getattr(engine_args, "enable_prefix_caching", None) is True:
             raise ValueError(

@@ -70,6 +70,7 @@ top_k, children_per_node, treeflash_top_m, sampling)."""
 NON_OPTION_ENV_VARS: frozenset[str] = frozenset(
     {
         "VLLM_TFM_SKIP_VERSION_CHECK",  # vllm_plugin/version.py
+        "VLLM_TFM_ASYNC_SCHEDULING",  # vllm_plugin/async_scheduling.py: 1 lets tfm engines take --async-scheduling (experimental)
         "VLLM_TFM_FORCE_TREE_PATH",  # runtime: chains go through the tree path too
         "VLLM_TFM_BATCHED_COMMIT",  # runtime: one commit launch per kernel kind for all GDN layers (runtime/commit.py)
         "VLLM_TFM_GDN_METADATA_ONCE",  # runtime: 0 keeps vLLM's GDN metadata build per KV-cache group (runtime/gdn_metadata.py)

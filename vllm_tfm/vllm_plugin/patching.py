@@ -90,7 +90,7 @@ def replace_attribute(
             raise RuntimeError(f"vllm_tfm: {key} was replaced by other code after vllm-tfm patched it")
         if current is _MISSING:
             current = getattr(owner, name, _MISSING)
-            owned = False
+            owned = not isinstance(owner, type)  # a module's attribute is its own; a class may inherit it
         else:
             owned = True
         if current is _MISSING:

@@ -8,7 +8,8 @@ the model-inspection subprocess), and exceptions it raises abort vLLM's start. I
 2. config patches: ``EngineArgs.create_speculative_config`` and direct ``SpeculativeConfig``
    construction for method "tfm", predicates ``use_eagle`` / ``use_dflash`` / ``compute_hash``
    (``config_patch``), and the per-request guard ``SamplingParams._validate_spec_decode``
-   (``guards``); applied in every process, they change nothing for other methods;
+   (``guards``), and tfm's asynchronous-scheduling gate (``async_scheduling``: off unless
+   opted in); applied in every process, they change nothing for other methods;
 3. registers the text-only Qwen3.5 architectures as hybrid models (``models_registry``) and
    lets float32 GDN models prefill (``fp32_prefill``; vLLM 0.26's chunk kernel refuses float32);
 4. calls ``vllm_tfm.vllm_plugin.runtime.install()`` when that package exists (the worker-side
@@ -61,6 +62,7 @@ def register() -> None:
             return
         check_vllm_version()
 
+        from .async_scheduling import install_async_scheduling_patches
         from .config_patch import install_config_patches, install_direct_construction, install_predicate_patches
         from .fp32_prefill import install_fp32_prefill
         from .guards import install_request_guard
@@ -69,6 +71,7 @@ def register() -> None:
         install_config_patches()
         install_predicate_patches()
         install_direct_construction()
+        install_async_scheduling_patches()
         install_request_guard()
         register_models()
         register_config_hooks()

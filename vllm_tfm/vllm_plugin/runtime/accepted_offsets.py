@@ -36,15 +36,17 @@ __all__ = ["AcceptedOffsets", "OffsetPlan", "move_states_to_slot0", "plan_offset
 
 @dataclass
 class OffsetPlan:
-    """Rows (batch indices) to fix this step and the ``a`` each one really has."""
+    """Rows (batch indices) to fix this step and the ``a`` each one really has; ``device_move_rows``:
+    rows moved to slot 0 from the device's ``a`` (asynchronous scheduling, ``hooks.fix_accepted_offsets``)."""
 
     restore_rows: list[int] = field(default_factory=list)
     restore_values: list[int] = field(default_factory=list)
     move_rows: list[int] = field(default_factory=list)
     move_from: list[int] = field(default_factory=list)
+    device_move_rows: list[int] = field(default_factory=list)
 
     def __bool__(self) -> bool:
-        return bool(self.restore_rows or self.move_rows)
+        return bool(self.restore_rows or self.move_rows or self.device_move_rows)
 
 
 def plan_offsets(
@@ -121,9 +123,11 @@ class AcceptedOffsets:
         if not resumed and not self.records and req_ids == self._last_ids:
             return np.ones(len(req_ids), dtype=bool)
         now = set(req_ids)
-        left = [j for j, rid in enumerate(self._last_ids) if rid not in now and rid not in resumed]
+        # finished and aborted requests are gone from ``live`` already: only a request that left while
+        # still running costs the host sync below
+        left = [j for j, rid in enumerate(self._last_ids) if rid not in now and rid not in resumed and rid in live]
         if left and self._last_values is not None:
-            values = self._last_values.tolist()  # host sync, only on steps where a request left
+            values = self._last_values.tolist()  # host sync, only on steps where a running request left
             for j in left:
                 self.records[self._last_ids[j]] = int(values[j])
         for rid in [r for r in self.records if r in resumed or r not in live]:

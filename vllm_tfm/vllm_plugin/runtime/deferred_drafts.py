@@ -117,14 +117,15 @@ def defers_drafts(sampled: Any, scheduler_output: Any, sampling_metadata: Any) -
     )
 
 
-def record_sampled_copy(sampled: Any, scheduler_output: Any, sampling_metadata: Any) -> None:
-    """Decide this step's deferral (``STATE.defer_drafts``) and, when deferred, queue the sampled tokens'
-    copy that ``_bookkeeping_sync`` will read. Once per step: a second call for the same tensor (the
-    early call's, then ``propose_draft_token_ids``'s) keeps the first decision and copy."""
+def record_sampled_copy(sampled: Any, scheduler_output: Any, sampling_metadata: Any, copy: bool = True) -> None:
+    """Decide this step's deferral (``STATE.defer_drafts``) and, when deferred and ``copy``, queue the
+    sampled tokens' copy that ``_bookkeeping_sync`` will read (``copy=False``: asynchronous scheduling,
+    whose bookkeeping reads none). Once per step: a second call for the same tensor (the early call's,
+    then ``propose_draft_token_ids``'s) keeps the first decision and copy."""
     if STATE.sampled_copy.holds(sampled):
         return
     STATE.defer_drafts = defers_drafts(sampled, scheduler_output, sampling_metadata)
-    if STATE.defer_drafts:
+    if STATE.defer_drafts and copy:
         STATE.sampled_copy.record(sampled)
 
 
@@ -139,6 +140,7 @@ def draft_positions(
     cu_num_tokens: np.ndarray,
     store: ProposalStore,
     host_only: bool = False,
+    absent_ok: bool = False,
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray, Tensor | None, list[tuple[str, np.ndarray, tuple[int, ...]]]]:
     """Where the scheduled placeholder drafts of a step go, and where they come from.
 
@@ -148,7 +150,10 @@ def draft_positions(
     host_rows): flat positions in the input ids, flat indices into ``draft_token_ids``, flat indices
     into the most recent proposal's device tokens [R, B] (``tokens``, None when no row reads it),
     and for rows whose placeholders belong to an older proposal (every row with ``host_only``),
-    (request, positions, its tokens from the host copy).
+    (request, positions, its tokens from the host copy). ``absent_ok`` (asynchronous scheduling, whose
+    scheduler gives every decode placeholders): a row no stored proposal stands for (the drafter
+    skipped a step) gets zeros, as vLLM zeroes skipped drafts, and ``build_step_tree`` verifies it as
+    a chain (its lookup is absent); without it such a row raises.
     """
     num_draft = np.zeros(len(cu_num_tokens), dtype=np.int64)
     dev_req: list[int] = []  # batch index and proposal row of each placeholder request read from the device
@@ -167,6 +172,8 @@ def draft_positions(
             dev_row.append(row)
             continue
         host = store.host_drafts(rid)
+        if host is None and absent_ok:
+            host = (0,) * d
         if host is None or len(host) < d:
             raise RuntimeError(
                 f"vllm-tfm: request {rid!r} was scheduled {d} placeholder drafts but its proposal is gone; "
@@ -187,7 +194,7 @@ def draft_positions(
     return dst, didx, src, tokens, host_rows
 
 
-def fill_input_ids(runner: Any, scheduler_output: Any, cu_num_tokens: np.ndarray) -> DraftFill | None:
+def fill_input_ids(runner: Any, scheduler_output: Any, cu_num_tokens: np.ndarray, absent_ok: bool = False) -> DraftFill | None:
     """Called before vLLM's ``_prepare_input_ids``. Placeholder drafts of rows whose proposal is not the
     most recent one get their tokens from the host copy in ``input_ids.cpu`` now; the others are
     written on the device just before the forward (``DraftFill.apply``, from ``_preprocess``: the
@@ -196,14 +203,16 @@ def fill_input_ids(runner: Any, scheduler_output: Any, cu_num_tokens: np.ndarray
 
     A batch that needs vLLM's own sampler (a request with penalties or bad words joined requests
     holding placeholders) gets every placeholder's tokens from the host copy, in the input ids and
-    in ``input_batch.spec_token_ids``, which vLLM's penalties read (a wait, on such steps only)."""
+    in ``input_batch.spec_token_ids``, which vLLM's penalties read (a wait, on such steps only).
+    ``absent_ok``: asynchronous scheduling (``draft_positions``)."""
     store = STATE.store
     spec = scheduler_output.scheduled_spec_decode_tokens
     if not spec or not any(is_placeholder(d) for d in spec.values()):
         return None
     batch = runner.input_batch
     host_only = needs_native_sampler(batch.sampling_metadata)
-    dst, didx, src, tokens, host_rows = draft_positions(spec, batch.req_id_to_index, cu_num_tokens, store, host_only)
+    dst, didx, src, tokens, host_rows = draft_positions(spec, batch.req_id_to_index, cu_num_tokens, store, host_only,
+                                                        absent_ok)
     if host_rows:
         ids = runner.input_ids.np
         for rid, pos, toks in host_rows:

@@ -72,6 +72,13 @@ def _is_tfm(runner: Any) -> bool:
     return bool(getattr(runner, "_tfm_enabled", False))
 
 
+def _is_async(runner: Any) -> bool:
+    """The runner schedules asynchronously (vLLM's ``--async-scheduling``; for tfm an opt-in,
+    ``vllm_plugin/async_scheduling.py``): no sampled token and no accepted count of the last step is
+    read on the host before the next step is prepared."""
+    return bool(getattr(runner, "use_async_scheduling", False))
+
+
 def check_engine_config(vllm_config: Any) -> None:
     """One-line ValueError for the settings the tree runtime cannot run with."""
     from ..cuda_graphs import check_graph_config
@@ -89,6 +96,12 @@ def check_engine_config(vllm_config: Any) -> None:
         raise ValueError("vllm-tfm does not support decode context parallelism")
     if vllm_config.model_config.uses_xdrope_dim > 0:
         raise ValueError("vllm-tfm does not support XD-RoPE models")
+    if getattr(getattr(vllm_config, "scheduler_config", None), "async_scheduling", False):
+        from .settings import trace_settings
+
+        if trace_settings() is not None:
+            raise ValueError("VLLM_TFM_TRACE reads every step's acceptance on the host: it needs synchronous "
+                             "scheduling (unset VLLM_TFM_TRACE or drop --async-scheduling)")
 
 
 def _wrap_init(orig: Callable) -> Callable:
@@ -247,7 +260,12 @@ def fix_accepted_offsets(runner: Any, scheduler_output: Any, num_scheduled_token
     """Give back ``num_accepted_tokens`` to rows vLLM re-added, and move committed GDN states that
     vLLM would read from slot 0 there (runtime/accepted_offsets.py). Runs after vLLM's
     ``_prepare_inputs`` synced ``num_accepted_tokens`` and before the attention metadata is built.
-    Returns the plan when it acted (None when no row needed it)."""
+    Returns the plan when it acted (None when no row needed it).
+
+    Asynchronous scheduling: the host's counts are all 1 and vLLM corrects the device's from the last
+    step's sampler, so a continuing row scheduled one token (no drafts) cannot be told on the host to
+    sit elsewhere: its state is moved to slot 0 on the device from the device's count (a copy onto
+    itself where that count is 1), no host wait."""
     from .gdn import _layer_states
 
     batch = runner.input_batch
@@ -260,12 +278,15 @@ def fix_accepted_offsets(runner: Any, scheduler_output: Any, num_scheduled_token
     nst = np.asarray(num_scheduled_tokens[:n])
     current = runner.num_accepted_tokens.np[:n]
     # a row with one scheduled token verifies no draft: it reads slot 0 (a spec row has >= 2 tokens)
-    if continuing.all() and not ((nst == 1) & (current > 1)).any():
+    single = nst == 1
+    on_device = continuing & single if _is_async(runner) else np.zeros(n, dtype=bool)
+    if continuing.all() and not (single & (current > 1)).any() and not on_device.any():
         return None  # the usual step: no row came back, no row reads a stale slot 0 (no Python loop)
     spec = scheduler_output.scheduled_spec_decode_tokens
     spec_rows = np.array([rid in spec and nst[i] == len(spec[rid]) + 1 for i, rid in enumerate(req_ids)], dtype=bool)
     decode_rows = spec_rows | (nst == 1)
     plan = plan_offsets(list(req_ids), current, continuing, spec_rows, decode_rows, STATE.offsets.records)
+    plan.device_move_rows = np.nonzero(on_device)[0].tolist()
     if not plan:
         return None
     dev = runner.num_accepted_tokens.gpu.device
@@ -287,6 +308,19 @@ def fix_accepted_offsets(runner: Any, scheduler_output: Any, num_scheduled_token
         runner.num_accepted_tokens.np[rows] = 1
         batch.num_accepted_tokens_cpu[rows] = 1
         runner.num_accepted_tokens.gpu[torch.tensor(rows, device=dev)] = 1
+        STATE.metrics.states_moved += len(rows)
+    if plan.device_move_rows:
+        rows = plan.device_move_rows
+        rows_dev = torch.tensor(rows, device=dev)
+        accepted = runner.num_accepted_tokens.gpu[rows_dev].to(torch.long)  # vLLM's corrected counts, on the device
+        cols = int(getattr(runner, "num_spec_tokens", 0)) + 1  # a <= 1 + B
+        for gid, layers in _gdn_groups(runner):
+            table = batch.block_table[gid].get_numpy_array()
+            slots = torch.from_numpy(np.ascontiguousarray(table[rows, : min(cols, table.shape[1])])).to(device=dev, dtype=torch.long)
+            states = [_layer_states(layer) for layer in layers]
+            width = int(layers[0].conv1d.weight.shape[-1])
+            move_states_to_slot0([c for c, _ in states], [s for _, s in states], slots, accepted, width)
+        runner.num_accepted_tokens.gpu[rows_dev] = 1
         STATE.metrics.states_moved += len(rows)
     if not STATE.offsets.reported:
         STATE.offsets.reported = True
@@ -350,7 +384,8 @@ def _wrap_update_states_after(orig: Callable) -> Callable:
     def _update_states_after_model_execute(self: Any, output_token_ids: Any, scheduler_output: Any) -> Any:
         if _is_tfm(self):
             if early_sampled_copy_enabled():  # before the commit's launches: bookkeeping waits for the sampler only
-                record_sampled_copy(output_token_ids, scheduler_output, self.input_batch.sampling_metadata)
+                record_sampled_copy(output_token_ids, scheduler_output, self.input_batch.sampling_metadata,
+                                    copy=not _is_async(self))
             step = STATE.step
             if step is not None and step.tree_active:
                 with STATE.metrics.timed("commit"), TIMER.span("commit"):
@@ -376,8 +411,9 @@ def _wrap_propose(orig: Callable) -> Callable:
                 return orig(self, scheduler_output, sampled_token_ids, sampling_metadata, hidden_states,
                             sample_hidden_states, *args, **kwargs)
         STATE.final_hidden = sample_hidden_states
-        # the copy bookkeeping waits for, unless queued right after the sampler (_update_states_after_model_execute)
-        record_sampled_copy(sampled_token_ids, scheduler_output, sampling_metadata)
+        # the copy bookkeeping waits for, unless queued right after the sampler (_update_states_after_model_execute);
+        # none with asynchronous scheduling, whose bookkeeping reads no sampled token on the host
+        record_sampled_copy(sampled_token_ids, scheduler_output, sampling_metadata, copy=not _is_async(self))
         try:
             with STATE.metrics.timed("propose"), TIMER.span("propose"):
                 return orig(self, scheduler_output, sampled_token_ids, sampling_metadata, hidden_states,
@@ -391,7 +427,7 @@ def _wrap_propose(orig: Callable) -> Callable:
 def _wrap_bookkeeping_sync(orig: Callable) -> Callable:
     @functools.wraps(orig)
     def _bookkeeping_sync(self: Any, scheduler_output: Any, sampler_output: Any, *args: Any, **kwargs: Any) -> Any:
-        if not _is_tfm(self):
+        if not _is_tfm(self) or _is_async(self):  # asynchronous: vLLM's bookkeeping reads no sampled token
             return orig(self, scheduler_output, sampler_output, *args, **kwargs)
         sampled = sampler_output.sampled_token_ids
         host = STATE.sampled_copy.host_for(sampled)  # deferred drafts: waits for the sampler, not the drafter
@@ -433,7 +469,7 @@ def _wrap_prepare_input_ids(orig: Callable) -> Callable:
     def _prepare_input_ids(self: Any, scheduler_output: Any, num_reqs: int, total_num_scheduled_tokens: int,
                            cu_num_tokens: np.ndarray, *args: Any, **kwargs: Any) -> Any:
         if _is_tfm(self):  # placeholder drafts: host rows now, the device rows before the forward (_preprocess)
-            STATE.draft_fill = fill_input_ids(self, scheduler_output, cu_num_tokens)
+            STATE.draft_fill = fill_input_ids(self, scheduler_output, cu_num_tokens, absent_ok=_is_async(self))
         return orig(self, scheduler_output, num_reqs, total_num_scheduled_tokens, cu_num_tokens, *args, **kwargs)
 
     return _prepare_input_ids

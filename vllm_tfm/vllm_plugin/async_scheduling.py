@@ -1,0 +1,126 @@
+"""vLLM's asynchronous scheduling (``--async-scheduling``) for method 'tfm': opt-in, experimental.
+
+With asynchronous scheduling the engine schedules step N + 1 while the GPU still runs step N: the
+scheduler gives every decode B placeholder drafts and counts them as accepted, and the model
+runner corrects the counts on the device from the sampler's output (``_update_states`` and
+``_prepare_inputs`` of vLLM 0.26's ``gpu_model_runner.py``: ``prev_num_draft_len``,
+``update_num_computed_tokens_for_batch_change``), writes the bonus token and the drafts into the
+input ids from the device (``_prepare_input_ids``) and never reads a sampled token on the host on
+the step's path. vLLM turns it on by default for no speculation and for EAGLE / MTP / DFlash, and
+off, or refuses it when asked for, for every other method (``VllmConfig.__post_init__``,
+config/vllm.py 1028-1107), so tfm engines have run with synchronous scheduling: on a host-bound
+batch-1 step the GPU then waits ~1.7 ms for the host between the drafter and the next forward
+(bench/NOTES.md section 46).
+
+A tfm step is, to vLLM's bookkeeping, a chain step of B drafts with p accepted: the commit leaves
+the state after the last accepted token where a chain would have left it (``runtime/commit.py``)
+and the tree sampler returns the accepted path's tokens then -1 (``runtime/sampler.py``), which is
+what vLLM's corrections count. What the runtime does differently when the runner schedules
+asynchronously (``runtime/hooks.py``, ``runtime/deferred_drafts.py``):
+
+* no early copy of the sampled tokens for vLLM's bookkeeping: it reads none on the host;
+* placeholders without any proposal behind them (the drafter skipped a step, near
+  ``max_model_len``) are verified as a chain of the tokens vLLM wrote, instead of raising;
+* a running request scheduled with one token and no drafts reads GDN slot 0: its committed state
+  is moved there on the device from the device's accepted count (``fix_accepted_offsets``), since
+  the host's counts are placeholders of 1 in this mode;
+* ``VLLM_TFM_TRACE`` is refused (it reads every step's acceptance on the host).
+
+Here, in every process (each patch once, through ``patching``):
+
+* ``vllm.config.vllm.EagleModelTypes``, the name ``VllmConfig.__post_init__`` tests the method
+  against, also holds "tfm", so that an engine asked for asynchronous scheduling builds;
+* ``VllmConfig.__post_init__``: for method 'tfm' an unset ``async_scheduling`` becomes False (tfm
+  keeps synchronous scheduling unless asked: the asynchronous path has not yet been verified
+  token for token on a GPU), and ``async_scheduling=True`` is refused unless
+  ``VLLM_TFM_ASYNC_SCHEDULING=1`` opts in. Other methods are untouched.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import os
+import typing
+from collections.abc import Callable
+from typing import Any, Literal
+
+from .patching import replace_attribute
+
+__all__ = [
+    "ASYNC_SCHEDULING_ENV",
+    "async_opt_in",
+    "check_async_request",
+    "install_async_scheduling_patches",
+    "tfm_scheduling_default",
+]
+
+logger = logging.getLogger("vllm_tfm")
+
+ASYNC_SCHEDULING_ENV = "VLLM_TFM_ASYNC_SCHEDULING"
+
+TFM_METHOD = "tfm"
+
+
+def async_opt_in() -> bool:
+    """``VLLM_TFM_ASYNC_SCHEDULING`` set to 1 / true (default off)."""
+    return os.environ.get(ASYNC_SCHEDULING_ENV, "0").strip().lower() in ("1", "true", "yes", "on")
+
+
+def check_async_request(async_scheduling: bool | None) -> None:
+    """One-line ValueError for ``async_scheduling=True`` with method 'tfm' without the opt-in."""
+    if async_scheduling is True and not async_opt_in():
+        raise ValueError(
+            "method 'tfm' runs with synchronous scheduling unless you opt in to its experimental asynchronous "
+            f"scheduling with {ASYNC_SCHEDULING_ENV}=1; or drop async_scheduling=True"
+        )
+
+
+def tfm_scheduling_default(async_scheduling: bool | None) -> bool | None:
+    """What a tfm engine's ``async_scheduling`` becomes before vLLM's checks: unset -> False (tfm's
+    default), True -> True when opted in (else ``check_async_request`` raises), False -> False."""
+    check_async_request(async_scheduling)
+    return False if async_scheduling is None else async_scheduling
+
+
+def _make_post_init(original: Callable[[Any], Any]) -> Callable[[Any], Any]:
+    @functools.wraps(original)
+    def __post_init__(self: Any) -> Any:
+        spec = getattr(self, "speculative_config", None)
+        sched = getattr(self, "scheduler_config", None)
+        if spec is not None and sched is not None and getattr(spec, "method", None) == TFM_METHOD:
+            wanted = sched.async_scheduling
+            sched.async_scheduling = tfm_scheduling_default(wanted)
+            if wanted is None:
+                logger.info("vllm-tfm: method 'tfm' runs with synchronous scheduling (experimental asynchronous "
+                            "scheduling: --async-scheduling with %s=1)", ASYNC_SCHEDULING_ENV)
+            elif wanted:
+                logger.warning("vllm-tfm: asynchronous scheduling is on for method 'tfm' (%s=1, experimental)",
+                               ASYNC_SCHEDULING_ENV)
+        return original(self)
+
+    return __post_init__
+
+
+def _widened(original: Any) -> Any:
+    values = typing.get_args(original)
+    return original if TFM_METHOD in values else Literal[(*values, TFM_METHOD)]  # type: ignore[valid-type]
+
+
+def install_async_scheduling_patches() -> None:
+    """Widen ``vllm.config.vllm.EagleModelTypes`` by "tfm" and wrap ``VllmConfig.__post_init__`` (module
+    docstring); idempotent."""
+    import vllm.config.vllm as vllm_config_module
+
+    replace_attribute(
+        vllm_config_module,
+        "EagleModelTypes",
+        _widened,
+        reason="VllmConfig's async-scheduling check accepts method 'tfm' (opt-in, VLLM_TFM_ASYNC_SCHEDULING)",
+    )
+    replace_attribute(
+        vllm_config_module.VllmConfig,
+        "__post_init__",
+        _make_post_init,
+        reason="method 'tfm': synchronous scheduling unless opted in; async_scheduling=True needs VLLM_TFM_ASYNC_SCHEDULING=1",
+    )
