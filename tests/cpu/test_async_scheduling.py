@@ -298,3 +298,58 @@ def test_the_trace_needs_synchronous_scheduling(monkeypatch: pytest.MonkeyPatch,
     with pytest.raises(ValueError, match=r"VLLM_TFM_TRACE reads every step's acceptance on the host: it needs synchronous "
                                          r"scheduling \(unset VLLM_TFM_TRACE or drop --async-scheduling\)"):
         check_engine_config(config(True))
+
+
+def test_steps_of_vllms_device_correction_and_ours_give_every_row_the_slot_its_state_is_in(
+        fresh_state: None, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Three asynchronous steps through vLLM 0.26's own correction of the accepted counts
+    (``update_num_computed_tokens_for_batch_change``, run by its ``_prepare_inputs``) followed by
+    ``fix_accepted_offsets``, with a request leaving the batch while running, a reorder, a row scheduled
+    one token, and the request coming back. After each step's preparation every row's device count must
+    be the ``a`` whose slot ``a - 1`` holds its state: the last step's accepted drafts + 1 for a row that
+    verified drafts, 1 after a plain decode or a move to slot 0, the count from before it left for a
+    re-added row."""
+    from vllm.v1.spec_decode.utils import update_num_computed_tokens_for_batch_change
+
+    import vllm_tfm.vllm_plugin.runtime.hooks as hooks
+
+    runner, conv, ssm, width = fake_hybrid_runner(monkeypatch, True)
+    acc, batch = runner.num_accepted_tokens, runner.input_batch
+    b = 3
+    so = SimpleNamespace(scheduled_cached_reqs=SimpleNamespace(resumed_req_ids=set()), scheduled_spec_decode_tokens={})
+
+    def sampled(accepted: list[int | None]) -> torch.Tensor:
+        """The tree sampler's rows: accepted drafts + the bonus token, then -1 (None: a row without drafts)."""
+        rows = [[7] * (1 if p is None else p + 1) + [-1] * (b - (0 if p is None else p)) for p in accepted]
+        return torch.tensor(rows, dtype=torch.int32)
+
+    def end_step(req_ids: list[str], out: torch.Tensor) -> None:  # vLLM's _update_states_after_model_execute, then ours
+        acc.gpu[: out.shape[0]] = (out != -1).sum(dim=1)
+        STATE.offsets.end_step(req_ids, acc.gpu)
+
+    def prepare(req_ids: list[str], prev_ids: list[str], prev_out: torch.Tensor, prev_drafts: list[int],
+                nst: list[int]) -> None:
+        n = len(req_ids)
+        batch.num_reqs, batch.req_ids = n, list(req_ids)
+        acc.np.fill(1)  # vLLM's asynchronous _prepare_inputs: host placeholders of 1, device 1 ...
+        acc.gpu.fill_(1)
+        prev_positions = torch.tensor([prev_ids.index(r) if r in prev_ids else -1 for r in req_ids])
+        valid = (prev_out != -1).sum(dim=1).to(torch.int32)  # what its padded drafter input counted
+        update_num_computed_tokens_for_batch_change(  # ... corrected on the device for rows that drafted last step
+            torch.zeros(8, dtype=torch.int32), acc.gpu[:n], prev_positions, valid,
+            torch.tensor(prev_drafts, dtype=torch.int32), torch.zeros(n, dtype=torch.int32))
+        so.scheduled_spec_decode_tokens = {r: [P] * b for r, k in zip(req_ids, nst) if k == b + 1}
+        hooks.fix_accepted_offsets(runner, so, np.array(nst))
+
+    out1 = sampled([1, 2, 0])  # step 1: a, b, c verified B drafts
+    end_step(["a", "b", "c"], out1)
+    ssm_before = ssm.clone()
+    prepare(["c", "a"], ["a", "b", "c"], out1, [b, b, b], [b + 1, 1])  # b left while running; a gets one token
+    assert acc.gpu[:2].tolist() == [1, 1]  # c accepted 0 drafts; a's state (a = 2) was moved to slot 0
+    assert torch.equal(ssm[4], ssm_before[5]) and torch.equal(ssm[0], ssm_before[0])
+    assert STATE.offsets.records == {"b": 3}
+    out2 = sampled([2, None])  # step 2: c accepted 2, a decoded one token
+    end_step(["c", "a"], out2)
+    prepare(["a", "b", "c"], ["c", "a"], out2, [b, 0], [b + 1] * 3)  # b back; all verify drafts
+    assert acc.gpu[:3].tolist() == [1, 3, 3]  # a: after a plain decode; b: restored; c: 2 accepted + 1
+    assert acc.np[:3].tolist() == [1, 3, 1]  # the host holds placeholders but for the restored row
