@@ -105,23 +105,14 @@ def test_runner_hooks_restore_and_move_on_a_fake_hybrid_runner(monkeypatch):
     buffers (numpy, InputBatch, device) and moves the state of a row that reads slot 0."""
     from types import SimpleNamespace
 
-    import vllm_tfm.vllm_plugin.runtime.gdn as gdn_mod
+    from _fake_runner import fake_hybrid_runner
+
     import vllm_tfm.vllm_plugin.runtime.hooks as hooks
     from vllm_tfm.vllm_plugin.runtime.metrics import Metrics
     from vllm_tfm.vllm_plugin.runtime.state import STATE
 
-    width = 4
-    conv = torch.randn(16, 3, width - 1 + 3)  # dim-first [slots, conv_dim, L]
-    ssm = torch.randn(16, 2, 2, 2)
-    layer = SimpleNamespace(conv1d=SimpleNamespace(weight=torch.zeros(3, 1, width)))
-    monkeypatch.setattr(hooks, "_gdn_groups", lambda runner: [(1, [layer])])
-    monkeypatch.setattr(gdn_mod, "_layer_states", lambda lay: (conv, ssm))
-    table = np.arange(16).reshape(4, 4)  # request row i owns slots 4i .. 4i + 3
-    acc = SimpleNamespace(np=np.ones(4, dtype=np.int32), gpu=torch.ones(4, dtype=torch.int32))
-    batch = SimpleNamespace(num_reqs=3, req_ids=["a", "b", "c"], num_accepted_tokens_cpu=np.ones(4, dtype=np.int32),
-                            block_table={1: SimpleNamespace(get_numpy_array=lambda: table)})
-    runner = SimpleNamespace(_tfm_enabled=True, model_config=SimpleNamespace(is_hybrid=True), input_batch=batch,
-                             num_accepted_tokens=acc, requests={"a": 0, "b": 0, "c": 0})
+    runner, conv, ssm, width = fake_hybrid_runner(monkeypatch)
+    acc, batch = runner.num_accepted_tokens, runner.input_batch
     STATE.metrics, STATE.offsets = Metrics(max_depth=3), type(STATE.offsets)()
     so = SimpleNamespace(scheduled_cached_reqs=SimpleNamespace(resumed_req_ids={"a"}), scheduled_spec_decode_tokens={})
     hooks.fix_accepted_offsets(runner, so, np.array([4, 4, 4]))  # step 1: nothing known, nothing to do

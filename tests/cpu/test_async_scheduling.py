@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 import torch
 
+from _fake_runner import fake_hybrid_runner
 from _vllm_plugin_env import vllm_cpu_session, write_drafter, write_qwen35_target
 from vllm_tfm.vllm_plugin.runtime import deferred_drafts as dd
 from vllm_tfm.vllm_plugin.runtime.accepted_offsets import AcceptedOffsets
@@ -204,26 +205,6 @@ def test_a_finished_request_leaving_the_batch_costs_no_host_sync() -> None:
     off.end_step(["a", "b"], torch.tensor([3, 2]))
     cont = off.begin_step(["a"], set(), {"a": 0, "b": 0})  # b left while running: its a is read (a sync)
     assert off.records == {"b": 2}
-
-
-def fake_hybrid_runner(monkeypatch: pytest.MonkeyPatch, async_mode: bool, num_spec_tokens: int = 3):
-    import vllm_tfm.vllm_plugin.runtime.gdn as gdn_mod
-    import vllm_tfm.vllm_plugin.runtime.hooks as hooks
-
-    width = 4
-    conv = torch.randn(16, 3, width - 1 + num_spec_tokens)  # dim-first [slots, conv_dim, L]
-    ssm = torch.randn(16, 2, 2, 2)
-    layer = SimpleNamespace(conv1d=SimpleNamespace(weight=torch.zeros(3, 1, width)))
-    monkeypatch.setattr(hooks, "_gdn_groups", lambda runner: [(1, [layer])])
-    monkeypatch.setattr(gdn_mod, "_layer_states", lambda lay: (conv, ssm))
-    table = np.arange(16).reshape(4, 4)  # request row i owns slots 4i .. 4i + 3
-    acc = SimpleNamespace(np=np.ones(4, dtype=np.int32), gpu=torch.ones(4, dtype=torch.int32))
-    batch = SimpleNamespace(num_reqs=3, req_ids=["a", "b", "c"], num_accepted_tokens_cpu=np.ones(4, dtype=np.int32),
-                            block_table={1: SimpleNamespace(get_numpy_array=lambda: table)})
-    runner = SimpleNamespace(_tfm_enabled=True, model_config=SimpleNamespace(is_hybrid=True), input_batch=batch,
-                             num_accepted_tokens=acc, requests={"a": 0, "b": 0, "c": 0}, use_async_scheduling=async_mode,
-                             num_spec_tokens=num_spec_tokens)
-    return runner, conv, ssm, width
 
 
 @pytest.mark.parametrize("async_mode", [False, True])
