@@ -47,8 +47,12 @@ class Metrics:
         self.tp_tree_checks = 0  # proposals found identical on every TP rank (VLLM_TFM_CHECK_TP_TREES)
         self.tp_accept_checks = 0  # verifications found identical on every TP rank
         self.accepted_restored = 0  # rows whose num_accepted_tokens vLLM reset on re-adding them (accepted_offsets.py)
-        self.states_moved = 0  # rows whose committed GDN state was moved to slot 0 (accepted_offsets.py)
-        self.placeholder_steps = 0  # steps whose drafts went to the scheduler as placeholders (deferred_drafts.py)
+        # rows whose committed GDN state was moved to slot 0 (accepted_offsets.py; with asynchronous scheduling every
+        # continuing row scheduled one token, moved from the device's count, a copy onto itself where that was 1)
+        self.states_moved = 0
+        # steps whose drafts went to the scheduler as placeholders (deferred_drafts.py; 0 with asynchronous
+        # scheduling, whose scheduler makes its own)
+        self.placeholder_steps = 0
         self.placeholder_drafts_filled = 0  # draft input ids written from the proposals (deferred_drafts.py)
         self.resumed: Counter[str] = Counter()  # request id -> times vLLM resumed it after a preemption
         self.tree_requests = 0
