@@ -136,6 +136,19 @@ WEAVER_SECTION = {"d_model": HIDDEN, "d_rank": 32, "n_layers": 1, "n_heads": 2, 
 TREEFLASH_SECTION = {"hidden_size": HIDDEN, "intermediate_size": 48}
 
 
+def tiny_tfm_configs(root: Path, budget: int) -> tuple[Any, Any, Any]:
+    """(model config, parallel config, speculative config) that vLLM builds, with the plugin, for a tfm
+    engine of the tiny target and drafter written under ``root``; call inside :func:`vllm_cpu_session`."""
+    from vllm.config import ParallelConfig
+    from vllm.engine.arg_utils import EngineArgs
+
+    target, drafter = write_qwen35_target(root / "target"), write_drafter(root / "drafter")
+    args = EngineArgs(model=str(target), skip_tokenizer_init=True, load_format="auto",
+                      speculative_config={"method": "tfm", "model": str(drafter), "num_speculative_tokens": budget})
+    model_config, parallel = args.create_model_config(), ParallelConfig()
+    return model_config, parallel, args.create_speculative_config(model_config, parallel)
+
+
 @contextlib.contextmanager
 def vllm_cpu_session(cache_dir: Path) -> Iterator[Any]:
     """Import vLLM (skip the module when it cannot be imported), register vllm-tfm, and make vLLM

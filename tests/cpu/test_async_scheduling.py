@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from _fake_runner import fake_hybrid_runner
-from _vllm_plugin_env import vllm_cpu_session, write_drafter, write_qwen35_target
+from _vllm_plugin_env import tiny_tfm_configs, vllm_cpu_session
 from vllm_tfm.vllm_plugin.runtime import deferred_drafts as dd
 from vllm_tfm.vllm_plugin.runtime.accepted_offsets import AcceptedOffsets
 from vllm_tfm.vllm_plugin.runtime.metrics import Metrics
@@ -33,15 +33,7 @@ ASYNC_ENV = "VLLM_TFM_ASYNC_SCHEDULING"
 def env(tmp_path_factory: pytest.TempPathFactory) -> Any:
     root = tmp_path_factory.mktemp("async_scheduling")
     with vllm_cpu_session(root / "vllm-cache"):
-        from vllm.config import ParallelConfig
-        from vllm.engine.arg_utils import EngineArgs
-
-        target = write_qwen35_target(root / "target")
-        drafter = write_drafter(root / "drafter")
-        args = EngineArgs(model=str(target), skip_tokenizer_init=True,
-                          speculative_config={"method": "tfm", "model": str(drafter), "num_speculative_tokens": 7})
-        model_config, parallel = args.create_model_config(), ParallelConfig()
-        spec = args.create_speculative_config(model_config, parallel)
+        model_config, parallel, spec = tiny_tfm_configs(root, 7)
         yield {"model_config": model_config, "parallel": parallel, "spec": spec}
 
 

@@ -26,7 +26,7 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
-from _vllm_plugin_env import VOCAB, vllm_cpu_session, write_drafter, write_qwen35_target
+from _vllm_plugin_env import VOCAB, tiny_tfm_configs, vllm_cpu_session
 
 DOC = Path(__file__).resolve().parents[2] / "docs" / "guarantees.md"
 BUDGET = 4
@@ -79,15 +79,7 @@ def doc_rows() -> dict[str, tuple[str, str | None]]:
 def env(tmp_path_factory: pytest.TempPathFactory) -> Any:
     root = tmp_path_factory.mktemp("request_matrix")
     with vllm_cpu_session(root / "vllm-cache"):
-        from vllm.config import ParallelConfig
-        from vllm.engine.arg_utils import EngineArgs
-
-        target = write_qwen35_target(root / "target")
-        drafter = write_drafter(root / "drafter")
-        mc = EngineArgs(model=str(target), skip_tokenizer_init=True).create_model_config()
-        spec = {"method": "tfm", "model": str(drafter), "num_speculative_tokens": BUDGET}
-        tfm = EngineArgs(model=str(target), skip_tokenizer_init=True, speculative_config=spec,
-                         load_format="auto").create_speculative_config(mc, ParallelConfig())
+        mc, _, tfm = tiny_tfm_configs(root, BUDGET)
         assert tfm.method == "tfm"
         yield SimpleNamespace(model_config=mc, tfm=tfm)
 
