@@ -52,12 +52,12 @@ def test_tfm_engines_schedule_synchronously_unless_opted_in(env: Any, monkeypatc
     monkeypatch.delenv(ASYNC_ENV, raising=False)
     with caplog.at_level(logging.INFO, logger="vllm_tfm"):
         assert engine_config(env, None).scheduler_config.async_scheduling is False
-    assert f"experimental asynchronous scheduling: --async-scheduling with {ASYNC_ENV}=1" in caplog.text
+    assert f"asynchronous scheduling is a development switch: --async-scheduling with {ASYNC_ENV}=1" in caplog.text
     assert engine_config(env, False).scheduler_config.async_scheduling is False
     with pytest.raises(pydantic.ValidationError) as info:
         engine_config(env, True)
-    assert (f"method 'tfm' runs with synchronous scheduling unless you opt in to its experimental asynchronous "
-            f"scheduling with {ASYNC_ENV}=1; or drop async_scheduling=True") in str(info.value)
+    assert (f"method 'tfm' runs with synchronous scheduling: drop async_scheduling=True (the development switch "
+            f"{ASYNC_ENV}=1 allows it, but it changes tokens at batch 8, bench/NOTES.md section 49)") in str(info.value)
     monkeypatch.setenv(ASYNC_ENV, "1")
     config = engine_config(env, True)
     assert config.scheduler_config.async_scheduling is True and config.speculative_config.method == "tfm"

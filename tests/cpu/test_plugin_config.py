@@ -337,7 +337,7 @@ def test_drafter_target_mismatch(env: Any) -> None:
 def test_engine_and_parallel_refusals(env: Any, monkeypatch: pytest.MonkeyPatch) -> None:
     d = drafter(env, "engine")
     raises(env, tfm(d), r"does not support pipeline parallelism \(pipeline_parallel_size=2\)", parallel={"pipeline_parallel_size": 2})
-    raises(env, tfm(d), r"runs with synchronous scheduling unless you opt in .* VLLM_TFM_ASYNC_SCHEDULING=1", async_scheduling=True)
+    raises(env, tfm(d), r"runs with synchronous scheduling: drop async_scheduling=True \(the development switch VLLM_TFM_ASYNC_SCHEDULING=1", async_scheduling=True)
     raises(env, tfm(d), r"does not support prefix caching on a hybrid", enable_prefix_caching=True)
     raises(env, tfm(d), r"needs mamba_cache_mode='none'", mamba_cache_mode="align")
     raises(env, tfm(d, draft_sample_method="probabilistic"), r"draft_sample_method='probabilistic' is not supported")
