@@ -191,6 +191,17 @@ VARIANTS = [
     ("tree_attention.cu", ["-DTFM_IN=0", "-DTA_D=64", "-DTA_BN=32", "-DTA_MINB=1"]),
     ("kv_compact.cu", ["-DKVC_UNIT=16"]),
     ("kv_compact.cu", ["-DKVC_UNIT=1"]),
+    # version 6 as the runtime builds it at the 27B shape (kernels/gdn.py): path solve at 512 / 256 threads, a
+    # cluster of 2, the level solve; and the top-K rows kernel's three dtypes
+    ("gdn_tree_verify_grouped.cu", ["-DTFM_IN=1", "-DGDN_K=128", "-DGDN_V=128", "-DGDN_GROUP=3", "-DG6_THREADS=512",
+                                    "-DG6_SOLVE=1", "-DG6_CLUSTER=1", "-DG6_PATH_REG=17"]),
+    ("gdn_tree_verify_grouped.cu", ["-DTFM_IN=1", "-DGDN_K=128", "-DGDN_V=128", "-DGDN_GROUP=3", "-DG6_THREADS=256",
+                                    "-DG6_SOLVE=1", "-DG6_CLUSTER=2", "-DG6_PATH_REG=17"]),
+    ("gdn_tree_verify_grouped.cu", ["-DTFM_IN=1", "-DGDN_K=128", "-DGDN_V=128", "-DGDN_GROUP=3", "-DG6_THREADS=512",
+                                    "-DG6_SOLVE=0", "-DG6_CLUSTER=2"]),
+    ("topk_rows.cu", ["-DTK_IN=0"]),
+    ("topk_rows.cu", ["-DTK_IN=1"]),
+    ("topk_rows.cu", ["-DTK_IN=2"]),
 ]
 
 
