@@ -48,6 +48,7 @@ import typing
 from collections.abc import Callable
 from typing import Any, Literal
 
+from .guards import TFM_METHOD
 from .patching import replace_attribute
 
 __all__ = [
@@ -61,8 +62,6 @@ __all__ = [
 logger = logging.getLogger("vllm_tfm")
 
 ASYNC_SCHEDULING_ENV = "VLLM_TFM_ASYNC_SCHEDULING"
-
-TFM_METHOD = "tfm"
 
 
 def async_opt_in() -> bool:

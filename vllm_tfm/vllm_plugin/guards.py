@@ -34,7 +34,6 @@ import logging
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from .async_scheduling import check_async_request
 from .patching import replace_attribute
 
 __all__ = [
@@ -117,6 +116,8 @@ def check_model_runner_env() -> None:
 
 def check_engine_args(engine_args: Any, target_model_config: Any) -> None:
     """Engine-wide settings (from ``EngineArgs``); CUDA graphs: ``cuda_graphs.configure_engine_graphs``."""
+    from .async_scheduling import check_async_request  # that module imports TFM_METHOD from here
+
     check_async_request(getattr(engine_args, "async_scheduling", None))
     if getattr(target_model_config, "is_hybrid", False):
         if getattr(engine_args, "enable_prefix_caching", None) is True:

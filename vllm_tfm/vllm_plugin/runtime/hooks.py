@@ -44,6 +44,7 @@ from typing import Any
 
 import numpy as np
 import torch
+from torch import Tensor
 
 from .accepted_offsets import OffsetPlan, move_states_to_slot0, plan_offsets
 from .commit import commit_gdn_layers, compact_kv, compaction_rows, spec_accepted
@@ -266,8 +267,6 @@ def fix_accepted_offsets(runner: Any, scheduler_output: Any, num_scheduled_token
     step's sampler, so a continuing row scheduled one token (no drafts) cannot be told on the host to
     sit elsewhere: its state is moved to slot 0 on the device from the device's count (a copy onto
     itself where that count is 1), no host wait."""
-    from .gdn import _layer_states
-
     batch = runner.input_batch
     n = batch.num_reqs
     req_ids = batch.req_ids[:n]
@@ -298,30 +297,13 @@ def fix_accepted_offsets(runner: Any, scheduler_output: Any, num_scheduled_token
         STATE.metrics.accepted_restored += len(rows)
     if plan.move_rows:
         rows = plan.move_rows
-        accepted = torch.tensor(plan.move_from, dtype=torch.long, device=dev)
-        for gid, layers in _gdn_groups(runner):
-            table = batch.block_table[gid].get_numpy_array()[rows, : max(plan.move_from)]
-            slots = torch.from_numpy(np.ascontiguousarray(table)).to(device=dev, dtype=torch.long)
-            states = [_layer_states(layer) for layer in layers]
-            width = int(layers[0].conv1d.weight.shape[-1])
-            move_states_to_slot0([c for c, _ in states], [s for _, s in states], slots, accepted, width)
+        _move_to_slot0(runner, rows, torch.tensor(plan.move_from, dtype=torch.long, device=dev), max(plan.move_from))
         runner.num_accepted_tokens.np[rows] = 1
         batch.num_accepted_tokens_cpu[rows] = 1
-        runner.num_accepted_tokens.gpu[torch.tensor(rows, device=dev)] = 1
-        STATE.metrics.states_moved += len(rows)
     if plan.device_move_rows:
         rows = plan.device_move_rows
-        rows_dev = torch.tensor(rows, device=dev)
-        accepted = runner.num_accepted_tokens.gpu[rows_dev].to(torch.long)  # vLLM's corrected counts, on the device
-        cols = int(getattr(runner, "num_spec_tokens", 0)) + 1  # a <= 1 + B
-        for gid, layers in _gdn_groups(runner):
-            table = batch.block_table[gid].get_numpy_array()
-            slots = torch.from_numpy(np.ascontiguousarray(table[rows, : min(cols, table.shape[1])])).to(device=dev, dtype=torch.long)
-            states = [_layer_states(layer) for layer in layers]
-            width = int(layers[0].conv1d.weight.shape[-1])
-            move_states_to_slot0([c for c, _ in states], [s for _, s in states], slots, accepted, width)
-        runner.num_accepted_tokens.gpu[rows_dev] = 1
-        STATE.metrics.states_moved += len(rows)
+        accepted = runner.num_accepted_tokens.gpu[torch.tensor(rows, device=dev)].to(torch.long)  # vLLM's corrected counts
+        _move_to_slot0(runner, rows, accepted, int(getattr(runner, "num_spec_tokens", 0)) + 1)  # a <= 1 + B
     if not STATE.offsets.reported:
         STATE.offsets.reported = True
         stats_logger.info(  # under vLLM's logger: INFO lines of "vllm_tfm" are not printed by default
@@ -330,6 +312,22 @@ def fix_accepted_offsets(runner: Any, scheduler_output: Any, num_scheduled_token
             len(plan.move_rows),
         )
     return plan
+
+
+def _move_to_slot0(runner: Any, rows: list[int], accepted: Tensor, cols: int) -> None:
+    """The committed GDN state of batch rows ``rows`` (their ``a``: ``accepted``, [M] int64 on the device, read
+    from the first ``cols`` state slots of each row) to slot 0 in every GDN layer; their device count set to 1."""
+    from .gdn import _layer_states
+
+    dev = accepted.device
+    for gid, layers in _gdn_groups(runner):
+        table = runner.input_batch.block_table[gid].get_numpy_array()
+        slots = torch.from_numpy(np.ascontiguousarray(table[rows, : min(cols, table.shape[1])])).to(device=dev, dtype=torch.long)
+        states = [_layer_states(layer) for layer in layers]
+        width = int(layers[0].conv1d.weight.shape[-1])
+        move_states_to_slot0([c for c, _ in states], [s for _, s in states], slots, accepted, width)
+    runner.num_accepted_tokens.gpu[torch.tensor(rows, device=dev)] = 1
+    STATE.metrics.states_moved += len(rows)
 
 
 def _kv_groups(runner: Any) -> list[tuple[int, list[Any]]]:
