@@ -77,6 +77,7 @@ def install_probes(probe: Probe) -> None:
         return round(float(x.double().sum()), 9)
 
     orig_after = GPUModelRunner._update_states_after_model_execute
+    last_hooks: dict[str, int] = {}
 
     def after(self: Any, output_token_ids: Any, scheduler_output: Any) -> Any:
         try:
@@ -110,6 +111,11 @@ def install_probes(probe: Probe) -> None:
                         "x_sum": [rsum(st.x[a0:a1]) for st in stashes],
                     }
             local_parent = getattr(step, "local_parent", None) if step is not None else None
+            hooks = dict(STATE.metrics.hooks) if STATE.metrics is not None else {}
+            paths = sorted(k for k, v in hooks.items() if v > last_hooks.get(k, 0) and k.startswith(("cudagraph.", "topology.",
+                                                                                                    "attention.", "gdn.")))
+            last_hooks.clear()
+            last_hooks.update(hooks)
             start = 0
             for i, rid in enumerate(rids):
                 n = nst[i]
@@ -117,7 +123,7 @@ def install_probes(probe: Probe) -> None:
                 nc = int(seq[start])
                 rec = {"k": "step", "s": probe.step, "r": _ext(rid), "row": i, "nc": nc, "n": n,
                        "ids": ids[start:start + n], "pos": pos[start:start + n], "a": a, "out": out[i],
-                       "seq_len": int(seq_lens[i])}
+                       "seq_len": int(seq_lens[i]), "paths": paths}
                 if nc > 0:  # a request with a state (not its first prefill chunk)
                     rec["s0"] = rsum(ssm[int(table[i, a - 1])])
                     rec["conv"] = rsum(conv[int(table[i, 0])][:, a - 1:a - 1 + width - 1])

@@ -21,8 +21,8 @@ batch 1 (each prompt alone):
   tfm-fullpw-hosttopo  tfm-fullpw with VLLM_TFM_DEVICE_TOPOLOGY=0 (a full-graph step's plans and depth
                  positions built on the host, not by the topology kernel): the same tables, tokens
   tfm-fullpw-async  tfm-fullpw with vLLM's asynchronous scheduling (async_scheduling=True and the opt-in
-                 VLLM_TFM_ASYNC_SCHEDULING=1, vllm_tfm/vllm_plugin/async_scheduling.py): the same drafts,
-                 tokens and acceptance
+                 VLLM_TFM_ASYNC_SCHEDULING=1, vllm_tfm/vllm_plugin/async_scheduling.py): the same tokens
+                 (its acceptance is reported: steps past max_tokens count in it)
 
 Verdicts (all must hold for exit code 0): tfm-graphs == nospec-graphs, tfm-graphs == tfm-eager,
 tfm-eager == nospec-eager, tfm-fullpw == nospec-graphs, tfm-fullpw == tfm-fullpw-pergroup,
@@ -34,7 +34,7 @@ never reused GDN metadata and, on the random models, the other tfm engines did
 (``gdn.metadata_reused`` > 0); the full-graph tfm engines but the -pergroup control built some
 steps' GDN metadata by the fast path (``gdn.metadata_fast`` > 0), the others none; the -sync engine handed the scheduler no placeholder drafts, every
 other tfm engine some (the -async engine none: its scheduler makes its own), and the mean accepted length of
-tfm-fullpw-sync and of tfm-fullpw-async equals tfm-fullpw's; tfm-fullpw
+tfm-fullpw-sync equals tfm-fullpw's (tfm-fullpw-async's is reported: its steps past max_tokens count); tfm-fullpw
 wrote some steps' topology on the device (``topology.device`` > 0), the -hosttopo engine none. nospec-graphs vs nospec-eager (compiled vs eager numerics) is reported, not required. A divergence is reported
 with its position and the no-spec top-2 log-probability margin there.
 
@@ -103,7 +103,7 @@ ENGINES: dict[str, dict[str, Any]] = {
                             "env": {"VLLM_TFM_DEVICE_TOPOLOGY": "0"}},
     # tfm-fullpw with vLLM's asynchronous scheduling (opt-in for tfm, vllm_plugin/async_scheduling.py): the
     # scheduler runs a step ahead with placeholder drafts and vLLM corrects the counts on the device; the same
-    # drafts reach the same forward, so the same tokens and acceptance
+    # drafts reach the same forward, so the same tokens (its acceptance also counts steps past max_tokens)
     "tfm-fullpw-async": {"spec": True, "eager": False, "compilation_config": {"cudagraph_mode": "FULL_AND_PIECEWISE"},
                          "async_scheduling": True, "env": {"VLLM_TFM_ASYNC_SCHEDULING": "1"}},
 }
@@ -354,8 +354,11 @@ def deferred_usage(runs: dict[str, dict[str, Any]]) -> dict[str, Any]:
     """Per tfm engine: steps whose drafts went to the scheduler as placeholders (runtime/deferred_drafts.py).
     ok iff the -sync control had none and every other synchronous tfm engine had some (an asynchronous
     engine none: vLLM's scheduler makes its own placeholders), and the mean accepted length of the -sync
-    control and of the -async engine equals tfm-fullpw's in both batches (the same drafts reached the
-    same forward)."""
+    control equals tfm-fullpw's in both batches (the same drafts reached the same forward). The -async
+    engine's is reported (``acceptance_async``, no verdict): asynchronous scheduling schedules a request
+    one step past its max_tokens at times, a step whose tokens vLLM discards and the tree metrics count
+    (bench/NOTES.md section 50: at batch 1 its steps up to max_tokens equal tfm-fullpw's, drafts and
+    accepted counts, yet its mean accepted length differs)."""
     out: dict[str, Any] = {}
     for name, r in runs.items():
         if not ENGINES.get(name, {}).get("spec"):
@@ -364,11 +367,13 @@ def deferred_usage(runs: dict[str, dict[str, Any]]) -> dict[str, Any]:
         off = (ENGINES[name].get("env") or {}).get("VLLM_TFM_DEFERRED_DRAFTS") == "0"
         off = off or bool(ENGINES[name].get("async_scheduling"))
         out[name] = {"placeholder_steps": n, "ok": n == 0 if off else n > 0}
-    for other, key in (("tfm-fullpw-sync", "same_acceptance"), ("tfm-fullpw-async", "same_acceptance_async")):
+    for other, key in (("tfm-fullpw-sync", "same_acceptance"), ("tfm-fullpw-async", "acceptance_async")):
         if "tfm-fullpw" in runs and other in runs:
             mal = {label: [(runs[e].get(f"{label}_tree_metrics") or {}).get("mean_accepted_length")
                            for e in ("tfm-fullpw", other)] for label in ("b8", "b1")}
-            out[key] = {"mean_accepted_length": mal, "ok": all(a is not None and a == b for a, b in mal.values())}
+            out[key] = {"mean_accepted_length": mal}
+            if key == "same_acceptance":
+                out[key]["ok"] = all(a is not None and a == b for a, b in mal.values())
     return out
 
 
@@ -420,7 +425,7 @@ def driver(args: argparse.Namespace) -> int:
                           for n, r in runs.items()}}
     required = [v["equal"] for v in result["verdicts"].values() if v["required"]]
     ok = bool(required) and all(required) and all(g["ok"] for g in result["graph_usage"].values()) and all(
-        m["ok"] for m in result["metadata_usage"].values()) and all(d["ok"] for d in result["deferred_usage"].values()) and all(
+        m["ok"] for m in result["metadata_usage"].values()) and all(d.get("ok", True) for d in result["deferred_usage"].values()) and all(
         t["ok"] for t in result["topology_usage"].values())
     result["ok"] = ok
     (out / "graphs.json").write_text(json.dumps(result, indent=1, default=str) + "\n")

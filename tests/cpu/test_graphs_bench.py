@@ -176,19 +176,21 @@ def test_deferred_usage_wants_placeholders_except_in_the_sync_control_and_the_sa
     assert g.ENGINES["tfm-fullpw-sync"]["env"] == {"VLLM_TFM_DEFERRED_DRAFTS": "0"}
 
 
-def test_deferred_usage_of_the_async_engine_wants_no_handed_placeholders_and_the_same_acceptance() -> None:
+def test_deferred_usage_of_the_async_engine_wants_no_handed_placeholders_and_reports_its_acceptance() -> None:
+    """The -async engine's mean accepted length is reported, not required equal: asynchronous scheduling
+    runs some requests a step past max_tokens (discarded tokens the tree metrics count, NOTES 50)."""
     def engine(b8: int, b1: int, mal: tuple[float, float] = (3.5, 2.5)) -> dict[str, object]:
         return {"status": "ok", "b8_tree_metrics": {"placeholder_steps": b8, "mean_accepted_length": mal[0]},
                 "b1_tree_metrics": {"placeholder_steps": b1, "mean_accepted_length": mal[1]}}
 
-    runs = {"tfm-fullpw": engine(5, 40), "tfm-fullpw-async": engine(0, 0)}
+    runs = {"tfm-fullpw": engine(5, 40), "tfm-fullpw-async": engine(0, 0, (3.5, 2.6))}
     usage = g.deferred_usage(runs)
-    assert set(usage) == {"tfm-fullpw", "tfm-fullpw-async", "same_acceptance_async"}
-    assert all(u["ok"] for u in usage.values())
+    assert set(usage) == {"tfm-fullpw", "tfm-fullpw-async", "acceptance_async"}
+    assert usage["tfm-fullpw"]["ok"] and usage["tfm-fullpw-async"]["ok"]
+    assert "ok" not in usage["acceptance_async"]
+    assert usage["acceptance_async"]["mean_accepted_length"] == {"b8": [3.5, 3.5], "b1": [2.5, 2.6]}
     runs["tfm-fullpw-async"] = engine(0, 3)  # the engine ran synchronously: its wrapper handed placeholders out
     assert g.deferred_usage(runs)["tfm-fullpw-async"]["ok"] is False
-    runs["tfm-fullpw-async"] = engine(0, 0, (3.5, 2.6))  # other drafts (or stale states) reached the forward
-    assert g.deferred_usage(runs)["same_acceptance_async"]["ok"] is False
 
 
 def test_zoo_prompts_are_a_fixed_file_in_the_zoo_vocabulary() -> None:

@@ -34,9 +34,11 @@ Here, in every process (each patch once, through ``patching``):
   keeps synchronous scheduling unless asked), and ``async_scheduling=True`` is refused unless
   ``VLLM_TFM_ASYNC_SCHEDULING=1`` opts in. Other methods are untouched.
 
-Status (bench/NOTES.md section 49, the toy zoo on the H200): at batch 1 the greedy tokens equal no-spec's but
-the mean accepted length differs from synchronous tfm's (other drafts reached the forward); at batch 8 26 of
-32 prompts' tokens differ. So the opt-in is for development only until that is found and fixed.
+Status (bench/NOTES.md sections 49-50, the toy zoo on the H200): at batch 1 the greedy tokens equal no-spec's
+and the steps up to max_tokens equal synchronous tfm's; at batch 8 10 of 16 prompts' tokens differ with full
+CUDA graphs (3 of 16 eager or piecewise): on the step after a step that mixed a prefill with tree steps, the
+first full-attention layer's output differs with equal inputs, GDN states and prefix K/V. So the opt-in is for
+development only until that is found and fixed.
 """
 
 from __future__ import annotations
