@@ -166,7 +166,7 @@ def test_capture_context_sets_the_capture_step_and_restores() -> None:
         step = STATE.step
         assert step is not None and step.graph_capture is graphs and step.tree_active
         assert np.array_equal(step.spec_parents, chain_parents(2, 5)) and step.attn_max_seq_len == 128
-        assert step.attn_plan.num_trees == 2 and step.attn_plan.meta.data_ptr() == graphs.attn_buffer.data_ptr()
+        assert step.attn_plan.num_trees == 2 and step.attn_plan.meta.data_ptr() == graphs.attn_region(2).data_ptr()
         graphs.begin_run()
         tables = current_step_kernels(step)
         assert tables is not None and tables.plan.cu.data_ptr() == graphs.plan_buffer.data_ptr()
@@ -192,7 +192,8 @@ def test_replay_writes_the_step_trees_and_installs_the_captured_stash() -> None:
     assert torch.equal(plan.perm, ref.perm) and torch.equal(plan.pair_j[: ref.num_pairs], ref.pair_j)
     assert plan.cu.data_ptr() == graphs.plan_buffer.data_ptr()
     bits = ragged_ancestor_bits(step.local_parent, step.query_start)
-    assert torch.equal(graphs.attn_buffer[6 : 6 + bits.size], torch.from_numpy(bits.reshape(-1)))
+    region = graphs.attn_region(3)
+    assert torch.equal(region[6 : 6 + bits.size], torch.from_numpy(bits.reshape(-1)))
     assert step.gdn == {"layer.0": "stash"} and step.full_graph
     with pytest.raises(RuntimeError, match="no full tree graph fits"):
         graphs.prepare_replay(tree_step(2, 5, np.random.default_rng(4)))
@@ -206,10 +207,46 @@ def test_replay_writes_the_step_trees_and_installs_the_captured_stash() -> None:
         assert torch.equal(plan2.pair_off, ref2.pair_off) and torch.equal(plan2.pair_j[: ref2.num_pairs], ref2.pair_j)
         bits2 = ragged_ancestor_bits(again.local_parent, again.query_start)
         assert not np.array_equal(bits2, bits)
-        assert torch.equal(graphs.attn_buffer[6 : 6 + bits2.size], torch.from_numpy(bits2.reshape(-1)))
-        assert torch.equal(graphs.attn_buffer[:6], torch.from_numpy(
+        assert torch.equal(region[6 : 6 + bits2.size], torch.from_numpy(bits2.reshape(-1)))
+        assert torch.equal(region[:6], torch.from_numpy(
             TreeAttentionPlan.build(np.arange(3), again.query_start[:-1], np.full(3, 5), bits2, "cpu").meta.numpy()
             .view(np.int64)))  # the meta of the first write, unchanged
+
+
+def test_replays_of_other_batch_sizes_leave_a_plans_meta_alone() -> None:
+    """A replay writes only the bitmasks of its tree-attention plan; the meta (request, first row, size, first
+    bitmask row of each tree) stays from its first write. Replays of R = 3, then 2, then 3 again: the plan the
+    R = 3 graph reads must still be R = 3's, meta included (when all sizes shared one region, R = 2's writes
+    overwrote it: wrong attention on the full-graph steps of an engine whose batch shrank and grew, NOTES 50)."""
+    graphs = TreeGraphs(budget=4, max_reqs=3, max_seq_len=64, device=torch.device("cpu"))
+    captured = {}
+    for r in (3, 2, 1):
+        with graphs.capture(r):
+            graphs.begin_run()
+            captured[r] = STATE.step.attn_plan
+            graphs.end_capture_run(current_step_kernels(STATE.step))
+    regions = [graphs.attn_region(r) for r in (1, 2, 3)]
+    spans = sorted((t.data_ptr(), t.data_ptr() + t.numel() * t.element_size()) for t in regions)
+    assert all(a_end <= b_start for (_, a_end), (b_start, _) in zip(spans, spans[1:]))  # no two regions overlap
+    with pytest.raises(ValueError, match="num_reqs must be in 1..3"):
+        graphs.attn_region(4)
+    rng = np.random.default_rng(11)
+    for r in (3, 2, 1, 3, 2, 3):
+        step = tree_step(r, 5, rng)
+        graphs.prepare_replay(step)
+        _, attn = graphs.replay_layouts(r)
+        assert attn.meta.data_ptr() == captured[r].meta.data_ptr()  # the region the captured graph reads
+        bits = ragged_ancestor_bits(step.local_parent, step.query_start)
+        ref = TreeAttentionPlan.build(np.arange(r), step.query_start[:-1], np.full(r, 5), bits, "cpu")
+        for k in (1, 2, 3):  # every captured size's plan holds its own last trees, meta included
+            plan = graphs.replay_layouts(k)
+            if plan is None:
+                continue
+            want = ref if k == r else None
+            assert torch.equal(plan[1].meta, torch.from_numpy(np.concatenate(
+                [np.arange(k), np.arange(k) * 5, np.full(k, 5), np.arange(k) * 5]).astype(np.int32)))
+            if want is not None:
+                assert torch.equal(plan[1].bits_dev, want.bits_dev)
 
 
 def test_tree_graph_plans_carry_the_drafters_depth_bound() -> None:

@@ -37,8 +37,9 @@ Here, in every process (each patch once, through ``patching``):
 Status (bench/NOTES.md sections 49-50, the toy zoo on the H200): at batch 1 the greedy tokens equal no-spec's
 and the steps up to max_tokens equal synchronous tfm's; at batch 8 10 of 16 prompts' tokens differ with full
 CUDA graphs (3 of 16 eager or piecewise): on the step after a step that mixed a prefill with tree steps, the
-first full-attention layer's output differs with equal inputs, GDN states and prefix K/V. So the opt-in is for
-development only until that is found and fixed.
+first full-attention layer's output differs with equal inputs, GDN states and prefix K/V. A likely cause was
+fixed afterwards without a GPU (``full_graphs.TreeGraphs.attn_region``: one tree-attention plan region per batch
+size). So the opt-in is for development only until the GPU checks pass.
 """
 
 from __future__ import annotations

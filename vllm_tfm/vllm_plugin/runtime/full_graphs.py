@@ -135,8 +135,12 @@ class TreeGraphs:
         self.max_seq_len = int(max_seq_len)
         self.device = torch.device(device)
         self.plan_buffer = torch.zeros(TreePlan.fixed_size(self.max_reqs, self.nodes), dtype=torch.int32, device=device)
-        self.attn_buffer = torch.zeros(TreeAttentionPlan.fixed_size(self.max_reqs, self.nodes), dtype=torch.int64,
-                                       device=device)
+        # one region per R: a replay writes only the bitmasks of its region (its meta stays from the first
+        # write), so regions must not overlap; with one shared region, the replays of another R overwrote
+        # the meta of R's plan, which its graph then read (bench/NOTES.md section 50)
+        sizes = [TreeAttentionPlan.fixed_size(r, self.nodes) for r in range(1, self.max_reqs + 1)]
+        self._attn_offsets = [0, *np.cumsum(sizes).tolist()]  # region of R: [offsets[R - 1], offsets[R])
+        self.attn_buffer = torch.zeros(self._attn_offsets[-1], dtype=torch.int64, device=device)
         self.layers: dict[str, LayerStash] = {}
         self.captured: dict[int, CapturedTreeGraph] = {}
         # the plans of the last replay of each R: the next one reuses their views and writes only contents
@@ -163,6 +167,12 @@ class TreeGraphs:
     def capture_reqs(self) -> int:
         """R of the capture in progress (0 when none)."""
         return 0 if self._capture_step is None else self._capture_step.num_reqs
+
+    def attn_region(self, num_reqs: int) -> Tensor:
+        """The part of ``attn_buffer`` that holds the tree-attention plan of R requests (capture and replays)."""
+        if not 1 <= num_reqs <= self.max_reqs:
+            raise ValueError(f"num_reqs must be in 1..{self.max_reqs}, got {num_reqs}")
+        return self.attn_buffer[self._attn_offsets[num_reqs - 1] : self._attn_offsets[num_reqs]]
 
     # ---- capture -----------------------------------------------------------------------------
     def _step_for(self, num_reqs: int) -> StepTree:
@@ -195,7 +205,7 @@ class TreeGraphs:
         )
         step.graph_capture = self
         step.attn_max_seq_len = self.max_seq_len
-        step.attn_plan = TreeAttentionPlan.build_into(self.attn_buffer, qs[:-1], parents, n)
+        step.attn_plan = TreeAttentionPlan.build_into(self.attn_region(r), qs[:-1], parents, n)
         for name in ("spec_parents", "spec_cu"):  # read by the layers' fallback paths only: never uploaded in a capture
             step._dev[name] = torch.from_numpy(getattr(step, name).copy()).to(self.device)
         return step
@@ -267,7 +277,7 @@ class TreeGraphs:
     # ---- replay ------------------------------------------------------------------------------
     def replay_layouts(self, num_reqs: int) -> tuple[TreePlan, TreeAttentionPlan] | None:
         """The plan and the tree attention plan a replay of R requests wrote last (their tables live in
-        ``plan_buffer`` / ``attn_buffer`` at addresses fixed by R), or None before the first one: what
+        ``plan_buffer`` / ``attn_region(R)`` at addresses fixed by R), or None before the first one: what
         a device-side fill of the same tables writes into (device_topology.py)."""
         plan, attn = self._plans.get(num_reqs), self._attn_plans.get(num_reqs)
         return None if plan is None or attn is None else (plan, attn)
@@ -289,7 +299,7 @@ class TreeGraphs:
                                                                                                    step.spec_cu)
             plan = TreePlan.build_into(self.plan_buffer, step.spec_parents, step.spec_cu, self.nodes,
                                        ancestor_bits=bits, depth_bound=self.depth_bound, layout=self._plans.get(r))
-            self._attn_plans[r] = TreeAttentionPlan.build_into(self.attn_buffer, step.query_start[:-1],
+            self._attn_plans[r] = TreeAttentionPlan.build_into(self.attn_region(r), step.query_start[:-1],
                                                                step.local_parent, self.nodes, ancestor_bits=bits,
                                                                layout=self._attn_plans.get(r))
             self._plans[r] = plan
