@@ -7,8 +7,11 @@ that record, per step and request (the request keyed by its external id and the 
 before the step, so that records of the two engines pair up whatever the batch composition):
 
 * ``step`` (before the commit, after the sampler): the input ids and positions the forward saw,
-  vLLM's device ``num_accepted_tokens`` (the GDN slot read), float64 sums of the first GDN layer's
-  S0 (SSM slot ``a - 1``) and of the conv window it read, the sampled tokens;
+  vLLM's device ``num_accepted_tokens`` (the GDN slot read), float64 sums of every GDN layer's S0
+  (SSM slot ``a - 1``) and of the conv window it read, the prefix K/V of the attention layers, the
+  per-layer sums of the GDN stash's inputs, the tree's parents, the sampled tokens (the state slot
+  ids, ``host_slots`` / ``st_slots``, are recorded for reading but not compared: each engine allocates
+  its own);
 * ``draft`` (the drafter's inputs and outputs): ``next_token_ids``, the rejected counts, the seq
   lens, sums of the DFlash context's hidden-state rows (in the order the drafter takes them), the
   DFlash marginals' row sums and argmaxes, the Weaver's verifier-hidden rows, the trees returned.
@@ -41,8 +44,7 @@ for _p in (str(REPO), str(BENCH)):
         sys.path.insert(0, _p)
 
 ENGINES = ("tfm-fullpw", "tfm-fullpw-async")
-STEP_FIELDS = ("n", "ids", "pos", "parents", "seq_len", "a", "st_a", "s0", "conv", "s0_all", "conv_all", "kv_prefix", "x_sum",
-               "out")
+STEP_FIELDS = ("n", "ids", "pos", "parents", "seq_len", "a", "st_a", "s0_all", "conv_all", "kv_prefix", "x_sum", "out")
 DRAFT_FIELDS = ("next", "rej", "seq_len", "ctx_ids", "ctx_pos", "ctx_h", "logit_sum", "logit_argmax", "verifier",
                 "tokens", "parents")
 
@@ -91,10 +93,8 @@ def install_probes(probe: Probe) -> None:
             seq = step.seq_positions.tolist() if step is not None and step.seq_positions is not None else pos
             acc = self.num_accepted_tokens.gpu[:r].tolist()
             out = output_token_ids.tolist()
-            gid, layers = hooks._gdn_groups(self)[0]
-            conv, ssm = _layer_states(layers[0])
+            gid, _ = hooks._gdn_groups(self)[0]
             table = self.input_batch.block_table[gid].get_numpy_array()
-            width = int(layers[0].conv1d.weight.shape[-1])
             gdn_states = [(_layer_states(layer), int(layer.conv1d.weight.shape[-1])) for _, ls in hooks._gdn_groups(self)
                           for layer in ls]
             kv_groups = hooks._kv_groups(self)
@@ -125,8 +125,6 @@ def install_probes(probe: Probe) -> None:
                        "ids": ids[start:start + n], "pos": pos[start:start + n], "a": a, "out": out[i],
                        "seq_len": int(seq_lens[i]), "paths": paths}
                 if nc > 0:  # a request with a state (not its first prefill chunk)
-                    rec["s0"] = rsum(ssm[int(table[i, a - 1])])
-                    rec["conv"] = rsum(conv[int(table[i, 0])][:, a - 1:a - 1 + width - 1])
                     rec["s0_all"] = [rsum(st[1][int(table[i, a - 1])]) for st, _ in gdn_states]
                     rec["conv_all"] = [rsum(st[0][int(table[i, 0])][:, a - 1:a - 1 + w - 1]) for st, w in gdn_states]
                     kv = []
@@ -332,6 +330,7 @@ def main(argv: list[str] | None = None) -> int:
         codes = [p.wait() for p in procs]
         print(f"engines done in {time.time() - t0:.0f} s, exit codes {codes}", flush=True)
     result = compare(out)
+    result["command"] = " ".join(["python3 bench/async_diff.py", *(argv if argv is not None else sys.argv[1:])])
     (out / "async_diff.json").write_text(json.dumps(result, indent=1) + "\n")
     for phase in ("b8", "b1"):
         p = result[phase]

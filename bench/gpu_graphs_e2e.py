@@ -71,7 +71,7 @@ for _p in (str(REPO), str(BENCH)):
     if _p not in sys.path:
         sys.path.insert(0, _p)
 
-__all__ = ["ENGINES", "REQUIRED", "engine_kwargs", "graph_usage", "main", "topology_usage", "verdicts"]
+__all__ = ["ENGINES", "REQUIRED", "acceptance_async", "engine_kwargs", "graph_usage", "main", "topology_usage", "verdicts"]
 
 ZOO = REPO / "zoo"
 MODELS = os.environ.get("TFM_GRAPHS_MODELS", "zoo")
@@ -355,10 +355,7 @@ def deferred_usage(runs: dict[str, dict[str, Any]]) -> dict[str, Any]:
     ok iff the -sync control had none and every other synchronous tfm engine had some (an asynchronous
     engine none: vLLM's scheduler makes its own placeholders), and the mean accepted length of the -sync
     control equals tfm-fullpw's in both batches (the same drafts reached the same forward). The -async
-    engine's is reported (``acceptance_async``, no verdict): asynchronous scheduling schedules a request
-    one step past its max_tokens at times, a step whose tokens vLLM discards and the tree metrics count
-    (bench/NOTES.md section 50: at batch 1 its steps up to max_tokens equal tfm-fullpw's, drafts and
-    accepted counts, yet its mean accepted length differs)."""
+    engine's is only reported (:func:`acceptance_async`)."""
     out: dict[str, Any] = {}
     for name, r in runs.items():
         if not ENGINES.get(name, {}).get("spec"):
@@ -367,14 +364,26 @@ def deferred_usage(runs: dict[str, dict[str, Any]]) -> dict[str, Any]:
         off = (ENGINES[name].get("env") or {}).get("VLLM_TFM_DEFERRED_DRAFTS") == "0"
         off = off or bool(ENGINES[name].get("async_scheduling"))
         out[name] = {"placeholder_steps": n, "ok": n == 0 if off else n > 0}
-    for other, key in (("tfm-fullpw-sync", "same_acceptance"), ("tfm-fullpw-async", "acceptance_async")):
-        if "tfm-fullpw" in runs and other in runs:
-            mal = {label: [(runs[e].get(f"{label}_tree_metrics") or {}).get("mean_accepted_length")
-                           for e in ("tfm-fullpw", other)] for label in ("b8", "b1")}
-            out[key] = {"mean_accepted_length": mal}
-            if key == "same_acceptance":
-                out[key]["ok"] = all(a is not None and a == b for a, b in mal.values())
+    mal = _mean_accepted_lengths(runs, "tfm-fullpw-sync")
+    if mal is not None:
+        out["same_acceptance"] = {"mean_accepted_length": mal, "ok": all(a is not None and a == b for a, b in mal.values())}
     return out
+
+
+def _mean_accepted_lengths(runs: dict[str, dict[str, Any]], other: str) -> dict[str, list[Any]] | None:
+    """{batch label: [tfm-fullpw's, other's mean accepted length]}, None unless both engines ran."""
+    if "tfm-fullpw" not in runs or other not in runs:
+        return None
+    return {label: [(runs[e].get(f"{label}_tree_metrics") or {}).get("mean_accepted_length") for e in ("tfm-fullpw", other)]
+            for label in ("b8", "b1")}
+
+
+def acceptance_async(runs: dict[str, dict[str, Any]]) -> dict[str, list[Any]] | None:
+    """The -async engine's mean accepted length next to tfm-fullpw's, reported without a verdict:
+    asynchronous scheduling schedules a request one step past its max_tokens at times, a step whose tokens
+    vLLM discards and the tree metrics count (bench/NOTES.md section 50: at batch 1 its steps up to
+    max_tokens equal tfm-fullpw's, drafts and accepted counts, yet its mean accepted length differs)."""
+    return _mean_accepted_lengths(runs, "tfm-fullpw-async")
 
 
 # ---------------------------------------------------------------------------------------- driver
@@ -419,13 +428,13 @@ def driver(args: argparse.Namespace) -> int:
               "machine": next((r.get("machine") for r in runs.values() if r.get("machine")), {}),
               "verdicts": verdicts(runs), "graph_usage": graph_usage(runs),
               "metadata_usage": metadata_usage(runs, MODELS),
-              "deferred_usage": deferred_usage(runs),
+              "deferred_usage": deferred_usage(runs), "acceptance_async": acceptance_async(runs),
               "topology_usage": topology_usage(runs),
               "engines": {n: {k: v for k, v in r.items() if k not in ("b8", "b1", "b8_margins", "b1_margins", "traceback")}
                           for n, r in runs.items()}}
     required = [v["equal"] for v in result["verdicts"].values() if v["required"]]
     ok = bool(required) and all(required) and all(g["ok"] for g in result["graph_usage"].values()) and all(
-        m["ok"] for m in result["metadata_usage"].values()) and all(d.get("ok", True) for d in result["deferred_usage"].values()) and all(
+        m["ok"] for m in result["metadata_usage"].values()) and all(d["ok"] for d in result["deferred_usage"].values()) and all(
         t["ok"] for t in result["topology_usage"].values())
     result["ok"] = ok
     (out / "graphs.json").write_text(json.dumps(result, indent=1, default=str) + "\n")

@@ -20,11 +20,11 @@ def _write(path: Path, recs: list[dict[str, Any]]) -> None:
 def _steps(s0_late: float, out_late: list[int]) -> list[dict[str, Any]]:
     return [
         {"k": "step", "phase": "b8", "r": "0", "nc": 10, "n": 3, "ids": [1, 2, 3], "pos": [10, 11, 11], "a": 1,
-         "s0": 1.0, "x_sum": [2.0, 3.0], "out": [5, -1, -1]},
+         "s0_all": [1.0], "x_sum": [2.0, 3.0], "out": [5, -1, -1]},
         {"k": "draft", "phase": "b8", "r": "0", "nc": 11, "next": 5, "rej": 1, "seq_len": 13, "ctx_ids": [1, 2],
          "ctx_h": [0.5, 0.25], "tokens": [7, 8], "parents": [-1, 0, 0]},
         {"k": "step", "phase": "b8", "r": "0", "nc": 11, "n": 3, "ids": [5, 7, 8], "pos": [11, 12, 12], "a": 1,
-         "s0": s0_late, "x_sum": [2.0, 3.0], "out": out_late},
+         "s0_all": [s0_late], "x_sum": [2.0, 3.0], "out": out_late},
     ]
 
 
@@ -33,9 +33,9 @@ def test_first_divergence_names_the_field(tmp_path: Path) -> None:
     _write(tmp_path / f"{ad.ENGINES[1]}.probe.jsonl", _steps(1.6, [4, -1, -1]))
     res = ad.compare(tmp_path)
     b8 = res["b8"]
-    assert b8["requests_diverging"] == 1 and b8["first_field_counts"] == {"step:s0": 1}
+    assert b8["requests_diverging"] == 1 and b8["first_field_counts"] == {"step:s0_all": 1}
     first = b8["first_divergences"][0]
-    assert first["nc"] == 11 and first["fields"] == ["s0", "out"] and first["async"]["s0"] == 1.6
+    assert first["nc"] == 11 and first["fields"] == ["s0_all", "out"] and first["async"]["s0_all"] == [1.6]
 
 
 def test_noise_below_tolerance_is_equal_and_unpaired_records_are_counted(tmp_path: Path) -> None:

@@ -77,7 +77,7 @@ def check_async_request(async_scheduling: bool | None) -> None:
     if async_scheduling is True and not async_opt_in():
         raise ValueError(
             "method 'tfm' runs with synchronous scheduling: drop async_scheduling=True (the development switch "
-            f"{ASYNC_SCHEDULING_ENV}=1 allows it, but it changes tokens at batch 8, bench/NOTES.md section 49)"
+            f"{ASYNC_SCHEDULING_ENV}=1 allows it, but it changes tokens at batch 8, bench/NOTES.md section 50)"
         )
 
 
@@ -101,7 +101,7 @@ def _make_post_init(original: Callable[[Any], Any]) -> Callable[[Any], Any]:
                             "development switch: --async-scheduling with %s=1)", ASYNC_SCHEDULING_ENV)
             elif wanted:
                 logger.warning("vllm-tfm: asynchronous scheduling is on for method 'tfm' (%s=1): for development only, "
-                               "it changed greedy tokens at batch 8 on the toy zoo (bench/NOTES.md section 49)",
+                               "it changed greedy tokens at batch 8 on the toy zoo (bench/NOTES.md section 50)",
                                ASYNC_SCHEDULING_ENV)
         return original(self)
 
