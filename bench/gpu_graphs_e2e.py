@@ -24,10 +24,17 @@ batch 1 (each prompt alone):
                  VLLM_TFM_ASYNC_SCHEDULING=1, vllm_tfm/vllm_plugin/async_scheduling.py): the same tokens
                  (its acceptance is reported: steps past max_tokens count in it)
 
+Each engine also runs the prompts in waves (label "waves"): driven step by step (LLMEngine.add_request /
+step), the first 8 start together with max_tokens T, T - 4, ..., T - 28 (and so on), and whenever fewer
+than 8 are in flight, TFM_GRAPHS_WAVE_HOLD (2) more steps run before the batch is refilled to 8. So the
+all-spec batch shrinks and grows again many times: full tree graphs of R requests replay after those of R - 1, the case
+that the shared tree-attention plan buffer of bench/NOTES.md section 50 got wrong, which the all-at-once
+batch 8 (it only shrinks, at the end) never reaches. Its tokens join the verdicts as a third batch label.
+
 Verdicts (all must hold for exit code 0): tfm-graphs == nospec-graphs, tfm-graphs == tfm-eager,
 tfm-eager == nospec-eager, tfm-fullpw == nospec-graphs, tfm-fullpw == tfm-fullpw-pergroup,
 tfm-fullpw == tfm-fullpw-sync, tfm-fullpw == tfm-fullpw-hosttopo, tfm-fullpw-async == nospec-graphs,
-tfm-fullpw == tfm-fullpw-async (batch 8 and batch 1, every prompt, every token); tfm-graphs ran its tree steps in piecewise graphs (the
+tfm-fullpw == tfm-fullpw-async (batch 8, batch 1 and waves, every prompt, every token); tfm-graphs ran its tree steps in piecewise graphs (the
 runtime's ``cudagraph.tree.PIECEWISE`` counter > 0) and never in a full graph; the tfm-fullpw
 engines replayed full graphs for tree steps (``cudagraph.tree.FULL`` > 0); the -pergroup engine
 never reused GDN metadata and, on the random models, the other tfm engines did
@@ -35,7 +42,9 @@ never reused GDN metadata and, on the random models, the other tfm engines did
 steps' GDN metadata by the fast path (``gdn.metadata_fast`` > 0), the others none; the -sync engine handed the scheduler no placeholder drafts, every
 other tfm engine some (the -async engine none: its scheduler makes its own), and the mean accepted length of
 tfm-fullpw-sync equals tfm-fullpw's (tfm-fullpw-async's is reported: its steps past max_tokens count); tfm-fullpw
-wrote some steps' topology on the device (``topology.device`` > 0), the -hosttopo engine none. nospec-graphs vs nospec-eager (compiled vs eager numerics) is reported, not required. A divergence is reported
+wrote some steps' topology on the device (``topology.device`` > 0), the -hosttopo engine none; in every engine's waves run the number of requests in
+flight fell below 8 and came back to 8 at least once, and the full-graph engines replayed a tree graph
+of a batch size again after one of another size (``cudagraph.tree.full_size_return`` > 0). nospec-graphs vs nospec-eager (compiled vs eager numerics) is reported, not required. A divergence is reported
 with its position and the no-spec top-2 log-probability margin there.
 
 TFM_GRAPHS_MODELS=random: instead of the zoo, bench/gpu_plugin_e2e.py's random tiny hybrid and
@@ -71,7 +80,8 @@ for _p in (str(REPO), str(BENCH)):
     if _p not in sys.path:
         sys.path.insert(0, _p)
 
-__all__ = ["ENGINES", "REQUIRED", "acceptance_async", "engine_kwargs", "graph_usage", "main", "topology_usage", "verdicts"]
+__all__ = ["ENGINES", "REQUIRED", "WaveSchedule", "acceptance_async", "engine_kwargs", "graph_usage", "main", "run_waves",
+           "topology_usage", "verdicts", "waves_usage"]
 
 ZOO = REPO / "zoo"
 MODELS = os.environ.get("TFM_GRAPHS_MODELS", "zoo")
@@ -82,6 +92,9 @@ N_PROMPTS = int(os.environ.get("TFM_GRAPHS_PROMPTS", "32"))
 MAX_TOKENS = int(os.environ.get("TFM_GRAPHS_TOKENS", "64"))
 DEADLINE_S = float(os.environ.get("TFM_GRAPHS_DEADLINE_S", "420"))
 MAX_SEQS = 8
+WAVE_HOLD = int(os.environ.get("TFM_GRAPHS_WAVE_HOLD", "2"))
+LABELS = ("b8", "b1", "waves")
+SIZE_RETURN = "cudagraph.tree.full_size_return"
 
 ENGINES: dict[str, dict[str, Any]] = {
     "nospec-eager": {"spec": False, "eager": True},
@@ -179,6 +192,80 @@ def engine_kwargs(name: str, target: str, drafter: str, budget: int) -> dict[str
     return kw
 
 
+# ---------------------------------------------------------------------------------------- waves
+def wave_max_tokens(i: int, max_tokens: int, max_seqs: int = MAX_SEQS) -> int:
+    """max_tokens of prompt i in the waves run: T, T - 4, ..., T - 4 (max_seqs - 1), again from T (>= 1)."""
+    return max(1, max_tokens - 4 * (i % max_seqs))
+
+
+class WaveSchedule:
+    """Which prompts join the waves run when: the first ``max_seqs`` at once; then, once fewer than
+    ``max_seqs`` are in flight after a step, ``hold`` more steps run without new prompts and the batch is
+    refilled to ``max_seqs`` at once (at once too when nothing is left in flight). So between batches of
+    R requests, steps of fewer run (all tree steps once their prefills are done), and the batch grows back
+    through a prefill step."""
+
+    def __init__(self, n: int, max_seqs: int, hold: int) -> None:
+        if n < 1 or max_seqs < 1 or hold < 0:
+            raise ValueError(f"waves need n >= 1, max_seqs >= 1 and hold >= 0, got {n}, {max_seqs}, {hold}")
+        self.n, self.max_seqs, self.hold = n, max_seqs, hold
+        self._next = 0
+        self._short = 0  # steps run since the batch was last full
+
+    @property
+    def pending(self) -> bool:
+        """Prompts not yet added."""
+        return self._next < self.n
+
+    def start(self) -> list[int]:
+        self._next = min(self.n, self.max_seqs)
+        return list(range(self._next))
+
+    def after_step(self, in_flight: int) -> list[int]:
+        """Prompts to add now, given the number of unfinished requests after a step."""
+        if not self.pending or in_flight >= self.max_seqs:
+            self._short = 0
+            return []
+        self._short += 1
+        if self._short <= self.hold and in_flight > 0:
+            return []
+        self._short = 0
+        first, self._next = self._next, min(self.n, self._next + self.max_seqs - in_flight)
+        return list(range(first, self._next))
+
+
+def regrowths(in_flight: list[int], full: int) -> int:
+    """How often the number of requests in flight came back to ``full`` after being below it."""
+    return sum(1 for a, b in zip(in_flight, in_flight[1:]) if a < full <= b)
+
+
+def run_waves(engine: Any, ps: list[list[int]], params_for: Any, max_tokens: int, max_seqs: int = MAX_SEQS,
+              hold: int = WAVE_HOLD) -> tuple[list[list[int]], list[int]]:
+    """Generate ``ps`` through ``engine`` (vLLM's LLMEngine: add_request, step, get_num_unfinished_requests)
+    in waves (:class:`WaveSchedule`, max_tokens from :func:`wave_max_tokens`): every prompt's tokens in
+    prompt order, and the number of requests in flight before each step."""
+    sched = WaveSchedule(len(ps), max_seqs, hold)
+    done: dict[int, list[int]] = {}
+    in_flight: list[int] = []
+
+    def add(i: int) -> None:
+        engine.add_request(f"wave{i}", {"prompt_token_ids": ps[i]}, params_for(wave_max_tokens(i, max_tokens, max_seqs)))
+
+    for i in sched.start():
+        add(i)
+    while engine.has_unfinished_requests() or sched.pending:
+        in_flight.append(engine.get_num_unfinished_requests())
+        for o in engine.step():
+            if o.finished:
+                done[int(o.request_id.rsplit("-", 1)[0].removeprefix("wave"))] = list(o.outputs[0].token_ids)
+        for i in sched.after_step(engine.get_num_unfinished_requests()):
+            add(i)
+    missing = [i for i in range(len(ps)) if i not in done]
+    if missing:
+        raise RuntimeError(f"waves: no finished output for prompts {missing[:8]}")
+    return [done[i] for i in range(len(ps))], in_flight
+
+
 # ---------------------------------------------------------------------------------------- child
 def top2_margin(position_logprobs: dict[int, Any]) -> float | None:
     """Top-1 minus top-2 log-probability at one position (None with fewer than two)."""
@@ -227,16 +314,22 @@ def run_engine(name: str, settings_path: Path) -> int:
         def gen(batch: list[list[int]]) -> list[Any]:
             return [o.outputs[0] for o in llm.generate([{"prompt_token_ids": p} for p in batch], params, use_tqdm=False)]
 
+        def wave_params(max_tokens: int) -> SamplingParams:
+            return SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, detokenize=False)
+
         spec = ENGINES[name]["spec"]
-        for label, batches in (("b8", [ps]), ("b1", [[p] for p in ps])):
+        for label in LABELS:
             if spec:
                 llm.collective_rpc(collect_tree_metrics, kwargs={"reset": True})
             t = time.perf_counter()
-            outs = [c for b in batches for c in gen(b)]
+            if label == "waves":
+                res[label], res["waves_in_flight"] = run_waves(llm.llm_engine, ps, wave_params, s["max_tokens"])
+            else:
+                outs = [c for b in ([ps] if label == "b8" else [[p] for p in ps]) for c in gen(b)]
+                res[label] = [list(c.token_ids) for c in outs]
+                if logprobs:
+                    res[f"{label}_margins"] = [[top2_margin(pos) for pos in (c.logprobs or [])] for c in outs]
             res[f"{label}_s"] = round(time.perf_counter() - t, 2)
-            res[label] = [list(c.token_ids) for c in outs]
-            if logprobs:
-                res[f"{label}_margins"] = [[top2_margin(pos) for pos in (c.logprobs or [])] for c in outs]
             if spec:
                 snap = llm.collective_rpc(collect_tree_metrics, kwargs={"reset": True})[0] or {}
                 res[f"{label}_tree_metrics"] = {k: snap.get(k) for k in ("steps", "tree_steps", "mean_accepted_length",
@@ -274,7 +367,7 @@ def _first_divergences(ref: list[list[int]], got: list[list[int]], margins: list
 
 def verdicts(runs: dict[str, dict[str, Any]]) -> dict[str, Any]:
     """Token equality of the engine pairs (REQUIRED and INFORMATIONAL) whose two engines were run,
-    batch 8 and batch 1; an engine that ran but has no tokens (it failed) makes its pairs unequal."""
+    batch 8, batch 1 and waves; an engine that ran but has no tokens (it failed) makes its pairs unequal."""
     from e2e_controls import compare_runs
 
     margins = runs.get("nospec-eager", {})
@@ -285,7 +378,7 @@ def verdicts(runs: dict[str, dict[str, Any]]) -> dict[str, Any]:
             continue
         key = f"{a} == {b}"
         item: dict[str, Any] = {"required": pair in REQUIRED}
-        for label in ("b8", "b1"):
+        for label in LABELS:
             ra, rb = runs.get(a, {}).get(label), runs.get(b, {}).get(label)
             if ra is None or rb is None:
                 item[label] = {"missing": [n for n, r in ((a, ra), (b, rb)) if r is None]}
@@ -294,7 +387,7 @@ def verdicts(runs: dict[str, dict[str, Any]]) -> dict[str, Any]:
             cmp["equal"] = cmp["prompts_differing"] == 0 and len(ra) == len(rb)
             cmp["divergences"] = _first_divergences(rb, ra, margins.get(f"{label}_margins"))[:8]
             item[label] = cmp
-        item["equal"] = all(isinstance(item.get(k), dict) and item[k].get("equal") for k in ("b8", "b1"))
+        item["equal"] = all(isinstance(item.get(k), dict) and item[k].get("equal") for k in LABELS)
         out[key] = item
     return out
 
@@ -306,7 +399,7 @@ def graph_usage(runs: dict[str, dict[str, Any]]) -> dict[str, Any]:
     for name in (n for n in GRAPH_ENGINES if n in runs):
         r = runs[name]
         counts: dict[str, int] = {}
-        for label in ("b8", "b1"):
+        for label in LABELS:
             for k, v in (r.get(f"{label}_graph_steps") or {}).items():
                 counts[k] = counts.get(k, 0) + int(v)
         if name.startswith("tfm-fullpw"):
@@ -327,7 +420,7 @@ def metadata_usage(runs: dict[str, dict[str, Any]], models: str) -> dict[str, An
     for name, r in runs.items():
         if not ENGINES.get(name, {}).get("spec"):
             continue
-        paths = [r.get(f"{label}_paths") or {} for label in ("b8", "b1")]
+        paths = [r.get(f"{label}_paths") or {} for label in LABELS]
         n = sum(int(p.get(METADATA_REUSED, 0)) for p in paths)
         fast = sum(int(p.get(METADATA_FAST, 0)) for p in paths)
         off = (ENGINES[name].get("env") or {}).get("VLLM_TFM_GDN_METADATA_ONCE") == "0"
@@ -345,7 +438,7 @@ def topology_usage(runs: dict[str, dict[str, Any]]) -> dict[str, Any]:
     for name in ("tfm-fullpw", "tfm-fullpw-hosttopo"):
         if name not in runs:
             continue
-        n = sum(int((runs[name].get(f"{label}_paths") or {}).get(DEVICE_TOPOLOGY, 0)) for label in ("b8", "b1"))
+        n = sum(int((runs[name].get(f"{label}_paths") or {}).get(DEVICE_TOPOLOGY, 0)) for label in LABELS)
         out[name] = {DEVICE_TOPOLOGY: n, "ok": n == 0 if name.endswith("hosttopo") else n > 0}
     return out
 
@@ -360,7 +453,7 @@ def deferred_usage(runs: dict[str, dict[str, Any]]) -> dict[str, Any]:
     for name, r in runs.items():
         if not ENGINES.get(name, {}).get("spec"):
             continue
-        n = sum(int((r.get(f"{label}_tree_metrics") or {}).get("placeholder_steps") or 0) for label in ("b8", "b1"))
+        n = sum(int((r.get(f"{label}_tree_metrics") or {}).get("placeholder_steps") or 0) for label in LABELS)
         off = (ENGINES[name].get("env") or {}).get("VLLM_TFM_DEFERRED_DRAFTS") == "0"
         off = off or bool(ENGINES[name].get("async_scheduling"))
         out[name] = {"placeholder_steps": n, "ok": n == 0 if off else n > 0}
@@ -375,7 +468,7 @@ def _mean_accepted_lengths(runs: dict[str, dict[str, Any]], other: str) -> dict[
     if "tfm-fullpw" not in runs or other not in runs:
         return None
     return {label: [(runs[e].get(f"{label}_tree_metrics") or {}).get("mean_accepted_length") for e in ("tfm-fullpw", other)]
-            for label in ("b8", "b1")}
+            for label in LABELS}
 
 
 def acceptance_async(runs: dict[str, dict[str, Any]]) -> dict[str, list[Any]] | None:
@@ -384,6 +477,28 @@ def acceptance_async(runs: dict[str, dict[str, Any]]) -> dict[str, list[Any]] | 
     vLLM discards and the tree metrics count (bench/NOTES.md section 50: at batch 1 its steps up to
     max_tokens equal tfm-fullpw's, drafts and accepted counts, yet its mean accepted length differs)."""
     return _mean_accepted_lengths(runs, "tfm-fullpw-async")
+
+
+def waves_usage(runs: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    """Per engine that ran the waves: how often its batch came back to 8 after being smaller and, for the
+    full-graph engines, how often a tree graph of a size replayed again after one of another size
+    (SIZE_RETURN). ok iff the batch grew back at least once and every full-graph engine (tfm-fullpw*)
+    returned to a size at least once: the case the waves exist for happened."""
+    out: dict[str, Any] = {}
+    for name, r in runs.items():
+        if "waves_in_flight" not in r:
+            if r.get("status") == "ok":
+                out[name] = {"ok": False, "why": "no waves run"}
+            continue
+        grew = regrowths(r["waves_in_flight"], MAX_SEQS)
+        item: dict[str, Any] = {"regrowths": grew}
+        ok = grew > 0
+        if name.startswith("tfm-fullpw"):
+            item[SIZE_RETURN] = int((r.get("waves_graph_steps") or {}).get(SIZE_RETURN, 0))
+            ok = ok and item[SIZE_RETURN] > 0
+        item["ok"] = ok
+        out[name] = item
+    return out
 
 
 # ---------------------------------------------------------------------------------------- driver
@@ -429,18 +544,18 @@ def driver(args: argparse.Namespace) -> int:
               "verdicts": verdicts(runs), "graph_usage": graph_usage(runs),
               "metadata_usage": metadata_usage(runs, MODELS),
               "deferred_usage": deferred_usage(runs), "acceptance_async": acceptance_async(runs),
-              "topology_usage": topology_usage(runs),
-              "engines": {n: {k: v for k, v in r.items() if k not in ("b8", "b1", "b8_margins", "b1_margins", "traceback")}
+              "topology_usage": topology_usage(runs), "waves_usage": waves_usage(runs),
+              "engines": {n: {k: v for k, v in r.items() if k not in (*LABELS, "b8_margins", "b1_margins", "traceback")}
                           for n, r in runs.items()}}
     required = [v["equal"] for v in result["verdicts"].values() if v["required"]]
     ok = bool(required) and all(required) and all(g["ok"] for g in result["graph_usage"].values()) and all(
         m["ok"] for m in result["metadata_usage"].values()) and all(d["ok"] for d in result["deferred_usage"].values()) and all(
-        t["ok"] for t in result["topology_usage"].values())
+        t["ok"] for t in result["topology_usage"].values()) and all(w["ok"] for w in result["waves_usage"].values())
     result["ok"] = ok
     (out / "graphs.json").write_text(json.dumps(result, indent=1, default=str) + "\n")
     for key, v in result["verdicts"].items():
         parts = [f"{lb}: " + ("EQUAL" if v[lb].get("equal") else f"DIFF {v[lb]}") if isinstance(v.get(lb), dict) else lb
-                 for lb in ("b8", "b1")]
+                 for lb in LABELS]
         log(f"{'REQUIRED' if v['required'] else 'info    '} {key}: " + "; ".join(
             p if len(p) < 400 else p[:400] + "..." for p in parts))
     for name, g in result["graph_usage"].items():
@@ -450,6 +565,8 @@ def driver(args: argparse.Namespace) -> int:
             f" {METADATA_FAST} {m[METADATA_FAST]}")
     for name, t in result["topology_usage"].items():
         log(f"topology {name}: {'OK' if t['ok'] else 'FAIL'} {DEVICE_TOPOLOGY} {t[DEVICE_TOPOLOGY]}")
+    for name, w in result["waves_usage"].items():
+        log(f"waves {name}: {'OK' if w['ok'] else 'FAIL'} " + " ".join(f"{k} {x}" for k, x in w.items() if k != "ok"))
     log(("OK" if ok else "FAIL") + f": results in {out / 'graphs.json'}")
     return 0 if ok else 1
 

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The one GPU-host command for tfm with CUDA graphs (issue 7): greedy tokens with piecewise graphs
-# == eager tfm == no speculation, on the toy zoo in float32, batch 8 and batch 1.
+# == eager tfm == no speculation, on the toy zoo in float32, batch 8, batch 1 and in waves (a batch that
+# shrinks and is refilled, step by step).
 #
 #   run (device tool, repository root, carry .gpu-bundle):  bash bench/run_gpu_graphs.sh [--engines a,b,...]
 #

@@ -128,6 +128,7 @@ def test_full_mode_capture_sizes_are_multiples_of_the_tree_step_from_its_size_up
 # ---- the runtime: capture step, replay, dispatch (CPU tensors stand in for the device) ---------------------
 from vllm_tfm.vllm_plugin.runtime import graph_dispatch  # noqa: E402
 from vllm_tfm.vllm_plugin.runtime.full_graphs import TreeGraphs, chain_parents, replayable, uniform_tree_step  # noqa: E402
+from vllm_tfm.vllm_plugin.runtime.metrics import Metrics  # noqa: E402
 from vllm_tfm.vllm_plugin.runtime.state import STATE, StepTree  # noqa: E402
 from vllm_tfm.vllm_plugin.runtime.step_kernels import current_step_kernels  # noqa: E402
 
@@ -213,7 +214,7 @@ def test_replay_writes_the_step_trees_and_installs_the_captured_stash() -> None:
             .view(np.int64)))  # the meta of the first write, unchanged
 
 
-def test_replays_of_other_batch_sizes_leave_a_plans_meta_alone() -> None:
+def test_replays_of_other_batch_sizes_leave_a_plans_meta_alone(monkeypatch: pytest.MonkeyPatch) -> None:
     """A replay writes only the bitmasks of its tree-attention plan; the meta (request, first row, size, first
     bitmask row of each tree) stays from its first write. Replays of R = 3, then 2, then 3 again: the plan the
     R = 3 graph reads must still be R = 3's, meta included (when all sizes shared one region, R = 2's writes
@@ -231,9 +232,12 @@ def test_replays_of_other_batch_sizes_leave_a_plans_meta_alone() -> None:
     with pytest.raises(ValueError, match="num_reqs must be in 1..3"):
         graphs.attn_region(4)
     rng = np.random.default_rng(11)
-    for r in (3, 2, 1, 3, 2, 3):
+    monkeypatch.setattr(STATE, "metrics", Metrics(max_depth=4))
+    returns = []
+    for r in (3, 2, 1, 3, 3, 2, 3):
         step = tree_step(r, 5, rng)
         graphs.prepare_replay(step)
+        returns.append(STATE.metrics.hooks["cudagraph.tree.full_size_return"])
         _, attn = graphs.replay_layouts(r)
         assert attn.meta.data_ptr() == captured[r].meta.data_ptr()  # the region the captured graph reads
         bits = ragged_ancestor_bits(step.local_parent, step.query_start)
@@ -247,6 +251,9 @@ def test_replays_of_other_batch_sizes_leave_a_plans_meta_alone() -> None:
                 [np.arange(k), np.arange(k) * 5, np.full(k, 5), np.arange(k) * 5]).astype(np.int32)))
             if want is not None:
                 assert torch.equal(plan[1].bits_dev, want.bits_dev)
+    # the counter a GPU run checks to know it exercised this case: a size replayed again after another size
+    # (the 4th, 6th and 7th replays; not the first of each size, nor a size repeated back to back)
+    assert returns == [0, 0, 0, 1, 1, 2, 3] and STATE.metrics.hooks["cudagraph.tree.full_replay"] == 7
 
 
 def test_tree_graph_plans_carry_the_drafters_depth_bound() -> None:

@@ -65,7 +65,7 @@ def test_the_async_engine_asks_for_asynchronous_scheduling_with_the_opt_in(sessi
 
 
 def run(b8: list[list[int]], b1: list[list[int]] | None = None, **extra: Any) -> dict[str, Any]:
-    return {"status": "ok", "b8": b8, "b1": b1 if b1 is not None else b8, **extra}
+    return {"status": "ok", "b8": b8, "b1": b1 if b1 is not None else b8, "waves": b8, **extra}
 
 
 def test_verdicts_and_graph_usage() -> None:
@@ -159,7 +159,8 @@ def test_the_per_group_control_is_a_required_bit_for_bit_pair() -> None:
 def test_deferred_usage_wants_placeholders_except_in_the_sync_control_and_the_same_acceptance() -> None:
     def engine(b8: int, b1: int, mal: tuple[float, float] = (3.5, 2.5)) -> dict[str, object]:
         return {"status": "ok", "b8_tree_metrics": {"placeholder_steps": b8, "mean_accepted_length": mal[0]},
-                "b1_tree_metrics": {"placeholder_steps": b1, "mean_accepted_length": mal[1]}}
+                "b1_tree_metrics": {"placeholder_steps": b1, "mean_accepted_length": mal[1]},
+                "waves_tree_metrics": {"placeholder_steps": 0, "mean_accepted_length": 3.25}}
 
     runs = {"nospec-eager": {"status": "ok"}, "tfm-eager": engine(5, 40), "tfm-fullpw": engine(5, 40),
             "tfm-fullpw-sync": engine(0, 0)}
@@ -181,13 +182,14 @@ def test_deferred_usage_of_the_async_engine_wants_no_handed_placeholders_and_rep
     runs some requests a step past max_tokens (discarded tokens the tree metrics count, NOTES 50)."""
     def engine(b8: int, b1: int, mal: tuple[float, float] = (3.5, 2.5)) -> dict[str, object]:
         return {"status": "ok", "b8_tree_metrics": {"placeholder_steps": b8, "mean_accepted_length": mal[0]},
-                "b1_tree_metrics": {"placeholder_steps": b1, "mean_accepted_length": mal[1]}}
+                "b1_tree_metrics": {"placeholder_steps": b1, "mean_accepted_length": mal[1]},
+                "waves_tree_metrics": {"placeholder_steps": 0, "mean_accepted_length": 3.25}}
 
     runs = {"tfm-fullpw": engine(5, 40), "tfm-fullpw-async": engine(0, 0, (3.5, 2.6))}
     usage = g.deferred_usage(runs)
     assert set(usage) == {"tfm-fullpw", "tfm-fullpw-async"}
     assert all(u["ok"] for u in usage.values())
-    assert g.acceptance_async(runs) == {"b8": [3.5, 3.5], "b1": [2.5, 2.6]}
+    assert g.acceptance_async(runs) == {"b8": [3.5, 3.5], "b1": [2.5, 2.6], "waves": [3.25, 3.25]}
     assert g.acceptance_async({"tfm-fullpw": engine(5, 40)}) is None
     runs["tfm-fullpw-async"] = engine(0, 3)  # the engine ran synchronously: its wrapper handed placeholders out
     assert g.deferred_usage(runs)["tfm-fullpw-async"]["ok"] is False
@@ -218,3 +220,88 @@ def test_the_topology_control_must_not_write_on_the_device_and_tfm_fullpw_must()
     assert set(usage) == {"tfm-fullpw", "tfm-fullpw-hosttopo"} and all(u["ok"] for u in usage.values())
     assert not g.topology_usage({"tfm-fullpw": engine(0)})["tfm-fullpw"]["ok"]  # the kernel never ran
     assert not g.topology_usage({"tfm-fullpw-hosttopo": engine(2)})["tfm-fullpw-hosttopo"]["ok"]  # switch ignored
+
+
+class FakeEngine:
+    """vLLM's LLMEngine as run_waves uses it: every unfinished request runs each step and gains up to
+    ``per_step`` tokens (a deterministic function of its prompt and position); ids get vLLM's random suffix."""
+
+    def __init__(self, per_step: int, max_seqs: int = 8) -> None:
+        self.per_step, self.max_seqs = per_step, max_seqs
+        self.reqs: dict[str, list[Any]] = {}
+
+    def add_request(self, request_id: str, prompt: dict[str, list[int]], params: Any) -> None:
+        assert len(self.reqs) < self.max_seqs, "the schedule overfilled the batch"
+        self.reqs[f"{request_id}-1a2b3c4d"] = [prompt["prompt_token_ids"], params.max_tokens, []]
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.reqs)
+
+    def get_num_unfinished_requests(self) -> int:
+        return len(self.reqs)
+
+    def step(self) -> list[Any]:
+        from types import SimpleNamespace
+
+        outs = []
+        for rid, (prompt, max_tokens, toks) in list(self.reqs.items()):
+            for _ in range(min(self.per_step, max_tokens - len(toks))):
+                toks.append((sum(prompt) + 7 * len(toks)) % 97)
+            finished = len(toks) == max_tokens
+            outs.append(SimpleNamespace(request_id=rid, finished=finished, outputs=[SimpleNamespace(token_ids=list(toks))]))
+            if finished:
+                del self.reqs[rid]
+        return outs
+
+
+@pytest.mark.parametrize("per_step", [1, 3])
+def test_waves_shrink_and_grow_the_batch_and_return_every_prompts_tokens(per_step: int) -> None:
+    from types import SimpleNamespace
+
+    ps = [[i, i + 1, 2 * i] for i in range(20)]
+    toks, in_flight = g.run_waves(FakeEngine(per_step), ps, lambda m: SimpleNamespace(max_tokens=m), 64, hold=2)
+    assert [len(t) for t in toks] == [64 - 4 * (i % 8) for i in range(20)]
+    assert toks == [[(sum(p) + 7 * j) % 97 for j in range(len(t))] for p, t in zip(ps, toks)]  # in prompt order
+    assert max(in_flight) == 8 and g.regrowths(in_flight, 8) >= 2
+    # every stretch below 8 before the batch grows back lasts at least `hold` steps (all-spec steps of R - 1)
+    runs, n = [], 0
+    for a, b in zip(in_flight, in_flight[1:]):
+        n = n + 1 if a < 8 else 0
+        if a < 8 <= b:
+            runs.append(n)
+    assert runs and min(runs) >= 2
+
+
+def test_wave_schedule_refuses_bad_sizes_and_holds() -> None:
+    sched = g.WaveSchedule(7, 3, 1)
+    assert sched.start() == [0, 1, 2]
+    assert sched.after_step(3) == [] and sched.after_step(2) == [] and sched.after_step(1) == [3, 4]  # refilled
+    assert sched.after_step(2) == [] and sched.after_step(0) == [5, 6]  # nothing in flight: no hold
+    assert not sched.pending and sched.after_step(0) == []
+    with pytest.raises(ValueError, match="waves need n >= 1, max_seqs >= 1 and hold >= 0, got 0, 8, 2"):
+        g.WaveSchedule(0, 8, 2)
+
+
+def test_waves_usage_wants_a_regrowth_and_full_graph_size_returns() -> None:
+    grew = [8, 8, 7, 7, 8, 6]
+    runs = {"nospec-graphs": {"status": "ok", "waves_in_flight": grew},
+            "tfm-fullpw": {"status": "ok", "waves_in_flight": grew, "waves_graph_steps": {g.SIZE_RETURN: 4}},
+            "tfm-graphs": {"status": "ok", "waves_in_flight": [8, 8, 7, 6]},
+            "tfm-fullpw-sync": {"status": "ok", "waves_in_flight": grew, "waves_graph_steps": {}},
+            "tfm-eager": {"status": "ok"}, "tfm-fullpw-async": {"status": "error"}}
+    usage = g.waves_usage(runs)
+    assert usage["nospec-graphs"] == {"regrowths": 1, "ok": True}
+    assert usage["tfm-fullpw"] == {"regrowths": 1, g.SIZE_RETURN: 4, "ok": True}
+    assert usage["tfm-graphs"]["ok"] is False  # the batch never grew back
+    assert usage["tfm-fullpw-sync"]["ok"] is False  # full graphs never returned to a size
+    assert usage["tfm-eager"] == {"ok": False, "why": "no waves run"} and "tfm-fullpw-async" not in usage
+    assert g.SIZE_RETURN == "cudagraph.tree.full_size_return"  # the runtime's hook (runtime/full_graphs.py)
+
+
+def test_waves_tokens_join_the_verdicts() -> None:
+    ref = [[1, 2, 3], [4, 5, 6]]
+    runs = {"tfm-fullpw": run(ref), "nospec-graphs": run(ref)}
+    runs["tfm-fullpw"]["waves"] = [[1, 2, 3], [4, 9, 6]]
+    v = g.verdicts(runs)["tfm-fullpw == nospec-graphs"]
+    assert v["b8"]["equal"] and v["b1"]["equal"] and not v["waves"]["equal"] and not v["equal"]
+    assert v["waves"]["divergences"][0]["pos"] == 1

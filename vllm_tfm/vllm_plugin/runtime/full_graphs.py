@@ -147,6 +147,8 @@ class TreeGraphs:
         self._plans: dict[int, TreePlan] = {}
         self._attn_plans: dict[int, TreeAttentionPlan] = {}
         self._capture_step: StepTree | None = None
+        self._last_replay = 0  # R of the last replay (0: none yet)
+        self._replayed: set[int] = set()
 
     # ---- sizes -------------------------------------------------------------------------------
     def requests_of(self, num_tokens: int) -> int:
@@ -290,6 +292,12 @@ class TreeGraphs:
         if cap is None or not uniform_tree_step(step, self.nodes):
             raise RuntimeError(f"vllm-tfm: no full tree graph fits this step ({step.num_reqs} requests)")
         r = step.num_reqs
+        # a replay of a size replayed before, after one of another size: the case in which plans of
+        # different sizes sharing memory would go wrong (bench/NOTES.md section 50); counted so that a
+        # check can tell whether a run exercised it
+        returned = r != self._last_replay and r in self._replayed
+        self._last_replay = r
+        self._replayed.add(r)
         if step.device_topology:  # the tables are in the buffers already (device_topology.py), same layout
             plan = self._plans[r]
         else:
@@ -310,3 +318,5 @@ class TreeGraphs:
         step.full_graph = True
         if STATE.metrics is not None:
             STATE.metrics.hook("cudagraph.tree.full_replay")
+            if returned:
+                STATE.metrics.hook("cudagraph.tree.full_size_return")
