@@ -24,6 +24,7 @@ store; S0 / conv -> the GDN state slots; outputs with equal inputs -> the verify
 usage (GPU host, repository root, after ``source .gpu-bundle/install.sh``):
     python3 bench/async_diff.py --out OUT            # both engines, then the comparison
     python3 bench/async_diff.py --compare OUT        # the comparison of existing probe files
+    python3 bench/async_diff.py --out OUT --engines tfm-eager,tfm-eager-async   # another pair: synchronous first
 """
 
 from __future__ import annotations
@@ -272,9 +273,9 @@ def _differs(x: Any, y: Any, rel: float) -> bool:
     return x != y
 
 
-def compare(out: Path, rel: float = 1e-3) -> dict[str, Any]:
-    a, b = (_load(out / f"{n}.probe.jsonl") for n in ENGINES)
-    result: dict[str, Any] = {"engines": list(ENGINES), "rel_tolerance": rel}
+def compare(out: Path, rel: float = 1e-3, engines: tuple[str, str] = ENGINES) -> dict[str, Any]:
+    a, b = (_load(out / f"{n}.probe.jsonl") for n in engines)
+    result: dict[str, Any] = {"engines": list(engines), "rel_tolerance": rel}
     for phase in ("b8", "b1"):
         firsts: list[dict[str, Any]] = []
         reqs = sorted({k[2] for k in a if k[0] == phase} | {k[2] for k in b if k[0] == phase}, key=lambda s: (len(s), s))
@@ -301,10 +302,26 @@ def compare(out: Path, rel: float = 1e-3) -> dict[str, Any]:
             by_first[key] = by_first.get(key, 0) + 1
         result[phase] = {"requests": len(reqs), "requests_diverging": len(firsts), "first_field_counts": by_first,
                          "record_pairs": only, "first_divergences": firsts}
-    toks = [json.loads((out / f"{n}.tokens.json").read_text()) for n in ENGINES if (out / f"{n}.tokens.json").is_file()]
+    toks = [json.loads((out / f"{n}.tokens.json").read_text()) for n in engines if (out / f"{n}.tokens.json").is_file()]
     if len(toks) == 2:
         result["tokens_equal"] = {ph: toks[0].get(ph) == toks[1].get(ph) for ph in ("b8", "b1")}
     return result
+
+
+def engine_pair(text: str) -> tuple[str, str]:
+    """``--engines``: two engines of bench/gpu_graphs_e2e.py, a synchronous tfm engine, then an asynchronous one."""
+    import gpu_graphs_e2e as g
+
+    names = [n.strip() for n in text.split(",")]
+    if len(names) != 2 or not all(names):
+        raise SystemExit(f"--engines {text!r}: two engine names, the synchronous one first")
+    for n in names:
+        if n not in g.ENGINES or not g.ENGINES[n]["spec"]:
+            raise SystemExit(f"--engines: {n!r} is not a tfm engine of bench/gpu_graphs_e2e.py "
+                             f"({', '.join(k for k, e in g.ENGINES.items() if e['spec'])})")
+    if [bool(g.ENGINES[n].get("async_scheduling")) for n in names] != [False, True]:
+        raise SystemExit(f"--engines {text!r}: the first must schedule synchronously and the second asynchronously")
+    return names[0], names[1]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -314,8 +331,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--prompts", type=int, default=32)
     ap.add_argument("--b1-prompts", type=int, default=8)
     ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--engines", default=",".join(ENGINES),
+                    help="the synchronous and the asynchronous engine of bench/gpu_graphs_e2e.py, comma-separated")
     ap.add_argument("--child", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
+    engines = engine_pair(args.engines)
     if args.child:
         return run_child(args.child, Path(args.out), args.prompts, args.max_tokens, args.b1_prompts)
     out = Path(args.compare or args.out)
@@ -326,10 +346,10 @@ def main(argv: list[str] | None = None) -> int:
         procs = [subprocess.Popen([sys.executable, __file__, "--child", n, "--out", str(out), "--prompts", str(args.prompts),
                                    "--b1-prompts", str(args.b1_prompts), "--max-tokens", str(args.max_tokens)],
                                   env=env, stdout=open(out / f"{n}.log", "w"), stderr=subprocess.STDOUT)  # noqa: SIM115
-                 for n in ENGINES]
+                 for n in engines]
         codes = [p.wait() for p in procs]
         print(f"engines done in {time.time() - t0:.0f} s, exit codes {codes}", flush=True)
-    result = compare(out)
+    result = compare(out, engines=engines)
     result["command"] = " ".join(["python3 bench/async_diff.py", *(argv if argv is not None else sys.argv[1:])])
     (out / "async_diff.json").write_text(json.dumps(result, indent=1) + "\n")
     for phase in ("b8", "b1"):

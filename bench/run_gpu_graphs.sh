@@ -6,9 +6,10 @@
 #   run (device tool, repository root, carry .gpu-bundle):  bash bench/run_gpu_graphs.sh [--engines a,b,...]
 #
 # Unpacks the vLLM bundle, installs this checkout (entry points included) next to it, runs the CPU
-# test of the graph settings (seconds), then bench/gpu_graphs_e2e.py: seven engines in parallel
-# (no-spec eager / PIECEWISE, tfm eager / PIECEWISE / FULL_AND_PIECEWISE, and FULL_AND_PIECEWISE with
-# VLLM_TFM_GDN_METADATA_ONCE=0, and with VLLM_TFM_DEFERRED_DRAFTS=0), 32 prompts x 64 tokens each, and the verdicts.
+# test of the graph settings (seconds), then bench/gpu_graphs_e2e.py: its engines in parallel (no-spec
+# eager / PIECEWISE, tfm eager / PIECEWISE / FULL_AND_PIECEWISE, FULL_AND_PIECEWISE with one switch off each,
+# and with asynchronous scheduling, eager and full; its docstring lists them), 32 prompts x 64 tokens each,
+# and the verdicts.
 # TFM_GRAPHS_DEADLINE_S (default 420) bounds the engines; TFM_GRAPHS_MODELS=random runs random tiny
 # models whose GDN layers form two KV-cache groups (the zoo's one) instead of the zoo.
 # Results (graphs.json, <engine>.log, <engine>.json) go to $OUT (/tmp/tfm-graphs-out otherwise).

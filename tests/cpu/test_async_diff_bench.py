@@ -61,3 +61,23 @@ def test_a_draft_before_the_step_at_the_same_count(tmp_path: Path) -> None:
     _write(tmp_path / f"{ad.ENGINES[1]}.probe.jsonl", b)
     first = ad.compare(tmp_path)["b8"]["first_divergences"][0]
     assert first["kind"] == "draft" and first["fields"] == ["tokens"]
+
+
+def test_another_engine_pair_is_compared_from_its_own_files(tmp_path: Path) -> None:
+    pair = ad.engine_pair("tfm-eager, tfm-eager-async")
+    assert pair == ("tfm-eager", "tfm-eager-async")
+    _write(tmp_path / "tfm-eager.probe.jsonl", _steps(1.5, [7, 9, -1]))
+    _write(tmp_path / "tfm-eager-async.probe.jsonl", _steps(1.5, [7, 8, -1]))
+    res = ad.compare(tmp_path, engines=pair)
+    assert res["engines"] == ["tfm-eager", "tfm-eager-async"] and res["b8"]["first_field_counts"] == {"step:out": 1}
+
+
+def test_engine_pair_refuses_what_it_cannot_compare() -> None:
+    import pytest
+
+    for text, msg in (("tfm-fullpw", "two engine names, the synchronous one first"),
+                      ("tfm-fullpw,nospec-graphs", "'nospec-graphs' is not a tfm engine"),
+                      ("tfm-eager-async,tfm-eager", "the first must schedule synchronously and the second asynchronously"),
+                      ("tfm-eager,tfm-fullpw", "the first must schedule synchronously")):
+        with pytest.raises(SystemExit, match=msg):
+            ad.engine_pair(text)

@@ -62,6 +62,9 @@ def test_the_async_engine_asks_for_asynchronous_scheduling_with_the_opt_in(sessi
     assert a.create_speculative_config(a.create_model_config(), ParallelConfig()).method == "tfm"
     assert ("tfm-fullpw-async", "nospec-graphs") in g.REQUIRED and ("tfm-fullpw", "tfm-fullpw-async") in g.REQUIRED
     assert "tfm-fullpw-async" in g.GRAPH_ENGINES
+    eager = g.engine_kwargs("tfm-eager-async", str(g.ZOO / "target"), str(g.ZOO / "drafter"), 32)
+    assert eager["async_scheduling"] is True and eager["enforce_eager"] is True
+    assert g.ENGINES["tfm-eager-async"]["env"] == env and ("tfm-eager", "tfm-eager-async") in g.INFORMATIONAL
 
 
 def run(b8: list[list[int]], b1: list[list[int]] | None = None, **extra: Any) -> dict[str, Any]:
