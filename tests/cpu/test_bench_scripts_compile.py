@@ -20,3 +20,15 @@ def test_there_are_bench_scripts():
 @pytest.mark.parametrize("path", SCRIPTS, ids=[p.name for p in SCRIPTS])
 def test_bench_script_compiles(path: Path):
     compile(path.read_text(), str(path), "exec")
+
+
+SHELL_SCRIPTS = sorted(BENCH.glob("*.sh"))
+
+
+@pytest.mark.parametrize("path", SHELL_SCRIPTS, ids=[p.name for p in SHELL_SCRIPTS])
+def test_bench_shell_script_parses(path: Path):
+    """`bash -n`: the GPU-host runners parse (a call that dies on a syntax error costs minutes of device time)."""
+    import subprocess
+
+    proc = subprocess.run(["bash", "-n", str(path)], capture_output=True, text=True, check=False)
+    assert proc.returncode == 0, proc.stderr
