@@ -55,7 +55,9 @@
 // phase 4's global stores of o and delta (its shared-memory work kept: a store survives only for an
 // output whose first element is exactly -1e-30, which keeps the sums from being optimised away), 32 =
 // the S0 rows' global loads (S0 taken as zeros: what waiting for them costs the phases after), 64 = the
-// gram's scatter stores (kept for a product exactly -1e-30), 128 = the gram's k-loop (ldmatrix, mma).
+// gram's scatter stores (kept for a product exactly -1e-30), 128 = the gram's k-loop (ldmatrix, mma), 256 = phase
+// 2b alone (the path solve's back substitutions beside the projections; 8 leaves out phase 2 and 2b), so that
+// with 2 it says which of the two bounds the projections' interval.
 #ifndef GDN_PROFILE_SKIP
 #define GDN_PROFILE_SKIP 0
 #endif
@@ -545,7 +547,7 @@ gdn_tree_verify_grouped(const tin* __restrict__ q, const tin* __restrict__ k, co
     const int p3_items = ((n16 / 16 + 1) / 2) * GDN_GROUP;  // phase 3's work items, a warp each
     const int b2_threads = G6_THREADS - (p3_items < G6_WARPS ? p3_items * 32 : 0);
     const int c0 = G6_THREADS - 1 - tid;
-    const int b2_end = (c0 < b2_threads && !(GDN_PROFILE_SKIP & 8)) ? n * GDN_GROUP : 0;
+    const int b2_end = (c0 < b2_threads && !(GDN_PROFILE_SKIP & (8 | 256))) ? n * GDN_GROUP : 0;
     for (int c = c0; c < b2_end; c += b2_threads) {
       const int t = c / n, i = c % n;
       const int d = sm.dep_n[i], ob = sm.poff_n[i];
