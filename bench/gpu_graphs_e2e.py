@@ -244,16 +244,20 @@ def regrowths(in_flight: list[int], full: int) -> int:
 
 
 def run_waves(engine: Any, ps: list[list[int]], params_for: Any, max_tokens: int, max_seqs: int = MAX_SEQS,
-              hold: int = WAVE_HOLD) -> tuple[list[list[int]], list[int]]:
+              hold: int = WAVE_HOLD, render: Any = None) -> tuple[list[list[int]], list[int]]:
     """Generate ``ps`` through ``engine`` (vLLM's LLMEngine: add_request, step, get_num_unfinished_requests)
     in waves (:class:`WaveSchedule`, max_tokens from :func:`wave_max_tokens`): every prompt's tokens in
-    prompt order, and the number of requests in flight before each step."""
+    prompt order, and the number of requests in flight before each step. ``render``: what LLM.generate does
+    to a prompt before LLMEngine.add_request (vLLM 0.26: ``LLM._preprocess_cmpl_one``); None passes the raw
+    token prompt, which vLLM's input processor still takes."""
     sched = WaveSchedule(len(ps), max_seqs, hold)
     done: dict[int, list[int]] = {}
     in_flight: list[int] = []
 
     def add(i: int) -> None:
-        engine.add_request(f"wave{i}", {"prompt_token_ids": ps[i]}, params_for(wave_max_tokens(i, max_tokens, max_seqs)))
+        prompt = {"prompt_token_ids": ps[i]}
+        engine.add_request(f"wave{i}", render(prompt) if render is not None else prompt,
+                           params_for(wave_max_tokens(i, max_tokens, max_seqs)))
 
     for i in sched.start():
         add(i)
@@ -327,7 +331,8 @@ def run_engine(name: str, settings_path: Path) -> int:
                 llm.collective_rpc(collect_tree_metrics, kwargs={"reset": True})
             t = time.perf_counter()
             if label == "waves":
-                res[label], res["waves_in_flight"] = run_waves(llm.llm_engine, ps, wave_params, s["max_tokens"])
+                res[label], res["waves_in_flight"] = run_waves(llm.llm_engine, ps, wave_params, s["max_tokens"],
+                                                               render=getattr(llm, "_preprocess_cmpl_one", None))
             else:
                 outs = [c for b in ([ps] if label == "b8" else [[p] for p in ps]) for c in gen(b)]
                 res[label] = [list(c.token_ids) for c in outs]

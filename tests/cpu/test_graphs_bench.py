@@ -232,10 +232,12 @@ class FakeEngine:
     def __init__(self, per_step: int, max_seqs: int = 8) -> None:
         self.per_step, self.max_seqs = per_step, max_seqs
         self.reqs: dict[str, list[Any]] = {}
+        self.prompts: list[dict[str, Any]] = []
 
-    def add_request(self, request_id: str, prompt: dict[str, list[int]], params: Any) -> None:
+    def add_request(self, request_id: str, prompt: dict[str, Any], params: Any) -> None:
         assert len(self.reqs) < self.max_seqs, "the schedule overfilled the batch"
         self.reqs[f"{request_id}-1a2b3c4d"] = [prompt["prompt_token_ids"], params.max_tokens, []]
+        self.prompts.append(prompt)
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.reqs)
@@ -262,7 +264,10 @@ def test_waves_shrink_and_grow_the_batch_and_return_every_prompts_tokens(per_ste
     from types import SimpleNamespace
 
     ps = [[i, i + 1, 2 * i] for i in range(20)]
-    toks, in_flight = g.run_waves(FakeEngine(per_step), ps, lambda m: SimpleNamespace(max_tokens=m), 64, hold=2)
+    engine = FakeEngine(per_step)
+    render = (lambda p: {**p, "type": "token"}) if per_step == 3 else None  # what LLM does before add_request
+    toks, in_flight = g.run_waves(engine, ps, lambda m: SimpleNamespace(max_tokens=m), 64, hold=2, render=render)
+    assert all(("type" in p) == (render is not None) for p in engine.prompts) and len(engine.prompts) == 20
     assert [len(t) for t in toks] == [64 - 4 * (i % 8) for i in range(20)]
     assert toks == [[(sum(p) + 7 * j) % 97 for j in range(len(t))] for p, t in zip(ps, toks)]  # in prompt order
     assert max(in_flight) == 8 and g.regrowths(in_flight, 8) >= 2
