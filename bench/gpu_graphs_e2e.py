@@ -323,7 +323,10 @@ def run_engine(name: str, settings_path: Path) -> int:
             return [o.outputs[0] for o in llm.generate([{"prompt_token_ids": p} for p in batch], params, use_tqdm=False)]
 
         def wave_params(max_tokens: int) -> SamplingParams:
-            return SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, detokenize=False)
+            from vllm.sampling_params import RequestOutputKind
+
+            return SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, detokenize=False,
+                                  output_kind=RequestOutputKind.FINAL_ONLY)  # as LLM.generate asks
 
         spec = ENGINES[name]["spec"]
         for label in LABELS:
