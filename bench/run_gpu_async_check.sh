@@ -11,9 +11,10 @@
 #    batch 8: with the fix, no request should diverge.
 # 3. diff_eager: bench/async_diff.py on the eager pair (tfm-eager, tfm-eager-async): where the eager
 #    asynchronous engine's batch-8 tokens depart, if they do (section 50's 3 of 16, not explained by the fix).
-# Each step is bounded, and all of it, install included, ends within ASYNC_CHECK_TOTAL_S (default 570) seconds. $OUT (/tmp/tfm-async-check otherwise) gets
-# summary.txt, graphs.json, async_diff_full.json, async_diff_eager.json and logs.tgz (everything else: engine
-# logs and results, probe files), since the device tool brings back at most 8 files.
+# Each step is bounded, and the whole call, install included, ends within ASYNC_CHECK_TOTAL_S (default 570)
+# seconds. $OUT (/tmp/tfm-async-check otherwise) gets summary.txt, graphs.json, async_diff_full.json,
+# async_diff_eager.json and logs.tgz (everything else: engine logs and results, probe files), since the device
+# tool brings back at most 8 files.
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.." || exit 1
 OUT=${OUT:-/tmp/tfm-async-check}
