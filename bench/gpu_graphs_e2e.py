@@ -373,7 +373,7 @@ def _first_divergences(ref: list[list[int]], got: list[list[int]], margins: list
         if pos is not None:
             m = margins[i][pos] if margins and i < len(margins) and pos < len(margins[i]) else None
             out.append({"prompt": i, "pos": pos, "expected": a[max(0, pos - 2): pos + 3],
-                        "got": b[max(0, pos - 2): pos + 3], "nospec_top2_margin": m})
+                        "got": b[max(0, pos - 2): pos + 3], "nospec_top2_margin": m, "lengths": [len(a), len(b)]})
     return out
 
 

@@ -88,11 +88,11 @@ def test_verdicts_and_graph_usage() -> None:
     flip = v["tfm-eager == nospec-eager"]
     assert not flip["equal"] and not flip["b8"]["equal"] and flip["b1"]["equal"]
     assert flip["b8"]["divergences"] == [{"prompt": 1, "pos": 2, "expected": [5, 6, 7, 8], "got": [5, 6, 0, 8],
-                                          "nospec_top2_margin": 1e-6}]
+                                          "nospec_top2_margin": 1e-6, "lengths": [4, 4]}]
     bad = v["tfm-graphs == nospec-graphs"]
     assert not bad["equal"] and bad["b8"]["equal"] and bad["b1"]["prompts_differing"] == 1
     assert bad["b1"]["divergences"] == [{"prompt": 1, "pos": 2, "expected": [5, 6, 7, 8], "got": [5, 6, 9, 8],
-                                         "nospec_top2_margin": None}]  # margins were recorded for b8 only
+                                         "nospec_top2_margin": None, "lengths": [4, 4]}]  # margins: b8 only
     usage = g.graph_usage(runs)
     assert usage == {"tfm-graphs": {"counts": {"cudagraph.tree.PIECEWISE": 14, "cudagraph.other.PIECEWISE": 2},
                                     "cudagraph_mode": None, "ok": True}}
@@ -313,3 +313,9 @@ def test_waves_tokens_join_the_verdicts() -> None:
     v = g.verdicts(runs)["tfm-fullpw == nospec-graphs"]
     assert v["b8"]["equal"] and v["b1"]["equal"] and not v["waves"]["equal"] and not v["equal"]
     assert v["waves"]["divergences"][0]["pos"] == 1
+    # an output with a token too many (asynchronous scheduling runs steps past max_tokens): its pos is the shorter
+    # length, and the lengths say so
+    runs["tfm-fullpw"]["waves"] = [[1, 2, 3, 4], [4, 5, 6]]
+    d = g.verdicts(runs)["tfm-fullpw == nospec-graphs"]["waves"]["divergences"]
+    assert d == [{"prompt": 0, "pos": 3, "expected": [2, 3], "got": [2, 3, 4], "nospec_top2_margin": None,
+                  "lengths": [3, 4]}]
