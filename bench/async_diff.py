@@ -112,11 +112,11 @@ def install_probes(probe: Probe) -> None:
                         "x_sum": [rsum(st.x[a0:a1]) for st in stashes],
                     }
             local_parent = getattr(step, "local_parent", None) if step is not None else None
-            hooks = dict(STATE.metrics.hooks) if STATE.metrics is not None else {}
-            paths = sorted(k for k, v in hooks.items() if v > last_hooks.get(k, 0) and k.startswith(("cudagraph.", "topology.",
+            counts = dict(STATE.metrics.hooks) if STATE.metrics is not None else {}
+            paths = sorted(k for k, v in counts.items() if v > last_hooks.get(k, 0) and k.startswith(("cudagraph.", "topology.",
                                                                                                     "attention.", "gdn.")))
             last_hooks.clear()
-            last_hooks.update(hooks)
+            last_hooks.update(counts)
             start = 0
             for i, rid in enumerate(rids):
                 n = nst[i]

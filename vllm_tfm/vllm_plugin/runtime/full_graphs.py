@@ -139,8 +139,8 @@ class TreeGraphs:
         # write), so regions must not overlap; with one shared region, the replays of another R overwrote
         # the meta of R's plan, which its graph then read (bench/NOTES.md section 50)
         sizes = [TreeAttentionPlan.fixed_size(r, self.nodes) for r in range(1, self.max_reqs + 1)]
-        self._attn_offsets = [0, *np.cumsum(sizes).tolist()]  # region of R: [offsets[R - 1], offsets[R])
-        self.attn_buffer = torch.zeros(self._attn_offsets[-1], dtype=torch.int64, device=device)
+        self.attn_buffer = torch.zeros(sum(sizes), dtype=torch.int64, device=device)
+        self._attn_regions = list(torch.split(self.attn_buffer, sizes))  # region of R: entry R - 1 (views, made once)
         self.layers: dict[str, LayerStash] = {}
         self.captured: dict[int, CapturedTreeGraph] = {}
         # the plans of the last replay of each R: the next one reuses their views and writes only contents
@@ -148,7 +148,6 @@ class TreeGraphs:
         self._attn_plans: dict[int, TreeAttentionPlan] = {}
         self._capture_step: StepTree | None = None
         self._last_replay = 0  # R of the last replay (0: none yet)
-        self._replayed: set[int] = set()
 
     # ---- sizes -------------------------------------------------------------------------------
     def requests_of(self, num_tokens: int) -> int:
@@ -174,7 +173,7 @@ class TreeGraphs:
         """The part of ``attn_buffer`` that holds the tree-attention plan of R requests (capture and replays)."""
         if not 1 <= num_reqs <= self.max_reqs:
             raise ValueError(f"num_reqs must be in 1..{self.max_reqs}, got {num_reqs}")
-        return self.attn_buffer[self._attn_offsets[num_reqs - 1] : self._attn_offsets[num_reqs]]
+        return self._attn_regions[num_reqs - 1]
 
     # ---- capture -----------------------------------------------------------------------------
     def _step_for(self, num_reqs: int) -> StepTree:
@@ -294,10 +293,9 @@ class TreeGraphs:
         r = step.num_reqs
         # a replay of a size replayed before, after one of another size: the case in which plans of
         # different sizes sharing memory would go wrong (bench/NOTES.md section 50); counted so that a
-        # check can tell whether a run exercised it
-        returned = r != self._last_replay and r in self._replayed
+        # check can tell whether a run exercised it (``_plans`` holds every size replayed before)
+        returned = r != self._last_replay and r in self._plans
         self._last_replay = r
-        self._replayed.add(r)
         if step.device_topology:  # the tables are in the buffers already (device_topology.py), same layout
             plan = self._plans[r]
         else:
