@@ -89,7 +89,17 @@ __device__ __forceinline__ T* cluster_map(T* p, u32 rank) {
   asm volatile("mapa.u64 %0, %1, %2;" : "=l"(out) : "l"(p), "r"(rank));
   return reinterpret_cast<T*>(out);
 }
+// An acquire load of a global int at GPU scope (PTX ld.acquire.gpu, sm_70+): later loads of this
+// thread see everything the releasing writer published before its release.
+__device__ __forceinline__ int ld_acquire_gpu(const int* p) {
+  int v;
+  asm volatile("ld.acquire.gpu.global.b32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+  return v;
+}
+__device__ __forceinline__ void nanosleep_ns(u32 ns) { asm volatile("nanosleep.u32 %0;" ::"r"(ns)); }
 #else
+__device__ __forceinline__ int ld_acquire_gpu(const int* p) { return tfm_emu_ld_acquire(p); }
+__device__ __forceinline__ void nanosleep_ns(u32) {}
 // the emulation runs kernels one after another, which is the order pdl_wait guarantees
 __device__ __forceinline__ void pdl_wait() {}
 __device__ __forceinline__ void pdl_launch_dependents() {}
@@ -204,3 +214,28 @@ __device__ __forceinline__ float warp_sum(float x) {
 __device__ __forceinline__ float l2norm_scale(float sum_sq) { return 1.0f / sqrtf(sum_sq + 1e-6f); }
 
 __device__ __forceinline__ float silu(float x) { return x / (1.0f + expf(-x)); }
+
+// A barrier over every block of a cooperative launch (loader.launch(..., cooperative=True): all
+// blocks resident at once). bar[0] counts the blocks that have arrived, bar[1] is the barrier's
+// generation; both persist across launches and bar[0] is back at 0 after every barrier, so the
+// buffer is zeroed once, never per launch (a CUDA graph replays it as is). A block's thread 0 reads
+// the generation, publishes the block's writes (__syncthreads, then __threadfence) and arrives; the
+// last block to arrive resets the count and releases the next generation; the others spin on it with
+// acquire loads. A block cannot read a generation newer than the one it is waiting on: the
+// generation advances only when every block, this one included, has arrived.
+__device__ __forceinline__ void grid_barrier(int* bar, int nblocks) {
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    const int gen = ld_acquire_gpu(bar + 1);
+    __threadfence();
+    if (atomicAdd(bar, 1) == nblocks - 1) {
+      atomicExch(bar, 0);
+      __threadfence();
+      atomicAdd(bar + 1, 1);
+    } else {
+      while (ld_acquire_gpu(bar + 1) == gen) nanosleep_ns(20);
+    }
+    __threadfence();
+  }
+  __syncthreads();
+}

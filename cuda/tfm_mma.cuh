@@ -105,10 +105,10 @@ __device__ __forceinline__ void mma_1688_tf32(float (&c)[4], const u32 (&a)[4], 
 }
 __device__ __forceinline__ u32 tf32_rna(float x) { return tfm_emu_cvt_rna_tf32(x); }
 __device__ __forceinline__ void cp_async16(void* smem, const void* gmem) { tfm_emu_copy16(smem, gmem); }
-__device__ __forceinline__ void cp_async4(void* smem, const void* gmem) { std::memcpy(smem, gmem, 4); }
-__device__ __forceinline__ void cp_async_commit() {}
+__device__ __forceinline__ void cp_async4(void* smem, const void* gmem) { tfm_emu_copy_async(smem, gmem, 4); }
+__device__ __forceinline__ void cp_async_commit() { tfm_emu_cp_commit(); }
 template <int N>
-__device__ __forceinline__ void cp_async_wait() {}
+__device__ __forceinline__ void cp_async_wait() { tfm_emu_cp_wait(N); }
 #endif
 
 // x = hi + lo, both tf32 (lo = tf32(x - hi); x - hi is exact in float32).

@@ -18,6 +18,7 @@
 #include <algorithm>
 #include <atomic>
 #include <barrier>
+#include <deque>
 #include <cmath>
 #include <cstdint>
 #include <cstdio>
@@ -189,8 +190,53 @@ inline int atomicAdd(int* p, int v) { return __atomic_fetch_add(p, v, __ATOMIC_S
 inline int atomicExch(int* p, int v) { return __atomic_exchange_n(p, v, __ATOMIC_SEQ_CST); }
 inline void __threadfence() { std::atomic_thread_fence(std::memory_order_seq_cst); }
 
-// cp.async: the copy happens at once (a later wait_group has nothing left to wait for).
-inline void tfm_emu_copy16(void* dst, const void* src) { std::memcpy(dst, src, 16); }
+// cp.async: a copy is recorded in the thread's open group and happens only when a wait_group
+// completes its group (commit_group closes the open group; wait_group N completes the oldest
+// committed groups until at most N remain; copies not yet committed stay pending, as on the GPU).
+// So shared memory read before its wait still holds the poison of `run` (NaN for floats), and a
+// slot overwritten before its copy was consumed shows the later copy. Pending copies complete when
+// the thread exits.
+namespace tfm_emu {
+struct PendingCopy {
+  void* dst;
+  const void* src;
+  unsigned bytes;
+};
+inline thread_local std::vector<PendingCopy> t_cp_open;
+inline thread_local std::deque<std::vector<PendingCopy>> t_cp_groups;
+inline void cp_complete(const std::vector<PendingCopy>& group) {
+  for (const PendingCopy& c : group) std::memcpy(c.dst, c.src, c.bytes);
+}
+inline void cp_flush() {
+  while (!t_cp_groups.empty()) {
+    cp_complete(t_cp_groups.front());
+    t_cp_groups.pop_front();
+  }
+  cp_complete(t_cp_open);
+  t_cp_open.clear();
+}
+}  // namespace tfm_emu
+inline void tfm_emu_copy_async(void* dst, const void* src, unsigned bytes) {
+  tfm_emu::t_cp_open.push_back(tfm_emu::PendingCopy{dst, src, bytes});
+}
+inline void tfm_emu_copy16(void* dst, const void* src) { tfm_emu_copy_async(dst, src, 16); }
+inline void tfm_emu_cp_commit() {
+  tfm_emu::t_cp_groups.push_back(std::move(tfm_emu::t_cp_open));
+  tfm_emu::t_cp_open.clear();
+}
+inline void tfm_emu_cp_wait(unsigned n) {
+  while (tfm_emu::t_cp_groups.size() > n) {
+    tfm_emu::cp_complete(tfm_emu::t_cp_groups.front());
+    tfm_emu::t_cp_groups.pop_front();
+  }
+}
+
+// Acquire loads, sleeps and grid barriers (cooperative launches run all their blocks concurrently).
+inline int tfm_emu_ld_acquire(const int* p) {
+  const int v = __atomic_load_n(p, __ATOMIC_ACQUIRE);
+  std::this_thread::yield();  // a spinning thread lets the others run
+  return v;
+}
 
 namespace tfm_emu {
 // Every lane of the warp publishes `n` words, the warp synchronises, `body` reads any lane's words
@@ -354,6 +400,7 @@ inline void run(dim3 grid, dim3 block, unsigned smem_bytes, const std::function<
               t_threadIdx = dim3{t, 0, 0};
               t_blockIdx = dim3{cx * csize + rank, by, bz};
               body();
+              cp_flush();
               // an exited thread no longer takes part in barriers (as on sm_70+)
               t_ctx->block_bar->arrive_and_drop();
               (*t_ctx->warp_bars)[t / 32]->arrive_and_drop();

@@ -202,6 +202,12 @@ VARIANTS = [
     ("topk_rows.cu", ["-DTK_IN=0"]),
     ("topk_rows.cu", ["-DTK_IN=1"]),
     ("topk_rows.cu", ["-DTK_IN=2"]),
+    # the Weaver node attention (its body is weaver_attention.cuh's, shared with the stack) and the Weaver
+    # stack at the 27B drafter's shape (batch 1 and 8) and a float32 one
+    ("weaver_attention.cu", ["-DTFM_IN=1", "-DWA_HD=128"]),
+    ("weaver_stack.cu", ["-DTFM_IN=1", "-DWS_M=2", "-DWS_LAYERS=3", "-DWS_HD=128", "-DWS_NSLOT=6"]),
+    ("weaver_stack.cu", ["-DTFM_IN=1", "-DWS_M=16", "-DWS_LAYERS=3", "-DWS_HD=128", "-DWS_NSLOT=6"]),
+    ("weaver_stack.cu", ["-DTFM_IN=0", "-DWS_M=3", "-DWS_LAYERS=1", "-DWS_HD=32", "-DWS_NSLOT=2"]),
 ]
 
 

@@ -1,0 +1,36 @@
+#!/usr/bin/env bash
+# One GPU-host command for the Weaver stack kernel (cuda/weaver_stack.cu, VLLM_TFM_WEAVER_STACK): its GPU
+# tests with the per-op kernels' (attention, linear) and the Weaver graph tests, compute-sanitizer memcheck +
+# racecheck on a small case, bench/weaver_stack.py (the stack against the per-op path, rows 1-16), and
+# bench/weaver_profile.py (the whole build, kernel by kernel) with the stack off and on. Run from the
+# repository root (carry .gpu-bundle), $OUT set:
+#
+#     bash bench/run_gpu_weaver_stack.sh
+#
+# Writes $OUT/weaver_stack.json, $OUT/weaver_profile_stack{0,1}.json and $OUT/logs.tgz (pytest, sanitizer,
+# bench and profile logs). About 5 minutes.
+set -uo pipefail
+cd "$(dirname "${BASH_SOURCE[0]}")/.." || exit 1
+OUT=${OUT:-/tmp/weaver-stack-out}
+LOGS="$OUT/logs"
+mkdir -p "$LOGS"
+# shellcheck source=bench/gpu_common.sh
+source bench/gpu_common.sh
+gpu_setup "$LOGS"
+rc=0
+timeout 300 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_weaver_stack_gpu.py tests/gpu/test_weaver_attention_gpu.py \
+    tests/gpu/test_weaver_linear_gpu.py tests/gpu/test_weaver_graphs_gpu.py >"$LOGS/pytest.log" 2>&1 || rc=$?
+echo "gpu tests exit code $rc"; tail -4 "$LOGS/pytest.log"
+gpu_sanitize "$LOGS" python3 bench/weaver_stack.py --sanitize-case || rc=$?
+timeout 150 python3 bench/weaver_stack.py --out "$OUT/weaver_stack.json" >"$LOGS/bench.log" 2>&1
+s=$?; (( s != 0 )) && rc=$s
+echo "bench exit code $s"; grep -v Warn "$LOGS/bench.log"
+cases=${PROFILE_CASES:-1:16:2,8:16:2,1:32:4}
+for on in 0 1; do
+  VLLM_TFM_WEAVER_STACK=$on timeout 150 python3 bench/weaver_profile.py --cases "$cases" \
+      --out "$OUT/weaver_profile_stack$on.json" --top 12 >"$LOGS/profile_stack$on.log" 2>&1
+  s=$?; (( s != 0 )) && rc=$s
+  echo "profile (stack $on) exit code $s"; grep -h "^R=" "$LOGS/profile_stack$on.log"
+done
+tar czf "$OUT/logs.tgz" -C "$OUT" logs && rm -rf "$LOGS"
+exit $rc

@@ -1,0 +1,160 @@
+#!/usr/bin/env python3
+"""The Weaver scorer's block stack per growth round: one cooperative launch (``cuda/weaver_stack.cu``)
+against the scorer's per-op path (``weaver_linear`` launches, cuBLAS above its row limit, and one
+``weaver_node_attention`` per layer) at the Qwen3.6-27B drafter shape, on the GPU host.
+
+usage: python3 bench/weaver_stack.py [--out FILE] [--rows 1,2,4,8,16] [--repeats 50]
+       python3 bench/weaver_stack.py --sanitize-case   # small stack-vs-per-op run for compute-sanitizer
+
+Per row count M = R w (R requests of w nodes, w = 2 from M = 2 on): device microseconds of one
+round's stack (token_in, three layers of qkv / attention / o_proj / gate_up / down, query; 8 heads of
+128, d_rank 1024, d_mlp 3072, hidden 5120, bfloat16), each path replayed from a CUDA graph
+(``bench/gdn_tree.py``'s ``time_calls``, arms alternated twice), the outputs' largest difference
+(per-op at its production K split, so equal to rounding, not bit for bit), and the weight bytes
+(121.6 MB) at the measured copy bandwidth (bytes touched per second, as bench/weaver_linear.py's
+floor). A replay rewrites the same node rows of the K/V caches and key mask (same inputs), so
+replays are idempotent.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+for p in (REPO, REPO / "bench"):
+    if str(p) not in sys.path:
+        sys.path.insert(0, str(p))
+
+from gdn_tree import copy_bandwidth, kernel_bench_parser, result_header, time_calls, write_result
+
+from vllm_tfm.kernels import weaver_attention as ka
+from vllm_tfm.kernels import weaver_linear as kl
+from vllm_tfm.kernels import weaver_stack as ks
+
+HIDDEN, D, HEADS, HD, D_MLP, LAYERS, DEPTH, SLOTS = 5120, 1024, 8, 128, 3072, 3, 15, 33
+
+
+def stack_problem(m: int, w: int, dtype=torch.bfloat16, seed: int = 0, hidden: int = HIDDEN, d: int = D,
+                  heads: int = HEADS, hd: int = HD, d_mlp: int = D_MLP, layers: int = LAYERS) -> list[Any]:
+    """The stack's arguments (``weaver_stack_reference``'s order): random weights scaled like trained
+    ones, a random prompt part of every K/V cache, w nodes per request of depth 1 under the root."""
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+
+    def rnd(*shape: int, scale: float = 1.0) -> torch.Tensor:
+        return (torch.randn(*shape, generator=gen, device="cuda") * scale).to(dtype)
+
+    ahd = heads * hd
+    lay = tuple(ks.StackLayer(rnd(6 * ahd, d, scale=d**-0.5), rnd(6 * ahd, scale=0.1), 1e-6, rnd(d, ahd, scale=ahd**-0.5),
+                              rnd(2 * d_mlp, d, scale=d**-0.5), rnd(2 * d_mlp, scale=0.1), 1e-6,
+                              rnd(d, d_mlp, scale=d_mlp**-0.5)) for _ in range(layers))
+    weights = ks.StackWeights(rnd(d, hidden, scale=hidden**-0.5), rnd(d, scale=0.1), 1e-6, lay,
+                              rnd(hidden, d, scale=d**-0.5), rnd(hidden, scale=0.1), 1e-6)
+    r = m // w
+    p0 = 1 + DEPTH
+    kv = [rnd(2, r, heads, p0 + SLOTS + 1, hd) for _ in range(layers)]
+    cols = -(-(p0 + SLOTS + 1) // 16) * 16
+    key_bias = torch.full((r, SLOTS + 2, cols), float("-inf"), dtype=dtype, device="cuda")
+    key_bias[:, :, :p0] = 0.0
+    key_bias[:, 0, p0] = 0.0  # the root's row: the prompt and itself
+    rope = rnd(DEPTH, 2, 3, 1, hd)
+    node = (1 + torch.arange(w, device="cuda")).expand(r, w).contiguous()
+    parent = torch.zeros(r, w, dtype=torch.long, device="cuda")
+    depth = torch.ones(r, w, dtype=torch.long, device="cuda")
+    valid = torch.ones(r, w, dtype=torch.bool, device="cuda")
+    return [rnd(m, hidden), weights, rope, node, parent, depth, valid, kv, key_bias, p0, hd**-0.5]
+
+
+def per_op(args: list[Any]) -> torch.Tensor:
+    """The scorer's per-op path (``BatchedWeaverTreeScorer.__call__`` with its kernels), on ``args``."""
+    emb, wts, rope, node, parent, depth, valid, kv_cache, key_bias, p0, scale = args
+    x = kl.weaver_linear(emb, wts.tok_w, wts.tok_b, None, wts.tok_eps, False)
+    for li, (lw, kv) in enumerate(zip(wts.layers, kv_cache)):
+        proj = kl.weaver_linear(x, lw.qkv_w, lw.qkv_b, None, lw.attn_eps, False)
+        attn = ka.node_attention(proj, rope, node, parent, depth, valid, kv, key_bias, p0, scale, li == 0)
+        x = kl.weaver_linear(attn, lw.o_w, None, x, None, False)
+        x = kl.weaver_linear(kl.weaver_linear(x, lw.gu_w, lw.gu_b, None, lw.mlp_eps, True), lw.down_w, None, x, None,
+                             False)
+    return kl.weaver_linear(x, wts.qry_w, wts.qry_b, None, wts.qry_eps, False)
+
+
+def weight_bytes(wts: ks.StackWeights) -> int:
+    ts = [wts.tok_w, wts.qry_w] + [t for lw in wts.layers for t in (lw.qkv_w, lw.o_w, lw.gu_w, lw.down_w)]
+    return sum(t.numel() * t.element_size() for t in ts)
+
+
+def sanitize_case() -> None:
+    """Small stacks (two dtypes, a long token_in row, 1 and 3 layers) through the kernel, bit for bit the
+    per-op kernels with one warp per unit (``k_split`` 1) in the queries and the K/V caches."""
+    split = kl.k_split
+    kl.k_split = lambda units, k: 1
+    try:
+        for m, w, dt, hidden, layers in ((2, 2, torch.bfloat16, 1160, 1), (3, 1, torch.float32, 264, 3)):
+            args = stack_problem(m, w, dt, seed=m, hidden=hidden, d=64, heads=2, hd=32, d_mlp=136, layers=layers)
+            if ks.unsupported_reason(*args) is not None:
+                raise SystemExit(f"sanitize case: {ks.unsupported_reason(*args)}")
+            kv0 = [kv.clone() for kv in args[7]]
+            got = ks.weaver_stack_kernel(*args)
+            kv_got = [kv.clone() for kv in args[7]]
+            for kv, k0 in zip(args[7], kv0):
+                kv.copy_(k0)
+            with torch.no_grad():
+                orig = kl.KERNEL_ROWS
+                kl.KERNEL_ROWS = ks.MAX_ROWS
+                try:
+                    want = per_op(args)
+                finally:
+                    kl.KERNEL_ROWS = orig
+            if not (torch.equal(got, want) and all(torch.equal(a, b) for a, b in zip(kv_got, args[7]))):
+                raise SystemExit(f"sanitize case M={m} {dt}: the stack and the per-op kernels differ")
+    finally:
+        kl.k_split = split
+    torch.cuda.synchronize()
+    print("sanitize case: the stack equals the per-op kernels bit for bit")
+
+
+def main() -> None:
+    ap = kernel_bench_parser(__doc__, 50)
+    ap.add_argument("--rows", default="1,2,4,8,16")
+    args = ap.parse_args()
+    if args.sanitize_case:
+        sanitize_case()
+        return
+    bw = copy_bandwidth()
+    res: dict[str, Any] = {**result_header("bench/weaver_stack.py"), "dtype": "bfloat16",
+                           "copy_bandwidth_gb_s": bw / 1e9, "shape": {"hidden": HIDDEN, "d": D, "heads": HEADS, "hd": HD,
+                                                                     "d_mlp": D_MLP, "layers": LAYERS, "depth": DEPTH,
+                                                                     "slots": SLOTS}, "rows": []}
+    print(f"copy bandwidth {bw / 1e9:.0f} GB/s (read + write)")
+    for m in (int(v) for v in args.rows.split(",")):
+        w = 1 if m == 1 else 2
+        prob = stack_problem(m, w)
+        reason = ks.unsupported_reason(*prob)
+        if reason is not None:
+            res["rows"].append({"rows": m, "skipped": reason})
+            print(f"M={m}: skipped: {reason}")
+            continue
+        moved = weight_bytes(prob[1])
+        floor_us = 1e6 * moved / bw  # the weights read once at the copy bandwidth (bench/weaver_linear.py's floor)
+        fns = {"stack": lambda: ks.weaver_stack_kernel(*prob), "per_op": lambda: per_op(prob)}
+        times: dict[str, list[float]] = {k: [] for k in fns}
+        modes = {}
+        with torch.no_grad():
+            for name in list(fns) * 2:  # alternated
+                us, mode = time_calls([fns[name]], args.repeats)
+                times[name].append(round(us, 2))
+                modes[name] = mode
+            diff = float((fns["stack"]().float() - fns["per_op"]().float()).abs().max())
+        row = {"rows": m, "w": w, "weight_bytes": moved, "floor_us": round(floor_us, 2), "us": times, "modes": modes,
+               "max_abs_diff": diff, "ctas": ks.grid_size(0)}
+        res["rows"].append(row)
+        print(f"M={m}: stack {times['stack']} us, per-op {times['per_op']} us, floor {floor_us:.1f} us, "
+              f"max |diff| {diff:.3g} ({modes})")
+    write_result(args.out, res)
+
+
+if __name__ == "__main__":
+    main()
