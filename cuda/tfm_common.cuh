@@ -217,8 +217,8 @@ __device__ __forceinline__ float silu(float x) { return x / (1.0f + expf(-x)); }
 
 // A barrier over every block of a cooperative launch (loader.launch(..., cooperative=True): all
 // blocks resident at once). bar[0] counts the blocks that have arrived, bar[1] is the barrier's
-// generation; both persist across launches and bar[0] is back at 0 after every barrier, so the
-// buffer is zeroed once, never per launch (a CUDA graph replays it as is). A block's thread 0 reads
+// generation; bar[0] is back at 0 after every barrier, so a buffer needs zeroing only before its
+// first launch (the Weaver stack zeroes a fresh one per call, one memset). A block's thread 0 reads
 // the generation, publishes the block's writes (__syncthreads, then __threadfence) and arrives; the
 // last block to arrive resets the count and releases the next generation; the others spin on it with
 // acquire loads. A block cannot read a generation newer than the one it is waiting on: the
