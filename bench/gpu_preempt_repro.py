@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Why greedy tfm diverges from no-spec under preemption (bench/results/preempt_zoo.json): one GPU command.
+"""Why greedy tfm diverges from no-spec under preemption (bench/results/preempt_zoo.json.gz): one GPU command.
 
 Offline engines (engine core in this process: VLLM_ENABLE_V1_MULTIPROCESSING=0), toy zoo, float32,
 TRITON_ATTN, eager, prefix caching off, max_model_len 1024, B = 16. Workload: ``TFM_PREEMPT_PROMPTS``

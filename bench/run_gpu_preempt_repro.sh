@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The one GPU-host command that tells apart the causes of the greedy divergences of tfm under
-# preemption (bench/results/preempt_zoo.json): offline engines on the toy zoo, float32, arms in
+# preemption (bench/results/preempt_zoo.json.gz): offline engines on the toy zoo, float32, arms in
 # their own subprocesses (bench/gpu_preempt_repro.py: nospec_big reference, tfm_small, tfm_mixed
 # (greedy among seeded sampled requests, two aborts, as in the soak), nospec_small, dflash_small,
 # then tfm_small_torch and tfm_small_chain_forced only if a tfm small arm diverged, tfm_big last).
@@ -11,7 +11,7 @@
 #       bash bench/run_gpu_preempt_repro.sh
 #
 # Installs this checkout next to vLLM (its entry point loads the plugin), then runs the arms.
-# Results in $OUT: preempt_repro.json (commit it as bench/results/preempt_repro_zoo.json; rewritten
+# Results in $OUT: preempt_repro.json (commit it gzip-compressed as bench/results/preempt_repro_zoo.json.gz; rewritten
 # after every arm), arms.tar.gz (every arm's JSON with all tokens, its log and its request trace),
 # run.log, pip.log. Bounded by TFM_PREEMPT_DEADLINE_S (default 470 s) counted from this script's
 # start, install included: each arm's cap is its engine start (75 s for the first engine on a

@@ -87,7 +87,7 @@ DEFAULT_MODE: str | None = "FULL_AND_PIECEWISE"
 """The mode a single-GPU tfm engine gets when ``cudagraph_mode`` is left unset (and enforce_eager is
 off). FULL_AND_PIECEWISE since full tree graphs passed their GPU checks on the H200: greedy tokens ==
 no speculation at batch 8 and 1 with 616 tree steps on full graphs (``bash bench/run_gpu_graphs.sh``,
-``bench/results/graphs_zoo_full.json``), the kernels on fixed-layout plans == per-step plans
+``bench/results/graphs_zoo_full.json.gz``), the kernels on fixed-layout plans == per-step plans
 (``tests/gpu/test_full_graph_kernels_gpu.py``); at Qwen3.6-27B shape 98.5 vs 62.4 tokens/s with
 piecewise graphs at batch 1, 383 vs 355 at batch 8 (``bench/results/e2e_27b_full_graphs.json.gz``).
 None would mean eager (``enforce_eager=True``, with a warning naming the opt-in)."""
