@@ -13,8 +13,9 @@ DEV = torch.device("cuda")
 HIDDEN, DEPTH, TOP_K, VOCAB = 5120, 15, 512, 248320
 
 
-def scorer_pair_27b(r: int, max_nodes: int = 33, seed: int = 0) -> tuple[BatchedWeaverTreeScorer, BatchedWeaverTreeScorer]:
-    """(torch path, kernel path) scorers of R requests (the default Weaver shape at d_model 5120)."""
+def scorers_27b(r: int, kernel_flags: tuple[bool, ...], max_nodes: int = 33, seed: int = 0) -> list[BatchedWeaverTreeScorer]:
+    """Scorers of R requests, one per ``score_kernel`` flag, on one random bfloat16 Weaver (the default
+    Weaver shape at d_model 5120) and the same tables and DFlash inputs."""
     torch.manual_seed(seed)
     weaver = Weaver(WeaverConfig(d_model=HIDDEN, max_depth=DEPTH))
     with torch.no_grad():
@@ -27,6 +28,11 @@ def scorer_pair_27b(r: int, max_nodes: int = 33, seed: int = 0) -> tuple[Batched
               torch.randn(r, DEPTH, HIDDEN, device=DEV).to(torch.bfloat16),
               torch.randint(0, VOCAB, (r, DEPTH, TOP_K), device=DEV),
               (torch.randn(r, DEPTH, TOP_K, device=DEV) * 3).to(torch.bfloat16))
-    ref, kern = (BatchedWeaverTreeScorer(weaver, *inputs, embed, head, max_nodes=max_nodes, score_kernel=f)
-                 for f in (False, True))
+    return [BatchedWeaverTreeScorer(weaver, *inputs, embed, head, max_nodes=max_nodes, score_kernel=f)
+            for f in kernel_flags]
+
+
+def scorer_pair_27b(r: int, max_nodes: int = 33, seed: int = 0) -> tuple[BatchedWeaverTreeScorer, BatchedWeaverTreeScorer]:
+    """(torch path, kernel path) scorers of R requests (the default Weaver shape at d_model 5120)."""
+    ref, kern = scorers_27b(r, (False, True), max_nodes, seed)
     return ref, kern

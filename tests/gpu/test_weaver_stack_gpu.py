@@ -14,11 +14,10 @@ from unittest import mock
 
 import pytest
 import torch
-from _weaver27b import DEPTH, HIDDEN, TOP_K, VOCAB
+from _weaver27b import DEPTH, HIDDEN, VOCAB, scorers_27b
 
 from vllm_tfm.kernels import weaver_linear as kl
 from vllm_tfm.kernels import weaver_stack as ks
-from vllm_tfm.models import Weaver, WeaverConfig
 from vllm_tfm.models.weaver import BatchedWeaverTreeScorer
 
 pytestmark = [
@@ -32,20 +31,7 @@ SLOTS = 33
 
 def kernel_scorers(r: int, count: int, seed: int = 0) -> list[BatchedWeaverTreeScorer]:
     """``count`` kernel-path scorers of R requests on one random bfloat16 Weaver and the same inputs."""
-    torch.manual_seed(seed)
-    weaver = Weaver(WeaverConfig(d_model=HIDDEN, max_depth=DEPTH))
-    with torch.no_grad():
-        for p in weaver.parameters():
-            p.add_(torch.randn_like(p) * 0.02)
-    weaver = weaver.to(device=DEV, dtype=torch.bfloat16).eval()
-    embed = torch.randn(VOCAB, HIDDEN, device=DEV).to(torch.bfloat16)
-    head = (torch.randn(VOCAB, HIDDEN, device=DEV) * 0.05).to(torch.bfloat16)
-    inputs = (torch.randn(r, HIDDEN, device=DEV).to(torch.bfloat16),
-              torch.randn(r, DEPTH, HIDDEN, device=DEV).to(torch.bfloat16),
-              torch.randint(0, VOCAB, (r, DEPTH, TOP_K), device=DEV),
-              (torch.randn(r, DEPTH, TOP_K, device=DEV) * 3).to(torch.bfloat16))
-    return [BatchedWeaverTreeScorer(weaver, *inputs, embed, head, max_nodes=SLOTS, score_kernel=True)
-            for _ in range(count)]
+    return scorers_27b(r, (True,) * count, SLOTS, seed)
 
 
 def calls(r: int, w: int) -> list[tuple[torch.Tensor, ...]]:
