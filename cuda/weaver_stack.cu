@@ -250,21 +250,27 @@ __device__ __forceinline__ void ws_linear(int s, const WSLin* s_lin, float* s_ss
   const WSLin& L = s_lin[s];
   const int k_dim = L.k;
   if (L.norm) {
-    if (warp < 4) {
-#pragma unroll 1
-      for (int m = 0; m < WS_M; ++m) {
-        float ss = 0.0f;
-        for (int j = warp; 256 * j < k_dim; j += 4) {
-          const int k = 256 * j + 8 * lane;
-          if (k < k_dim) {
-            float v[8];
-            ws_load8(L.x + (i64)m * k_dim + k, v);
+    if (warp < 4) {  // every row's loads of a step in flight together, then one chain per row
+      float ss[WS_M];
 #pragma unroll
-            for (int e = 0; e < 8; ++e) ss = fmaf(v[e], v[e], ss);
+      for (int m = 0; m < WS_M; ++m) ss[m] = 0.0f;
+      for (int j = warp; 256 * j < k_dim; j += 4) {
+        const int k = 256 * j + 8 * lane;
+        if (k < k_dim) {
+          float v[WS_M][8];
+#pragma unroll
+          for (int m = 0; m < WS_M; ++m) ws_load8(L.x + (i64)m * k_dim + k, v[m]);
+#pragma unroll
+          for (int m = 0; m < WS_M; ++m) {
+#pragma unroll
+            for (int e = 0; e < 8; ++e) ss[m] = fmaf(v[m][e], v[m][e], ss[m]);
           }
         }
-        ss = warp_sum(ss);
-        if (lane == 0) s_ss[warp * 16 + m] = ss;
+      }
+#pragma unroll
+      for (int m = 0; m < WS_M; ++m) {
+        const float t = warp_sum(ss[m]);
+        if (lane == 0) s_ss[warp * 16 + m] = t;
       }
     }
     __syncthreads();
