@@ -3,8 +3,11 @@
 against the scorer's per-op path (``weaver_linear`` launches, cuBLAS above its row limit, and one
 ``weaver_node_attention`` per layer) at the Qwen3.6-27B drafter shape, on the GPU host.
 
-usage: python3 bench/weaver_stack.py [--out FILE] [--rows 1,2,4,8,16] [--repeats 50]
+usage: python3 bench/weaver_stack.py [--out FILE] [--rows 1,2,4,8,16] [--repeats 50] [--variants 0:6,1:6,1:3]
        python3 bench/weaver_stack.py --sanitize-case   # small stack-vs-per-op run for compute-sanitizer
+
+``--variants B:S,...``: the stack's forms timed side by side, B the grid barrier (``TFM_GRID_BARRIER``: 0
+fences, 1 ordered atomics) and S the chunk slots per warp (the ring's depth: S - 1 chunks in flight).
 
 Per row count M = R w (R requests of w nodes, w = 2 from M = 2 on): device microseconds of one
 round's stack (token_in, three layers of qkv / attention / o_proj / gate_up / down, query; 8 heads of
@@ -119,6 +122,7 @@ def sanitize_case() -> None:
 def main() -> None:
     ap = kernel_bench_parser(__doc__, 50)
     ap.add_argument("--rows", default="1,2,4,8,16")
+    ap.add_argument("--variants", default="0:6", help="grid barrier form:chunk slots of each stack arm")
     args = ap.parse_args()
     if args.sanitize_case:
         sanitize_case()
@@ -139,7 +143,11 @@ def main() -> None:
             continue
         moved = weight_bytes(prob[1])
         floor_us = 1e6 * moved / bw  # the weights read once at the copy bandwidth (bench/weaver_linear.py's floor)
-        fns = {"stack": lambda: ks.weaver_stack_kernel(*prob), "per_op": lambda: per_op(prob)}
+        fns = {"per_op": lambda prob=prob: per_op(prob)}
+        for var in args.variants.split(","):
+            barrier, slots = (int(v) for v in var.split(":"))
+            fns[f"stack_b{barrier}_s{slots}"] = (lambda b=barrier, sl=slots, prob=prob: ks.weaver_stack_kernel(
+                *prob, slots=sl, defines=(f"-DTFM_GRID_BARRIER={b}",)))
         times: dict[str, list[float]] = {k: [] for k in fns}
         modes = {}
         with torch.no_grad():
@@ -147,12 +155,13 @@ def main() -> None:
                 us, mode = time_calls([fns[name]], args.repeats)
                 times[name].append(round(us, 2))
                 modes[name] = mode
-            diff = float((fns["stack"]().float() - fns["per_op"]().float()).abs().max())
+            want = fns["per_op"]().float()
+            diff = {k: float((f().float() - want).abs().max()) for k, f in fns.items() if k != "per_op"}
         row = {"rows": m, "w": w, "weight_bytes": moved, "floor_us": round(floor_us, 2), "us": times, "modes": modes,
-               "max_abs_diff": diff, "ctas": ks.grid_size(0)}
+               "max_abs_diff_vs_per_op": diff, "ctas": ks.grid_size(0)}
         res["rows"].append(row)
-        print(f"M={m}: stack {times['stack']} us, per-op {times['per_op']} us, floor {floor_us:.1f} us, "
-              f"max |diff| {diff:.3g} ({modes})")
+        print(f"M={m}: floor {floor_us:.1f} us; " + ", ".join(f"{k} {v}" for k, v in times.items())
+              + f"; max |diff| {diff}; modes {set(modes.values())}")
     write_result(args.out, res)
 
 

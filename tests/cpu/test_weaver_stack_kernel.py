@@ -229,3 +229,18 @@ def test_the_runtime_switch_and_the_weaver_graphs_key(monkeypatch) -> None:
         assert keys[False][-1] is False and keys[True][-1] is True and keys[False][:-1] == keys[True][:-1]
     finally:
         ks.set_stack(None)
+
+
+def test_barrier_forms_and_ring_depths_give_the_same_bits(emu_dir: Path) -> None:
+    """``TFM_GRID_BARRIER`` 0 (fences) and 1 (ordered atomics), rings of 2, 3 and 6 chunk slots: the same
+    queries and K/V writes, over a grid of 3 blocks (the first call of a scorer's protocol)."""
+    out = []
+    for barrier, slots in ((0, 6), (1, 6), (1, 3), (0, 2), (1, 2)):
+        args, _ = tiny_stack_args(r=2, w=2)
+        with emulated(emu_dir) as launches:
+            q = ks.weaver_stack_kernel(*args, ctas=3, slots=slots, defines=(f"-DTFM_GRID_BARRIER={barrier}",))
+        assert [name for name, *_ in launches] == ["weaver_stack"]
+        out.append((q, [kv.clone() for kv in args[7]], args[8].clone()))
+    for q, kv, mask in out[1:]:
+        assert torch.equal(q, out[0][0]) and torch.equal(mask, out[0][2])
+        assert all(torch.equal(a, b) for a, b in zip(kv, out[0][1]))

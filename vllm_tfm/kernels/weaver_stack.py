@@ -282,9 +282,12 @@ def _scratch(m: int, sizes: list[int], dtype: torch.dtype, device: torch.device)
 def weaver_stack_kernel(
     emb: Tensor, weights: StackWeights, rope: Tensor, node_ids: Tensor, parent_ids: Tensor, depths: Tensor,
     valid: Tensor, kv_cache: list[Tensor], key_bias: Tensor, p0: int, scale: float, ctas: int | None = None,
+    slots: int | None = None, defines: tuple[str, ...] = (),
 ) -> Tensor:
     """The launch itself, for inputs ``unsupported_reason`` accepts (not checked again). ``ctas``: the
-    grid (default: one block per SM of the device; the CPU emulation's tests pass a few)."""
+    grid (default: one block per SM of the device; the CPU emulation's tests pass a few); ``slots``: chunk
+    slots per warp (default: the most that fit, at most MAX_SLOTS); ``defines``: more -D options (the
+    bench's variants, e.g. ``-DTFM_GRID_BARRIER=1``)."""
     dt, dev = emb.dtype, emb.device
     m, hidden = emb.shape
     r, w = node_ids.shape
@@ -300,7 +303,8 @@ def weaver_stack_kernel(
     ahd = heads * hd
     bufs = _scratch(m, [d] + [6 * ahd, ahd, d, d_mlp, d] * n_layers, dt, dev)
     bar = torch.zeros(2, dtype=torch.int32, device=dev)  # grid barrier (self-resetting; fresh per call)
-    slots = _slots(n_layers, w, p0 + n_slots, hd, dt.itemsize, device_smem_optin(tensor_device_index(emb)))
+    fit = _slots(n_layers, w, p0 + n_slots, hd, dt.itemsize, device_smem_optin(tensor_device_index(emb)))
+    slots = fit if slots is None else min(slots, fit)
     if ctas is None:
         ctas = grid_size(tensor_device_index(emb))
     ptr = Tensor.data_ptr
@@ -315,7 +319,7 @@ def weaver_stack_kernel(
                              gu_b=ptr(lw.gu_b), down_w=ptr(lw.down_w), kv=ptr(kv), proj=ptr(proj), attn=ptr(attn),
                              x_mid=ptr(x_mid), h=ptr(h), x_out=ptr(x_out), attn_eps=lw.attn_eps, mlp_eps=lw.mlp_eps)
     opts = ["--std=c++17", "-lineinfo", f"-DTFM_IN={DTYPE_CODE[dt]}", f"-DWS_M={m}", f"-DWS_LAYERS={n_layers}",
-            f"-DWS_HD={hd}", f"-DWS_NSLOT={slots}"]
+            f"-DWS_HD={hd}", f"-DWS_NSLOT={slots}", *defines]
     kernel = get_kernel(SOURCE, "weaver_stack", opts, tensor_device_index(emb))
     launch(kernel, (ctas, 1, 1), (THREADS, 1, 1), [a],
            shared_mem=stack_smem_bytes(slots, n_layers, w, p0 + n_slots, hd, dt.itemsize), cooperative=True)
