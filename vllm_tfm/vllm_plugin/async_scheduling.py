@@ -1,4 +1,4 @@
-"""vLLM's asynchronous scheduling (``--async-scheduling``) for method 'tfm': a development switch (it changes tokens at batch 8).
+"""vLLM's asynchronous scheduling (``--async-scheduling``) for method 'tfm': a development switch (not yet soaked in serving).
 
 With asynchronous scheduling the engine schedules step N + 1 while the GPU still runs step N: the
 scheduler gives every decode B placeholder drafts and counts them as accepted, and the model
@@ -34,12 +34,12 @@ Here, in every process (each patch once, through ``patching``):
   keeps synchronous scheduling unless asked), and ``async_scheduling=True`` is refused unless
   ``VLLM_TFM_ASYNC_SCHEDULING=1`` opts in. Other methods are untouched.
 
-Status (bench/NOTES.md sections 49-50, the toy zoo on the H200): at batch 1 the greedy tokens equal no-spec's
-and the steps up to max_tokens equal synchronous tfm's; at batch 8 10 of 16 prompts' tokens differ with full
-CUDA graphs (3 of 16 eager or piecewise): on the step after a step that mixed a prefill with tree steps, the
-first full-attention layer's output differs with equal inputs, GDN states and prefix K/V. A likely cause was
-fixed afterwards without a GPU (``full_graphs.TreeGraphs.attn_region``: one tree-attention plan region per batch
-size). So the opt-in is for development only until the GPU checks pass.
+Status (bench/NOTES.md sections 49-52): sections 49-50 found other greedy tokens at batch 8 on the toy zoo; the
+cause was the full tree graphs' shared tree-attention plan region (fixed in b2d2366: one region per batch size),
+which synchronous serving could hit too. Since the fix every engine, eager and full graphs, synchronous and
+asynchronous, gives no-spec's greedy tokens on the zoo at batch 8, batch 1 and with shrinking and regrowing
+batches (section 52, on an H100). The opt-in stays a development switch until the serving soak and the 27B A/B
+have run.
 """
 
 from __future__ import annotations
@@ -77,7 +77,7 @@ def check_async_request(async_scheduling: bool | None) -> None:
     if async_scheduling is True and not async_opt_in():
         raise ValueError(
             "method 'tfm' runs with synchronous scheduling: drop async_scheduling=True (the development switch "
-            f"{ASYNC_SCHEDULING_ENV}=1 allows it, but it changes tokens at batch 8, bench/NOTES.md section 50)"
+            f"{ASYNC_SCHEDULING_ENV}=1 allows it; not yet soaked in serving, bench/NOTES.md section 52)"
         )
 
 

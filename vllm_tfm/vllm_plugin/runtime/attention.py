@@ -132,7 +132,7 @@ DEFAULT_TREE_ATTENTION = "kernel"
 """The path when ``VLLM_TFM_TREE_ATTENTION`` is unset: the one-launch kernel. Its GPU check passed on
 the H200 (``bash bench/run_gpu_kernels.sh tree_attention``: tests against float64, runtime path ==
 per-request Triton path, compute-sanitizer memcheck/racecheck clean; tokens of tfm with it ==
-no speculation, ``bench/results/graphs_zoo.json``) and it beat the per-request Triton calls at every
+no speculation, ``bench/results/graphs_zoo.json.gz``) and it beat the per-request Triton calls at every
 measured size (``bench/results/tree_attention_v1.json.gz``). ``VLLM_TFM_TREE_ATTENTION=triton`` goes
 back to the per-request calls."""
 _CHOSEN = f"{TREE_ATTENTION_ENV}=triton"  # the user's own choice: not warned about
