@@ -73,15 +73,7 @@ def stack_problem(m: int, w: int, dtype=torch.bfloat16, seed: int = 0, hidden: i
 
 def per_op(args: list[Any]) -> torch.Tensor:
     """The scorer's per-op path (``BatchedWeaverTreeScorer.__call__`` with its kernels), on ``args``."""
-    emb, wts, rope, node, parent, depth, valid, kv_cache, key_bias, p0, scale = args
-    x = kl.weaver_linear(emb, wts.tok_w, wts.tok_b, None, wts.tok_eps, False)
-    for li, (lw, kv) in enumerate(zip(wts.layers, kv_cache)):
-        proj = kl.weaver_linear(x, lw.qkv_w, lw.qkv_b, None, lw.attn_eps, False)
-        attn = ka.node_attention(proj, rope, node, parent, depth, valid, kv, key_bias, p0, scale, li == 0)
-        x = kl.weaver_linear(attn, lw.o_w, None, x, None, False)
-        x = kl.weaver_linear(kl.weaver_linear(x, lw.gu_w, lw.gu_b, None, lw.mlp_eps, True), lw.down_w, None, x, None,
-                             False)
-    return kl.weaver_linear(x, wts.qry_w, wts.qry_b, None, wts.qry_eps, False)
+    return ks.per_op_stack(kl.weaver_linear, ka.node_attention, *args)
 
 
 def weight_bytes(wts: ks.StackWeights) -> int:

@@ -520,6 +520,27 @@ def test_param_array_reuses_the_kernels_last_array_only_when_that_packs_the_same
         loader.param_array(kernel, [t[0], 3, t[1], c_long(8), c_float(0.5)])
 
 
+def test_param_array_passes_a_kernel_struct_by_value_and_reuses_it_only_for_equal_bytes():
+    """A ``KernelStruct`` argument (a struct the kernel takes by value) is packed as its bytes and
+    compared by them: equal bytes keep the kernel's array, any other field value packs afresh."""
+
+    class Pair(loader.KernelStruct):
+        _fields_ = [("ptr", ctypes.c_void_p), ("scale", ctypes.c_float)]
+
+    kernel = loader.CompiledKernel("fn", 0, "ks", 0, 0)
+    t = torch.arange(4)
+    first = loader.param_array(kernel, [t, Pair(ptr=1234, scale=0.5)])
+    slots = (ctypes.c_void_p * 2).from_address(ctypes.addressof(first))
+    got = Pair.from_address(slots[1])
+    assert (got.ptr, got.scale) == (1234, 0.5)
+    assert loader.param_array(kernel, [t, Pair(ptr=1234, scale=0.5)]) is first
+    for changed in (Pair(ptr=1235, scale=0.5), Pair(ptr=1234, scale=-0.5)):
+        fresh = loader.param_array(kernel, [t, changed])
+        slots = (ctypes.c_void_p * 2).from_address(ctypes.addressof(fresh))
+        got = Pair.from_address(slots[1])
+        assert fresh is not first and (got.ptr, got.scale) == (changed.ptr, changed.scale)
+
+
 def test_launch_packs_each_launchs_own_arguments(monkeypatch):
     """Two launches of one kernel through ``launch``: the driver reads each launch's tensors."""
     fake = _FakeDriver()

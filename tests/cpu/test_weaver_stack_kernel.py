@@ -50,7 +50,7 @@ def protocol_calls(r: int, w: int, rounds: int, seed: int, invalid: float = 0.2)
     random earlier nodes; some rows invalid (never a root)."""
     g = random.Random(seed)
     calls = []
-    depth = [[{0: 0} for _ in range(r)]][0]
+    depth = [{0: 0} for _ in range(r)]  # per request: node -> depth
     nxt = [1] * r
     t = torch.tensor
     calls.append((t([[0] * w] * r), t([[-1] * w] * r), t([[g.randrange(VOCAB) for _ in range(w)] for _ in range(r)]),
@@ -129,7 +129,7 @@ def test_fresh_random_shapes(emu_dir: Path) -> None:
     for case in range(2):
         dtype = g.choice([torch.float32, torch.bfloat16, torch.float16])
         heads = g.randint(1, 3)
-        hd = g.choice([8, 16]) * (1 if dtype == torch.float32 else 1)
+        hd = g.choice([8, 16])
         run_case(emu_dir, 10 + case, g.randint(1, 3), g.randint(1, 3), dtype, hidden=8 * g.randint(3, 12),
                  d=heads * hd, heads=heads, d_mlp=8 * g.randint(2, 9), layers=g.randint(1, 3), ctas=g.randint(1, 4))
 

@@ -32,6 +32,7 @@ logger = logging.getLogger(__name__)
 __all__ = [
     "KernelCompileError",
     "KernelLaunchError",
+    "KernelStruct",
     "aligned_rows",
     "CompiledKernel",
     "cache_dir",
@@ -351,6 +352,15 @@ def device_smem_optin(device_index: int) -> int:
 _TENSOR: list[type] = []  # torch.Tensor, looked up once (the loader imports torch lazily)
 
 
+class KernelStruct(ctypes.Structure):
+    """Base of a struct a kernel takes by value (its fields in the source's order and types). ``value``
+    is its bytes, so that ``param_array`` compares it as it compares scalars."""
+
+    @property
+    def value(self) -> bytes:
+        return bytes(self)
+
+
 def _ctype_arg(value: Any) -> ctypes._SimpleCData:
     """Kernel argument -> ctypes value. Tensors and None become pointers; ints must be wrapped.
 
@@ -362,13 +372,13 @@ def _ctype_arg(value: Any) -> ctypes._SimpleCData:
         _TENSOR.append(torch.Tensor)
     if isinstance(value, _TENSOR[0]):
         return ctypes.c_void_p(value.data_ptr())
-    if isinstance(value, (ctypes._SimpleCData, ctypes.Structure)):
+    if isinstance(value, (ctypes._SimpleCData, KernelStruct)):
         return value
     if value is None:
         return ctypes.c_void_p(0)
     raise TypeError(
         f"kernel argument {value!r}: pass a tensor, None, or a ctypes value (c_int, c_longlong, c_float, "
-        "or a ctypes.Structure for a struct passed by value)"
+        "or a KernelStruct for a struct passed by value)"
     )
 
 
@@ -382,6 +392,7 @@ def needs_smem_optin(kernel: CompiledKernel, shared_mem: int) -> bool:
     return shared_mem > 0 and shared_mem + kernel.static_smem > DEFAULT_SMEM_LIMIT
 
 
+_FLOAT_ARGS = (ctypes.c_float, ctypes.c_double)
 _packs = threading.local()  # per thread: {id(kernel): (values, parameter array)} of its last launch
 
 
@@ -392,8 +403,9 @@ def param_array(kernel: CompiledKernel, args: Sequence[Any]) -> ctypes.Array:
     argument, hundreds of launches per decode step). Consecutive launches of one kernel mostly
     differ in their tensors only (the GDN layers of a step: same shapes, other buffers), so the
     kernel's previous array on this thread is kept: when the new arguments have the same kinds
-    (pointer or scalar) at the same positions and equal scalars and structures (type and bytes),
-    its pointer values are overwritten in place and it is returned;
+    (pointer or scalar) at the same positions and equal scalars (type and value; floating-point
+    scalars bit for bit; a ``KernelStruct``'s value is its bytes), its pointer values are overwritten
+    in place and it is returned;
     otherwise a new array replaces it. Either way the array holds exactly what packing ``args``
     afresh would. The driver copies the values at the launch, so the next launch may overwrite them.
     """
@@ -413,7 +425,7 @@ def param_array(kernel: CompiledKernel, args: Sequence[Any]) -> ctypes.Array:
                 if type(v) is not _Pointer:
                     break
                 v.value = a.data_ptr()
-            elif type(a) is not type(v) or bytes(a) != bytes(v):  # scalars and structures alike, bit for bit
+            elif type(a) is not type(v) or a.value != v.value or (type(a) in _FLOAT_ARGS and bytes(a) != bytes(v)):
                 break
         else:
             return found[1]

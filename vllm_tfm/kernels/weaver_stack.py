@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import ctypes
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -28,6 +29,7 @@ from torch import Tensor
 
 from vllm_tfm.kernels import weaver_attention as attention
 from vllm_tfm.kernels.loader import (
+    KernelStruct,
     device_smem_optin,
     get_kernel,
     kernels_unavailable_reason,
@@ -45,6 +47,7 @@ __all__ = [
     "StackLayer",
     "StackWeights",
     "grid_size",
+    "per_op_stack",
     "set_stack",
     "stack_enabled",
     "stack_smem_bytes",
@@ -113,21 +116,32 @@ def set_stack(on: bool | None) -> bool:
     return stack_enabled()
 
 
+def per_op_stack(
+    linear: Callable[..., Tensor], node_attention: Callable[..., Tensor], emb: Tensor, weights: StackWeights,
+    rope: Tensor, node_ids: Tensor, parent_ids: Tensor, depths: Tensor, valid: Tensor, kv_cache: list[Tensor],
+    key_bias: Tensor, p0: int, scale: float,
+) -> Tensor:
+    """The stack one layer at a time, in the scorer's order: ``linear`` with ``weaver_linear``'s signature
+    and ``node_attention`` with ``node_attention``'s (their references here; their dispatching kernels in
+    bench/weaver_stack.py's per-op arm)."""
+    x = linear(emb, weights.tok_w, weights.tok_b, None, weights.tok_eps, False)
+    for li, (lw, kv) in enumerate(zip(weights.layers, kv_cache)):
+        proj = linear(x, lw.qkv_w, lw.qkv_b, None, lw.attn_eps, False)
+        attn = node_attention(proj, rope, node_ids, parent_ids, depths, valid, kv, key_bias, p0, scale, li == 0)
+        x = linear(attn, lw.o_w, None, x, None, False)
+        h = linear(x, lw.gu_w, lw.gu_b, None, lw.mlp_eps, True)
+        x = linear(h, lw.down_w, None, x, None, False)
+    return linear(x, weights.qry_w, weights.qry_b, None, weights.qry_eps, False)
+
+
 def weaver_stack_reference(
     emb: Tensor, weights: StackWeights, rope: Tensor, node_ids: Tensor, parent_ids: Tensor, depths: Tensor,
     valid: Tensor, kv_cache: list[Tensor], key_bias: Tensor, p0: int, scale: float,
 ) -> Tensor:
     """emb [M, hidden] -> queries [M, n_q]; writes the nodes' K/V into ``kv_cache[l]`` and, at the first
     layer, their key-mask rows into ``key_bias`` (``node_attention_reference``'s contract)."""
-    x = weaver_linear_reference(emb, weights.tok_w, weights.tok_b, None, weights.tok_eps, False)
-    for li, (lw, kv) in enumerate(zip(weights.layers, kv_cache)):
-        proj = weaver_linear_reference(x, lw.qkv_w, lw.qkv_b, None, lw.attn_eps, False)
-        attn = attention.node_attention_reference(proj, rope, node_ids, parent_ids, depths, valid, kv, key_bias, p0,
-                                                  scale, li == 0)
-        x = weaver_linear_reference(attn, lw.o_w, None, x, None, False)
-        h = weaver_linear_reference(x, lw.gu_w, lw.gu_b, None, lw.mlp_eps, True)
-        x = weaver_linear_reference(h, lw.down_w, None, x, None, False)
-    return weaver_linear_reference(x, weights.qry_w, weights.qry_b, None, weights.qry_eps, False)
+    return per_op_stack(weaver_linear_reference, attention.node_attention_reference, emb, weights, rope, node_ids,
+                        parent_ids, depths, valid, kv_cache, key_bias, p0, scale)
 
 
 def stack_smem_bytes(slots: int, layers: int, w: int, span: int, hd: int, elem: int) -> int:
@@ -246,7 +260,7 @@ def weaver_stack(
     return weaver_stack_kernel(*args)
 
 
-class _Layer(ctypes.Structure):
+class _Layer(KernelStruct):
     """``WSLayer`` of the source, field for field."""
 
     _fields_ = [(name, ctypes.c_void_p) for name in
@@ -254,7 +268,7 @@ class _Layer(ctypes.Structure):
         ("attn_eps", ctypes.c_float), ("mlp_eps", ctypes.c_float)]
 
 
-class _Args(ctypes.Structure):
+class _Args(KernelStruct):
     """``WSArgs`` of the source, field for field."""
 
     _fields_ = [(name, ctypes.c_void_p) for name in
