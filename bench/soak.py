@@ -139,8 +139,11 @@ class SoakConfig:
     nospec_gpu: str | None = None  # soak phase: the no-spec server on this GPU, its load alongside tfm's (module doc)
     triton_f32: str | None = "ieee"  # TRITON_F32_DEFAULT of both servers (module doc, "Float32"); None: Triton's tf32
     cuda_graphs: bool = False  # both servers with torch.compile and vLLM's CUDA graphs (tfm: full tree graphs), not eager
+    async_scheduling: bool = False  # the tfm server with --async-scheduling (and its opt-in); no-spec has it by default
 
 
+ASYNC_OPT_IN = "VLLM_TFM_ASYNC_SCHEDULING"
+"""The plugin's opt-in for tfm's asynchronous scheduling (``vllm_plugin/async_scheduling.py``)."""
 Launcher = Callable[[Role, SoakConfig], list[str]]
 LOAD_ID_PREFIX = "load-"
 """``X-Request-Id`` of load request i is ``load-<i>``: vLLM names it ``cmpl-load-<i>-0-<8 hex>``."""
@@ -155,6 +158,8 @@ def server_env(cfg: SoakConfig, role: Role) -> dict[str, str]:
     env = {} if cfg.triton_f32 is None else {"TRITON_F32_DEFAULT": cfg.triton_f32}
     if not role.spec and cfg.nospec_gpu is not None:
         env["CUDA_VISIBLE_DEVICES"] = cfg.nospec_gpu
+    if role.spec and cfg.async_scheduling:
+        env[ASYNC_OPT_IN] = "1"
     return env
 
 
@@ -169,6 +174,7 @@ def vllm_command(role: Role, cfg: SoakConfig) -> list[str]:
         "--additional-config", json.dumps({"gdn_prefill_backend": "triton"}),
         "--compilation-config", json.dumps({"custom_ops": ["none"]}),
         *([] if cfg.cuda_graphs else ["--enforce-eager"]),
+        *(["--async-scheduling"] if cfg.async_scheduling and role.spec else []),
         "--max-model-len", str(role.max_model_len),
         "--max-num-seqs", str(cfg.max_num_seqs),
         "--gpu-memory-utilization", "0.3",
@@ -753,11 +759,13 @@ def verdict(res: dict[str, Any]) -> dict[str, Any]:
         v["preempted"] = run["preemptions"] > 0
     logs = res.get("server_logs", {}).get(spec_role, {})
     v["server_tracebacks_unexpected"] = logs.get("tracebacks_unexpected")
+    if "async_scheduling" in logs:  # the tfm engine scheduled as asked (vLLM's "Asynchronous scheduling is ..." line)
+        v["scheduling_as_asked"] = logs["async_scheduling"] is bool(res["config"].get("async_scheduling"))
     if "after" in res:  # answering again after everything; the repeat's equality is informative (a near tie may flip)
         v["still_serving"] = bool(res["after"].get("healthy")) and res["after"].get("repeat_status", "ok") == "ok"
         v["repeat_identical"] = res["after"].get("repeat_identical")
     keys = ["completed", "all_started", "errors_zero", "disconnects_done", "drained", "memory_flat", "greedy_identical", "probes_ok",
-            "preempted", "still_serving"]
+            "preempted", "still_serving", "scheduling_as_asked"]
     v["all_ok"] = all(v.get(k) is not False for k in keys) and v.get("server_tracebacks_unexpected") in (0, None)
     return v
 
@@ -824,6 +832,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--cuda-graphs", action="store_true",
                     help="serve with torch.compile and CUDA graphs, the default a user gets (tfm: full graphs of tree "
                          "steps, FULL_AND_PIECEWISE), instead of --enforce-eager")
+    ap.add_argument("--async-scheduling", action="store_true",
+                    help="soak phase: the tfm server schedules asynchronously (--async-scheduling, with "
+                         "VLLM_TFM_ASYNC_SCHEDULING=1), as vLLM schedules no-spec by default")
     ap.add_argument("--port", type=int, default=8300)
     ap.add_argument("--seed", type=int, default=0)
     return ap.parse_args(argv)
@@ -831,6 +842,10 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
+    if args.async_scheduling and args.phase != "soak":
+        print("--async-scheduling is for the soak phase: the preempt phase reads a request trace "
+              "(VLLM_TFM_TRACE), which asynchronous scheduling refuses")
+        return 2
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     if args.random:
@@ -850,7 +865,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         preempt_requests=args.preempt_requests, preempt_capacity=args.preempt_capacity, preempt_max_model_len=min(1024, mml),
         seed=args.seed, port=args.port, random_models=args.random, second_round=not args.one_round,
         again_requests=args.again_requests, first_round_share=args.first_round_share, nospec_gpu=args.nospec_gpu,
-        triton_f32=args.triton_f32, cuda_graphs=args.cuda_graphs,
+        triton_f32=args.triton_f32, cuda_graphs=args.cuda_graphs, async_scheduling=args.async_scheduling,
         deadline_s=args.deadline_s or (450.0 if args.phase == "soak" else 420.0),
         command="python3 bench/soak.py " + " ".join(sys.argv[1:] if argv is None else argv),
     )

@@ -219,6 +219,7 @@ def stop_servers(servers: Sequence[Server], timeout: float = 30.0) -> dict[str, 
 _LOG_FACTS = {
     "kv_cache_tokens": re.compile(r"GPU KV cache size: ([\d,]+) tokens"),
     "max_concurrency": re.compile(r"Maximum concurrency for ([\d,]+) tokens per request: ([\d.]+)x"),
+    "async_scheduling": re.compile(r"Asynchronous scheduling is (enabled|disabled)\."),  # vLLM's config/vllm.py
 }
 _PREFIX = re.compile(r"^\([^)]*\) ")  # vLLM prefixes each line of a process: "(APIServer pid=12) ..."
 _EXCEPTION_LINE = re.compile(r"^[A-Za-z_][\w.]*(Error|Exception|Exit|Interrupt|Warning)\b")
@@ -248,6 +249,9 @@ def log_facts(text: str, expected_errors: Sequence[str] = ()) -> dict[str, Any]:
         facts["kv_cache_tokens"] = int(m.group(1).replace(",", ""))
     if m := _LOG_FACTS["max_concurrency"].search(text):
         facts["max_concurrency"] = {"tokens_per_request": int(m.group(1).replace(",", "")), "x": float(m.group(2))}
+    said = [m.group(1) == "enabled" for m in _LOG_FACTS["async_scheduling"].finditer(text)]
+    if said:  # the last line (the engine core's) decides
+        facts["async_scheduling"] = said[-1]
     lines = [_PREFIX.sub("", ln) for ln in text.splitlines()]
     errors = [ln for ln in lines if " ERROR " in ln or ln.startswith("ERROR")]
     exceptions = _exceptions(lines)

@@ -66,7 +66,8 @@ def test_vllm_command_parses_with_vllm_serve_parser(tmp_path: Path, monkeypatch:
     )
     from vllm.utils.argparse_utils import FlexibleArgumentParser
 
-    cfg = soak.SoakConfig(out=tmp_path, target="/models/target", drafter="/models/drafter", budget=12, proposal="ddtree")
+    cfg = soak.SoakConfig(out=tmp_path, target="/models/target", drafter="/models/drafter", budget=12, proposal="ddtree",
+                          async_scheduling=True)
     parser = make_arg_parser(FlexibleArgumentParser())
     for role in (soak.Role("tfm", 8400, True, 3 << 30, 2048), soak.Role("nospec", 8401, False, 1 << 30, 1024)):
         cmd = soak.vllm_command(role, cfg)
@@ -82,6 +83,7 @@ def test_vllm_command_parses_with_vllm_serve_parser(tmp_path: Path, monkeypatch:
         assert ea.enable_prefix_caching is False and ea.gpu_memory_utilization == 0.3 and ea.max_num_seqs == 64
         assert str(ea.attention_backend) == "TRITON_ATTN" or getattr(ea.attention_backend, "name", "") == "TRITON_ATTN"
         assert ea.additional_config == {"gdn_prefill_backend": "triton"}
+        assert ea.async_scheduling is (True if role.spec else None)  # None: vLLM's default (on for no-spec)
         if role.spec:
             assert ea.speculative_config == {"method": "tfm", "model": "/models/drafter", "num_speculative_tokens": 12,
                                              "attention_backend": "TRITON_ATTN", "proposal": "ddtree"}
@@ -206,6 +208,35 @@ def test_cuda_graphs_drops_enforce_eager(tmp_path: Path) -> None:
     assert "--enforce-eager" in eager and "--enforce-eager" not in graphs
     assert [a for a in eager if a != "--enforce-eager"] == graphs
     assert soak.parse_args(["--cuda-graphs"]).cuda_graphs and not soak.parse_args([]).cuda_graphs
+
+
+def test_async_scheduling_for_the_tfm_server_only(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    tfm, nospec = soak.Role("tfm", 8400, True, 3 << 30, 2048), soak.Role("nospec", 8401, False, 1 << 30, 2048)
+    sync = soak.SoakConfig(out=tmp_path, target="/t", drafter="/d", cuda_graphs=True)
+    asy = soak.SoakConfig(out=tmp_path, target="/t", drafter="/d", cuda_graphs=True, async_scheduling=True)
+    cmd = soak.vllm_command(tfm, asy)
+    assert cmd.count("--async-scheduling") == 1
+    assert [a for a in cmd if a != "--async-scheduling"] == soak.vllm_command(tfm, sync)
+    assert soak.vllm_command(nospec, asy) == soak.vllm_command(nospec, sync)  # vLLM's default for no-spec
+    assert soak.server_env(asy, tfm)[soak.ASYNC_OPT_IN] == "1" and soak.ASYNC_OPT_IN not in soak.server_env(asy, nospec)
+    assert soak.ASYNC_OPT_IN not in soak.server_env(sync, tfm)
+    # the verdict holds the engine to what was asked, from vLLM's own log line (the engine core's, the last)
+    said = ("(APIServer pid=1) INFO [vllm.py:1109] Asynchronous scheduling is enabled.\n"
+            "(EngineCore pid=2) INFO [vllm.py:1109] Asynchronous scheduling is {}.\n")
+    for asked, engine, ok in ((True, "enabled", True), (True, "disabled", False), (False, "disabled", True),
+                              (False, "enabled", False)):
+        logs = soak_server.log_facts(said.format(engine))
+        assert logs["async_scheduling"] is (engine == "enabled")
+        res = {"phase": "soak", "config": {"async_scheduling": asked}, "server_logs": {"tfm": logs}}
+        v = soak.verdict(res)
+        assert v["scheduling_as_asked"] is ok and v["all_ok"] is ok
+    assert "async_scheduling" not in soak_server.log_facts("no such line")
+    from vllm_tfm.vllm_plugin.async_scheduling import ASYNC_SCHEDULING_ENV
+
+    assert soak.ASYNC_OPT_IN == ASYNC_SCHEDULING_ENV
+    assert soak.parse_args(["--async-scheduling"]).async_scheduling and not soak.parse_args([]).async_scheduling
+    assert soak.main(["--phase", "preempt", "--async-scheduling", "--out", str(tmp_path)]) == 2
+    assert "--async-scheduling is for the soak phase" in capsys.readouterr().out
 
 
 def test_log_facts() -> None:
