@@ -550,11 +550,13 @@ def phase_preempt(
     if trace_dir.is_dir():
         for stale in trace_dir.glob("*.jsonl"):
             stale.unlink()
-    trace_env = {"VLLM_TFM_TRACE": str(trace_dir), "VLLM_TFM_TRACE_MAX_MB": f"{cfg.trace_max_mb:g}"}
+    # no trace with asynchronous scheduling: the plugin refuses VLLM_TFM_TRACE there (it reads every step's acceptance)
+    trace_env = {} if cfg.async_scheduling else {"VLLM_TFM_TRACE": str(trace_dir), "VLLM_TFM_TRACE_MAX_MB": f"{cfg.trace_max_mb:g}"}
     servers = [Server(r, launch(r, cfg), cfg.out, cwd=REPO, env={**server_env(cfg, r), **(trace_env if r.spec else {})})
                for r in roles]
     small, nospec = servers
-    res["trace"] = {"dir": str(trace_dir), "max_mb": cfg.trace_max_mb, "request_id": f"X-Request-Id: {LOAD_ID_PREFIX}<index>"}
+    res["trace"] = ({"off": "asynchronous scheduling (the plugin refuses VLLM_TFM_TRACE with it)"} if cfg.async_scheduling
+                    else {"dir": str(trace_dir), "max_mb": cfg.trace_max_mb, "request_id": f"X-Request-Id: {LOAD_ID_PREFIX}<index>"})
     try:
         up = start_servers(servers, min(deadline - 60, time.monotonic() + cfg.startup_timeout_s))
         res["startup"] = {s.role.name: {"healthy": up[s.role.name], "seconds": s.startup_s} for s in servers}
@@ -596,7 +598,8 @@ def phase_preempt(
         res["traceback"] = traceback.format_exc()
         log("FAILED:", res["fatal"])
     # the trace is read once the server has stopped (its last lines are written at exit)
-    return _finish(res, servers, path, after_stop=lambda r: trace_divergences(r, specs, trace_dir, cfg.out / TRACE_ARCHIVE))
+    return _finish(res, servers, path, after_stop=None if cfg.async_scheduling
+                   else lambda r: trace_divergences(r, specs, trace_dir, cfg.out / TRACE_ARCHIVE))
 
 
 def request_kind(spec: sc.RequestSpec) -> str:
@@ -833,8 +836,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                     help="serve with torch.compile and CUDA graphs, the default a user gets (tfm: full graphs of tree "
                          "steps, FULL_AND_PIECEWISE), instead of --enforce-eager")
     ap.add_argument("--async-scheduling", action="store_true",
-                    help="soak phase: the tfm server schedules asynchronously (--async-scheduling, with "
-                         "VLLM_TFM_ASYNC_SCHEDULING=1), as vLLM schedules no-spec by default")
+                    help="the tfm server schedules asynchronously (--async-scheduling, with VLLM_TFM_ASYNC_SCHEDULING=1), "
+                         "as vLLM schedules no-spec by default; the preempt phase then runs without its request trace")
     ap.add_argument("--port", type=int, default=8300)
     ap.add_argument("--seed", type=int, default=0)
     return ap.parse_args(argv)
@@ -842,10 +845,6 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
-    if args.async_scheduling and args.phase != "soak":
-        print("--async-scheduling is for the soak phase: the preempt phase reads a request trace "
-              "(VLLM_TFM_TRACE), which asynchronous scheduling refuses")
-        return 2
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     if args.random:

@@ -210,7 +210,7 @@ def test_cuda_graphs_drops_enforce_eager(tmp_path: Path) -> None:
     assert soak.parse_args(["--cuda-graphs"]).cuda_graphs and not soak.parse_args([]).cuda_graphs
 
 
-def test_async_scheduling_for_the_tfm_server_only(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_async_scheduling_for_the_tfm_server_only(tmp_path: Path) -> None:
     tfm, nospec = soak.Role("tfm", 8400, True, 3 << 30, 2048), soak.Role("nospec", 8401, False, 1 << 30, 2048)
     sync = soak.SoakConfig(out=tmp_path, target="/t", drafter="/d", cuda_graphs=True)
     asy = soak.SoakConfig(out=tmp_path, target="/t", drafter="/d", cuda_graphs=True, async_scheduling=True)
@@ -235,8 +235,6 @@ def test_async_scheduling_for_the_tfm_server_only(tmp_path: Path, capsys: pytest
 
     assert soak.ASYNC_OPT_IN == ASYNC_SCHEDULING_ENV
     assert soak.parse_args(["--async-scheduling"]).async_scheduling and not soak.parse_args([]).async_scheduling
-    assert soak.main(["--phase", "preempt", "--async-scheduling", "--out", str(tmp_path)]) == 2
-    assert "--async-scheduling is for the soak phase" in capsys.readouterr().out
 
 
 def test_log_facts() -> None:
@@ -441,6 +439,27 @@ def test_preempt_phase_puts_the_trace_of_a_divergence_into_the_result(tmp_path: 
     assert (tmp_path / soak.TRACE_ARCHIVE).is_file() and not (tmp_path / "trace_tfm_small").exists()
     saved = json.loads((tmp_path / "preempt.json").read_text())
     assert saved["greedy_vs_nospec"]["divergences"][0]["trace"]["reading"]["line"] == rd["line"]
+
+
+def test_preempt_phase_with_asynchronous_scheduling_runs_without_the_trace(tmp_path: Path,
+                                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    """The plugin refuses VLLM_TFM_TRACE with asynchronous scheduling: the phase then gives the tfm
+    server the opt-in instead of the trace, and says so in the result."""
+    envs: dict[str, dict[str, str]] = {}
+    real_server = soak.Server
+
+    def server(role: soak.Role, cmd: list[str], out: Path, cwd: Path | None = None, env: dict | None = None):
+        envs[role.name] = dict(env or {})
+        return real_server(role, cmd, out, cwd=cwd, env=env)
+
+    monkeypatch.setattr(soak, "Server", server)
+    cfg = _cfg(tmp_path, async_scheduling=True)
+    res = soak.phase_preempt(cfg, _prompts(), {"kind": "test"}, launch=_launcher({"tfm_small": ["--preemptions-per-request", "1"]}),
+                             kv_small=123456, started_at=time.monotonic())
+    assert res["verdict"]["greedy_identical"] and res["verdict"]["preempted"], res["verdict"]
+    assert envs["tfm_small"][soak.ASYNC_OPT_IN] == "1" and "VLLM_TFM_TRACE" not in envs["tfm_small"]
+    assert soak.ASYNC_OPT_IN not in envs["nospec"]
+    assert set(res["trace"]) == {"off"} and not (tmp_path / soak.TRACE_ARCHIVE).exists()
 
 
 def test_a_server_that_never_starts_is_reported(tmp_path: Path) -> None:
