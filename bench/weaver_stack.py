@@ -4,10 +4,17 @@ against the scorer's per-op path (``weaver_linear`` launches, cuBLAS above its r
 ``weaver_node_attention`` per layer) at the Qwen3.6-27B drafter shape, on the GPU host.
 
 usage: python3 bench/weaver_stack.py [--out FILE] [--rows 1,2,4,8,16] [--repeats 50] [--variants 0:6,1:6,1:3]
+                                    [--timeline]
        python3 bench/weaver_stack.py --sanitize-case   # small stack-vs-per-op run for compute-sanitizer
 
 ``--variants B:S,...``: the stack's forms timed side by side, B the grid barrier (``TFM_GRID_BARRIER``: 0
 fences, 1 ordered atomics) and S the chunk slots per warp (the ring's depth: S - 1 chunks in flight).
+
+``--timeline``: each variant once more in its timing build (``WS_TIMELINE``: every block's global timer at
+each stage's start and end), per stage: the blocks' work (start to end; median and max over blocks),
+the wait before it (a block's start minus its own end of the stage before: the grid barrier and the
+slowest block), the stage's span (first start to last end) and its weight bytes at the copy bandwidth.
+The timing build has one more __syncthreads per stage, so its total is a little above the timed arm's.
 
 Per row count M = R w (R requests of w nodes, w = 2 from M = 2 on): device microseconds of one
 round's stack (token_in, three layers of qkv / attention / o_proj / gate_up / down, query; 8 heads of
@@ -21,6 +28,7 @@ replays are idempotent.
 
 from __future__ import annotations
 
+import statistics
 import sys
 from pathlib import Path
 from typing import Any
@@ -81,6 +89,50 @@ def weight_bytes(wts: ks.StackWeights) -> int:
     return sum(t.numel() * t.element_size() for t in ts)
 
 
+def stage_bytes(wts: ks.StackWeights) -> list[int]:
+    """Weight bytes of each stage of ``ks.timeline_stages`` (0 for attention)."""
+    nb = [wts.tok_w.numel()]
+    for lw in wts.layers:
+        nb += [lw.qkv_w.numel(), 0, lw.o_w.numel(), lw.gu_w.numel(), lw.down_w.numel()]
+    return [n * wts.tok_w.element_size() for n in [*nb, wts.qry_w.numel()]]
+
+
+def stage_timeline(prob: list[Any], barrier: int, slots: int, bw: float, runs: int = 5) -> dict[str, Any]:
+    """One variant's stage-by-stage timeline (``--timeline``): the median over ``runs`` launches of each
+    number (after one warm-up launch)."""
+    names = ks.timeline_stages(len(prob[1].layers))
+    ctas = ks.grid_size(0)
+    per_run: list[dict[str, list[float]]] = []
+    for i in range(runs + 1):
+        marks = torch.zeros(ctas, len(names), 2, dtype=torch.int64, device="cuda")
+        ks.weaver_stack_kernel(*prob, slots=slots, defines=(f"-DTFM_GRID_BARRIER={barrier}",), marks=marks)
+        torch.cuda.synchronize()
+        if i == 0:
+            continue
+        t = (marks - marks[:, 0, 0].min()).double() / 1e3  # us from the first block's start
+        work = t[:, :, 1] - t[:, :, 0]
+        wait = torch.cat([torch.zeros(ctas, 1, dtype=t.dtype), t[:, 1:, 0] - t[:, :-1, 1]], 1)
+        per_run.append({"work_median": work.median(0).values.tolist(), "work_max": work.max(0).values.tolist(),
+                        "wait_median": wait.median(0).values.tolist(), "wait_max": wait.max(0).values.tolist(),
+                        "span": (t[:, :, 1].max(0).values - t[:, :, 0].min(0).values).tolist(),
+                        "total": [float(t[:, -1, 1].max())]})
+    med = {k: [round(statistics.median(r[k][j] for r in per_run), 2) for j in range(len(per_run[0][k]))]
+           for k in per_run[0]}
+    floors = [round(1e6 * b / bw, 2) for b in stage_bytes(prob[1])]
+    return {"stages": names, **{k: v for k, v in med.items() if k != "total"}, "total_us": med["total"][0],
+            "floor_us": floors, "runs": runs}
+
+
+def timeline_table(tl: dict[str, Any]) -> str:
+    lines = [f"{'stage':>11} {'floor':>6} {'work med':>8} {'work max':>8} {'wait med':>8} {'wait max':>8} {'span':>7}"]
+    for j, name in enumerate(tl["stages"]):
+        lines.append(f"{name:>11} {tl['floor_us'][j]:6.2f} {tl['work_median'][j]:8.2f} {tl['work_max'][j]:8.2f} "
+                     f"{tl['wait_median'][j]:8.2f} {tl['wait_max'][j]:8.2f} {tl['span'][j]:7.2f}")
+    lines.append(f"{'total':>11} {sum(tl['floor_us']):6.2f} {sum(tl['work_median']):8.2f} {'':>8} "
+                 f"{sum(tl['wait_median']):8.2f} {'':>8} {tl['total_us']:7.2f}")
+    return "\n".join(lines)
+
+
 def sanitize_case() -> None:
     """Small stacks (two dtypes, a long token_in row, 1 and 3 layers) through the kernel, bit for bit the
     per-op kernels with one warp per unit (``k_split`` 1) in the queries and the K/V caches."""
@@ -115,6 +167,7 @@ def main() -> None:
     ap = kernel_bench_parser(__doc__, 50)
     ap.add_argument("--rows", default="1,2,4,8,16")
     ap.add_argument("--variants", default="0:6", help="grid barrier form:chunk slots of each stack arm")
+    ap.add_argument("--timeline", action="store_true", help="each variant's stage-by-stage timeline too (WS_TIMELINE)")
     args = ap.parse_args()
     if args.sanitize_case:
         sanitize_case()
@@ -154,6 +207,15 @@ def main() -> None:
         res["rows"].append(row)
         print(f"M={m}: floor {floor_us:.1f} us; " + ", ".join(f"{k} {v}" for k, v in times.items())
               + f"; max |diff| {diff}; modes {set(modes.values())}")
+        if args.timeline:
+            row["timeline"] = {}
+            for var in args.variants.split(","):
+                barrier, slots = (int(v) for v in var.split(":"))
+                with torch.no_grad():
+                    tl = stage_timeline(prob, barrier, slots, bw)
+                row["timeline"][f"stack_b{barrier}_s{slots}"] = tl
+                print(f"M={m} stack_b{barrier}_s{slots} timeline (us; work and wait over blocks):")
+                print(timeline_table(tl))
     write_result(args.out, res)
 
 

@@ -97,6 +97,13 @@ __device__ __forceinline__ int ld_acquire_gpu(const int* p) {
   return v;
 }
 __device__ __forceinline__ void nanosleep_ns(u32 ns) { asm volatile("nanosleep.u32 %0;" ::"r"(ns)); }
+// The GPU's global timer (ns, one clock for every SM): kernel timelines (bench/gdn_timeline.py,
+// bench/weaver_stack.py --timeline).
+__device__ __forceinline__ long long tfm_globaltimer() {
+  long long t;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+  return t;
+}
 // GPU-scope atomics with explicit ordering (PTX ISA memory consistency model, sm_70+).
 __device__ __forceinline__ int atom_add_acq_rel_gpu(int* p, int v) {
   int old;
@@ -112,6 +119,7 @@ __device__ __forceinline__ void st_relaxed_gpu(int* p, int v) {
 #else
 __device__ __forceinline__ int ld_acquire_gpu(const int* p) { return tfm_emu_ld_acquire(p); }
 __device__ __forceinline__ void nanosleep_ns(u32) {}
+__device__ __forceinline__ long long tfm_globaltimer() { return tfm_emu_globaltimer(); }
 __device__ __forceinline__ int atom_add_acq_rel_gpu(int* p, int v) { return __atomic_fetch_add(p, v, __ATOMIC_ACQ_REL); }
 __device__ __forceinline__ void red_add_release_gpu(int* p, int v) { __atomic_fetch_add(p, v, __ATOMIC_RELEASE); }
 __device__ __forceinline__ void st_relaxed_gpu(int* p, int v) { __atomic_store_n(p, v, __ATOMIC_RELAXED); }

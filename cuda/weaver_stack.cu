@@ -51,7 +51,10 @@
 // requirements (weaver_attention.py); dynamic shared memory ws_smem_bytes.
 //
 // Compile-time constants (NVRTC -D): TFM_IN (0 float32, 1 bfloat16, 2 float16); WS_M (1..16), the
-// rows; WS_LAYERS (1..4); WS_HD, the head dimension; WS_NSLOT (2..8), chunk slots per warp.
+// rows; WS_LAYERS (1..4); WS_HD, the head dimension; WS_NSLOT (2..8), chunk slots per warp;
+// WS_TIMELINE (0 / 1): thread 0 of every block writes the global timer at each stage's start and end
+// (after the block's __syncthreads) into a.marks[block][2 stage + 0 / 1] (bench/weaver_stack.py
+// --timeline; one more __syncthreads per stage, so timing only).
 #include "tfm_common.cuh"
 #include "tfm_mma.cuh"
 
@@ -69,6 +72,9 @@
 #endif
 #ifndef WS_LAYERS
 #define WS_LAYERS 3
+#endif
+#ifndef WS_TIMELINE
+#define WS_TIMELINE 0
 #endif
 #ifndef WS_NSLOT
 #define WS_NSLOT 4
@@ -91,6 +97,7 @@
 #endif
 #define WS_CHUNK_COLS (256 * WS_CHUNK_STEPS)
 #define WS_NLIN (2 + 4 * WS_LAYERS)  // linear stages: token_in, 4 per layer, query
+#define WS_NSTAGE (WS_NLIN + WS_LAYERS)  // and one attention stage per layer
 
 // One layer's weights and buffers (the wrapper's ctypes structure has the same fields in this order).
 struct WSLayer {
@@ -127,6 +134,7 @@ struct WSArgs {
   float tok_eps, qry_eps, scale;
   int hidden, d, heads, d_mlp, n_q, S, p0, n_slots, cols, D, w, R;
   WSLayer layer[WS_MAX_LAYERS];
+  long long* marks;  // WS_TIMELINE: [blocks][2 WS_NSTAGE]; else unused (null)
 };
 
 // One linear stage (kept in shared memory so that the weight stream can index stages at run time).
@@ -382,13 +390,38 @@ extern "C" __global__ void __launch_bounds__(WS_THREADS, 1) weaver_stack(WSArgs 
 #pragma unroll 1
   for (int i = 0; i < WS_NSLOT - 1; ++i) ws_issue(ring + i * (WS_PIECES * 32), s_lin, p, gw, nwarps, lane);
   int consumed = 0;
+  // stage j's start and end marks (WS_TIMELINE), in the order the stages run
+#if WS_TIMELINE
+  long long* marks = a.marks + (i64)blockIdx.x * (2 * WS_NSTAGE);
+  int stage = 0;
+#define WS_MARK_START() \
+  if (tid == 0) marks[2 * stage] = tfm_globaltimer()
+#define WS_MARK_END()                                            \
+  do {                                                           \
+    __syncthreads();                                             \
+    if (tid == 0) marks[2 * stage + 1] = tfm_globaltimer();      \
+    ++stage;                                                     \
+  } while (0)
+#else
+#define WS_MARK_START() \
+  do {                  \
+  } while (0)
+#define WS_MARK_END() \
+  do {                \
+  } while (0)
+#endif
 
+  WS_MARK_START();
   ws_linear(0, s_lin, s_ss, ring, p, consumed, gw, nwarps, warp, lane);
+  WS_MARK_END();
 #pragma unroll
   for (int l = 0; l < WS_LAYERS; ++l) {
     grid_barrier(a.bar, nblocks);
+    WS_MARK_START();
     ws_linear(1 + 4 * l, s_lin, s_ss, ring, p, consumed, gw, nwarps, warp, lane);
+    WS_MARK_END();
     grid_barrier(a.bar, nblocks);
+    WS_MARK_START();
     const WSLayer& L = a.layer[l];
     for (int item = blockIdx.x; item < a.heads * a.R; item += nblocks) {
       wa_node_attention(item % a.heads, item / a.heads, a.R, s_attn, L.proj, (i64)(6 * a.heads * WS_HD), a.rope,
@@ -396,14 +429,20 @@ extern "C" __global__ void __launch_bounds__(WS_THREADS, 1) weaver_stack(WSArgs 
                         a.p0, a.n_slots, a.cols, a.D, a.scale, l == 0 ? 1 : 0);
       __syncthreads();  // the staged rows of this item, before the next item's copies
     }
-    grid_barrier(a.bar, nblocks);
-    ws_linear(2 + 4 * l, s_lin, s_ss, ring, p, consumed, gw, nwarps, warp, lane);
-    grid_barrier(a.bar, nblocks);
-    ws_linear(3 + 4 * l, s_lin, s_ss, ring, p, consumed, gw, nwarps, warp, lane);
-    grid_barrier(a.bar, nblocks);
-    ws_linear(4 + 4 * l, s_lin, s_ss, ring, p, consumed, gw, nwarps, warp, lane);
+    WS_MARK_END();
+#pragma unroll
+    for (int j = 2; j <= 4; ++j) {  // o_proj, gate_up, down
+      grid_barrier(a.bar, nblocks);
+      WS_MARK_START();
+      ws_linear(j + 4 * l, s_lin, s_ss, ring, p, consumed, gw, nwarps, warp, lane);
+      WS_MARK_END();
+    }
   }
   grid_barrier(a.bar, nblocks);
+  WS_MARK_START();
   ws_linear(WS_NLIN - 1, s_lin, s_ss, ring, p, consumed, gw, nwarps, warp, lane);
+  WS_MARK_END();
   cp_async_wait<0>();  // the empty groups past the stream's end
+#undef WS_MARK_START
+#undef WS_MARK_END
 }

@@ -19,6 +19,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <chrono>
 #include <barrier>
 #include <deque>
 #include <cmath>
@@ -238,6 +239,11 @@ inline int tfm_emu_ld_acquire(const int* p) {
   const int v = __atomic_load_n(p, __ATOMIC_ACQUIRE);
   std::this_thread::yield();  // a spinning thread lets the others run
   return v;
+}
+
+// A steady clock in ns for %globaltimer: ordered across the emulated blocks (threads) as on a GPU.
+inline long long tfm_emu_globaltimer() {
+  return std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now().time_since_epoch()).count();
 }
 
 namespace tfm_emu {

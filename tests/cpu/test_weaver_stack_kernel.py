@@ -244,3 +244,28 @@ def test_barrier_forms_and_ring_depths_give_the_same_bits(emu_dir: Path) -> None
     for q, kv, mask in out[1:]:
         assert torch.equal(q, out[0][0]) and torch.equal(mask, out[0][2])
         assert all(torch.equal(a, b) for a, b in zip(kv, out[0][1]))
+
+
+def test_the_timeline_build_gives_the_same_bits_and_orders_every_stage_after_the_last(emu_dir: Path) -> None:
+    """``WS_TIMELINE`` (``marks``): the queries, K/V and mask rows of the build without it; every block's
+    marks of every stage in order, and no block starts a stage before every block has ended the one
+    before it (the grid barrier, read on the emulation's one clock)."""
+    runs = []
+    for marks in (None, torch.zeros(3, len(ks.timeline_stages(2)), 2, dtype=torch.int64)):
+        args, _ = tiny_stack_args(r=2, w=2)
+        with emulated(emu_dir) as launches:
+            q = ks.weaver_stack_kernel(*args, ctas=3, marks=marks)
+        assert [name for name, *_ in launches] == ["weaver_stack"]
+        runs.append((q, [kv.clone() for kv in args[7]], args[8].clone()))
+    assert torch.equal(runs[0][0], runs[1][0]) and torch.equal(runs[0][2], runs[1][2])
+    assert all(torch.equal(a, b) for a, b in zip(runs[0][1], runs[1][1]))
+    assert ks.timeline_stages(2) == ["token_in", "qkv0", "attention0", "o_proj0", "gate_up0", "down0", "qkv1",
+                                     "attention1", "o_proj1", "gate_up1", "down1", "query"]
+    t = marks.flatten(1)  # [blocks, 2 stages]: start, end, start, end, ...
+    assert bool((t > 0).all()) and bool((t[:, 1:] >= t[:, :-1]).all())
+    assert bool((marks[:, 1:, 0].min(0).values >= marks[:, :-1, 1].max(0).values).all())
+    args, _ = tiny_stack_args()
+    with (emulated(emu_dir) as launches,
+          pytest.raises(ValueError, match=r"marks must be a contiguous int64 tensor of shape \(3, 12, 2\) on cpu")):
+        ks.weaver_stack_kernel(*args, ctas=3, marks=torch.zeros(3, 12, 2, dtype=torch.int32))
+    assert not launches

@@ -51,6 +51,7 @@ __all__ = [
     "set_stack",
     "stack_enabled",
     "stack_smem_bytes",
+    "timeline_stages",
     "unsupported_reason",
     "weaver_stack",
     "weaver_stack_kernel",
@@ -277,7 +278,13 @@ class _Args(KernelStruct):
         (name, ctypes.c_float) for name in ("tok_eps", "qry_eps", "scale")] + [
         (name, ctypes.c_int) for name in
         ("hidden", "d", "heads", "d_mlp", "n_q", "S", "p0", "n_slots", "cols", "D", "w", "R")] + [
-        ("layer", _Layer * MAX_LAYERS)]
+        ("layer", _Layer * MAX_LAYERS), ("marks", ctypes.c_void_p)]
+
+
+def timeline_stages(n_layers: int) -> list[str]:
+    """The stack's stages in the order they run (the rows of ``weaver_stack_kernel``'s ``marks``)."""
+    per_layer = ("qkv", "attention", "o_proj", "gate_up", "down")
+    return ["token_in", *(f"{name}{li}" for li in range(n_layers) for name in per_layer), "query"]
 
 
 def _scratch(m: int, sizes: list[int], dtype: torch.dtype, device: torch.device) -> list[Tensor]:
@@ -296,12 +303,14 @@ def _scratch(m: int, sizes: list[int], dtype: torch.dtype, device: torch.device)
 def weaver_stack_kernel(
     emb: Tensor, weights: StackWeights, rope: Tensor, node_ids: Tensor, parent_ids: Tensor, depths: Tensor,
     valid: Tensor, kv_cache: list[Tensor], key_bias: Tensor, p0: int, scale: float, ctas: int | None = None,
-    slots: int | None = None, defines: tuple[str, ...] = (),
+    slots: int | None = None, defines: tuple[str, ...] = (), marks: Tensor | None = None,
 ) -> Tensor:
     """The launch itself, for inputs ``unsupported_reason`` accepts (not checked again). ``ctas``: the
     grid (default: one block per SM of the device; the CPU emulation's tests pass a few); ``slots``: chunk
     slots per warp (default: the most that fit, at most MAX_SLOTS); ``defines``: more -D options (the
-    bench's variants, e.g. ``-DTFM_GRID_BARRIER=1``)."""
+    bench's variants, e.g. ``-DTFM_GRID_BARRIER=1``); ``marks``: an int64 ``[ctas, stages, 2]`` tensor
+    (``timeline_stages``) that a timing build (``WS_TIMELINE``) fills with each block's global-timer ns
+    at every stage's start and end."""
     dt, dev = emb.dtype, emb.device
     m, hidden = emb.shape
     r, w = node_ids.shape
@@ -321,12 +330,18 @@ def weaver_stack_kernel(
     slots = fit if slots is None else min(slots, fit)
     if ctas is None:
         ctas = grid_size(tensor_device_index(emb))
+    if marks is not None:
+        want = (ctas, len(timeline_stages(n_layers)), 2)
+        if tuple(marks.shape) != want or marks.dtype != torch.int64 or marks.device != dev or not marks.is_contiguous():
+            raise ValueError(f"marks must be a contiguous int64 tensor of shape {want} on {dev}")
+        defines = (*defines, "-DWS_TIMELINE=1")
     ptr = Tensor.data_ptr
     a = _Args(emb=ptr(emb), tok_w=ptr(weights.tok_w), tok_b=ptr(weights.tok_b), qry_w=ptr(weights.qry_w),
               qry_b=ptr(weights.qry_b), x0=ptr(bufs[0]), qry=ptr(qry), rope=ptr(rope), node_ids=ptr(node_ids),
               parent_ids=ptr(parent_ids), depths=ptr(depths), valid=ptr(valid), key_bias=ptr(key_bias), bar=ptr(bar),
               tok_eps=weights.tok_eps, qry_eps=weights.qry_eps, scale=scale, hidden=hidden, d=d, heads=heads,
-              d_mlp=d_mlp, n_q=n_q, S=s_keys, p0=p0, n_slots=n_slots, cols=cols, D=rope.shape[0], w=w, R=r)
+              d_mlp=d_mlp, n_q=n_q, S=s_keys, p0=p0, n_slots=n_slots, cols=cols, D=rope.shape[0], w=w, R=r,
+              marks=0 if marks is None else ptr(marks))
     for li, (lw, kv) in enumerate(zip(weights.layers, kv_cache)):
         proj, attn, x_mid, h, x_out = bufs[1 + 5 * li: 6 + 5 * li]
         a.layer[li] = _Layer(qkv_w=ptr(lw.qkv_w), qkv_b=ptr(lw.qkv_b), o_w=ptr(lw.o_w), gu_w=ptr(lw.gu_w),
