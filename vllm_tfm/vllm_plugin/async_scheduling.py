@@ -38,8 +38,9 @@ Status (bench/NOTES.md sections 49-52): sections 49-50 found other greedy tokens
 cause was the full tree graphs' shared tree-attention plan region (fixed in b2d2366: one region per batch size),
 which synchronous serving could hit too. Since the fix every engine, eager and full graphs, synchronous and
 asynchronous, gives no-spec's greedy tokens on the zoo at batch 8, batch 1 and with shrinking and regrowing
-batches (section 52, on an H100). The opt-in stays a development switch until the serving soak and the 27B A/B
-have run.
+batches (section 52, on an H100). At the 27B shape it decodes 4.9% more tokens/s at batch 1 and the same at batch
+8 (section 53). The opt-in stays a development switch until the asynchronous engine's serving soak has run
+(``bench/run_gpu_soak.sh soak --cuda-graphs --async-scheduling``).
 """
 
 from __future__ import annotations
@@ -77,7 +78,7 @@ def check_async_request(async_scheduling: bool | None) -> None:
     if async_scheduling is True and not async_opt_in():
         raise ValueError(
             "method 'tfm' runs with synchronous scheduling: drop async_scheduling=True (the development switch "
-            f"{ASYNC_SCHEDULING_ENV}=1 allows it; not yet soaked in serving, bench/NOTES.md section 52)"
+            f"{ASYNC_SCHEDULING_ENV}=1 allows it; not yet soaked in serving, bench/NOTES.md section 53)"
         )
 
 
@@ -101,7 +102,7 @@ def _make_post_init(original: Callable[[Any], Any]) -> Callable[[Any], Any]:
                             "development switch: --async-scheduling with %s=1)", ASYNC_SCHEDULING_ENV)
             elif wanted:
                 logger.warning("vllm-tfm: asynchronous scheduling is on for method 'tfm' (%s=1): for development only, "
-                               "it changed greedy tokens at batch 8 on the toy zoo (bench/NOTES.md section 50)",
+                               "not yet soaked in serving (bench/NOTES.md section 53)",
                                ASYNC_SCHEDULING_ENV)
         return original(self)
 
