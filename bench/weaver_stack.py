@@ -104,14 +104,15 @@ def stage_timeline(prob: list[Any], barrier: int, slots: int, bw: float, runs: i
     ctas = ks.grid_size(0)
     per_run: list[dict[str, list[float]]] = []
     for i in range(runs + 1):
-        marks = torch.zeros(ctas, len(names), 2, dtype=torch.int64, device="cuda")
+        marks = torch.zeros(ctas, len(names), 2, dtype=torch.int64, device=prob[0].device)
         ks.weaver_stack_kernel(*prob, slots=slots, defines=(f"-DTFM_GRID_BARRIER={barrier}",), marks=marks)
-        torch.cuda.synchronize()
+        if marks.is_cuda:
+            torch.cuda.synchronize()
         if i == 0:
             continue
         t = (marks - marks[:, 0, 0].min()).double() / 1e3  # us from the first block's start
         work = t[:, :, 1] - t[:, :, 0]
-        wait = torch.cat([torch.zeros(ctas, 1, dtype=t.dtype), t[:, 1:, 0] - t[:, :-1, 1]], 1)
+        wait = torch.cat([torch.zeros(ctas, 1, dtype=t.dtype, device=t.device), t[:, 1:, 0] - t[:, :-1, 1]], 1)
         per_run.append({"work_median": work.median(0).values.tolist(), "work_max": work.max(0).values.tolist(),
                         "wait_median": wait.median(0).values.tolist(), "wait_max": wait.max(0).values.tolist(),
                         "span": (t[:, :, 1].max(0).values - t[:, :, 0].min(0).values).tolist(),

@@ -269,3 +269,28 @@ def test_the_timeline_build_gives_the_same_bits_and_orders_every_stage_after_the
           pytest.raises(ValueError, match=r"marks must be a contiguous int64 tensor of shape \(3, 12, 2\) on cpu")):
         ks.weaver_stack_kernel(*args, ctas=3, marks=torch.zeros(3, 12, 2, dtype=torch.int32))
     assert not launches
+
+
+def test_the_bench_timeline_reads_the_marks(emu_dir: Path) -> None:
+    """``bench/weaver_stack.py --timeline``'s reading of the marks: one row per stage in run order, work and
+    waits not negative, a stage's span at least its longest block's work, the total at least the spans'
+    sum (stages do not overlap across the barriers), the first stage without a wait; the table renders."""
+    import sys
+
+    bench = Path(__file__).resolve().parents[2] / "bench"
+    sys.path.insert(0, str(bench))
+    try:
+        import weaver_stack as wsb
+    finally:
+        sys.path.remove(str(bench))
+    args, _ = tiny_stack_args(r=2, w=2)
+    with emulated(emu_dir), mock.patch.object(ks, "grid_size", lambda device: 3):
+        tl = wsb.stage_timeline(args, 1, 3, 1e12, runs=2)
+    n = len(ks.timeline_stages(2))
+    assert tl["stages"] == ks.timeline_stages(2) and tl["runs"] == 2
+    assert all(len(tl[k]) == n for k in ("work_median", "work_max", "wait_median", "wait_max", "span", "floor_us"))
+    assert min(tl["work_median"]) >= 0 and min(tl["wait_median"]) >= 0 and tl["wait_max"][0] == 0
+    assert all(s >= w for s, w in zip(tl["span"], tl["work_max"]))
+    assert tl["total_us"] >= sum(tl["span"]) - 0.01 * n  # rounded to 0.01 us per stage
+    assert tl["floor_us"][2] == 0 and tl["floor_us"][0] == round(1e6 * args[1].tok_w.numel() * 2 / 1e12, 2)
+    assert wsb.timeline_table(tl).splitlines()[1].split()[0] == "token_in"
