@@ -3,12 +3,14 @@
 against the scorer's per-op path (``weaver_linear`` launches, cuBLAS above its row limit, and one
 ``weaver_node_attention`` per layer) at the Qwen3.6-27B drafter shape, on the GPU host.
 
-usage: python3 bench/weaver_stack.py [--out FILE] [--rows 1,2,4,8,16] [--repeats 50] [--variants 0:6,1:6,1:3]
+usage: python3 bench/weaver_stack.py [--out FILE] [--rows 1,2,4,8,16] [--repeats 50] [--variants 0:6:0,0:6,1:3]
                                     [--timeline]
        python3 bench/weaver_stack.py --sanitize-case   # small stack-vs-per-op run for compute-sanitizer
 
-``--variants B:S,...``: the stack's forms timed side by side, B the grid barrier (``TFM_GRID_BARRIER``: 0
-fences, 1 ordered atomics) and S the chunk slots per warp (the ring's depth: S - 1 chunks in flight).
+``--variants B:S[:E],...``: the stack's forms timed side by side, B the grid barrier (``TFM_GRID_BARRIER``: 0
+fences, 1 ordered atomics), S the chunk slots per warp (the ring's depth: S - 1 chunks in flight) and E
+(default 1) ``WS_EARLY_EPILOGUE`` (1: a unit's bias and residual loads before its chunks; 0: after its sums,
+section 52's form).
 
 ``--timeline``: each variant once more in its timing build (``WS_TIMELINE``: every block's global timer at
 each stage's start and end), per stage: the blocks' work (start to end; median and max over blocks),
@@ -97,7 +99,17 @@ def stage_bytes(wts: ks.StackWeights) -> list[int]:
     return [n * wts.tok_w.element_size() for n in [*nb, wts.qry_w.numel()]]
 
 
-def stage_timeline(prob: list[Any], barrier: int, slots: int, bw: float, runs: int = 5) -> dict[str, Any]:
+def variant(spec: str) -> tuple[str, int, tuple[str, ...]]:
+    """``B:S[:E]`` -> (arm name, chunk slots, -D options)."""
+    parts = [int(v) for v in spec.split(":")]
+    if len(parts) not in (2, 3):
+        raise SystemExit(f"--variants takes B:S or B:S:E, not {spec!r}")
+    barrier, slots, early = (*parts, 1)[:3]
+    name = f"stack_b{barrier}_s{slots}" + ("" if early == 1 else f"_e{early}")
+    return name, slots, (f"-DTFM_GRID_BARRIER={barrier}", f"-DWS_EARLY_EPILOGUE={early}")
+
+
+def stage_timeline(prob: list[Any], defines: tuple[str, ...], slots: int, bw: float, runs: int = 5) -> dict[str, Any]:
     """One variant's stage-by-stage timeline (``--timeline``): the median over ``runs`` launches of each
     number (after one warm-up launch)."""
     names = ks.timeline_stages(len(prob[1].layers))
@@ -105,7 +117,7 @@ def stage_timeline(prob: list[Any], barrier: int, slots: int, bw: float, runs: i
     per_run: list[dict[str, list[float]]] = []
     for i in range(runs + 1):
         marks = torch.zeros(ctas, len(names), 2, dtype=torch.int64, device=prob[0].device)
-        ks.weaver_stack_kernel(*prob, slots=slots, defines=(f"-DTFM_GRID_BARRIER={barrier}",), marks=marks)
+        ks.weaver_stack_kernel(*prob, slots=slots, defines=defines, marks=marks)
         if marks.is_cuda:
             torch.cuda.synchronize()
         if i == 0:
@@ -167,7 +179,7 @@ def sanitize_case() -> None:
 def main() -> None:
     ap = kernel_bench_parser(__doc__, 50)
     ap.add_argument("--rows", default="1,2,4,8,16")
-    ap.add_argument("--variants", default="0:6", help="grid barrier form:chunk slots of each stack arm")
+    ap.add_argument("--variants", default="0:6", help="grid barrier form:chunk slots[:early epilogue] of each stack arm")
     ap.add_argument("--timeline", action="store_true", help="each variant's stage-by-stage timeline too (WS_TIMELINE)")
     args = ap.parse_args()
     if args.sanitize_case:
@@ -190,10 +202,8 @@ def main() -> None:
         moved = weight_bytes(prob[1])
         floor_us = 1e6 * moved / bw  # the weights read once at the copy bandwidth (bench/weaver_linear.py's floor)
         fns = {"per_op": lambda prob=prob: per_op(prob)}
-        for var in args.variants.split(","):
-            barrier, slots = (int(v) for v in var.split(":"))
-            fns[f"stack_b{barrier}_s{slots}"] = (lambda b=barrier, sl=slots, prob=prob: ks.weaver_stack_kernel(
-                *prob, slots=sl, defines=(f"-DTFM_GRID_BARRIER={b}",)))
+        for name, slots, defs in map(variant, args.variants.split(",")):
+            fns[name] = lambda sl=slots, defs=defs, prob=prob: ks.weaver_stack_kernel(*prob, slots=sl, defines=defs)
         times: dict[str, list[float]] = {k: [] for k in fns}
         modes = {}
         with torch.no_grad():
@@ -210,12 +220,11 @@ def main() -> None:
               + f"; max |diff| {diff}; modes {set(modes.values())}")
         if args.timeline:
             row["timeline"] = {}
-            for var in args.variants.split(","):
-                barrier, slots = (int(v) for v in var.split(":"))
+            for name, slots, defs in map(variant, args.variants.split(",")):
                 with torch.no_grad():
-                    tl = stage_timeline(prob, barrier, slots, bw)
-                row["timeline"][f"stack_b{barrier}_s{slots}"] = tl
-                print(f"M={m} stack_b{barrier}_s{slots} timeline (us; work and wait over blocks):")
+                    tl = stage_timeline(prob, defs, slots, bw)
+                row["timeline"][name] = tl
+                print(f"M={m} {name} timeline (us; work and wait over blocks):")
                 print(timeline_table(tl))
     write_result(args.out, res)
 

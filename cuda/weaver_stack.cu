@@ -54,7 +54,8 @@
 // rows; WS_LAYERS (1..4); WS_HD, the head dimension; WS_NSLOT (2..8), chunk slots per warp;
 // WS_TIMELINE (0 / 1): thread 0 of every block writes the global timer at each stage's start and end
 // (after the block's __syncthreads) into a.marks[block][2 stage + 0 / 1] (bench/weaver_stack.py
-// --timeline; one more __syncthreads per stage, so timing only).
+// --timeline; one more __syncthreads per stage, so timing only); WS_EARLY_EPILOGUE (1 / 0): a unit's
+// bias and residual loads go out before its chunks, or (0, section 52's form) after its sums.
 #include "tfm_common.cuh"
 #include "tfm_mma.cuh"
 
@@ -75,6 +76,9 @@
 #endif
 #ifndef WS_TIMELINE
 #define WS_TIMELINE 0
+#endif
+#ifndef WS_EARLY_EPILOGUE
+#define WS_EARLY_EPILOGUE 1
 #endif
 #ifndef WS_NSLOT
 #define WS_NSLOT 4
@@ -283,7 +287,32 @@ __device__ __forceinline__ void ws_linear(int s, const WSLin* s_lin, float* s_ss
     }
     __syncthreads();
   }
+  // lane i < WS_M x outputs writes output (m, o) of each unit; mode 0: two outputs per row, mode 1: one
+  const int outs = L.mode == 0 ? 2 : 1;
+  const bool writer = lane < WS_M * outs;
+  const int m_out = writer ? lane / outs : 0, o = writer ? lane - m_out * outs : 0;
   for (int u = gw; u < L.units; u += nwarps) {
+    int row0, row1;
+    ws_rows(L, u, row0, row1);
+    const int n = L.mode == 0 ? (o == 0 ? row0 : 2 * u + 1) : row0;
+    // The epilogue's operands (bias, residual) depend on nothing the unit computes (WS_EARLY_EPILOGUE):
+    // their loads go out before the unit's chunks, so that their round trip (the bias from DRAM: cold
+    // lines) overlaps the chunks instead of following the sums; the values and the order of the sums
+    // are the same either way.
+    float e0 = 0.0f, e1 = 0.0f, e2 = 0.0f;  // mode 0: bias[n], res[m, n]; mode 1: bias[row0], bias[row1]
+#if WS_EARLY_EPILOGUE
+    if (writer) {
+      if (L.mode == 0) {
+        if (n < L.n) {
+          if (L.bias != nullptr) e0 = to_f32(L.bias[n]);
+          if (L.res != nullptr) e1 = to_f32(L.res[(i64)m_out * L.n + n]);
+        }
+      } else if (L.bias != nullptr) {
+        e0 = to_f32(L.bias[row0]);
+        e2 = to_f32(L.bias[row1]);
+      }
+    }
+#endif
     float acc[WS_M][2];
 #pragma unroll
     for (int m = 0; m < WS_M; ++m) acc[m][0] = acc[m][1] = 0.0f;
@@ -327,12 +356,7 @@ __device__ __forceinline__ void ws_linear(int s, const WSLin* s_lin, float* s_ss
       acc[m][0] = warp_sum(acc[m][0]);
       acc[m][1] = warp_sum(acc[m][1]);
     }
-    // lane i < WS_M x outputs writes output (m, o); mode 0: two outputs per row, mode 1: one
-    const int outs = L.mode == 0 ? 2 : 1;
-    if (lane < WS_M * outs) {
-      const int m_out = lane / outs, o = lane - m_out * outs;
-      int row0, row1;
-      ws_rows(L, u, row0, row1);
+    if (writer) {
       float z0 = 0.0f, z1 = 0.0f;
 #pragma unroll
       for (int m = 0; m < WS_M; ++m) {
@@ -348,19 +372,29 @@ __device__ __forceinline__ void ws_linear(int s, const WSLin* s_lin, float* s_ss
         for (int q = 0; q < 4; ++q) t += s_ss[q * 16 + m_out];  // weaver_linear's warp order
         sc = 1.0f / sqrtf(t / (float)k_dim + L.eps);
       }
+#if !WS_EARLY_EPILOGUE
       if (L.mode == 0) {
-        const int n = o == 0 ? row0 : 2 * u + 1;
+        if (n < L.n) {
+          if (L.bias != nullptr) e0 = to_f32(L.bias[n]);
+          if (L.res != nullptr) e1 = to_f32(L.res[(i64)m_out * L.n + n]);
+        }
+      } else if (L.bias != nullptr) {
+        e0 = to_f32(L.bias[row0]);
+        e2 = to_f32(L.bias[row1]);
+      }
+#endif
+      if (L.mode == 0) {
         if (n < L.n) {
           float val = sc * (o == 0 ? z0 : z1);
-          if (L.bias != nullptr) val += to_f32(L.bias[n]);
-          if (L.res != nullptr) val += to_f32(L.res[(i64)m_out * L.n + n]);
+          if (L.bias != nullptr) val += e0;
+          if (L.res != nullptr) val += e1;
           L.y[(i64)m_out * L.n + n] = from_f32<tin>(val);
         }
       } else {
         float g = sc * z0, up = sc * z1;
         if (L.bias != nullptr) {
-          g += to_f32(L.bias[row0]);
-          up += to_f32(L.bias[row1]);
+          g += e0;
+          up += e2;
         }
         L.y[(i64)m_out * L.n + row0] = from_f32<tin>(silu(g) * up);
       }

@@ -232,13 +232,15 @@ def test_the_runtime_switch_and_the_weaver_graphs_key(monkeypatch) -> None:
 
 
 def test_barrier_forms_and_ring_depths_give_the_same_bits(emu_dir: Path) -> None:
-    """``TFM_GRID_BARRIER`` 0 (fences) and 1 (ordered atomics), rings of 2, 3 and 6 chunk slots: the same
-    queries and K/V writes, over a grid of 3 blocks (the first call of a scorer's protocol)."""
+    """``TFM_GRID_BARRIER`` 0 (fences) and 1 (ordered atomics), rings of 2, 3 and 6 chunk slots, the
+    epilogue's loads early (default) or late (``WS_EARLY_EPILOGUE=0``): the same queries and K/V writes,
+    over a grid of 3 blocks (the first call of a scorer's protocol)."""
     out = []
-    for barrier, slots in ((0, 6), (1, 6), (1, 3), (0, 2), (1, 2)):
+    for barrier, slots, early in ((0, 6, 1), (1, 6, 1), (1, 3, 1), (0, 2, 1), (1, 2, 1), (0, 6, 0), (1, 3, 0)):
         args, _ = tiny_stack_args(r=2, w=2)
         with emulated(emu_dir) as launches:
-            q = ks.weaver_stack_kernel(*args, ctas=3, slots=slots, defines=(f"-DTFM_GRID_BARRIER={barrier}",))
+            q = ks.weaver_stack_kernel(*args, ctas=3, slots=slots, defines=(f"-DTFM_GRID_BARRIER={barrier}",
+                                                                            f"-DWS_EARLY_EPILOGUE={early}"))
         assert [name for name, *_ in launches] == ["weaver_stack"]
         out.append((q, [kv.clone() for kv in args[7]], args[8].clone()))
     for q, kv, mask in out[1:]:
@@ -285,7 +287,7 @@ def test_the_bench_timeline_reads_the_marks(emu_dir: Path) -> None:
         sys.path.remove(str(bench))
     args, _ = tiny_stack_args(r=2, w=2)
     with emulated(emu_dir), mock.patch.object(ks, "grid_size", lambda device: 3):
-        tl = wsb.stage_timeline(args, 1, 3, 1e12, runs=2)
+        tl = wsb.stage_timeline(args, wsb.variant("1:3")[2], 3, 1e12, runs=2)
     n = len(ks.timeline_stages(2))
     assert tl["stages"] == ks.timeline_stages(2) and tl["runs"] == 2
     assert all(len(tl[k]) == n for k in ("work_median", "work_max", "wait_median", "wait_max", "span", "floor_us"))
@@ -294,3 +296,7 @@ def test_the_bench_timeline_reads_the_marks(emu_dir: Path) -> None:
     assert tl["total_us"] >= sum(tl["span"]) - 0.01 * n  # rounded to 0.01 us per stage
     assert tl["floor_us"][2] == 0 and tl["floor_us"][0] == round(1e6 * args[1].tok_w.numel() * 2 / 1e12, 2)
     assert wsb.timeline_table(tl).splitlines()[1].split()[0] == "token_in"
+    assert wsb.variant("1:3") == ("stack_b1_s3", 3, ("-DTFM_GRID_BARRIER=1", "-DWS_EARLY_EPILOGUE=1"))
+    assert wsb.variant("0:6:0") == ("stack_b0_s6_e0", 6, ("-DTFM_GRID_BARRIER=0", "-DWS_EARLY_EPILOGUE=0"))
+    with pytest.raises(SystemExit, match="--variants takes B:S or B:S:E, not '1'"):
+        wsb.variant("1")
