@@ -255,6 +255,21 @@ __device__ __forceinline__ void ws_load8(const tin* p, float* o) {
 #endif
 }
 
+// A unit's epilogue operands for output (m_out, n): mode 0 bias[n] -> e0 and res[m_out, n] -> e1 (n < N);
+// mode 1 bias[row0] -> e0 and bias[row1] -> e2. Absent operands leave their zero.
+__device__ __forceinline__ void ws_epilogue_operands(const WSLin& L, int n, int row0, int row1, int m_out, float& e0,
+                                                     float& e1, float& e2) {
+  if (L.mode == 0) {
+    if (n < L.n) {
+      if (L.bias != nullptr) e0 = to_f32(L.bias[n]);
+      if (L.res != nullptr) e1 = to_f32(L.res[(i64)m_out * L.n + n]);
+    }
+  } else if (L.bias != nullptr) {
+    e0 = to_f32(L.bias[row0]);
+    e2 = to_f32(L.bias[row1]);
+  }
+}
+
 // One linear stage: the norm's partial sums (warps 0-3), then the warp's units chunk by chunk from the
 // ring, the epilogue of weaver_linear.cu. `consumed` counts the warp's chunks consumed so far.
 __device__ __forceinline__ void ws_linear(int s, const WSLin* s_lin, float* s_ss, uint4* ring, WSCursor& p,
@@ -301,17 +316,7 @@ __device__ __forceinline__ void ws_linear(int s, const WSLin* s_lin, float* s_ss
     // are the same either way.
     float e0 = 0.0f, e1 = 0.0f, e2 = 0.0f;  // mode 0: bias[n], res[m, n]; mode 1: bias[row0], bias[row1]
 #if WS_EARLY_EPILOGUE
-    if (writer) {
-      if (L.mode == 0) {
-        if (n < L.n) {
-          if (L.bias != nullptr) e0 = to_f32(L.bias[n]);
-          if (L.res != nullptr) e1 = to_f32(L.res[(i64)m_out * L.n + n]);
-        }
-      } else if (L.bias != nullptr) {
-        e0 = to_f32(L.bias[row0]);
-        e2 = to_f32(L.bias[row1]);
-      }
-    }
+    if (writer) ws_epilogue_operands(L, n, row0, row1, m_out, e0, e1, e2);
 #endif
     float acc[WS_M][2];
 #pragma unroll
@@ -373,15 +378,7 @@ __device__ __forceinline__ void ws_linear(int s, const WSLin* s_lin, float* s_ss
         sc = 1.0f / sqrtf(t / (float)k_dim + L.eps);
       }
 #if !WS_EARLY_EPILOGUE
-      if (L.mode == 0) {
-        if (n < L.n) {
-          if (L.bias != nullptr) e0 = to_f32(L.bias[n]);
-          if (L.res != nullptr) e1 = to_f32(L.res[(i64)m_out * L.n + n]);
-        }
-      } else if (L.bias != nullptr) {
-        e0 = to_f32(L.bias[row0]);
-        e2 = to_f32(L.bias[row1]);
-      }
+      ws_epilogue_operands(L, n, row0, row1, m_out, e0, e1, e2);
 #endif
       if (L.mode == 0) {
         if (n < L.n) {
