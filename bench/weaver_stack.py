@@ -7,8 +7,8 @@ usage: python3 bench/weaver_stack.py [--out FILE] [--rows 1,2,4,8,16] [--repeats
                                     [--timeline]
        python3 bench/weaver_stack.py --sanitize-case   # small stack-vs-per-op run for compute-sanitizer
 
-``--variants B:S[:E],...``: the stack's forms timed side by side, B the grid barrier (``TFM_GRID_BARRIER``: 0
-fences, 1 ordered atomics), S the chunk slots per warp (the ring's depth: S - 1 chunks in flight) and E
+``--variants B:S[:E],...``: the stack's forms timed side by side, B how stages are separated (the grid barrier,
+``TFM_GRID_BARRIER`` 0 fences or 1 ordered atomics; 2: a counter per stage boundary, ``WS_SYNC=1``), S the chunk slots per warp (the ring's depth: S - 1 chunks in flight) and E
 (default 1) ``WS_EARLY_EPILOGUE`` (1: a unit's bias and residual loads before its chunks; 0: after its sums,
 section 52's form).
 
@@ -105,8 +105,11 @@ def variant(spec: str) -> tuple[str, int, tuple[str, ...]]:
     if len(parts) not in (2, 3):
         raise SystemExit(f"--variants takes B:S or B:S:E, not {spec!r}")
     barrier, slots, early = (*parts, 1)[:3]
+    if barrier not in (0, 1, 2) or early not in (0, 1):
+        raise SystemExit(f"--variants: B is 0, 1 or 2 and E is 0 or 1, not {spec!r}")
     name = f"stack_b{barrier}_s{slots}" + ("" if early == 1 else f"_e{early}")
-    return name, slots, (f"-DTFM_GRID_BARRIER={barrier}", f"-DWS_EARLY_EPILOGUE={early}")
+    sync = (f"-DTFM_GRID_BARRIER={barrier}", "-DWS_SYNC=0") if barrier < 2 else ("-DWS_SYNC=1",)
+    return name, slots, (*sync, f"-DWS_EARLY_EPILOGUE={early}")
 
 
 def stage_timeline(prob: list[Any], defines: tuple[str, ...], slots: int, bw: float, runs: int = 5) -> dict[str, Any]:
@@ -179,7 +182,8 @@ def sanitize_case() -> None:
 def main() -> None:
     ap = kernel_bench_parser(__doc__, 50)
     ap.add_argument("--rows", default="1,2,4,8,16")
-    ap.add_argument("--variants", default="0:6", help="grid barrier form:chunk slots[:early epilogue] of each stack arm")
+    ap.add_argument("--variants", default="0:6", help="stage sync (0, 1 grid barrier forms; 2 stage counters):chunk "
+                                                      "slots[:early epilogue] of each stack arm")
     ap.add_argument("--timeline", action="store_true", help="each variant's stage-by-stage timeline too (WS_TIMELINE)")
     args = ap.parse_args()
     if args.sanitize_case:

@@ -55,7 +55,10 @@
 // WS_TIMELINE (0 / 1): thread 0 of every block writes the global timer at each stage's start and end
 // (after the block's __syncthreads) into a.marks[block][2 stage + 0 / 1] (bench/weaver_stack.py
 // --timeline; one more __syncthreads per stage, so timing only); WS_EARLY_EPILOGUE (1 / 0): a unit's
-// bias and residual loads go out before its chunks, or (0, section 52's form) after its sums.
+// bias and residual loads go out before its chunks, or (0, section 52's form) after its sums; WS_SYNC
+// (0 / 1): the stages are separated by tfm_common.cuh's grid barrier (0, in its TFM_GRID_BARRIER form), or
+// (1) by one counter per stage boundary: each block adds 1 with a release once its stage is done (no
+// returned value, no reset, no generation word), and waits with acquire loads until all blocks have.
 #include "tfm_common.cuh"
 #include "tfm_mma.cuh"
 
@@ -80,6 +83,10 @@
 #ifndef WS_EARLY_EPILOGUE
 #define WS_EARLY_EPILOGUE 1
 #endif
+#ifndef WS_SYNC
+#define WS_SYNC 0
+#endif
+#define WS_MAX_SYNCS 32  // stage counters in the scratch after the grid barrier's two ints (WS_SYNC 1)
 #ifndef WS_NSLOT
 #define WS_NSLOT 4
 #endif
@@ -102,6 +109,7 @@
 #define WS_CHUNK_COLS (256 * WS_CHUNK_STEPS)
 #define WS_NLIN (2 + 4 * WS_LAYERS)  // linear stages: token_in, 4 per layer, query
 #define WS_NSTAGE (WS_NLIN + WS_LAYERS)  // and one attention stage per layer
+static_assert(WS_NSTAGE - 1 <= WS_MAX_SYNCS, "a stage counter per boundary");
 
 // One layer's weights and buffers (the wrapper's ctypes structure has the same fields in this order).
 struct WSLayer {
@@ -134,7 +142,7 @@ struct WSArgs {
   const i64* depths;
   const unsigned char* valid;
   tin* key_bias;  // [R, n_slots + 2, cols]
-  int* bar;       // grid barrier state (2 ints, zero before the first launch)
+  int* bar;       // grid barrier state (2 ints), then WS_MAX_SYNCS stage counters; zero before the launch
   float tok_eps, qry_eps, scale;
   int hidden, d, heads, d_mlp, n_q, S, p0, n_slots, cols, D, w, R;
   WSLayer layer[WS_MAX_LAYERS];
@@ -252,6 +260,24 @@ __device__ __forceinline__ void ws_load8(const tin* p, float* o) {
   raw8 r;
   r.v = *reinterpret_cast<const uint4*>(p);
   decode8(r, o);
+#endif
+}
+
+// The boundary `k` (0, 1, ...) between two stages: every block's writes of the stage before are visible to
+// every block after it (WS_SYNC above).
+__device__ __forceinline__ void ws_stage_sync(int* bar, int k, int nblocks) {
+#if WS_SYNC == 0
+  (void)k;
+  grid_barrier(bar, nblocks);
+#else
+  int* cnt = bar + 2 + k;
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    red_add_release_gpu(cnt, 1);
+    while (ld_acquire_gpu(cnt) < nblocks) {
+    }
+  }
+  __syncthreads();
 #endif
 }
 
@@ -421,6 +447,7 @@ extern "C" __global__ void __launch_bounds__(WS_THREADS, 1) weaver_stack(WSArgs 
 #pragma unroll 1
   for (int i = 0; i < WS_NSLOT - 1; ++i) ws_issue(ring + i * (WS_PIECES * 32), s_lin, p, gw, nwarps, lane);
   int consumed = 0;
+  int sync = 0;  // stage boundaries passed
   // stage j's start and end marks (WS_TIMELINE), in the order the stages run
 #if WS_TIMELINE
   long long* marks = a.marks + (i64)blockIdx.x * (2 * WS_NSTAGE);
@@ -447,11 +474,11 @@ extern "C" __global__ void __launch_bounds__(WS_THREADS, 1) weaver_stack(WSArgs 
   WS_MARK_END();
 #pragma unroll
   for (int l = 0; l < WS_LAYERS; ++l) {
-    grid_barrier(a.bar, nblocks);
+    ws_stage_sync(a.bar, sync++, nblocks);
     WS_MARK_START();
     ws_linear(1 + 4 * l, s_lin, s_ss, ring, p, consumed, gw, nwarps, warp, lane);
     WS_MARK_END();
-    grid_barrier(a.bar, nblocks);
+    ws_stage_sync(a.bar, sync++, nblocks);
     WS_MARK_START();
     const WSLayer& L = a.layer[l];
     for (int item = blockIdx.x; item < a.heads * a.R; item += nblocks) {
@@ -463,13 +490,13 @@ extern "C" __global__ void __launch_bounds__(WS_THREADS, 1) weaver_stack(WSArgs 
     WS_MARK_END();
 #pragma unroll
     for (int j = 2; j <= 4; ++j) {  // o_proj, gate_up, down
-      grid_barrier(a.bar, nblocks);
+      ws_stage_sync(a.bar, sync++, nblocks);
       WS_MARK_START();
       ws_linear(j + 4 * l, s_lin, s_ss, ring, p, consumed, gw, nwarps, warp, lane);
       WS_MARK_END();
     }
   }
-  grid_barrier(a.bar, nblocks);
+  ws_stage_sync(a.bar, sync++, nblocks);
   WS_MARK_START();
   ws_linear(WS_NLIN - 1, s_lin, s_ss, ring, p, consumed, gw, nwarps, warp, lane);
   WS_MARK_END();

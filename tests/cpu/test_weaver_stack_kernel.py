@@ -231,16 +231,34 @@ def test_the_runtime_switch_and_the_weaver_graphs_key(monkeypatch) -> None:
         ks.set_stack(None)
 
 
+def bench_module():
+    """``bench/weaver_stack.py`` as a module (its variants and timeline reading)."""
+    import importlib
+    import sys
+
+    bench = str(Path(__file__).resolve().parents[2] / "bench")
+    sys.path.insert(0, bench)
+    try:
+        return importlib.import_module("weaver_stack")
+    finally:
+        sys.path.remove(bench)
+
+
+def bench_variant(spec: str):
+    return bench_module().variant(spec)
+
+
 def test_barrier_forms_and_ring_depths_give_the_same_bits(emu_dir: Path) -> None:
-    """``TFM_GRID_BARRIER`` 0 (fences) and 1 (ordered atomics), rings of 2, 3 and 6 chunk slots, the
-    epilogue's loads early (default) or late (``WS_EARLY_EPILOGUE=0``): the same queries and K/V writes,
-    over a grid of 3 blocks (the first call of a scorer's protocol)."""
+    """The grid barrier's two forms (``TFM_GRID_BARRIER`` 0 fences, 1 ordered atomics) and stage counters
+    (``WS_SYNC=1``), rings of 2, 3 and 6 chunk slots, the epilogue's loads early (default) or late
+    (``WS_EARLY_EPILOGUE=0``), as ``bench/weaver_stack.py --variants`` spells them: the same queries and K/V
+    writes, over a grid of 3 blocks (the first call of a scorer's protocol)."""
     out = []
-    for barrier, slots, early in ((0, 6, 1), (1, 6, 1), (1, 3, 1), (0, 2, 1), (1, 2, 1), (0, 6, 0), (1, 3, 0)):
+    for spec in ("0:6", "1:6", "1:3", "0:2", "1:2", "0:6:0", "1:3:0", "2:3", "2:6:0"):
         args, _ = tiny_stack_args(r=2, w=2)
+        _, slots, defines = bench_variant(spec)
         with emulated(emu_dir) as launches:
-            q = ks.weaver_stack_kernel(*args, ctas=3, slots=slots, defines=(f"-DTFM_GRID_BARRIER={barrier}",
-                                                                            f"-DWS_EARLY_EPILOGUE={early}"))
+            q = ks.weaver_stack_kernel(*args, ctas=3, slots=slots, defines=defines)
         assert [name for name, *_ in launches] == ["weaver_stack"]
         out.append((q, [kv.clone() for kv in args[7]], args[8].clone()))
     for q, kv, mask in out[1:]:
@@ -251,21 +269,27 @@ def test_barrier_forms_and_ring_depths_give_the_same_bits(emu_dir: Path) -> None
 def test_the_timeline_build_gives_the_same_bits_and_orders_every_stage_after_the_last(emu_dir: Path) -> None:
     """``WS_TIMELINE`` (``marks``): the queries, K/V and mask rows of the build without it; every block's
     marks of every stage in order, and no block starts a stage before every block has ended the one
-    before it (the grid barrier, read on the emulation's one clock)."""
-    runs = []
-    for marks in (None, torch.zeros(3, len(ks.timeline_stages(2)), 2, dtype=torch.int64)):
+    before it (the grid barrier, and the stage counters of ``WS_SYNC=1``, read on the emulation's one
+    clock)."""
+    runs, all_marks = [], []
+    for marks, defines in ((None, ()), (torch.zeros(3, len(ks.timeline_stages(2)), 2, dtype=torch.int64), ()),
+                           (torch.zeros(3, len(ks.timeline_stages(2)), 2, dtype=torch.int64), ("-DWS_SYNC=1",))):
         args, _ = tiny_stack_args(r=2, w=2)
         with emulated(emu_dir) as launches:
-            q = ks.weaver_stack_kernel(*args, ctas=3, marks=marks)
+            q = ks.weaver_stack_kernel(*args, ctas=3, marks=marks, defines=defines)
         assert [name for name, *_ in launches] == ["weaver_stack"]
         runs.append((q, [kv.clone() for kv in args[7]], args[8].clone()))
-    assert torch.equal(runs[0][0], runs[1][0]) and torch.equal(runs[0][2], runs[1][2])
-    assert all(torch.equal(a, b) for a, b in zip(runs[0][1], runs[1][1]))
+        if marks is not None:
+            all_marks.append(marks)
+    for q, kv, mask in runs[1:]:
+        assert torch.equal(runs[0][0], q) and torch.equal(runs[0][2], mask)
+        assert all(torch.equal(a, b) for a, b in zip(runs[0][1], kv))
     assert ks.timeline_stages(2) == ["token_in", "qkv0", "attention0", "o_proj0", "gate_up0", "down0", "qkv1",
                                      "attention1", "o_proj1", "gate_up1", "down1", "query"]
-    t = marks.flatten(1)  # [blocks, 2 stages]: start, end, start, end, ...
-    assert bool((t > 0).all()) and bool((t[:, 1:] >= t[:, :-1]).all())
-    assert bool((marks[:, 1:, 0].min(0).values >= marks[:, :-1, 1].max(0).values).all())
+    for marks in all_marks:  # the grid barrier, then the stage counters (WS_SYNC=1)
+        t = marks.flatten(1)  # [blocks, 2 stages]: start, end, start, end, ...
+        assert bool((t > 0).all()) and bool((t[:, 1:] >= t[:, :-1]).all())
+        assert bool((marks[:, 1:, 0].min(0).values >= marks[:, :-1, 1].max(0).values).all())
     args, _ = tiny_stack_args()
     with (emulated(emu_dir) as launches,
           pytest.raises(ValueError, match=r"marks must be a contiguous int64 tensor of shape \(3, 12, 2\) on cpu")):
@@ -277,14 +301,7 @@ def test_the_bench_timeline_reads_the_marks(emu_dir: Path) -> None:
     """``bench/weaver_stack.py --timeline``'s reading of the marks: one row per stage in run order, work and
     waits not negative, a stage's span at least its longest block's work, the total at least the spans'
     sum (stages do not overlap across the barriers), the first stage without a wait; the table renders."""
-    import sys
-
-    bench = Path(__file__).resolve().parents[2] / "bench"
-    sys.path.insert(0, str(bench))
-    try:
-        import weaver_stack as wsb
-    finally:
-        sys.path.remove(str(bench))
+    wsb = bench_module()
     args, _ = tiny_stack_args(r=2, w=2)
     with emulated(emu_dir), mock.patch.object(ks, "grid_size", lambda device: 3):
         tl = wsb.stage_timeline(args, wsb.variant("1:3")[2], 3, 1e12, runs=2)
@@ -296,7 +313,10 @@ def test_the_bench_timeline_reads_the_marks(emu_dir: Path) -> None:
     assert tl["total_us"] >= sum(tl["span"]) - 0.01 * n  # rounded to 0.01 us per stage
     assert tl["floor_us"][2] == 0 and tl["floor_us"][0] == round(1e6 * args[1].tok_w.numel() * 2 / 1e12, 2)
     assert wsb.timeline_table(tl).splitlines()[1].split()[0] == "token_in"
-    assert wsb.variant("1:3") == ("stack_b1_s3", 3, ("-DTFM_GRID_BARRIER=1", "-DWS_EARLY_EPILOGUE=1"))
-    assert wsb.variant("0:6:0") == ("stack_b0_s6_e0", 6, ("-DTFM_GRID_BARRIER=0", "-DWS_EARLY_EPILOGUE=0"))
+    assert wsb.variant("1:3") == ("stack_b1_s3", 3, ("-DTFM_GRID_BARRIER=1", "-DWS_SYNC=0", "-DWS_EARLY_EPILOGUE=1"))
+    assert wsb.variant("0:6:0") == ("stack_b0_s6_e0", 6, ("-DTFM_GRID_BARRIER=0", "-DWS_SYNC=0", "-DWS_EARLY_EPILOGUE=0"))
+    assert wsb.variant("2:3") == ("stack_b2_s3", 3, ("-DWS_SYNC=1", "-DWS_EARLY_EPILOGUE=1"))
     with pytest.raises(SystemExit, match="--variants takes B:S or B:S:E, not '1'"):
         wsb.variant("1")
+    with pytest.raises(SystemExit, match="--variants: B is 0, 1 or 2 and E is 0 or 1, not '3:3'"):
+        wsb.variant("3:3")

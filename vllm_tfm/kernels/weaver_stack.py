@@ -65,6 +65,7 @@ PIECES = 8  # WS_PIECES: 16-byte pieces per lane and chunk
 MAX_ROWS = 16  # WS_M <= 16
 MAX_LAYERS = 4  # WS_MAX_LAYERS
 MAX_SLOTS = 6  # chunk slots per warp the wrapper asks for at most (2..8 in the source)
+MAX_SYNCS = 32  # WS_MAX_SYNCS: stage counters after the grid barrier's state in the scratch (WS_SYNC 1)
 LIN_BYTES = 64  # sizeof(WSLin) in the source
 ALIGN = 128  # bytes: every scratch buffer starts on its own cache line (the source's "Memory ordering")
 DTYPE_CODE = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
@@ -325,7 +326,8 @@ def weaver_stack_kernel(
         return qry
     ahd = heads * hd
     bufs = _scratch(m, [d] + [6 * ahd, ahd, d, d_mlp, d] * n_layers, dt, dev)
-    bar = torch.zeros(2, dtype=torch.int32, device=dev)  # grid barrier (self-resetting; fresh per call)
+    # the grid barrier's two ints, then the stage counters of WS_SYNC 1 (MAX_SYNCS); fresh per call
+    bar = torch.zeros(2 + MAX_SYNCS, dtype=torch.int32, device=dev)
     fit = _slots(n_layers, w, p0 + n_slots, hd, dt.itemsize, device_smem_optin(tensor_device_index(emb)))
     slots = fit if slots is None else min(slots, fit)
     if ctas is None:
