@@ -86,11 +86,6 @@ def per_op(args: list[Any]) -> torch.Tensor:
     return ks.per_op_stack(kl.weaver_linear, ka.node_attention, *args)
 
 
-def weight_bytes(wts: ks.StackWeights) -> int:
-    ts = [wts.tok_w, wts.qry_w] + [t for lw in wts.layers for t in (lw.qkv_w, lw.o_w, lw.gu_w, lw.down_w)]
-    return sum(t.numel() * t.element_size() for t in ts)
-
-
 def stage_bytes(wts: ks.StackWeights) -> list[int]:
     """Weight bytes of each stage of ``ks.timeline_stages`` (0 for attention)."""
     nb = [wts.tok_w.numel()]
@@ -203,7 +198,7 @@ def main() -> None:
             res["rows"].append({"rows": m, "skipped": reason})
             print(f"M={m}: skipped: {reason}")
             continue
-        moved = weight_bytes(prob[1])
+        moved = sum(stage_bytes(prob[1]))
         floor_us = 1e6 * moved / bw  # the weights read once at the copy bandwidth (bench/weaver_linear.py's floor)
         fns = {"per_op": lambda prob=prob: per_op(prob)}
         for name, slots, defs in map(variant, args.variants.split(",")):

@@ -448,38 +448,31 @@ extern "C" __global__ void __launch_bounds__(WS_THREADS, 1) weaver_stack(WSArgs 
   for (int i = 0; i < WS_NSLOT - 1; ++i) ws_issue(ring + i * (WS_PIECES * 32), s_lin, p, gw, nwarps, lane);
   int consumed = 0;
   int sync = 0;  // stage boundaries passed
-  // stage j's start and end marks (WS_TIMELINE), in the order the stages run
-#if WS_TIMELINE
-  long long* marks = a.marks + (i64)blockIdx.x * (2 * WS_NSTAGE);
+  // stage j's start and end marks (WS_TIMELINE), in the order the stages run; no code without it
+  long long* marks = WS_TIMELINE ? a.marks + (i64)blockIdx.x * (2 * WS_NSTAGE) : nullptr;
   int stage = 0;
-#define WS_MARK_START() \
-  if (tid == 0) marks[2 * stage] = tfm_globaltimer()
-#define WS_MARK_END()                                            \
-  do {                                                           \
-    __syncthreads();                                             \
-    if (tid == 0) marks[2 * stage + 1] = tfm_globaltimer();      \
-    ++stage;                                                     \
-  } while (0)
-#else
-#define WS_MARK_START() \
-  do {                  \
-  } while (0)
-#define WS_MARK_END() \
-  do {                \
-  } while (0)
-#endif
+  const auto mark_start = [&]() {
+    if (WS_TIMELINE && tid == 0) marks[2 * stage] = tfm_globaltimer();
+  };
+  const auto mark_end = [&]() {
+    if (WS_TIMELINE) {
+      __syncthreads();
+      if (tid == 0) marks[2 * stage + 1] = tfm_globaltimer();
+    }
+    ++stage;
+  };
 
-  WS_MARK_START();
+  mark_start();
   ws_linear(0, s_lin, s_ss, ring, p, consumed, gw, nwarps, warp, lane);
-  WS_MARK_END();
+  mark_end();
 #pragma unroll
   for (int l = 0; l < WS_LAYERS; ++l) {
     ws_stage_sync(a.bar, sync++, nblocks);
-    WS_MARK_START();
+    mark_start();
     ws_linear(1 + 4 * l, s_lin, s_ss, ring, p, consumed, gw, nwarps, warp, lane);
-    WS_MARK_END();
+    mark_end();
     ws_stage_sync(a.bar, sync++, nblocks);
-    WS_MARK_START();
+    mark_start();
     const WSLayer& L = a.layer[l];
     for (int item = blockIdx.x; item < a.heads * a.R; item += nblocks) {
       wa_node_attention(item % a.heads, item / a.heads, a.R, s_attn, L.proj, (i64)(6 * a.heads * WS_HD), a.rope,
@@ -487,20 +480,18 @@ extern "C" __global__ void __launch_bounds__(WS_THREADS, 1) weaver_stack(WSArgs 
                         a.p0, a.n_slots, a.cols, a.D, a.scale, l == 0 ? 1 : 0);
       __syncthreads();  // the staged rows of this item, before the next item's copies
     }
-    WS_MARK_END();
+    mark_end();
 #pragma unroll
     for (int j = 2; j <= 4; ++j) {  // o_proj, gate_up, down
       ws_stage_sync(a.bar, sync++, nblocks);
-      WS_MARK_START();
+      mark_start();
       ws_linear(j + 4 * l, s_lin, s_ss, ring, p, consumed, gw, nwarps, warp, lane);
-      WS_MARK_END();
+      mark_end();
     }
   }
   ws_stage_sync(a.bar, sync++, nblocks);
-  WS_MARK_START();
+  mark_start();
   ws_linear(WS_NLIN - 1, s_lin, s_ss, ring, p, consumed, gw, nwarps, warp, lane);
-  WS_MARK_END();
+  mark_end();
   cp_async_wait<0>();  // the empty groups past the stream's end
-#undef WS_MARK_START
-#undef WS_MARK_END
 }

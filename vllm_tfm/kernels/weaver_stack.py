@@ -191,17 +191,15 @@ def _shape_reason(emb: Tensor, weights: StackWeights, kv_cache: list[Tensor]) ->
         return "the layers' K/V caches differ in shape"
     ahd = heads * hd
     d_mlp = layers[0].gu_w.shape[0] // 2
-    want = {"tok_w": (d, hidden), "tok_b": (d,), "qry_b": (weights.qry_w.shape[0],)}
+    checks = [("tok_w", weights.tok_w, (d, hidden)), ("tok_b", weights.tok_b, (d,)),
+              ("qry_b", weights.qry_b, (weights.qry_w.shape[0],))]
     for i, lw in enumerate(layers):
-        want.update({f"qkv_w[{i}]": (6 * ahd, d), f"qkv_b[{i}]": (6 * ahd,), f"o_w[{i}]": (d, ahd),
-                     f"gu_w[{i}]": (2 * d_mlp, d), f"gu_b[{i}]": (2 * d_mlp,), f"down_w[{i}]": (d, d_mlp)})
-    got = {"tok_w": weights.tok_w, "tok_b": weights.tok_b, "qry_b": weights.qry_b}
-    for i, lw in enumerate(layers):
-        got.update({f"qkv_w[{i}]": lw.qkv_w, f"qkv_b[{i}]": lw.qkv_b, f"o_w[{i}]": lw.o_w, f"gu_w[{i}]": lw.gu_w,
-                    f"gu_b[{i}]": lw.gu_b, f"down_w[{i}]": lw.down_w})
-    for name, shape in want.items():
-        if tuple(got[name].shape) != shape:
-            return f"{name} has shape {tuple(got[name].shape)}, the stack needs {shape}"
+        checks += [(f"qkv_w[{i}]", lw.qkv_w, (6 * ahd, d)), (f"qkv_b[{i}]", lw.qkv_b, (6 * ahd,)),
+                   (f"o_w[{i}]", lw.o_w, (d, ahd)), (f"gu_w[{i}]", lw.gu_w, (2 * d_mlp, d)),
+                   (f"gu_b[{i}]", lw.gu_b, (2 * d_mlp,)), (f"down_w[{i}]", lw.down_w, (d, d_mlp))]
+    for name, t, shape in checks:
+        if tuple(t.shape) != shape:
+            return f"{name} has shape {tuple(t.shape)}, the stack needs {shape}"
     if weights.qry_w.dim() != 2 or weights.qry_w.shape[1] != d:
         return f"qry_w {tuple(weights.qry_w.shape)} is not [n_q, d = {d}]"
     if any(k % 8 for k in (hidden, d, ahd, d_mlp)):

@@ -566,13 +566,13 @@ class BatchedWeaverTreeScorer:
                                                      lw.gate_up.t(), lw.gate_up_bias, lw.mlp_eps, lw.down.t())
                              for lw in fw.layers),
                 qry_w=fw.query.t(), qry_b=fw.query_bias, qry_eps=fw.out_eps)
-        if len({(layer.n_heads, layer.head_dim) for layer in layers}) != 1:
-            return None
+        if len({(layer.n_heads, layer.head_dim) for layer in layers}) != 1 or emb.shape[0] > stack_kernel.MAX_ROWS:
+            return None  # more rows than the kernel takes (wide rounds, large batches): the per-op path, no warning
         args = (emb, self._stack_weights, self._rope_nodes, node_ids, parent_ids, depths, valid, self.kv_cache,
                 self.key_bias, 1 + self.depth, layers[0].head_dim**-0.5)
         reason = stack_kernel.unsupported_reason(*args)
         if reason is not None:
-            if reason != stack_kernel.NOT_CUDA and emb.is_cuda and "rows R w" not in reason:
+            if reason != stack_kernel.NOT_CUDA and emb.is_cuda:
                 warn_fallback("weaver_stack", reason)
             return None
         return stack_kernel.weaver_stack_kernel(*args)
