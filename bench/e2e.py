@@ -550,9 +550,6 @@ SWITCH_ABS: dict[str, SwitchAB] = {
     # the DFlash top-K of the Weaver build in one launch (VLLM_TFM_TOPK_KERNEL, runtime/tree_builder_gpu.py); the
     # Weaver graphs key on it, so the off setting's graph is captured in an unrecorded run first
     "topk_kernel": SwitchAB("set_topk_kernel", "topk_kernel_ab", "topk_kernel", warm_off=True),
-    # the Weaver scorer's block stack in one cooperative launch (VLLM_TFM_WEAVER_STACK, default off: run the arm
-    # with it set to 1, so that the on graph is captured by the arm's runs and the off one by the warm run)
-    "weaver_stack": SwitchAB("set_weaver_stack", "weaver_stack_ab", "weaver_stack", warm_off=True),
 }
 
 

@@ -417,10 +417,6 @@ SWITCH_AB_TITLES: dict[str, tuple[str, str]] = {
     "topk_kernel_ab": ("topk_kernel", "The DFlash top-K of the Weaver build in one kernel launch (on) / torch.topk (off) "
                        "on the same engine, decode tokens/s (clean runs in this order, after an unrecorded run that "
                        "captured the off setting's Weaver graphs; VLLM_TFM_TOPK_KERNEL, runtime/tree_builder_gpu.py):"),
-    "weaver_stack_ab": ("weaver_stack", "The Weaver scorer's block stack in one cooperative launch (on) / one launch per "
-                        "linear layer and attention (off) on the same engine, decode tokens/s (clean runs in this order, "
-                        "after an unrecorded run that captured the off setting's Weaver graphs; VLLM_TFM_WEAVER_STACK, "
-                        "vllm_tfm/kernels/weaver_stack.py):"),
 }
 
 

@@ -89,40 +89,7 @@ __device__ __forceinline__ T* cluster_map(T* p, u32 rank) {
   asm volatile("mapa.u64 %0, %1, %2;" : "=l"(out) : "l"(p), "r"(rank));
   return reinterpret_cast<T*>(out);
 }
-// An acquire load of a global int at GPU scope (PTX ld.acquire.gpu, sm_70+): later loads of this
-// thread see everything the releasing writer published before its release.
-__device__ __forceinline__ int ld_acquire_gpu(const int* p) {
-  int v;
-  asm volatile("ld.acquire.gpu.global.b32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
-  return v;
-}
-__device__ __forceinline__ void nanosleep_ns(u32 ns) { asm volatile("nanosleep.u32 %0;" ::"r"(ns)); }
-// The GPU's global timer (ns, one clock for every SM): kernel timelines (bench/gdn_timeline.py,
-// bench/weaver_stack.py --timeline).
-__device__ __forceinline__ long long tfm_globaltimer() {
-  long long t;
-  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
-  return t;
-}
-// GPU-scope atomics with explicit ordering (PTX ISA memory consistency model, sm_70+).
-__device__ __forceinline__ int atom_add_acq_rel_gpu(int* p, int v) {
-  int old;
-  asm volatile("atom.acq_rel.gpu.global.add.s32 %0, [%1], %2;" : "=r"(old) : "l"(p), "r"(v) : "memory");
-  return old;
-}
-__device__ __forceinline__ void red_add_release_gpu(int* p, int v) {
-  asm volatile("red.release.gpu.global.add.s32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
-}
-__device__ __forceinline__ void st_relaxed_gpu(int* p, int v) {
-  asm volatile("st.relaxed.gpu.global.s32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
-}
 #else
-__device__ __forceinline__ int ld_acquire_gpu(const int* p) { return tfm_emu_ld_acquire(p); }
-__device__ __forceinline__ void nanosleep_ns(u32) {}
-__device__ __forceinline__ long long tfm_globaltimer() { return tfm_emu_globaltimer(); }
-__device__ __forceinline__ int atom_add_acq_rel_gpu(int* p, int v) { return __atomic_fetch_add(p, v, __ATOMIC_ACQ_REL); }
-__device__ __forceinline__ void red_add_release_gpu(int* p, int v) { __atomic_fetch_add(p, v, __ATOMIC_RELEASE); }
-__device__ __forceinline__ void st_relaxed_gpu(int* p, int v) { __atomic_store_n(p, v, __ATOMIC_RELAXED); }
 // the emulation runs kernels one after another, which is the order pdl_wait guarantees
 __device__ __forceinline__ void pdl_wait() {}
 __device__ __forceinline__ void pdl_launch_dependents() {}
@@ -237,47 +204,3 @@ __device__ __forceinline__ float warp_sum(float x) {
 __device__ __forceinline__ float l2norm_scale(float sum_sq) { return 1.0f / sqrtf(sum_sq + 1e-6f); }
 
 __device__ __forceinline__ float silu(float x) { return x / (1.0f + expf(-x)); }
-
-// A barrier over every block of a cooperative launch (loader.launch(..., cooperative=True): all
-// blocks resident at once). bar[0] counts the blocks that have arrived, bar[1] is the barrier's
-// generation; bar[0] is back at 0 after every barrier, so a buffer needs zeroing only before its
-// first launch (the Weaver stack zeroes a fresh one per call, one memset). A block's thread 0 reads
-// the generation, publishes the block's writes (__syncthreads, then __threadfence) and arrives; the
-// last block to arrive resets the count and releases the next generation; the others spin on it with
-// acquire loads. A block cannot read a generation newer than the one it is waiting on: the
-// generation advances only when every block, this one included, has arrived.
-//
-// TFM_GRID_BARRIER selects how the arrival publishes: 0, full fences (__threadfence, fence.sc.gpu) around
-// relaxed atomics; 1, ordering on the atomics themselves (the arrival an acq_rel add, whose release part
-// covers the block's writes ordered before it by __syncthreads, the generation a release add, the poll
-// an acquire load), which waits for no unrelated memory operation of the thread (a fence.sc may wait for
-// the thread's cp.async copies in flight).
-#ifndef TFM_GRID_BARRIER
-#define TFM_GRID_BARRIER 0
-#endif
-__device__ __forceinline__ void grid_barrier(int* bar, int nblocks) {
-  __syncthreads();
-  if (threadIdx.x == 0) {
-    const int gen = ld_acquire_gpu(bar + 1);
-#if TFM_GRID_BARRIER == 0
-    __threadfence();
-    if (atomicAdd(bar, 1) == nblocks - 1) {
-      atomicExch(bar, 0);
-      __threadfence();
-      atomicAdd(bar + 1, 1);
-    } else {
-      while (ld_acquire_gpu(bar + 1) == gen) nanosleep_ns(20);
-    }
-    __threadfence();
-#else
-    if (atom_add_acq_rel_gpu(bar, 1) == nblocks - 1) {
-      st_relaxed_gpu(bar, 0);  // ordered before the generation's release
-      red_add_release_gpu(bar + 1, 1);
-    } else {
-      while (ld_acquire_gpu(bar + 1) == gen) {
-      }
-    }
-#endif
-  }
-  __syncthreads();
-}

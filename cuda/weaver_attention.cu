@@ -68,7 +68,7 @@ extern "C" __global__ void __launch_bounds__(WA_THREADS) weaver_node_attention(
   // it loads its weights during this kernel and waits for its completion before reading our output
   pdl_launch_dependents();
   TFM_DYNAMIC_SMEM(uint4, s_raw);
-  // proj and out are restrict here (written by no other block of this launch), not in the stack
+  // proj and out are restrict here (written by no other block of this launch)
   wa_node_attention(blockIdx.x, blockIdx.y, gridDim.y, s_raw, proj, proj_ld, rope, node_ids, parent_ids, depths,
                     valid, kv, key_bias, out, w, heads, S, p0, n_slots, cols, D, scale, write_mask);
 }

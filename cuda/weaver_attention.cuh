@@ -1,5 +1,5 @@
-// The Weaver node attention of one (head, request) as a device function: cuda/weaver_attention.cu
-// (one launch per layer) and cuda/weaver_stack.cu (inside the persistent Weaver stack) call it.
+// The Weaver node attention of one (head, request) as a device function, called by
+// cuda/weaver_attention.cu (one launch per layer).
 // The method, the arithmetic and the shared-memory layout are described in weaver_attention.cu.
 #pragma once
 #include "tfm_common.cuh"
@@ -61,9 +61,8 @@ __device__ __forceinline__ float wa_key_dot(const float* q, const tin* k) {
 
 // The attention of head h of request r (of R) for the call's w nodes, by the block's WA_THREADS
 // threads, with s_raw the block's dynamic shared memory (wa_smem_bytes). One block barrier inside:
-// every thread of the block calls it with the same (h, r). `proj` and `out` may be written by other
-// blocks of the same launch before this call (the Weaver stack, cuda/weaver_stack.cu): they are read
-// and written through plain (coherent) global accesses, never the read-only path.
+// every thread of the block calls it with the same (h, r). `proj` and `out` are not restrict here
+// (the kernel's own parameters are).
 __device__ __forceinline__ void wa_node_attention(
     int h, int r, int R, uint4* s_raw, const tin* proj, i64 proj_ld, const tin* __restrict__ rope,
     const i64* __restrict__ node_ids, const i64* __restrict__ parent_ids, const i64* __restrict__ depths,

@@ -5,21 +5,18 @@
 // between two warp barriers, __shared__ variables are process-wide statics (blocks run one after
 // another), and dynamic shared memory is one buffer per block. A thread block cluster's blocks run
 // concurrently (so a clustered kernel must keep to dynamic shared memory), with a std::barrier over
-// all their threads for barrier.cluster and mapa as pointer arithmetic between their buffers; a
-// cooperative launch runs all its blocks concurrently the same way (grid barriers on global atomics
-// and acquire loads). The warp-level matrix ops of cuda/tfm_mma.cuh (ldmatrix, mma.sync m16n8k16 and
-// m16n8k8.tf32) exchange their operands through a per-warp buffer and follow the PTX ISA's fragment
-// layouts; cvt.rna.tf32 is the hardware's bit arithmetic; a cp.async copies only when a wait_group
-// completes its group (so a missing wait reads poisoned shared memory); atomics are host atomics. A
-// kernel source is compiled as C++20 with this header force-included and TFM_HOST_EMU defined (see
-// emulate.py beside this).
+// all their threads for barrier.cluster and mapa as pointer arithmetic between their buffers. The
+// warp-level matrix ops of cuda/tfm_mma.cuh (ldmatrix, mma.sync m16n8k16 and m16n8k8.tf32) exchange
+// their operands through a per-warp buffer and follow the PTX ISA's fragment layouts; cvt.rna.tf32
+// is the hardware's bit arithmetic; a cp.async copies only when a wait_group completes its group (so
+// a missing wait reads poisoned shared memory); atomics are host atomics. A kernel source is compiled
+// as C++20 with this header force-included and TFM_HOST_EMU defined (see emulate.py beside this).
 // What it checks: indexing, bounds (with -fsanitize=address), barrier placement, cp.async waits, the
 // host-side sizes (shared memory words) and the arithmetic, against the torch reference.
 #pragma once
 
 #include <algorithm>
 #include <atomic>
-#include <chrono>
 #include <barrier>
 #include <deque>
 #include <cmath>
@@ -232,18 +229,6 @@ inline void tfm_emu_cp_wait(unsigned n) {
     tfm_emu::cp_complete(tfm_emu::t_cp_groups.front());
     tfm_emu::t_cp_groups.pop_front();
   }
-}
-
-// Acquire loads, sleeps and grid barriers (cooperative launches run all their blocks concurrently).
-inline int tfm_emu_ld_acquire(const int* p) {
-  const int v = __atomic_load_n(p, __ATOMIC_ACQUIRE);
-  std::this_thread::yield();  // a spinning thread lets the others run
-  return v;
-}
-
-// A steady clock in ns for %globaltimer: ordered across the emulated blocks (threads) as on a GPU.
-inline long long tfm_emu_globaltimer() {
-  return std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now().time_since_epoch()).count();
 }
 
 namespace tfm_emu {

@@ -40,10 +40,9 @@ KERNELS = {
     "tree_step_topology.cu": ["tree_step_topology"],
     "kv_compact.cu": ["kv_compact_layers"],
     "topk_rows.cu": ["topk_rows"],
-    "weaver_stack.cu": ["weaver_stack"],
 }
 WRAPPERS = ("gdn", "conv", "tree_attention", "batched_commit", "weaver_round", "candidate_scores", "weaver_linear",
-            "weaver_attention", "step_topology", "kv_compact", "topk_rows", "weaver_stack")  # vllm_tfm.kernels modules that launch kernels
+            "weaver_attention", "step_topology", "kv_compact", "topk_rows")  # vllm_tfm.kernels modules that launch kernels
 
 
 def build(source: str, options: list[str], out_dir: Path, sanitize: bool = False) -> Path:
@@ -81,12 +80,10 @@ class _Launches(list):
     def __init__(self) -> None:
         super().__init__()
         self.clusters: list[int] = []
-        self.cooperative: list[int] = []  # indices of the cooperative launches
 
     def clear(self) -> None:
         super().clear()
         self.clusters.clear()
-        self.cooperative.clear()
 
 
 @contextlib.contextmanager
@@ -110,18 +107,11 @@ def emulated_kernels(out_dir: Path | None = None, sanitize: bool = False) -> Ite
         set_cluster.restype = None
         return _EmuKernel(fn, kernel_name, set_cluster)
 
-    def launch(kernel, grid, block, args, shared_mem: int = 0, programmatic: bool = False, cluster: int = 1,
-               cooperative: bool = False) -> None:
+    def launch(kernel, grid, block, args, shared_mem: int = 0, programmatic: bool = False, cluster: int = 1) -> None:
         # programmatic (dependent launch): the emulation runs kernels one after the other, which is
-        # the ordering griddepcontrol.wait guarantees; cluster: CTAs per cluster along x, run together;
-        # cooperative: every block at once (a 1-D grid run as one cluster of all its blocks)
+        # the ordering griddepcontrol.wait guarantees; cluster: CTAs per cluster along x, run together
         if shared_mem > kernel.max_dynamic_smem:
             raise loader.KernelLaunchError(f"{kernel.name} needs {shared_mem} bytes of shared memory")
-        if cooperative:
-            if programmatic or cluster != 1 or grid[1] != 1 or grid[2] != 1:
-                raise loader.KernelLaunchError(f"{kernel.name}: the emulated cooperative launch takes a 1-D grid alone")
-            cluster = max(int(grid[0]), 1)
-            launches.cooperative.append(len(launches))
         if cluster < 1 or grid[0] % cluster:
             raise loader.KernelLaunchError(f"{kernel.name}: grid {tuple(grid)} is not a multiple of cluster {cluster}")
         if min(grid) <= 0:
@@ -147,7 +137,6 @@ def emulated_kernels(out_dir: Path | None = None, sanitize: bool = False) -> Ite
         stack.enter_context(mock.patch("vllm_tfm.kernels.tree_attention.device_smem_optin", lambda i: 227 * 1024))
         stack.enter_context(mock.patch("vllm_tfm.kernels.weaver_round.device_smem_optin", lambda i: 227 * 1024))
         stack.enter_context(mock.patch("vllm_tfm.kernels.weaver_attention.device_smem_optin", lambda i: 227 * 1024))
-        stack.enter_context(mock.patch("vllm_tfm.kernels.weaver_stack.device_smem_optin", lambda i: 227 * 1024))
         stack.enter_context(mock.patch("torch.cuda.current_device", lambda: 0))
         stack.enter_context(mock.patch("torch.cuda.get_device_properties", lambda i: _Props()))
         yield launches

@@ -32,7 +32,6 @@ logger = logging.getLogger(__name__)
 __all__ = [
     "KernelCompileError",
     "KernelLaunchError",
-    "KernelStruct",
     "aligned_rows",
     "CompiledKernel",
     "cache_dir",
@@ -352,15 +351,6 @@ def device_smem_optin(device_index: int) -> int:
 _TENSOR: list[type] = []  # torch.Tensor, looked up once (the loader imports torch lazily)
 
 
-class KernelStruct(ctypes.Structure):
-    """Base of a struct a kernel takes by value (its fields in the source's order and types). ``value``
-    is its bytes, so that ``param_array`` compares it as it compares scalars."""
-
-    @property
-    def value(self) -> bytes:
-        return bytes(self)
-
-
 def _ctype_arg(value: Any) -> ctypes._SimpleCData:
     """Kernel argument -> ctypes value. Tensors and None become pointers; ints must be wrapped.
 
@@ -372,13 +362,12 @@ def _ctype_arg(value: Any) -> ctypes._SimpleCData:
         _TENSOR.append(torch.Tensor)
     if isinstance(value, _TENSOR[0]):
         return ctypes.c_void_p(value.data_ptr())
-    if isinstance(value, (ctypes._SimpleCData, KernelStruct)):
+    if isinstance(value, ctypes._SimpleCData):
         return value
     if value is None:
         return ctypes.c_void_p(0)
     raise TypeError(
-        f"kernel argument {value!r}: pass a tensor, None, or a ctypes value (c_int, c_longlong, c_float, "
-        "or a KernelStruct for a struct passed by value)"
+        f"kernel argument {value!r}: pass a tensor, None, or a ctypes value (c_int, c_longlong, c_float)"
     )
 
 
@@ -404,8 +393,7 @@ def param_array(kernel: CompiledKernel, args: Sequence[Any]) -> ctypes.Array:
     differ in their tensors only (the GDN layers of a step: same shapes, other buffers), so the
     kernel's previous array on this thread is kept: when the new arguments have the same kinds
     (pointer or scalar) at the same positions and equal scalars (type and value; floating-point
-    scalars bit for bit; a ``KernelStruct``'s value is its bytes), its pointer values are overwritten
-    in place and it is returned;
+    scalars bit for bit), its pointer values are overwritten in place and it is returned;
     otherwise a new array replaces it. Either way the array holds exactly what packing ``args``
     afresh would. The driver copies the values at the launch, so the next launch may overwrite them.
     """
@@ -443,16 +431,10 @@ def param_array(kernel: CompiledKernel, args: Sequence[Any]) -> ctypes.Array:
 
 
 def _launch_config(driver: Any, grid: tuple[int, int, int], block: tuple[int, int, int], shared_mem: int,
-                   stream: int, programmatic: bool, cluster: int, cooperative: bool = False) -> Any:
-    """``CUlaunchConfig`` of a launch with the programmatic stream serialization attribute, a cluster
-    dimension (``cluster`` CTAs along x) and / or the cooperative attribute (every block resident at
-    once: the launch fails rather than run a grid the device cannot hold together)."""
+                   stream: int, programmatic: bool, cluster: int) -> Any:
+    """``CUlaunchConfig`` of a launch with the programmatic stream serialization attribute and / or a
+    cluster dimension (``cluster`` CTAs along x)."""
     attrs = []
-    if cooperative:
-        attr = driver.CUlaunchAttribute()
-        attr.id = driver.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_COOPERATIVE
-        attr.value.cooperative = 1
-        attrs.append(attr)
     if programmatic:
         attr = driver.CUlaunchAttribute()
         attr.id = driver.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
@@ -514,7 +496,6 @@ def launch(
     shared_mem: int = 0,
     programmatic: bool = False,
     cluster: int = 1,
-    cooperative: bool = False,
 ) -> None:
     """Launch ``kernel`` on torch's current stream of its device.
 
@@ -526,14 +507,9 @@ def launch(
     kernel must ``griddepcontrol.wait`` before it reads that kernel's outputs (GDN verify version 5).
     ``cluster``: CTAs per thread block cluster along x (sm_90; grid x a multiple of it), for kernels
     that share work through distributed shared memory (GDN verify version 6 with ``G6_CLUSTER``).
-    ``cooperative``: every block of the grid resident at once (``CU_LAUNCH_ATTRIBUTE_COOPERATIVE``), for
-    kernels with a barrier over the grid (``grid_barrier`` in tfm_common.cuh: the Weaver stack); not
-    with ``programmatic``.
     With ``VLLM_TFM_SYNC_LAUNCH=1`` the stream is synchronised after the launch so that an
     asynchronous fault is reported at its launch.
     """
-    if cooperative and programmatic:
-        raise KernelLaunchError(f"{kernel.name}: a cooperative launch cannot be a programmatic dependent launch")
     driver, _ = _import_cuda()
     import torch
 
@@ -551,8 +527,8 @@ def launch(
     stream = torch.cuda.current_stream(kernel.device_index)
     if cluster > 1 and grid[0] % cluster:
         raise KernelLaunchError(f"{kernel.name}: grid {tuple(grid)} is not a multiple of the cluster size {cluster}")
-    if programmatic or cluster > 1 or cooperative:
-        cfg = _launch_config(driver, grid, block, shared_mem, stream.cuda_stream, programmatic, cluster, cooperative)
+    if programmatic or cluster > 1:
+        cfg = _launch_config(driver, grid, block, shared_mem, stream.cuda_stream, programmatic, cluster)
         result = driver.cuLaunchKernelEx(cfg, kernel.function, ctypes.addressof(pointers), 0)
     else:
         result = driver.cuLaunchKernel(
@@ -561,7 +537,7 @@ def launch(
         )
     if (result[0] if isinstance(result, tuple) else result) != driver.CUresult.CUDA_SUCCESS:
         # the message is formatted only on failure (this runs hundreds of times per decode step)
-        call = "cuLaunchKernelEx" if programmatic or cluster > 1 or cooperative else "cuLaunchKernel"
+        call = "cuLaunchKernelEx" if programmatic or cluster > 1 else "cuLaunchKernel"
         _check_cu(result, f"{call}({kernel.name}, grid={grid}, block={block}, smem={shared_mem})")
     if os.environ.get("VLLM_TFM_SYNC_LAUNCH") == "1":
         _check_cu(driver.cuStreamSynchronize(driver.CUstream(stream.cuda_stream)), f"after {kernel.name}")

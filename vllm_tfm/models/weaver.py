@@ -48,8 +48,6 @@ from .tfm_config import TFM_CONFIG_NAME, WEAVER_WEIGHTS_NAME, TfmConfig, WeaverC
 import vllm_tfm.kernels.candidate_scores as candidate_kernel  # module imports: the kernels import this package too
 import vllm_tfm.kernels.weaver_attention as attention_kernel
 import vllm_tfm.kernels.weaver_linear as linear_kernel
-import vllm_tfm.kernels.weaver_stack as stack_kernel
-from vllm_tfm.kernels.loader import warn_fallback
 
 __all__ = ["Weaver", "WeaverTreeScorer", "BatchedWeaverTreeScorer", "weaver_param_count", "candidate_logprobs"]
 
@@ -523,7 +521,6 @@ class BatchedWeaverTreeScorer:
             cols = -(-(p0 + max_nodes + 1) // 16) * 16
             self.key_bias = torch.full((r, max_nodes + 2, cols), float("-inf"), dtype=dtype, device=dev)
             self.key_bias[:, :, :p0] = 0.0
-        self._stack_weights: stack_kernel.StackWeights | None = None  # ``_stack``'s [N, K] views of the folded weights
         self._scored = torch.zeros(r, max_nodes, dtype=torch.bool, device=dev) if validate else None
         self._depths = torch.zeros(r, max_nodes, dtype=torch.long, device=dev) if validate else None
 
@@ -554,29 +551,6 @@ class BatchedWeaverTreeScorer:
         self._scored[rows, node_ids[rows, cols]] = True
         self._depths[rows, node_ids[rows, cols]] = depths[rows, cols]
 
-    def _stack(self, emb: Tensor, node_ids: Tensor, parent_ids: Tensor, depths: Tensor, valid: Tensor) -> Tensor | None:
-        """The queries of the whole block stack from one launch (``vllm_tfm.kernels.weaver_stack``,
-        ``VLLM_TFM_WEAVER_STACK=1``), or None where that kernel does not take the call (the per-op
-        kernels run instead; a one-time warning on CUDA unless it is the row count)."""
-        fw, layers = self.folded, self.weaver.layers
-        if self._stack_weights is None:
-            self._stack_weights = stack_kernel.StackWeights(
-                tok_w=fw.token_in.t(), tok_b=fw.token_in_bias, tok_eps=fw.embed_eps,
-                layers=tuple(stack_kernel.StackLayer(lw.qkv_rot.t(), lw.qkv_rot_bias, lw.attn_eps, lw.o_proj.t(),
-                                                     lw.gate_up.t(), lw.gate_up_bias, lw.mlp_eps, lw.down.t())
-                             for lw in fw.layers),
-                qry_w=fw.query.t(), qry_b=fw.query_bias, qry_eps=fw.out_eps)
-        if len({(layer.n_heads, layer.head_dim) for layer in layers}) != 1 or emb.shape[0] > stack_kernel.MAX_ROWS:
-            return None  # more rows than the kernel takes (wide rounds, large batches): the per-op path, no warning
-        args = (emb, self._stack_weights, self._rope_nodes, node_ids, parent_ids, depths, valid, self.kv_cache,
-                self.key_bias, 1 + self.depth, layers[0].head_dim**-0.5)
-        reason = stack_kernel.unsupported_reason(*args)
-        if reason is not None:
-            if reason != stack_kernel.NOT_CUDA and emb.is_cuda:
-                warn_fallback("weaver_stack", reason)
-            return None
-        return stack_kernel.weaver_stack_kernel(*args)
-
     def __call__(self, node_ids: Tensor, parent_ids: Tensor, tokens: Tensor, depths: Tensor, valid: Tensor) -> Tensor:
         r = self.num_requests
         if node_ids.dim() != 2 or node_ids.shape[0] != r or node_ids.shape[1] == 0:
@@ -598,21 +572,18 @@ class BatchedWeaverTreeScorer:
             fused = self.score_kernel
             if fused:  # the kernels read [R, w] index tensors as contiguous rows
                 node_ids, parent_ids, depths, valid = (t.contiguous() for t in (node_ids, parent_ids, depths, valid))
-            qry = self._stack(emb, node_ids, parent_ids, depths, valid) if fused and stack_kernel.stack_enabled() else None
-            if qry is None:  # the per-op path: one launch (or torch op) per linear layer and attention
-                attention = attention_kernel.node_attention if fused else attention_kernel.node_attention_reference
-                x = _norm_linear(fused, emb, fw.token_in, fw.token_in_bias, fw.embed_eps)  # [R w, d]
-                for li, (layer, lw, kv) in enumerate(zip(wv.layers, fw.layers, self.kv_cache)):
-                    # q, k, v and their rotate_half in one GEMM: [R w, 2 * 3 * heads * hd]
-                    proj = _norm_linear(fused, x, lw.qkv_rot, lw.qkv_rot_bias, lw.attn_eps)
-                    # RoPE, the nodes' K/V into the cache, attention over the prompt and the
-                    # ancestors-or-self; the first layer also writes the nodes' key-mask rows
-                    attn = attention(proj, self._rope_nodes, node_ids, parent_ids, depths, valid, kv, self.key_bias,
-                                     1 + self.depth, layer.head_dim**-0.5, li == 0)  # [R w, heads hd]
-                    x = _residual_linear(fused, x, attn, lw.o_proj)
-                    x = _residual_linear(fused, x, _norm_swiglu(fused, x, lw.gate_up, lw.gate_up_bias, lw.mlp_eps),
-                                         lw.down)
-                qry = _norm_linear(fused, x, fw.query, fw.query_bias, fw.out_eps)  # [R w, H]
+            attention = attention_kernel.node_attention if fused else attention_kernel.node_attention_reference
+            x = _norm_linear(fused, emb, fw.token_in, fw.token_in_bias, fw.embed_eps)  # [R w, d]
+            for li, (layer, lw, kv) in enumerate(zip(wv.layers, fw.layers, self.kv_cache)):
+                # q, k, v and their rotate_half in one GEMM: [R w, 2 * 3 * heads * hd]
+                proj = _norm_linear(fused, x, lw.qkv_rot, lw.qkv_rot_bias, lw.attn_eps)
+                # RoPE, the nodes' K/V into the cache, attention over the prompt and the
+                # ancestors-or-self; the first layer also writes the nodes' key-mask rows
+                attn = attention(proj, self._rope_nodes, node_ids, parent_ids, depths, valid, kv, self.key_bias,
+                                 1 + self.depth, layer.head_dim**-0.5, li == 0)  # [R w, heads hd]
+                x = _residual_linear(fused, x, attn, lw.o_proj)
+                x = _residual_linear(fused, x, _norm_swiglu(fused, x, lw.gate_up, lw.gate_up_bias, lw.mlp_eps), lw.down)
+            qry = _norm_linear(fused, x, fw.query, fw.query_bias, fw.out_eps)  # [R w, H]
             score_fn = candidate_kernel.candidate_scores if fused else candidate_scores_reference
             scores = score_fn(self.lm_head, self.cand_ids, self.cand_logits, dep, qry.view(r, node_ids.shape[1], -1))
             return torch.log_softmax(scores, dim=-1)  # [R, w, K]

@@ -52,7 +52,7 @@ from __future__ import annotations
 __all__ = [
     "install", "is_installed", "snapshot_metrics", "collect_tree_metrics", "flush_trace", "set_deferred_drafts",
     "set_device_topology", "set_commit_reuse", "set_early_sampled_copy", "set_gdn_metadata_fast",
-    "set_weaver_lazy_tail", "set_kv_compact_kernel", "set_topk_kernel", "set_weaver_stack",
+    "set_weaver_lazy_tail", "set_kv_compact_kernel", "set_topk_kernel",
 ]
 
 
@@ -186,16 +186,6 @@ def set_topk_kernel(worker: object = None, on: bool | None = None) -> bool:
     from .tree_builder_gpu import set_topk_kernel as _set
 
     return _set(on)
-
-
-def set_weaver_stack(worker: object = None, on: bool | None = None) -> bool:
-    """The Weaver scorer's block stack in one cooperative launch (``vllm_tfm.kernels.weaver_stack``) on or
-    off in this process from the next build on (None: ``VLLM_TFM_WEAVER_STACK``, default off); the setting
-    now in force. The Weaver CUDA graphs key on it: the first build after a change captures the other
-    setting's graph (a late capture). The signature suits ``LLM.collective_rpc``."""
-    from vllm_tfm.kernels.weaver_stack import set_stack
-
-    return set_stack(on)
 
 
 def flush_trace(worker: object = None) -> str | None:

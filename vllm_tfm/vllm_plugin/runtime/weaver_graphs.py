@@ -81,7 +81,6 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from vllm_tfm.kernels.weaver_stack import stack_enabled
 from vllm_tfm.models.proposal_trees import weaver_growth
 from vllm_tfm.models.vocab_table import ShardedVocabTable, VocabTable
 from vllm_tfm.tree.marginal_padded import check_marginals
@@ -262,14 +261,13 @@ def graph_key(
     """The key of a graph: one graph per bucket, tree shape, input shapes past the batch, dtypes,
     device, Weaver and vocabulary tables (the batch size itself and the root tokens' dtype are not
     part of it: rows are padded to the bucket, roots are copied into int64 buffers), whether the
-    rounds may take the round kernel (``kernels_enabled()``), whether the DFlash top-K may take its
-    kernel (``topk_kernel_enabled()``: ``set_topk_kernel`` then picks another graph) and whether the
-    scorer's block stack runs as one launch (``weaver_stack.stack_enabled()``, ``set_weaver_stack``)."""
+    rounds may take the round kernel (``kernels_enabled()``) and whether the DFlash top-K may take its
+    kernel (``topk_kernel_enabled()``: ``set_topk_kernel`` then picks another graph)."""
     return (
         bucket, budget, top_k, width, children_per_node, tuple(dflash_logits.shape[1:]), tuple(dflash_hidden.shape[1:]),
         tuple(verifier_hidden.shape[1:]), dflash_logits.dtype, dflash_hidden.dtype, verifier_hidden.dtype,
         dflash_logits.device, id(weaver), _table_key(embed), _table_key(lm_head), kernels_enabled(),
-        topk_kernel_enabled(), stack_enabled(),
+        topk_kernel_enabled(),
     )
 
 
