@@ -5,8 +5,9 @@ Why (bench/NOTES.md section 54): in the serving soak with ``--async-scheduling``
 ``allowed_token_ids`` probe (ids 3..199, greedy, 12 tokens) got two tokens outside its allowed set
 (453, 349 where no-spec gave 70, 16), while the synchronous soak's same probe equals no-spec. A
 batch holding such a request must verify chains through vLLM's rejection sampler, which masks the
-vocabulary (``runtime/sampler.py`` ``needs_native_sampler``); a token outside the set can only come
-from a step that did not.
+vocabulary (``runtime/sampler.py`` ``needs_native_sampler``); a token outside the set comes from a step
+that did not, or from a mask that reached the request's rows misaligned (``mask_given`` and the row
+below tell the two apart only for the first).
 
 Here, in one process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``) with one engine of
 bench/gpu_graphs_e2e.py (default ``tfm-eager-async``) on the toy zoo: background greedy requests (the
