@@ -6,8 +6,7 @@ Why (bench/NOTES.md section 54): in the serving soak with ``--async-scheduling``
 (453, 349 where no-spec gave 70, 16), while the synchronous soak's same probe equals no-spec. A
 batch holding such a request must verify chains through vLLM's rejection sampler, which masks the
 vocabulary (``runtime/sampler.py`` ``needs_native_sampler``); a token outside the set comes from a step
-that did not, or from a mask that reached the request's rows misaligned (``mask_given`` and the row
-below tell the two apart only for the first).
+that did not, or from a mask that reached the request's rows misaligned.
 
 Here, in one process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``) with one engine of
 bench/gpu_graphs_e2e.py (default ``tfm-eager-async``) on the toy zoo: background greedy requests (the
@@ -16,8 +15,9 @@ fixed zoo prompts) start together; after ``--join-step`` engine steps the probes
 of the tree sampler's ``forward`` records, for every step whose input batch holds a probe: the step
 number, the batch size, the probe's row, the step's ``tree_active``, ``needs_native_sampler`` of the
 sampling metadata the sampler got and of the input batch's, whether that metadata carries the
-allowed-token mask, the path that ran (``tree`` or ``vllm``), the probe row's scheduled drafts and its
-sampled tokens. The verdict: every ``allowed`` token inside the set, and the record of the step that
+allowed-token mask, whether the mask's row of the probe is the ``allowed`` probe's (ids 0-2 and 200 masked, 3
+and 199 not; None for other probes or without a mask), the path that ran (``tree`` or ``vllm``), the probe row's
+scheduled drafts and its sampled tokens. The verdict: every ``allowed`` token inside the set, and the record of the step that
 emitted the first token outside it.
 
 usage (GPU host, repository root, after ``source .gpu-bundle/install.sh`` and PYTHONPATH=$PWD):
@@ -87,6 +87,15 @@ def culprit(records: list[dict[str, Any]], emitted_before: int) -> dict[str, Any
     return None
 
 
+def mask_row_is_allowed(mask: Any, row: int) -> bool | None:
+    """Whether row ``row`` of vLLM's allowed-token mask (True = masked) is the ``allowed`` probe's: ids 0-2 and
+    200 masked, 3 and 199 not. None without a mask or past its rows."""
+    if mask is None or row >= mask.shape[0] or mask.shape[1] <= 200:
+        return None
+    vals = mask[row, [0, 2, 3, 199, 200]].tolist()
+    return vals == [True, True, False, False, True]
+
+
 def install_recorder(records: list[dict[str, Any]]) -> None:
     """Wrap ``TFMTreeSampler.forward`` (the runner's rejection sampler in tfm engines): one record per
     probe in the step's input batch."""
@@ -114,6 +123,8 @@ def install_recorder(records: list[dict[str, Any]]) -> None:
                         "native_given": needs_native_sampler(sampling_metadata),
                         "native_batch": needs_native_sampler(batch.sampling_metadata),
                         "mask_given": sampling_metadata.allowed_token_ids_mask is not None,
+                        "mask_row_is_allowed": mask_row_is_allowed(sampling_metadata.allowed_token_ids_mask, row)
+                        if name == "allowed" else None,
                         "path": "tree" if step is not None and step.tree_active else "vllm",
                         "drafts": drafts[row] if row < len(drafts) else None,
                         "out": [int(t) for t in sampled[row].tolist()] if row < sampled.shape[0] else None,

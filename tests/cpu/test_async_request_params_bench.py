@@ -37,3 +37,14 @@ def test_the_culprit_is_the_step_whose_output_holds_the_token() -> None:
     assert arp.culprit(recs, 2)["step"] == 3
     assert arp.culprit(recs, 3) == recs[4] and arp.culprit(recs, 4)["path"] == "tree"
     assert arp.culprit(recs, 5) is None
+
+
+def test_the_mask_row_check_reads_vllms_convention() -> None:
+    import torch
+
+    mask = torch.ones(3, 300, dtype=torch.bool)  # vLLM: True = masked
+    mask[1, 3:200] = False  # the allowed probe's row
+    mask[2, :] = False  # a request without allowed ids in the same batch
+    assert arp.mask_row_is_allowed(mask, 1) is True
+    assert arp.mask_row_is_allowed(mask, 2) is False and arp.mask_row_is_allowed(mask, 0) is False
+    assert arp.mask_row_is_allowed(mask, 3) is None and arp.mask_row_is_allowed(None, 0) is None
