@@ -3,7 +3,8 @@
 
 Why (bench/NOTES.md section 54): in the serving soak with ``--async-scheduling``, the
 ``allowed_token_ids`` probe (ids 3..199, greedy, 12 tokens) got two tokens outside its allowed set
-(453, 349 where no-spec gave 70, 16), while the synchronous soak's same probe equals no-spec. A
+(453, 349 where no-spec gave 70, 16; its first ten tokens are the masked ones: the unmasked greedy answer
+departs at the second), while the synchronous soak's same probe equals no-spec. A
 batch holding such a request must verify chains through vLLM's rejection sampler, which masks the
 vocabulary (``runtime/sampler.py`` ``needs_native_sampler``); a token outside the set comes from a step
 that did not, or from a mask that reached the request's rows misaligned.
