@@ -25,7 +25,8 @@ usage (GPU host, repository root, after ``source .gpu-bundle/install.sh`` and PY
     python3 bench/async_request_params.py --out OUT                     # tfm-eager-async
     python3 bench/async_request_params.py --out OUT --engine tfm-eager   # the synchronous engine
     python3 bench/async_request_params.py --out OUT --engine tfm-fullpw-async --max-seqs 64 --background 40 \
-        --probes allowed,logprobs,min_tokens,sampled,n3 --abort-step 10       # nearer the soak: full graphs, load, aborts
+        --probes allowed,logprobs,min_tokens,sampled,n3 --abort-step 10 --soak-probe-prompt
+                                                        # nearer the soak: full graphs, load, aborts, its probe prompt
 
 Outcome so far (bench/NOTES.md section 54, ``bench/results/async_request_params_s54.json.gz``): the default run
 (eager, 6 background requests, batch 8) did not reproduce: every step holding the probe took vLLM's sampler with
@@ -58,6 +59,17 @@ PROBES: dict[str, dict[str, Any]] = {  # bench/soak_probes.py's rows that the en
     "n3": {"n": 3, "temperature": 0.8, "seed": 7},
 }
 DEFAULT_PROBES = ("allowed", "logprobs")
+# no-spec's answer to the allowed probe on the soak's probe prompt (bench/results/soak_zoo_graphs_async_s54.json.gz)
+SOAK_NOSPEC_ALLOWED = (84, 65, 85, 9, 79, 9, 70, 16, 69, 9, 70, 16)
+
+
+def soak_probe_prompt(target: str) -> list[int]:
+    """The soak's probe prompt (bench/soak.py ``probe_prompt_of`` on the standard library's token stream), from this
+    interpreter's standard library, as the soak's driver on the GPU host had it."""
+    import soak
+    import soak_client as sc
+
+    return soak.probe_prompt_of(sc.stream_token_prompts(soak.stdlib_token_stream(target)))
 
 
 def probe_of(req_id: str) -> str | None:
@@ -138,7 +150,8 @@ def install_recorder(records: list[dict[str, Any]]) -> None:
 
 
 def run(engine_name: str, out_dir: Path, background: int, max_tokens: int, join_step: int, budget: int,
-        probes: tuple[str, ...] = DEFAULT_PROBES, max_seqs: int | None = None, abort_step: int | None = None) -> dict[str, Any]:
+        probes: tuple[str, ...] = DEFAULT_PROBES, max_seqs: int | None = None, abort_step: int | None = None,
+        soak_prompt: bool = False) -> dict[str, Any]:
     import gpu_graphs_e2e as g
 
     os.environ.update(g.ENGINES[engine_name].get("env") or {})
@@ -171,6 +184,9 @@ def run(engine_name: str, out_dir: Path, background: int, max_tokens: int, join_
 
     fixed = g.prompts(len(json.loads(g.PROMPT_FILE.read_text())["prompts"]))
     ps = [fixed[i % len(fixed)] for i in range(background + 1)]
+    if soak_prompt:
+        ps[background] = soak_probe_prompt(str(g.ZOO / "target"))
+    res["probe_prompt"] = ps[background]
     for i in range(background):
         add(f"bg{i}", ps[i], max_tokens, {})
     outputs: dict[str, list[int]] = {}
@@ -195,6 +211,8 @@ def run(engine_name: str, out_dir: Path, background: int, max_tokens: int, join_
     res["allowed_all_inside"] = bad is None and len(allowed) == PROBE_TOKENS
     res["first_outside"] = bad
     res["culprit"] = None if bad is None else culprit(records, bad)
+    if soak_prompt:  # the soak's no-spec server answered this (if this host's standard library is the soak's)
+        res["allowed_equals_soak_nospec"] = allowed == list(SOAK_NOSPEC_ALLOWED)
     res["records"] = records
     path = out_dir / f"async_request_params_{engine_name}.json"
     path.write_text(json.dumps(res, indent=1) + "\n")
@@ -216,6 +234,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--probes", default=",".join(DEFAULT_PROBES), help=f"comma-separated, of {', '.join(PROBES)}")
     ap.add_argument("--max-seqs", type=int, help="max_num_seqs instead of the engine's (bench/gpu_graphs_e2e.py: 8)")
     ap.add_argument("--abort-step", type=int, help="abort two background requests before this engine step")
+    ap.add_argument("--soak-probe-prompt", action="store_true",
+                    help="the probes take the soak's probe prompt (the one its allowed_token_ids probe failed on)")
     args = ap.parse_args(argv)
     probes = tuple(p.strip() for p in args.probes.split(",") if p.strip())
     if "allowed" not in probes or not set(probes) <= set(PROBES):
@@ -230,7 +250,7 @@ def main(argv: list[str] | None = None) -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     res = run(args.engine, out, args.background, args.max_tokens, args.join_step, args.budget, probes, args.max_seqs,
-              args.abort_step)
+              args.abort_step, args.soak_probe_prompt)
     return 0 if res["allowed_all_inside"] else 1
 
 

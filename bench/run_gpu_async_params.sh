@@ -5,7 +5,7 @@
 #
 # bench/async_request_params.py three times, nearer the soak than its first run (eager, batch 8, not reproduced):
 # 64 sequences, 40 background requests, the probes allowed / logprobs / min_tokens / sampled / n3 joining the
-# running batch, two background requests aborted mid-run:
+# running batch on the soak's probe prompt (its no-spec answer is known), two background requests aborted mid-run:
 # 1. fullpw_async: full CUDA graphs with asynchronous scheduling (the soak's tfm server);
 # 2. fullpw_sync:  the same engine scheduling synchronously (the soak of section 53 passed this probe);
 # 3. eager_async:  eager with asynchronous scheduling (whether graphs matter).
@@ -25,7 +25,7 @@ gpu_setup "$W"
 export VLLM_ENABLE_V1_MULTIPROCESSING=0
 TOTAL_S=$(( ${ASYNC_PARAMS_TOTAL_S:-570} - ($(date +%s) - start) - 15 ))  # 15 s for the packing at the end
 gpu_steps_begin
-load=(--max-seqs 64 --background 40 --probes allowed,logprobs,min_tokens,sampled,n3 --abort-step 10)
+load=(--max-seqs 64 --background 40 --probes allowed,logprobs,min_tokens,sampled,n3 --abort-step 10 --soak-probe-prompt)
 OUT=$W gpu_step fullpw_async 240 python3 bench/async_request_params.py --out "$W" --engine tfm-fullpw-async "${load[@]}"
 OUT=$W gpu_step fullpw_sync 200 python3 bench/async_request_params.py --out "$W" --engine tfm-fullpw "${load[@]}"
 OUT=$W gpu_step eager_async 120 python3 bench/async_request_params.py --out "$W" --engine tfm-eager-async "${load[@]}"

@@ -358,6 +358,11 @@ def vocab_size(model_dir: str) -> int:
     return int(cfg["vocab_size"])
 
 
+def probe_prompt_of(prompts: sc.PromptSource) -> list[int]:
+    """The prompt every request-parameter probe of the soak phase takes (bench/async_request_params.py takes it too)."""
+    return prompts(random.Random(99), 24)
+
+
 def prompt_source(cfg: SoakConfig) -> tuple[sc.PromptSource, dict[str, Any]]:
     if cfg.random_models:
         v = vocab_size(cfg.target)
@@ -464,7 +469,7 @@ def phase_soak(
                            "env": env_info()}
     specs = sc.make_workload(cfg.requests, prompts, seed=cfg.seed, max_model_len=cfg.max_model_len)
     res["workload"] = _workload_stats(specs)
-    probe_prompt = prompts(random.Random(99), 24)
+    probe_prompt = probe_prompt_of(prompts)
     roles = [Role("tfm", cfg.port, True, cfg.kv_cache_bytes, cfg.max_model_len),
              Role("nospec", cfg.port + 1, False, cfg.kv_cache_bytes, cfg.max_model_len)]
     servers = [Server(r, launch(r, cfg), cfg.out, cwd=REPO, env=server_env(cfg, r)) for r in roles]
