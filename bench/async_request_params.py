@@ -182,7 +182,7 @@ def run(engine_name: str, out_dir: Path, background: int, max_tokens: int, join_
         p = {"prompt_token_ids": prompt}
         engine.add_request(rid, render(p) if render is not None else p, params)
 
-    fixed = g.prompts(len(json.loads(g.PROMPT_FILE.read_text())["prompts"]))
+    fixed = json.loads(g.PROMPT_FILE.read_text())["prompts"]  # all of the fixed zoo prompts, cycled
     ps = [fixed[i % len(fixed)] for i in range(background + 1)]
     if soak_prompt:
         ps[background] = soak_probe_prompt(str(g.ZOO / "target"))

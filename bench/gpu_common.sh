@@ -12,6 +12,16 @@ gpu_setup() {
   nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv,noheader || true
 }
 
+# gpu_call_begin DEFAULT_OUT: the start of a bounded GPU call (bench/run_gpu_async_check.sh, run_gpu_async_params.sh):
+# OUT (DEFAULT_OUT unless set), start (epoch seconds, before the setup), W=$OUT/work created, gpu_setup into it.
+gpu_call_begin() {
+  OUT=${OUT:-$1}
+  start=$(date +%s)
+  W="$OUT/work"
+  mkdir -p "$W"
+  gpu_setup "$W"
+}
+
 # gpu_sanitize LOGDIR CMD...: compute-sanitizer memcheck and racecheck on CMD (synchronous launches,
 # one cudaMalloc per tensor for exact bounds), LOGDIR/{memcheck,racecheck}.log; prints each tool's
 # exit code and summary; returns the last non-zero exit code (0 when both are clean).

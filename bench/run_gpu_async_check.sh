@@ -17,13 +17,9 @@
 # tool brings back at most 8 files.
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.." || exit 1
-OUT=${OUT:-/tmp/tfm-async-check}
-start=$(date +%s)
-W="$OUT/work"
-mkdir -p "$W"
 # shellcheck disable=SC1091
 source bench/gpu_common.sh
-gpu_setup "$W"
+gpu_call_begin /tmp/tfm-async-check
 # shellcheck disable=SC1091
 source bench/install_checkout.sh
 install_checkout "$W/pip.log" || echo "using the checkout on PYTHONPATH without entry points"

@@ -15,13 +15,9 @@
 # (/tmp/tfm-async-params otherwise) gets summary.txt, the three JSON files and logs.tgz.
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.." || exit 1
-OUT=${OUT:-/tmp/tfm-async-params}
-start=$(date +%s)
-W="$OUT/work"
-mkdir -p "$W"
 # shellcheck disable=SC1091
 source bench/gpu_common.sh
-gpu_setup "$W"
+gpu_call_begin /tmp/tfm-async-params
 export VLLM_ENABLE_V1_MULTIPROCESSING=0
 TOTAL_S=$(( ${ASYNC_PARAMS_TOTAL_S:-570} - ($(date +%s) - start) - 15 ))  # 15 s for the packing at the end
 gpu_steps_begin
