@@ -151,7 +151,8 @@ def install_recorder(records: list[dict[str, Any]]) -> None:
 
 def run(engine_name: str, out_dir: Path, background: int, max_tokens: int, join_step: int, budget: int,
         probes: tuple[str, ...] = DEFAULT_PROBES, max_seqs: int | None = None, abort_step: int | None = None,
-        soak_prompt: bool = False) -> dict[str, Any]:
+        soak_prompt: bool = False, abort_count: int = 2, replace_aborted: bool = False,
+        mask_fix: bool = True) -> dict[str, Any]:
     import gpu_graphs_e2e as g
 
     os.environ.update(g.ENGINES[engine_name].get("env") or {})
@@ -162,10 +163,17 @@ def run(engine_name: str, out_dir: Path, background: int, max_tokens: int, join_
     import vllm_tfm
 
     vllm_tfm.register()
+    if not mask_fix:  # vLLM's own InputBatch row moves (vllm_plugin/allowed_token_masks.py), to show what they do
+        from vllm.v1.worker.gpu_input_batch import InputBatch
+
+        from vllm_tfm.vllm_plugin import patching
+
+        patching.restore([f"{InputBatch.__module__}.InputBatch.{n}" for n in ("swap_states", "add_request")])
     records: list[dict[str, Any]] = []
     install_recorder(records)
     res: dict[str, Any] = {"engine": engine_name, "device": torch.cuda.get_device_name(0), "background": background,
-                           "max_tokens": max_tokens, "join_step": join_step, "probes": list(probes), "abort_step": abort_step}
+                           "max_tokens": max_tokens, "join_step": join_step, "probes": list(probes), "abort_step": abort_step,
+                           "abort_count": abort_count, "replace_aborted": replace_aborted, "mask_fix": mask_fix}
     kw = g.engine_kwargs(engine_name, str(g.ZOO / "target"), str(g.ZOO / "drafter"), budget)
     if max_seqs is not None:
         kw["max_num_seqs"] = max_seqs
@@ -177,8 +185,8 @@ def run(engine_name: str, out_dir: Path, background: int, max_tokens: int, join_
     render = getattr(llm, "_preprocess_cmpl_one", None)
 
     def add(rid: str, prompt: list[int], n_tokens: int, extra: dict[str, Any]) -> None:
-        params = SamplingParams(temperature=0.0, max_tokens=n_tokens, ignore_eos=True, detokenize=False,
-                                output_kind=RequestOutputKind.FINAL_ONLY, **extra)
+        params = SamplingParams(**{"temperature": 0.0, "max_tokens": n_tokens, "ignore_eos": True, "detokenize": False,
+                                   "output_kind": RequestOutputKind.FINAL_ONLY, **extra})  # a probe's own values win
         p = {"prompt_token_ids": prompt}
         engine.add_request(rid, render(p) if render is not None else p, params)
 
@@ -196,8 +204,11 @@ def run(engine_name: str, out_dir: Path, background: int, max_tokens: int, join_
         if steps == join_step:
             for name in probes:
                 add(f"probe-{name}", ps[background], PROBE_TOKENS, PROBES[name])
-        if steps == abort_step:  # the soak's disconnects: two running requests dropped
-            engine.abort_request([f"bg{i}" for i in range(min(2, background))])
+        if steps == abort_step:  # the soak's disconnects: running requests dropped (and new ones arriving)
+            dropped = [f"bg{i}" for i in range(min(abort_count, background))]
+            engine.abort_request(dropped)
+            for i in range(len(dropped) if replace_aborted else 0):  # prefills in the lowest slots: vLLM's
+                add(f"new{i}", fixed[(background + 1 + i) % len(fixed)], max_tokens, {})  # reorder moves the last rows
         for o in engine.step():
             if o.finished:
                 outputs[o.request_id] = list(o.outputs[0].token_ids)
@@ -214,7 +225,7 @@ def run(engine_name: str, out_dir: Path, background: int, max_tokens: int, join_
     if soak_prompt:  # the soak's no-spec server answered this (if this host's standard library is the soak's)
         res["allowed_equals_soak_nospec"] = allowed == list(SOAK_NOSPEC_ALLOWED)
     res["records"] = records
-    path = out_dir / f"async_request_params_{engine_name}.json"
+    path = out_dir / f"async_request_params_{engine_name}{'' if mask_fix else '-vllm-masks'}.json"
     path.write_text(json.dumps(res, indent=1) + "\n")
     print(json.dumps({k: v for k, v in res.items() if k != "records"}, indent=1))
     for rec in records:
@@ -233,7 +244,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--budget", type=int, default=16, help="num_speculative_tokens")
     ap.add_argument("--probes", default=",".join(DEFAULT_PROBES), help=f"comma-separated, of {', '.join(PROBES)}")
     ap.add_argument("--max-seqs", type=int, help="max_num_seqs instead of the engine's (bench/gpu_graphs_e2e.py: 8)")
-    ap.add_argument("--abort-step", type=int, help="abort two background requests before this engine step")
+    ap.add_argument("--abort-step", type=int, help="abort background requests before this engine step")
+    ap.add_argument("--abort-count", type=int, default=2, help="background requests aborted at --abort-step")
+    ap.add_argument("--replace-aborted", action="store_true",
+                    help="as many new requests arrive at --abort-step: vLLM puts them in the freed (lowest) slots, and "
+                         "its decode-first reorder then moves the batch's last rows (the probes) forward")
+    ap.add_argument("--without-mask-fix", action="store_true",
+                    help="undo vllm_plugin/allowed_token_masks.py in this process (vLLM 0.26's own row moves)")
     ap.add_argument("--soak-probe-prompt", action="store_true",
                     help="the probes take the soak's probe prompt (the one its allowed_token_ids probe failed on)")
     args = ap.parse_args(argv)
@@ -250,7 +267,7 @@ def main(argv: list[str] | None = None) -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     res = run(args.engine, out, args.background, args.max_tokens, args.join_step, args.budget, probes, args.max_seqs,
-              args.abort_step, args.soak_probe_prompt)
+              args.abort_step, args.soak_probe_prompt, args.abort_count, args.replace_aborted, not args.without_mask_fix)
     return 0 if res["allowed_all_inside"] else 1
 
 

@@ -12,6 +12,8 @@ the model-inspection subprocess), and exceptions it raises abort vLLM's start. I
    opted in); applied in every process, they change nothing for other methods;
 3. registers the text-only Qwen3.5 architectures as hybrid models (``models_registry``) and
    lets float32 GDN models prefill (``fp32_prefill``; vLLM 0.26's chunk kernel refuses float32);
+   keeps ``allowed_token_ids`` masks with their requests when vLLM's input batch moves rows
+   (``allowed_token_masks``: two vLLM 0.26 bugs, every engine of the process);
 4. calls ``vllm_tfm.vllm_plugin.runtime.install()`` when that package exists (the worker-side
    hooks: proposer, tree sampler, tree attention, GDN tree op, commit).
 """
@@ -62,6 +64,7 @@ def register() -> None:
             return
         check_vllm_version()
 
+        from .allowed_token_masks import install_allowed_token_masks
         from .async_scheduling import install_async_scheduling_patches
         from .config_patch import install_config_patches, install_direct_construction, install_predicate_patches
         from .fp32_prefill import install_fp32_prefill
@@ -76,6 +79,7 @@ def register() -> None:
         register_models()
         register_config_hooks()
         install_fp32_prefill()
+        install_allowed_token_masks()
         install_runtime()
         _REGISTERED = True
 
