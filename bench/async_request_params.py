@@ -1,13 +1,13 @@
 #!/usr/bin/env python3
 """Requests that need vLLM's own sampler, joining a running tfm batch (a debugging tool).
 
-Why (bench/NOTES.md section 54): in the serving soak with ``--async-scheduling``, the
+Why (bench/NOTES.md sections 54-55): in the serving soak with ``--async-scheduling``, the
 ``allowed_token_ids`` probe (ids 3..199, greedy, 12 tokens) got two tokens outside its allowed set
-(453, 349 where no-spec gave 70, 16; its first ten tokens are the masked ones: the unmasked greedy answer
-departs at the second), while the synchronous soak's same probe equals no-spec. A
-batch holding such a request must verify chains through vLLM's rejection sampler, which masks the
-vocabulary (``runtime/sampler.py`` ``needs_native_sampler``); a token outside the set comes from a step
-that did not, or from a mask that reached the request's rows misaligned.
+(453, 349 where no-spec gave 70, 16). A batch holding such a request verifies chains through vLLM's
+rejection sampler, which masks the vocabulary (``runtime/sampler.py`` ``needs_native_sampler``); a token
+outside the set comes from a step that did not, or from a mask that reached the request's rows misaligned.
+It was the second: vLLM 0.26's ``InputBatch.swap_states`` loses the mask of the row its decode-first reorder
+moves (``vllm_tfm/vllm_plugin/allowed_token_masks.py`` fixes it; ``--without-mask-fix`` undoes the fix here).
 
 Here, in one process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``) with one engine of
 bench/gpu_graphs_e2e.py (default ``tfm-eager-async``) on the toy zoo: background greedy requests (the
@@ -28,9 +28,12 @@ usage (GPU host, repository root, after ``source .gpu-bundle/install.sh`` and PY
         --probes allowed,logprobs,min_tokens,sampled,n3 --abort-step 10 --soak-probe-prompt
                                                         # nearer the soak: full graphs, load, aborts, its probe prompt
 
-Outcome so far (bench/NOTES.md section 54, ``bench/results/async_request_params_s54.json.gz``): the default run
-(eager, 6 background requests, batch 8) did not reproduce: every step holding the probe took vLLM's sampler with
-the mask, and all 12 tokens were inside the set.
+Outcomes (bench/NOTES.md sections 54-55, ``bench/results/async_request_params_s54.json.gz``, ``_s55.json.gz``):
+without new requests arriving, no run reproduced (eager batch 8; full graphs async and sync at 64 sequences).
+With ``--abort-count 8 --replace-aborted`` (new prefills take the freed lowest slots, the reorder moves the probes
+forward) and ``--without-mask-fix``, full graphs synchronous and asynchronous both failed: the probe moved from
+row 40 to row 1, whose mask row was no longer the probe's, and vLLM's sampler gave 421. With the fix the same
+run answered the soak's no-spec tokens.
 """
 
 from __future__ import annotations
@@ -98,6 +101,12 @@ def culprit(records: list[dict[str, Any]], emitted_before: int) -> dict[str, Any
             return rec
         seen += len(got)
     return None
+
+
+def request_params(n_tokens: int, extra: dict[str, Any]) -> dict[str, Any]:
+    """SamplingParams fields of a request: greedy, ``n_tokens`` tokens, no EOS stop, no text; a probe's ``extra``
+    (its temperature, seed, ...) wins over the greedy defaults."""
+    return {"temperature": 0.0, "max_tokens": n_tokens, "ignore_eos": True, "detokenize": False, **extra}
 
 
 def mask_row_is_allowed(mask: Any, row: int) -> bool | None:
@@ -185,8 +194,7 @@ def run(engine_name: str, out_dir: Path, background: int, max_tokens: int, join_
     render = getattr(llm, "_preprocess_cmpl_one", None)
 
     def add(rid: str, prompt: list[int], n_tokens: int, extra: dict[str, Any]) -> None:
-        params = SamplingParams(**{"temperature": 0.0, "max_tokens": n_tokens, "ignore_eos": True, "detokenize": False,
-                                   "output_kind": RequestOutputKind.FINAL_ONLY, **extra})  # a probe's own values win
+        params = SamplingParams(**request_params(n_tokens, extra), output_kind=RequestOutputKind.FINAL_ONLY)
         p = {"prompt_token_ids": prompt}
         engine.add_request(rid, render(p) if render is not None else p, params)
 

@@ -48,3 +48,16 @@ def test_the_mask_row_check_reads_vllms_convention() -> None:
     assert arp.mask_row_is_allowed(mask, 1) is True
     assert arp.mask_row_is_allowed(mask, 2) is False and arp.mask_row_is_allowed(mask, 0) is False
     assert arp.mask_row_is_allowed(mask, 3) is None and arp.mask_row_is_allowed(None, 0) is None
+
+
+def test_every_probe_builds_vllm_sampling_params_with_its_own_values() -> None:
+    import pytest
+
+    pytest.importorskip("vllm")
+    from vllm import SamplingParams
+
+    for name, extra in arp.PROBES.items():
+        params = SamplingParams(**arp.request_params(12, extra))  # the probe's temperature replaces the greedy default
+        assert params.max_tokens == 12 and params.ignore_eos
+        assert params.temperature == extra.get("temperature", 0.0), name
+    assert SamplingParams(**arp.request_params(12, arp.PROBES["allowed"])).allowed_token_ids == list(range(3, 200))

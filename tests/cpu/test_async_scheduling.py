@@ -57,7 +57,7 @@ def test_tfm_engines_schedule_synchronously_unless_opted_in(env: Any, monkeypatc
     with pytest.raises(pydantic.ValidationError) as info:
         engine_config(env, True)
     assert (f"method 'tfm' runs with synchronous scheduling: drop async_scheduling=True (the development switch "
-            f"{ASYNC_ENV}=1 allows it; its serving soak failed a check, bench/NOTES.md section 54)") in str(info.value)
+            f"{ASYNC_ENV}=1 allows it; its preemption soak has not run yet, bench/NOTES.md section 55)") in str(info.value)
     monkeypatch.setenv(ASYNC_ENV, "1")
     config = engine_config(env, True)
     assert config.scheduler_config.async_scheduling is True and config.speculative_config.method == "tfm"

@@ -56,7 +56,7 @@ def test_the_async_engine_asks_for_asynchronous_scheduling_with_the_opt_in(sessi
     assert env == {"VLLM_TFM_ASYNC_SCHEDULING": "1"}
     a = EngineArgs(**kw)
     monkeypatch.delenv("VLLM_TFM_ASYNC_SCHEDULING", raising=False)
-    with pytest.raises(ValueError, match="the development switch VLLM_TFM_ASYNC_SCHEDULING=1 allows it; its serving soak failed a check"):
+    with pytest.raises(ValueError, match="the development switch VLLM_TFM_ASYNC_SCHEDULING=1 allows it; its preemption soak has not run yet"):
         a.create_speculative_config(a.create_model_config(), ParallelConfig())
     monkeypatch.setenv(*next(iter(env.items())))  # what run_engine puts into the environment first
     assert a.create_speculative_config(a.create_model_config(), ParallelConfig()).method == "tfm"

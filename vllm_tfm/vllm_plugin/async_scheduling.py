@@ -1,4 +1,4 @@
-"""vLLM's asynchronous scheduling (``--async-scheduling``) for method 'tfm': a development switch (its serving soak failed a check).
+"""vLLM's asynchronous scheduling (``--async-scheduling``) for method 'tfm': a development switch (its preemption soak has not run yet).
 
 With asynchronous scheduling the engine schedules step N + 1 while the GPU still runs step N: the
 scheduler gives every decode B placeholder drafts and counts them as accepted, and the model
@@ -41,8 +41,12 @@ asynchronous, gives no-spec's greedy tokens on the zoo at batch 8, batch 1 and w
 batches (section 52, on an H100). At the 27B shape it decodes 4.9% more tokens/s at batch 1 and the same at batch
 8 (section 53). Its serving soak (section 54, ``bench/run_gpu_soak.sh soak --cuda-graphs --async-scheduling``,
 on an H100) passed every check but one: a request with ``allowed_token_ids`` got two tokens outside its allowed
-ids (a step holding it took the tree sampler, which applies no vocabulary mask, instead of vLLM's, or vLLM's mask
-reached its rows misaligned); ``bench/async_request_params.py`` did not reproduce it eager at batch 8. The opt-in stays a development switch until that is found and fixed.
+ids. The cause was vLLM's, not tfm's nor asynchrony's (section 55): vLLM 0.26's ``InputBatch.swap_states`` loses
+the allowed-token mask of a request its decode-first reorder moves, which synchronous engines hit as well
+(``bench/async_request_params.py --replace-aborted --without-mask-fix`` reproduces it in both); the plugin fixes it
+(``allowed_token_masks.py``), and a shortened asynchronous soak with the fix passed its probes, greedy comparisons
+and memory checks. The opt-in stays a development switch until the preemption soak
+(``bench/run_gpu_soak.sh preempt --async-scheduling``) has run.
 """
 
 from __future__ import annotations
@@ -80,7 +84,7 @@ def check_async_request(async_scheduling: bool | None) -> None:
     if async_scheduling is True and not async_opt_in():
         raise ValueError(
             "method 'tfm' runs with synchronous scheduling: drop async_scheduling=True (the development switch "
-            f"{ASYNC_SCHEDULING_ENV}=1 allows it; its serving soak failed a check, bench/NOTES.md section 54)"
+            f"{ASYNC_SCHEDULING_ENV}=1 allows it; its preemption soak has not run yet, bench/NOTES.md section 55)"
         )
 
 
@@ -104,7 +108,7 @@ def _make_post_init(original: Callable[[Any], Any]) -> Callable[[Any], Any]:
                             "development switch: --async-scheduling with %s=1)", ASYNC_SCHEDULING_ENV)
             elif wanted:
                 logger.warning("vllm-tfm: asynchronous scheduling is on for method 'tfm' (%s=1): for development only, "
-                               "its serving soak failed a check (bench/NOTES.md section 54)",
+                               "its preemption soak has not run yet (bench/NOTES.md section 55)",
                                ASYNC_SCHEDULING_ENV)
         return original(self)
 
