@@ -376,6 +376,8 @@ def forward_gdn(x: StepInputs, step: Any) -> None:
 def make_sampler(x: StepInputs, mode: str) -> tuple[Any, Any, Any]:
     from vllm_tfm.vllm_plugin.benchmark_mode import ReplaySpec
     from vllm_tfm.vllm_plugin.runtime.replay import AcceptanceReplayer
+    from _sampling_fakes import sampling_metadata  # tests/cpu: a batch that needs no vLLM sampler
+
     from vllm_tfm.vllm_plugin.runtime.sampler import TFMTreeSampler
 
     temp = 0.0 if mode == "greedy" else 1.0
@@ -390,9 +392,7 @@ def make_sampler(x: StepInputs, mode: str) -> tuple[Any, Any, Any]:
     sampler = TFMTreeSampler(torch.nn.Identity(), runner, replay=replay)
     md = SimpleNamespace(num_draft_tokens=[x.budget] * x.r, draft_token_ids=x.tokens.reshape(-1).to(torch.int32).to(x.device),
                          max_spec_len=x.budget)
-    smd = SimpleNamespace(top_k=None, top_p=None, generators={},
-                          logitsprocs=SimpleNamespace(argmax_invariant=[], non_argmax_invariant=[]))
-    return sampler, md, smd
+    return sampler, md, sampling_metadata()
 
 
 def commit_runner(x: StepInputs) -> Any:

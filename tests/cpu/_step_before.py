@@ -217,7 +217,7 @@ def sample_before(sampler: Any, metadata: Any, logits: Tensor, sampling_metadata
     from vllm_tfm.vllm_plugin.runtime.state import STATE
 
     step = STATE.step
-    sampler._check(step, metadata, logits)
+    sampler._check(step, metadata, logits, sampling_metadata)
     batch = sampler._runner[0].input_batch
     r = step.num_reqs
     min_p = None

@@ -13,6 +13,7 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
+from _sampling_fakes import sampling_metadata
 
 from vllm_tfm.verify.acceptance_profile import (
     AcceptanceProfile,
@@ -172,8 +173,7 @@ def test_tree_sampler_replays_spec_requests_after_the_real_verification(monkeypa
                                                seed=0, spine_top1=None), "cpu")
         runner = SimpleNamespace(input_batch=SimpleNamespace(temperature_cpu=np.zeros(3, dtype=np.float32),
                                                              top_k_cpu=np.full(3, 100), top_p_cpu=np.ones(3, dtype=np.float32)))
-        smd = SimpleNamespace(top_k=None, top_p=None, generators={},
-                              logitsprocs=SimpleNamespace(argmax_invariant=[], non_argmax_invariant=[]))
+        smd = sampling_metadata()
         md = SimpleNamespace(num_draft_tokens=list(step.num_draft), draft_token_ids=torch.tensor([5, 6, 7, 1, 2, 3]),
                              max_spec_len=3)
         out = sampler_mod.TFMTreeSampler(torch.nn.Identity(), runner, replay=replay)(md, None, logits, smd)

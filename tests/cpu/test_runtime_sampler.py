@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 import torch
 
+from _sampling_fakes import sampling_metadata
 from _trees import path_of, random_tree_parents
 from vllm_tfm.vllm_plugin.runtime.inputs import build_step_tree
 from vllm_tfm.vllm_plugin.runtime.metrics import Metrics
@@ -109,33 +110,20 @@ def test_metrics_histogram_counts_accepted_drafts():
     assert snap["tree_steps"] == 1 and snap["steps"] == 1
 
 
-def sampling_md(**kw):
-    base = dict(
-        no_penalties=True,
-        bad_words_token_ids={},
-        allowed_token_ids_mask=None,
-        max_num_logprobs=None,
-        logitsprocs=SimpleNamespace(non_argmax_invariant=[], argmax_invariant=[]),
-        thinking_budget_state_holder=None,
-    )
-    base.update(kw)
-    return SimpleNamespace(**base)
-
-
 def test_needs_native_sampler_triggers():
-    assert not needs_native_sampler(sampling_md())
-    assert needs_native_sampler(sampling_md(no_penalties=False))
-    assert needs_native_sampler(sampling_md(bad_words_token_ids={0: [[3]]}))
-    assert needs_native_sampler(sampling_md(allowed_token_ids_mask=torch.zeros(1, 2, dtype=torch.bool)))
-    assert needs_native_sampler(sampling_md(max_num_logprobs=0))
+    assert not needs_native_sampler(sampling_metadata())
+    assert needs_native_sampler(sampling_metadata(no_penalties=False))
+    assert needs_native_sampler(sampling_metadata(bad_words_token_ids={0: [[3]]}))
+    assert needs_native_sampler(sampling_metadata(allowed_token_ids_mask=torch.zeros(1, 2, dtype=torch.bool)))
+    assert needs_native_sampler(sampling_metadata(max_num_logprobs=0))
     idle_min_tokens = SimpleNamespace(min_toks={})
     busy_min_tokens = SimpleNamespace(min_toks={0: (3, [], set())})
     procs = lambda p: SimpleNamespace(non_argmax_invariant=[p], argmax_invariant=[])  # noqa: E731
-    assert not needs_native_sampler(sampling_md(logitsprocs=procs(idle_min_tokens)))
-    assert needs_native_sampler(sampling_md(logitsprocs=procs(busy_min_tokens)))
-    assert needs_native_sampler(sampling_md(logitsprocs=procs(object())))  # unknown processor
+    assert not needs_native_sampler(sampling_metadata(logitsprocs=procs(idle_min_tokens)))
+    assert needs_native_sampler(sampling_metadata(logitsprocs=procs(busy_min_tokens)))
+    assert needs_native_sampler(sampling_metadata(logitsprocs=procs(object())))  # unknown processor
     holder = SimpleNamespace(has_tracked_requests=lambda: True)
-    assert needs_native_sampler(sampling_md(thinking_budget_state_holder=holder))
+    assert needs_native_sampler(sampling_metadata(thinking_budget_state_holder=holder))
 
 
 def test_tree_sampling_params_from_vllm_arrays():

@@ -14,6 +14,7 @@ import torch
 pytest.importorskip("vllm")
 pytestmark = pytest.mark.vllm
 
+from _sampling_fakes import sampling_metadata  # noqa: E402
 from _trees import path_of, random_tree_parents  # noqa: E402
 from vllm.model_executor.layers.mamba.gdn.qwen_gdn_linear_attn import QwenGatedDeltaNetAttention  # noqa: E402
 from vllm.v1.attention.backends.gdn_attn import GDNAttentionMetadata  # noqa: E402
@@ -375,11 +376,6 @@ def fake_runner(num_req):
     return SimpleNamespace(input_batch=batch)
 
 
-def sampling_metadata():
-    return SimpleNamespace(top_k=None, top_p=None, generators={},
-                           logitsprocs=SimpleNamespace(argmax_invariant=[], non_argmax_invariant=[]))
-
-
 class Recorder(torch.nn.Module):
     def __init__(self):
         super().__init__()
@@ -413,6 +409,12 @@ def test_sampler_verifies_trees_and_checks_the_metadata():
     assert STATE.step.accept.accepted_nodes[0, 0].item() == 2
     with pytest.raises(RuntimeError, match="does not match the tree metadata"):
         sampler(SimpleNamespace(num_draft_tokens=[3, 2], draft_token_ids=None, max_spec_len=3), None, logits, None)
+    # a batch that needs vLLM's own sampler (here an allowed-token mask) reaching a tree step: refused, not verified
+    masked = sampling_metadata(allowed_token_ids_mask=torch.zeros(2, 10, dtype=torch.bool))
+    with pytest.raises(RuntimeError, match="a tree-verified step's batch needs vLLM's own sampler"):
+        sampler(md, None, logits, masked)
+    with pytest.raises(RuntimeError, match="a tree-verified step's batch needs vLLM's own sampler"):
+        sampler(md, None, logits, sampling_metadata(max_num_logprobs=2))
 
 
 # ---------------------------------------------------------------- GDN glue

@@ -15,6 +15,7 @@ import _step_before as before
 import numpy as np
 import pytest
 import torch
+from _sampling_fakes import sampling_metadata
 from _trees import TREE_KINDS, path_of, random_tree_parents
 
 from vllm_tfm.tree.types import TreeBatch
@@ -402,8 +403,7 @@ def test_runtime_sampler_matches(name, kinds, prefill, sampling):
         logits = torch.randn(int(step.sample_cu[-1]), 11, generator=g) * 2
         sampler = runtime_sampler(num_req, temps, sampling == "replay", B)
         md = SimpleNamespace(num_draft_tokens=step.num_draft.tolist(), draft_token_ids=drafts, max_spec_len=B)
-        smd = SimpleNamespace(top_k=torch.ones(1), top_p=torch.ones(1), generators={},
-                              logitsprocs=SimpleNamespace(argmax_invariant=[], non_argmax_invariant=[]))
+        smd = sampling_metadata(top_k=torch.ones(1), top_p=torch.ones(1))
         STATE.metrics = Metrics(max_depth=B)
         STATE.step = step
         torch.manual_seed(11)

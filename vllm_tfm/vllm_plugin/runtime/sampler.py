@@ -104,17 +104,23 @@ class TFMTreeSampler(nn.Module):
         step = STATE.step
         if step is None or not step.tree_active:
             return self.inner(metadata, draft_probs, logits, sampling_metadata)
-        self._check(step, metadata, logits)
+        self._check(step, metadata, logits, sampling_metadata)
         return self._verify(step, metadata, logits, sampling_metadata)
 
     @staticmethod
-    def _check(step: StepTree, metadata: Any, logits: Tensor) -> None:
+    def _check(step: StepTree, metadata: Any, logits: Tensor, sampling_metadata: Any) -> None:
         drafts = list(metadata.num_draft_tokens)
         if drafts != step.num_draft.tolist() or logits.shape[0] != int(step.sample_cu[-1]):
             raise RuntimeError(
                 "vllm-tfm: the spec-decode metadata of this step does not match the tree metadata "
                 f"(drafts {drafts} vs {step.num_draft.tolist()}, logits rows {logits.shape[0]} vs "
                 f"{int(step.sample_cu[-1])}); the step cannot be verified"
+            )
+        if needs_native_sampler(sampling_metadata):  # the step was built as a tree step for a batch that needed none
+            raise RuntimeError(
+                "vllm-tfm: a tree-verified step's batch needs vLLM's own sampler (penalties, bad words, allowed "
+                "tokens, logprobs or a logits processor) that the step's preparation did not see; the step cannot "
+                "be verified"
             )
 
     def _verify(self, step: StepTree, metadata: Any, logits: Tensor, sampling_metadata: Any) -> Any:
