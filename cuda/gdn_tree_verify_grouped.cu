@@ -34,7 +34,7 @@
 //            G6_SOLVE = 0: the level-by-level forward substitution, a CTA barrier per tree level.
 //
 // Compile-time constants (NVRTC -D): TFM_IN (must be 1, bfloat16), GDN_K, GDN_V, GDN_GROUP, G6_THREADS,
-// G6_SOLVE, G6_PATH_REG, G6_CLUSTER.
+// G6_SOLVE, G6_PATH_REG, G6_CLUSTER, G6_OVERLAP (a timing experiment, off by default).
 // The plan (vllm_tfm/kernels/plan.py) and the state layout (V-first [slot, HV, V, K], read only)
 // are those of the other versions.
 #include "tfm_mma.cuh"
@@ -104,6 +104,16 @@ static_assert(G6_CLUSTER == 1 || G6_CLUSTER == 2 || G6_CLUSTER == 4 || G6_CLUSTE
 #endif
 #define G6_BV 16        // V columns per value head and CTA
 #define G6_DS G6_BV     // floats per D / O row
+// Phase overlap (timing experiment, bench/NOTES.md section 55; -DG6_OVERLAP=1 through extra_options, never the
+// default): the gram and the projections are latency-bound (a work item or two per warp, dependent chains), so
+// each warp's first projection item runs its k-loop inside the same loop as its first gram tile, before B2, its
+// accumulators held in registers until its epilogue after B3 (which needs e^G). S0's parts are split before B1
+// for that. With the projections' k-loops done, phase 2b takes every thread after B3 instead of the warps
+// without a phase-3 item. Items past the first G6_WARPS run after B3 as before. Path solve only.
+#ifndef G6_OVERLAP
+#define G6_OVERLAP 0
+#endif
+static_assert(G6_OVERLAP == 0 || (G6_OVERLAP == 1 && G6_SOLVE == 1), "G6_OVERLAP: 0, or 1 with the path solve");
 // Floats between two value heads' D (and O) blocks past their n16 rows: 16 puts the same row of
 // consecutive heads in opposite halves of the 32 banks, so phase 4's float4 row loads of two heads
 // in one quarter warp do not conflict (bench/NOTES.md section 34). -DG6_DPAD=0: timing only.
@@ -233,6 +243,83 @@ __device__ __forceinline__ void g6_store_row(tin* __restrict__ o, float* __restr
   if (delta_out != nullptr) *reinterpret_cast<float4*>(delta_out + orow) = dl;
 }
 
+#define G6_S0_F4 (GDN_GROUP * G6_BV * (GDN_K / 4))             // float4 pieces of the CTA's S0 rows
+#define G6_S0_PER ((G6_S0_F4 + G6_THREADS - 1) / G6_THREADS)  // per thread, in registers
+
+// The CTA's S0 rows (thread tid's pieces, g6_s0_piece) to shared memory as bfloat16 parts:
+// [part][t][row][KP], part 0 = lo, 1 = mid, 2 = hi.
+__device__ __forceinline__ void g6_split_s0(const float4 (&s0r)[G6_S0_PER], u16* s0, int tid) {
+  constexpr int PART = GDN_GROUP * G6_BV * G6_KP;
+#pragma unroll
+  for (int u = 0; u < G6_S0_PER; ++u) {
+    const int idx = tid + u * G6_THREADS;
+    if (idx < G6_S0_F4) {
+      int t, row, c4;
+      g6_s0_piece(idx, t, row, c4);
+      const float xs[4] = {s0r[u].x, s0r[u].y, s0r[u].z, s0r[u].w};
+      u16 hi[4], mid[4], lo[4];
+#pragma unroll
+      for (int c = 0; c < 4; ++c) g6_split3(xs[c], hi[c], mid[c], lo[c]);
+      const int off = (t * G6_BV + row) * G6_KP + c4;
+      uint2 w;
+      w.x = (u32)lo[0] | ((u32)lo[1] << 16); w.y = (u32)lo[2] | ((u32)lo[3] << 16);
+      *reinterpret_cast<uint2*>(s0 + off) = w;
+      w.x = (u32)mid[0] | ((u32)mid[1] << 16); w.y = (u32)mid[2] | ((u32)mid[3] << 16);
+      *reinterpret_cast<uint2*>(s0 + PART + off) = w;
+      w.x = (u32)hi[0] | ((u32)hi[1] << 16); w.y = (u32)hi[2] | ((u32)hi[3] << 16);
+      *reinterpret_cast<uint2*>(s0 + 2 * PART + off) = w;
+    }
+  }
+}
+
+// One k-step of 16 of a gram tile (row tile a's k and q rows, column tile b's k rows): three ldmatrix, four mma.
+__device__ __forceinline__ void g6_gram_kstep(const u16* __restrict__ qs, const u16* __restrict__ ks, int k0, int arow,
+                                              int acol, int brow, int bcol, float (&ck)[2][4], float (&cq)[2][4]) {
+  u32 fk[4], fq[4], fb[4];
+  ldsm_x4(fk, ks + arow * G6_KP + k0 + acol);
+  ldsm_x4(fq, qs + arow * G6_KP + k0 + acol);
+  ldsm_x4(fb, ks + brow * G6_KP + k0 + bcol);
+  mma_16816<true>(ck[0], fk, fb[0], fb[1]);
+  mma_16816<true>(ck[1], fk, fb[2], fb[3]);
+  mma_16816<true>(cq[0], fq, fb[0], fb[1]);
+  mma_16816<true>(cq[1], fq, fb[2], fb[3]);
+}
+
+// One k-step of 16 of a phase-3 item (two 16-row tiles a0, a0 + 1 of q and k, value head t): four ldmatrix of the
+// q/k tiles, then per S0 part (lo, mid, hi: small terms first) one ldmatrix and eight mma.
+// acc[tile][q, k][n8][element].
+__device__ __forceinline__ void g6_proj_kstep(const u16* __restrict__ qs, const u16* __restrict__ ks,
+                                              const u16* __restrict__ s0, int k0, int a0, bool two, int t, int lane,
+                                              float (&acc)[2][2][2][4]) {
+  constexpr int PART = GDN_GROUP * G6_BV * G6_KP;
+  const int acol = (lane >> 4) * 8;
+  const int brow = t * G6_BV + (lane & 7) + ((lane >> 4) << 3), bcol = ((lane >> 3) & 1) * 8;
+  u32 fa[2][2][4];
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    if (r == 0 || two) {
+      const int arow = (a0 + r) * 16 + (lane & 15);
+      ldsm_x4(fa[r][0], qs + arow * G6_KP + k0 + acol);
+      ldsm_x4(fa[r][1], ks + arow * G6_KP + k0 + acol);
+    }
+  }
+#pragma unroll
+  for (int part = 3 - GDN_S0_PARTS; part < 3; ++part) {
+    u32 fb[4];
+    ldsm_x4(fb, s0 + part * PART + brow * G6_KP + k0 + bcol);
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      if (r == 0 || two) {
+#pragma unroll
+        for (int jb = 0; jb < 2; ++jb) {
+          mma_16816<true>(acc[r][jb][0], fa[r][jb], fb[0], fb[1]);
+          mma_16816<true>(acc[r][jb][1], fa[r][jb], fb[2], fb[3]);
+        }
+      }
+    }
+  }
+}
+
 // p (this CTA's shared memory) in cluster CTA `rank`; p itself without clusters.
 template <typename T>
 __device__ __forceinline__ T* g6_peer(T* p, int rank) {
@@ -318,14 +405,13 @@ gdn_tree_verify_grouped(const tin* __restrict__ q, const tin* __restrict__ k, co
   }
   cp_async_commit();
   // S0 rows v0 .. v0 + 15 of each value head: whole rows per warp (coalesced), held in registers
-  // until the end of phase 1 splits them (their DRAM latency overlaps the norms and the gram).
-  constexpr int S0_F4 = GDN_GROUP * G6_BV * (GDN_K / 4);
-  constexpr int S0_PER = (S0_F4 + G6_THREADS - 1) / G6_THREADS;
-  float4 s0r[S0_PER];
+  // until the end of phase 1 splits them (their DRAM latency overlaps the norms and the gram; with
+  // G6_OVERLAP, until just before B1).
+  float4 s0r[G6_S0_PER];
 #pragma unroll
-  for (int u = 0; u < S0_PER; ++u) {
+  for (int u = 0; u < G6_S0_PER; ++u) {
     const int idx = tid + u * G6_THREADS;
-    if (idx < S0_F4) {
+    if (idx < G6_S0_F4) {
       int t, row, c4;
       g6_s0_piece(idx, t, row, c4);
       s0r[u] = (GDN_PROFILE_SKIP & 32) ? make_float4(0.f, 0.f, 0.f, 0.f)
@@ -347,6 +433,9 @@ gdn_tree_verify_grouped(const tin* __restrict__ q, const tin* __restrict__ k, co
     }
   }
   if (!G6_SOLVE && tid == 0) sm.poff_p[n] = cnt;
+#if G6_OVERLAP
+  g6_split_s0(s0r, sm.s0, tid);  // before B1: the projections' k-loops run beside the gram
+#endif
   cp_async_wait<0>();
   __syncthreads();  // B1: rows and tables visible
   mark(1);
@@ -386,6 +475,22 @@ gdn_tree_verify_grouped(const tin* __restrict__ q, const tin* __restrict__ k, co
 #if G6_CLUSTER > 1
   cluster_wait();  // every CTA of the cluster has started
 #endif
+#if G6_OVERLAP
+  // this warp's first phase-3 item (it = warp, as phase 3 numbers them): its k-loop runs with the warp's
+  // first gram tile (or alone after the tiles), its accumulators held until the epilogue after B3
+  const int pe_t = warp % GDN_GROUP, pe_a0 = (warp / GDN_GROUP) * 2;
+  const bool pe_two = pe_a0 + 1 < n16 / 16;
+  bool pe_done = warp >= ((n16 / 16 + 1) / 2) * GDN_GROUP || (GDN_PROFILE_SKIP & 2);
+  float pacc[2][2][2][4];
+#pragma unroll
+  for (int r = 0; r < 2; ++r)
+#pragma unroll
+    for (int jb = 0; jb < 2; ++jb)
+#pragma unroll
+      for (int j = 0; j < 2; ++j)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) pacc[r][jb][j][e] = 0.f;
+#endif
   {
     const int nb = n16 / 16;
     const int tiles = nb * (nb + 1) / 2;
@@ -401,17 +506,19 @@ gdn_tree_verify_grouped(const tin* __restrict__ q, const tin* __restrict__ k, co
         for (int e = 0; e < 4; ++e) { ck[j][e] = 0.f; cq[j][e] = 0.f; }
       const int arow = a * 16 + (lane & 15), acol = (lane >> 4) * 8;
       const int brow = b * 16 + (lane & 7) + ((lane >> 4) << 3), bcol = ((lane >> 3) & 1) * 8;
+#if G6_OVERLAP
+      if (!pe_done && !(GDN_PROFILE_SKIP & 128)) {  // this warp's first tile and its early phase-3 item together
+#pragma unroll 1
+        for (int k0 = 0; k0 < GDN_K; k0 += 16) {
+          g6_gram_kstep(sm.qs, sm.ks, k0, arow, acol, brow, bcol, ck, cq);
+          g6_proj_kstep(sm.qs, sm.ks, sm.s0, k0, pe_a0, pe_two, pe_t, lane, pacc);
+        }
+        pe_done = true;
+      } else
+#endif
 #pragma unroll 4
-      for (int k0 = 0; k0 < ((GDN_PROFILE_SKIP & 128) ? 0 : GDN_K); k0 += 16) {
-        u32 fk[4], fq[4], fb[4];
-        ldsm_x4(fk, sm.ks + arow * G6_KP + k0 + acol);
-        ldsm_x4(fq, sm.qs + arow * G6_KP + k0 + acol);
-        ldsm_x4(fb, sm.ks + brow * G6_KP + k0 + bcol);
-        mma_16816<true>(ck[0], fk, fb[0], fb[1]);
-        mma_16816<true>(ck[1], fk, fb[2], fb[3]);
-        mma_16816<true>(cq[0], fq, fb[0], fb[1]);
-        mma_16816<true>(cq[1], fq, fb[2], fb[3]);
-      }
+      for (int k0 = 0; k0 < ((GDN_PROFILE_SKIP & 128) ? 0 : GDN_K); k0 += 16)
+        g6_gram_kstep(sm.qs, sm.ks, k0, arow, acol, brow, bcol, ck, cq);
       // keep the ancestor pairs: j is i's ancestor iff i's path entry at depth(j) is j. Branch-free
       // table loads at clamped indices (two rounds of 8 independent loads per lane), then the stores.
       {
@@ -468,32 +575,20 @@ gdn_tree_verify_grouped(const tin* __restrict__ q, const tin* __restrict__ k, co
       }
     }
   }
+#if G6_OVERLAP
+  if (!pe_done) {  // a warp without a gram tile
+#pragma unroll 1
+    for (int k0 = 0; k0 < GDN_K; k0 += 16) g6_proj_kstep(sm.qs, sm.ks, sm.s0, k0, pe_a0, pe_two, pe_t, lane, pacc);
+  }
+#endif
 #if G6_CLUSTER > 1
   cluster_arrive();  // this CTA's pair products and norm scales are in every CTA of the cluster
 #endif
-  // S0 parts to shared memory: [part][t][row][KP], part 0 = lo, 1 = mid, 2 = hi (between the cluster
-  // barrier's arrival and its wait: work of this CTA alone)
+  // S0 parts to shared memory (between the cluster barrier's arrival and its wait: work of this CTA alone)
+#if !G6_OVERLAP
+  g6_split_s0(s0r, sm.s0, tid);
+#endif
   constexpr int PART = GDN_GROUP * G6_BV * G6_KP;
-#pragma unroll
-  for (int u = 0; u < S0_PER; ++u) {
-    const int idx = tid + u * G6_THREADS;
-    if (idx < S0_F4) {
-      int t, row, c4;
-      g6_s0_piece(idx, t, row, c4);
-      const float xs[4] = {s0r[u].x, s0r[u].y, s0r[u].z, s0r[u].w};
-      u16 hi[4], mid[4], lo[4];
-#pragma unroll
-      for (int c = 0; c < 4; ++c) g6_split3(xs[c], hi[c], mid[c], lo[c]);
-      const int off = (t * G6_BV + row) * G6_KP + c4;
-      uint2 w;
-      w.x = (u32)lo[0] | ((u32)lo[1] << 16); w.y = (u32)lo[2] | ((u32)lo[3] << 16);
-      *reinterpret_cast<uint2*>(sm.s0 + off) = w;
-      w.x = (u32)mid[0] | ((u32)mid[1] << 16); w.y = (u32)mid[2] | ((u32)mid[3] << 16);
-      *reinterpret_cast<uint2*>(sm.s0 + PART + off) = w;
-      w.x = (u32)hi[0] | ((u32)hi[1] << 16); w.y = (u32)hi[2] | ((u32)hi[3] << 16);
-      *reinterpret_cast<uint2*>(sm.s0 + 2 * PART + off) = w;
-    }
-  }
 #if G6_CLUSTER > 1
   cluster_wait();  // B2 over the cluster: all pair products and norm scales visible
 #else
@@ -545,7 +640,7 @@ gdn_tree_verify_grouped(const tin* __restrict__ q, const tin* __restrict__ k, co
   // sections 33-34), from the last thread down; when every warp has a phase-3 item, to all threads.
   {
     const int p3_items = ((n16 / 16 + 1) / 2) * GDN_GROUP;  // phase 3's work items, a warp each
-    const int b2_threads = G6_THREADS - (p3_items < G6_WARPS ? p3_items * 32 : 0);
+    const int b2_threads = G6_OVERLAP ? G6_THREADS : G6_THREADS - (p3_items < G6_WARPS ? p3_items * 32 : 0);
     const int c0 = G6_THREADS - 1 - tid;
     const int b2_end = (c0 < b2_threads && !(GDN_PROFILE_SKIP & (8 | 256))) ? n * GDN_GROUP : 0;
     for (int c = c0; c < b2_end; c += b2_threads) {
@@ -624,35 +719,25 @@ gdn_tree_verify_grouped(const tin* __restrict__ q, const tin* __restrict__ k, co
           for (int j = 0; j < 2; ++j)
 #pragma unroll
             for (int e = 0; e < 4; ++e) acc[r][jb][j][e] = 0.f;
-      const int acol = (lane >> 4) * 8;
-      const int brow = t * G6_BV + (lane & 7) + ((lane >> 4) << 3), bcol = ((lane >> 3) & 1) * 8;
-#pragma unroll 1
-      for (int k0 = 0; k0 < ((GDN_PROFILE_SKIP & 2) ? 0 : GDN_K); k0 += 16) {
-        u32 fa[2][2][4];
+#if G6_OVERLAP
+      const bool early = it < G6_WARPS;  // this warp's first item: its k-loop ran beside the gram (pacc)
+      if (early) {
 #pragma unroll
-        for (int r = 0; r < 2; ++r) {
-          if (r == 0 || two) {
-            const int arow = (a0 + r) * 16 + (lane & 15);
-            ldsm_x4(fa[r][0], sm.qs + arow * G6_KP + k0 + acol);
-            ldsm_x4(fa[r][1], sm.ks + arow * G6_KP + k0 + acol);
-          }
-        }
+        for (int r = 0; r < 2; ++r)
 #pragma unroll
-        for (int part = 3 - GDN_S0_PARTS; part < 3; ++part) {
-          u32 fb[4];
-          ldsm_x4(fb, sm.s0 + part * PART + brow * G6_KP + k0 + bcol);
+          for (int jb = 0; jb < 2; ++jb)
 #pragma unroll
-          for (int r = 0; r < 2; ++r) {
-            if (r == 0 || two) {
+            for (int j = 0; j < 2; ++j)
 #pragma unroll
-              for (int jb = 0; jb < 2; ++jb) {
-                mma_16816<true>(acc[r][jb][0], fa[r][jb], fb[0], fb[1]);
-                mma_16816<true>(acc[r][jb][1], fa[r][jb], fb[2], fb[3]);
-              }
-            }
-          }
-        }
+              for (int e = 0; e < 4; ++e) acc[r][jb][j][e] = pacc[r][jb][j][e];
       }
+#pragma unroll 1
+      for (int k0 = 0; k0 < ((GDN_PROFILE_SKIP & 2) || early ? 0 : GDN_K); k0 += 16)
+#else
+#pragma unroll 1
+      for (int k0 = 0; k0 < ((GDN_PROFILE_SKIP & 2) ? 0 : GDN_K); k0 += 16)
+#endif
+        g6_proj_kstep(sm.qs, sm.ks, sm.s0, k0, a0, two, t, lane, acc);
       // R = beta (v - e^G rk K S0^T) and e^G rq Q S0^T; element e of tile j: row fg (+8), column 8 j + 2 ft + (e & 1)
 #pragma unroll
       for (int r = 0; r < 2; ++r) {

@@ -268,6 +268,30 @@ def test_v6_cluster_equals_no_cluster_bit_for_bit(emulated):
             assert torch.equal(o, outs[0][0]) and torch.equal(d, outs[0][1]), (threads, cluster)
 
 
+def test_v6_phase_overlap_equals_the_default_bit_for_bit(emulated):
+    # -DG6_OVERLAP=1 (a timing experiment, bench/NOTES.md section 55): each warp's first projection item runs its
+    # k-loop beside its first gram tile (or alone, for a warp without one), held in registers until B3; phase 2b
+    # takes every thread. Each item's arithmetic is the default's: identical outputs. Cases: items past the
+    # first G6_WARPS (the 150-node tree at 8 warps), warps and cluster CTAs without a gram tile (the single node),
+    # clusters of 1 and 2, 256 and 512 threads
+    trees = [_random_tree(150, _g(40)), torch.arange(-1, 16), torch.tensor([-1]), torch.tensor([-1] + [0] * 20)]
+    c = _case(trees, 2, 4, 32, 128, torch.bfloat16, seed=41)
+    plan = TreePlan.build(c["parents"], c["cu_nodes"])
+    c64 = {k: v.double() if v.is_floating_point() else v for k, v in c.items()}
+    o_ref, d_ref = ref_gdn.gdn_tree_verify(**c64, return_delta=True)
+    for threads, cluster in ((256, 1), (256, 2), (512, 2)):
+        outs = []
+        for overlap in (0, 1):
+            launches, o, d = kgdn.verify_launches(plan, c["q"], c["k"], c["v"], c["g"], c["beta"], c["ssm_state"],
+                                                  c["state_indices"], return_delta=True, variant=6, threads6=threads,
+                                                  extra_options=(f"-DG6_CLUSTER={cluster}", f"-DG6_OVERLAP={overlap}"))
+            for _, fn in launches:
+                fn()
+            outs.append((o, d))
+        assert torch.equal(outs[1][0], outs[0][0]) and torch.equal(outs[1][1], outs[0][1]), (threads, cluster)
+        assert _rel(outs[1][0], o_ref) <= 3e-3 and _rel(outs[1][1], d_ref) <= 1e-5
+
+
 def test_v6_cluster_choice():
     n128 = TreePlan.build(_random_tree(128, _g(32)), torch.tensor([0, 128]))
     n80 = TreePlan.build(_random_tree(80, _g(33)), torch.tensor([0, 80]))
