@@ -246,30 +246,38 @@ __device__ __forceinline__ void g6_store_row(tin* __restrict__ o, float* __restr
 #define G6_S0_F4 (GDN_GROUP * G6_BV * (GDN_K / 4))             // float4 pieces of the CTA's S0 rows
 #define G6_S0_PER ((G6_S0_F4 + G6_THREADS - 1) / G6_THREADS)  // per thread, in registers
 
-// The CTA's S0 rows (thread tid's pieces, g6_s0_piece) to shared memory as bfloat16 parts:
-// [part][t][row][KP], part 0 = lo, 1 = mid, 2 = hi.
-__device__ __forceinline__ void g6_split_s0(const float4 (&s0r)[G6_S0_PER], u16* s0, int tid) {
-  constexpr int PART = GDN_GROUP * G6_BV * G6_KP;
+// f(u, t, row, c4) for each of thread tid's float4 pieces u of the CTA's S0 rows (g6_s0_piece).
+template <typename F>
+__device__ __forceinline__ void g6_s0_pieces(int tid, F&& f) {
 #pragma unroll
   for (int u = 0; u < G6_S0_PER; ++u) {
     const int idx = tid + u * G6_THREADS;
     if (idx < G6_S0_F4) {
       int t, row, c4;
       g6_s0_piece(idx, t, row, c4);
-      const float xs[4] = {s0r[u].x, s0r[u].y, s0r[u].z, s0r[u].w};
-      u16 hi[4], mid[4], lo[4];
-#pragma unroll
-      for (int c = 0; c < 4; ++c) g6_split3(xs[c], hi[c], mid[c], lo[c]);
-      const int off = (t * G6_BV + row) * G6_KP + c4;
-      uint2 w;
-      w.x = (u32)lo[0] | ((u32)lo[1] << 16); w.y = (u32)lo[2] | ((u32)lo[3] << 16);
-      *reinterpret_cast<uint2*>(s0 + off) = w;
-      w.x = (u32)mid[0] | ((u32)mid[1] << 16); w.y = (u32)mid[2] | ((u32)mid[3] << 16);
-      *reinterpret_cast<uint2*>(s0 + PART + off) = w;
-      w.x = (u32)hi[0] | ((u32)hi[1] << 16); w.y = (u32)hi[2] | ((u32)hi[3] << 16);
-      *reinterpret_cast<uint2*>(s0 + 2 * PART + off) = w;
+      f(u, t, row, c4);
     }
   }
+}
+
+// The CTA's S0 rows (thread tid's pieces) to shared memory as bfloat16 parts:
+// [part][t][row][KP], part 0 = lo, 1 = mid, 2 = hi.
+__device__ __forceinline__ void g6_split_s0(const float4 (&s0r)[G6_S0_PER], u16* s0, int tid) {
+  constexpr int PART = GDN_GROUP * G6_BV * G6_KP;
+  g6_s0_pieces(tid, [&](int u, int t, int row, int c4) {
+    const float xs[4] = {s0r[u].x, s0r[u].y, s0r[u].z, s0r[u].w};
+    u16 hi[4], mid[4], lo[4];
+#pragma unroll
+    for (int c = 0; c < 4; ++c) g6_split3(xs[c], hi[c], mid[c], lo[c]);
+    const int off = (t * G6_BV + row) * G6_KP + c4;
+    uint2 w;
+    w.x = (u32)lo[0] | ((u32)lo[1] << 16); w.y = (u32)lo[2] | ((u32)lo[3] << 16);
+    *reinterpret_cast<uint2*>(s0 + off) = w;
+    w.x = (u32)mid[0] | ((u32)mid[1] << 16); w.y = (u32)mid[2] | ((u32)mid[3] << 16);
+    *reinterpret_cast<uint2*>(s0 + PART + off) = w;
+    w.x = (u32)hi[0] | ((u32)hi[1] << 16); w.y = (u32)hi[2] | ((u32)hi[3] << 16);
+    *reinterpret_cast<uint2*>(s0 + 2 * PART + off) = w;
+  });
 }
 
 // One k-step of 16 of a gram tile (row tile a's k and q rows, column tile b's k rows): three ldmatrix, four mma.
@@ -283,6 +291,18 @@ __device__ __forceinline__ void g6_gram_kstep(const u16* __restrict__ qs, const 
   mma_16816<true>(ck[1], fk, fb[2], fb[3]);
   mma_16816<true>(cq[0], fq, fb[0], fb[1]);
   mma_16816<true>(cq[1], fq, fb[2], fb[3]);
+}
+
+// A phase-3 item's accumulators acc[tile][q, k][n8][element]: zeros, or a copy of src.
+__device__ __forceinline__ void g6_proj_set(float (&acc)[2][2][2][4], const float (*src)[2][2][2][4]) {
+#pragma unroll
+  for (int r = 0; r < 2; ++r)
+#pragma unroll
+    for (int jb = 0; jb < 2; ++jb)
+#pragma unroll
+      for (int j = 0; j < 2; ++j)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) acc[r][jb][j][e] = src != nullptr ? (*src)[r][jb][j][e] : 0.f;
 }
 
 // One k-step of 16 of a phase-3 item (two 16-row tiles a0, a0 + 1 of q and k, value head t): four ldmatrix of the
@@ -408,17 +428,11 @@ gdn_tree_verify_grouped(const tin* __restrict__ q, const tin* __restrict__ k, co
   // until the end of phase 1 splits them (their DRAM latency overlaps the norms and the gram; with
   // G6_OVERLAP, until just before B1).
   float4 s0r[G6_S0_PER];
-#pragma unroll
-  for (int u = 0; u < G6_S0_PER; ++u) {
-    const int idx = tid + u * G6_THREADS;
-    if (idx < G6_S0_F4) {
-      int t, row, c4;
-      g6_s0_piece(idx, t, row, c4);
-      s0r[u] = (GDN_PROFILE_SKIP & 32) ? make_float4(0.f, 0.f, 0.f, 0.f)
-                                         : *reinterpret_cast<const float4*>(state + slot * st_slot + (i64)(hv0 + t) * st_head +
-                                                                            (i64)(v0 + row) * st_v + c4);
-    }
-  }
+  g6_s0_pieces(tid, [&](int u, int t, int row, int c4) {
+    s0r[u] = (GDN_PROFILE_SKIP & 32) ? make_float4(0.f, 0.f, 0.f, 0.f)
+                                       : *reinterpret_cast<const float4*>(state + slot * st_slot + (i64)(hv0 + t) * st_head +
+                                                                          (i64)(v0 + row) * st_v + c4);
+  });
   // plan tables by local node (pairs, paths) and, G6_SOLVE 0, by level position (the level solve)
   for (int p = tid; p < n; p += G6_THREADS) {
     const int node = perm[bos + p] - bos;
@@ -482,14 +496,7 @@ gdn_tree_verify_grouped(const tin* __restrict__ q, const tin* __restrict__ k, co
   const bool pe_two = pe_a0 + 1 < n16 / 16;
   bool pe_done = warp >= ((n16 / 16 + 1) / 2) * GDN_GROUP || (GDN_PROFILE_SKIP & 2);
   float pacc[2][2][2][4];
-#pragma unroll
-  for (int r = 0; r < 2; ++r)
-#pragma unroll
-    for (int jb = 0; jb < 2; ++jb)
-#pragma unroll
-      for (int j = 0; j < 2; ++j)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) pacc[r][jb][j][e] = 0.f;
+  g6_proj_set(pacc, nullptr);
 #endif
   {
     const int nb = n16 / 16;
@@ -711,29 +718,16 @@ gdn_tree_verify_grouped(const tin* __restrict__ q, const tin* __restrict__ k, co
       const int t = it % GDN_GROUP, a0 = (it / GDN_GROUP) * 2;
       const bool two = a0 + 1 < nb;  // warp-uniform: the pair's second tile exists
       float acc[2][2][2][4];  // [tile][q, k][n8][element]
-#pragma unroll
-      for (int r = 0; r < 2; ++r)
-#pragma unroll
-        for (int jb = 0; jb < 2; ++jb)
-#pragma unroll
-          for (int j = 0; j < 2; ++j)
-#pragma unroll
-            for (int e = 0; e < 4; ++e) acc[r][jb][j][e] = 0.f;
 #if G6_OVERLAP
       const bool early = it < G6_WARPS;  // this warp's first item: its k-loop ran beside the gram (pacc)
-      if (early) {
-#pragma unroll
-        for (int r = 0; r < 2; ++r)
-#pragma unroll
-          for (int jb = 0; jb < 2; ++jb)
-#pragma unroll
-            for (int j = 0; j < 2; ++j)
-#pragma unroll
-              for (int e = 0; e < 4; ++e) acc[r][jb][j][e] = pacc[r][jb][j][e];
-      }
+      if (early)
+        g6_proj_set(acc, &pacc);
+      else
+        g6_proj_set(acc, nullptr);
 #pragma unroll 1
       for (int k0 = 0; k0 < ((GDN_PROFILE_SKIP & 2) || early ? 0 : GDN_K); k0 += 16)
 #else
+      g6_proj_set(acc, nullptr);
 #pragma unroll 1
       for (int k0 = 0; k0 < ((GDN_PROFILE_SKIP & 2) ? 0 : GDN_K); k0 += 16)
 #endif
