@@ -57,6 +57,26 @@ def _run(c, plan, variant=6, return_delta=True):
     return o, d
 
 
+def _launch6(c, plan, **kw):
+    """Version 6 through ``verify_launches`` (keyword arguments: threads6, extra_options), every launch run;
+    (kernel names, o, delta)."""
+    launches, o, d = kgdn.verify_launches(plan, c["q"], c["k"], c["v"], c["g"], c["beta"], c["ssm_state"],
+                                          c["state_indices"], return_delta=True, variant=6, **kw)
+    for _, fn in launches:
+        fn()
+    return [name for name, _ in launches], o, d
+
+
+def _four_trees_v128(tree_seed, seed):
+    """A 150-node random tree, a chain of 17, a single node and a star of 21 at 2 q/k heads, 4 value heads,
+    K = 32, V = 128 (8 V slices: clusters up to 8): (case, plan, o and delta of the float64 reference)."""
+    trees = [_random_tree(150, _g(tree_seed)), torch.arange(-1, 16), torch.tensor([-1]), torch.tensor([-1] + [0] * 20)]
+    c = _case(trees, 2, 4, 32, 128, torch.bfloat16, seed=seed)
+    c64 = {k: v.double() if v.is_floating_point() else v for k, v in c.items()}
+    o_ref, d_ref = ref_gdn.gdn_tree_verify(**c64, return_delta=True)
+    return c, TreePlan.build(c["parents"], c["cu_nodes"]), o_ref, d_ref
+
+
 # (name, trees, h, hv, K, V, state index dtype)
 CASES = [
     ("k128_group3_random_chain_single", [_random_tree(40, _g(1)), torch.arange(-1, 9), torch.tensor([-1])], 1, 3, 128,
@@ -211,11 +231,8 @@ def test_v6_path_solve_equals_level_solve(emulated):
     o_ref, d_ref = ref_gdn.gdn_tree_verify(**c64, return_delta=True)
     res = []
     for opts in (("-DG6_SOLVE=1",), ("-DG6_SOLVE=0",)):
-        launches, o, d = kgdn.verify_launches(plan, c["q"], c["k"], c["v"], c["g"], c["beta"], c["ssm_state"],
-                                              c["state_indices"], return_delta=True, variant=6, extra_options=opts)
-        assert [name for name, _ in launches] == ["gdn_tree_verify_grouped"]
-        for _, fn in launches:
-            fn()
+        names, o, d = _launch6(c, plan, extra_options=opts)
+        assert names == ["gdn_tree_verify_grouped"]
         assert _rel(o, o_ref) <= 3e-3 and _rel(d, d_ref) <= 1e-5, (opts, _rel(o, o_ref), _rel(d, d_ref))
         res.append((o, d))
     assert _rel(res[0][1], res[1][1]) <= 1e-6, _rel(res[0][1], res[1][1])
@@ -229,10 +246,7 @@ def test_v6_with_256_threads_equals_512_bit_for_bit(emulated):
     outs = []
     for threads in (256, 512):
         emulated.clear()
-        launches, o, d = kgdn.verify_launches(plan, c["q"], c["k"], c["v"], c["g"], c["beta"], c["ssm_state"],
-                                              c["state_indices"], return_delta=True, variant=6, threads6=threads)
-        for _, fn in launches:
-            fn()
+        _, o, d = _launch6(c, plan, threads6=threads)
         assert [(name, grid) for name, grid, _ in emulated] == [("gdn_tree_verify_grouped", (2, 1, 3))]
         outs.append((o, d))
     assert torch.equal(outs[0][0], outs[1][0]) and torch.equal(outs[0][1], outs[1][1])
@@ -246,20 +260,12 @@ def test_v6_cluster_equals_no_cluster_bit_for_bit(emulated):
     # every CTA's shared memory (distributed shared memory, emulated as concurrent blocks). Same tiles, same
     # arithmetic: the outputs of every cluster size equal those without one, bit for bit, at 256 threads (8
     # warps: 78 tiles of the 150-node tree are several rounds per CTA) and 512; each against float64 too
-    trees = [_random_tree(150, _g(30)), torch.arange(-1, 16), torch.tensor([-1]), torch.tensor([-1] + [0] * 20)]
-    c = _case(trees, 2, 4, 32, 128, torch.bfloat16, seed=31)
-    plan = TreePlan.build(c["parents"], c["cu_nodes"])
-    c64 = {k: v.double() if v.is_floating_point() else v for k, v in c.items()}
-    o_ref, d_ref = ref_gdn.gdn_tree_verify(**c64, return_delta=True)
+    c, plan, o_ref, d_ref = _four_trees_v128(30, 31)
     for threads, clusters in ((256, (1, 2, 4, 8)), (512, (1, 4))):
         outs = []
         for cluster in clusters:
             emulated.clear()
-            launches, o, d = kgdn.verify_launches(plan, c["q"], c["k"], c["v"], c["g"], c["beta"], c["ssm_state"],
-                                                  c["state_indices"], return_delta=True, variant=6, threads6=threads,
-                                                  extra_options=(f"-DG6_CLUSTER={cluster}",))
-            for _, fn in launches:
-                fn()
+            _, o, d = _launch6(c, plan, threads6=threads, extra_options=(f"-DG6_CLUSTER={cluster}",))
             assert [(name, grid) for name, grid, _ in emulated] == [("gdn_tree_verify_grouped", (8, 2, 4))]
             assert emulated.clusters == [cluster]
             outs.append((o, d))
@@ -274,19 +280,12 @@ def test_v6_phase_overlap_equals_the_default_bit_for_bit(emulated):
     # takes every thread. Each item's arithmetic is the default's: identical outputs. Cases: items past the
     # first G6_WARPS (the 150-node tree at 8 warps), warps and cluster CTAs without a gram tile (the single node),
     # clusters of 1 and 2, 256 and 512 threads
-    trees = [_random_tree(150, _g(40)), torch.arange(-1, 16), torch.tensor([-1]), torch.tensor([-1] + [0] * 20)]
-    c = _case(trees, 2, 4, 32, 128, torch.bfloat16, seed=41)
-    plan = TreePlan.build(c["parents"], c["cu_nodes"])
-    c64 = {k: v.double() if v.is_floating_point() else v for k, v in c.items()}
-    o_ref, d_ref = ref_gdn.gdn_tree_verify(**c64, return_delta=True)
+    c, plan, o_ref, d_ref = _four_trees_v128(40, 41)
     for threads, cluster in ((256, 1), (256, 2), (512, 2)):
         outs = []
         for overlap in (0, 1):
-            launches, o, d = kgdn.verify_launches(plan, c["q"], c["k"], c["v"], c["g"], c["beta"], c["ssm_state"],
-                                                  c["state_indices"], return_delta=True, variant=6, threads6=threads,
-                                                  extra_options=(f"-DG6_CLUSTER={cluster}", f"-DG6_OVERLAP={overlap}"))
-            for _, fn in launches:
-                fn()
+            _, o, d = _launch6(c, plan, threads6=threads,
+                               extra_options=(f"-DG6_CLUSTER={cluster}", f"-DG6_OVERLAP={overlap}"))
             outs.append((o, d))
         assert torch.equal(outs[1][0], outs[0][0]) and torch.equal(outs[1][1], outs[0][1]), (threads, cluster)
         assert _rel(outs[1][0], o_ref) <= 3e-3 and _rel(outs[1][1], d_ref) <= 1e-5

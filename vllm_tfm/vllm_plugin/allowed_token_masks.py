@@ -23,7 +23,9 @@ lose a mask:
 Patched here, once per process (``patching``), for every engine of the process (the fixes are
 vLLM's intended behaviour, so no-spec engines in a process with the plugin get them too):
 
-* ``InputBatch.swap_states``: the original, then both rows written from copies taken before it;
+* ``InputBatch.swap_states``: the original, then both rows written from copies taken before it (while
+  some request of the batch has ``allowed_token_ids``; otherwise every active row is clear and the
+  swap needs no copies: a vocabulary-wide row is ~250 KB at Qwen3.5's vocabulary);
 * ``InputBatch.add_request``: the original, then the new slot's row cleared when the request has
   no ``allowed_token_ids`` and the mask exists.
 """
@@ -43,11 +45,12 @@ def _make_swap_states(original: Callable[..., Any]) -> Callable[..., Any]:
     @functools.wraps(original)
     def swap_states(self: Any, i1: int, i2: int) -> None:
         mask = self.allowed_token_ids_mask_cpu_tensor
-        rows = None if mask is None else (mask[i1].clone(), mask[i2].clone())
+        if mask is None or not self.has_allowed_token_ids:  # every active row clear (add_request below): no copies
+            return original(self, i1, i2)
+        rows = (mask[i1].clone(), mask[i2].clone())
         original(self, i1, i2)
-        if rows is not None:
-            mask[i1].copy_(rows[1])
-            mask[i2].copy_(rows[0])
+        mask[i1].copy_(rows[1])
+        mask[i2].copy_(rows[0])
 
     return swap_states
 
