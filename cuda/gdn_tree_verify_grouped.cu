@@ -34,7 +34,7 @@
 //            G6_SOLVE = 0: the level-by-level forward substitution, a CTA barrier per tree level.
 //
 // Compile-time constants (NVRTC -D): TFM_IN (must be 1, bfloat16), GDN_K, GDN_V, GDN_GROUP, G6_THREADS,
-// G6_SOLVE, G6_PATH_REG, G6_CLUSTER, G6_OVERLAP (a timing experiment, off by default).
+// G6_SOLVE, G6_PATH_REG, G6_CLUSTER.
 // The plan (vllm_tfm/kernels/plan.py) and the state layout (V-first [slot, HV, V, K], read only)
 // are those of the other versions.
 #include "tfm_mma.cuh"
@@ -104,16 +104,6 @@ static_assert(G6_CLUSTER == 1 || G6_CLUSTER == 2 || G6_CLUSTER == 4 || G6_CLUSTE
 #endif
 #define G6_BV 16        // V columns per value head and CTA
 #define G6_DS G6_BV     // floats per D / O row
-// Phase overlap (timing experiment, bench/NOTES.md section 55; -DG6_OVERLAP=1 through extra_options, never the
-// default): the gram and the projections are latency-bound (a work item or two per warp, dependent chains), so
-// each warp's first projection item runs its k-loop inside the same loop as its first gram tile, before B2, its
-// accumulators held in registers until its epilogue after B3 (which needs e^G). S0's parts are split before B1
-// for that. With the projections' k-loops done, phase 2b takes every thread after B3 instead of the warps
-// without a phase-3 item. Items past the first G6_WARPS run after B3 as before. Path solve only.
-#ifndef G6_OVERLAP
-#define G6_OVERLAP 0
-#endif
-static_assert(G6_OVERLAP == 0 || (G6_OVERLAP == 1 && G6_SOLVE == 1), "G6_OVERLAP: 0, or 1 with the path solve");
 // Floats between two value heads' D (and O) blocks past their n16 rows: 16 puts the same row of
 // consecutive heads in opposite halves of the 32 banks, so phase 4's float4 row loads of two heads
 // in one quarter warp do not conflict (bench/NOTES.md section 34). -DG6_DPAD=0: timing only.
@@ -293,8 +283,8 @@ __device__ __forceinline__ void g6_gram_kstep(const u16* __restrict__ qs, const 
   mma_16816<true>(cq[1], fq, fb[2], fb[3]);
 }
 
-// A phase-3 item's accumulators acc[tile][q, k][n8][element]: zeros, or a copy of src.
-__device__ __forceinline__ void g6_proj_set(float (&acc)[2][2][2][4], const float (*src)[2][2][2][4]) {
+// A phase-3 item's accumulators acc[tile][q, k][n8][element], zeroed.
+__device__ __forceinline__ void g6_proj_zero(float (&acc)[2][2][2][4]) {
 #pragma unroll
   for (int r = 0; r < 2; ++r)
 #pragma unroll
@@ -302,7 +292,7 @@ __device__ __forceinline__ void g6_proj_set(float (&acc)[2][2][2][4], const floa
 #pragma unroll
       for (int j = 0; j < 2; ++j)
 #pragma unroll
-        for (int e = 0; e < 4; ++e) acc[r][jb][j][e] = src != nullptr ? (*src)[r][jb][j][e] : 0.f;
+        for (int e = 0; e < 4; ++e) acc[r][jb][j][e] = 0.f;
 }
 
 // One k-step of 16 of a phase-3 item (two 16-row tiles a0, a0 + 1 of q and k, value head t): four ldmatrix of the
@@ -425,8 +415,7 @@ gdn_tree_verify_grouped(const tin* __restrict__ q, const tin* __restrict__ k, co
   }
   cp_async_commit();
   // S0 rows v0 .. v0 + 15 of each value head: whole rows per warp (coalesced), held in registers
-  // until the end of phase 1 splits them (their DRAM latency overlaps the norms and the gram; with
-  // G6_OVERLAP, until just before B1).
+  // until the end of phase 1 splits them (their DRAM latency overlaps the norms and the gram).
   float4 s0r[G6_S0_PER];
   g6_s0_pieces(tid, [&](int u, int t, int row, int c4) {
     s0r[u] = (GDN_PROFILE_SKIP & 32) ? make_float4(0.f, 0.f, 0.f, 0.f)
@@ -447,9 +436,6 @@ gdn_tree_verify_grouped(const tin* __restrict__ q, const tin* __restrict__ k, co
     }
   }
   if (!G6_SOLVE && tid == 0) sm.poff_p[n] = cnt;
-#if G6_OVERLAP
-  g6_split_s0(s0r, sm.s0, tid);  // before B1: the projections' k-loops run beside the gram
-#endif
   cp_async_wait<0>();
   __syncthreads();  // B1: rows and tables visible
   mark(1);
@@ -489,15 +475,6 @@ gdn_tree_verify_grouped(const tin* __restrict__ q, const tin* __restrict__ k, co
 #if G6_CLUSTER > 1
   cluster_wait();  // every CTA of the cluster has started
 #endif
-#if G6_OVERLAP
-  // this warp's first phase-3 item (it = warp, as phase 3 numbers them): its k-loop runs with the warp's
-  // first gram tile (or alone after the tiles), its accumulators held until the epilogue after B3
-  const int pe_t = warp % GDN_GROUP, pe_a0 = (warp / GDN_GROUP) * 2;
-  const bool pe_two = pe_a0 + 1 < n16 / 16;
-  bool pe_done = warp >= ((n16 / 16 + 1) / 2) * GDN_GROUP || (GDN_PROFILE_SKIP & 2);
-  float pacc[2][2][2][4];
-  g6_proj_set(pacc, nullptr);
-#endif
   {
     const int nb = n16 / 16;
     const int tiles = nb * (nb + 1) / 2;
@@ -513,16 +490,6 @@ gdn_tree_verify_grouped(const tin* __restrict__ q, const tin* __restrict__ k, co
         for (int e = 0; e < 4; ++e) { ck[j][e] = 0.f; cq[j][e] = 0.f; }
       const int arow = a * 16 + (lane & 15), acol = (lane >> 4) * 8;
       const int brow = b * 16 + (lane & 7) + ((lane >> 4) << 3), bcol = ((lane >> 3) & 1) * 8;
-#if G6_OVERLAP
-      if (!pe_done && !(GDN_PROFILE_SKIP & 128)) {  // this warp's first tile and its early phase-3 item together
-#pragma unroll 1
-        for (int k0 = 0; k0 < GDN_K; k0 += 16) {
-          g6_gram_kstep(sm.qs, sm.ks, k0, arow, acol, brow, bcol, ck, cq);
-          g6_proj_kstep(sm.qs, sm.ks, sm.s0, k0, pe_a0, pe_two, pe_t, lane, pacc);
-        }
-        pe_done = true;
-      } else
-#endif
 #pragma unroll 4
       for (int k0 = 0; k0 < ((GDN_PROFILE_SKIP & 128) ? 0 : GDN_K); k0 += 16)
         g6_gram_kstep(sm.qs, sm.ks, k0, arow, acol, brow, bcol, ck, cq);
@@ -582,19 +549,11 @@ gdn_tree_verify_grouped(const tin* __restrict__ q, const tin* __restrict__ k, co
       }
     }
   }
-#if G6_OVERLAP
-  if (!pe_done) {  // a warp without a gram tile
-#pragma unroll 1
-    for (int k0 = 0; k0 < GDN_K; k0 += 16) g6_proj_kstep(sm.qs, sm.ks, sm.s0, k0, pe_a0, pe_two, pe_t, lane, pacc);
-  }
-#endif
 #if G6_CLUSTER > 1
   cluster_arrive();  // this CTA's pair products and norm scales are in every CTA of the cluster
 #endif
   // S0 parts to shared memory (between the cluster barrier's arrival and its wait: work of this CTA alone)
-#if !G6_OVERLAP
   g6_split_s0(s0r, sm.s0, tid);
-#endif
   constexpr int PART = GDN_GROUP * G6_BV * G6_KP;
 #if G6_CLUSTER > 1
   cluster_wait();  // B2 over the cluster: all pair products and norm scales visible
@@ -647,7 +606,7 @@ gdn_tree_verify_grouped(const tin* __restrict__ q, const tin* __restrict__ k, co
   // sections 33-34), from the last thread down; when every warp has a phase-3 item, to all threads.
   {
     const int p3_items = ((n16 / 16 + 1) / 2) * GDN_GROUP;  // phase 3's work items, a warp each
-    const int b2_threads = G6_OVERLAP ? G6_THREADS : G6_THREADS - (p3_items < G6_WARPS ? p3_items * 32 : 0);
+    const int b2_threads = G6_THREADS - (p3_items < G6_WARPS ? p3_items * 32 : 0);
     const int c0 = G6_THREADS - 1 - tid;
     const int b2_end = (c0 < b2_threads && !(GDN_PROFILE_SKIP & (8 | 256))) ? n * GDN_GROUP : 0;
     for (int c = c0; c < b2_end; c += b2_threads) {
@@ -718,19 +677,9 @@ gdn_tree_verify_grouped(const tin* __restrict__ q, const tin* __restrict__ k, co
       const int t = it % GDN_GROUP, a0 = (it / GDN_GROUP) * 2;
       const bool two = a0 + 1 < nb;  // warp-uniform: the pair's second tile exists
       float acc[2][2][2][4];  // [tile][q, k][n8][element]
-#if G6_OVERLAP
-      const bool early = it < G6_WARPS;  // this warp's first item: its k-loop ran beside the gram (pacc)
-      if (early)
-        g6_proj_set(acc, &pacc);
-      else
-        g6_proj_set(acc, nullptr);
-#pragma unroll 1
-      for (int k0 = 0; k0 < ((GDN_PROFILE_SKIP & 2) || early ? 0 : GDN_K); k0 += 16)
-#else
-      g6_proj_set(acc, nullptr);
+      g6_proj_zero(acc);
 #pragma unroll 1
       for (int k0 = 0; k0 < ((GDN_PROFILE_SKIP & 2) ? 0 : GDN_K); k0 += 16)
-#endif
         g6_proj_kstep(sm.qs, sm.ks, sm.s0, k0, a0, two, t, lane, acc);
       // R = beta (v - e^G rk K S0^T) and e^G rq Q S0^T; element e of tile j: row fg (+8), column 8 j + 2 ft + (e & 1)
 #pragma unroll

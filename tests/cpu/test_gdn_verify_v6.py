@@ -274,23 +274,6 @@ def test_v6_cluster_equals_no_cluster_bit_for_bit(emulated):
             assert torch.equal(o, outs[0][0]) and torch.equal(d, outs[0][1]), (threads, cluster)
 
 
-def test_v6_phase_overlap_equals_the_default_bit_for_bit(emulated):
-    # -DG6_OVERLAP=1 (a timing experiment, bench/NOTES.md section 55): each warp's first projection item runs its
-    # k-loop beside its first gram tile (or alone, for a warp without one), held in registers until B3; phase 2b
-    # takes every thread. Each item's arithmetic is the default's: identical outputs. Cases: items past the
-    # first G6_WARPS (the 150-node tree at 8 warps), warps and cluster CTAs without a gram tile (the single node),
-    # clusters of 1 and 2, 256 and 512 threads
-    c, plan, o_ref, d_ref = _four_trees_v128(40, 41)
-    for threads, cluster in ((256, 1), (256, 2), (512, 2)):
-        outs = []
-        for overlap in (0, 1):
-            _, o, d = _launch6(c, plan, threads6=threads,
-                               extra_options=(f"-DG6_CLUSTER={cluster}", f"-DG6_OVERLAP={overlap}"))
-            outs.append((o, d))
-        assert torch.equal(outs[1][0], outs[0][0]) and torch.equal(outs[1][1], outs[0][1]), (threads, cluster)
-        assert _rel(outs[1][0], o_ref) <= 3e-3 and _rel(outs[1][1], d_ref) <= 1e-5
-
-
 def test_v6_cluster_choice():
     n128 = TreePlan.build(_random_tree(128, _g(32)), torch.tensor([0, 128]))
     n80 = TreePlan.build(_random_tree(80, _g(33)), torch.tensor([0, 80]))

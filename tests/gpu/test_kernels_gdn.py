@@ -252,30 +252,6 @@ def test_verify_v6_cluster_equals_no_cluster_bit_for_bit(name, threads):
         assert torch.equal(o, outs[0][0]) and torch.equal(d, outs[0][1]), cl
 
 
-@pytest.mark.parametrize("threads, cluster", [(512, 2), (256, 1)])
-@pytest.mark.parametrize("name", ["mixed_batch", "n128"])
-def test_verify_v6_phase_overlap_equals_the_default_bit_for_bit(name, threads, cluster):
-    # -DG6_OVERLAP=1 (timing experiment, bench/NOTES.md section 55): the projections' k-loops beside the gram,
-    # phase 2b on every thread; each item's arithmetic is the default's, so the outputs are identical (27B group)
-    gen = _seeded(len(name) + 70)
-    trees = [random_tree(128, gen), random_tree(100, gen)] if name == "n128" else TREE_SETS[name](gen)
-    c = make_case(trees, h=2, hv=6, dtype=torch.bfloat16, seed=71)
-    plan = TreePlan.build(c["parents"], c["cu_nodes"])
-    outs = []
-    for overlap in (0, 1):
-        launches, o, d = kgdn.verify_launches(plan, c["q"], c["k"], c["v"], c["g"], c["beta"], c["ssm_state"],
-                                              c["state_indices"], return_delta=True, variant=6, threads6=threads,
-                                              extra_options=(f"-DG6_CLUSTER={cluster}", f"-DG6_OVERLAP={overlap}"))
-        o.fill_(float("nan"))
-        d.fill_(float("nan"))
-        launches[0][1]()
-        torch.cuda.synchronize()
-        outs.append((o, d))
-    assert torch.equal(outs[1][0], outs[0][0]) and torch.equal(outs[1][1], outs[0][1])
-    o_ref, d_ref = reference(c)
-    assert rel(outs[1][0], o_ref) <= HALF_TOL and rel(outs[1][1], d_ref) <= FP32_TOL
-
-
 @pytest.mark.parametrize("variant", [4, 5])
 @pytest.mark.parametrize("block_v", [16, 32, 64])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
