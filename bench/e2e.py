@@ -20,8 +20,8 @@ this script) measures, for each arm, output tokens/s at batch 1 and batch 8:
                  GPU): tree steps whose requests all verify B drafts replay one full graph of the
                  target forward with the tree verify inside (vllm_tfm/vllm_plugin/runtime/full_graphs.py)
   tfm16-full-async  (optional) tfm16-full with vLLM's asynchronous scheduling (async_scheduling=True,
-                 opted in by VLLM_TFM_ASYNC_SCHEDULING=1: vllm_tfm/vllm_plugin/async_scheduling.py), as
-                 vLLM runs its no-spec and DFlash arms by default
+                 off by default for tfm: vllm_tfm/vllm_plugin/async_scheduling.py), as vLLM runs its
+                 no-spec and DFlash arms by default
 
 The target is written here with the exact Qwen3.6-27B text shape (``bench/e2e_models.py``) and
 loaded with dummy weights (``load_format="dummy"``, bf16, about 54 GB), the drafter is the
@@ -114,8 +114,7 @@ ARMS: dict[str, Arm] = {
     "tfm32-full": Arm("tfm32-full", "tfm", 32, graphs=True, full=True),
     "tfm64-full": Arm("tfm64-full", "tfm", 64, graphs=True, full=True),
     "tfm32-full-v3": Arm("tfm32-full-v3", "tfm", 32, graphs=True, full=True, env=(("VLLM_TFM_GDN_VERIFY", "3"),)),
-    "tfm16-full-async": Arm("tfm16-full-async", "tfm", 16, graphs=True, full=True,
-                            env=(("VLLM_TFM_ASYNC_SCHEDULING", "1"),), async_scheduling=True),
+    "tfm16-full-async": Arm("tfm16-full-async", "tfm", 16, graphs=True, full=True, async_scheduling=True),
 }
 DEFAULT_ARMS = "nospec,dflash,tfm32,tfm64,tfm16"
 
@@ -290,7 +289,8 @@ def run_arm(arm: Arm, settings_path: Path) -> int:
     s = json.loads(settings_path.read_text())
     plan = s["plans"].get(arm.name, {})
     res: dict[str, Any] = {"arm": arm.name, "kind": arm.kind, "budget": arm.budget, "graphs": arm.graphs, "full": arm.full,
-                           "env": dict(arm.env), "num_speculative_tokens": arm.num_speculative_tokens, "status": "started",
+                           "env": dict(arm.env), "async_scheduling": arm.async_scheduling,
+                           "num_speculative_tokens": arm.num_speculative_tokens, "status": "started",
                            "profile_entry": plan.get("label"), "profile_mal": plan.get("mal"), "batches": {}}
     path = Path(s["work"]) / f"arm_{arm.name}.json"
 

@@ -219,7 +219,8 @@ def _arm_desc(arm: dict[str, Any]) -> str:
         return f"vLLM DFlash chain, K={arm.get('num_speculative_tokens')}" + (" (CUDA graphs)" if arm.get("graphs") else "")
     graphs = " (full CUDA graphs of tree steps)" if arm.get("full") else " (CUDA graphs)"
     env = "".join(f", {k}={v}" for k, v in (arm.get("env") or {}).items())
-    return f"tfm (Weaver trees), B={arm.get('budget')}" + (graphs if arm.get("graphs") else "") + env
+    sched = ", asynchronous scheduling" if arm.get("async_scheduling") else ""
+    return f"tfm (Weaver trees), B={arm.get('budget')}" + (graphs if arm.get("graphs") else "") + sched + env
 
 
 def render_markdown(results: dict[str, Any]) -> str:

@@ -20,8 +20,8 @@ batch 1 (each prompt alone):
                  the host waits for the drafter): the same drafts, tokens and acceptance
   tfm-fullpw-hosttopo  tfm-fullpw with VLLM_TFM_DEVICE_TOPOLOGY=0 (a full-graph step's plans and depth
                  positions built on the host, not by the topology kernel): the same tables, tokens
-  tfm-fullpw-async  tfm-fullpw with vLLM's asynchronous scheduling (async_scheduling=True and the opt-in
-                 VLLM_TFM_ASYNC_SCHEDULING=1, vllm_tfm/vllm_plugin/async_scheduling.py): the same tokens
+  tfm-fullpw-async  tfm-fullpw with vLLM's asynchronous scheduling (async_scheduling=True, off by default
+                 for tfm, vllm_tfm/vllm_plugin/async_scheduling.py): the same tokens
                  (its acceptance is reported: steps past max_tokens count in it)
   tfm-eager-async  tfm-eager with asynchronous scheduling (its tokens against tfm-eager's are reported)
 
@@ -115,14 +115,14 @@ ENGINES: dict[str, dict[str, Any]] = {
     # the same tables, so the same tokens bit for bit
     "tfm-fullpw-hosttopo": {"spec": True, "eager": False, "compilation_config": {"cudagraph_mode": "FULL_AND_PIECEWISE"},
                             "env": {"VLLM_TFM_DEVICE_TOPOLOGY": "0"}},
-    # tfm-fullpw with vLLM's asynchronous scheduling (opt-in for tfm, vllm_plugin/async_scheduling.py): the
+    # tfm-fullpw with vLLM's asynchronous scheduling (off by default for tfm, vllm_plugin/async_scheduling.py): the
     # scheduler runs a step ahead with placeholder drafts and vLLM corrects the counts on the device; the same
     # drafts reach the same forward, so the same tokens (its acceptance also counts steps past max_tokens)
     "tfm-fullpw-async": {"spec": True, "eager": False, "compilation_config": {"cudagraph_mode": "FULL_AND_PIECEWISE"},
-                         "async_scheduling": True, "env": {"VLLM_TFM_ASYNC_SCHEDULING": "1"}},
+                         "async_scheduling": True},
     # tfm-eager with asynchronous scheduling: no graphs at all (NOTES 50's bisection: 3 of 16 prompts differed at
     # batch 8 before the plan fix, which cannot explain them); reported against tfm-eager, not required
-    "tfm-eager-async": {"spec": True, "eager": True, "async_scheduling": True, "env": {"VLLM_TFM_ASYNC_SCHEDULING": "1"}},
+    "tfm-eager-async": {"spec": True, "eager": True, "async_scheduling": True},
 }
 REQUIRED: tuple[tuple[str, str], ...] = (
     ("tfm-graphs", "nospec-graphs"),

@@ -139,11 +139,9 @@ class SoakConfig:
     nospec_gpu: str | None = None  # soak phase: the no-spec server on this GPU, its load alongside tfm's (module doc)
     triton_f32: str | None = "ieee"  # TRITON_F32_DEFAULT of both servers (module doc, "Float32"); None: Triton's tf32
     cuda_graphs: bool = False  # both servers with torch.compile and vLLM's CUDA graphs (tfm: full tree graphs), not eager
-    async_scheduling: bool = False  # the tfm server with --async-scheduling (and its opt-in); no-spec has it by default
+    async_scheduling: bool = False  # the tfm server with --async-scheduling; no-spec has it by default
 
 
-ASYNC_OPT_IN = "VLLM_TFM_ASYNC_SCHEDULING"
-"""The plugin's opt-in for tfm's asynchronous scheduling (``vllm_plugin/async_scheduling.py``)."""
 Launcher = Callable[[Role, SoakConfig], list[str]]
 LOAD_ID_PREFIX = "load-"
 """``X-Request-Id`` of load request i is ``load-<i>``: vLLM names it ``cmpl-load-<i>-0-<8 hex>``."""
@@ -158,8 +156,6 @@ def server_env(cfg: SoakConfig, role: Role) -> dict[str, str]:
     env = {} if cfg.triton_f32 is None else {"TRITON_F32_DEFAULT": cfg.triton_f32}
     if not role.spec and cfg.nospec_gpu is not None:
         env["CUDA_VISIBLE_DEVICES"] = cfg.nospec_gpu
-    if role.spec and cfg.async_scheduling:
-        env[ASYNC_OPT_IN] = "1"
     return env
 
 
@@ -841,7 +837,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                     help="serve with torch.compile and CUDA graphs, the default a user gets (tfm: full graphs of tree "
                          "steps, FULL_AND_PIECEWISE), instead of --enforce-eager")
     ap.add_argument("--async-scheduling", action="store_true",
-                    help="the tfm server schedules asynchronously (--async-scheduling, with VLLM_TFM_ASYNC_SCHEDULING=1), "
+                    help="the tfm server schedules asynchronously (--async-scheduling), "
                          "as vLLM schedules no-spec by default; the preempt phase then runs without its request trace")
     ap.add_argument("--port", type=int, default=8300)
     ap.add_argument("--seed", type=int, default=0)

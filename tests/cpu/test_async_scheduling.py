@@ -1,5 +1,5 @@
 """vLLM's asynchronous scheduling for method 'tfm' (vllm_plugin/async_scheduling.py): the engine config
-vLLM builds with and without the opt-in, and what the runtime does differently when the runner
+vLLM builds with async_scheduling unset, True and False, and what the runtime does differently when the runner
 schedules asynchronously (no sampled-token copy for the bookkeeping, GDN states moved to slot 0 from
 the device's accepted counts, placeholders no proposal stands for, the trace refused).
 
@@ -26,7 +26,6 @@ from vllm_tfm.vllm_plugin.runtime.sampled_copy import SampledCopy
 from vllm_tfm.vllm_plugin.runtime.state import PLACEHOLDER_DRAFT, STATE, ProposalStore
 
 P = PLACEHOLDER_DRAFT
-ASYNC_ENV = "VLLM_TFM_ASYNC_SCHEDULING"
 
 
 @pytest.fixture(scope="module")
@@ -45,24 +44,30 @@ def engine_config(env: Any, async_scheduling: bool | None, spec: bool = True) ->
                       scheduler_config=SchedulerConfig.default_factory(async_scheduling=async_scheduling, max_model_len=2048))
 
 
-def test_tfm_engines_schedule_synchronously_unless_opted_in(env: Any, monkeypatch: pytest.MonkeyPatch,
-                                                             caplog: pytest.LogCaptureFixture) -> None:
-    import pydantic
+def test_tfm_engines_schedule_synchronously_unless_asked(env: Any, monkeypatch: pytest.MonkeyPatch,
+                                                         caplog: pytest.LogCaptureFixture) -> None:
+    import os
 
-    monkeypatch.delenv(ASYNC_ENV, raising=False)
+    from vllm_tfm.vllm_plugin import async_scheduling
+
+    for name in [k for k in os.environ if k.startswith("VLLM_TFM_")]:
+        monkeypatch.delenv(name)  # nothing but the argument asks for asynchronous scheduling
     with caplog.at_level(logging.INFO, logger="vllm_tfm"):
         assert engine_config(env, None).scheduler_config.async_scheduling is False
-    assert f"asynchronous scheduling is a development switch: --async-scheduling with {ASYNC_ENV}=1" in caplog.text
-    assert engine_config(env, False).scheduler_config.async_scheduling is False
-    with pytest.raises(pydantic.ValidationError) as info:
-        engine_config(env, True)
-    assert (f"method 'tfm' runs with synchronous scheduling: drop async_scheduling=True (the development switch "
-            f"{ASYNC_ENV}=1 allows it; its preemption soak has not run yet, bench/NOTES.md section 55)") in str(info.value)
-    monkeypatch.setenv(ASYNC_ENV, "1")
-    config = engine_config(env, True)
+    assert ("vllm-tfm: method 'tfm' runs with synchronous scheduling by default; --async-scheduling turns "
+            "asynchronous scheduling on") in caplog.text
+    on = "vllm-tfm: asynchronous scheduling is on for method 'tfm' (--async-scheduling)"
+    assert on not in caplog.text
+    caplog.clear()
+    async_scheduling._log_async_on.cache_clear()
+    with caplog.at_level(logging.INFO, logger="vllm_tfm"):
+        config = engine_config(env, True)
+        assert engine_config(env, True).scheduler_config.async_scheduling is True
     assert config.scheduler_config.async_scheduling is True and config.speculative_config.method == "tfm"
     assert config.model_config.disable_cascade_attn  # what vLLM does for asynchronous speculative decoding
-    assert engine_config(env, None).scheduler_config.async_scheduling is False  # the opt-in alone asks for nothing
+    said = [r for r in caplog.records if r.getMessage() == on]
+    assert len(said) == 1 and said[0].levelno == logging.INFO  # once per process, not a warning
+    assert engine_config(env, False).scheduler_config.async_scheduling is False
 
 
 def test_the_widened_method_names_are_what_lets_vllm_build_it(env: Any, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -79,7 +84,6 @@ def test_the_widened_method_names_are_what_lets_vllm_build_it(env: Any, monkeypa
     widened = config_module.EagleModelTypes
     assert set(typing.get_args(widened)) == {*typing.get_args(speculative.EagleModelTypes), "tfm"}
     assert "tfm" not in typing.get_args(speculative.EagleModelTypes)  # the Literal vLLM's config fields use
-    monkeypatch.setenv(ASYNC_ENV, "1")
     try:
         assert patching.restore([key]) == [key]
         assert config_module.EagleModelTypes is speculative.EagleModelTypes  # vLLM's own object back
@@ -97,7 +101,6 @@ def test_engines_of_other_methods_are_untouched(env: Any, monkeypatch: pytest.Mo
     from vllm_tfm.vllm_plugin import patching
     from vllm_tfm.vllm_plugin.async_scheduling import install_async_scheduling_patches
 
-    monkeypatch.delenv(ASYNC_ENV, raising=False)
     with_plugin = [engine_config(env, v, spec=False).scheduler_config.async_scheduling for v in (None, True, False)]
     key = "vllm.config.vllm.VllmConfig.__post_init__"
     try:

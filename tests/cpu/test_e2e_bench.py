@@ -191,11 +191,19 @@ def test_an_arms_own_settings_reach_its_engine_process_only(monkeypatch: pytest.
         "tfm (Weaver trees), B=32 (full CUDA graphs of tree steps), VLLM_TFM_GDN_VERIFY=3")
 
 
-def test_the_async_arm_is_tfm16_full_with_asynchronous_scheduling_opted_in(tmp_path: Path) -> None:
+def test_the_async_arm_is_tfm16_full_with_asynchronous_scheduling(tmp_path: Path) -> None:
     arm, plain = e2e.ARMS["tfm16-full-async"], e2e.ARMS["tfm16-full"]
     assert (arm.kind, arm.budget, arm.graphs, arm.full) == (plain.kind, plain.budget, plain.graphs, plain.full)
-    assert e2e.child_env(arm, {"seed": 3}, tmp_path)["VLLM_TFM_ASYNC_SCHEDULING"] == "1"
-    assert "VLLM_TFM_ASYNC_SCHEDULING" not in e2e.child_env(plain, {"seed": 3}, tmp_path)
+    assert arm.env == plain.env == ()  # the engine argument alone asks for it
+    envs = [e2e.child_env(a, {"seed": 3}, tmp_path) for a in (arm, plain)]
+    replay = [e.pop("VLLM_TFM_BENCHMARK_ACCEPTANCE_REPLAY") for e in envs]
+    assert replay == [str(tmp_path / "profile_tfm16-full-async.json"), str(tmp_path / "profile_tfm16-full.json")]
+    assert envs[0] == envs[1]
+    desc = {"kind": "tfm", "budget": 16, "graphs": True, "full": True, "env": {}}
+    assert e2e_report._arm_desc({**desc, "async_scheduling": arm.async_scheduling}) == (
+        "tfm (Weaver trees), B=16 (full CUDA graphs of tree steps), asynchronous scheduling")
+    assert e2e_report._arm_desc({**desc, "async_scheduling": plain.async_scheduling}) == (
+        "tfm (Weaver trees), B=16 (full CUDA graphs of tree steps)")
     plan = {"rates": [0.5] * 15}
     s = {"target": "t", "drafter": "d", "seed": 0, "gpu_memory_utilization": 0.9, "max_model_len": 4096, "batches": [1, 8],
          "max_num_batched_tokens": 4096}

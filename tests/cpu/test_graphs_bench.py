@@ -46,25 +46,24 @@ def test_engine_configs(session: Any) -> None:
     assert nospec.async_scheduling is None and args("tfm-fullpw").async_scheduling is None  # vLLM's default / tfm's
 
 
-def test_the_async_engine_asks_for_asynchronous_scheduling_with_the_opt_in(session: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_the_async_engine_asks_for_asynchronous_scheduling(session: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    import os
+
     from vllm.config import ParallelConfig
     from vllm.engine.arg_utils import EngineArgs
 
     kw = g.engine_kwargs("tfm-fullpw-async", str(g.ZOO / "target"), str(g.ZOO / "drafter"), 32)
     assert kw["async_scheduling"] is True and kw["compilation_config"] == {"cudagraph_mode": "FULL_AND_PIECEWISE"}
-    env = g.ENGINES["tfm-fullpw-async"]["env"]
-    assert env == {"VLLM_TFM_ASYNC_SCHEDULING": "1"}
+    assert "env" not in g.ENGINES["tfm-fullpw-async"]  # the engine argument alone asks for it
+    for name in [k for k in os.environ if k.startswith("VLLM_TFM_")]:
+        monkeypatch.delenv(name)
     a = EngineArgs(**kw)
-    monkeypatch.delenv("VLLM_TFM_ASYNC_SCHEDULING", raising=False)
-    with pytest.raises(ValueError, match="the development switch VLLM_TFM_ASYNC_SCHEDULING=1 allows it; its preemption soak has not run yet"):
-        a.create_speculative_config(a.create_model_config(), ParallelConfig())
-    monkeypatch.setenv(*next(iter(env.items())))  # what run_engine puts into the environment first
     assert a.create_speculative_config(a.create_model_config(), ParallelConfig()).method == "tfm"
     assert ("tfm-fullpw-async", "nospec-graphs") in g.REQUIRED and ("tfm-fullpw", "tfm-fullpw-async") in g.REQUIRED
     assert "tfm-fullpw-async" in g.GRAPH_ENGINES
     eager = g.engine_kwargs("tfm-eager-async", str(g.ZOO / "target"), str(g.ZOO / "drafter"), 32)
     assert eager["async_scheduling"] is True and eager["enforce_eager"] is True
-    assert g.ENGINES["tfm-eager-async"]["env"] == env and ("tfm-eager", "tfm-eager-async") in g.INFORMATIONAL
+    assert "env" not in g.ENGINES["tfm-eager-async"] and ("tfm-eager", "tfm-eager-async") in g.INFORMATIONAL
 
 
 def run(b8: list[list[int]], b1: list[list[int]] | None = None, **extra: Any) -> dict[str, Any]:

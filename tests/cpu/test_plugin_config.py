@@ -246,7 +246,11 @@ def test_bad_values_name_their_source(env: Any, monkeypatch: pytest.MonkeyPatch)
     raises(env, tfm(d), r"environment VLLM_TFM_PROPOSAL='beam': proposal: Input should be 'tfm', 'ddtree', 'treeflash' or 'chain'")
     monkeypatch.delenv("VLLM_TFM_PROPOSAL")
     monkeypatch.setenv("VLLM_TFM_PROPSAL", "chain")
-    raises(env, tfm(d), r"unknown environment variable VLLM_TFM_PROPSAL")
+    raises(env, tfm(d), r"unknown environment variable VLLM_TFM_PROPSAL: neither a tfm option nor a vllm-tfm switch, "
+                        r"unset it \(tfm options from the environment are VLLM_TFM_PROPOSAL, ")
+    monkeypatch.delenv("VLLM_TFM_PROPSAL")
+    monkeypatch.setenv("VLLM_TFM_ASYNC_SCHEDULING", "1")  # the retired switch: --async-scheduling alone now
+    raises(env, tfm(d), r"unknown environment variable VLLM_TFM_ASYNC_SCHEDULING: neither a tfm option nor a vllm-tfm switch")
 
 
 @pytest.mark.parametrize("b", [0, 257])
@@ -337,7 +341,7 @@ def test_drafter_target_mismatch(env: Any) -> None:
 def test_engine_and_parallel_refusals(env: Any, monkeypatch: pytest.MonkeyPatch) -> None:
     d = drafter(env, "engine")
     raises(env, tfm(d), r"does not support pipeline parallelism \(pipeline_parallel_size=2\)", parallel={"pipeline_parallel_size": 2})
-    raises(env, tfm(d), r"runs with synchronous scheduling: drop async_scheduling=True \(the development switch VLLM_TFM_ASYNC_SCHEDULING=1", async_scheduling=True)
+    assert build(env, tfm(d), async_scheduling=True).method == "tfm"  # no switch needed (test_async_scheduling.py)
     raises(env, tfm(d), r"does not support prefix caching on a hybrid", enable_prefix_caching=True)
     raises(env, tfm(d), r"needs mamba_cache_mode='none'", mamba_cache_mode="align")
     raises(env, tfm(d, draft_sample_method="probabilistic"), r"draft_sample_method='probabilistic' is not supported")

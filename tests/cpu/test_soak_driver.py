@@ -218,8 +218,8 @@ def test_async_scheduling_for_the_tfm_server_only(tmp_path: Path) -> None:
     assert cmd.count("--async-scheduling") == 1
     assert [a for a in cmd if a != "--async-scheduling"] == soak.vllm_command(tfm, sync)
     assert soak.vllm_command(nospec, asy) == soak.vllm_command(nospec, sync)  # vLLM's default for no-spec
-    assert soak.server_env(asy, tfm)[soak.ASYNC_OPT_IN] == "1" and soak.ASYNC_OPT_IN not in soak.server_env(asy, nospec)
-    assert soak.ASYNC_OPT_IN not in soak.server_env(sync, tfm)
+    assert soak.server_env(asy, tfm) == soak.server_env(sync, tfm)  # the flag alone asks for it
+    assert soak.server_env(asy, nospec) == soak.server_env(sync, nospec)
     # the verdict holds the engine to what was asked, from vLLM's own log line (the engine core's, the last)
     said = ("(APIServer pid=1) INFO [vllm.py:1109] Asynchronous scheduling is enabled.\n"
             "(EngineCore pid=2) INFO [vllm.py:1109] Asynchronous scheduling is {}.\n")
@@ -231,9 +231,6 @@ def test_async_scheduling_for_the_tfm_server_only(tmp_path: Path) -> None:
         v = soak.verdict(res)
         assert v["scheduling_as_asked"] is ok and v["all_ok"] is ok
     assert "async_scheduling" not in soak_server.log_facts("no such line")
-    from vllm_tfm.vllm_plugin.async_scheduling import ASYNC_SCHEDULING_ENV
-
-    assert soak.ASYNC_OPT_IN == ASYNC_SCHEDULING_ENV
     assert soak.parse_args(["--async-scheduling"]).async_scheduling and not soak.parse_args([]).async_scheduling
 
 
@@ -443,8 +440,8 @@ def test_preempt_phase_puts_the_trace_of_a_divergence_into_the_result(tmp_path: 
 
 def test_preempt_phase_with_asynchronous_scheduling_runs_without_the_trace(tmp_path: Path,
                                                                          monkeypatch: pytest.MonkeyPatch) -> None:
-    """The plugin refuses VLLM_TFM_TRACE with asynchronous scheduling: the phase then gives the tfm
-    server the opt-in instead of the trace, and says so in the result."""
+    """The plugin refuses VLLM_TFM_TRACE with asynchronous scheduling: the phase then runs the tfm
+    server without the trace, and says so in the result."""
     envs: dict[str, dict[str, str]] = {}
     real_server = soak.Server
 
@@ -457,8 +454,7 @@ def test_preempt_phase_with_asynchronous_scheduling_runs_without_the_trace(tmp_p
     res = soak.phase_preempt(cfg, _prompts(), {"kind": "test"}, launch=_launcher({"tfm_small": ["--preemptions-per-request", "1"]}),
                              kv_small=123456, started_at=time.monotonic())
     assert res["verdict"]["greedy_identical"] and res["verdict"]["preempted"], res["verdict"]
-    assert envs["tfm_small"][soak.ASYNC_OPT_IN] == "1" and "VLLM_TFM_TRACE" not in envs["tfm_small"]
-    assert soak.ASYNC_OPT_IN not in envs["nospec"]
+    assert envs["tfm_small"] == envs["nospec"] == {"TRITON_F32_DEFAULT": "ieee"}  # no trace, nothing else
     assert set(res["trace"]) == {"off"} and not (tmp_path / soak.TRACE_ARCHIVE).exists()
 
 

@@ -6,8 +6,6 @@ Config time (the process that builds the engine config, from ``config_patch``):
   vLLM does not see as hybrid (the model registration did not run);
 * pipeline parallelism > 1 (drafts exist only on the last PP rank in vLLM 0.26);
 * ``VLLM_USE_V2_MODEL_RUNNER=1`` (tfm hooks the V1 runner; V2 knows no 'tfm');
-* ``async_scheduling=True`` without ``VLLM_TFM_ASYNC_SCHEDULING=1`` (tfm's asynchronous scheduling
-  is experimental and opt-in: ``async_scheduling``);
 * prefix caching / ``mamba_cache_mode`` other than ``none`` on a hybrid target (the GDN commit
   replays the accepted path into vLLM's own state slots; ``align`` mode copies them itself);
 * vLLM sampling knobs that have a tree meaning of their own: ``draft_sample_method``,
@@ -16,7 +14,8 @@ Config time (the process that builds the engine config, from ``config_patch``):
 
 The target's attention backend is set to ``TRITON_ATTN`` when left unset (any other is refused):
 the runtime's tree-masked attention replaces that backend. CUDA graph settings (which cudagraph
-modes tfm runs, its default mode and capture sizes) are decided in ``cuda_graphs``.
+modes tfm runs, its default mode and capture sizes) are decided in ``cuda_graphs``, asynchronous
+scheduling (off unless ``--async-scheduling`` asks for it) in ``async_scheduling``.
 
 Per request (``SamplingParams._validate_spec_decode``, run by vLLM's input processor before a
 request reaches the engine, so the client gets an HTTP 400): structured output, prompt logprobs,
@@ -116,9 +115,6 @@ def check_model_runner_env() -> None:
 
 def check_engine_args(engine_args: Any, target_model_config: Any) -> None:
     """Engine-wide settings (from ``EngineArgs``); CUDA graphs: ``cuda_graphs.configure_engine_graphs``."""
-    from .async_scheduling import check_async_request  # that module imports TFM_METHOD from here
-
-    check_async_request(getattr(engine_args, "async_scheduling", None))
     if getattr(target_model_config, "is_hybrid", False):
         if getattr(engine_args, "enable_prefix_caching", None) is True:
             raise ValueError(

@@ -70,7 +70,6 @@ top_k, children_per_node, treeflash_top_m, sampling)."""
 NON_OPTION_ENV_VARS: frozenset[str] = frozenset(
     {
         "VLLM_TFM_SKIP_VERSION_CHECK",  # vllm_plugin/version.py
-        "VLLM_TFM_ASYNC_SCHEDULING",  # vllm_plugin/async_scheduling.py: 1 lets tfm engines take --async-scheduling (experimental)
         "VLLM_TFM_FORCE_TREE_PATH",  # runtime: chains go through the tree path too
         "VLLM_TFM_BATCHED_COMMIT",  # runtime: one commit launch per kernel kind for all GDN layers (runtime/commit.py)
         "VLLM_TFM_GDN_METADATA_ONCE",  # runtime: 0 keeps vLLM's GDN metadata build per KV-cache group (runtime/gdn_metadata.py)
@@ -155,7 +154,8 @@ def env_overrides(environ: Mapping[str, str] | None = None) -> tuple[dict[str, A
         key = name[len(ENV_PREFIX) :].lower()
         if key not in OPTION_KEYS:
             valid = ", ".join(ENV_PREFIX + k.upper() for k in OPTION_KEYS)
-            raise ValueError(f"unknown environment variable {name}: tfm options from the environment are {valid}")
+            raise ValueError(f"unknown environment variable {name}: neither a tfm option nor a vllm-tfm switch, unset it "
+                             f"(tfm options from the environment are {valid})")
         values[key] = _parse_env_value(env[name])
         sources[key] = f"environment {name}={env[name]!r}"
     return values, sources

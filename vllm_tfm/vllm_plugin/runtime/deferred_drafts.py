@@ -6,8 +6,9 @@ the Weaver graph build's own host check (whether growth rounds past the captured
 default stream waits for everything queued after the sampler: DFlash and the Weaver), and
 ``take_draft_token_ids`` waiting for the copy of the drafts. The host then does vLLM's bookkeeping,
 output handling and scheduling and the next step's input preparation with the GPU idle. vLLM's
-asynchronous scheduling, which overlaps all of that with the GPU, is refused for methods other than
-EAGLE / MTP / DFlash / draft models (``VllmConfig.__post_init__``), and tfm's trees need their topology
+asynchronous scheduling, which overlaps all of that with the GPU, is refused by vLLM for methods other than
+EAGLE / MTP / DFlash / draft models (``VllmConfig.__post_init__``; tfm takes it with ``--async-scheduling``,
+``vllm_plugin/async_scheduling.py``, off by default), and tfm's trees need their topology
 on the host before the next forward (the tree tables and plans, ``inputs.build_step_tree``).
 
 Here, in tfm engines (``VLLM_TFM_DEFERRED_DRAFTS``, default on), the host waits for the drafter only

@@ -74,8 +74,8 @@ def _is_tfm(runner: Any) -> bool:
 
 
 def _is_async(runner: Any) -> bool:
-    """The runner schedules asynchronously (vLLM's ``--async-scheduling``; for tfm an opt-in,
-    ``vllm_plugin/async_scheduling.py``): no sampled token and no accepted count of the last step is
+    """The runner schedules asynchronously (vLLM's ``--async-scheduling``; for tfm off unless asked
+    for, ``vllm_plugin/async_scheduling.py``): no sampled token and no accepted count of the last step is
     read on the host before the next step is prepared."""
     return bool(getattr(runner, "use_async_scheduling", False))
 
