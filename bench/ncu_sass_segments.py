@@ -5,8 +5,10 @@
 count (warp-level) and its warp-stall samples. This splits the instructions, in address order, at every CTA
 barrier (``BAR.SYNC``) and cluster barrier wait (``UCGABAR_WAIT``), so each segment is one of the kernel's phases
 where its code is laid out in program order (verify version 6: loads, norms, gram, coefficients, projections with
-phase 2b, outputs), and prints per segment the executed instructions, the stall samples, and the opcodes that
-execute most. The issue floor follows: executed instructions / (CTAs x 4 schedulers) is the cycles a scheduler
+phase 2b, outputs), and prints per segment the executed instructions, the stall samples, the opcodes that execute
+most, and the stall reasons the samples name most (the page's ``stall_*`` columns: ``selected`` = issuing,
+``long_sb`` = waiting on global or local memory, ``short_sb`` = on shared memory or MUFU, ``barrier``, ``wait``
+= fixed latency, ``math`` / ``mio`` = a pipe or its queue full, ``not_selected`` = eligible, another warp issued). The issue floor follows: executed instructions / (CTAs x 4 schedulers) is the cycles a scheduler
 needs at one instruction per cycle.
 
 usage:  python3 bench/ncu_sass_segments.py source_sass.csv [--ctas 128] [--clock-ghz 1.86] [--json OUT]
@@ -33,6 +35,7 @@ class Segment:
     executed: float = 0.0
     samples: float = 0.0
     opcodes: Counter[str] = field(default_factory=Counter)
+    stalls: Counter[str] = field(default_factory=Counter)
 
 
 def _number(text: str) -> float:
@@ -55,6 +58,7 @@ def segments(rows: list[list[str]]) -> list[Segment]:
     start = next(i for i, r in enumerate(rows) if "Address" in r and "Source" in r)
     header = rows[start]
     col = {name: header.index(name) for name in ("Address", "Source", EXECUTED, SAMPLES)}
+    reasons = {name[len("stall_"):]: i for i, name in enumerate(header) if name.startswith("stall_") and "(" not in name}
     out: list[Segment] = []
     cut = True
     for r in rows[start + 1:]:
@@ -68,6 +72,8 @@ def segments(rows: list[list[str]]) -> list[Segment]:
         seg.executed += executed
         seg.samples += _number(r[col[SAMPLES]])
         seg.opcodes[opcode(sass)] += executed
+        for reason, i in reasons.items():
+            seg.stalls[reason] += _number(r[i])
         cut = any(b in sass for b in BARRIERS)
     return out
 
@@ -82,7 +88,9 @@ def report(segs: list[Segment], ctas: int, clock_ghz: float, top: int = 6) -> di
         "segments": [{"first_address": s.first_address, "executed": s.executed,
                       "executed_share": s.executed / executed if executed else 0.0,
                       "samples_share": s.samples / samples,
-                      "top_opcodes": s.opcodes.most_common(top)} for s in segs if s.executed or s.samples],
+                      "top_opcodes": s.opcodes.most_common(top),
+                      "stall_shares": {k: v / s.samples for k, v in s.stalls.most_common(top) if s.samples and v}}
+                     for s in segs if s.executed or s.samples],
     }
 
 
@@ -99,8 +107,9 @@ def main() -> None:
           f"{rep['issue_floor_us']:.2f} us")
     for i, s in enumerate(rep["segments"]):  # type: ignore[arg-type]
         ops = " ".join(f"{o}:{c / s['executed'] * 100:.0f}%" for o, c in s["top_opcodes"] if s["executed"])
+        why = " ".join(f"{k}:{v * 100:.0f}%" for k, v in s["stall_shares"].items())
         print(f"{i:2d} {s['first_address']} executed {s['executed_share'] * 100:5.1f}%  stalls "
-              f"{s['samples_share'] * 100:5.1f}%  {ops}")
+              f"{s['samples_share'] * 100:5.1f}%  {ops}\n   stall reasons: {why}")
     if args.json:
         args.json.write_text(json.dumps(rep, indent=1))
 
