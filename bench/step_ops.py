@@ -289,11 +289,23 @@ def draft_trees(r: int, budget: int, seed: int) -> tuple[torch.Tensor, torch.Ten
     return tokens.clone(), parents.clone()
 
 
-class StepInputs:
-    """Everything one step needs, drawn once per (R, B) on the CPU."""
+def chains_only_reason(parents: torch.Tensor, budget: int) -> str | None:
+    """Why a step of these drafts would not be tree-active (every request's draft a chain: the runtime then
+    verifies them on vLLM's own chain path, which this bench does not measure), or None when one is a tree."""
+    chain = torch.arange(-1, parents.shape[1] - 1)
+    if bool((parents == chain).all()):
+        return (f"--budget {budget}: every request's Weaver draft is a chain (spine-first marginals, depth "
+                f"min(block size - 1, B) = {parents.shape[1] - 1}), which the runtime verifies on vLLM's chain path, "
+                "not the tree path this bench measures; take a larger budget, or --force-tree-path for the tree path")
+    return None
 
-    def __init__(self, r: int, budget: int, device: torch.device, seed: int) -> None:
-        self.r, self.budget, self.device = r, budget, device
+
+class StepInputs:
+    """Everything one step needs, drawn once per (R, B) on the CPU; ``force_tree_path``: the step takes the tree
+    path even when every draft is a chain (the runtime's VLLM_TFM_FORCE_TREE_PATH=1)."""
+
+    def __init__(self, r: int, budget: int, device: torch.device, seed: int, force_tree_path: bool = False) -> None:
+        self.r, self.budget, self.device, self.force_tree_path = r, budget, device, force_tree_path
         self.tokens, self.parents = draft_trees(r, budget, seed)
         self.req_ids = [f"req{i}" for i in range(r)]
         self.spec = {rid: self.tokens[i].tolist() for i, rid in enumerate(self.req_ids)}
@@ -350,8 +362,8 @@ def prepare(x: StepInputs, store: Any) -> Any:
     from vllm_tfm.vllm_plugin.runtime.state import STATE
 
     step = build_step_tree(x.req_ids, np.full(x.r, x.budget + 1), x.spec, store, allow_trees=True,
-                           device=x.device)
-    assert step.tree_active
+                           force_tree_path=x.force_tree_path, device=x.device)
+    assert step.tree_active  # main() refuses drafts that are all chains unless the tree path is forced
     _ = step.attn_plan  # built on first read: a piecewise step's first attention layer does it (counted here, as before)
     pos = x.positions.clone()
     pos.copy_(tree_positions(pos, step.dev("query_start"), step.dev("req_index"), step.dev("depth")))
@@ -651,6 +663,9 @@ def main() -> None:
                          "the kernel paths on CUDA, where the references take seconds per step; kernels-batched only "
                          "with the current implementation)")
     ap.add_argument("--note", default="", help="appended to the recorded command (e.g. the machine)")
+    ap.add_argument("--force-tree-path", action="store_true",
+                    help="measure the tree path even where every draft is a chain (small budgets; the runtime's "
+                         "VLLM_TFM_FORCE_TREE_PATH=1)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     device = torch.device(args.device)
@@ -665,7 +680,10 @@ def main() -> None:
 
     packing = mock.patch.object(loader, "param_array", fresh_param_array) if args.impl == "before" else contextlib.nullcontext()
     for r in (int(v) for v in args.requests.split(",")):
-        x = StepInputs(r, args.budget, device, seed=100 + r)
+        x = StepInputs(r, args.budget, device, seed=100 + r, force_tree_path=args.force_tree_path)
+        reason = None if args.force_tree_path else chains_only_reason(x.parents, args.budget)
+        if reason is not None:
+            ap.error(reason)
         with packing:
             results = measure(x, args.repeats, args.impl, commit_paths, stages, layer_paths)
         for res in results:
