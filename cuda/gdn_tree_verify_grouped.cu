@@ -233,103 +233,6 @@ __device__ __forceinline__ void g6_store_row(tin* __restrict__ o, float* __restr
   if (delta_out != nullptr) *reinterpret_cast<float4*>(delta_out + orow) = dl;
 }
 
-#define G6_S0_F4 (GDN_GROUP * G6_BV * (GDN_K / 4))             // float4 pieces of the CTA's S0 rows
-#define G6_S0_PER ((G6_S0_F4 + G6_THREADS - 1) / G6_THREADS)  // per thread, in registers
-
-// f(u, t, row, c4) for each of thread tid's float4 pieces u of the CTA's S0 rows (g6_s0_piece).
-template <typename F>
-__device__ __forceinline__ void g6_s0_pieces(int tid, F&& f) {
-#pragma unroll
-  for (int u = 0; u < G6_S0_PER; ++u) {
-    const int idx = tid + u * G6_THREADS;
-    if (idx < G6_S0_F4) {
-      int t, row, c4;
-      g6_s0_piece(idx, t, row, c4);
-      f(u, t, row, c4);
-    }
-  }
-}
-
-// The CTA's S0 rows (thread tid's pieces) to shared memory as bfloat16 parts:
-// [part][t][row][KP], part 0 = lo, 1 = mid, 2 = hi.
-__device__ __forceinline__ void g6_split_s0(const float4 (&s0r)[G6_S0_PER], u16* s0, int tid) {
-  constexpr int PART = GDN_GROUP * G6_BV * G6_KP;
-  g6_s0_pieces(tid, [&](int u, int t, int row, int c4) {
-    const float xs[4] = {s0r[u].x, s0r[u].y, s0r[u].z, s0r[u].w};
-    u16 hi[4], mid[4], lo[4];
-#pragma unroll
-    for (int c = 0; c < 4; ++c) g6_split3(xs[c], hi[c], mid[c], lo[c]);
-    const int off = (t * G6_BV + row) * G6_KP + c4;
-    uint2 w;
-    w.x = (u32)lo[0] | ((u32)lo[1] << 16); w.y = (u32)lo[2] | ((u32)lo[3] << 16);
-    *reinterpret_cast<uint2*>(s0 + off) = w;
-    w.x = (u32)mid[0] | ((u32)mid[1] << 16); w.y = (u32)mid[2] | ((u32)mid[3] << 16);
-    *reinterpret_cast<uint2*>(s0 + PART + off) = w;
-    w.x = (u32)hi[0] | ((u32)hi[1] << 16); w.y = (u32)hi[2] | ((u32)hi[3] << 16);
-    *reinterpret_cast<uint2*>(s0 + 2 * PART + off) = w;
-  });
-}
-
-// One k-step of 16 of a gram tile (row tile a's k and q rows, column tile b's k rows): three ldmatrix, four mma.
-__device__ __forceinline__ void g6_gram_kstep(const u16* __restrict__ qs, const u16* __restrict__ ks, int k0, int arow,
-                                              int acol, int brow, int bcol, float (&ck)[2][4], float (&cq)[2][4]) {
-  u32 fk[4], fq[4], fb[4];
-  ldsm_x4(fk, ks + arow * G6_KP + k0 + acol);
-  ldsm_x4(fq, qs + arow * G6_KP + k0 + acol);
-  ldsm_x4(fb, ks + brow * G6_KP + k0 + bcol);
-  mma_16816<true>(ck[0], fk, fb[0], fb[1]);
-  mma_16816<true>(ck[1], fk, fb[2], fb[3]);
-  mma_16816<true>(cq[0], fq, fb[0], fb[1]);
-  mma_16816<true>(cq[1], fq, fb[2], fb[3]);
-}
-
-// A phase-3 item's accumulators acc[tile][q, k][n8][element], zeroed.
-__device__ __forceinline__ void g6_proj_zero(float (&acc)[2][2][2][4]) {
-#pragma unroll
-  for (int r = 0; r < 2; ++r)
-#pragma unroll
-    for (int jb = 0; jb < 2; ++jb)
-#pragma unroll
-      for (int j = 0; j < 2; ++j)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) acc[r][jb][j][e] = 0.f;
-}
-
-// One k-step of 16 of a phase-3 item (two 16-row tiles a0, a0 + 1 of q and k, value head t): four ldmatrix of the
-// q/k tiles, then per S0 part (lo, mid, hi: small terms first) one ldmatrix and eight mma.
-// acc[tile][q, k][n8][element].
-__device__ __forceinline__ void g6_proj_kstep(const u16* __restrict__ qs, const u16* __restrict__ ks,
-                                              const u16* __restrict__ s0, int k0, int a0, bool two, int t, int lane,
-                                              float (&acc)[2][2][2][4]) {
-  constexpr int PART = GDN_GROUP * G6_BV * G6_KP;
-  const int acol = (lane >> 4) * 8;
-  const int brow = t * G6_BV + (lane & 7) + ((lane >> 4) << 3), bcol = ((lane >> 3) & 1) * 8;
-  u32 fa[2][2][4];
-#pragma unroll
-  for (int r = 0; r < 2; ++r) {
-    if (r == 0 || two) {
-      const int arow = (a0 + r) * 16 + (lane & 15);
-      ldsm_x4(fa[r][0], qs + arow * G6_KP + k0 + acol);
-      ldsm_x4(fa[r][1], ks + arow * G6_KP + k0 + acol);
-    }
-  }
-#pragma unroll
-  for (int part = 3 - GDN_S0_PARTS; part < 3; ++part) {
-    u32 fb[4];
-    ldsm_x4(fb, s0 + part * PART + brow * G6_KP + k0 + bcol);
-#pragma unroll
-    for (int r = 0; r < 2; ++r) {
-      if (r == 0 || two) {
-#pragma unroll
-        for (int jb = 0; jb < 2; ++jb) {
-          mma_16816<true>(acc[r][jb][0], fa[r][jb], fb[0], fb[1]);
-          mma_16816<true>(acc[r][jb][1], fa[r][jb], fb[2], fb[3]);
-        }
-      }
-    }
-  }
-}
-
 // p (this CTA's shared memory) in cluster CTA `rank`; p itself without clusters.
 template <typename T>
 __device__ __forceinline__ T* g6_peer(T* p, int rank) {
@@ -416,12 +319,20 @@ gdn_tree_verify_grouped(const tin* __restrict__ q, const tin* __restrict__ k, co
   cp_async_commit();
   // S0 rows v0 .. v0 + 15 of each value head: whole rows per warp (coalesced), held in registers
   // until the end of phase 1 splits them (their DRAM latency overlaps the norms and the gram).
-  float4 s0r[G6_S0_PER];
-  g6_s0_pieces(tid, [&](int u, int t, int row, int c4) {
-    s0r[u] = (GDN_PROFILE_SKIP & 32) ? make_float4(0.f, 0.f, 0.f, 0.f)
-                                       : *reinterpret_cast<const float4*>(state + slot * st_slot + (i64)(hv0 + t) * st_head +
-                                                                          (i64)(v0 + row) * st_v + c4);
-  });
+  constexpr int S0_F4 = GDN_GROUP * G6_BV * (GDN_K / 4);
+  constexpr int S0_PER = (S0_F4 + G6_THREADS - 1) / G6_THREADS;
+  float4 s0r[S0_PER];
+#pragma unroll
+  for (int u = 0; u < S0_PER; ++u) {
+    const int idx = tid + u * G6_THREADS;
+    if (idx < S0_F4) {
+      int t, row, c4;
+      g6_s0_piece(idx, t, row, c4);
+      s0r[u] = (GDN_PROFILE_SKIP & 32) ? make_float4(0.f, 0.f, 0.f, 0.f)
+                                         : *reinterpret_cast<const float4*>(state + slot * st_slot + (i64)(hv0 + t) * st_head +
+                                                                            (i64)(v0 + row) * st_v + c4);
+    }
+  }
   // plan tables by local node (pairs, paths) and, G6_SOLVE 0, by level position (the level solve)
   for (int p = tid; p < n; p += G6_THREADS) {
     const int node = perm[bos + p] - bos;
@@ -491,8 +402,16 @@ gdn_tree_verify_grouped(const tin* __restrict__ q, const tin* __restrict__ k, co
       const int arow = a * 16 + (lane & 15), acol = (lane >> 4) * 8;
       const int brow = b * 16 + (lane & 7) + ((lane >> 4) << 3), bcol = ((lane >> 3) & 1) * 8;
 #pragma unroll 4
-      for (int k0 = 0; k0 < ((GDN_PROFILE_SKIP & 128) ? 0 : GDN_K); k0 += 16)
-        g6_gram_kstep(sm.qs, sm.ks, k0, arow, acol, brow, bcol, ck, cq);
+      for (int k0 = 0; k0 < ((GDN_PROFILE_SKIP & 128) ? 0 : GDN_K); k0 += 16) {
+        u32 fk[4], fq[4], fb[4];
+        ldsm_x4(fk, sm.ks + arow * G6_KP + k0 + acol);
+        ldsm_x4(fq, sm.qs + arow * G6_KP + k0 + acol);
+        ldsm_x4(fb, sm.ks + brow * G6_KP + k0 + bcol);
+        mma_16816<true>(ck[0], fk, fb[0], fb[1]);
+        mma_16816<true>(ck[1], fk, fb[2], fb[3]);
+        mma_16816<true>(cq[0], fq, fb[0], fb[1]);
+        mma_16816<true>(cq[1], fq, fb[2], fb[3]);
+      }
       // keep the ancestor pairs: j is i's ancestor iff i's path entry at depth(j) is j. Branch-free
       // table loads at clamped indices (two rounds of 8 independent loads per lane), then the stores.
       {
@@ -552,9 +471,29 @@ gdn_tree_verify_grouped(const tin* __restrict__ q, const tin* __restrict__ k, co
 #if G6_CLUSTER > 1
   cluster_arrive();  // this CTA's pair products and norm scales are in every CTA of the cluster
 #endif
-  // S0 parts to shared memory (between the cluster barrier's arrival and its wait: work of this CTA alone)
-  g6_split_s0(s0r, sm.s0, tid);
+  // S0 parts to shared memory: [part][t][row][KP], part 0 = lo, 1 = mid, 2 = hi (between the cluster
+  // barrier's arrival and its wait: work of this CTA alone)
   constexpr int PART = GDN_GROUP * G6_BV * G6_KP;
+#pragma unroll
+  for (int u = 0; u < S0_PER; ++u) {
+    const int idx = tid + u * G6_THREADS;
+    if (idx < S0_F4) {
+      int t, row, c4;
+      g6_s0_piece(idx, t, row, c4);
+      const float xs[4] = {s0r[u].x, s0r[u].y, s0r[u].z, s0r[u].w};
+      u16 hi[4], mid[4], lo[4];
+#pragma unroll
+      for (int c = 0; c < 4; ++c) g6_split3(xs[c], hi[c], mid[c], lo[c]);
+      const int off = (t * G6_BV + row) * G6_KP + c4;
+      uint2 w;
+      w.x = (u32)lo[0] | ((u32)lo[1] << 16); w.y = (u32)lo[2] | ((u32)lo[3] << 16);
+      *reinterpret_cast<uint2*>(sm.s0 + off) = w;
+      w.x = (u32)mid[0] | ((u32)mid[1] << 16); w.y = (u32)mid[2] | ((u32)mid[3] << 16);
+      *reinterpret_cast<uint2*>(sm.s0 + PART + off) = w;
+      w.x = (u32)hi[0] | ((u32)hi[1] << 16); w.y = (u32)hi[2] | ((u32)hi[3] << 16);
+      *reinterpret_cast<uint2*>(sm.s0 + 2 * PART + off) = w;
+    }
+  }
 #if G6_CLUSTER > 1
   cluster_wait();  // B2 over the cluster: all pair products and norm scales visible
 #else
@@ -677,10 +616,43 @@ gdn_tree_verify_grouped(const tin* __restrict__ q, const tin* __restrict__ k, co
       const int t = it % GDN_GROUP, a0 = (it / GDN_GROUP) * 2;
       const bool two = a0 + 1 < nb;  // warp-uniform: the pair's second tile exists
       float acc[2][2][2][4];  // [tile][q, k][n8][element]
-      g6_proj_zero(acc);
+#pragma unroll
+      for (int r = 0; r < 2; ++r)
+#pragma unroll
+        for (int jb = 0; jb < 2; ++jb)
+#pragma unroll
+          for (int j = 0; j < 2; ++j)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) acc[r][jb][j][e] = 0.f;
+      const int acol = (lane >> 4) * 8;
+      const int brow = t * G6_BV + (lane & 7) + ((lane >> 4) << 3), bcol = ((lane >> 3) & 1) * 8;
 #pragma unroll 1
-      for (int k0 = 0; k0 < ((GDN_PROFILE_SKIP & 2) ? 0 : GDN_K); k0 += 16)
-        g6_proj_kstep(sm.qs, sm.ks, sm.s0, k0, a0, two, t, lane, acc);
+      for (int k0 = 0; k0 < ((GDN_PROFILE_SKIP & 2) ? 0 : GDN_K); k0 += 16) {
+        u32 fa[2][2][4];
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+          if (r == 0 || two) {
+            const int arow = (a0 + r) * 16 + (lane & 15);
+            ldsm_x4(fa[r][0], sm.qs + arow * G6_KP + k0 + acol);
+            ldsm_x4(fa[r][1], sm.ks + arow * G6_KP + k0 + acol);
+          }
+        }
+#pragma unroll
+        for (int part = 3 - GDN_S0_PARTS; part < 3; ++part) {
+          u32 fb[4];
+          ldsm_x4(fb, sm.s0 + part * PART + brow * G6_KP + k0 + bcol);
+#pragma unroll
+          for (int r = 0; r < 2; ++r) {
+            if (r == 0 || two) {
+#pragma unroll
+              for (int jb = 0; jb < 2; ++jb) {
+                mma_16816<true>(acc[r][jb][0], fa[r][jb], fb[0], fb[1]);
+                mma_16816<true>(acc[r][jb][1], fa[r][jb], fb[2], fb[3]);
+              }
+            }
+          }
+        }
+      }
       // R = beta (v - e^G rk K S0^T) and e^G rq Q S0^T; element e of tile j: row fg (+8), column 8 j + 2 ft + (e & 1)
 #pragma unroll
       for (int r = 0; r < 2; ++r) {

@@ -70,15 +70,9 @@ from typing import Any, Literal
 from .guards import TFM_METHOD
 from .patching import replace_attribute
 
-__all__ = ["install_async_scheduling_patches", "tfm_scheduling_default"]
+__all__ = ["install_async_scheduling_patches"]
 
 logger = logging.getLogger("vllm_tfm")
-
-
-def tfm_scheduling_default(async_scheduling: bool | None) -> bool:
-    """What a tfm engine's ``async_scheduling`` becomes before vLLM's checks: unset -> False (tfm's
-    default), True -> True, False -> False."""
-    return bool(async_scheduling)
 
 
 @functools.cache
@@ -93,7 +87,7 @@ def _make_post_init(original: Callable[[Any], Any]) -> Callable[[Any], Any]:
         sched = getattr(self, "scheduler_config", None)
         if spec is not None and sched is not None and getattr(spec, "method", None) == TFM_METHOD:
             wanted = sched.async_scheduling
-            sched.async_scheduling = tfm_scheduling_default(wanted)
+            sched.async_scheduling = bool(wanted)  # unset -> False (tfm's default), True / False as asked
             if wanted is None:
                 logger.info("vllm-tfm: method 'tfm' runs with synchronous scheduling by default; --async-scheduling "
                             "turns asynchronous scheduling on")
