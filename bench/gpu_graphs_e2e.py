@@ -53,6 +53,9 @@ drafter (written under OUT/models, random prompts). Its KV-cache layout differs 
 zoo's 5 attention layers (target + drafter, one spec) and 6 GDN layers make one GDN KV-cache group,
 the random pair's 3 + 6 make two, so only there does the GDN metadata of a step serve a second
 group through ``update_block_table`` (runtime/gdn_metadata.py; its hook counter is in the paths).
+TFM_GRAPHS_MODELS=zoo-vl: the zoo with its target converted to Qwen3.6-27B's vision-language layout
+(``Qwen3_5ForConditionalGeneration``, bench/vl_checkpoint.py, written under OUT/models), text-only prompts
+with the image and video limits at 0.
 
 Results: OUT/graphs.json (verdicts, per-engine timings, graph counters, final cudagraph mode and
 capture sizes), OUT/<engine>.log, OUT/<engine>.json. TFM_GRAPHS_DEADLINE_S (420) bounds the run.
@@ -86,8 +89,8 @@ __all__ = ["ENGINES", "REQUIRED", "WaveSchedule", "acceptance_async", "engine_kw
 
 ZOO = REPO / "zoo"
 MODELS = os.environ.get("TFM_GRAPHS_MODELS", "zoo")
-if MODELS not in ("zoo", "random"):
-    raise SystemExit(f"TFM_GRAPHS_MODELS={MODELS}: 'zoo' (default) or 'random'")
+if MODELS not in ("zoo", "zoo-vl", "random"):
+    raise SystemExit(f"TFM_GRAPHS_MODELS={MODELS}: 'zoo' (default), 'zoo-vl' or 'random'")
 BUDGET = int(os.environ.get("TFM_GRAPHS_BUDGET", "32"))
 N_PROMPTS = int(os.environ.get("TFM_GRAPHS_PROMPTS", "32"))
 MAX_TOKENS = int(os.environ.get("TFM_GRAPHS_TOKENS", "64"))
@@ -176,6 +179,21 @@ def random_models(root: Path) -> tuple[Path, Path]:
     return gpu_plugin_e2e.TARGET, gpu_plugin_e2e.DRAFTER
 
 
+def zoo_vl_target(root: Path) -> Path:
+    """The zoo's target in Qwen3.6-27B's vision-language layout (bench/vl_checkpoint.py: the same text weights
+    under ``model.language_model.*``, a tiny random vision tower, M-RoPE), written under ``root``."""
+    from vl_checkpoint import convert_to_vl
+
+    dst = root / "target-vl"
+    convert_to_vl(ZOO / "target", dst)
+    return dst
+
+
+def is_vl_target(target: str | Path) -> bool:
+    cfg = json.loads((Path(target) / "config.json").read_text())
+    return "vision_config" in cfg
+
+
 def engine_kwargs(name: str, target: str, drafter: str, budget: int) -> dict[str, Any]:
     e = ENGINES[name]
     kw: dict[str, Any] = {
@@ -193,6 +211,8 @@ def engine_kwargs(name: str, target: str, drafter: str, budget: int) -> dict[str
                                     "attention_backend": "TRITON_ATTN"}
     if "async_scheduling" in e:
         kw["async_scheduling"] = e["async_scheduling"]
+    if is_vl_target(target):  # text-only prompts: no vision encoder, no multimodal profiling
+        kw["limit_mm_per_prompt"] = {"image": 0, "video": 0}
     return kw
 
 
@@ -523,8 +543,11 @@ def driver(args: argparse.Namespace) -> int:
     bad = [n for n in names if n not in ENGINES]
     if bad:
         raise SystemExit(f"unknown engine {bad[0]!r}; engines: {', '.join(ENGINES)}")
-    target, drafter, ps = (*random_models(out / "models"), random_prompts(N_PROMPTS)) if MODELS == "random" else (
-        ZOO / "target", ZOO / "drafter", prompts(N_PROMPTS))
+    if MODELS == "random":
+        target, drafter, ps = (*random_models(out / "models"), random_prompts(N_PROMPTS))
+    else:
+        target = zoo_vl_target(out / "models") if MODELS == "zoo-vl" else ZOO / "target"
+        drafter, ps = ZOO / "drafter", prompts(N_PROMPTS)
     settings = {"out": str(out), "models": MODELS, "target": str(target), "drafter": str(drafter), "budget": BUDGET,
                 "max_tokens": MAX_TOKENS, "prompts": ps}
     settings_path = out / "settings.json"

@@ -21,11 +21,15 @@ environment, and the runtime's tree counters. Verdicts in OUT/ray_results.json:
                        hooks loaded, the option and the switch from the driver's environment, and
                        verified trees (the runtime's tree_steps > 0);
   serve_equals_default Serve's tokens for prompt 0 == the default executor's for prompt 0 alone;
-  serve_refuses        the prompt_logprobs request got HTTP 400 naming tfm.
+  serve_refuses        the prompt_logprobs request got HTTP 400 naming tfm;
+  scheduling_as_asked  with --async-scheduling (``async_scheduling=True`` in every phase's engine
+                       arguments): every phase's workers ran with vLLM's asynchronous scheduling;
+                       without it: every phase's workers ran with synchronous scheduling (tfm's
+                       default).
 
-usage (GPU host, repository root):  bash bench/run_gpu_ray.sh
+usage (GPU host, repository root):  bash bench/run_gpu_ray.sh [--async-scheduling]
         or:  python3 bench/gpu_ray_e2e.py --out OUT [--phase all|make|default|ray|serve|summary]
-                                          [--target DIR --drafter DIR]
+                                          [--target DIR --drafter DIR] [--async-scheduling]
 """
 
 from __future__ import annotations
@@ -81,13 +85,17 @@ def prompts(target: str) -> list[list[int]]:
     return [[rng.randrange(2, vocab - 2) for _ in range(n)] for n in lens[:N_PROMPTS]]
 
 
-def engine_settings() -> dict[str, Any]:
-    """vLLM engine arguments of every phase (the GPU bundle's: TRITON_ATTN, triton GDN prefill, eager)."""
-    return {
+def engine_settings(args: argparse.Namespace) -> dict[str, Any]:
+    """vLLM engine arguments of every phase (the GPU bundle's: TRITON_ATTN, triton GDN prefill, eager), with
+    ``async_scheduling=True`` under --async-scheduling (unset otherwise: tfm's default, synchronous)."""
+    kw: dict[str, Any] = {
         "dtype": DTYPE, "enforce_eager": True, "seed": 0, "gpu_memory_utilization": 0.3, "max_model_len": 1024,
         "max_num_seqs": 16, "enable_prefix_caching": False, "attention_backend": "TRITON_ATTN",
         "compilation_config": {"custom_ops": ["none"]}, "additional_config": {"gdn_prefill_backend": "triton"},
     }  # fmt: skip
+    if args.async_scheduling:
+        kw["async_scheduling"] = True
+    return kw
 
 
 def spec(drafter: str) -> dict[str, Any]:
@@ -116,6 +124,10 @@ def worker_info(worker: Any) -> dict[str, Any]:
 
     info: dict[str, Any] = {"pid": os.getpid(), "tfm_env": {k: v for k, v in os.environ.items() if k.startswith("VLLM_TFM_")},
                             "rank": getattr(worker, "rank", None), "local_rank": getattr(worker, "local_rank", None)}
+    try:  # the scheduling the worker's config settled on (VllmConfig.__post_init__, with the plugin's default)
+        info["async_scheduling"] = worker.vllm_config.scheduler_config.async_scheduling
+    except Exception as e:  # noqa: BLE001
+        info["async_scheduling"] = f"error: {e}"
     try:
         import torch
 
@@ -164,7 +176,7 @@ def phase_engine(args: argparse.Namespace, executor: str) -> None:
     res: dict[str, Any] = {"executor": executor}
     path = WORK / f"{executor}.json"
     try:
-        kw = dict(engine_settings(), model=target, skip_tokenizer_init=True, speculative_config=spec(drafter),
+        kw = dict(engine_settings(args), model=target, skip_tokenizer_init=True, speculative_config=spec(drafter),
                   disable_log_stats=False)  # LLM turns stats off by default: spec_counters would read nothing
         if executor == "ray":
             import ray
@@ -242,7 +254,7 @@ def phase_serve(args: argparse.Namespace) -> None:
             "model_id": MODEL_ID,
             "drafter": drafter,
             "num_speculative_tokens": BUDGET,
-            "engine_kwargs": engine_settings(),
+            "engine_kwargs": engine_settings(args),
             "env": {
                 **SWITCH_ENV,
                 "VLLM_USE_FLASHINFER_SAMPLER": "0",
@@ -316,7 +328,13 @@ def load(name: str) -> dict[str, Any]:
     return json.loads(p.read_text()) if p.is_file() else {"error": f"{p.name} missing: the phase did not finish"}
 
 
-def summary(out: Path, command: str) -> int:
+def scheduling_as_asked(phases: list[dict[str, Any]], asked: bool) -> bool:
+    """Every phase reported its workers, and each worker's config settled on the scheduling asked for."""
+    workers = [w for ph in phases for w in (ph.get("workers") or [])]
+    return len(workers) >= len(phases) and all(w.get("async_scheduling") is asked for w in workers)
+
+
+def summary(out: Path, command: str, asked_async: bool) -> int:
     d, r, s = load("default"), load("ray"), load("serve")
     verdicts: dict[str, Any] = {}
     if "tokens" in d and "tokens" in r:
@@ -336,7 +354,8 @@ def summary(out: Path, command: str) -> int:
     )  # fmt: skip
     verdicts["serve_equals_default"] = s.get("tokens_prompt0") is not None and s.get("tokens_prompt0") == d.get("tokens_prompt0_alone")
     verdicts["serve_refuses"] = s.get("refusal_status") == 400 and "speculative method 'tfm'" in json.dumps(s.get("refusal"))
-    res = {"command": command, "budget": BUDGET, "max_tokens": MAX_TOKENS, "prompts": N_PROMPTS, "dtype": DTYPE,
+    verdicts["scheduling_as_asked"] = scheduling_as_asked([d, r, s], asked_async)
+    res = {"command": command, "async_scheduling": asked_async, "budget": BUDGET, "max_tokens": MAX_TOKENS, "prompts": N_PROMPTS, "dtype": DTYPE,
            "verdicts": verdicts, "default": d, "ray": r, "serve": s}  # fmt: skip
     (out / "ray_results.json").write_text(json.dumps(res, indent=1, default=str))
     print("=" * 100)
@@ -358,6 +377,8 @@ def run_phase(args: argparse.Namespace, phase: str) -> int:
     cmd = [sys.executable, __file__, "--phase", phase, "--out", str(out)]
     if args.target:
         cmd += ["--target", args.target, "--drafter", args.drafter]
+    if args.async_scheduling:
+        cmd.append("--async-scheduling")
     rc, _ = run_phase_process(cmd, logf, timeout, dict(os.environ, TFM_RAY_T0=str(T0)), f"phase {phase}")
     rc = -9 if rc is None else rc
     echo_log(logf, ("[tfm-ray", "Traceback", "Error", "stopped:"), 60, tail_lines=30 if rc != 0 else 0)
@@ -371,6 +392,8 @@ def main() -> int:
     ap.add_argument("--phase", default="all", choices=["all", "make", "default", "ray", "serve", "summary"])
     ap.add_argument("--target", help="target model directory (default: random tiny models in TFM_RAY_DIR)")
     ap.add_argument("--drafter", help="drafter directory (with --target)")
+    ap.add_argument("--async-scheduling", action="store_true",
+                    help="every phase's engine with async_scheduling=True (vLLM's asynchronous scheduling)")
     args = ap.parse_args()
     if (args.target is None) != (args.drafter is None):
         sys.exit("give both --target and --drafter, or neither")
@@ -378,6 +401,7 @@ def main() -> int:
     out.mkdir(parents=True, exist_ok=True)
     WORK.mkdir(parents=True, exist_ok=True)
     command = "bash bench/run_gpu_ray.sh" + (f" --target {args.target} --drafter {args.drafter}" if args.target else "")
+    command += " --async-scheduling" if args.async_scheduling else ""
     if args.phase == "make":
         phase_make()
     elif args.phase in ("default", "ray"):
@@ -385,7 +409,7 @@ def main() -> int:
     elif args.phase == "serve":
         phase_serve(args)
     elif args.phase == "summary":
-        return summary(out, command)
+        return summary(out, command, args.async_scheduling)
     else:
         for stale in WORK.glob("*.json"):
             stale.unlink()
@@ -393,7 +417,7 @@ def main() -> int:
             return 2
         for phase in ("default", "ray", "serve"):
             run_phase(args, phase)
-        return summary(out, command)
+        return summary(out, command, args.async_scheduling)
     return 0
 
 

@@ -11,7 +11,8 @@
 # and with asynchronous scheduling, eager and full; its docstring lists them), 32 prompts x 64 tokens each,
 # and the verdicts.
 # TFM_GRAPHS_DEADLINE_S (default 420) bounds the engines; TFM_GRAPHS_MODELS=random runs random tiny
-# models whose GDN layers form two KV-cache groups (the zoo's one) instead of the zoo.
+# models whose GDN layers form two KV-cache groups (the zoo's one) instead of the zoo; TFM_GRAPHS_MODELS=zoo-vl
+# the zoo with its target in the vision-language layout (Qwen3.6-27B's architecture).
 # Results (graphs.json, <engine>.log, <engine>.json) go to $OUT (/tmp/tfm-graphs-out otherwise).
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."

@@ -4,7 +4,7 @@
 # OpenAI app from vllm_tfm.serve answering a completion request with tfm (bench/gpu_ray_e2e.py).
 #
 #   device tool, repository root, one call:   carry ['.gpu-bundle', '.ray-bundle']
-#       bash bench/run_gpu_ray.sh [--target DIR --drafter DIR]
+#       bash bench/run_gpu_ray.sh [--target DIR --drafter DIR] [--async-scheduling]
 #   or, when both bundles do not fit one call (64 MiB with the tracked files):
 #       call 1, carry ['.gpu-bundle']:  source .gpu-bundle/install.sh     (unpacks /tmp/gpu-site)
 #       call 2 on the still-warm machine, carry ['.ray-bundle']:  bash bench/run_gpu_ray.sh

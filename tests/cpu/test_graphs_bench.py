@@ -66,6 +66,21 @@ def test_the_async_engine_asks_for_asynchronous_scheduling(session: Any, monkeyp
     assert "env" not in g.ENGINES["tfm-eager-async"] and ("tfm-eager", "tfm-eager-async") in g.INFORMATIONAL
 
 
+def test_the_zoo_vl_target_builds_as_the_vision_language_architecture(session: Any, tmp_path: Path) -> None:
+    from vllm.config import ParallelConfig
+    from vllm.engine.arg_utils import EngineArgs
+
+    target = g.zoo_vl_target(tmp_path)
+    assert g.is_vl_target(target) and not g.is_vl_target(g.ZOO / "target")
+    kw = g.engine_kwargs("tfm-fullpw-async", str(target), str(g.ZOO / "drafter"), 32)
+    assert kw["limit_mm_per_prompt"] == {"image": 0, "video": 0} and kw["async_scheduling"] is True
+    assert "limit_mm_per_prompt" not in g.engine_kwargs("tfm-fullpw-async", str(g.ZOO / "target"), str(g.ZOO / "drafter"), 32)
+    a = EngineArgs(**kw)
+    mc = a.create_model_config()
+    assert mc.architectures == ["Qwen3_5ForConditionalGeneration"] and mc.is_multimodal_model
+    assert a.create_speculative_config(mc, ParallelConfig()).method == "tfm"
+
+
 def run(b8: list[list[int]], b1: list[list[int]] | None = None, **extra: Any) -> dict[str, Any]:
     return {"status": "ok", "b8": b8, "b1": b1 if b1 is not None else b8, "waves": b8, **extra}
 
