@@ -85,15 +85,15 @@ def prompts(target: str) -> list[list[int]]:
     return [[rng.randrange(2, vocab - 2) for _ in range(n)] for n in lens[:N_PROMPTS]]
 
 
-def engine_settings(args: argparse.Namespace) -> dict[str, Any]:
+def engine_settings(async_scheduling: bool = False) -> dict[str, Any]:
     """vLLM engine arguments of every phase (the GPU bundle's: TRITON_ATTN, triton GDN prefill, eager), with
-    ``async_scheduling=True`` under --async-scheduling (unset otherwise: tfm's default, synchronous)."""
+    ``async_scheduling=True`` when asked (--async-scheduling; unset otherwise: tfm's default, synchronous)."""
     kw: dict[str, Any] = {
         "dtype": DTYPE, "enforce_eager": True, "seed": 0, "gpu_memory_utilization": 0.3, "max_model_len": 1024,
         "max_num_seqs": 16, "enable_prefix_caching": False, "attention_backend": "TRITON_ATTN",
         "compilation_config": {"custom_ops": ["none"]}, "additional_config": {"gdn_prefill_backend": "triton"},
     }  # fmt: skip
-    if args.async_scheduling:
+    if async_scheduling:
         kw["async_scheduling"] = True
     return kw
 
@@ -176,7 +176,7 @@ def phase_engine(args: argparse.Namespace, executor: str) -> None:
     res: dict[str, Any] = {"executor": executor}
     path = WORK / f"{executor}.json"
     try:
-        kw = dict(engine_settings(args), model=target, skip_tokenizer_init=True, speculative_config=spec(drafter),
+        kw = dict(engine_settings(args.async_scheduling), model=target, skip_tokenizer_init=True, speculative_config=spec(drafter),
                   disable_log_stats=False)  # LLM turns stats off by default: spec_counters would read nothing
         if executor == "ray":
             import ray
@@ -254,7 +254,7 @@ def phase_serve(args: argparse.Namespace) -> None:
             "model_id": MODEL_ID,
             "drafter": drafter,
             "num_speculative_tokens": BUDGET,
-            "engine_kwargs": engine_settings(args),
+            "engine_kwargs": engine_settings(args.async_scheduling),
             "env": {
                 **SWITCH_ENV,
                 "VLLM_USE_FLASHINFER_SAMPLER": "0",

@@ -19,10 +19,14 @@ the runtime's counters). Prompts: seeded random token ids in [3, vocab - 2) of m
 1..200. Verdicts (bench/tp_verdicts.py) in OUT/tp2_ray_zoo.json, rewritten after every phase;
 exit code 0 when verdicts.all_ok. TFM_TP2_PHASES=a,b runs only those phases and judges them with
 the other phases' files left by an earlier run on the same machine (in TFM_TP2_DIR).
+--async-scheduling: the tfm phases' engines with ``async_scheduling=True`` (vLLM's asynchronous
+scheduling; no-speculation engines have it by vLLM's default); verdict ``tfm_scheduling_as_asked``
+(every tfm phase's workers ran with the scheduling asked for; without the flag: synchronous, tfm's
+default) joins ``all_ok``.
 
-usage (GPU host with 2 GPUs, repository root):  bash bench/run_gpu_tp2.sh
+usage (GPU host with 2 GPUs, repository root):  bash bench/run_gpu_tp2.sh [--async-scheduling]
         or:  python3 bench/gpu_tp2_e2e.py --out OUT [--phase all|tp1_tfm|tp2_tfm|tp2_nospec|tp2_ddtree|summary]
-                                          [--target DIR --drafter DIR]
+                                          [--target DIR --drafter DIR] [--async-scheduling]
 """
 
 from __future__ import annotations
@@ -89,8 +93,9 @@ def prompts(target: str) -> list[list[int]]:
     return [[rng.randrange(3, vocab - 2) for _ in range(n)] for n in lens[:N_PROMPTS]]
 
 
-def engine_kwargs(target: str, drafter: str, tp: int, proposal: str | None) -> dict[str, Any]:
-    kw = dict(ray_e2e.engine_settings(), model=target, dtype=DTYPE, skip_tokenizer_init=True, disable_log_stats=False,
+def engine_kwargs(target: str, drafter: str, tp: int, proposal: str | None, async_scheduling: bool = False) -> dict[str, Any]:
+    """One phase's engine arguments; ``async_scheduling`` applies to tfm engines (``proposal`` not None)."""
+    kw = dict(ray_e2e.engine_settings(async_scheduling and proposal is not None), model=target, dtype=DTYPE, skip_tokenizer_init=True, disable_log_stats=False,
               max_num_seqs=MAX_SEQS, kv_cache_memory_bytes=KV_BYTES)  # fmt: skip
     if proposal is not None:  # the proposal itself comes from tfm_config.json or VLLM_TFM_PROPOSAL
         kw["speculative_config"] = {"method": "tfm", "model": drafter, "num_speculative_tokens": BUDGET,
@@ -119,7 +124,7 @@ def phase_engine(args: argparse.Namespace, name: str) -> int:
     res: dict[str, Any] = {"phase": name, "tp": tp, "proposal": proposal, "driver_env": env, "driver_pid": os.getpid()}
     ray = None
     try:
-        kw = engine_kwargs(args.target, args.drafter, tp, proposal)
+        kw = engine_kwargs(args.target, args.drafter, tp, proposal, args.async_scheduling)
         res["engine_kwargs"] = kw
         if tp > 1:
             import cloudpickle
@@ -186,6 +191,7 @@ def run_phase(args: argparse.Namespace, name: str) -> dict[str, Any]:
     result = WORK / f"{name}.json"
     log(f"phase {name} (timeout {timeout:.0f} s) -> {logf.name}")
     cmd = [sys.executable, __file__, "--phase", name, "--out", str(out), "--target", args.target, "--drafter", args.drafter]
+    cmd += ["--async-scheduling"] if args.async_scheduling else []
     t = time.time()
     rc, _ = run_phase_process(cmd, logf, timeout, dict(os.environ, TFM_TP2_T0=str(T0)), f"phase {name}",
                               done_file=result, exit_grace_s=EXIT_GRACE_S)  # fmt: skip
@@ -230,6 +236,9 @@ def summary(args: argparse.Namespace, runs: dict[str, dict[str, Any]], env: dict
     out = Path(args.out)
     phases = {name: (runs[name] if "skipped" in runs.get(name, {}) else load(name)) for name in PHASES if name in runs}
     judged = tp_verdicts(phases, tp=2, check_env=CHECK_ENV)
+    tfm_phases = [ph for name, ph in phases.items() if PHASES[name][1] is not None and "skipped" not in ph]
+    judged["verdicts"]["tfm_scheduling_as_asked"] = ray_e2e.scheduling_as_asked(tfm_phases, args.async_scheduling)
+    judged["verdicts"]["all_ok"] = judged["verdicts"]["all_ok"] and judged["verdicts"]["tfm_scheduling_as_asked"]
     ps = prompts(args.target)
     ref = phases.get("tp1_tfm", {}).get("tokens")
     res = {
@@ -237,8 +246,8 @@ def summary(args: argparse.Namespace, runs: dict[str, dict[str, Any]], env: dict
         "settings": {
             "target": args.target_arg, "drafter": args.drafter_arg, "dtype": DTYPE, "budget": BUDGET, "max_tokens": MAX_TOKENS,
             "prompts": len(ps), "prompt_lengths": [len(p) for p in ps], "prompt_token_range": [3, "vocab - 2"],
-            "max_num_seqs": MAX_SEQS, "kv_cache_memory_bytes": KV_BYTES, "engine_settings": ray_e2e.engine_settings(),
-            "check_env": CHECK_ENV, "phases": {k: {"tp": v[0], "proposal": v[1], "driver_env": v[2]} for k, v in PHASES.items()},
+            "max_num_seqs": MAX_SEQS, "kv_cache_memory_bytes": KV_BYTES, "engine_settings": ray_e2e.engine_settings(args.async_scheduling),
+            "async_scheduling_tfm": args.async_scheduling, "check_env": CHECK_ENV, "phases": {k: {"tp": v[0], "proposal": v[1], "driver_env": v[2]} for k, v in PHASES.items()},
         },
         "env": env,
         "verdicts": judged["verdicts"],
@@ -251,7 +260,7 @@ def summary(args: argparse.Namespace, runs: dict[str, dict[str, Any]], env: dict
     v = judged["verdicts"]
     print("=" * 100)
     for k in ("tp2_tfm_equals_tp1_tfm", "tp2_tfm_equals_tp2_nospec", "tp1_tfm_equals_tp2_nospec",
-              "tp1_difference_explained_by_tp_numerics", "tp2_ddtree_equals_tp2_nospec", "all_ok"):  # fmt: skip
+              "tp1_difference_explained_by_tp_numerics", "tp2_ddtree_equals_tp2_nospec", "tfm_scheduling_as_asked", "all_ok"):  # fmt: skip
         if k in v:
             print(f"{k:42s} {v[k]}")
     for k in ("tp_tree_checks", "tp2_ddtree_tree_checks", "workers_in_distinct_actors", "tp2_ddtree_workers_in_distinct_actors"):
@@ -272,7 +281,8 @@ def command(args: argparse.Namespace) -> str:
     env = " ".join(f"{k}={v}" for k, v in sorted(os.environ.items())
                    if k.startswith("TFM_TP2_") and k not in ("TFM_TP2_T0", "TFM_TP2_COMMAND"))  # fmt: skip
     base = os.environ.get("TFM_TP2_COMMAND") or (
-        f"python3 bench/gpu_tp2_e2e.py --target {args.target_arg} --drafter {args.drafter_arg}")
+        f"python3 bench/gpu_tp2_e2e.py --target {args.target_arg} --drafter {args.drafter_arg}"
+        + (" --async-scheduling" if args.async_scheduling else ""))
     return f"{env} {base}".strip()
 
 
@@ -289,6 +299,7 @@ def main() -> int:
     ap.add_argument("--phase", default="all", choices=["all", *PHASES, "summary"])
     ap.add_argument("--target", default="zoo/target", help="target model directory (default: the toy zoo)")
     ap.add_argument("--drafter", default="zoo/drafter", help="drafter directory (default: the toy zoo)")
+    ap.add_argument("--async-scheduling", action="store_true", help="the tfm engines with async_scheduling=True")
     args = ap.parse_args()
     args.target_arg, args.drafter_arg = args.target, args.drafter
     args.target, args.drafter = str(Path(args.target).resolve()), str(Path(args.drafter).resolve())  # Ray actors' cwd differs

@@ -6,7 +6,7 @@
 #
 #   device tool, kind nvidia-h200-x2, repository root:
 #     on a machine where /tmp/gpu-site is already unpacked (an earlier call carried .gpu-bundle),
-#     carry ['.ray-bundle']:                 bash bench/run_gpu_tp2.sh
+#     carry ['.ray-bundle']:                 bash bench/run_gpu_tp2.sh [--async-scheduling]
 #     or, when both fit one call, carry ['.gpu-bundle', '.ray-bundle']
 #   (--target DIR --drafter DIR: other models; default zoo/target and zoo/drafter)
 #

@@ -68,8 +68,8 @@ def test_tokens_digest_tells_runs_apart() -> None:
 
 
 def _worker(rank: int, actor: str | None = None, pid: int | None = None, checks: Any = 161,
-            proposal: str = "tfm", env: dict[str, str] | None = None) -> dict[str, Any]:
-    return {
+            proposal: str = "tfm", env: dict[str, str] | None = None, async_scheduling: bool = False) -> dict[str, Any]:
+    return {"async_scheduling": async_scheduling,
         "rank": rank, "pid": 1000 + rank if pid is None else pid, "ray_actor_id": f"actor{rank}" if actor is None else actor,
         "plugin_registered": True, "runtime_installed": True, "options": {"proposal": proposal},
         "tfm_env": CHECK_ENV if env is None else env,
@@ -125,12 +125,12 @@ def test_mean_accepted_length() -> None:
 TOKENS = [[11, 12, 13, 14], [21, 22, 23, 24], [31, 32, 33, 34]]
 
 
-def _phase(tokens: list[list[int]], tp: int, proposal: str | None, driver_pid: int = 1) -> dict[str, Any]:
+def _phase(tokens: list[list[int]], tp: int, proposal: str | None, driver_pid: int = 1,
+           async_scheduling: bool = False) -> dict[str, Any]:
     ph: dict[str, Any] = {"tokens": [list(t) for t in tokens], "driver_pid": driver_pid,
                           "spec_counters": {"vllm:spec_decode_num_drafts": 10, "vllm:spec_decode_num_accepted_tokens": 15}}
-    if tp == 2:
-        ph["workers"] = [_worker(0, checks=5 if proposal else None, proposal=proposal or "tfm"),
-                         _worker(1, checks=5 if proposal else None, proposal=proposal or "tfm")]  # fmt: skip
+    checks = 5 if proposal else None
+    ph["workers"] = [_worker(r, checks=checks, proposal=proposal or "tfm", async_scheduling=async_scheduling) for r in range(tp)]
     return ph
 
 
@@ -193,7 +193,8 @@ def test_summary_writes_the_result_file(tmp_path: Path, monkeypatch: pytest.Monk
     files = {"tp1_tfm": _phase(ref, 1, "tfm"), "tp2_tfm": _phase(bad, 2, "tfm"), "tp2_nospec": _phase(ref, 2, None)}
     for name, ph in files.items():
         (work / f"{name}.json").write_text(json.dumps(ph))
-    args = argparse.Namespace(out=str(out), target=target, drafter="unused", target_arg="zoo/target", drafter_arg="zoo/drafter")
+    args = argparse.Namespace(out=str(out), target=target, drafter="unused", target_arg="zoo/target", drafter_arg="zoo/drafter",
+                              async_scheduling=False)
     runs = {name: {"rc": 0, "wall_s": 1.0} for name in files} | {"tp2_ddtree": {"skipped": "10 s left"}}
     assert gpu_tp2_e2e.summary(args, runs, {"gpus": []}) == 1  # the planted divergence fails the run
     res = json.loads((out / gpu_tp2_e2e.RESULT).read_text())
@@ -209,6 +210,26 @@ def test_summary_writes_the_result_file(tmp_path: Path, monkeypatch: pytest.Monk
     assert res["phases"]["tp2_ddtree"] == {"skipped": "10 s left"}
     (work / "tp2_tfm.json").write_text(json.dumps(_phase(ref, 2, "tfm")))
     assert gpu_tp2_e2e.summary(args, runs, {"gpus": []}) == 0
+    res = json.loads((out / gpu_tp2_e2e.RESULT).read_text())
+    assert res["verdicts"]["tfm_scheduling_as_asked"] is True and res["settings"]["async_scheduling_tfm"] is False
+    # --async-scheduling: the tfm phases' workers must report asynchronous scheduling, every one of them
+    args.async_scheduling = True
+    assert gpu_tp2_e2e.summary(args, runs, {"gpus": []}) == 1
+    assert json.loads((out / gpu_tp2_e2e.RESULT).read_text())["verdicts"]["tfm_scheduling_as_asked"] is False
+    (work / "tp1_tfm.json").write_text(json.dumps(_phase(ref, 1, "tfm", async_scheduling=True)))
+    (work / "tp2_tfm.json").write_text(json.dumps(_phase(ref, 2, "tfm", async_scheduling=True)))
+    assert gpu_tp2_e2e.summary(args, runs, {"gpus": []}) == 0
+    half = _phase(ref, 2, "tfm", async_scheduling=True)
+    half["workers"][1]["async_scheduling"] = False  # one rank synchronous
+    (work / "tp2_tfm.json").write_text(json.dumps(half))
+    assert gpu_tp2_e2e.summary(args, runs, {"gpus": []}) == 1
+
+
+def test_async_scheduling_reaches_only_the_tfm_engines() -> None:
+    tfm = gpu_tp2_e2e.engine_kwargs("t", "d", 2, "tfm", async_scheduling=True)
+    assert tfm["async_scheduling"] is True and tfm["speculative_config"]["method"] == "tfm"
+    assert "async_scheduling" not in gpu_tp2_e2e.engine_kwargs("t", "d", 2, None, async_scheduling=True)  # vLLM's default
+    assert "async_scheduling" not in gpu_tp2_e2e.engine_kwargs("t", "d", 2, "tfm")  # tfm's default: synchronous
 
 
 def test_prompts_are_seeded_and_in_range() -> None:
