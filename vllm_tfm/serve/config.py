@@ -33,7 +33,7 @@ class TfmServeConfig(BaseModel):
 
     Example (Python or the ``args`` of a Serve YAML ``import_path: vllm_tfm.serve:build_app``)::
 
-        {"model": "Qwen/Qwen3.6-27B", "drafter": "/models/qwen36-27b-tfm", "num_speculative_tokens": 64,
+        {"model": "Qwen/Qwen3.6-27B", "drafter": "/models/qwen36-27b-tfm", "num_speculative_tokens": 16,
          "accelerator_type": "H200", "tensor_parallel_size": 1, "min_replicas": 1, "max_replicas": 4,
          "engine_kwargs": {"max_model_len": 32768, "gpu_memory_utilization": 0.9}}
     """
