@@ -22,6 +22,18 @@ gpu_call_begin() {
   gpu_setup "$W"
 }
 
+# gpu_work_begin DEFAULT_OUT TOTAL_SECONDS: gpu_call_begin, then bounded steps whose logs stay in the work
+# folder: FINAL = the folder that comes back ($OUT as given), OUT = $W (removed by the caller at the end),
+# TOTAL_S = TOTAL_SECONDS less the setup's time and 10 s for the summary, gpu_steps_begin
+# (bench/run_gpu_gdn_ab.sh, run_gpu_gdn_attrib.sh, run_gpu_gdn_variants.sh).
+gpu_work_begin() {
+  gpu_call_begin "$1"
+  FINAL=$OUT
+  OUT=$W
+  TOTAL_S=$(( $2 - ($(date +%s) - start) - 10 ))
+  gpu_steps_begin
+}
+
 # gpu_sanitize LOGDIR CMD...: compute-sanitizer memcheck and racecheck on CMD (synchronous launches,
 # one cudaMalloc per tensor for exact bounds), LOGDIR/{memcheck,racecheck}.log; prints each tool's
 # exit code and summary; returns the last non-zero exit code (0 when both are clean).

@@ -20,11 +20,7 @@ if [ ! -f .base/gdn_tree_verify_grouped.cu ]; then
 fi
 # shellcheck disable=SC1091
 source bench/gpu_common.sh
-gpu_call_begin /tmp/tfm-gdn-ab
-FINAL=$OUT
-OUT=$W   # step logs stay in the work folder
-TOTAL_S=$(( ${GDN_AB_TOTAL_S:-400} - ($(date +%s) - start) - 10 ))
-gpu_steps_begin
+gpu_work_begin /tmp/tfm-gdn-ab "${GDN_AB_TOTAL_S:-400}"   # FINAL: what comes back; OUT: the work folder
 cp "$KERNEL" "$W/new.cu"
 timeline=(python3 bench/gdn_timeline.py --n 128 --batch 1 8 --reps 30 --solve paths)
 gpu_step t_new 60 "${timeline[@]}" --out "$FINAL/t_new.json"

@@ -14,11 +14,7 @@ set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.." || exit 1
 # shellcheck disable=SC1091
 source bench/gpu_common.sh
-gpu_call_begin /tmp/tfm-gdn-attrib
-FINAL=$OUT
-OUT=$W   # the steps' logs stay in the work folder; what comes back is merged below
-TOTAL_S=$(( ${GDN_ATTRIB_TOTAL_S:-420} - ($(date +%s) - start) - 10 ))
-gpu_steps_begin
+gpu_work_begin /tmp/tfm-gdn-attrib "${GDN_ATTRIB_TOTAL_S:-420}"   # FINAL: what comes back; OUT: the work folder
 gpu_step tests 200 python3 -m pytest -q tests/gpu/test_kernels_gdn.py -k v6
 timeline=(python3 bench/gdn_timeline.py --reps 30 --solve paths)
 gpu_step t_default 60 "${timeline[@]}" --n 16 32 64 128 --batch 1 8 --out "$W/t_default.json"

@@ -22,11 +22,7 @@ if (( ${#variants[@]} == 0 || ${#variants[@]} > 5 )); then
 fi
 # shellcheck disable=SC1091
 source bench/gpu_common.sh
-gpu_call_begin /tmp/tfm-gdn-variants
-FINAL=$OUT
-OUT=$W   # step logs stay in the work folder
-TOTAL_S=$(( ${GDN_VARIANTS_TOTAL_S:-480} - ($(date +%s) - start) - 10 ))
-gpu_steps_begin
+gpu_work_begin /tmp/tfm-gdn-variants "${GDN_VARIANTS_TOTAL_S:-480}"   # FINAL: what comes back; OUT: the work folder
 cp "$KERNEL" "$W/tree.cu"
 timeline=(python3 bench/gdn_timeline.py --n 128 --batch 1 8 --reps 30 --solve paths)
 names=(tree)
