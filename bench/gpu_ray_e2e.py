@@ -330,8 +330,7 @@ def load(name: str) -> dict[str, Any]:
 
 def scheduling_as_asked(phases: list[dict[str, Any]], asked: bool) -> bool:
     """Every phase reported its workers, and each worker's config settled on the scheduling asked for."""
-    workers = [w for ph in phases for w in (ph.get("workers") or [])]
-    return len(workers) >= len(phases) and all(w.get("async_scheduling") is asked for w in workers)
+    return all(ph.get("workers") and all(w.get("async_scheduling") is asked for w in ph["workers"]) for ph in phases)
 
 
 def summary(out: Path, command: str, asked_async: bool) -> int:

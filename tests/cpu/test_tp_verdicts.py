@@ -244,3 +244,13 @@ def test_phase_skipped_when_time_is_short(tmp_path: Path, monkeypatch: pytest.Mo
     args = argparse.Namespace(out=str(tmp_path), target="t", drafter="d")
     assert "skipped" in gpu_tp2_e2e.run_phase(args, "tp2_ddtree")
     assert not list(tmp_path.iterdir())  # nothing started, no log
+
+
+def test_scheduling_as_asked_needs_every_phase_to_report_its_workers() -> None:
+    asked = gpu_tp2_e2e.ray_e2e.scheduling_as_asked
+    on, off = _worker(0, async_scheduling=True), _worker(0)
+    assert asked([{"workers": [on]}, {"workers": [on, on]}], True) and asked([{"workers": [off]}], False)
+    assert not asked([{"workers": [on, on]}, {"workers": []}], True)  # a phase without workers: not shown
+    assert not asked([{"workers": [on]}, {"error": "RuntimeError: no engine"}], True)
+    assert not asked([{"workers": [{**on, "async_scheduling": "error: no vllm_config"}]}], True)
+    assert not asked([{"workers": [on]}], False)
