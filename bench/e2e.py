@@ -19,9 +19,10 @@ this script) measures, for each arm, output tokens/s at batch 1 and batch 8:
   tfm16/32/64-full  (optional) as -graphs with cudagraph_mode FULL_AND_PIECEWISE (tfm's default on one
                  GPU): tree steps whose requests all verify B drafts replay one full graph of the
                  target forward with the tree verify inside (vllm_tfm/vllm_plugin/runtime/full_graphs.py)
-  tfm16-full-async  (optional) tfm16-full with vLLM's asynchronous scheduling (async_scheduling=True,
-                 off by default for tfm: vllm_tfm/vllm_plugin/async_scheduling.py), as vLLM runs its
-                 no-spec and DFlash arms by default
+  tfm16-full-async  (optional) tfm16-full with vLLM's asynchronous scheduling (async_scheduling=True), as
+                 vLLM runs its no-spec and DFlash arms by default. The other tfm arms pin
+                 async_scheduling=False (the scheduling of every earlier result of theirs), whatever tfm's
+                 default (vllm_tfm/vllm_plugin/async_scheduling.py)
 
 The target is written here with the exact Qwen3.6-27B text shape (``bench/e2e_models.py``) and
 loaded with dummy weights (``load_format="dummy"``, bf16, about 54 GB), the drafter is the
@@ -92,7 +93,8 @@ class Arm:
     # runtime settings of this arm's engine process on top of the driver's environment (a same-machine A/B
     # of one switch: tfm32-full-v3 is tfm32-full with the GDN verify pinned to version 3, the compile cache shared)
     env: tuple[tuple[str, str], ...] = ()
-    async_scheduling: bool | None = None  # vLLM's async_scheduling for this engine (None: vLLM's default, off for tfm)
+    # vLLM's async_scheduling for this engine; None: vLLM's default for no-spec and DFlash, False (pinned) for tfm
+    async_scheduling: bool | None = None
 
     @property
     def num_speculative_tokens(self) -> int:
@@ -227,7 +229,9 @@ def engine_kwargs(arm: Arm, s: dict[str, Any], plan: dict[str, Any]) -> dict[str
     elif arm.kind == "tfm":
         kw["speculative_config"] = {"method": "tfm", "model": s["drafter"], "num_speculative_tokens": arm.budget,
                                     "attention_backend": "TRITON_ATTN"}
-    if arm.async_scheduling is not None:
+    if arm.kind == "tfm":  # synchronous unless the arm says: the scheduling of the tfm arms' earlier results
+        kw["async_scheduling"] = bool(arm.async_scheduling)
+    elif arm.async_scheduling is not None:
         kw["async_scheduling"] = arm.async_scheduling
     return kw
 

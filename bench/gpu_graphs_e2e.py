@@ -20,8 +20,9 @@ batch 1 (each prompt alone):
                  the host waits for the drafter): the same drafts, tokens and acceptance
   tfm-fullpw-hosttopo  tfm-fullpw with VLLM_TFM_DEVICE_TOPOLOGY=0 (a full-graph step's plans and depth
                  positions built on the host, not by the topology kernel): the same tables, tokens
-  tfm-fullpw-async  tfm-fullpw with vLLM's asynchronous scheduling (async_scheduling=True, off by default
-                 for tfm, vllm_tfm/vllm_plugin/async_scheduling.py): the same tokens
+  tfm-fullpw-async  tfm-fullpw with vLLM's asynchronous scheduling (async_scheduling=True; the other tfm
+                 engines pin async_scheduling=False, whatever tfm's default:
+                 vllm_tfm/vllm_plugin/async_scheduling.py): the same tokens
                  (its acceptance is reported: steps past max_tokens count in it)
   tfm-eager-async  tfm-eager with asynchronous scheduling (its tokens against tfm-eager's are reported)
 
@@ -118,7 +119,7 @@ ENGINES: dict[str, dict[str, Any]] = {
     # the same tables, so the same tokens bit for bit
     "tfm-fullpw-hosttopo": {"spec": True, "eager": False, "compilation_config": {"cudagraph_mode": "FULL_AND_PIECEWISE"},
                             "env": {"VLLM_TFM_DEVICE_TOPOLOGY": "0"}},
-    # tfm-fullpw with vLLM's asynchronous scheduling (off by default for tfm, vllm_plugin/async_scheduling.py): the
+    # tfm-fullpw with vLLM's asynchronous scheduling (the other tfm engines pin it off, engine_kwargs): the
     # scheduler runs a step ahead with placeholder drafts and vLLM corrects the counts on the device; the same
     # drafts reach the same forward, so the same tokens (its acceptance also counts steps past max_tokens)
     "tfm-fullpw-async": {"spec": True, "eager": False, "compilation_config": {"cudagraph_mode": "FULL_AND_PIECEWISE"},
@@ -209,8 +210,8 @@ def engine_kwargs(name: str, target: str, drafter: str, budget: int) -> dict[str
     if e["spec"]:
         kw["speculative_config"] = {"method": "tfm", "model": drafter, "num_speculative_tokens": budget,
                                     "attention_backend": "TRITON_ATTN"}
-    if "async_scheduling" in e:
-        kw["async_scheduling"] = e["async_scheduling"]
+    if e["spec"]:  # synchronous unless the engine says, whatever tfm's default
+        kw["async_scheduling"] = bool(e.get("async_scheduling", False))
     if is_vl_target(target):  # text-only prompts: no vision encoder, no multimodal profiling
         kw["limit_mm_per_prompt"] = {"image": 0, "video": 0}
     return kw

@@ -387,7 +387,9 @@ def run_arm(name: str, args: argparse.Namespace) -> None:
         res["kv"] = kv_bytes(name, args.target, args.drafter, min(longest, MAX_MODEL_LEN))
         import gpu_ray_e2e
 
-        kw = dict(gpu_ray_e2e.engine_settings(), model=args.target, dtype="float32", skip_tokenizer_init=True,
+        # tfm synchronous, as in this tool's results so far, whatever tfm's default
+        sched = False if spec["method"] == "tfm" else None
+        kw = dict(gpu_ray_e2e.engine_settings(sched), model=args.target, dtype="float32", skip_tokenizer_init=True,
                   disable_log_stats=False, max_num_seqs=64, max_model_len=MAX_MODEL_LEN,
                   kv_cache_memory_bytes=res["kv"]["kv_cache_bytes"])  # fmt: skip
         if spec["method"] == "tfm":

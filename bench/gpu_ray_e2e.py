@@ -24,8 +24,8 @@ environment, and the runtime's tree counters. Verdicts in OUT/ray_results.json:
   serve_refuses        the prompt_logprobs request got HTTP 400 naming tfm;
   scheduling_as_asked  with --async-scheduling (``async_scheduling=True`` in every phase's engine
                        arguments): every phase's workers ran with vLLM's asynchronous scheduling;
-                       without it: every phase's workers ran with synchronous scheduling (tfm's
-                       default).
+                       without it (``async_scheduling=False``, pinned whatever tfm's
+                       default): every phase's workers ran with synchronous scheduling.
 
 usage (GPU host, repository root):  bash bench/run_gpu_ray.sh [--async-scheduling]
         or:  python3 bench/gpu_ray_e2e.py --out OUT [--phase all|make|default|ray|serve|summary]
@@ -85,16 +85,17 @@ def prompts(target: str) -> list[list[int]]:
     return [[rng.randrange(2, vocab - 2) for _ in range(n)] for n in lens[:N_PROMPTS]]
 
 
-def engine_settings(async_scheduling: bool = False) -> dict[str, Any]:
+def engine_settings(async_scheduling: bool | None = None) -> dict[str, Any]:
     """vLLM engine arguments of every phase (the GPU bundle's: TRITON_ATTN, triton GDN prefill, eager), with
-    ``async_scheduling=True`` when asked (--async-scheduling; unset otherwise: tfm's default, synchronous)."""
+    ``async_scheduling`` as given (this bench: True with --async-scheduling, else False, pinned whatever
+    tfm's default); None leaves it unset (vLLM's default, or tfm's for method tfm)."""
     kw: dict[str, Any] = {
         "dtype": DTYPE, "enforce_eager": True, "seed": 0, "gpu_memory_utilization": 0.3, "max_model_len": 1024,
         "max_num_seqs": 16, "enable_prefix_caching": False, "attention_backend": "TRITON_ATTN",
         "compilation_config": {"custom_ops": ["none"]}, "additional_config": {"gdn_prefill_backend": "triton"},
     }  # fmt: skip
-    if async_scheduling:
-        kw["async_scheduling"] = True
+    if async_scheduling is not None:
+        kw["async_scheduling"] = bool(async_scheduling)
     return kw
 
 

@@ -21,8 +21,8 @@ exit code 0 when verdicts.all_ok. TFM_TP2_PHASES=a,b runs only those phases and 
 the other phases' files left by an earlier run on the same machine (in TFM_TP2_DIR).
 --async-scheduling: the tfm phases' engines with ``async_scheduling=True`` (vLLM's asynchronous
 scheduling; no-speculation engines have it by vLLM's default); verdict ``tfm_scheduling_as_asked``
-(every tfm phase's workers ran with the scheduling asked for; without the flag: synchronous, tfm's
-default) joins ``all_ok``.
+(every tfm phase's workers ran with the scheduling asked for; without the flag ``async_scheduling=False``,
+synchronous) joins ``all_ok``.
 
 usage (GPU host with 2 GPUs, repository root):  bash bench/run_gpu_tp2.sh [--async-scheduling]
         or:  python3 bench/gpu_tp2_e2e.py --out OUT [--phase all|tp1_tfm|tp2_tfm|tp2_nospec|tp2_ddtree|summary]
@@ -95,7 +95,7 @@ def prompts(target: str) -> list[list[int]]:
 
 def engine_kwargs(target: str, drafter: str, tp: int, proposal: str | None, async_scheduling: bool = False) -> dict[str, Any]:
     """One phase's engine arguments; ``async_scheduling`` applies to tfm engines (``proposal`` not None)."""
-    kw = dict(ray_e2e.engine_settings(async_scheduling and proposal is not None), model=target, dtype=DTYPE, skip_tokenizer_init=True, disable_log_stats=False,
+    kw = dict(ray_e2e.engine_settings(async_scheduling if proposal is not None else None), model=target, dtype=DTYPE, skip_tokenizer_init=True, disable_log_stats=False,
               max_num_seqs=MAX_SEQS, kv_cache_memory_bytes=KV_BYTES)  # fmt: skip
     if proposal is not None:  # the proposal itself comes from tfm_config.json or VLLM_TFM_PROPOSAL
         kw["speculative_config"] = {"method": "tfm", "model": drafter, "num_speculative_tokens": BUDGET,

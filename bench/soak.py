@@ -139,7 +139,7 @@ class SoakConfig:
     nospec_gpu: str | None = None  # soak phase: the no-spec server on this GPU, its load alongside tfm's (module doc)
     triton_f32: str | None = "ieee"  # TRITON_F32_DEFAULT of both servers (module doc, "Float32"); None: Triton's tf32
     cuda_graphs: bool = False  # both servers with torch.compile and vLLM's CUDA graphs (tfm: full tree graphs), not eager
-    async_scheduling: bool = False  # the tfm server with --async-scheduling; no-spec has it by default
+    async_scheduling: bool = False  # the tfm server with --async-scheduling, else --no-async-scheduling; no-spec: vLLM's default
 
 
 Launcher = Callable[[Role, SoakConfig], list[str]]
@@ -170,7 +170,8 @@ def vllm_command(role: Role, cfg: SoakConfig) -> list[str]:
         "--additional-config", json.dumps({"gdn_prefill_backend": "triton"}),
         "--compilation-config", json.dumps({"custom_ops": ["none"]}),
         *([] if cfg.cuda_graphs else ["--enforce-eager"]),
-        *(["--async-scheduling"] if cfg.async_scheduling and role.spec else []),
+        # tfm: as asked, synchronous unless --async-scheduling (pinned, whatever tfm's default)
+        *((["--async-scheduling"] if cfg.async_scheduling else ["--no-async-scheduling"]) if role.spec else []),
         "--max-model-len", str(role.max_model_len),
         "--max-num-seqs", str(cfg.max_num_seqs),
         "--gpu-memory-utilization", "0.3",

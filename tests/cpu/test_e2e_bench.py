@@ -208,7 +208,8 @@ def test_the_async_arm_is_tfm16_full_with_asynchronous_scheduling(tmp_path: Path
     s = {"target": "t", "drafter": "d", "seed": 0, "gpu_memory_utilization": 0.9, "max_model_len": 4096, "batches": [1, 8],
          "max_num_batched_tokens": 4096}
     kw, plain_kw = e2e.engine_kwargs(arm, s, plan), e2e.engine_kwargs(plain, s, plan)
-    assert kw.pop("async_scheduling") is True and kw == plain_kw  # nothing else differs
+    assert kw.pop("async_scheduling") is True and plain_kw.pop("async_scheduling") is False  # pinned synchronous
+    assert kw == plain_kw  # nothing else differs
     assert "async_scheduling" not in e2e.engine_kwargs(e2e.ARMS["nospec-graphs"], s, plan)  # vLLM's default (on)
 
 

@@ -43,7 +43,8 @@ def test_engine_configs(session: Any) -> None:
     nospec = args("nospec-graphs")
     assert mode(nospec) == "PIECEWISE" and nospec.compilation_config.cudagraph_capture_sizes is None  # vLLM's own
     assert args("nospec-eager").speculative_config is None
-    assert nospec.async_scheduling is None and args("tfm-fullpw").async_scheduling is None  # vLLM's default / tfm's
+    assert nospec.async_scheduling is None  # vLLM's default
+    assert args("tfm-fullpw").async_scheduling is False and args("tfm-eager").async_scheduling is False  # pinned
 
 
 def test_the_async_engine_asks_for_asynchronous_scheduling(session: Any, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -11,6 +11,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import json
 import os
 import socket
@@ -89,6 +91,10 @@ def test_vllm_command_parses_with_vllm_serve_parser(tmp_path: Path, monkeypatch:
                                              "attention_backend": "TRITON_ATTN", "proposal": "ddtree"}
         else:
             assert ea.speculative_config is None
+    sync = soak.vllm_command(soak.Role("tfm", 8400, True, 3 << 30, 2048), dataclasses.replace(cfg, async_scheduling=False))
+    args = parser.parse_args(sync[4:])
+    args.model = args.model_tag
+    assert AsyncEngineArgs.from_cli_args(args).async_scheduling is False  # --no-async-scheduling, as vLLM reads it
 
 
 # ----------------------------------------------------------------------------------- helpers
@@ -214,9 +220,10 @@ def test_async_scheduling_for_the_tfm_server_only(tmp_path: Path) -> None:
     tfm, nospec = soak.Role("tfm", 8400, True, 3 << 30, 2048), soak.Role("nospec", 8401, False, 1 << 30, 2048)
     sync = soak.SoakConfig(out=tmp_path, target="/t", drafter="/d", cuda_graphs=True)
     asy = soak.SoakConfig(out=tmp_path, target="/t", drafter="/d", cuda_graphs=True, async_scheduling=True)
-    cmd = soak.vllm_command(tfm, asy)
-    assert cmd.count("--async-scheduling") == 1
-    assert [a for a in cmd if a != "--async-scheduling"] == soak.vllm_command(tfm, sync)
+    cmd, sync_cmd = soak.vllm_command(tfm, asy), soak.vllm_command(tfm, sync)
+    assert cmd.count("--async-scheduling") == 1 and "--no-async-scheduling" not in cmd
+    assert sync_cmd.count("--no-async-scheduling") == 1  # pinned, whatever tfm's default
+    assert [a for a in cmd if a != "--async-scheduling"] == [a for a in sync_cmd if a != "--no-async-scheduling"]
     assert soak.vllm_command(nospec, asy) == soak.vllm_command(nospec, sync)  # vLLM's default for no-spec
     assert soak.server_env(asy, tfm) == soak.server_env(sync, tfm)  # the flag alone asks for it
     assert soak.server_env(asy, nospec) == soak.server_env(sync, nospec)

@@ -229,7 +229,7 @@ def test_async_scheduling_reaches_only_the_tfm_engines() -> None:
     tfm = gpu_tp2_e2e.engine_kwargs("t", "d", 2, "tfm", async_scheduling=True)
     assert tfm["async_scheduling"] is True and tfm["speculative_config"]["method"] == "tfm"
     assert "async_scheduling" not in gpu_tp2_e2e.engine_kwargs("t", "d", 2, None, async_scheduling=True)  # vLLM's default
-    assert "async_scheduling" not in gpu_tp2_e2e.engine_kwargs("t", "d", 2, "tfm")  # tfm's default: synchronous
+    assert gpu_tp2_e2e.engine_kwargs("t", "d", 2, "tfm")["async_scheduling"] is False  # pinned without the flag
 
 
 def test_prompts_are_seeded_and_in_range() -> None:
