@@ -24,8 +24,9 @@ this script) measures, for each arm, output tokens/s at batch 1 and batch 8:
                  async_scheduling=False (the scheduling of every earlier result of theirs), whatever tfm's
                  default (vllm_tfm/vllm_plugin/async_scheduling.py)
 
-The target is written here with the exact Qwen3.6-27B text shape (``bench/e2e_models.py``) and
-loaded with dummy weights (``load_format="dummy"``, bf16, about 54 GB), the drafter is the
+The target is written here with the exact Qwen3.6-27B text shape (``bench/e2e_models.py``; with
+``--target-class vl`` in the published checkpoints' class, ``Qwen3_5ForConditionalGeneration`` with
+M-RoPE positions, image and video limits 0) and loaded with dummy weights (``load_format="dummy"``, bf16, about 54 GB), the drafter is the
 published 27B DFlash shape (dummy weights) plus a random Weaver. Dummy weights accept nothing, so
 acceptance comes from a profile (``--profile``: a ``vllm-tfm eval`` results JSON or an acceptance
 profile JSON; default ``bench/results/acceptance.json`` when it exists, otherwise a built-in
@@ -213,6 +214,8 @@ def engine_kwargs(arm: Arm, s: dict[str, Any], plan: dict[str, Any]) -> dict[str
         "additional_config": {"gdn_prefill_backend": "triton"}, "disable_log_stats": False,
         "enforce_eager": not arm.graphs, "compilation_config": {"custom_ops": ["none"]},
     }
+    if s.get("target_class") == "vl":  # text-only prompts: no vision encoder run, no multimodal profiling
+        kw["limit_mm_per_prompt"] = {"image": 0, "video": 0}
     if arm.graphs and arm.kind == "nospec":
         kw["compilation_config"] = {"custom_ops": ["none"], "cudagraph_capture_sizes": [1, 2, 4, 8]}
     if arm.graphs and arm.kind == "dflash":
@@ -404,11 +407,11 @@ def run_arm(arm: Arm, settings_path: Path) -> int:
 
 
 # ---------------------------------------------------------------------------------------- driver
-def write_models(work: Path) -> dict[str, Any]:
+def write_models(work: Path, vl: bool = False) -> dict[str, Any]:
     from e2e_models import TARGET_SHAPE, write_drafter, write_target
 
     t = time.perf_counter()
-    target = write_target(work / "target")
+    target = write_target(work / "target", vl=vl)
     drafter = write_drafter(work / "drafter")
     return {"target": str(target), "drafter": str(drafter), "vocab": TARGET_SHAPE["vocab_size"],
             "seconds": round(time.perf_counter() - t, 1)}
@@ -704,7 +707,9 @@ def driver(args: argparse.Namespace) -> int:
     depth = DRAFT_BLOCK - 1  # every tfm budget here (>= 16) drafts D = min(B, 15) = 15 deep
     settings: dict[str, Any] = {
         "target": "Qwen3.6-27B text shape (64 layers: 48 GDN + 16 gated attention, hidden 5120, GDN H=16 HV=48 K=V=128, "
-                  "vocab 248320)",
+                  "vocab 248320)" + (" in the VL class Qwen3_5ForConditionalGeneration (M-RoPE)" if args.target_class == "vl"
+                                     else ""),
+        "target_class": args.target_class,
         "batches": batches, "prompt_len": args.prompt_len, "output_len": args.output_len,
         "warmup_tokens": args.warmup_tokens, "temperature": args.temperature, "seed": args.seed,
         "gpu_memory_utilization": args.gpu_memory_utilization, "clean_run": args.clean_run,
@@ -747,7 +752,7 @@ def driver(args: argparse.Namespace) -> int:
                 save_profile(AcceptanceProfile(source=profile.source, measured=profile.measured, entries=[entry]),
                              work / f"profile_{arm.name}.json")
         settings["plans"][arm.name] = plan
-    models = write_models(work)
+    models = write_models(work, vl=args.target_class == "vl")
     settings.update(target_dir=models["target"], drafter_dir=models["drafter"])
     log(f"models written in {models['seconds']} s: {models['target']}, {models['drafter']}")
     child_settings = dict(settings, target=models["target"], drafter=models["drafter"], vocab=models["vocab"])
@@ -814,6 +819,9 @@ def main(argv: list[str] | None = None) -> int:
                     help="acceptance profile or `vllm-tfm eval` results JSON; 'builtin' for the geometric one "
                          "(default: bench/results/acceptance.json if present, else builtin)")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--target-class", choices=("text", "vl"), default="text",
+                    help="the target's class: text (Qwen3_5ForCausalLM, 1-d RoPE; every result so far) or vl "
+                         "(Qwen3_5ForConditionalGeneration with M-RoPE, the published checkpoints' class)")
     ap.add_argument("--gpu-memory-utilization", type=float, default=0.92)
     ap.add_argument("--deadline-s", type=float, default=500.0, help="bound on this script's wall time")
     ap.add_argument("--start-while-s", type=float, default=None,

@@ -15,6 +15,12 @@ taps [1, 16, 31, 46, 61], mask token 248070; dummy weights too) plus ``tfm_confi
 randomly initialised Weaver (``tfm/weaver.safetensors``, the 56.7M-parameter default shape at
 width 5120), which vllm-tfm loads itself and so must exist as a file.
 
+``write_target(..., vl=True)`` writes the same language model in the layout the published
+checkpoint has (``Qwen3_5ForConditionalGeneration``: the text config under ``text_config`` with
+M-RoPE, sections [11, 11, 10] interleaved, as ``bench/vl_checkpoint.py`` builds it), so vLLM runs
+the class users serve, M-RoPE positions included. Its vision tower is vl_checkpoint's one-block toy
+(Qwen3.6-27B's own is ~0.4B parameters); with image and video limits at 0 it never runs.
+
 Also: :func:`gdn_state_bytes_per_request`, the GDN cache a request holds in vLLM 0.26 (one state
 slot per speculative token plus one, and a conv window of W - 1 + S columns per slot).
 """
@@ -96,11 +102,17 @@ def target_config(**overrides: Any) -> Any:
     return cfg
 
 
-def write_target(directory: str | Path) -> Path:
-    """config.json of the target (no weights: serve it with ``load_format="dummy"``)."""
+def write_target(directory: str | Path, vl: bool = False) -> Path:
+    """config.json of the target (no weights: serve it with ``load_format="dummy"``); ``vl``: in the
+    vision-language layout (module docstring)."""
     path = Path(directory)
     path.mkdir(parents=True, exist_ok=True)
-    target_config().save_pretrained(path)
+    if not vl:
+        target_config().save_pretrained(path)
+        return path
+    from vl_checkpoint import vl_config  # bench/, beside this module
+
+    (path / "config.json").write_text(json.dumps(vl_config(target_config().to_dict()), indent=1) + "\n")
     return path
 
 

@@ -840,3 +840,42 @@ def test_a_switch_ab_with_steps_reports_each_settings_step_time() -> None:
                                                       (False, 152.0, 21.2)]]
     md = e2e_report.render_markdown(res)
     assert "(A/B runs' means: on 160.0 of 2, off 151.0 of 2); ms per tree step, A/B runs' means: on 20.60, off 21.10" in md
+
+
+def test_the_vl_target_is_the_same_language_model_in_the_published_class(tmp_path: Path) -> None:
+    from transformers import AutoConfig, Qwen3_5ForConditionalGeneration
+
+    text = AutoConfig.from_pretrained(e2e_models.write_target(tmp_path / "t"))
+    cfg = AutoConfig.from_pretrained(e2e_models.write_target(tmp_path / "vl", vl=True))
+    assert cfg.architectures == ["Qwen3_5ForConditionalGeneration"] and cfg.model_type == "qwen3_5"
+    tc = cfg.text_config
+    for key in ("num_hidden_layers", "hidden_size", "intermediate_size", "vocab_size", "linear_num_value_heads",
+                "linear_key_head_dim", "num_attention_heads", "num_key_value_heads", "head_dim", "layer_types",
+                "mamba_ssm_dtype", "tie_word_embeddings"):
+        assert getattr(tc, key) == getattr(text, key), key
+    rope = tc.rope_parameters
+    assert rope["mrope_section"] == [11, 11, 10] and rope["mrope_interleaved"] is True  # Qwen3.5's own split
+    assert rope["rope_theta"] == 1e7 and rope["partial_rotary_factor"] == 0.25
+    with torch.device("meta"):
+        model = Qwen3_5ForConditionalGeneration(cfg)
+    language = sum(p.numel() for n, p in model.named_parameters() if not n.startswith("model.visual."))
+    assert language == hand_count_qwen36_27b()  # the same 26.9B parameters; the vision tower is a toy
+    assert sum(p.numel() for n, p in model.named_parameters() if n.startswith("model.visual.")) < 1_000_000
+
+
+def test_the_vl_arm_config_builds_as_the_multimodal_m_rope_class(big: Any, tmp_path: Path) -> None:
+    from vllm.engine.arg_utils import EngineArgs
+
+    from _vllm_plugin_env import vllm_cpu_session
+
+    with vllm_cpu_session(tmp_path / "vllm-cache"):
+        target = e2e_models.write_target(tmp_path / "vl", vl=True)
+        s = {**settings(big), "target": str(target), "target_class": "vl"}
+        prof = builtin_geometric_profile(temperatures=(1.0,))
+        plan = e2e.arm_profile(e2e.ARMS["tfm16-full"], prof, 1.0, 15)
+        kw = e2e.engine_kwargs(e2e.ARMS["tfm16-full"], s, plan)
+        assert kw["limit_mm_per_prompt"] == {"image": 0, "video": 0}
+        assert "limit_mm_per_prompt" not in e2e.engine_kwargs(e2e.ARMS["tfm16-full"], settings(big), plan)
+        mc = EngineArgs(**kw).create_model_config()
+        assert mc.architectures == ["Qwen3_5ForConditionalGeneration"] and mc.is_multimodal_model and mc.uses_mrope
+        assert spec_config(kw).method == "tfm"
