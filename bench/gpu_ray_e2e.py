@@ -204,6 +204,13 @@ def phase_engine(args: argparse.Namespace, executor: str) -> None:
         res["workers"] = llm.collective_rpc(worker_info)
         res["driver_pid"] = os.getpid()
         log(f"{executor}: generated in {res['generate_s']} s; workers: {res['workers']}")
+        if executor == "ray":  # the executor kills its actors while Ray is up; left to the interpreter's exit, Ray's
+            # exit hook runs first and the kill starts a fresh local Ray and logs a traceback (section 58)
+            try:
+                llm.llm_engine.engine_core.shutdown()
+                ray.shutdown()
+            except Exception as e:  # noqa: BLE001 - the phase's verdicts stand; the log says what the shutdown did
+                res["shutdown_error"] = f"{type(e).__name__}: {e}"
     except Exception as e:  # noqa: BLE001 - record and report
         res["error"] = f"{type(e).__name__}: {e}"
         res["traceback"] = traceback.format_exc()
