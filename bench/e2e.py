@@ -239,9 +239,28 @@ def engine_kwargs(arm: Arm, s: dict[str, Any], plan: dict[str, Any]) -> dict[str
     return kw
 
 
-def prompts(n: int, length: int, vocab: int, seed: int) -> list[list[int]]:
+def prompts(n: int, length: int, vocab: int, seed: int, avoid: frozenset[int] = frozenset()) -> list[list[int]]:
+    """Random token ids in [10, vocab - 10); an id in ``avoid`` is drawn again (the VL class's vision token
+    ids: a prompt holding one would ask vLLM for image or video inputs). Without ``avoid``, the prompts of
+    every earlier result."""
     rng = random.Random(seed)
-    return [[rng.randrange(10, vocab - 10) for _ in range(length)] for _ in range(n)]
+
+    def draw() -> int:
+        t = rng.randrange(10, vocab - 10)
+        while t in avoid:
+            t = rng.randrange(10, vocab - 10)
+        return t
+
+    return [[draw() for _ in range(length)] for _ in range(n)]
+
+
+def vision_token_ids(target_class: str | None) -> frozenset[int]:
+    """Token ids a text prompt must not hold in the VL class (vl_checkpoint's image, video and vision markers)."""
+    if target_class != "vl":
+        return frozenset()
+    from vl_checkpoint import TOKEN_IDS
+
+    return frozenset(TOKEN_IDS.values())
 
 
 def spec_counters(llm: Any) -> dict[str, Any]:
@@ -338,7 +357,7 @@ def run_arm(arm: Arm, settings_path: Path) -> int:
         log(f"{arm.name}: engine up in {res['engine_start_s']} s; {res['num_gpu_blocks']} KV blocks; "
             f"GDN state per request {res['gdn_state_gib_per_request']} GiB")
         save()
-        ps = prompts(max(s["batches"]), s["prompt_len"], s["vocab"], s["seed"])
+        ps = prompts(max(s["batches"]), s["prompt_len"], s["vocab"], s["seed"], vision_token_ids(s.get("target_class")))
         params = SamplingParams(temperature=s["temperature"], max_tokens=s["output_len"], ignore_eos=True, detokenize=False)
         warm = SamplingParams(temperature=s["temperature"], max_tokens=s["warmup_tokens"], ignore_eos=True, detokenize=False)
         t = time.perf_counter()

@@ -879,3 +879,19 @@ def test_the_vl_arm_config_builds_as_the_multimodal_m_rope_class(big: Any, tmp_p
         mc = EngineArgs(**kw).create_model_config()
         assert mc.architectures == ["Qwen3_5ForConditionalGeneration"] and mc.is_multimodal_model and mc.uses_mrope
         assert spec_config(kw).method == "tfm"
+
+
+def test_vl_prompts_hold_no_vision_token_and_text_prompts_are_unchanged() -> None:
+    import random
+
+    avoid = e2e.vision_token_ids("vl")
+    assert avoid == {248053, 248054, 248056, 248057} and e2e.vision_token_ids("text") == frozenset()
+    vocab = 248_320
+    rng = random.Random(0)  # the earlier prompts, drawn as before
+    before = [[rng.randrange(10, vocab - 10) for _ in range(256)] for _ in range(8)]
+    assert e2e.prompts(8, 256, vocab, 0) == before
+    small = 20  # ids 10..29 hold the avoided ones often: every draw that hits one is drawn again
+    ps = e2e.prompts(8, 256, small + 20, 1, frozenset({12, 15, 20}))
+    flat = [t for p in ps for t in p]
+    assert not {12, 15, 20} & set(flat) and min(flat) >= 10 and max(flat) < small + 10
+    assert {11, 13, 14, 16} <= set(flat)  # the others still come
