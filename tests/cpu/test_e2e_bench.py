@@ -432,8 +432,8 @@ def fake_engine(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(TIMER, "enabled", False)
 
 
-def write_fast_models(work: Path) -> dict[str, Any]:
-    target = e2e_models.write_target(work / "target")
+def write_fast_models(work: Path, vl: bool = False) -> dict[str, Any]:
+    target = e2e_models.write_target(work / "target", vl=vl)
     drafter = e2e_models.write_drafter(work / "drafter", weaver=False)
     return {"target": str(target), "drafter": str(drafter), "vocab": 248_320, "seconds": 0.0}
 
@@ -492,6 +492,24 @@ def test_driver_runs_arms_and_renders_what_they_measured(fake_engine: None, monk
     res = json.loads((out / "e2e_27b.json").read_text())
     assert rc == 0 and [x["arm"] for x in res["skipped"]] == ["dflash", "tfm64"]
     assert "Next command: bash bench/run_gpu_e2e.sh --arms nospec,dflash,tfm64" in capsys.readouterr().out
+
+
+def test_driver_runs_the_vl_class_when_asked(fake_engine: None, monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    import time
+
+    monkeypatch.setattr(e2e, "write_models", write_fast_models)
+    monkeypatch.setattr(e2e, "run_child", lambda arm, settings_path, out, timeout_s, env: e2e.run_arm(arm, settings_path))
+    monkeypatch.setattr(e2e, "T0", time.time())
+    out, work = tmp_path / "out", tmp_path / "work"
+    rc = e2e.main(["--out", str(out), "--work", str(work), "--arms", "tfm16", "--batches", "1", "--output-len", "5",
+                   "--profile", "builtin", "--deadline-s", "1000", "--target-class", "vl"])
+    assert rc == 0
+    res = json.loads((out / "e2e_27b.json").read_text())
+    assert res["settings"]["target_class"] == "vl" and "Qwen3_5ForConditionalGeneration" in res["settings"]["target"]
+    assert res["arms"]["tfm16"]["status"] == "ok"
+    assert res["arms"]["tfm16"]["engine_kwargs"]["limit_mm_per_prompt"] == {"image": 0, "video": 0}
+    config = json.loads((work / "target" / "config.json").read_text())
+    assert config["architectures"] == ["Qwen3_5ForConditionalGeneration"]
 
 
 def test_child_records_an_engine_failure(fake_engine: None, monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
