@@ -26,7 +26,8 @@ this script) measures, for each arm, output tokens/s at batch 1 and batch 8:
 
 The target is written here with the exact Qwen3.6-27B text shape (``bench/e2e_models.py``; with
 ``--target-class vl`` in the published checkpoints' class, ``Qwen3_5ForConditionalGeneration`` with
-M-RoPE positions, image and video limits 0) and loaded with dummy weights (``load_format="dummy"``, bf16, about 54 GB), the drafter is the
+M-RoPE positions, image and video limits 0) and loaded with dummy weights (``load_format="dummy"``,
+bf16, about 54 GB), the drafter is the
 published 27B DFlash shape (dummy weights) plus a random Weaver. Dummy weights accept nothing, so
 acceptance comes from a profile (``--profile``: a ``vllm-tfm eval`` results JSON or an acceptance
 profile JSON; default ``bench/results/acceptance.json`` when it exists, otherwise a built-in

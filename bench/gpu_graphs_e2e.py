@@ -210,8 +210,7 @@ def engine_kwargs(name: str, target: str, drafter: str, budget: int) -> dict[str
     if e["spec"]:
         kw["speculative_config"] = {"method": "tfm", "model": drafter, "num_speculative_tokens": budget,
                                     "attention_backend": "TRITON_ATTN"}
-    if e["spec"]:  # synchronous unless the engine says, whatever tfm's default
-        kw["async_scheduling"] = bool(e.get("async_scheduling", False))
+        kw["async_scheduling"] = bool(e.get("async_scheduling", False))  # synchronous unless the engine says
     if is_vl_target(target):  # text-only prompts: no vision encoder, no multimodal profiling
         kw["limit_mm_per_prompt"] = {"image": 0, "video": 0}
     return kw

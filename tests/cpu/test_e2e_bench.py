@@ -861,10 +861,12 @@ def test_a_switch_ab_with_steps_reports_each_settings_step_time() -> None:
 
 
 def test_the_vl_target_is_the_same_language_model_in_the_published_class(tmp_path: Path) -> None:
-    from transformers import AutoConfig, Qwen3_5ForConditionalGeneration
+    from transformers import Qwen3_5Config, Qwen3_5ForConditionalGeneration, Qwen3_5TextConfig
 
-    text = AutoConfig.from_pretrained(e2e_models.write_target(tmp_path / "t"))
-    cfg = AutoConfig.from_pretrained(e2e_models.write_target(tmp_path / "vl", vl=True))
+    # transformers' own classes, not AutoConfig's registry (vLLM registers its config classes there once a test
+    # has built a vLLM model config in this process)
+    text = Qwen3_5TextConfig.from_pretrained(e2e_models.write_target(tmp_path / "t"))
+    cfg = Qwen3_5Config.from_pretrained(e2e_models.write_target(tmp_path / "vl", vl=True))
     assert cfg.architectures == ["Qwen3_5ForConditionalGeneration"] and cfg.model_type == "qwen3_5"
     tc = cfg.text_config
     for key in ("num_hidden_layers", "hidden_size", "intermediate_size", "vocab_size", "linear_num_value_heads",
