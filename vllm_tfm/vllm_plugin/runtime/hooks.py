@@ -545,6 +545,24 @@ def reserve_tree_graph_stash(runner: Any) -> int:
     return n
 
 
+def _wrap_update_states(orig: Callable) -> Callable:
+    @functools.wraps(orig)
+    def _update_states(self: Any, scheduler_output: Any) -> Any:
+        event = getattr(self, "num_accepted_tokens_event", None)
+        if _is_tfm(self) and event is not None and not _is_async(self):
+            # The last step's accepted counts reach the host by a non-blocking copy that vLLM queues after the
+            # commit (_update_states_after_model_execute) and waits for only in _prepare_inputs. vLLM's own
+            # bookkeeping read of the sampled tokens waits for it; with deferred drafts tfm's reads an earlier
+            # copy (deferred_drafts.py), so the host can get here first, and the row moves below (condense,
+            # swaps, the decode-first reorder) would then be overwritten by the copy's late rows: a moved request
+            # would read its GDN state from another slot (greedy tokens differed from no speculation at batch 8,
+            # bench/NOTES.md section 59). Waiting here costs the commit's tail, not the drafter's.
+            event.synchronize()
+        return orig(self, scheduler_output)
+
+    return _update_states
+
+
 RUNNER_HOOKS: dict[str, tuple[Callable[[Callable], Callable], str]] = {
     "__init__": (_wrap_init, "tfm: build TFMProposer and TFMTreeSampler, refuse unsupported settings"),
     "_prepare_inputs": (_wrap_prepare_inputs, "tfm: per-step tree metadata and depth positions"),
@@ -556,6 +574,7 @@ RUNNER_HOOKS: dict[str, tuple[Callable[[Callable], Callable], str]] = {
     "_prepare_input_ids": (_wrap_prepare_input_ids, "tfm: the drafts' tokens into the input ids (deferred drafts)"),
     "_preprocess": (_wrap_preprocess, "tfm: the step's tree topology before the forward (deferred drafts)"),
     "profile_run": (_wrap_profile_run, "tfm: capture the Weaver CUDA graphs of every batch size at start-up"),
+    "_update_states": (_wrap_update_states, "tfm: the last step's accepted counts on the host before rows move"),
 }
 
 
