@@ -15,7 +15,9 @@
 //   TreeAttentionPlan.build_into): bits[t, w] bit j % 64 of word w = j / 64 set when local node j
 //   lies on the root..t path (the plan's int32 meta stays as the layout wrote it);
 // * the depth positions: positions[r n + k] = positions[r n] + depth(k) (RoPE of a tree row is its
-//   root's position plus its depth; inputs.tree_positions).
+//   root's position plus its depth; inputs.tree_positions), in each of pos_rows rows pos_ld apart
+//   (1 row: 1-d RoPE; 3 rows: M-RoPE's temporal, height and width positions, vLLM's
+//   mrope_positions [3, tokens], which a decode's text tokens advance together).
 //
 // Here they come from the proposal's parents on the device, stream-ordered after the drafter, so
 // the host can launch the forward without its copy. Same tables, entry for entry (the wrapper's
@@ -36,13 +38,12 @@
 extern "C" __global__ void __launch_bounds__(TOPO_THREADS)
 tree_step_topology(const i64* __restrict__ parents, i64 par_ld, const int* __restrict__ rows, int R, int n,
                    int* __restrict__ plan, i64* __restrict__ bits, int words, i64* __restrict__ positions,
-                   int* __restrict__ err) {
+                   int pos_rows, i64 pos_ld, int* __restrict__ err) {
   __shared__ int s_par[TOPO_MAX_NODES];
   __shared__ int s_depth[TOPO_MAX_NODES];
   __shared__ int s_lpos[TOPO_MAX_NODES];   // level position within the request
   __shared__ int s_len[TOPO_MAX_NODES];    // path length (depth + 1) at each global level position
   __shared__ int s_part[TOPO_THREADS + 1]; // scan partials
-  __shared__ i64 s_root[TOPO_MAX_NODES / 2];  // n >= 2: R <= T / 2
   const int T = R * n, tid = threadIdx.x;
   const int cap = n * (n + 1) / 2;
   int* cu = plan;
@@ -53,7 +54,7 @@ tree_step_topology(const i64* __restrict__ parents, i64 par_ld, const int* __res
   int* pair_j = pair_off + T + 1;
   int* req_of = pair_j + R * cap;
 
-  // parents into shared memory, checked; roots' positions
+  // parents into shared memory, checked
   int bad = 0;
   for (int t = tid; t < T; t += TOPO_THREADS) {
     const int r = t / n, k = t - r * n;
@@ -63,8 +64,6 @@ tree_step_topology(const i64* __restrict__ parents, i64 par_ld, const int* __res
     bad += ok ? 0 : 1;
     s_par[t] = ok ? (int)p : -2;  // -2: malformed
   }
-  if (positions != nullptr)
-    for (int r = tid; r < R; r += TOPO_THREADS) s_root[r] = positions[(i64)r * n];
   if (bad) atomicAdd(err, bad);
   __syncthreads();
 
@@ -87,7 +86,8 @@ tree_step_topology(const i64* __restrict__ parents, i64 par_ld, const int* __res
     req_of[t] = r;
     bits[(i64)t * words] = w0;
     if (words > 1) bits[(i64)t * words + 1] = w1;
-    if (positions != nullptr && k > 0) positions[t] = s_root[r] + d;
+    if (positions != nullptr && k > 0)  // roots (k = 0) are read, never written: no race with these reads
+      for (int q = 0; q < pos_rows; ++q) positions[q * pos_ld + t] = positions[q * pos_ld + (i64)r * n] + d;
   }
   for (int r = tid; r <= R; r += TOPO_THREADS) cu[r] = r * n;
   __syncthreads();

@@ -3,8 +3,8 @@ sequence on the CPU with the kernel emulated: a proposal put in the store, a ste
 scheduler's placeholders with its topology pending, dispatched to a captured full tree graph, then
 either the host path (``StepTree.complete`` before the forward) or the device path (the kernel, then
 ``complete`` at the first reader after the forward's launch). Both leave the same graph buffers,
-positions, sequential positions, plan object and host arrays; the device path is refused when a
-condition does not hold."""
+positions (1-d, or M-RoPE's three rows), sequential positions, plan object and host arrays; the device
+path is refused when a condition does not hold."""
 
 from __future__ import annotations
 
@@ -66,7 +66,8 @@ def _proposal(rng: np.random.Generator, rows: int) -> tuple[torch.Tensor, torch.
     return tokens, torch.from_numpy(parents)
 
 
-def _step(graphs: TreeGraphs, req_ids: list[str], seed: int, order: list[str] | None = None) -> tuple[Any, Any]:
+def _step(graphs: TreeGraphs, req_ids: list[str], seed: int, order: list[str] | None = None,
+          mrope: bool = False) -> tuple[Any, Any]:
     """Put a proposal (its rows in ``order``), build the next step of ``req_ids`` from placeholders and
     dispatch it to the full graph as graph_dispatch does; (step, runner)."""
     rng = np.random.default_rng(seed)
@@ -76,8 +77,12 @@ def _step(graphs: TreeGraphs, req_ids: list[str], seed: int, order: list[str] | 
     spec = {rid: [PLACEHOLDER_DRAFT] * B for rid in req_ids}
     step = build_step_tree(req_ids, np.full(len(req_ids), N), spec, STATE.store, allow_trees=True,
                            device="cpu", defer_topology=True)
-    runner = SimpleNamespace(uses_mrope=False, input_batch=SimpleNamespace(req_ids=list(req_ids)),
-                             positions=torch.arange(len(req_ids) * N, dtype=torch.int64) + 100 * (seed + 1))
+    tokens_max = len(req_ids) * N + 4  # vLLM's buffers are wider than the step
+    sequential = torch.arange(tokens_max, dtype=torch.int64) + 100 * (seed + 1)
+    runner = SimpleNamespace(uses_mrope=mrope, input_batch=SimpleNamespace(req_ids=list(req_ids)),
+                             positions=sequential.clone(),
+                             # M-RoPE rows that differ (after an image the three need not be equal)
+                             mrope_positions=SimpleNamespace(gpu=torch.stack([sequential + 7 * q for q in range(3)])))
     step.after_topology(functools.partial(_tree_positions_and_counts, runner))
     step.replay_graphs = graphs
     step.after_topology(graphs.prepare_replay)
@@ -89,7 +94,8 @@ def _outcome(graphs: TreeGraphs, step: Any, runner: Any) -> dict[str, Any]:
     step.complete()  # the first reader after the forward's launch (host path: already done)
     kernels = current_step_kernels(step)
     return {"plan_buffer": graphs.plan_buffer.clone(), "attn_buffer": graphs.attn_buffer.clone(),
-            "positions": runner.positions.clone(), "seq_positions": step.seq_positions.clone(),
+            "positions": (runner.mrope_positions.gpu if runner.uses_mrope else runner.positions).clone(),
+            "seq_positions": step.seq_positions.clone(),
             "depth": step.depth.copy(), "spec_parents": step.spec_parents.copy(), "gdn": dict(step.gdn),
             "plan": kernels.plan, "full_graph": step.full_graph}
 
@@ -102,17 +108,19 @@ def _same(a: dict[str, Any], b: dict[str, Any]) -> None:
     assert a["gdn"] == b["gdn"] and a["full_graph"] and b["full_graph"]
 
 
+@pytest.mark.parametrize("mrope", [False, True])
 @pytest.mark.parametrize("order", [None, ["c", "a", "d", "b"]])  # the batch in the proposal's order, or not
-def test_the_device_path_leaves_what_the_host_path_leaves(emu_dir: Path, order: list[str] | None) -> None:
+def test_the_device_path_leaves_what_the_host_path_leaves(emu_dir: Path, order: list[str] | None,
+                                                          mrope: bool) -> None:
     req_ids = ["a", "b", "c"]
     out = {}
     for mode in ("host", "device"):
         graphs = _graphs()
-        first, runner = _step(graphs, req_ids, seed=1, order=order)  # the first replay of R writes the layout on the host
+        first, runner = _step(graphs, req_ids, seed=1, order=order, mrope=mrope)  # the first replay of R writes the layout on the host
         assert not dt.launch_device_topology(runner, first) and first.topology_pending
         first.complete()
         dt.set_device_topology(mode == "device")
-        step, runner = _step(graphs, req_ids, seed=2, order=order)
+        step, runner = _step(graphs, req_ids, seed=2, order=order, mrope=mrope)
         builds = []
         real_build = TreePlan.build_into
         with emulated(emu_dir) as launches, mock.patch.object(
@@ -130,8 +138,13 @@ def test_the_device_path_leaves_what_the_host_path_leaves(emu_dir: Path, order: 
     assert STATE.metrics.hooks["topology.device"] == 1
     # the depth positions are root + depth, the sequential ones kept for the drafter
     d = out["host"]
-    roots = d["seq_positions"].view(R, N)[:, :1]
-    assert torch.equal(d["positions"].view(R, N) - roots, torch.from_numpy(d["depth"]).view(R, N))
+    rows = d["positions"].view(-1, d["positions"].shape[-1])  # [1 or 3, tokens]
+    seq = d["seq_positions"].view(rows.shape[0], -1)
+    for q in range(rows.shape[0]):
+        roots = seq[q, : R * N].view(R, N)[:, :1]
+        assert torch.equal(rows[q, : R * N].view(R, N) - roots, torch.from_numpy(d["depth"]).view(R, N))
+        tail = rows[q, R * N:]  # past the step: untouched, still counting on from the step's last position
+        assert torch.equal(tail, seq[q, R * N - 1] + 1 + torch.arange(tail.numel()))
 
 
 def test_the_device_path_is_refused_when_a_condition_does_not_hold(emu_dir: Path) -> None:
@@ -140,11 +153,9 @@ def test_the_device_path_is_refused_when_a_condition_does_not_hold(emu_dir: Path
     step, runner = _step(graphs, req_ids, seed=1)
     assert not dt.launch_device_topology(runner, step)  # no layout yet: the first replay of R
     step.complete()
-    for setup in ("off", "mrope", "not_full_graph", "absent", "done"):
+    for setup in ("off", "not_full_graph", "absent", "done"):
         dt.set_device_topology(setup != "off")
         step, runner = _step(graphs, req_ids, seed=3, order=["a", "b"] if setup == "absent" else None)
-        if setup == "mrope":
-            runner.uses_mrope = True
         if setup == "not_full_graph":
             step.replay_graphs = None
         if setup == "done":
@@ -152,7 +163,6 @@ def test_the_device_path_is_refused_when_a_condition_does_not_hold(emu_dir: Path
         with emulated(emu_dir) as launches:
             assert not dt.launch_device_topology(runner, step), setup
             assert launches == [] and not step.device_topology
-        runner.uses_mrope = False  # the host path's positions (this runner has no M-RoPE buffer)
         step.complete()
 
 

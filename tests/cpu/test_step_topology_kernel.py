@@ -2,7 +2,8 @@
 emulation, against its reference (the host functions the runtime used: ``TreePlan.build_into``, the
 ancestor bitmasks, the depth positions): every entry of the GDN plan buffer, the attention bitmasks
 and the positions equal, on random, chain, star and deep trees, one and several requests, with and
-without a row map; malformed trees are counted, not walked forever."""
+without a row map, with 1-d positions and with M-RoPE's three rows; malformed trees are counted, not walked
+forever."""
 
 from __future__ import annotations
 
@@ -82,6 +83,37 @@ def test_the_kernel_writes_the_host_tables_entry_for_entry(emu_dir: Path, r: int
     assert int(got[0][TreePlan.fixed_size(r, n)]) == SENTINEL  # nothing written past the layout
 
 
+@pytest.mark.parametrize("r, n, rows_of_positions", [(1, 17, 3), (3, 33, 3), (2, 128, 3), (4, 9, 1)])
+def test_mrope_positions_get_root_plus_depth_in_every_row(emu_dir: Path, r: int, n: int,
+                                                          rows_of_positions: int) -> None:
+    """M-RoPE (vLLM's ``mrope_positions`` [3, tokens], a strided view of a wider buffer): every row's tree
+    rows become that row's root + depth, the rows past the step's tokens untouched, as the 1-d reference
+    does row by row."""
+    g = np.random.default_rng(7 * r + n)
+    parents = torch.from_numpy(np.stack([_tree(("random", "deep", "star", "chain")[i % 4], n, g)
+                                         for i in range(r)]))
+    width = r * n + 6
+    base = torch.arange(width, dtype=torch.int64)
+    buf = torch.stack([base * (q + 2) + 100 * q + 5 for q in range(rows_of_positions)])  # rows differ
+    positions = buf[:, : r * n + 3]  # row stride `width`, longer than the step
+    plan, bits, _, err = _buffers(r, n)
+    with emulated(emu_dir) as launches:
+        kst.step_topology(parents, None, n, plan, bits, positions, err)
+    assert [name for name, *_ in launches] == ["tree_step_topology"]
+    assert int(err[0]) == 0
+    fresh = torch.stack([base * (q + 2) + 100 * q + 5 for q in range(rows_of_positions)])
+    for q in range(rows_of_positions):  # the 1-d reference on each row alone
+        row = fresh[q].clone()
+        kst.step_topology_reference(parents, None, n, *_buffers(r, n)[:2], row, torch.zeros(1, dtype=torch.int32))
+        assert torch.equal(buf[q], row), f"row {q} differs at {torch.nonzero(buf[q] != row)[:5].tolist()}"
+    assert torch.equal(buf[:, r * n:], fresh[:, r * n:])  # past the step: untouched
+    depth_of_node_1 = 1
+    assert int(buf[0, 1]) == int(fresh[0, 0]) + depth_of_node_1  # every tree's node 1 is a child of its root
+    ref = fresh[:, : r * n + 3].clone()
+    kst.step_topology_reference(parents, None, n, *_buffers(r, n)[:2], ref, torch.zeros(1, dtype=torch.int32))
+    assert torch.equal(ref, positions)  # the reference takes the [P, tokens] layout too
+
+
 def test_malformed_trees_are_counted_and_the_reference_raises(emu_dir: Path) -> None:
     n = 9
     good = np.arange(-1, n - 1)
@@ -113,5 +145,10 @@ def test_arguments_the_kernel_cannot_take_are_named() -> None:
     assert "rows must be int32" in kst.unsupported_reason(parents, torch.zeros(2, dtype=torch.int64), 17, plan, bits,
                                                           positions, err)
     assert ">= " in kst.unsupported_reason(parents, None, 17, plan[:10], bits, positions, err)
+    five_rows = torch.zeros(5, 34, dtype=torch.int64)
+    assert "positions must be int64" in kst.unsupported_reason(parents, None, 17, plan, bits, five_rows, err)
+    columns = torch.zeros(34, 3, dtype=torch.int64).t()  # [3, 34] whose rows are not contiguous
+    assert "contiguous rows" in kst.unsupported_reason(parents, None, 17, plan, bits, columns, err)
+    assert "positions must be int64" in kst.unsupported_reason(parents, None, 17, plan, bits, positions[:33], err)
     with pytest.raises(ValueError, match="step_topology: n = 1"):
         kst.step_topology(parents, None, 1, plan, bits, positions, err)

@@ -65,6 +65,27 @@ def test_the_kernel_writes_the_host_tables(r: int, n: int, mapped: bool) -> None
 
 
 @pytest.mark.skipif(not kernels_available(), reason="NVRTC kernels unavailable")
+@pytest.mark.parametrize("r, n", [(1, 17), (8, 33), (3, 128)])
+def test_mrope_positions_in_every_row(r: int, n: int) -> None:
+    """M-RoPE's [3, tokens] positions (a strided view of a wider buffer, as vLLM's ``mrope_positions.gpu``):
+    each row as the reference writes it, past the step untouched."""
+    g = np.random.default_rng(5 * r + n)
+    parents = torch.from_numpy(_trees(g, r, n)).to(DEV)
+    width = r * n + 8
+    fresh = torch.stack([torch.arange(width, dtype=torch.int64, device=DEV) * (q + 1) + 50 * q for q in range(3)])
+    got_pos, want_pos = fresh.clone(), fresh.clone()
+    got, want = _buffers(r, n), _buffers(r, n)
+    assert kst.unsupported_reason(parents, None, n, got[0], got[1], got_pos[:, : r * n], got[3]) is None
+    kst.step_topology(parents, None, n, got[0], got[1], got_pos[:, : r * n], got[3])
+    kst.step_topology_reference(parents, None, n, want[0], want[1], want_pos[:, : r * n], want[3])
+    torch.cuda.synchronize()
+    assert torch.equal(got_pos, want_pos), f"{torch.nonzero(got_pos != want_pos)[:5].tolist()}"
+    assert torch.equal(got_pos[:, r * n:], fresh[:, r * n:])
+    assert not torch.equal(got_pos[2], fresh[2])  # the last row was written too
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+
+
+@pytest.mark.skipif(not kernels_available(), reason="NVRTC kernels unavailable")
 def test_malformed_trees_are_counted() -> None:
     n = 17
     par = np.tile(np.arange(-1, n - 1), (3, 1)).astype(np.int64)

@@ -17,8 +17,9 @@ Arguments (both functions):
 * ``n``: nodes per tree; R = ``plan``'s request count (``bits.shape[0] // n``);
 * ``plan``: int32 1-d, at least ``TreePlan.fixed_size(R, n)`` entries (the tables go to its start);
 * ``bits``: int64 [R n, words] with words = ceil(n / 64) (the attention buffer's bitmask view);
-* ``positions``: int64 [>= R n] positions of the step's rows, sequential on entry (root rows are
-  read); tree rows get root + depth. None: left alone;
+* ``positions``: int64 [>= R n] (1-d RoPE) or [P, >= R n] with P <= 4 rows, any row stride (M-RoPE: vLLM's
+  ``mrope_positions`` [3, tokens]), positions of the step's rows, sequential on entry (root rows are
+  read); tree rows get root + depth, in every row. None: left alone;
 * ``err``: int32 [1]: the kernel adds the number of malformed nodes (root not -1, a parent not
   before its child); the reference raises ValueError on them instead, naming the first.
 """
@@ -35,13 +36,14 @@ from vllm_tfm.kernels.loader import get_kernel, kernels_unavailable_reason, laun
 from vllm_tfm.kernels.plan import TreePlan, upload_into
 from vllm_tfm.tree.bitmask import ancestor_bits_and_depths, ragged_ancestor_bits
 
-__all__ = ["MAX_NODES", "MAX_N", "NOT_CUDA", "step_topology", "step_topology_kernel", "step_topology_reference",
+__all__ = ["MAX_NODES", "MAX_N", "MAX_POSITION_ROWS", "NOT_CUDA", "step_topology", "step_topology_kernel", "step_topology_reference",
            "unsupported_reason"]
 
 SOURCE = "tree_step_topology.cu"
 THREADS = 512  # TOPO_THREADS
 MAX_NODES = 2048  # TOPO_MAX_NODES: R n per launch
 MAX_N = 128  # TOPO_MAX_N: two bitmask words
+MAX_POSITION_ROWS = 4  # M-RoPE has 3
 NOT_CUDA = "the tensors are not all on one CUDA device"
 
 
@@ -66,9 +68,11 @@ def _shape_error(parents: Tensor, rows: Tensor | None, n: int, plan: Tensor, bit
         return f"plan must be a contiguous int32 1-d tensor of >= {TreePlan.fixed_size(r, n)} entries"
     if not bits.is_contiguous():
         return "bits must be contiguous"
-    if positions is not None and (positions.dtype != torch.int64 or positions.dim() != 1
-                                  or positions.numel() < r * n or positions.stride(0) != 1):
-        return f"positions must be int64 1-d of >= {r * n} entries"
+    if positions is not None and (positions.dtype != torch.int64 or positions.dim() not in (1, 2)
+                                  or positions.shape[-1] < r * n or positions.stride(-1) != 1
+                                  or (positions.dim() == 2 and not 1 <= positions.shape[0] <= MAX_POSITION_ROWS)):
+        return (f"positions must be int64 [>= {r * n}] or [1..{MAX_POSITION_ROWS}, >= {r * n}] with contiguous rows, "
+                f"got {positions.dtype} {tuple(positions.shape)}")
     if err.dtype != torch.int32 or err.numel() < 1:
         return "err must be int32 [1]"
     return None
@@ -104,8 +108,12 @@ def step_topology_kernel(parents: Tensor, rows: Tensor | None, n: int, plan: Ten
     r = bits.shape[0] // n
     kernel = get_kernel(SOURCE, "tree_step_topology", ["--std=c++17", "-lineinfo"], tensor_device_index(parents))
     i32, i64 = ctypes.c_int, ctypes.c_longlong
+    pos_rows, pos_ld = 0, 0  # no positions
+    if positions is not None:
+        pos_rows, pos_ld = (1, 0) if positions.dim() == 1 else (positions.shape[0], positions.stride(0))
     launch(kernel, (1, 1, 1), (THREADS, 1, 1),
-           [parents, i64(parents.stride(0)), rows, i32(r), i32(n), plan, bits, i32(bits.shape[1]), positions, err])
+           [parents, i64(parents.stride(0)), rows, i32(r), i32(n), plan, bits, i32(bits.shape[1]), positions,
+            i32(pos_rows), i64(pos_ld), err])
 
 
 def step_topology_reference(parents: Tensor, rows: Tensor | None, n: int, plan: Tensor, bits: Tensor,
@@ -127,6 +135,7 @@ def step_topology_reference(parents: Tensor, rows: Tensor | None, n: int, plan: 
     TreePlan.build_into(plan, flat, cu, n, ancestor_bits=anc)
     upload_into(bits, torch.from_numpy(np.ascontiguousarray(anc)))
     if positions is not None:
-        roots = positions[: r * n].view(r, n)[:, :1]
-        tree = roots + torch.from_numpy(depth).to(positions.device).view(r, n)
-        positions[: r * n].copy_(tree.reshape(-1))
+        rows_of = positions.view(1, -1) if positions.dim() == 1 else positions
+        step = rows_of[:, : r * n].view(rows_of.shape[0], r, n)
+        tree = step[:, :, :1] + torch.from_numpy(depth).to(positions.device).view(1, r, n)
+        step.copy_(tree)

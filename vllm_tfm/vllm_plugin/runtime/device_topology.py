@@ -21,8 +21,10 @@ depth-position hook then skip what the kernel wrote. The Weaver build's deferred
 The device path is taken when every condition holds, else the host path runs as before:
 ``VLLM_TFM_DEVICE_TOPOLOGY`` is not 0; the step's topology is pending and it was dispatched to a
 full tree graph whose R already replayed once (the buffers' layout exists); every request's
-placeholders match the latest proposal in full; 1-d positions (not M-RoPE); the kernel takes the
-shapes (``step_topology.unsupported_reason``).
+placeholders match the latest proposal in full; the kernel takes the shapes
+(``step_topology.unsupported_reason``). With M-RoPE (the Qwen3.5 / 3.6 vision-language checkpoints'
+class) the kernel writes root + depth into each of ``mrope_positions``' three rows, as the host path
+does (a decode's text tokens advance the three together).
 """
 
 from __future__ import annotations
@@ -68,7 +70,7 @@ def launch_device_topology(runner: Any, step: StepTree) -> bool:
     """Write a full-graph step's plans and depth positions on the device (module docstring); True when
     it did, False when the host path must run (nothing written then)."""
     graphs = step.replay_graphs
-    if graphs is None or not step.topology_pending or not device_topology_enabled() or runner.uses_mrope:
+    if graphs is None or not step.topology_pending or not device_topology_enabled():
         return False
     r, n = step.num_reqs, int(graphs.nodes)
     layouts = graphs.replay_layouts(r)
@@ -81,7 +83,7 @@ def launch_device_topology(runner: Any, step: StepTree) -> bool:
         return False
     parents, rows = found
     _, attn = layouts
-    positions = runner.positions[: r * n]
+    positions = runner.mrope_positions.gpu[:, : r * n] if runner.uses_mrope else runner.positions[: r * n]
     err = _err.get(parents.device)
     if err is None:
         err = _err[parents.device] = torch.zeros(1, dtype=torch.int32, device=parents.device)
