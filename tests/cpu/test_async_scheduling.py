@@ -1,5 +1,6 @@
 """vLLM's asynchronous scheduling for method 'tfm' (vllm_plugin/async_scheduling.py): the engine config
-vLLM builds with async_scheduling unset, True and False, and what the runtime does differently when the runner
+vLLM builds with async_scheduling unset (vLLM's default at tensor parallelism 1; synchronous above or with the
+trace), True and False, and what the runtime does differently when the runner
 schedules asynchronously (no sampled-token copy for the bookkeeping, GDN states moved to slot 0 from
 the device's accepted counts, placeholders no proposal stands for, the trace refused).
 
@@ -44,30 +45,55 @@ def engine_config(env: Any, async_scheduling: bool | None, spec: bool = True) ->
                       scheduler_config=SchedulerConfig.default_factory(async_scheduling=async_scheduling, max_model_len=2048))
 
 
-def test_tfm_engines_schedule_synchronously_unless_asked(env: Any, monkeypatch: pytest.MonkeyPatch,
-                                                         caplog: pytest.LogCaptureFixture) -> None:
+def test_tfm_engines_take_vllms_default_at_tp_1_and_schedule_as_asked(env: Any, monkeypatch: pytest.MonkeyPatch,
+                                                                       caplog: pytest.LogCaptureFixture,
+                                                                       tmp_path: Path) -> None:
     import os
 
     from vllm_tfm.vllm_plugin import async_scheduling
 
     for name in [k for k in os.environ if k.startswith("VLLM_TFM_")]:
-        monkeypatch.delenv(name)  # nothing but the argument asks for asynchronous scheduling
+        monkeypatch.delenv(name)  # nothing but the argument says how to schedule
+    sync_line = "vllm-tfm: method 'tfm' schedules synchronously here"
+    with caplog.at_level(logging.INFO, logger="vllm_tfm"):
+        unset = engine_config(env, None)
+    assert unset.scheduler_config.async_scheduling is True  # vLLM's default for a method it lets schedule ahead
+    assert unset.model_config.disable_cascade_attn  # what vLLM does for asynchronous speculative decoding
+    assert sync_line not in caplog.text
+    caplog.clear()
+    monkeypatch.setenv("VLLM_TFM_TRACE", str(tmp_path))  # the trace reads acceptance on the host: synchronous
     with caplog.at_level(logging.INFO, logger="vllm_tfm"):
         assert engine_config(env, None).scheduler_config.async_scheduling is False
-    assert ("vllm-tfm: method 'tfm' runs with synchronous scheduling by default; --async-scheduling turns "
+    assert (f"{sync_line} (VLLM_TFM_TRACE reads every step's acceptance on the host); --async-scheduling turns "
             "asynchronous scheduling on") in caplog.text
-    on = "vllm-tfm: asynchronous scheduling is on for method 'tfm' (--async-scheduling)"
-    assert on not in caplog.text
+    monkeypatch.delenv("VLLM_TFM_TRACE")
     caplog.clear()
+    on = "vllm-tfm: asynchronous scheduling is on for method 'tfm' (--async-scheduling)"
     async_scheduling._log_async_on.cache_clear()
     with caplog.at_level(logging.INFO, logger="vllm_tfm"):
         config = engine_config(env, True)
         assert engine_config(env, True).scheduler_config.async_scheduling is True
     assert config.scheduler_config.async_scheduling is True and config.speculative_config.method == "tfm"
-    assert config.model_config.disable_cascade_attn  # what vLLM does for asynchronous speculative decoding
     said = [r for r in caplog.records if r.getMessage() == on]
     assert len(said) == 1 and said[0].levelno == logging.INFO  # once per process, not a warning
-    assert engine_config(env, False).scheduler_config.async_scheduling is False
+    assert engine_config(env, False).scheduler_config.async_scheduling is False  # --no-async-scheduling
+
+
+def test_tensor_parallelism_above_1_keeps_synchronous_scheduling_by_default(monkeypatch: pytest.MonkeyPatch,
+                                                                          tmp_path: Path) -> None:
+    from vllm_tfm.vllm_plugin.async_scheduling import synchronous_default_reason
+
+    monkeypatch.delenv("VLLM_TFM_TRACE", raising=False)
+
+    def config(tp: int) -> SimpleNamespace:
+        return SimpleNamespace(parallel_config=SimpleNamespace(tensor_parallel_size=tp))
+
+    assert synchronous_default_reason(config(1)) is None
+    assert synchronous_default_reason(config(2)) == ("tensor parallelism 2: tfm has run asynchronously at tensor "
+                                                     "parallelism 1 only")
+    monkeypatch.setenv("VLLM_TFM_TRACE", str(tmp_path))
+    assert "VLLM_TFM_TRACE" in synchronous_default_reason(config(1))
+    assert synchronous_default_reason(config(4)).startswith("tensor parallelism 4")
 
 
 def test_the_widened_method_names_are_what_lets_vllm_build_it(env: Any, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -15,7 +15,7 @@ Config time (the process that builds the engine config, from ``config_patch``):
 The target's attention backend is set to ``TRITON_ATTN`` when left unset (any other is refused):
 the runtime's tree-masked attention replaces that backend. CUDA graph settings (which cudagraph
 modes tfm runs, its default mode and capture sizes) are decided in ``cuda_graphs``, asynchronous
-scheduling (off unless ``--async-scheduling`` asks for it) in ``async_scheduling``.
+scheduling (vLLM's default at tensor parallelism 1, synchronous above) in ``async_scheduling``.
 
 Per request (``SamplingParams._validate_spec_decode``, run by vLLM's input processor before a
 request reaches the engine, so the client gets an HTTP 400): structured output, prompt logprobs,

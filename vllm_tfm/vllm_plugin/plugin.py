@@ -8,8 +8,8 @@ the model-inspection subprocess), and exceptions it raises abort vLLM's start. I
 2. config patches: ``EngineArgs.create_speculative_config`` and direct ``SpeculativeConfig``
    construction for method "tfm", predicates ``use_eagle`` / ``use_dflash`` / ``compute_hash``
    (``config_patch``), and the per-request guard ``SamplingParams._validate_spec_decode``
-   (``guards``), and tfm's asynchronous-scheduling default (``async_scheduling``: off unless
-   ``--async-scheduling`` asks for it); applied in every process, they change nothing for other methods;
+   (``guards``), and tfm's asynchronous-scheduling default (``async_scheduling``: vLLM's at tensor
+   parallelism 1, synchronous above); applied in every process, they change nothing for other methods;
 3. registers the text-only Qwen3.5 architectures as hybrid models (``models_registry``) and
    lets float32 GDN models prefill (``fp32_prefill``; vLLM 0.26's chunk kernel refuses float32);
    keeps ``allowed_token_ids`` masks with their requests when vLLM's input batch moves rows
