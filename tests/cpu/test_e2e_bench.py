@@ -86,6 +86,8 @@ def test_gdn_state_bytes_by_hand() -> None:
     conv = 10240 * 2
     assert e2e_models.gdn_state_bytes_per_request(0) == 48 * (ssm + 3 * conv)
     assert e2e_models.gdn_state_bytes_per_request(64) == 48 * 65 * (ssm + 67 * conv)
+    # one slot per request (gdn_state_slots "one"): vLLM's shapes, one of them; 0.158 GiB at B = 16
+    assert e2e_models.gdn_state_bytes_per_request(16, one_slot=True) == 48 * (ssm + 19 * conv) == 169_672_704
 
 
 # ------------------------------------------------------------------ engine configs through vLLM
