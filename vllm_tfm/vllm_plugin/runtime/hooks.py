@@ -392,6 +392,9 @@ def commit_step(runner: Any, step: StepTree, output_token_ids: Tensor | None = N
             last, num_acc = chain_accepted(output_token_ids, spec_rows)
         if STATE.one_slot:
             num_acc = commit_destinations(num_acc)  # in place: slot [n, 0], conv columns from 0
+            STATE.metrics.hook("commit.one_slot")
+        if not step.tree_active:
+            STATE.metrics.hook("commit.chain")  # chains vLLM's sampler verified, GDN on the tree path
         parents, cu = step.dev("spec_parents"), step.dev("spec_cu")
         commit_gdn_layers(list(step.gdn.values()), parents, cu, last, num_acc, step_kernels(step, last.device))
     STATE.metrics.hook("commit")
