@@ -187,8 +187,10 @@ def _wrap_prepare_inputs(orig: Callable) -> Callable:
         if self.model_config.is_hybrid:
             if trace is not None:
                 accepted_read = self.num_accepted_tokens.np[: self.input_batch.num_reqs].copy()
-            if not STATE.one_slot:  # one slot: every state sits at [n, 0] already (one_slot.py)
+            if not STATE.one_slot:
                 plan = fix_accepted_offsets(self, scheduler_output, num_scheduled_tokens)
+            else:  # every state sits at [n, 0] already (one_slot.py); the resumed requests are still counted
+                STATE.metrics.resumed.update(scheduler_output.scheduled_cached_reqs.resumed_req_ids or ())
         with metrics.timed("prepare_inputs.tree"), TIMER.span("prepare_tree"):
             batch = self.input_batch
             num_req = batch.num_reqs
