@@ -193,6 +193,14 @@ def test_an_arms_own_settings_reach_its_engine_process_only(monkeypatch: pytest.
         "tfm (Weaver trees), B=32 (full CUDA graphs of tree steps), VLLM_TFM_GDN_VERIFY=3")
 
 
+def test_the_one_slot_arm_is_tfm16_full_with_one_gdn_state_slot(tmp_path: Path) -> None:
+    arm, plain = e2e.ARMS["tfm16-full-oneslot"], e2e.ARMS["tfm16-full"]
+    assert (arm.kind, arm.budget, arm.graphs, arm.full, arm.async_scheduling) == (
+        plain.kind, plain.budget, plain.graphs, plain.full, plain.async_scheduling)
+    env = e2e.child_env(arm, {"seed": 3}, tmp_path)
+    assert env["VLLM_TFM_GDN_STATE_SLOTS"] == "one" and "VLLM_TFM_GDN_STATE_SLOTS" not in e2e.child_env(plain, {"seed": 3}, tmp_path)
+
+
 def test_the_async_arm_is_tfm16_full_with_asynchronous_scheduling(tmp_path: Path) -> None:
     arm, plain = e2e.ARMS["tfm16-full-async"], e2e.ARMS["tfm16-full"]
     assert (arm.kind, arm.budget, arm.graphs, arm.full) == (plain.kind, plain.budget, plain.graphs, plain.full)
