@@ -371,3 +371,27 @@ def test_the_option_is_read_from_every_source():
     with pytest.raises(ValueError, match=r"^speculative_config gdn_state_slots='two': gdn_state_slots: Input should be "
                                          r"'per_draft' or 'one'$"):
         resolve_tfm_options(None, {"gdn_state_slots": "two"}, 16, environ={})
+
+
+def test_the_layer_reads_slot_zero_whatever_vllms_accepted_counts_say():
+    """``_tree_step_forward_core`` in one-slot mode (the reference path): the same outputs and stash as with
+    vLLM's counts all 1, whatever counts its metadata holds; the stash's offsets are the fixed ones."""
+    from _gdn_layer import LayerCase, forward_context, random_trees, run_layer
+
+    from vllm_tfm.vllm_plugin.runtime.kernels_or_reference import set_kernels_enabled
+
+    case = LayerCase(random_trees([6, 1, 4], seed=2), num_plain=2, seed=4, dtype=torch.float32)
+    assert int(case.md.num_accepted_tokens.max()) > 1  # counts that would point past slot 0
+    set_kernels_enabled(False)
+    try:
+        with forward_context(case), torch.inference_mode():
+            STATE.one_slot = True
+            out, stash = run_layer(gdn_mod._tree_step_forward_core, case)
+        STATE.one_slot = False  # the per-draft layout with vLLM's counts all 1: state at slot [n, 0] too
+        case.md = dataclasses.replace(case.md, num_accepted_tokens=torch.ones_like(case.md.num_accepted_tokens))
+        with forward_context(case), torch.inference_mode():
+            want, want_stash = run_layer(gdn_mod._tree_step_forward_core, case)
+    finally:
+        set_kernels_enabled(True)
+    assert torch.equal(out, want) and torch.equal(stash.prev_accepted, want_stash.prev_accepted)
+    assert stash.prev_accepted.tolist() == [1, 1, 1]
