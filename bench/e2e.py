@@ -119,6 +119,9 @@ ARMS: dict[str, Arm] = {
     "tfm64-full": Arm("tfm64-full", "tfm", 64, graphs=True, full=True),
     "tfm32-full-v3": Arm("tfm32-full-v3", "tfm", 32, graphs=True, full=True, env=(("VLLM_TFM_GDN_VERIFY", "3"),)),
     "tfm16-full-async": Arm("tfm16-full-async", "tfm", 16, graphs=True, full=True, async_scheduling=True),
+    # one GDN state slot per request (vllm_tfm/vllm_plugin/runtime/one_slot.py): more KV blocks in the same memory
+    "tfm16-full-oneslot": Arm("tfm16-full-oneslot", "tfm", 16, graphs=True, full=True,
+                              env=(("VLLM_TFM_GDN_STATE_SLOTS", "one"),)),
 }
 DEFAULT_ARMS = "nospec,dflash,tfm32,tfm64,tfm16"
 
@@ -341,7 +344,9 @@ def run_arm(arm: Arm, settings_path: Path) -> int:
         vllm_tfm.register()
         res["machine"] = {"device": torch.cuda.get_device_name(0), "torch": torch.__version__, "vllm": vllm.__version__,
                           "cuda": torch.version.cuda}
-        res["gdn_state_gib_per_request"] = round(gdn_state_bytes_per_request(arm.num_speculative_tokens) / 2**30, 3)
+        one_slot = dict(arm.env).get("VLLM_TFM_GDN_STATE_SLOTS", os.environ.get("VLLM_TFM_GDN_STATE_SLOTS")) == "one"
+        res["gdn_state_gib_per_request"] = round(
+            gdn_state_bytes_per_request(arm.num_speculative_tokens, one_slot=one_slot and arm.kind == "tfm") / 2**30, 3)
         kw = engine_kwargs(arm, s, plan)
         res["engine_kwargs"] = kw
         log(f"{arm.name}: starting the engine")

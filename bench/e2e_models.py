@@ -136,9 +136,11 @@ def write_drafter(directory: str | Path, seed: int = 0, weaver: bool = True) -> 
     return path
 
 
-def gdn_state_bytes_per_request(num_speculative_tokens: int, ssm_bytes: int = 4, conv_bytes: int = 2) -> int:
+def gdn_state_bytes_per_request(num_speculative_tokens: int, ssm_bytes: int = 4, conv_bytes: int = 2,
+                                one_slot: bool = False) -> int:
     """Bytes of GDN cache one request holds in vLLM 0.26 with S speculative tokens per step: every
-    GDN layer keeps 1 + S slots, each an SSM state [HV, V, K] and a conv window [conv_dim, W - 1 + S]."""
+    GDN layer keeps 1 + S slots (one with ``one_slot``: tfm's ``gdn_state_slots: "one"``), each an SSM
+    state [HV, V, K] and a conv window [conv_dim, W - 1 + S] (vLLM's shapes in both cases)."""
     s = int(num_speculative_tokens)
     hv, v, k = TARGET_SHAPE["linear_num_value_heads"], TARGET_SHAPE["linear_value_head_dim"], TARGET_SHAPE["linear_key_head_dim"]
     h = TARGET_SHAPE["linear_num_key_heads"]
@@ -146,4 +148,4 @@ def gdn_state_bytes_per_request(num_speculative_tokens: int, ssm_bytes: int = 4,
     width = TARGET_SHAPE["linear_conv_kernel_dim"]
     slot = hv * v * k * ssm_bytes + conv_dim * (width - 1 + s) * conv_bytes
     gdn_layers = sum(t == "linear_attention" for t in layer_types())
-    return gdn_layers * (1 + s) * slot
+    return gdn_layers * (1 if one_slot else 1 + s) * slot

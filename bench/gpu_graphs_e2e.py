@@ -25,6 +25,9 @@ batch 1 (each prompt alone):
                  vllm_tfm/vllm_plugin/async_scheduling.py): the same tokens
                  (its acceptance is reported: steps past max_tokens count in it)
   tfm-eager-async  tfm-eager with asynchronous scheduling (its tokens against tfm-eager's are reported)
+  tfm-eager-oneslot, tfm-fullpw-oneslot, tfm-fullpw-async-oneslot  tfm-eager, tfm-fullpw and tfm-fullpw-async
+                 with one GDN state slot per request (VLLM_TFM_GDN_STATE_SLOTS=one,
+                 vllm_tfm/vllm_plugin/runtime/one_slot.py): the same tokens
 
 Each engine also runs the prompts in waves (label "waves"): driven step by step (LLMEngine.add_request /
 step), the first 8 start together with max_tokens T, T - 4, ..., T - 28 (and so on), and whenever fewer
@@ -86,7 +89,7 @@ for _p in (str(REPO), str(BENCH)):
         sys.path.insert(0, _p)
 
 __all__ = ["ENGINES", "REQUIRED", "WaveSchedule", "acceptance_async", "engine_kwargs", "graph_usage", "main", "run_waves",
-           "topology_usage", "verdicts", "waves_usage"]
+           "one_slot_usage", "topology_usage", "verdicts", "waves_usage"]
 
 ZOO = REPO / "zoo"
 MODELS = os.environ.get("TFM_GRAPHS_MODELS", "zoo")
@@ -127,6 +130,13 @@ ENGINES: dict[str, dict[str, Any]] = {
     # tfm-eager with asynchronous scheduling: no graphs at all (NOTES 50's bisection: 3 of 16 prompts differed at
     # batch 8 before the plan fix, which cannot explain them); reported against tfm-eager, not required
     "tfm-eager-async": {"spec": True, "eager": True, "async_scheduling": True},
+    # one GDN state slot per request (runtime/one_slot.py): the verify reads and the commit writes slot [n, 0]; the
+    # same arithmetic on other slots, so the same tokens as the engine it copies
+    "tfm-eager-oneslot": {"spec": True, "eager": True, "env": {"VLLM_TFM_GDN_STATE_SLOTS": "one"}},
+    "tfm-fullpw-oneslot": {"spec": True, "eager": False, "compilation_config": {"cudagraph_mode": "FULL_AND_PIECEWISE"},
+                           "env": {"VLLM_TFM_GDN_STATE_SLOTS": "one"}},
+    "tfm-fullpw-async-oneslot": {"spec": True, "eager": False, "compilation_config": {"cudagraph_mode": "FULL_AND_PIECEWISE"},
+                                 "async_scheduling": True, "env": {"VLLM_TFM_GDN_STATE_SLOTS": "one"}},
 }
 REQUIRED: tuple[tuple[str, str], ...] = (
     ("tfm-graphs", "nospec-graphs"),
@@ -138,12 +148,18 @@ REQUIRED: tuple[tuple[str, str], ...] = (
     ("tfm-fullpw", "tfm-fullpw-hosttopo"),
     ("tfm-fullpw-async", "nospec-graphs"),
     ("tfm-fullpw", "tfm-fullpw-async"),
+    ("tfm-eager-oneslot", "tfm-eager"),
+    ("tfm-fullpw-oneslot", "tfm-fullpw"),
+    ("tfm-fullpw-oneslot", "nospec-graphs"),
+    ("tfm-fullpw-async-oneslot", "nospec-graphs"),
 )
 INFORMATIONAL: tuple[tuple[str, str], ...] = (("nospec-graphs", "nospec-eager"), ("tfm-eager", "tfm-eager-async"))
-GRAPH_ENGINES = ("tfm-graphs", "tfm-fullpw", "tfm-fullpw-pergroup", "tfm-fullpw-sync", "tfm-fullpw-hosttopo", "tfm-fullpw-async")
+GRAPH_ENGINES = ("tfm-graphs", "tfm-fullpw", "tfm-fullpw-pergroup", "tfm-fullpw-sync", "tfm-fullpw-hosttopo", "tfm-fullpw-async",
+                 "tfm-fullpw-oneslot", "tfm-fullpw-async-oneslot")
 METADATA_REUSED = "gdn.metadata_reused"
 METADATA_FAST = "gdn.metadata_fast"
 DEVICE_TOPOLOGY = "topology.device"
+ONE_SLOT_COMMITS = "commit.one_slot"
 
 
 def log(*args: object) -> None:
@@ -369,7 +385,7 @@ def run_engine(name: str, settings_path: Path) -> int:
                 res[f"{label}_graph_steps"] = {k: v for k, v in (snap.get("hooks") or {}).items() if k.startswith("cudagraph.")}
                 # which runtime paths ran (Weaver graph or eager build, tree attention kernel or Triton)
                 res[f"{label}_paths"] = {k: v for k, v in (snap.get("hooks") or {}).items()
-                                         if k.startswith(("weaver.", "attention.", "proposer.", "gdn.", "topology."))}
+                                         if k.startswith(("weaver.", "attention.", "proposer.", "gdn.", "topology.", "commit."))}
             log(f"{name} {label}: {sum(map(len, res[label]))} tokens in {res[f'{label}_s']} s "
                 f"{res.get(f'{label}_tree_metrics', '')} {res.get(f'{label}_graph_steps', '')}")
             save()
@@ -472,6 +488,18 @@ def topology_usage(runs: dict[str, dict[str, Any]]) -> dict[str, Any]:
             continue
         n = sum(int((runs[name].get(f"{label}_paths") or {}).get(DEVICE_TOPOLOGY, 0)) for label in LABELS)
         out[name] = {DEVICE_TOPOLOGY: n, "ok": n == 0 if name.endswith("hosttopo") else n > 0}
+    return out
+
+
+def one_slot_usage(runs: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    """Per tfm engine: commits into the one GDN state slot (runtime/one_slot.py). ok iff the -oneslot engines
+    made some and the others none (the engines ran the layout they were meant to)."""
+    out: dict[str, Any] = {}
+    for name, r in runs.items():
+        if not ENGINES.get(name, {}).get("spec"):
+            continue
+        n = sum(int((r.get(f"{label}_paths") or {}).get(ONE_SLOT_COMMITS, 0)) for label in LABELS)
+        out[name] = {ONE_SLOT_COMMITS: n, "ok": n > 0 if name.endswith("-oneslot") else n == 0}
     return out
 
 
@@ -580,12 +608,14 @@ def driver(args: argparse.Namespace) -> int:
               "metadata_usage": metadata_usage(runs, MODELS),
               "deferred_usage": deferred_usage(runs), "acceptance_async": acceptance_async(runs),
               "topology_usage": topology_usage(runs), "waves_usage": waves_usage(runs),
+              "one_slot_usage": one_slot_usage(runs),
               "engines": {n: {k: v for k, v in r.items() if k not in (*LABELS, "b8_margins", "b1_margins", "traceback")}
                           for n, r in runs.items()}}
     required = [v["equal"] for v in result["verdicts"].values() if v["required"]]
     ok = bool(required) and all(required) and all(g["ok"] for g in result["graph_usage"].values()) and all(
         m["ok"] for m in result["metadata_usage"].values()) and all(d["ok"] for d in result["deferred_usage"].values()) and all(
-        t["ok"] for t in result["topology_usage"].values()) and all(w["ok"] for w in result["waves_usage"].values())
+        t["ok"] for t in result["topology_usage"].values()) and all(w["ok"] for w in result["waves_usage"].values()) and all(
+        o["ok"] for o in result["one_slot_usage"].values())
     result["ok"] = ok
     (out / "graphs.json").write_text(json.dumps(result, indent=1, default=str) + "\n")
     for key, v in result["verdicts"].items():
@@ -600,6 +630,8 @@ def driver(args: argparse.Namespace) -> int:
             f" {METADATA_FAST} {m[METADATA_FAST]}")
     for name, t in result["topology_usage"].items():
         log(f"topology {name}: {'OK' if t['ok'] else 'FAIL'} {DEVICE_TOPOLOGY} {t[DEVICE_TOPOLOGY]}")
+    for name, o in result["one_slot_usage"].items():
+        log(f"one slot {name}: {'OK' if o['ok'] else 'FAIL'} {ONE_SLOT_COMMITS} {o[ONE_SLOT_COMMITS]}")
     for name, w in result["waves_usage"].items():
         log(f"waves {name}: {'OK' if w['ok'] else 'FAIL'} " + " ".join(f"{k} {x}" for k, x in w.items() if k != "ok"))
     log(("OK" if ok else "FAIL") + f": results in {out / 'graphs.json'}")

@@ -173,9 +173,9 @@ def test_both_hooks_queue_the_copy_only_when_synchronous(fresh_state: None, monk
     from vllm_tfm.vllm_plugin.runtime import hooks
 
     monkeypatch.setattr(dd, "defers_drafts", lambda sampled, so, md: True)
-    monkeypatch.setattr(hooks, "commit_step", lambda runner, step: None)
+    monkeypatch.setattr(hooks, "commit_step", lambda runner, step, tokens: None)
     saved_step, saved_trace = STATE.step, STATE.trace
-    STATE.step, STATE.trace = SimpleNamespace(tree_active=True), None
+    STATE.step, STATE.trace = SimpleNamespace(tree_active=True, tree_gdn=True), None
     try:
         sampled = torch.tensor([[5, 6, -1]], dtype=torch.int32)
         runner = SimpleNamespace(_tfm_enabled=True, use_async_scheduling=async_mode,

@@ -395,9 +395,9 @@ def test_the_sampled_copy_is_queued_before_the_commit_when_early_and_once_per_st
     record = STATE.sampled_copy.record
     monkeypatch.setattr(STATE.sampled_copy, "record", lambda t: recorded.append(t) or record(t))
     seen_at_commit: list[bool] = []
-    monkeypatch.setattr(hooks, "commit_step", lambda runner, step: seen_at_commit.append(STATE.sampled_copy.holds(sampled)))
+    monkeypatch.setattr(hooks, "commit_step", lambda runner, step, tokens: seen_at_commit.append(STATE.sampled_copy.holds(sampled)))
     saved_step, saved_trace = STATE.step, STATE.trace
-    STATE.step, STATE.trace = SimpleNamespace(tree_active=True), None
+    STATE.step, STATE.trace = SimpleNamespace(tree_active=True, tree_gdn=True), None
     dd.set_early_sampled_copy(None, early)
     try:
         sampled = torch.tensor([[5, 6, -1]], dtype=torch.int32)

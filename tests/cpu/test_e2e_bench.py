@@ -86,6 +86,8 @@ def test_gdn_state_bytes_by_hand() -> None:
     conv = 10240 * 2
     assert e2e_models.gdn_state_bytes_per_request(0) == 48 * (ssm + 3 * conv)
     assert e2e_models.gdn_state_bytes_per_request(64) == 48 * 65 * (ssm + 67 * conv)
+    # one slot per request (gdn_state_slots "one"): vLLM's shapes, one of them; 0.158 GiB at B = 16
+    assert e2e_models.gdn_state_bytes_per_request(16, one_slot=True) == 48 * (ssm + 19 * conv) == 169_672_704
 
 
 # ------------------------------------------------------------------ engine configs through vLLM
@@ -189,6 +191,14 @@ def test_an_arms_own_settings_reach_its_engine_process_only(monkeypatch: pytest.
     assert e2e.child_env(plain, {"seed": 3}, tmp_path)["VLLM_TFM_GDN_VERIFY"] == "6"
     assert e2e_report._arm_desc({"kind": "tfm", "budget": 32, "graphs": True, "full": True, "env": dict(pinned.env)}) == (
         "tfm (Weaver trees), B=32 (full CUDA graphs of tree steps), VLLM_TFM_GDN_VERIFY=3")
+
+
+def test_the_one_slot_arm_is_tfm16_full_with_one_gdn_state_slot(tmp_path: Path) -> None:
+    arm, plain = e2e.ARMS["tfm16-full-oneslot"], e2e.ARMS["tfm16-full"]
+    assert (arm.kind, arm.budget, arm.graphs, arm.full, arm.async_scheduling) == (
+        plain.kind, plain.budget, plain.graphs, plain.full, plain.async_scheduling)
+    env = e2e.child_env(arm, {"seed": 3}, tmp_path)
+    assert env["VLLM_TFM_GDN_STATE_SLOTS"] == "one" and "VLLM_TFM_GDN_STATE_SLOTS" not in e2e.child_env(plain, {"seed": 3}, tmp_path)
 
 
 def test_the_async_arm_is_tfm16_full_with_asynchronous_scheduling(tmp_path: Path) -> None:

@@ -240,6 +240,24 @@ def test_the_topology_control_must_not_write_on_the_device_and_tfm_fullpw_must()
     assert not g.topology_usage({"tfm-fullpw-hosttopo": engine(2)})["tfm-fullpw-hosttopo"]["ok"]  # switch ignored
 
 
+def test_one_slot_engines_must_commit_into_one_slot_and_the_others_never() -> None:
+    def engine(n: int) -> dict:
+        return {"b8_paths": {g.ONE_SLOT_COMMITS: n}, "b1_paths": {}, "waves_paths": {g.ONE_SLOT_COMMITS: n}}
+
+    for name, copy in (("tfm-eager-oneslot", "tfm-eager"), ("tfm-fullpw-oneslot", "tfm-fullpw"),
+                       ("tfm-fullpw-async-oneslot", "tfm-fullpw-async")):
+        one, base = g.ENGINES[name], g.ENGINES[copy]
+        assert one["env"] == {"VLLM_TFM_GDN_STATE_SLOTS": "one"}  # the engine it copies, with the option
+        assert {k: v for k, v in one.items() if k != "env"} == {k: v for k, v in base.items() if k != "env"}
+    assert {("tfm-eager-oneslot", "tfm-eager"), ("tfm-fullpw-oneslot", "tfm-fullpw"),
+            ("tfm-fullpw-async-oneslot", "nospec-graphs")} <= set(g.REQUIRED)
+    usage = g.one_slot_usage({"tfm-fullpw-oneslot": engine(7), "tfm-fullpw": engine(0), "nospec-graphs": engine(0)})
+    assert set(usage) == {"tfm-fullpw-oneslot", "tfm-fullpw"} and all(u["ok"] for u in usage.values())
+    assert usage["tfm-fullpw-oneslot"][g.ONE_SLOT_COMMITS] == 14
+    assert not g.one_slot_usage({"tfm-eager-oneslot": engine(0)})["tfm-eager-oneslot"]["ok"]  # the option was lost
+    assert not g.one_slot_usage({"tfm-eager": engine(3)})["tfm-eager"]["ok"]
+
+
 class FakeEngine:
     """vLLM's LLMEngine as run_waves uses it: every unfinished request runs each step and gains up to
     ``per_step`` tokens (a deterministic function of its prompt and position); ids get vLLM's random suffix."""

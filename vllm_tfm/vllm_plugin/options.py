@@ -65,7 +65,7 @@ ENV_PREFIX = "VLLM_TFM_"
 
 OPTION_KEYS: tuple[str, ...] = tuple(k for k in TfmConfig.model_fields if k not in ("budget", "weaver", "treeflash"))
 """Tree options settable from the environment and the speculative config (proposal, width,
-top_k, children_per_node, treeflash_top_m, sampling)."""
+top_k, children_per_node, treeflash_top_m, sampling, gdn_state_slots)."""
 
 NON_OPTION_ENV_VARS: frozenset[str] = frozenset(
     {
@@ -118,8 +118,8 @@ DEFAULT_PROPOSAL_WITHOUT_FILE = "ddtree"
 MIN_BUDGET = 1
 MAX_BUDGET = 256
 """Tree budget B = num_speculative_tokens (draft nodes per request, root excluded). Each request
-holds 1 + B GDN state slots per layer in vLLM 0.26 (one per speculative token), and the tree
-verify is dense in the n = 1 + B nodes, so B is capped at 256.
+holds 1 + B GDN state slots per layer in vLLM 0.26 (one per speculative token; one with
+``gdn_state_slots: "one"``), and the tree verify is dense in the n = 1 + B nodes, so B is capped at 256.
 
 No bound ties B to the DFlash block size L: a tree of B nodes is at most B deep, so the runtime
 asks the drafter for D = min(B, L - 1) depths of marginals, and its query [bonus, MASK x D] fits

@@ -45,6 +45,7 @@ from .graph_dispatch import piece_outputs_are_reused
 from .kernels_or_reference import tree_ops
 from .stage_timing import TIMER
 from .state import STATE, GDNStash
+from .one_slot import read_offsets
 from .step_kernels import StepKernels, step_kernels
 
 __all__ = ["spec_tree_gdn", "tree_forward_core", "install_gdn_patch"]
@@ -263,11 +264,30 @@ def tree_forward_core(self: Any, mixed_qkv: Tensor, b: Tensor, a: Tensor, core_a
     original = _ORIGINAL["_forward_core"]
     step = STATE.step
     if step is None:  # not a tfm engine (the plugin leaves other methods alone), or no step yet
+        if STATE.one_slot:
+            _refuse_chain_kernel(self, "a run without tfm step metadata")
         return original(self, mixed_qkv=mixed_qkv, b=b, a=a, core_attn_out=core_attn_out)
-    if not step.tree_active:
+    if not step.tree_gdn:
+        if STATE.one_slot:
+            _refuse_chain_kernel(self, "a step without the tree path")
         return _chain_step_forward_core(self, step, original, mixed_qkv, b, a, core_attn_out)
     with TIMER.span("gdn_layer"):
         return _tree_step_forward_core(self, step, original, mixed_qkv, b, a, core_attn_out)
+
+
+def _refuse_chain_kernel(self: Any, where: str) -> None:
+    """With one GDN state slot per request (``one_slot.py``) vLLM's chain kernel must not see spec rows: it
+    would index 1 + B slot columns of a one-column table, other requests' slots. Raises when this layer's
+    metadata has spec rows."""
+    from vllm.forward_context import get_forward_context
+
+    md_all = get_forward_context().attn_metadata
+    md = md_all.get(self.prefix) if isinstance(md_all, dict) else None
+    if md is not None and getattr(md, "spec_sequence_masks", None) is not None:
+        raise RuntimeError(
+            f"vllm-tfm: GDN layer {self.prefix} got speculative rows in {where}, with one GDN state slot per "
+            "request (gdn_state_slots 'one'): vLLM's chain kernel would read other requests' state slots"
+        )
 
 
 def spec_rows_lead(is_spec: Any, num_spec_decodes: int) -> bool:
@@ -379,7 +399,7 @@ def _tree_step_forward_core(
             conv_state,
             ssm_state,
             md.spec_state_indices_tensor,
-            md.num_accepted_tokens,
+            read_offsets(md.spec_state_indices_tensor) if STATE.one_slot else md.num_accepted_tokens,
             w.view(w.size(0), w.size(2)),
             self.conv1d.bias,
             self.activation,

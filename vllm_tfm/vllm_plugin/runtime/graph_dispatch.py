@@ -102,9 +102,10 @@ def _wrap_determine(orig: Callable) -> Callable:
         graphs = tree_graphs_of(self)
         full_trees = graphs is not None and bool(graphs.captured)
         # FULL only for a tree step that fits a captured tree graph; once tree graphs exist, never for
-        # other steps (the full graphs verify trees)
+        # other steps (the full graphs verify trees); with one GDN state slot per request never vLLM's own
+        # full graphs (their chain kernel reads 1 + B slots: one_slot.py)
         allow_full = full_trees and tree and replayable(step, graphs.nodes, graphs.captured)
-        forbid_full = (tree or full_trees) and not allow_full
+        forbid_full = (tree or full_trees or STATE.one_slot) and not allow_full
 
         def dispatch(no_full: bool) -> Any:
             return orig(self, num_tokens, num_reqs, num_scheduled_tokens_np, max_num_scheduled_tokens,
@@ -144,6 +145,9 @@ def _wrap_warmup_and_capture(orig: Callable) -> Callable:
         except FullTreeGraphsUnavailable as exc:
             if graphs.captured:  # the full graphs already captured verify trees: no way back to vLLM's
                 raise RuntimeError(f"vllm-tfm: {exc}; use cudagraph_mode=PIECEWISE") from exc
+            if STATE.one_slot:  # vLLM's own full decode graphs would capture its chain kernel (one_slot.py)
+                raise RuntimeError(f"vllm-tfm: {exc}; with gdn_state_slots 'one' vLLM's own full decode graphs "
+                                   "cannot run: use cudagraph_mode=PIECEWISE or gdn_state_slots 'per_draft'") from exc
             self._tfm_tree_graphs = None
             logger.warning("vllm-tfm: full CUDA graphs of tree steps are off: %s. Tree steps replay the piecewise "
                            "graphs; the full decode graphs are vLLM's own.", exc.reason)

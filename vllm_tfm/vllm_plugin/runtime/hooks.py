@@ -58,6 +58,7 @@ from .deferred_drafts import (
 from .device_topology import launch_device_topology
 from .inputs import build_step_tree, tree_positions
 from .metrics import Metrics
+from .one_slot import ONE_SLOT, ONES, chain_accepted, commit_destinations, one_slot_kv_cache_specs
 from .sampler import TFMTreeSampler, needs_native_sampler
 from .settings import force_tree_path
 from .stage_timing import TIMER
@@ -110,6 +111,7 @@ def _wrap_init(orig: Callable) -> Callable:
     def __init__(self: Any, vllm_config: Any, device: Any, *args: Any, **kwargs: Any) -> None:
         spec = vllm_config.speculative_config
         if spec is None or spec.method != "tfm":
+            STATE.one_slot = False  # a later engine in this process (tests, benches) is not a one-slot tfm engine
             orig(self, vllm_config, device, *args, **kwargs)
             return
         check_engine_config(vllm_config)
@@ -136,6 +138,10 @@ def _wrap_init(orig: Callable) -> Callable:
                 "(use_dflash() for method 'tfm') installed in this process?"
             )
         self._tfm_enabled = True
+        # one GDN state slot per request (one_slot.py): vLLM's chain kernel never runs, its state offsets mean nothing
+        STATE.one_slot = bool(self.model_config.is_hybrid) and self.drafter.tfm_settings.tfm.gdn_state_slots == ONE_SLOT
+        if STATE.one_slot:
+            ONES.reserve(int(self.max_num_reqs), self.device)  # before any graph capture: a fixed address
         from .graph_dispatch import enable_tree_graphs
 
         # FULL_AND_PIECEWISE: tree steps in full graphs; no tree is deeper than the drafter's depth
@@ -181,7 +187,10 @@ def _wrap_prepare_inputs(orig: Callable) -> Callable:
         if self.model_config.is_hybrid:
             if trace is not None:
                 accepted_read = self.num_accepted_tokens.np[: self.input_batch.num_reqs].copy()
-            plan = fix_accepted_offsets(self, scheduler_output, num_scheduled_tokens)
+            if not STATE.one_slot:
+                plan = fix_accepted_offsets(self, scheduler_output, num_scheduled_tokens)
+            else:  # every state sits at [n, 0] already (one_slot.py); the resumed requests are still counted
+                STATE.metrics.resumed.update(scheduler_output.scheduled_cached_reqs.resumed_req_ids or ())
         with metrics.timed("prepare_inputs.tree"), TIMER.span("prepare_tree"):
             batch = self.input_batch
             num_req = batch.num_reqs
@@ -195,6 +204,7 @@ def _wrap_prepare_inputs(orig: Callable) -> Callable:
                 force_tree_path=force_tree_path() or STATE.replay is not None,  # replay verifies chains too
                 device=self.device,
                 defer_topology=deferred_drafts_enabled(),
+                one_slot=STATE.one_slot,
             )
             if step.topology_pending:
                 metrics.hook("prepare_inputs.topology_deferred")  # filled in _preprocess (deferred_drafts.py)
@@ -355,14 +365,20 @@ def _num_gdn_layers(runner: Any) -> int:
     return n
 
 
-def commit_step(runner: Any, step: StepTree) -> None:
-    """KV compaction of the accepted paths and the GDN commit of every layer (see commit.py)."""
+def commit_step(runner: Any, step: StepTree, output_token_ids: Tensor | None = None) -> None:
+    """KV compaction of the accepted paths and the GDN commit of every layer (see commit.py).
+
+    A ``gdn_tree`` step (one_slot.py) verified chains with vLLM's sampler: no K/V moves (a chain's accepted
+    rows are where they were written), and the accepted counts come from ``output_token_ids``."""
     accept = step.accept
-    if accept is None:
-        raise RuntimeError("vllm-tfm: a tree-active step reached the commit without an acceptance result")
-    src, dst = compaction_rows(step.dev("row_base"), accept.accepted_nodes)
-    for gid, caches in _kv_groups(runner):
-        compact_kv(caches, runner.input_batch.block_table[gid].slot_mapping.gpu, src, dst)
+    if step.tree_active:
+        if accept is None:
+            raise RuntimeError("vllm-tfm: a tree-active step reached the commit without an acceptance result")
+        src, dst = compaction_rows(step.dev("row_base"), accept.accepted_nodes)
+        for gid, caches in _kv_groups(runner):
+            compact_kv(caches, runner.input_batch.block_table[gid].slot_mapping.gpu, src, dst)
+    elif output_token_ids is None:
+        raise RuntimeError("vllm-tfm: a step whose chains vLLM's sampler verified reached the commit without its tokens")
     if step.num_spec_reqs and step.num_draft[step.spec_req_index].sum() > 0:
         expected = _num_gdn_layers(runner)
         if len(step.gdn) != expected:
@@ -371,7 +387,16 @@ def commit_step(runner: Any, step: StepTree) -> None:
                 "the others wrote chain states, the commit cannot be done"
             )
     if step.gdn:
-        last, num_acc = spec_accepted(step, accept)
+        if step.tree_active:
+            last, num_acc = spec_accepted(step, accept)
+        else:
+            spec_rows = None if step.num_spec_reqs == step.num_reqs else step.dev("spec_req_index")
+            last, num_acc = chain_accepted(output_token_ids, spec_rows)
+        if STATE.one_slot:
+            num_acc = commit_destinations(num_acc)  # in place: slot [n, 0], conv columns from 0
+            STATE.metrics.hook("commit.one_slot")
+        if not step.tree_active:
+            STATE.metrics.hook("commit.chain")  # chains vLLM's sampler verified, GDN on the tree path
         parents, cu = step.dev("spec_parents"), step.dev("spec_cu")
         commit_gdn_layers(list(step.gdn.values()), parents, cu, last, num_acc, step_kernels(step, last.device))
     STATE.metrics.hook("commit")
@@ -385,11 +410,11 @@ def _wrap_update_states_after(orig: Callable) -> Callable:
                 record_sampled_copy(output_token_ids, scheduler_output, self.input_batch.sampling_metadata,
                                     copy=not _is_async(self))
             step = STATE.step
-            if step is not None and step.tree_active:
+            if step is not None and step.tree_gdn:
                 with STATE.metrics.timed("commit"), TIMER.span("commit"):
-                    commit_step(self, step)
+                    commit_step(self, step, output_token_ids)
             out = orig(self, output_token_ids, scheduler_output)
-            if self.model_config.is_hybrid:
+            if self.model_config.is_hybrid and not STATE.one_slot:
                 n = self.input_batch.num_reqs
                 STATE.offsets.end_step(list(self.input_batch.req_ids[:n]), self.num_accepted_tokens.gpu)
             if STATE.trace is not None:
@@ -549,7 +574,7 @@ def _wrap_update_states(orig: Callable) -> Callable:
     @functools.wraps(orig)
     def _update_states(self: Any, scheduler_output: Any) -> Any:
         event = getattr(self, "num_accepted_tokens_event", None)
-        if _is_tfm(self) and event is not None and not _is_async(self):
+        if _is_tfm(self) and event is not None and not _is_async(self) and not STATE.one_slot:  # one slot: counts unused
             # The last step's accepted counts reach the host by a non-blocking copy that vLLM queues after the
             # commit (_update_states_after_model_execute) and waits for only in _prepare_inputs. vLLM's own
             # bookkeeping read of the sampled tokens waits for it; with deferred drafts tfm's reads an earlier
@@ -561,6 +586,17 @@ def _wrap_update_states(orig: Callable) -> Callable:
         return orig(self, scheduler_output)
 
     return _update_states
+
+
+def _wrap_get_kv_cache_spec(orig: Callable) -> Callable:
+    @functools.wraps(orig)
+    def get_kv_cache_spec(self: Any) -> Any:
+        specs = orig(self)
+        if _is_tfm(self) and STATE.one_slot:
+            return one_slot_kv_cache_specs(specs)
+        return specs
+
+    return get_kv_cache_spec
 
 
 RUNNER_HOOKS: dict[str, tuple[Callable[[Callable], Callable], str]] = {
@@ -575,6 +611,7 @@ RUNNER_HOOKS: dict[str, tuple[Callable[[Callable], Callable], str]] = {
     "_preprocess": (_wrap_preprocess, "tfm: the step's tree topology before the forward (deferred drafts)"),
     "profile_run": (_wrap_profile_run, "tfm: capture the Weaver CUDA graphs of every batch size at start-up"),
     "_update_states": (_wrap_update_states, "tfm: the last step's accepted counts on the host before rows move"),
+    "get_kv_cache_spec": (_wrap_get_kv_cache_spec, "tfm: one GDN state slot per request (gdn_state_slots 'one')"),
 }
 
 

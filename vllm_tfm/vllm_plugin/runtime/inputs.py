@@ -109,6 +109,7 @@ def build_step_tree(
     force_tree_path: bool = False,
     device: torch.device | str = "cpu",
     defer_topology: bool = False,
+    one_slot: bool = False,
 ) -> StepTree:
     """Tree metadata of one step.
 
@@ -126,6 +127,9 @@ def build_step_tree(
             sample parents, depths, spec parents, is_tree) are filled by ``StepTree.complete``
             (vLLM's ``_preprocess``, after the dispatch and the attention metadata). A row whose
             proposal turns out to be a chain keeps the tree path (exact for chains too).
+        one_slot: one GDN state slot per request (``one_slot.py``): a step with drafts that is not
+            tree-active is a ``gdn_tree`` step (vLLM's sampler verifies its chains, the GDN layers take
+            the tree path).
     """
     num_req = len(req_ids)
     num_scheduled = np.asarray(num_scheduled, dtype=np.int64)
@@ -192,6 +196,7 @@ def build_step_tree(
         lookup=lookup,
         proposal_len=proposal_len,
     )
+    step.gdn_tree = bool(one_slot and has_drafts and not tree_active)
     if deferred:
 
         def fill_topology() -> None:
@@ -209,6 +214,8 @@ def build_step_tree(
     elif tree_active:
         step.defer_attn_plan()  # built by the first tree-masked attention layer; a full-graph step needs none
         step.upload()  # every index array the step's hooks read on the device, in one copy
+    elif step.gdn_tree:
+        step.upload()
     return step
 
 

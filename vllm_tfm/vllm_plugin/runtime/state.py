@@ -339,6 +339,7 @@ class StepTree:
     full_graph: bool = False  # replays a full tree graph (full_graphs.TreeGraphs.prepare_replay)
     replay_graphs: Any = None  # the full_graphs.TreeGraphs this step was dispatched to replay (graph_dispatch.py)
     device_topology: bool = False  # its graph's tables and depth positions were written on the device (device_topology.py)
+    gdn_tree: bool = False  # not tree-active, but its spec rows' GDN layers take the tree path (one_slot.py)
     _dev: dict[str, Tensor] = field(default_factory=dict, repr=False)
     _attn_trees: list[AttnTree] | None = field(default=None, repr=False)
     _attn_plan: TreeAttentionPlan | None = field(default=None, repr=False)
@@ -347,6 +348,11 @@ class StepTree:
     _uploaded: bool = field(default=False, repr=False)  # the STEP_UPLOAD / DERIVED_UPLOAD arrays are in _dev
     _topology: Callable[[], None] | None = field(default=None, repr=False)  # fills the topology arrays (deferred)
     _after_topology: list[Callable[[StepTree], None]] = field(default_factory=list, repr=False)
+
+    @property
+    def tree_gdn(self) -> bool:
+        """The spec rows' GDN layers run the tree verify and the commit (``tree_active`` or ``gdn_tree``)."""
+        return self.tree_active or self.gdn_tree
 
     @property
     def topology_pending(self) -> bool:
@@ -411,7 +417,7 @@ class StepTree:
         t = self._dev.get(name)
         if t is None:
             self.complete()
-            if self.tree_active and (name in STEP_UPLOAD or name in DERIVED_UPLOAD):
+            if self.tree_gdn and (name in STEP_UPLOAD or name in DERIVED_UPLOAD):
                 self.upload()
                 return self._dev[name]
             t = torch.from_numpy(np.ascontiguousarray(getattr(self, name), dtype=np.int64)).to(
@@ -472,6 +478,7 @@ class RuntimeState:
         self.defer_drafts = False  # this step's drafts go to the scheduler as placeholders (deferred_drafts.py)
         self.sampled_copy = SampledCopy()  # the step's sampled tokens, copied before drafting (deferred_drafts.py)
         self.draft_fill: Any = None  # deferred_drafts.DraftFill of the running step, applied in _preprocess
+        self.one_slot = False  # one GDN state slot per request (gdn_state_slots "one", hybrid target: one_slot.py)
 
     def current_step(self) -> StepTree | None:
         return self.step

@@ -1,0 +1,107 @@
+"""One GDN state slot per request (``gdn_state_slots: "one"``): the committed state always sits at slot
+``[n, 0]``, conv window columns ``0 .. W - 2``.
+
+vLLM 0.26 gives a request of a hybrid target 1 + B GDN state slots per layer when it speculates B
+tokens (``MambaBase.get_kv_cache_spec``: ``MambaSpec.num_speculative_blocks = B``): its chain kernel
+writes one state per draft position, and the next step reads slot ``[n, a - 1]`` with ``a`` the
+accepted count (``num_accepted_tokens``). The tree verify writes no state at all and the commit
+kernels read every source before they write (``cuda/gdn_tree_commit.cu``, ``cuda/tree_conv.cu``), so a
+tfm request needs one slot only. In this mode:
+
+- vLLM allocates one slot: :func:`one_slot_kv_cache_specs` sets ``num_speculative_blocks = 0`` on the
+  target's ``MambaSpec`` s (the state shapes, hence the page size, stay vLLM's; the conv state keeps
+  its W - 1 + B columns, of which 0 .. W - 2 are used). At the Qwen3.6-27B shape and B = 16 that is
+  0.158 GiB of GDN state per request instead of 2.69 (``bench/e2e_models.py``
+  ``gdn_state_bytes_per_request``).
+- Every GDN layer reads ``[n, 0]``: the verify is given :func:`read_offsets` (all 1) for vLLM's
+  ``num_accepted_tokens``, which then means nothing to these layers.
+- Every commit writes ``[n, 0]``: :func:`commit_destinations` (all 0) for the accepted draft counts,
+  in place (source and destination are the same slot).
+- Every step with drafts runs the GDN layers on the tree path (``gdn.py``): vLLM's chain kernel
+  indexes ``1 + B`` slot columns and must never see a one-column table. A step that keeps vLLM's
+  sampler (penalties, logprobs: ``sampler.needs_native_sampler``) or holds only chains is a
+  ``StepTree.gdn_tree`` step: its drafts are verified by vLLM's sampler as a chain, its GDN layers by
+  the tree verify on the chain, and :func:`chain_accepted` reads the accepted path from the sampled
+  tokens for the commit.
+- Nothing is left for ``accepted_offsets.py`` to move: prefills, plain decodes (vLLM) and commits (ours)
+  all leave the state at ``[n, 0]``.
+- vLLM's own full decode graphs (which would run its chain kernel) are refused (``graph_dispatch.py``).
+
+Prefix caching of hybrid models (``mamba_cache_mode`` 'align' / 'all') is refused for every tfm engine
+(``hooks.check_engine_config``), so 'none' is the only layout handled here.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import torch
+from torch import Tensor
+
+__all__ = ["ONE_SLOT", "ONES", "one_slot_kv_cache_specs", "read_offsets", "commit_destinations", "chain_accepted"]
+
+ONE_SLOT = "one"
+"""The ``gdn_state_slots`` value of this mode (``TfmConfig``)."""
+
+
+def one_slot_kv_cache_specs(specs: dict[str, Any]) -> dict[str, Any]:
+    """``GPUModelRunner.get_kv_cache_spec``'s result with every ``MambaSpec`` holding one block per request.
+
+    Only the block count changes: the shapes (so the page size and its padding, which the hybrid
+    allocator has already aligned with the attention groups) stay as vLLM made them."""
+    from vllm.v1.kv_cache_interface import MambaSpec
+
+    return {name: dataclasses.replace(spec, num_speculative_blocks=0) if isinstance(spec, MambaSpec) else spec
+            for name, spec in specs.items()}
+
+
+class _Ones:
+    """Per-device int32 buffers of ones, grown (never replaced while a graph may hold them: ``reserve``
+    them at start-up for the largest batch)."""
+
+    def __init__(self) -> None:
+        self._buf: dict[tuple[str, int], Tensor] = {}
+
+    def reserve(self, n: int, device: torch.device | str) -> None:
+        dev = torch.device(device)
+        key = (dev.type, dev.index if dev.index is not None else -1)
+        have = self._buf.get(key)
+        if have is None or have.shape[0] < n:
+            self._buf[key] = torch.ones(n, dtype=torch.int32, device=dev)
+
+    def get(self, n: int, device: torch.device | str) -> Tensor:
+        self.reserve(n, device)
+        dev = torch.device(device)
+        return self._buf[(dev.type, dev.index if dev.index is not None else -1)][:n]
+
+
+ONES = _Ones()
+
+
+def read_offsets(state_indices: Tensor) -> Tensor:
+    """What a GDN layer is given for vLLM's ``num_accepted_tokens`` of the spec requests whose slots are
+    ``state_indices`` [Rs, columns]: 1 for every row (the state at column 0), int32, at a fixed address
+    for a given Rs (full tree graphs capture it)."""
+    return ONES.get(state_indices.shape[0], state_indices.device)
+
+
+def commit_destinations(num_accepted: Tensor) -> Tensor:
+    """The commit's destination offsets for accepted draft counts ``num_accepted`` [Rs]: 0 for every row
+    (slot ``[n, 0]``, conv columns from 0), in place of the counts."""
+    return torch.zeros_like(num_accepted)
+
+
+def chain_accepted(output_token_ids: Tensor, spec_req_index: Tensor | None) -> tuple[Tensor, Tensor]:
+    """(last accepted node, accepted draft count) of the spec requests of a ``gdn_tree`` step, from vLLM's
+    sampled tokens.
+
+    output_token_ids: [R, 1 + max drafts] vLLM's sampler output, -1 after each row's last valid token
+    (valid tokens are contiguous from column 0, as ``_update_states_after_model_execute`` counts them);
+    spec_req_index: [Rs] batch rows of the spec requests (None: every row is one). A chain's node j is
+    its j-th draft, so both results are the count of valid tokens minus one (the bonus), int64, on the
+    device; no host wait.
+    """
+    rows = output_token_ids if spec_req_index is None else output_token_ids.index_select(0, spec_req_index)
+    p = (rows != -1).sum(dim=1).sub_(1).clamp_(min=0)
+    return p, p
