@@ -574,7 +574,7 @@ def _wrap_update_states(orig: Callable) -> Callable:
     @functools.wraps(orig)
     def _update_states(self: Any, scheduler_output: Any) -> Any:
         event = getattr(self, "num_accepted_tokens_event", None)
-        if _is_tfm(self) and event is not None and not _is_async(self) and not STATE.one_slot:  # one slot: counts unused
+        if _is_tfm(self) and event is not None and not _is_async(self):
             # The last step's accepted counts reach the host by a non-blocking copy that vLLM queues after the
             # commit (_update_states_after_model_execute) and waits for only in _prepare_inputs. vLLM's own
             # bookkeeping read of the sampled tokens waits for it; with deferred drafts tfm's reads an earlier
