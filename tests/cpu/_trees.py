@@ -2,8 +2,13 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 from torch import Tensor
+
+if TYPE_CHECKING:
+    from vllm_tfm.vllm_plugin.runtime.state import ProposalStore
 
 TREE_KINDS = ("random", "chain", "star", "deep")
 
@@ -50,3 +55,13 @@ def ragged(parent_list: list[Tensor]) -> tuple[Tensor, Tensor]:
     cu = torch.zeros(len(parent_list) + 1, dtype=torch.long)
     cu[1:] = torch.tensor([p.numel() for p in parent_list]).cumsum(0)
     return torch.cat(parent_list), cu
+
+
+def proposal_store(proposals: dict[str, tuple[list[int], list[int]]]) -> ProposalStore:
+    """A runtime ``ProposalStore`` holding ``{request id: (draft tokens, parents incl. the root's -1)}``."""
+    from vllm_tfm.vllm_plugin.runtime.state import ProposalStore
+
+    store = ProposalStore()
+    ids = list(proposals)
+    store.put(ids, torch.tensor([proposals[i][0] for i in ids]), torch.tensor([proposals[i][1] for i in ids]))
+    return store

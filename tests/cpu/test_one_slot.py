@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 
 from _emulation import emulated, emulation_build_dir
-from _trees import path_of, random_tree_parents
+from _trees import path_of, proposal_store, random_tree_parents
 from vllm_tfm.kernels import conv as kconv
 from vllm_tfm.kernels import gdn as kgdn
 from vllm_tfm.models.tfm_config import TfmConfig
@@ -39,7 +39,7 @@ from vllm_tfm.vllm_plugin.runtime.one_slot import (
     one_slot_kv_cache_specs,
     read_offsets,
 )
-from vllm_tfm.vllm_plugin.runtime.state import STATE, GDNStash, ProposalStore
+from vllm_tfm.vllm_plugin.runtime.state import STATE, GDNStash
 from vllm_tfm.vllm_plugin.runtime.step_kernels import StepKernels
 
 F64 = torch.float64
@@ -237,15 +237,8 @@ def test_the_runner_hook_changes_the_specs_of_one_slot_tfm_runners_only():
     assert wrapped(SimpleNamespace(_tfm_enabled=True))["gdn"] is mamba  # per_draft
 
 
-def _store(proposals: dict[str, tuple[list[int], list[int]]]) -> ProposalStore:
-    store = ProposalStore()
-    ids = list(proposals)
-    store.put(ids, torch.tensor([proposals[i][0] for i in ids]), torch.tensor([proposals[i][1] for i in ids]))
-    return store
-
-
 def test_steps_with_drafts_take_the_gdn_tree_path_in_one_slot_mode():
-    store = _store({"t": ([1, 2, 3], [-1, 0, 0, 1]), "c": ([4, 5, 6], [-1, 0, 1, 2])})
+    store = proposal_store({"t": ([1, 2, 3], [-1, 0, 0, 1]), "c": ([4, 5, 6], [-1, 0, 1, 2])})
     req_ids, nst = ["t", "c", "p"], np.array([4, 4, 5])
     spec = {"t": [1, 2, 3], "c": [4, 5, 6]}
     trees = build_step_tree(req_ids, nst, spec, store, allow_trees=True, one_slot=True)
@@ -339,7 +332,7 @@ def test_a_failed_tree_graph_capture_stops_a_one_slot_engine():
 
 
 def test_commit_of_a_gdn_tree_step_takes_vllms_counts_and_moves_no_kv(monkeypatch):
-    store = _store({"c": ([4, 5, 6], [-1, 0, 1, 2])})
+    store = proposal_store({"c": ([4, 5, 6], [-1, 0, 1, 2])})
     step = build_step_tree(["p", "c"], np.array([3, 4]), {"c": [4, 5, 6]}, store, allow_trees=False, one_slot=True)
     step.gdn = {"layer.0": object(), "layer.1": object()}
     seen: dict[str, Any] = {}

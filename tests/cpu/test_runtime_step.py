@@ -10,23 +10,14 @@ import numpy as np
 import pytest
 import torch
 
-from _trees import path_of, random_tree_parents
+from _trees import path_of, proposal_store, random_tree_parents
 from vllm_tfm.vllm_plugin.runtime.drafter_inputs import dflash_context_order
 from vllm_tfm.vllm_plugin.runtime.inputs import BIAS_PAD_ROWS, build_step_tree, tree_positions
 from vllm_tfm.vllm_plugin.runtime.state import ProposalStore
 
 
-def store_with(proposals: dict[str, tuple[list[int], list[int]]]) -> ProposalStore:
-    store = ProposalStore()
-    ids = list(proposals)
-    toks = torch.tensor([proposals[i][0] for i in ids])
-    pars = torch.tensor([proposals[i][1] for i in ids])
-    store.put(ids, toks, pars)
-    return store
-
-
 def test_store_lookup_accepts_prefixes_only():
-    store = store_with({"a": ([7, 8, 9], [-1, 0, 0, 1]), "b": ([1, 2, 3], [-1, 0, 1, 2])})
+    store = proposal_store({"a": ([7, 8, 9], [-1, 0, 0, 1]), "b": ([1, 2, 3], [-1, 0, 1, 2])})
     full = store.lookup("a", [7, 8, 9])
     assert full is not None and full.parents.tolist() == [-1, 0, 0, 1] and not full.is_chain
     cut = store.lookup("a", [7, 8])  # the scheduler truncated the drafts
@@ -45,7 +36,7 @@ def brute_ancestor(parents: list[int], i: int, j: int) -> bool:
 
 def test_build_step_tree_lays_out_a_mixed_batch():
     tree = [-1, 0, 0, 1, 1, 2]  # 5 drafts
-    store = store_with({
+    store = proposal_store({
         "tree": ([11, 12, 13, 14, 15], tree),
         "chain": ([21, 22, 23, 24, 25], [-1, 0, 1, 2, 3, 4]),
         "stale": ([31, 32, 33, 34, 35], tree),
@@ -92,7 +83,7 @@ def test_a_decode_row_without_drafts_is_not_a_spec_row_when_others_verify_trees(
     the same spec rows, or the GDN tree verify sees a different number of spec requests than vLLM
     and the step fails."""
     tree = [-1, 0, 0, 1]
-    store = store_with({"tree": ([11, 12, 13], tree), "short": ([21, 22, 23], tree)})
+    store = proposal_store({"tree": ([11, 12, 13], tree), "short": ([21, 22, 23], tree)})
     req_ids = ["tree", "short", "tail"]
     spec = {"tree": [11, 12, 13], "short": [21]}  # "short": budget cut to 2 tokens; "tail": 1 token, no drafts
     step = build_step_tree(req_ids, np.array([4, 2, 1]), spec, store, allow_trees=True)
@@ -106,12 +97,12 @@ def test_a_decode_row_without_drafts_is_not_a_spec_row_when_others_verify_trees(
 
 
 def test_build_step_tree_without_trees():
-    store = store_with({"tree": ([11, 12], [-1, 0, 0])})
+    store = proposal_store({"tree": ([11, 12], [-1, 0, 0])})
     spec = {"tree": [11, 12]}
     step = build_step_tree(["tree"], np.array([3]), spec, store, allow_trees=False)
     assert not step.tree_active and not step.is_tree.any() and step.attn_trees == []
     assert step.local_parent.tolist() == [-1, 0, 1]  # read as a chain
-    chain_store = store_with({"c": ([1, 2], [-1, 0, 1])})
+    chain_store = proposal_store({"c": ([1, 2], [-1, 0, 1])})
     step = build_step_tree(["c"], np.array([3]), {"c": [1, 2]}, chain_store, allow_trees=True)
     assert not step.tree_active
     step = build_step_tree(["c"], np.array([3]), {"c": [1, 2]}, chain_store, allow_trees=True, force_tree_path=True)

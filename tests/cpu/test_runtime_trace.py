@@ -18,6 +18,7 @@ import numpy as np
 import pytest
 import torch
 
+from _trees import proposal_store
 from vllm_tfm.vllm_plugin.runtime.accepted_offsets import OffsetPlan
 from vllm_tfm.vllm_plugin.runtime.inputs import build_step_tree
 from vllm_tfm.vllm_plugin.runtime.state import ProposalStore
@@ -26,15 +27,8 @@ from vllm_tfm.vllm_plugin.runtime.trace import Tracer, finish_records, step_reco
 TREE = [-1, 0, 0, 1, 1, 2]  # 5 drafts, depth 2
 
 
-def _store(proposals: dict[str, tuple[list[int], list[int]]]) -> ProposalStore:
-    store = ProposalStore()
-    ids = list(proposals)
-    store.put(ids, torch.tensor([proposals[i][0] for i in ids]), torch.tensor([proposals[i][1] for i in ids]))
-    return store
-
-
 def test_step_records_tell_every_case_apart():
-    store = _store({"tree": ([11, 12, 13, 14, 15], TREE), "cut": ([21, 22, 23, 24, 25], TREE),
+    store = proposal_store({"tree": ([11, 12, 13, 14, 15], TREE), "cut": ([21, 22, 23, 24, 25], TREE),
                     "zeroed": ([31, 32, 33, 34, 35], TREE), "back": ([41, 42, 43, 44, 45], TREE)})
     ids = ["tree", "cut", "zeroed", "fresh", "resumed", "back"]
     nst = np.array([6, 3, 6, 40, 90, 6])
@@ -75,7 +69,7 @@ def test_step_records_tell_every_case_apart():
 
 
 def test_paths_of_steps_without_trees():
-    store = _store({"a": ([1, 2], [-1, 0, 1])})  # a chain proposal
+    store = proposal_store({"a": ([1, 2], [-1, 0, 1])})  # a chain proposal
     step = build_step_tree(["a"], np.array([3]), {"a": [1, 2]}, store, allow_trees=True)
     kw = {"new": set(), "resumed": set(), "last": None, "num_computed": np.array([9]), "num_output": [3], "temperature": np.array([0.0])}
     assert step_records(0, ["a"], step, native_sampler=False, **kw)[0]["path"] == "chains"
