@@ -30,7 +30,7 @@ from vllm_tfm.verify.gdn import gdn_chain_recurrence, gdn_gates
 from vllm_tfm.vllm_plugin.options import resolve_tfm_options
 from vllm_tfm.vllm_plugin.runtime import gdn as gdn_mod
 from vllm_tfm.vllm_plugin.runtime import graph_dispatch, hooks
-from vllm_tfm.vllm_plugin.runtime.commit import commit_gdn_layers
+from vllm_tfm.vllm_plugin.runtime.commit import commit_gdn_layers, spec_rows
 from vllm_tfm.vllm_plugin.runtime.gdn import spec_tree_gdn
 from vllm_tfm.vllm_plugin.runtime.inputs import build_step_tree
 from vllm_tfm.vllm_plugin.runtime.one_slot import (
@@ -131,7 +131,7 @@ def test_tree_and_chain_steps_keep_the_state_in_slot_zero():
             num_acc = torch.tensor([len(path_of(p, int(x))) - 1 for p, x in zip(parents_list, last)])
         else:  # vLLM's sampler verified the chains: the counts from its tokens
             accepted = [int(torch.randint(0, p.numel(), (1,), generator=g)) for p in parents_list]
-            last, num_acc = chain_accepted(_sampled_tokens(accepted, 1 + S), None)
+            last, num_acc = chain_accepted(_sampled_tokens(accepted, 1 + S))
             assert last.tolist() == accepted
         commit_gdn_layers([stash], torch.cat(parents_list), cu, last, commit_destinations(num_acc))
         for n, parents in enumerate(parents_list):
@@ -197,11 +197,12 @@ def test_the_kernel_paths_commit_tables_write_slot_zero_in_place(emu_dir, monkey
 
 def test_chain_accepted_counts_valid_tokens_of_the_spec_rows():
     out = torch.tensor([[5, 7, -1, -1], [3, -1, -1, -1], [9, 9, 9, 9], [4, -1, -1, -1]])
-    last, p = chain_accepted(out, None)
+    last, p = chain_accepted(out)
     assert last.tolist() == p.tolist() == [1, 0, 3, 0]
-    last, p = chain_accepted(out, torch.tensor([0, 2]))  # rows 1 and 3 are not spec rows
+    step = SimpleNamespace(num_reqs=4, num_spec_reqs=2, dev={"spec_req_index": torch.tensor([0, 2])}.get)
+    last, p = chain_accepted(spec_rows(step, out))  # rows 1 and 3 are not spec rows
     assert last.tolist() == [1, 3] and last.dtype == torch.int64
-    assert chain_accepted(torch.full((1, 3), -1), None)[0].tolist() == [0]  # a discarded row: never below 0
+    assert chain_accepted(torch.full((1, 3), -1))[0].tolist() == [0]  # a discarded row: never below 0
     assert commit_destinations(torch.tensor([3, 0, 2])).tolist() == [0, 0, 0]
     offsets = read_offsets(torch.zeros(3, 1, dtype=torch.int32))
     assert offsets.tolist() == [1, 1, 1] and offsets.dtype == torch.int32

@@ -50,7 +50,7 @@ from .settings import RuntimeSwitch, batched_commit_enabled
 from .state import STATE, GDNStash, StepTree
 from .step_kernels import StepKernels
 
-__all__ = ["compaction_rows", "compact_kv", "commit_gdn_layer", "commit_gdn_layers", "batched_commit_layers", "spec_accepted",
+__all__ = ["compaction_rows", "compact_kv", "commit_gdn_layer", "commit_gdn_layers", "batched_commit_layers", "spec_accepted", "spec_rows",
            "KV_COMPACT_KERNEL_ENV", "kv_compact_kernel_enabled", "set_kv_compact_kernel"]
 
 KV_COMPACT_KERNEL_ENV = "VLLM_TFM_KV_COMPACT_KERNEL"
@@ -112,12 +112,15 @@ def compact_kv(kv_caches: list[Tensor], slot_mapping: Tensor, src_rows: Tensor, 
         metrics.hook("commit.kv_compact_reference")
 
 
+def spec_rows(step: StepTree, t: Tensor) -> Tensor:
+    """The spec requests' rows of a per-request tensor ``t`` [R, ...], batch order (``t`` itself when every
+    request is a spec request)."""
+    return t if step.num_spec_reqs == step.num_reqs else t.index_select(0, step.dev("spec_req_index"))
+
+
 def spec_accepted(step: StepTree, accept: AcceptResult) -> tuple[Tensor, Tensor]:
     """(last accepted node, accepted draft count) of the spec requests, [Rs] each, batch order."""
-    if step.num_spec_reqs == step.num_reqs:  # every request is a spec request: the rows as they are
-        return accept.last_node, accept.num_accepted
-    idx = step.dev("spec_req_index")
-    return accept.last_node.index_select(0, idx), accept.num_accepted.index_select(0, idx)
+    return spec_rows(step, accept.last_node), spec_rows(step, accept.num_accepted)
 
 
 def commit_gdn_layer(

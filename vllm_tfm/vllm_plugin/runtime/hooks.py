@@ -47,7 +47,7 @@ import torch
 from torch import Tensor
 
 from .accepted_offsets import OffsetPlan, move_states_to_slot0, plan_offsets
-from .commit import commit_gdn_layers, compact_kv, compaction_rows, spec_accepted
+from .commit import commit_gdn_layers, compact_kv, compaction_rows, spec_accepted, spec_rows
 from .deferred_drafts import (
     deferred_drafts_enabled,
     early_sampled_copy_enabled,
@@ -390,8 +390,7 @@ def commit_step(runner: Any, step: StepTree, output_token_ids: Tensor | None = N
         if step.tree_active:
             last, num_acc = spec_accepted(step, accept)
         else:
-            spec_rows = None if step.num_spec_reqs == step.num_reqs else step.dev("spec_req_index")
-            last, num_acc = chain_accepted(output_token_ids, spec_rows)
+            last, num_acc = chain_accepted(spec_rows(step, output_token_ids))
         if STATE.one_slot:
             num_acc = commit_destinations(num_acc)  # in place: slot [n, 0], conv columns from 0
             STATE.metrics.hook("commit.one_slot")

@@ -195,8 +195,8 @@ def build_step_tree(
         device=device,
         lookup=lookup,
         proposal_len=proposal_len,
+        gdn_tree=bool(one_slot and has_drafts and not tree_active),
     )
-    step.gdn_tree = bool(one_slot and has_drafts and not tree_active)
     if deferred:
 
         def fill_topology() -> None:

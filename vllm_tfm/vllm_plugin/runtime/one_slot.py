@@ -63,17 +63,17 @@ class _Ones:
     def __init__(self) -> None:
         self._buf: dict[tuple[str, int], Tensor] = {}
 
-    def reserve(self, n: int, device: torch.device | str) -> None:
+    def reserve(self, n: int, device: torch.device | str) -> Tensor:
+        """The buffer of ``device``, at least n long (made or grown here)."""
         dev = torch.device(device)
-        key = (dev.type, dev.index if dev.index is not None else -1)
+        key = (dev.type, -1 if dev.index is None else dev.index)
         have = self._buf.get(key)
         if have is None or have.shape[0] < n:
-            self._buf[key] = torch.ones(n, dtype=torch.int32, device=dev)
+            have = self._buf[key] = torch.ones(n, dtype=torch.int32, device=dev)
+        return have
 
     def get(self, n: int, device: torch.device | str) -> Tensor:
-        self.reserve(n, device)
-        dev = torch.device(device)
-        return self._buf[(dev.type, dev.index if dev.index is not None else -1)][:n]
+        return self.reserve(n, device)[:n]
 
 
 ONES = _Ones()
@@ -92,16 +92,14 @@ def commit_destinations(num_accepted: Tensor) -> Tensor:
     return torch.zeros_like(num_accepted)
 
 
-def chain_accepted(output_token_ids: Tensor, spec_req_index: Tensor | None) -> tuple[Tensor, Tensor]:
+def chain_accepted(spec_tokens: Tensor) -> tuple[Tensor, Tensor]:
     """(last accepted node, accepted draft count) of the spec requests of a ``gdn_tree`` step, from vLLM's
     sampled tokens.
 
-    output_token_ids: [R, 1 + max drafts] vLLM's sampler output, -1 after each row's last valid token
-    (valid tokens are contiguous from column 0, as ``_update_states_after_model_execute`` counts them);
-    spec_req_index: [Rs] batch rows of the spec requests (None: every row is one). A chain's node j is
-    its j-th draft, so both results are the count of valid tokens minus one (the bonus), int64, on the
-    device; no host wait.
+    spec_tokens: [Rs, 1 + max drafts] vLLM's sampler output for the spec requests (``commit.spec_rows``), -1
+    after each row's last valid token (valid tokens are contiguous from column 0, as
+    ``_update_states_after_model_execute`` counts them). A chain's node j is its j-th draft, so both results
+    are the count of valid tokens minus one (the bonus), int64, on the device; no host wait.
     """
-    rows = output_token_ids if spec_req_index is None else output_token_ids.index_select(0, spec_req_index)
-    p = (rows != -1).sum(dim=1).sub_(1).clamp_(min=0)
+    p = (spec_tokens != -1).sum(dim=1).sub_(1).clamp_(min=0)
     return p, p
