@@ -23,6 +23,8 @@ this script) measures, for each arm, output tokens/s at batch 1 and batch 8:
                  vLLM runs its no-spec and DFlash arms by default. The other tfm arms pin
                  async_scheduling=False (the scheduling of every earlier result of theirs), whatever tfm's
                  default (vllm_tfm/vllm_plugin/async_scheduling.py)
+  tfm16-full-oneslot, tfm16-full-async-oneslot  (optional) tfm16-full and tfm16-full-async with one GDN state
+                 slot per request (VLLM_TFM_GDN_STATE_SLOTS=one, vllm_tfm/vllm_plugin/runtime/one_slot.py)
 
 The target is written here with the exact Qwen3.6-27B text shape (``bench/e2e_models.py``; with
 ``--target-class vl`` in the published checkpoints' class, ``Qwen3_5ForConditionalGeneration`` with
@@ -122,6 +124,9 @@ ARMS: dict[str, Arm] = {
     # one GDN state slot per request (vllm_tfm/vllm_plugin/runtime/one_slot.py): more KV blocks in the same memory
     "tfm16-full-oneslot": Arm("tfm16-full-oneslot", "tfm", 16, graphs=True, full=True,
                               env=(("VLLM_TFM_GDN_STATE_SLOTS", "one"),)),
+    # the same with tfm's default scheduling at TP 1 (asynchronous): what `gdn_state_slots: "one"` as the default runs
+    "tfm16-full-async-oneslot": Arm("tfm16-full-async-oneslot", "tfm", 16, graphs=True, full=True, async_scheduling=True,
+                                    env=(("VLLM_TFM_GDN_STATE_SLOTS", "one"),)),
 }
 DEFAULT_ARMS = "nospec,dflash,tfm32,tfm64,tfm16"
 

@@ -199,6 +199,10 @@ def test_the_one_slot_arm_is_tfm16_full_with_one_gdn_state_slot(tmp_path: Path) 
         plain.kind, plain.budget, plain.graphs, plain.full, plain.async_scheduling)
     env = e2e.child_env(arm, {"seed": 3}, tmp_path)
     assert env["VLLM_TFM_GDN_STATE_SLOTS"] == "one" and "VLLM_TFM_GDN_STATE_SLOTS" not in e2e.child_env(plain, {"seed": 3}, tmp_path)
+    asy, asy_plain = e2e.ARMS["tfm16-full-async-oneslot"], e2e.ARMS["tfm16-full-async"]
+    assert (asy.kind, asy.budget, asy.graphs, asy.full, asy.async_scheduling) == (
+        asy_plain.kind, asy_plain.budget, asy_plain.graphs, asy_plain.full, True)
+    assert e2e.child_env(asy, {"seed": 3}, tmp_path)["VLLM_TFM_GDN_STATE_SLOTS"] == "one"
 
 
 def test_the_async_arm_is_tfm16_full_with_asynchronous_scheduling(tmp_path: Path) -> None:
