@@ -223,6 +223,12 @@ def _arm_desc(arm: dict[str, Any]) -> str:
     return f"tfm (Weaver trees), B={arm.get('budget')}" + (graphs if arm.get("graphs") else "") + sched + env
 
 
+def _short_batch(arm: dict[str, Any], b: int) -> int | None:
+    """The most requests that ran at once in the arm's batch-b run when that was fewer than b (None otherwise)."""
+    conc = (_batch(arm, b) or {}).get("max_concurrency")
+    return conc if isinstance(conc, int) and 0 < conc < b else None
+
+
 def render_markdown(results: dict[str, Any]) -> str:
     """The throughput table, the per-stage tables and the goals of one results file."""
     if results.get("format") != RESULTS_FORMAT:
@@ -255,6 +261,7 @@ def render_markdown(results: dict[str, Any]) -> str:
         head += [f"b{b} {metric_names[b]} tok/s", f"b{b} x no-spec", f"b{b} x DFlash"]
     head += ["max batch seen", "engine start s"]
     lines += ["| " + " | ".join(head) + " |", "|" + " --- |" * len(head)]
+    short_notes: list[str] = []
     for name, arm in arms.items():
         if arm.get("status") == "skipped":
             continue
@@ -263,12 +270,21 @@ def render_markdown(results: dict[str, Any]) -> str:
                _f(b1.get("mal"), "{:.2f}")]
         for b in batches:
             bs = summ["batches"][str(b)]
-            row += [_f(bs["tokens_per_s"].get(name)), _x(bs["x_nospec"].get(name)), _x(bs["x_dflash"].get(name))]
+            short = _short_batch(arm, b)
+            row += [_f(bs["tokens_per_s"].get(name)) + (f" ({short} at once)" if short else ""),
+                    _x(bs["x_nospec"].get(name)), _x(bs["x_dflash"].get(name))]
+            if short:
+                short_notes.append(f"{name} at batch {b}: at most {short} requests ran at once (its KV cache, "
+                                   f"{arm.get('num_gpu_blocks')} blocks, held no more), the others waited: not a "
+                                   f"batch-{b} figure, and the decode window (from the last first token) counts tokens "
+                                   f"made before it")
         conc = [str((_batch(arm, b) or {}).get("max_concurrency")) for b in batches]
         row += ["/".join(conc), _f(arm.get("engine_start_s"))]
         if arm.get("status") not in (None, "ok"):
             row[0] += f" ({arm.get('status')}: {str(arm.get('error', ''))[:80]})"
         lines.append("| " + " | ".join(row) + " |")
+    if short_notes:
+        lines += ["", *(f"- {n}." for n in short_notes)]
     lines += _repeated_arm_lines(results.get("repeated_arms") or [], arms, batches, metric_names)
     for b in batches:
         rows = []

@@ -238,13 +238,15 @@ def kv_bytes(arm: str, target: str, drafter: str, longest: int) -> dict[str, Any
     import soak
 
     budget = {"tfm": BUDGET, "dflash": DFLASH_K}.get(spec["method"] or "", 0)
-    est = soak.estimate_request_kv_bytes(target, drafter, budget, longest)
+    # a tfm engine holds one GDN state slot per request with VLLM_TFM_GDN_STATE_SLOTS=one (inherited from the runner)
+    slots = soak.gdn_state_slots_from_env() if spec["method"] == "tfm" else "per_draft"
+    est = soak.estimate_request_kv_bytes(target, drafter, budget, longest, gdn_state_slots=slots)
     if spec["method"] is None:  # no drafter layers without speculation
         d = json.loads((Path(drafter) / "config.json").read_text())
         d_head = int(d.get("head_dim") or d["hidden_size"] // d["num_attention_heads"])
         est -= (longest + budget + 1) * 2 * int(d["num_key_value_heads"]) * d_head * 4 * int(d["num_hidden_layers"])
     return {"kv_cache_bytes": math.ceil(CAPACITY * est), "bytes_per_request": est, "capacity_requests": CAPACITY,
-            "request_tokens": longest}  # fmt: skip
+            "request_tokens": longest, "gdn_state_slots": slots}  # fmt: skip
 
 
 # ---------------------------------------------------------------------------------------- one arm
@@ -507,11 +509,20 @@ def arm_summary(name: str, run: dict[str, Any], ref: dict[str, Any] | None) -> d
     return s
 
 
+def gpu_name() -> str | None:
+    """The first GPU's name as nvidia-smi gives it (None without one): the results say which card ran them."""
+    from soak_server import _nvidia_smi
+
+    text = _nvidia_smi(["--query-gpu=name", "--format=csv,noheader"])
+    lines = [line.strip() for line in (text or "").splitlines() if line.strip()]
+    return lines[0] if lines else None
+
+
 def summary(out: Path, runs: dict[str, dict[str, Any]], workload: dict[str, Any], command: str) -> dict[str, Any]:
     ref = load("nospec_big")
     arms = {name: arm_summary(name, run, ref) for name, run in runs.items()}
     res = {
-        "command": command, "device": "nvidia-h200", "settings": {
+        "command": command, "device": gpu_name(), "settings": {
             "prompts": N_PROMPTS, "max_tokens": MAX_TOKENS, "max_prompt": MAX_PROMPT, "capacity_requests": CAPACITY,
             "budget": BUDGET, "dflash_k": DFLASH_K, "max_model_len": MAX_MODEL_LEN, "dtype": "float32",
             "deadline_s": DEADLINE_S, "workload": workload.get("workload", "preempt"), "prompt_source": workload.get("kind"), "prompt_lengths": workload.get("lengths"),

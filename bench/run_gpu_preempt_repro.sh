@@ -26,7 +26,7 @@ cd "$(dirname "${BASH_SOURCE[0]}")/.." || exit 1
 OUT=${OUT:-/tmp/tfm-preempt-out}
 mkdir -p "$OUT"
 export TFM_PREEMPT_T0=${TFM_PREEMPT_T0:-$(date +%s)}
-export TFM_PREEMPT_COMMAND="$(env | grep "^TFM_PREEMPT_" | grep -v "^TFM_PREEMPT_T0=" | sort | tr "\n" " ")bash bench/run_gpu_preempt_repro.sh${*:+ $*}"
+export TFM_PREEMPT_COMMAND="$(env | grep -E "^(TFM_PREEMPT|VLLM_TFM)_" | grep -v "^TFM_PREEMPT_T0=" | sort | tr "\n" " ")bash bench/run_gpu_preempt_repro.sh${*:+ $*}"
 start=$TFM_PREEMPT_T0
 
 main() {

@@ -72,7 +72,7 @@ import platform
 import random
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from importlib import metadata
@@ -408,10 +408,19 @@ def write_random_models(root: Path) -> tuple[Path, Path]:
     return target, drafter
 
 
-def estimate_request_kv_bytes(target_dir: str, drafter_dir: str, budget: int, max_model_len: int, dtype_bytes: int = 4) -> int:
+def gdn_state_slots_from_env(environ: Mapping[str, str] | None = None) -> str:
+    """The plugin's ``gdn_state_slots`` as the servers and engines started here will read it: ``one`` when
+    ``VLLM_TFM_GDN_STATE_SLOTS=one`` is exported (they inherit it), else ``per_draft``."""
+    env = os.environ if environ is None else environ
+    return "one" if env.get("VLLM_TFM_GDN_STATE_SLOTS", "").strip().lower() == "one" else "per_draft"
+
+
+def estimate_request_kv_bytes(target_dir: str, drafter_dir: str, budget: int, max_model_len: int, dtype_bytes: int = 4,
+                              gdn_state_slots: str = "per_draft") -> int:
     """Lower estimate of the KV-cache bytes one max-length tfm request holds in vLLM 0.26.
 
-    GDN layers: 1 + budget state slots per request (vLLM's mamba spec-decode blocks), each a float32
+    GDN layers: 1 + budget state slots per request (vLLM's mamba spec-decode blocks; one with
+    ``gdn_state_slots="one"``, vllm_tfm/vllm_plugin/runtime/one_slot.py), each a float32
     SSM state HV x V x K and a conv window (W - 1 + budget) x conv_dim; attention layers of the
     target and of the DFlash drafter: K and V per token. vLLM pads pages of a hybrid model to one
     size, so the real figure is somewhat larger (the server log's "Maximum concurrency" is the truth).
@@ -434,7 +443,10 @@ def estimate_request_kv_bytes(target_dir: str, drafter_dir: str, budget: int, ma
     attn_tok = 2 * int(t["num_key_value_heads"]) * head_dim * dtype_bytes * n_attn
     d_head = int(d.get("head_dim") or d["hidden_size"] // d["num_attention_heads"])
     draft_tok = 2 * int(d["num_key_value_heads"]) * d_head * dtype_bytes * int(d["num_hidden_layers"])
-    return (1 + budget) * n_gdn * (ssm + conv) + (max_model_len + budget + 1) * (attn_tok + draft_tok)
+    if gdn_state_slots not in ("per_draft", "one"):
+        raise ValueError(f"gdn_state_slots={gdn_state_slots!r}: 'per_draft' or 'one'")
+    slots = 1 if gdn_state_slots == "one" else 1 + budget
+    return slots * n_gdn * (ssm + conv) + (max_model_len + budget + 1) * (attn_tok + draft_tok)
 
 
 # ============================================================================== phases
@@ -537,10 +549,11 @@ def phase_preempt(
                            "env": env_info()}
     mml = cfg.preempt_max_model_len
     if kv_small is None:
-        est = estimate_request_kv_bytes(cfg.target, cfg.drafter, cfg.budget, mml)
+        slots = gdn_state_slots_from_env()
+        est = estimate_request_kv_bytes(cfg.target, cfg.drafter, cfg.budget, mml, gdn_state_slots=slots)
         kv_small = math.ceil(cfg.preempt_capacity * est)
         res["kv_estimate"] = {"bytes_per_max_len_request": est, "capacity_requests": cfg.preempt_capacity,
-                              "kv_cache_bytes": kv_small}
+                              "kv_cache_bytes": kv_small, "gdn_state_slots": slots}
     # long outputs: a request's attention blocks must grow well past what is left free once admission
     # has filled the cache (each request also holds 1 + B GDN state blocks from the start)
     specs = sc.make_workload(cfg.preempt_requests, prompts, seed=cfg.seed + 1, max_model_len=mml, max_new_tokens=800,

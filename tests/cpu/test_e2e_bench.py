@@ -339,6 +339,19 @@ def test_render_markdown_ratios_goals_and_skips() -> None:
         e2e_report.render_markdown({"format": "x"})
 
 
+def test_a_batch_whose_requests_did_not_all_fit_is_marked() -> None:
+    res = results()
+    assert "at once" not in e2e_report.render_markdown(res)  # every batch ran whole
+    res["arms"]["tfm64"]["batches"]["8"]["max_concurrency"] = 5
+    res["arms"]["tfm64"]["num_gpu_blocks"] = 973
+    md = e2e_report.render_markdown(res)
+    row = next(line for line in md.splitlines() if line.startswith("| tfm64"))
+    assert "| 360.0 (5 at once) | 3.00x | 1.20x |" in row and "| 1/5 |" in row
+    assert ("- tfm64 at batch 8: at most 5 requests ran at once (its KV cache, 973 blocks, held no more), the others "
+            "waited: not a batch-8 figure") in md
+    assert md.count("at once") == 2  # the b1 run (1 of 1) and the other arms are not marked
+
+
 def test_tokens_per_s_come_from_clean_runs_unless_told_otherwise() -> None:
     res = results()
     res["settings"]["clean_run"] = True

@@ -314,3 +314,18 @@ def test_generate_aborts_requests_mid_stream_and_keeps_prompt_order() -> None:
     assert out["tokens"] == [[100, 101, 102, 103, 104], [], [300, 301, 302, 303]]
     assert out["aborted"] == [1] and out["request_ids"] == ["0", "1", "2"] and out["topk"] is None
     assert out["internal_ids"] == ["0-0badf00d", "1-0badf00d", "2-0badf00d"]
+
+
+def test_small_kv_of_a_one_slot_engine_is_sized_for_its_one_gdn_slot(monkeypatch: pytest.MonkeyPatch) -> None:
+    target, drafter = str(ROOT / "zoo" / "target"), str(ROOT / "zoo" / "drafter")
+    monkeypatch.delenv("VLLM_TFM_GDN_STATE_SLOTS", raising=False)
+    per_draft = {a: gpu_preempt_repro.kv_bytes(a, target, drafter, 1024) for a in ("tfm_small", "dflash_small")}
+    monkeypatch.setenv("VLLM_TFM_GDN_STATE_SLOTS", "one")
+    one = {a: gpu_preempt_repro.kv_bytes(a, target, drafter, 1024) for a in ("tfm_small", "dflash_small")}
+    assert one["dflash_small"] == per_draft["dflash_small"]  # vLLM's own method: the plugin's switch does not apply
+    assert (one["tfm_small"]["gdn_state_slots"], per_draft["tfm_small"]["gdn_state_slots"]) == ("one", "per_draft")
+    budget = gpu_preempt_repro.BUDGET
+    import soak
+
+    expect = soak.estimate_request_kv_bytes(target, drafter, budget, 1024, gdn_state_slots="one")
+    assert one["tfm_small"]["bytes_per_request"] == expect < per_draft["tfm_small"]["bytes_per_request"]

@@ -117,6 +117,17 @@ def test_kv_estimate_by_hand(tmp_path: Path) -> None:
     (t / "config.json").write_text(json.dumps(cfg))
     assert soak.estimate_request_kv_bytes(str(t), str(d), budget=16, max_model_len=1024) == (
         17 * 7 * (65536 + 512 * 19 * 4) + 1041 * 4 * 1024)
+    # one GDN state slot per request (gdn_state_slots "one"): one slot, the conv window keeps vLLM's W - 1 + B columns
+    assert soak.estimate_request_kv_bytes(str(t), str(d), budget=16, max_model_len=1024, gdn_state_slots="one") == (
+        1 * 7 * (65536 + 512 * 19 * 4) + 1041 * 4 * 1024)
+    with pytest.raises(ValueError, match=r"^gdn_state_slots='two': 'per_draft' or 'one'$"):
+        soak.estimate_request_kv_bytes(str(t), str(d), budget=16, max_model_len=1024, gdn_state_slots="two")
+
+
+def test_the_gdn_state_slots_follow_the_plugins_switch() -> None:
+    assert soak.gdn_state_slots_from_env({}) == "per_draft"
+    assert soak.gdn_state_slots_from_env({"VLLM_TFM_GDN_STATE_SLOTS": "one"}) == "one"
+    assert soak.gdn_state_slots_from_env({"VLLM_TFM_GDN_STATE_SLOTS": "per_draft"}) == "per_draft"
 
 
 def test_nvidia_smi_parsing_and_process_tree() -> None:
