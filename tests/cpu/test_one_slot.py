@@ -36,7 +36,9 @@ from vllm_tfm.vllm_plugin.runtime.inputs import build_step_tree
 from vllm_tfm.vllm_plugin.runtime.one_slot import (
     chain_accepted,
     commit_destinations,
+    concurrency_with_slots,
     one_slot_kv_cache_specs,
+    per_draft_concurrency_notice,
     read_offsets,
 )
 from vllm_tfm.vllm_plugin.runtime.state import STATE, GDNStash
@@ -389,3 +391,59 @@ def test_the_layer_reads_slot_zero_whatever_vllms_accepted_counts_say():
         set_kernels_enabled(True)
     assert torch.equal(out, want) and torch.equal(stash.prev_accepted, want_stash.prev_accepted)
     assert stash.prev_accepted.tolist() == [1, 1, 1]
+
+
+def _hybrid_kv_cache_config(num_blocks: int) -> Any:
+    """vLLM's KV-cache config of a hybrid target: 3 GDN layers (1 + S slots a request) and 3 attention layers
+    in two groups of one 16384-byte page (attention blocks of 32 tokens x 2 KV heads x 64 x K and V x bf16)."""
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec, MambaSpec
+
+    mamba = MambaSpec(block_size=1024, shapes=((L, CONV_DIM), (HV, V, K)), dtypes=(torch.bfloat16, torch.float32),
+                      page_size_padded=16384, num_speculative_blocks=S)
+    attn = FullAttentionSpec(block_size=32, num_kv_heads=2, head_size=64, dtype=torch.bfloat16)
+    assert attn.page_size_bytes == mamba.page_size_bytes == 16384
+    groups = [KVCacheGroupSpec([f"gdn.{i}" for i in range(3)], mamba),
+              KVCacheGroupSpec([f"attn.{i}" for i in range(3)], attn)]
+    return KVCacheConfig(num_blocks=num_blocks, kv_cache_tensors=[], kv_cache_groups=groups)
+
+
+def test_the_concurrency_with_one_slot_is_vllms_figure_with_one_gdn_block():
+    # the fields vLLM 0.26's specs read (a VllmConfig cannot be built without a device)
+    vllm_config = SimpleNamespace(model_config=SimpleNamespace(max_model_len=1024),
+                                  parallel_config=SimpleNamespace(decode_context_parallel_size=1),
+                                  cache_config=SimpleNamespace(mamba_cache_mode="none"))
+    # a request: 1024 / 32 = 32 attention blocks + (1 + S) GDN blocks per layer pair, one with one slot
+    kv = _hybrid_kv_cache_config(num_blocks=(32 + 1 + S) * 5)
+    now, one = concurrency_with_slots(vllm_config, kv)
+    assert now == pytest.approx(5.0) and one == pytest.approx((32 + 1 + S) * 5 / 33)
+    assert kv.kv_cache_groups[0].kv_cache_spec.num_speculative_blocks == S  # the engine's config is not touched
+    notice = per_draft_concurrency_notice(now, one, max_num_seqs=8, budget=S)
+    assert notice == (f"vllm-tfm: the KV cache holds 5.00 requests of max_model_len tokens at once (max_num_seqs 8): "
+                      f"each keeps 1 + B = {1 + S} GDN state slots (gdn_state_slots 'per_draft'). With gdn_state_slots "
+                      f"'one' it would hold {one:.2f} (docs/vllm_plugin.md, \"One GDN state slot per request\").")
+    assert per_draft_concurrency_notice(now, one, max_num_seqs=5, budget=S) is None  # every request fits already
+    assert per_draft_concurrency_notice(5.0, 5.0, max_num_seqs=8, budget=S) is None  # one slot would not help
+
+
+def test_the_kv_cache_hook_warns_per_draft_hybrid_tfm_runners_only(caplog: pytest.LogCaptureFixture):
+    calls: list[tuple[Any, bool]] = []
+    wrapped = hooks._wrap_initialize_kv_cache(lambda self, cfg, is_profiling=False: calls.append((cfg, is_profiling)))
+    kv = object()
+
+    def runner(tfm: bool = True, hybrid: bool = True) -> Any:
+        return SimpleNamespace(_tfm_enabled=tfm, model_config=SimpleNamespace(is_hybrid=hybrid), vllm_config="vc",
+                               scheduler_config=SimpleNamespace(max_num_seqs=8),
+                               speculative_config=SimpleNamespace(num_speculative_tokens=S))
+
+    with mock.patch.object(hooks, "concurrency_with_slots", return_value=(5.56, 72.4)) as conc:
+        STATE.one_slot = False
+        with caplog.at_level("WARNING", logger="vllm.tfm"):
+            wrapped(runner(), kv)
+            wrapped(runner(), kv, is_profiling=True)  # vLLM's memory profiling pass: no notice
+            wrapped(runner(tfm=False), kv)
+            wrapped(runner(hybrid=False), kv)
+            STATE.one_slot = True
+            wrapped(runner(), kv)
+        STATE.one_slot = False
+    assert [c[0] for c in calls] == [kv] * 5 and conc.call_args_list == [mock.call("vc", kv)]
+    assert [r.getMessage()[:60] for r in caplog.records] == ["vllm-tfm: the KV cache holds 5.56 requests of max_model_len "]

@@ -50,7 +50,7 @@ def test_install_patches_once():
     assert set(RUNNER_HOOKS) == {"__init__", "_prepare_inputs", "_update_states_after_model_execute",
                                  "propose_draft_token_ids", "sample_tokens", "profile_run", "_bookkeeping_sync",
                                  "take_draft_token_ids", "_prepare_input_ids", "_preprocess", "_update_states",
-                                 "get_kv_cache_spec"}
+                                 "get_kv_cache_spec", "initialize_kv_cache"}
     assert set(GRAPH_HOOKS) == {"_determine_batch_execution_and_padding", "_warmup_and_capture", "_dummy_run"}
     for name in (*RUNNER_HOOKS, *GRAPH_HOOKS):  # wrapped exactly once, the original kept in the plugin's registry
         assert GPUModelRunner.__dict__[name].__wrapped__ is original(GPUModelRunner, name)

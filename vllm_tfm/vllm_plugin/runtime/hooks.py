@@ -58,7 +58,15 @@ from .deferred_drafts import (
 from .device_topology import launch_device_topology
 from .inputs import build_step_tree, tree_positions
 from .metrics import Metrics
-from .one_slot import ONE_SLOT, ONES, chain_accepted, commit_destinations, one_slot_kv_cache_specs
+from .one_slot import (
+    ONE_SLOT,
+    ONES,
+    chain_accepted,
+    commit_destinations,
+    concurrency_with_slots,
+    one_slot_kv_cache_specs,
+    per_draft_concurrency_notice,
+)
 from .sampler import TFMTreeSampler, needs_native_sampler
 from .settings import force_tree_path
 from .stage_timing import TIMER
@@ -598,6 +606,22 @@ def _wrap_get_kv_cache_spec(orig: Callable) -> Callable:
     return get_kv_cache_spec
 
 
+def _wrap_initialize_kv_cache(orig: Callable) -> Callable:
+    @functools.wraps(orig)
+    def initialize_kv_cache(self: Any, kv_cache_config: Any, *args: Any, **kwargs: Any) -> Any:
+        out = orig(self, kv_cache_config, *args, **kwargs)
+        profiling = bool(kwargs.get("is_profiling", args[0] if args else False))
+        if _is_tfm(self) and not STATE.one_slot and self.model_config.is_hybrid and not profiling:
+            now, one = concurrency_with_slots(self.vllm_config, kv_cache_config)
+            notice = per_draft_concurrency_notice(now, one, int(self.scheduler_config.max_num_seqs),
+                                                  int(self.speculative_config.num_speculative_tokens))
+            if notice is not None:
+                stats_logger.warning(notice)
+        return out
+
+    return initialize_kv_cache
+
+
 RUNNER_HOOKS: dict[str, tuple[Callable[[Callable], Callable], str]] = {
     "__init__": (_wrap_init, "tfm: build TFMProposer and TFMTreeSampler, refuse unsupported settings"),
     "_prepare_inputs": (_wrap_prepare_inputs, "tfm: per-step tree metadata and depth positions"),
@@ -611,6 +635,7 @@ RUNNER_HOOKS: dict[str, tuple[Callable[[Callable], Callable], str]] = {
     "profile_run": (_wrap_profile_run, "tfm: capture the Weaver CUDA graphs of every batch size at start-up"),
     "_update_states": (_wrap_update_states, "tfm: the last step's accepted counts on the host before rows move"),
     "get_kv_cache_spec": (_wrap_get_kv_cache_spec, "tfm: one GDN state slot per request (gdn_state_slots 'one')"),
+    "initialize_kv_cache": (_wrap_initialize_kv_cache, "tfm: say when per-draft GDN slots cap the requests at once"),
 }
 
 

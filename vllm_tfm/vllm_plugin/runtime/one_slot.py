@@ -39,7 +39,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
-__all__ = ["ONE_SLOT", "ONES", "one_slot_kv_cache_specs", "read_offsets", "commit_destinations", "chain_accepted"]
+__all__ = ["ONE_SLOT", "ONES", "one_slot_kv_cache_specs", "read_offsets", "commit_destinations", "chain_accepted",
+           "concurrency_with_slots", "per_draft_concurrency_notice"]
 
 ONE_SLOT = "one"
 """The ``gdn_state_slots`` value of this mode (``TfmConfig``)."""
@@ -54,6 +55,31 @@ def one_slot_kv_cache_specs(specs: dict[str, Any]) -> dict[str, Any]:
 
     return {name: dataclasses.replace(spec, num_speculative_blocks=0) if isinstance(spec, MambaSpec) else spec
             for name, spec in specs.items()}
+
+
+def concurrency_with_slots(vllm_config: Any, kv_cache_config: Any) -> tuple[float, float]:
+    """vLLM's maximum concurrency of a KV cache (requests of ``max_model_len`` tokens held at once, vLLM's
+    ``get_max_concurrency_for_kv_cache_config``, the figure of its start-up log) as allocated, and with
+    the GDN state groups at one slot per request: the same blocks, the same page size."""
+    from vllm.v1.core.kv_cache_utils import get_max_concurrency_for_kv_cache_config
+    from vllm.v1.kv_cache_interface import MambaSpec
+
+    now = get_max_concurrency_for_kv_cache_config(vllm_config, kv_cache_config)
+    groups = [dataclasses.replace(g, kv_cache_spec=dataclasses.replace(g.kv_cache_spec, num_speculative_blocks=0))
+              if isinstance(g.kv_cache_spec, MambaSpec) else g for g in kv_cache_config.kv_cache_groups]
+    one = get_max_concurrency_for_kv_cache_config(vllm_config, dataclasses.replace(kv_cache_config, kv_cache_groups=groups))
+    return now, one
+
+
+def per_draft_concurrency_notice(now: float, one: float, max_num_seqs: int, budget: int) -> str | None:
+    """The start-up warning of a per-draft engine whose GDN state slots keep its KV cache below
+    ``max_num_seqs`` requests when one slot would hold more (None otherwise). On an 80 GB H100 at the
+    Qwen3.6-27B shape and B = 16: 5.56 requests of 608 tokens against 72.4 (bench/NOTES.md section 60)."""
+    if now >= max_num_seqs or one <= now:
+        return None
+    return (f"vllm-tfm: the KV cache holds {now:.2f} requests of max_model_len tokens at once (max_num_seqs "
+            f"{max_num_seqs}): each keeps 1 + B = {1 + budget} GDN state slots (gdn_state_slots 'per_draft'). "
+            f"With gdn_state_slots 'one' it would hold {one:.2f} (docs/vllm_plugin.md, \"One GDN state slot per request\").")
 
 
 class _Ones:
