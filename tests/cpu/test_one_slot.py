@@ -447,3 +447,9 @@ def test_the_kv_cache_hook_warns_per_draft_hybrid_tfm_runners_only(caplog: pytes
         STATE.one_slot = False
     assert [c[0] for c in calls] == [kv] * 5 and conc.call_args_list == [mock.call("vc", kv)]
     assert [r.getMessage()[:60] for r in caplog.records] == ["vllm-tfm: the KV cache holds 5.56 requests of max_model_len "]
+    caplog.clear()
+    with mock.patch.object(hooks, "concurrency_with_slots", side_effect=ValueError("no groups")):
+        with caplog.at_level("WARNING", logger="vllm.tfm"):
+            wrapped(runner(), kv)  # the engine starts all the same
+    assert len(calls) == 6
+    assert [r.getMessage() for r in caplog.records] == ["vllm-tfm: no concurrency figure for this KV cache (ValueError: no groups)"]

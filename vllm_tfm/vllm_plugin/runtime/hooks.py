@@ -612,7 +612,11 @@ def _wrap_initialize_kv_cache(orig: Callable) -> Callable:
         out = orig(self, kv_cache_config, *args, **kwargs)
         profiling = bool(kwargs.get("is_profiling", args[0] if args else False))
         if _is_tfm(self) and not STATE.one_slot and self.model_config.is_hybrid and not profiling:
-            now, one = concurrency_with_slots(self.vllm_config, kv_cache_config)
+            try:  # advice only: a KV-cache layout vLLM's concurrency figure does not cover must not stop the engine
+                now, one = concurrency_with_slots(self.vllm_config, kv_cache_config)
+            except Exception as exc:  # noqa: BLE001
+                stats_logger.warning("vllm-tfm: no concurrency figure for this KV cache (%s: %s)", type(exc).__name__, exc)
+                return out
             notice = per_draft_concurrency_notice(now, one, int(self.scheduler_config.max_num_seqs),
                                                   int(self.speculative_config.num_speculative_tokens))
             if notice is not None:
