@@ -74,7 +74,8 @@ def concurrency_with_slots(vllm_config: Any, kv_cache_config: Any) -> tuple[floa
 def per_draft_concurrency_notice(now: float, one: float, max_num_seqs: int, budget: int) -> str | None:
     """The start-up warning of a per-draft engine whose GDN state slots keep its KV cache below
     ``max_num_seqs`` requests when one slot would hold more (None otherwise). On an 80 GB H100 at the
-    Qwen3.6-27B shape and B = 16: 5.56 requests of 608 tokens against 72.4 (bench/NOTES.md section 60)."""
+    Qwen3.6-27B shape and B = 16: 5.56 requests of 608 tokens, 64.9 with one slot in the same 973 blocks
+    (175 blocks a request against 15; the one-slot engine itself got 72.4 of 1,086: bench/NOTES.md section 60)."""
     if now >= max_num_seqs or one <= now:
         return None
     return (f"vllm-tfm: the KV cache holds {now:.2f} requests of max_model_len tokens at once (max_num_seqs "
