@@ -409,10 +409,11 @@ def write_random_models(root: Path) -> tuple[Path, Path]:
 
 
 def gdn_state_slots_from_env(environ: Mapping[str, str] | None = None) -> str:
-    """The plugin's ``gdn_state_slots`` as the servers and engines started here will read it: ``one`` when
-    ``VLLM_TFM_GDN_STATE_SLOTS=one`` is exported (they inherit it), else ``per_draft``."""
-    env = os.environ if environ is None else environ
-    return "one" if env.get("VLLM_TFM_GDN_STATE_SLOTS", "").strip().lower() == "one" else "per_draft"
+    """The plugin's ``gdn_state_slots`` as the servers and engines started here will read it from the
+    ``VLLM_TFM_*`` variables they inherit (the plugin's own parsing), else its default ``per_draft``."""
+    from vllm_tfm.vllm_plugin.options import env_overrides
+
+    return env_overrides(environ)[0].get("gdn_state_slots") or "per_draft"
 
 
 def estimate_request_kv_bytes(target_dir: str, drafter_dir: str, budget: int, max_model_len: int, dtype_bytes: int = 4,

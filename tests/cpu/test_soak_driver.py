@@ -128,6 +128,8 @@ def test_the_gdn_state_slots_follow_the_plugins_switch() -> None:
     assert soak.gdn_state_slots_from_env({}) == "per_draft"
     assert soak.gdn_state_slots_from_env({"VLLM_TFM_GDN_STATE_SLOTS": "one"}) == "one"
     assert soak.gdn_state_slots_from_env({"VLLM_TFM_GDN_STATE_SLOTS": "per_draft"}) == "per_draft"
+    # the plugin's parsing, not a second one: a value the plugin refuses is not turned into "one" here
+    assert soak.gdn_state_slots_from_env({"VLLM_TFM_GDN_STATE_SLOTS": "ONE"}) == "ONE"
 
 
 def test_nvidia_smi_parsing_and_process_tree() -> None:

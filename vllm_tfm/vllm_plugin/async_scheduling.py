@@ -79,8 +79,8 @@ from collections.abc import Callable
 from typing import Any, Literal
 
 from .guards import TFM_METHOD
-from .runtime.settings import trace_settings
 from .patching import replace_attribute
+from .runtime.settings import trace_settings
 
 __all__ = ["install_async_scheduling_patches", "synchronous_default_reason"]
 

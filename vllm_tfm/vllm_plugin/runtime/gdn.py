@@ -43,9 +43,9 @@ from vllm_tfm.verify.gdn import gate_constants, gdn_gates
 from .full_graphs import FullTreeGraphsUnavailable, LayerStash
 from .graph_dispatch import piece_outputs_are_reused
 from .kernels_or_reference import tree_ops
+from .one_slot import read_offsets
 from .stage_timing import TIMER
 from .state import STATE, GDNStash
-from .one_slot import read_offsets
 from .step_kernels import StepKernels, step_kernels
 
 __all__ = ["spec_tree_gdn", "tree_forward_core", "install_gdn_patch"]

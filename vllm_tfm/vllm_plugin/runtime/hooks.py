@@ -608,10 +608,9 @@ def _wrap_get_kv_cache_spec(orig: Callable) -> Callable:
 
 def _wrap_initialize_kv_cache(orig: Callable) -> Callable:
     @functools.wraps(orig)
-    def initialize_kv_cache(self: Any, kv_cache_config: Any, *args: Any, **kwargs: Any) -> Any:
-        out = orig(self, kv_cache_config, *args, **kwargs)
-        profiling = bool(kwargs.get("is_profiling", args[0] if args else False))
-        if _is_tfm(self) and not STATE.one_slot and self.model_config.is_hybrid and not profiling:
+    def initialize_kv_cache(self: Any, kv_cache_config: Any, is_profiling: bool = False) -> Any:
+        out = orig(self, kv_cache_config, is_profiling=is_profiling)
+        if _is_tfm(self) and not STATE.one_slot and self.model_config.is_hybrid and not is_profiling:
             try:  # advice only: a KV-cache layout vLLM's concurrency figure does not cover must not stop the engine
                 now, one = concurrency_with_slots(self.vllm_config, kv_cache_config)
             except Exception as exc:  # noqa: BLE001

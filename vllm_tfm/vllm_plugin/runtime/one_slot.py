@@ -46,15 +46,18 @@ ONE_SLOT = "one"
 """The ``gdn_state_slots`` value of this mode (``TfmConfig``)."""
 
 
-def one_slot_kv_cache_specs(specs: dict[str, Any]) -> dict[str, Any]:
-    """``GPUModelRunner.get_kv_cache_spec``'s result with every ``MambaSpec`` holding one block per request.
-
-    Only the block count changes: the shapes (so the page size and its padding, which the hybrid
-    allocator has already aligned with the attention groups) stay as vLLM made them."""
+def _one_block(spec: Any) -> Any:
+    """A ``MambaSpec`` holding one block per request (other specs as they are). Only the block count
+    changes: the shapes (so the page size and its padding, which the hybrid allocator has already
+    aligned with the attention groups) stay as vLLM made them."""
     from vllm.v1.kv_cache_interface import MambaSpec
 
-    return {name: dataclasses.replace(spec, num_speculative_blocks=0) if isinstance(spec, MambaSpec) else spec
-            for name, spec in specs.items()}
+    return dataclasses.replace(spec, num_speculative_blocks=0) if isinstance(spec, MambaSpec) else spec
+
+
+def one_slot_kv_cache_specs(specs: dict[str, Any]) -> dict[str, Any]:
+    """``GPUModelRunner.get_kv_cache_spec``'s result with every ``MambaSpec`` holding one block per request."""
+    return {name: _one_block(spec) for name, spec in specs.items()}
 
 
 def concurrency_with_slots(vllm_config: Any, kv_cache_config: Any) -> tuple[float, float]:
@@ -62,11 +65,9 @@ def concurrency_with_slots(vllm_config: Any, kv_cache_config: Any) -> tuple[floa
     ``get_max_concurrency_for_kv_cache_config``, the figure of its start-up log) as allocated, and with
     the GDN state groups at one slot per request: the same blocks, the same page size."""
     from vllm.v1.core.kv_cache_utils import get_max_concurrency_for_kv_cache_config
-    from vllm.v1.kv_cache_interface import MambaSpec
 
     now = get_max_concurrency_for_kv_cache_config(vllm_config, kv_cache_config)
-    groups = [dataclasses.replace(g, kv_cache_spec=dataclasses.replace(g.kv_cache_spec, num_speculative_blocks=0))
-              if isinstance(g.kv_cache_spec, MambaSpec) else g for g in kv_cache_config.kv_cache_groups]
+    groups = [dataclasses.replace(g, kv_cache_spec=_one_block(g.kv_cache_spec)) for g in kv_cache_config.kv_cache_groups]
     one = get_max_concurrency_for_kv_cache_config(vllm_config, dataclasses.replace(kv_cache_config, kv_cache_groups=groups))
     return now, one
 
