@@ -27,7 +27,13 @@ batch 1 (each prompt alone):
   tfm-eager-async  tfm-eager with asynchronous scheduling (its tokens against tfm-eager's are reported)
   tfm-eager-oneslot, tfm-fullpw-oneslot, tfm-fullpw-async-oneslot  tfm-eager, tfm-fullpw and tfm-fullpw-async
                  with one GDN state slot per request (VLLM_TFM_GDN_STATE_SLOTS=one,
-                 vllm_tfm/vllm_plugin/runtime/one_slot.py): the same tokens
+                 vllm_tfm/vllm_plugin/runtime/one_slot.py): the same tokens. The other tfm engines pin
+                 VLLM_TFM_GDN_STATE_SLOTS=per_draft (``PINNED_ENV``: the layout of their earlier results),
+                 whatever tfm's default ("auto": one slot at tensor parallelism 1)
+  tfm-fullpw-async-auto  tfm-fullpw-async with tfm's own GDN state layout (no pin: "auto", one slot on one GPU)
+  tfm-fallback-oneslot  one slot with FULL_AND_PIECEWISE where tfm's full tree graphs cannot run (the torch
+                 reference ops, VLLM_TFM_KERNELS=0): vLLM's own full decode graphs are not captured, every step
+                 replays piecewise graphs (runtime/graph_dispatch.py); the same tokens as no-spec
 
 Each engine also runs the prompts in waves (label "waves"): driven step by step (LLMEngine.add_request /
 step), the first 8 start together with max_tokens T, T - 4, ..., T - 28 (and so on), and whenever fewer
@@ -39,7 +45,8 @@ batch 8 (it only shrinks, at the end) never reaches. Its tokens join the verdict
 Verdicts (all must hold for exit code 0): tfm-graphs == nospec-graphs, tfm-graphs == tfm-eager,
 tfm-eager == nospec-eager, tfm-fullpw == nospec-graphs, tfm-fullpw == tfm-fullpw-pergroup,
 tfm-fullpw == tfm-fullpw-sync, tfm-fullpw == tfm-fullpw-hosttopo, tfm-fullpw-async == nospec-graphs,
-tfm-fullpw == tfm-fullpw-async (batch 8, batch 1 and waves, every prompt, every token); tfm-graphs ran its tree steps in piecewise graphs (the
+tfm-fullpw == tfm-fullpw-async, the -oneslot engines == the engines they copy and == no-spec, tfm-fallback-oneslot and
+tfm-fullpw-async-auto == nospec-graphs (batch 8, batch 1 and waves, every prompt, every token); tfm-graphs and tfm-fallback-oneslot ran their tree steps in piecewise graphs (the
 runtime's ``cudagraph.tree.PIECEWISE`` counter > 0) and never in a full graph; the tfm-fullpw
 engines replayed full graphs for tree steps (``cudagraph.tree.FULL`` > 0); the -pergroup engine
 never reused GDN metadata and, on the random models, the other tfm engines did
@@ -137,7 +144,34 @@ ENGINES: dict[str, dict[str, Any]] = {
                            "env": {"VLLM_TFM_GDN_STATE_SLOTS": "one"}},
     "tfm-fullpw-async-oneslot": {"spec": True, "eager": False, "compilation_config": {"cudagraph_mode": "FULL_AND_PIECEWISE"},
                                  "async_scheduling": True, "env": {"VLLM_TFM_GDN_STATE_SLOTS": "one"}},
+    # tfm-fullpw-async with tfm's own gdn_state_slots ("auto", no pin): one slot at tensor parallelism 1
+    "tfm-fullpw-async-auto": {"spec": True, "eager": False, "compilation_config": {"cudagraph_mode": "FULL_AND_PIECEWISE"},
+                              "async_scheduling": True, "pin": False},
+    # one slot where tfm's full tree graphs cannot run (the torch reference ops: VLLM_TFM_KERNELS=0): vLLM's own
+    # full decode graphs are not captured either (runtime/graph_dispatch.py), every step replays piecewise graphs
+    "tfm-fallback-oneslot": {"spec": True, "eager": False, "compilation_config": {"cudagraph_mode": "FULL_AND_PIECEWISE"},
+                             "env": {"VLLM_TFM_GDN_STATE_SLOTS": "one", "VLLM_TFM_KERNELS": "0"}},
 }
+PINNED_ENV: dict[str, str] = {"VLLM_TFM_GDN_STATE_SLOTS": "per_draft"}
+"""What every tfm engine runs unless its own ``env`` says otherwise: vLLM's per-draft GDN state slots, the
+layout of every result before bench/NOTES.md section 61 (tfm's default at tensor parallelism 1 is one slot
+since then: the -oneslot engines)."""
+
+
+def engine_env(name: str) -> dict[str, str]:
+    """The ``VLLM_TFM_*`` settings engine ``name`` runs with: :data:`PINNED_ENV` for tfm engines, then its own."""
+    e = ENGINES[name]
+    return {**(PINNED_ENV if e["spec"] and e.get("pin", True) else {}), **(e.get("env") or {})}
+
+
+def expects_one_slot(name: str) -> bool:
+    """True for the tfm engines whose requests hold one GDN state slot: the plugin's resolution of their
+    ``VLLM_TFM_GDN_STATE_SLOTS`` on one GPU (unset: its default, "auto")."""
+    from vllm_tfm.vllm_plugin.runtime.one_slot import AUTO, ONE_SLOT, resolve_gdn_state_slots
+
+    value = engine_env(name).get("VLLM_TFM_GDN_STATE_SLOTS", AUTO)
+    return bool(ENGINES[name]["spec"]) and resolve_gdn_state_slots(value, 1)[0] == ONE_SLOT
+
 REQUIRED: tuple[tuple[str, str], ...] = (
     ("tfm-graphs", "nospec-graphs"),
     ("tfm-graphs", "tfm-eager"),
@@ -152,10 +186,13 @@ REQUIRED: tuple[tuple[str, str], ...] = (
     ("tfm-fullpw-oneslot", "tfm-fullpw"),
     ("tfm-fullpw-oneslot", "nospec-graphs"),
     ("tfm-fullpw-async-oneslot", "nospec-graphs"),
+    ("tfm-fallback-oneslot", "nospec-graphs"),
+    ("tfm-fullpw-async-auto", "nospec-graphs"),
 )
 INFORMATIONAL: tuple[tuple[str, str], ...] = (("nospec-graphs", "nospec-eager"), ("tfm-eager", "tfm-eager-async"))
 GRAPH_ENGINES = ("tfm-graphs", "tfm-fullpw", "tfm-fullpw-pergroup", "tfm-fullpw-sync", "tfm-fullpw-hosttopo", "tfm-fullpw-async",
-                 "tfm-fullpw-oneslot", "tfm-fullpw-async-oneslot")
+                 "tfm-fullpw-oneslot", "tfm-fullpw-async-oneslot", "tfm-fallback-oneslot",
+                 "tfm-fullpw-async-auto")
 METADATA_REUSED = "gdn.metadata_reused"
 METADATA_FAST = "gdn.metadata_fast"
 DEVICE_TOPOLOGY = "topology.device"
@@ -321,8 +358,8 @@ def run_engine(name: str, settings_path: Path) -> int:
     s = json.loads(settings_path.read_text())
     res: dict[str, Any] = {"engine": name, "status": "started"}
     path = Path(s["out"]) / f"{name}.json"
-    os.environ.update(ENGINES[name].get("env") or {})  # before vllm_tfm reads it (engine build)
-    res["env"] = ENGINES[name].get("env") or {}
+    res["env"] = engine_env(name)
+    os.environ.update(res["env"])  # before vllm_tfm reads it (engine build)
 
     def save() -> None:
         path.write_text(json.dumps(res, indent=1, default=str))
@@ -492,14 +529,15 @@ def topology_usage(runs: dict[str, dict[str, Any]]) -> dict[str, Any]:
 
 
 def one_slot_usage(runs: dict[str, dict[str, Any]]) -> dict[str, Any]:
-    """Per tfm engine: commits into the one GDN state slot (runtime/one_slot.py). ok iff the -oneslot engines
-    made some and the others none (the engines ran the layout they were meant to)."""
+    """Per tfm engine: commits into the one GDN state slot (runtime/one_slot.py). ok iff the -oneslot engines and
+    tfm-fullpw-async-auto (tfm's default layout on one GPU) made some and the others none (the engines ran the
+    layout they were meant to)."""
     out: dict[str, Any] = {}
     for name, r in runs.items():
         if not ENGINES.get(name, {}).get("spec"):
             continue
         n = sum(int((r.get(f"{label}_paths") or {}).get(ONE_SLOT_COMMITS, 0)) for label in LABELS)
-        out[name] = {ONE_SLOT_COMMITS: n, "ok": n > 0 if name.endswith("-oneslot") else n == 0}
+        out[name] = {ONE_SLOT_COMMITS: n, "ok": n > 0 if expects_one_slot(name) else n == 0}
     return out
 
 

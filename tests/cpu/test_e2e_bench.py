@@ -193,12 +193,21 @@ def test_an_arms_own_settings_reach_its_engine_process_only(monkeypatch: pytest.
         "tfm (Weaver trees), B=32 (full CUDA graphs of tree steps), VLLM_TFM_GDN_VERIFY=3")
 
 
-def test_the_one_slot_arm_is_tfm16_full_with_one_gdn_state_slot(tmp_path: Path) -> None:
+def test_the_one_slot_arm_is_tfm16_full_with_one_gdn_state_slot(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     arm, plain = e2e.ARMS["tfm16-full-oneslot"], e2e.ARMS["tfm16-full"]
     assert (arm.kind, arm.budget, arm.graphs, arm.full, arm.async_scheduling) == (
         plain.kind, plain.budget, plain.graphs, plain.full, plain.async_scheduling)
     env = e2e.child_env(arm, {"seed": 3}, tmp_path)
-    assert env["VLLM_TFM_GDN_STATE_SLOTS"] == "one" and "VLLM_TFM_GDN_STATE_SLOTS" not in e2e.child_env(plain, {"seed": 3}, tmp_path)
+    assert env["VLLM_TFM_GDN_STATE_SLOTS"] == "one"
+    # the plain arms keep vLLM's per-draft layout of their earlier results, whatever tfm's default, unless the
+    # environment asks for another; the no-spec arm is not given the switch
+    monkeypatch.delenv("VLLM_TFM_GDN_STATE_SLOTS", raising=False)
+    assert e2e.child_env(plain, {"seed": 3}, tmp_path)["VLLM_TFM_GDN_STATE_SLOTS"] == "per_draft"
+    assert "VLLM_TFM_GDN_STATE_SLOTS" not in e2e.child_env(e2e.ARMS["nospec-graphs"], {"seed": 3}, tmp_path)
+    monkeypatch.setenv("VLLM_TFM_GDN_STATE_SLOTS", "one")
+    assert e2e.child_env(plain, {"seed": 3}, tmp_path)["VLLM_TFM_GDN_STATE_SLOTS"] == "one"
+    monkeypatch.setenv("VLLM_TFM_GDN_STATE_SLOTS", "per_draft")
+    assert e2e.child_env(arm, {"seed": 3}, tmp_path)["VLLM_TFM_GDN_STATE_SLOTS"] == "one"  # the arm's own wins
     asy, asy_plain = e2e.ARMS["tfm16-full-async-oneslot"], e2e.ARMS["tfm16-full-async"]
     assert (asy.kind, asy.budget, asy.graphs, asy.full, asy.async_scheduling) == (
         asy_plain.kind, asy_plain.budget, asy_plain.graphs, asy_plain.full, True)

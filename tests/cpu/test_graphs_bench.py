@@ -352,3 +352,39 @@ def test_waves_tokens_join_the_verdicts() -> None:
     d = g.verdicts(runs)["tfm-fullpw == nospec-graphs"]["waves"]["divergences"]
     assert d == [{"prompt": 0, "pos": 3, "expected": [2, 3], "got": [2, 3, 4], "nospec_top2_margin": None,
                   "lengths": [3, 4]}]
+
+
+def test_tfm_engines_pin_per_draft_slots_unless_they_name_a_layout() -> None:
+    # tfm's default ("auto") is one slot at tensor parallelism 1; the plain engines keep their results' layout
+    assert g.engine_env("tfm-fullpw") == {"VLLM_TFM_GDN_STATE_SLOTS": "per_draft"}
+    assert g.engine_env("tfm-fullpw-pergroup") == {"VLLM_TFM_GDN_STATE_SLOTS": "per_draft", "VLLM_TFM_GDN_METADATA_ONCE": "0"}
+    assert g.engine_env("tfm-fullpw-oneslot") == {"VLLM_TFM_GDN_STATE_SLOTS": "one"}
+    assert g.engine_env("nospec-graphs") == {}
+    assert g.engine_env("tfm-fullpw-async-auto") == {}  # tfm's own default
+    auto, base = g.ENGINES["tfm-fullpw-async-auto"], g.ENGINES["tfm-fullpw-async"]
+    assert {k: v for k, v in auto.items() if k != "pin"} == base and ("tfm-fullpw-async-auto", "nospec-graphs") in g.REQUIRED
+    expected = {n for n, e in g.ENGINES.items() if e["spec"] and g.expects_one_slot(n)}
+    assert expected == {"tfm-eager-oneslot", "tfm-fullpw-oneslot", "tfm-fullpw-async-oneslot", "tfm-fallback-oneslot",
+                        "tfm-fullpw-async-auto"}
+    commits = {"b8_paths": {g.ONE_SLOT_COMMITS: 4}}
+    assert g.one_slot_usage({"tfm-fullpw-async-auto": commits})["tfm-fullpw-async-auto"]["ok"]
+    assert not g.one_slot_usage({"tfm-fullpw-async": commits})["tfm-fullpw-async"]["ok"]
+
+
+def test_the_fallback_engine_is_judged_as_piecewise_with_one_slot() -> None:
+    name = "tfm-fallback-oneslot"
+    assert g.engine_env(name) == {"VLLM_TFM_GDN_STATE_SLOTS": "one", "VLLM_TFM_KERNELS": "0"}
+    assert g.ENGINES[name]["compilation_config"] == {"cudagraph_mode": "FULL_AND_PIECEWISE"}
+    assert (name, "nospec-graphs") in g.REQUIRED and name in g.GRAPH_ENGINES
+
+    def run(full: int, piecewise: int, fast: int = 0, commits: int = 5) -> dict:
+        return {"b8_graph_steps": {"cudagraph.tree.FULL": full, "cudagraph.tree.PIECEWISE": piecewise},
+                "b8_paths": {g.METADATA_FAST: fast, g.ONE_SLOT_COMMITS: commits}}
+
+    assert g.graph_usage({name: run(0, 9)})[name]["ok"]
+    assert not g.graph_usage({name: run(2, 9)})[name]["ok"]  # a full graph replayed: the fallback did not happen
+    # its GDN metadata builder has the FULL mode's buffers: all-spec steps build fast without tree graphs too
+    # (729 on the H100, bench/results/graphs_zoo_oneslot_default_s61.json.gz)
+    assert g.metadata_usage({name: run(0, 9, fast=3)}, "zoo")[name]["ok"]
+    assert not g.metadata_usage({name: run(0, 9)}, "zoo")[name]["ok"]
+    assert g.one_slot_usage({name: run(0, 9)})[name]["ok"] and not g.one_slot_usage({name: run(0, 9, commits=0)})[name]["ok"]

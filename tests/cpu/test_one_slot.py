@@ -40,6 +40,7 @@ from vllm_tfm.vllm_plugin.runtime.one_slot import (
     one_slot_kv_cache_specs,
     per_draft_concurrency_notice,
     read_offsets,
+    resolve_gdn_state_slots,
 )
 from vllm_tfm.vllm_plugin.runtime.state import STATE, GDNStash
 from vllm_tfm.vllm_plugin.runtime.step_kernels import StepKernels
@@ -316,22 +317,41 @@ def test_one_slot_steps_never_replay_vllms_full_graphs():
     assert _dispatch(None, one_slot=True) == ("PIECEWISE", [True])
 
 
-def test_a_failed_tree_graph_capture_stops_a_one_slot_engine():
+def test_a_failed_tree_graph_capture_leaves_a_one_slot_engine_on_piecewise_graphs(caplog: pytest.LogCaptureFixture):
     from vllm_tfm.vllm_plugin.runtime.full_graphs import FullTreeGraphsUnavailable, TreeGraphs
 
     graphs = TreeGraphs(budget=4, max_reqs=3, max_seq_len=64, device=torch.device("cpu"))
     runner = SimpleNamespace(_tfm_enabled=True, _tfm_tree_graphs=graphs)
+    captured: list[tuple[int, str, bool]] = []
 
     def orig(self: Any, desc: Any, mode: Any) -> str:
         if STATE.step is not None:
             raise FullTreeGraphsUnavailable("a bfloat16 SSM state")
+        captured.append((desc.num_tokens, mode.name, desc.uniform))
         return "vllm's capture"
 
+    wrapped = graph_dispatch._wrap_warmup_and_capture(orig)
+    full, piecewise = SimpleNamespace(name="FULL"), SimpleNamespace(name="PIECEWISE")
     STATE.one_slot = True
-    with pytest.raises(RuntimeError, match="with gdn_state_slots 'one' vLLM's own full decode graphs cannot run: use "
-                                           "cudagraph_mode=PIECEWISE or gdn_state_slots 'per_draft'"):
-        graph_dispatch._wrap_warmup_and_capture(orig)(runner, SimpleNamespace(uniform=True, num_tokens=10),
-                                                       SimpleNamespace(name="FULL"))
+    try:
+        with caplog.at_level("WARNING", logger="vllm.tfm"):
+            # the tree graph's capture fails: no tree graphs, and vLLM's own full decode graph (its chain kernel
+            # would read 1 + B slots of a one-slot table) is not captured in its place
+            assert wrapped(runner, SimpleNamespace(uniform=True, num_tokens=10), full) is None
+        assert runner._tfm_tree_graphs is None and captured == []
+        assert [r.getMessage() for r in caplog.records] == [
+            "vllm-tfm: full CUDA graphs of tree steps are off: a bfloat16 SSM state. Steps with drafts replay the "
+            "piecewise graphs (one GDN state slot per request: vLLM's own full decode graphs are not captured)."]
+        assert wrapped(runner, SimpleNamespace(uniform=True, num_tokens=5), full) is None  # the next sizes: the same
+        assert wrapped(runner, SimpleNamespace(uniform=False, num_tokens=8), piecewise) == "vllm's capture"
+        assert wrapped(runner, SimpleNamespace(uniform=False, num_tokens=8), full) == "vllm's capture"  # mixed batches
+        assert captured == [(8, "PIECEWISE", False), (8, "FULL", False)]
+        # a runner that is no tfm runner (another engine in the process) captures as vLLM does
+        assert wrapped(SimpleNamespace(), SimpleNamespace(uniform=True, num_tokens=5), full) == "vllm's capture"
+    finally:
+        STATE.one_slot = False
+    # and these steps never replay a full graph: the dispatcher is kept off FULL (the test above)
+    assert _dispatch(SimpleNamespace(tree_active=True, num_tokens=8), one_slot=True) == ("PIECEWISE", [True])
 
 
 def test_commit_of_a_gdn_tree_step_takes_vllms_counts_and_moves_no_kv(monkeypatch):
@@ -360,13 +380,25 @@ def test_commit_of_a_gdn_tree_step_takes_vllms_counts_and_moves_no_kv(monkeypatc
 
 
 def test_the_option_is_read_from_every_source():
-    assert TfmConfig(proposal="ddtree").gdn_state_slots == "per_draft"
+    assert TfmConfig(proposal="ddtree").gdn_state_slots == "auto"
     assert resolve_tfm_options(None, {"gdn_state_slots": "one"}, 16, environ={}).gdn_state_slots == "one"
+    assert resolve_tfm_options(None, {"gdn_state_slots": "per_draft"}, 16, environ={}).gdn_state_slots == "per_draft"
     env = {"VLLM_TFM_GDN_STATE_SLOTS": "one"}
     assert resolve_tfm_options(None, {}, 16, environ=env).gdn_state_slots == "one"
     with pytest.raises(ValueError, match=r"^speculative_config gdn_state_slots='two': gdn_state_slots: Input should be "
-                                         r"'per_draft' or 'one'$"):
+                                         r"'auto', 'per_draft' or 'one'$"):
         resolve_tfm_options(None, {"gdn_state_slots": "two"}, 16, environ={})
+
+
+def test_auto_is_one_slot_at_tensor_parallelism_one_and_per_draft_above():
+    assert resolve_gdn_state_slots("auto", 1) == ("one", "'auto' at tensor parallelism 1")
+    assert resolve_gdn_state_slots("auto", 2) == (
+        "per_draft", "'auto' at tensor parallelism 2: one slot has run at tensor parallelism 1 only")
+    for tp in (1, 2, 4):  # an explicit value is kept
+        assert resolve_gdn_state_slots("one", tp) == ("one", "set")
+        assert resolve_gdn_state_slots("per_draft", tp) == ("per_draft", "set")
+    with pytest.raises(ValueError, match=r"^gdn_state_slots='ONE': 'auto', 'per_draft' or 'one'$"):
+        resolve_gdn_state_slots("ONE", 1)
 
 
 def test_the_layer_reads_slot_zero_whatever_vllms_accepted_counts_say():

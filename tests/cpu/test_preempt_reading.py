@@ -318,10 +318,12 @@ def test_generate_aborts_requests_mid_stream_and_keeps_prompt_order() -> None:
 
 def test_small_kv_of_a_one_slot_engine_is_sized_for_its_one_gdn_slot(monkeypatch: pytest.MonkeyPatch) -> None:
     target, drafter = str(ROOT / "zoo" / "target"), str(ROOT / "zoo" / "drafter")
-    monkeypatch.delenv("VLLM_TFM_GDN_STATE_SLOTS", raising=False)
+    monkeypatch.setenv("VLLM_TFM_GDN_STATE_SLOTS", "per_draft")
     per_draft = {a: gpu_preempt_repro.kv_bytes(a, target, drafter, 1024) for a in ("tfm_small", "dflash_small")}
     monkeypatch.setenv("VLLM_TFM_GDN_STATE_SLOTS", "one")
     one = {a: gpu_preempt_repro.kv_bytes(a, target, drafter, 1024) for a in ("tfm_small", "dflash_small")}
+    monkeypatch.delenv("VLLM_TFM_GDN_STATE_SLOTS")  # the plugin's default at tensor parallelism 1: one slot
+    assert {a: gpu_preempt_repro.kv_bytes(a, target, drafter, 1024) for a in ("tfm_small", "dflash_small")} == one
     assert one["dflash_small"] == per_draft["dflash_small"]  # vLLM's own method: the plugin's switch does not apply
     assert (one["tfm_small"]["gdn_state_slots"], per_draft["tfm_small"]["gdn_state_slots"]) == ("one", "per_draft")
     budget = gpu_preempt_repro.BUDGET

@@ -125,11 +125,14 @@ def test_kv_estimate_by_hand(tmp_path: Path) -> None:
 
 
 def test_the_gdn_state_slots_follow_the_plugins_switch() -> None:
-    assert soak.gdn_state_slots_from_env({}) == "per_draft"
+    # the plugin's default "auto" is one slot at tensor parallelism 1, where the soak's servers run
+    assert soak.gdn_state_slots_from_env({}) == "one"
+    assert soak.gdn_state_slots_from_env({"VLLM_TFM_GDN_STATE_SLOTS": "auto"}) == "one"
     assert soak.gdn_state_slots_from_env({"VLLM_TFM_GDN_STATE_SLOTS": "one"}) == "one"
     assert soak.gdn_state_slots_from_env({"VLLM_TFM_GDN_STATE_SLOTS": "per_draft"}) == "per_draft"
     # the plugin's parsing, not a second one: a value the plugin refuses is not turned into "one" here
-    assert soak.gdn_state_slots_from_env({"VLLM_TFM_GDN_STATE_SLOTS": "ONE"}) == "ONE"
+    with pytest.raises(ValueError, match=r"^gdn_state_slots='ONE': 'auto', 'per_draft' or 'one'$"):
+        soak.gdn_state_slots_from_env({"VLLM_TFM_GDN_STATE_SLOTS": "ONE"})
 
 
 def test_nvidia_smi_parsing_and_process_tree() -> None:

@@ -89,10 +89,11 @@ class TfmConfig(_Strict):
     children_per_node: int = Field(default=8, gt=0, description="children an expanded node publishes to the frontier")
     treeflash_top_m: int = Field(default=16, gt=0, description="TreeFlash stage-1 previous-token candidates per depth")
     sampling: Literal["target_only", "traversal"] = "target_only"
-    gdn_state_slots: Literal["per_draft", "one"] = Field(
-        default="per_draft",
+    gdn_state_slots: Literal["auto", "per_draft", "one"] = Field(
+        default="auto",
         description="GDN state slots a request holds in vLLM's cache (hybrid targets): 'per_draft' = vLLM's 1 + B, "
-                    "'one' = a single slot the commit rewrites in place (vllm_plugin/runtime/one_slot.py)",
+                    "'one' = a single slot the commit rewrites in place (vllm_plugin/runtime/one_slot.py), "
+                    "'auto' = 'one' at tensor parallelism 1, 'per_draft' above it",
     )
     weaver: WeaverConfig | None = None
     treeflash: TreeFlashConfig | None = None

@@ -18,8 +18,10 @@ passes ``use_cascade_attn=True``, which in vLLM 0.26 only feeds the dispatcher's
 ``invalid_modes={FULL}`` (gpu_model_runner.py:3932-3934; cascade attention itself is decided
 elsewhere, from ``cascade_attn_prefix_lens``), so the step replays the piecewise graph of its
 padded size. A step that comes back FULL anyway (data-parallel mode sync, refused at startup)
-stops the engine. Dummy runs (profiling, capture: they pass ``force_uniform_decode``) are left
-alone. In PIECEWISE mode (the default) nothing is full.
+stops the engine. With one GDN state slot per request (``one_slot.py``) vLLM's own full decode graphs
+would run its chain kernel: they are not captured, and without tfm's tree graphs every step with drafts
+replays a piecewise graph. Dummy runs (profiling, capture: they pass ``force_uniform_decode``) are left
+alone. In PIECEWISE mode (the default with tensor or data parallelism) nothing is full.
 
 Graph memory: in PIECEWISE mode the inputs of a splitting op are outputs of the previous captured
 piece, in CUDA-graph pool memory that later pieces reuse at replay. Anything the tree code keeps
@@ -137,7 +139,10 @@ def _wrap_warmup_and_capture(orig: Callable) -> Callable:
     @functools.wraps(orig)
     def _warmup_and_capture(self: Any, desc: Any, cudagraph_runtime_mode: Any, *args: Any, **kwargs: Any) -> Any:
         graphs = tree_graphs_of(self)
-        if graphs is None or getattr(cudagraph_runtime_mode, "name", None) != "FULL" or not desc.uniform:
+        full_uniform = getattr(cudagraph_runtime_mode, "name", None) == "FULL" and desc.uniform
+        if graphs is None and full_uniform and STATE.one_slot and getattr(self, "_tfm_enabled", False):
+            return None  # vLLM's own full decode graph would capture its chain kernel (one_slot.py); never replayed
+        if graphs is None or not full_uniform:
             return orig(self, desc, cudagraph_runtime_mode, *args, **kwargs)
         try:
             with graphs.capture(graphs.requests_of(desc.num_tokens)):
@@ -145,10 +150,12 @@ def _wrap_warmup_and_capture(orig: Callable) -> Callable:
         except FullTreeGraphsUnavailable as exc:
             if graphs.captured:  # the full graphs already captured verify trees: no way back to vLLM's
                 raise RuntimeError(f"vllm-tfm: {exc}; use cudagraph_mode=PIECEWISE") from exc
-            if STATE.one_slot:  # vLLM's own full decode graphs would capture its chain kernel (one_slot.py)
-                raise RuntimeError(f"vllm-tfm: {exc}; with gdn_state_slots 'one' vLLM's own full decode graphs "
-                                   "cannot run: use cudagraph_mode=PIECEWISE or gdn_state_slots 'per_draft'") from exc
             self._tfm_tree_graphs = None
+            if STATE.one_slot:  # vLLM's own full decode graphs would capture its chain kernel (one_slot.py)
+                logger.warning("vllm-tfm: full CUDA graphs of tree steps are off: %s. Steps with drafts replay the "
+                               "piecewise graphs (one GDN state slot per request: vLLM's own full decode graphs "
+                               "are not captured).", exc.reason)
+                return None
             logger.warning("vllm-tfm: full CUDA graphs of tree steps are off: %s. Tree steps replay the piecewise "
                            "graphs; the full decode graphs are vLLM's own.", exc.reason)
             return orig(self, desc, cudagraph_runtime_mode, *args, **kwargs)

@@ -66,6 +66,7 @@ from .one_slot import (
     concurrency_with_slots,
     one_slot_kv_cache_specs,
     per_draft_concurrency_notice,
+    resolve_gdn_state_slots,
 )
 from .sampler import TFMTreeSampler, needs_native_sampler
 from .settings import force_tree_path
@@ -147,7 +148,12 @@ def _wrap_init(orig: Callable) -> Callable:
             )
         self._tfm_enabled = True
         # one GDN state slot per request (one_slot.py): vLLM's chain kernel never runs, its state offsets mean nothing
-        STATE.one_slot = bool(self.model_config.is_hybrid) and self.drafter.tfm_settings.tfm.gdn_state_slots == ONE_SLOT
+        slots, why = resolve_gdn_state_slots(self.drafter.tfm_settings.tfm.gdn_state_slots,
+                                             vllm_config.parallel_config.tensor_parallel_size)
+        STATE.one_slot = bool(self.model_config.is_hybrid) and slots == ONE_SLOT
+        if self.model_config.is_hybrid:
+            stats_logger.info("vllm-tfm: gdn_state_slots %r (%s): %s GDN state slot(s) per request", slots, why,
+                              1 if STATE.one_slot else f"1 + B = {1 + int(spec.num_speculative_tokens)}")
         if STATE.one_slot:
             ONES.reserve(int(self.max_num_reqs), self.device)  # before any graph capture: a fixed address
         from .graph_dispatch import enable_tree_graphs
