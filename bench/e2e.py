@@ -27,7 +27,7 @@ this script) measures, for each arm, output tokens/s at batch 1 and batch 8:
                  slot per request (VLLM_TFM_GDN_STATE_SLOTS=one, vllm_tfm/vllm_plugin/runtime/one_slot.py).
                  The other tfm arms pin VLLM_TFM_GDN_STATE_SLOTS=per_draft (vLLM's 1 + B slots, the layout of
                  every result before bench/NOTES.md section 61) unless the environment sets it, whatever
-                 tfm's default ("auto": one slot at tensor parallelism 1); tfm16-full-async-oneslot is what
+                 tfm's default ("auto": one slot on one GPU); tfm16-full-async-oneslot is what
                  tfm runs by default on one GPU
 
 The target is written here with the exact Qwen3.6-27B text shape (``bench/e2e_models.py``; with
@@ -355,7 +355,7 @@ def run_arm(arm: Arm, settings_path: Path) -> int:
         res["machine"] = {"device": torch.cuda.get_device_name(0), "torch": torch.__version__, "vllm": vllm.__version__,
                           "cuda": torch.version.cuda}
         # this process's environment is child_env's: the plugin resolves its value (one GPU: "auto" is one slot)
-        one_slot = resolve_gdn_state_slots(os.environ.get("VLLM_TFM_GDN_STATE_SLOTS") or AUTO, 1)[0] == ONE_SLOT
+        one_slot = resolve_gdn_state_slots(os.environ.get("VLLM_TFM_GDN_STATE_SLOTS") or AUTO)[0] == ONE_SLOT
         res["gdn_state_slots"] = (ONE_SLOT if one_slot else "per_draft") if arm.kind == "tfm" else None
         res["gdn_state_gib_per_request"] = round(
             gdn_state_bytes_per_request(arm.num_speculative_tokens, one_slot=one_slot and arm.kind == "tfm") / 2**30, 3)
@@ -713,8 +713,7 @@ def child_env(arm: Arm, s: dict[str, Any], work: Path) -> dict[str, str]:
     if arm.kind == "tfm":
         env.update(VLLM_TFM_BENCHMARK_ACCEPTANCE_REPLAY=str(work / f"profile_{arm.name}.json"),
                    VLLM_TFM_I_AM_BENCHMARKING="1", VLLM_TFM_BENCHMARK_REPLAY_SEED=str(s["seed"]))
-    if arm.kind == "tfm":  # the layout of the earlier results unless asked otherwise (module docstring)
-        env.setdefault("VLLM_TFM_GDN_STATE_SLOTS", "per_draft")
+        env.setdefault("VLLM_TFM_GDN_STATE_SLOTS", "per_draft")  # the earlier results' layout unless asked otherwise
     env.update(arm.env)
     return env
 

@@ -29,7 +29,7 @@ batch 1 (each prompt alone):
                  with one GDN state slot per request (VLLM_TFM_GDN_STATE_SLOTS=one,
                  vllm_tfm/vllm_plugin/runtime/one_slot.py): the same tokens. The other tfm engines pin
                  VLLM_TFM_GDN_STATE_SLOTS=per_draft (``PINNED_ENV``: the layout of their earlier results),
-                 whatever tfm's default ("auto": one slot at tensor parallelism 1)
+                 whatever tfm's default ("auto": one slot on one GPU)
   tfm-fullpw-async-auto  tfm-fullpw-async with tfm's own GDN state layout (no pin: "auto", one slot on one GPU)
   tfm-fallback-oneslot  one slot with FULL_AND_PIECEWISE where tfm's full tree graphs cannot run (the torch
                  reference ops, VLLM_TFM_KERNELS=0): vLLM's own full decode graphs are not captured, every step
@@ -144,7 +144,7 @@ ENGINES: dict[str, dict[str, Any]] = {
                            "env": {"VLLM_TFM_GDN_STATE_SLOTS": "one"}},
     "tfm-fullpw-async-oneslot": {"spec": True, "eager": False, "compilation_config": {"cudagraph_mode": "FULL_AND_PIECEWISE"},
                                  "async_scheduling": True, "env": {"VLLM_TFM_GDN_STATE_SLOTS": "one"}},
-    # tfm-fullpw-async with tfm's own gdn_state_slots ("auto", no pin): one slot at tensor parallelism 1
+    # tfm-fullpw-async with tfm's own gdn_state_slots ("auto", no pin): one slot on one GPU
     "tfm-fullpw-async-auto": {"spec": True, "eager": False, "compilation_config": {"cudagraph_mode": "FULL_AND_PIECEWISE"},
                               "async_scheduling": True, "pin": False},
     # one slot where tfm's full tree graphs cannot run (the torch reference ops: VLLM_TFM_KERNELS=0): vLLM's own
@@ -154,7 +154,7 @@ ENGINES: dict[str, dict[str, Any]] = {
 }
 PINNED_ENV: dict[str, str] = {"VLLM_TFM_GDN_STATE_SLOTS": "per_draft"}
 """What every tfm engine runs unless its own ``env`` says otherwise: vLLM's per-draft GDN state slots, the
-layout of every result before bench/NOTES.md section 61 (tfm's default at tensor parallelism 1 is one slot
+layout of every result before bench/NOTES.md section 61 (tfm's default on one GPU is one slot
 since then: the -oneslot engines)."""
 
 
@@ -170,7 +170,7 @@ def expects_one_slot(name: str) -> bool:
     from vllm_tfm.vllm_plugin.runtime.one_slot import AUTO, ONE_SLOT, resolve_gdn_state_slots
 
     value = engine_env(name).get("VLLM_TFM_GDN_STATE_SLOTS", AUTO)
-    return bool(ENGINES[name]["spec"]) and resolve_gdn_state_slots(value, 1)[0] == ONE_SLOT
+    return bool(ENGINES[name]["spec"]) and resolve_gdn_state_slots(value)[0] == ONE_SLOT
 
 REQUIRED: tuple[tuple[str, str], ...] = (
     ("tfm-graphs", "nospec-graphs"),

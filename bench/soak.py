@@ -410,12 +410,12 @@ def write_random_models(root: Path) -> tuple[Path, Path]:
 
 def gdn_state_slots_from_env(environ: Mapping[str, str] | None = None) -> str:
     """``"one"`` or ``"per_draft"``: the plugin's ``gdn_state_slots`` as the servers and engines started here
-    (tensor parallelism 1) will resolve it from the ``VLLM_TFM_*`` variables they inherit, else from its
+    (one GPU) will resolve it from the ``VLLM_TFM_*`` variables they inherit, else from its
     default ``"auto"`` (the plugin's own parsing and resolution; a value it refuses raises ValueError)."""
     from vllm_tfm.vllm_plugin.options import env_overrides
     from vllm_tfm.vllm_plugin.runtime.one_slot import AUTO, resolve_gdn_state_slots
 
-    return resolve_gdn_state_slots(env_overrides(environ)[0].get("gdn_state_slots") or AUTO, 1)[0]
+    return resolve_gdn_state_slots(env_overrides(environ)[0].get("gdn_state_slots") or AUTO)[0]
 
 
 def estimate_request_kv_bytes(target_dir: str, drafter_dir: str, budget: int, max_model_len: int, dtype_bytes: int = 4,

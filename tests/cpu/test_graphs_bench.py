@@ -355,7 +355,7 @@ def test_waves_tokens_join_the_verdicts() -> None:
 
 
 def test_tfm_engines_pin_per_draft_slots_unless_they_name_a_layout() -> None:
-    # tfm's default ("auto") is one slot at tensor parallelism 1; the plain engines keep their results' layout
+    # tfm's default ("auto") is one slot on one GPU; the plain engines keep their results' layout
     assert g.engine_env("tfm-fullpw") == {"VLLM_TFM_GDN_STATE_SLOTS": "per_draft"}
     assert g.engine_env("tfm-fullpw-pergroup") == {"VLLM_TFM_GDN_STATE_SLOTS": "per_draft", "VLLM_TFM_GDN_METADATA_ONCE": "0"}
     assert g.engine_env("tfm-fullpw-oneslot") == {"VLLM_TFM_GDN_STATE_SLOTS": "one"}

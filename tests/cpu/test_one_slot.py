@@ -390,13 +390,14 @@ def test_the_option_is_read_from_every_source():
         resolve_tfm_options(None, {"gdn_state_slots": "two"}, 16, environ={})
 
 
-def test_auto_is_one_slot_at_tensor_parallelism_one_and_per_draft_above():
-    assert resolve_gdn_state_slots("auto", 1) == ("one", "'auto' at tensor parallelism 1")
+def test_auto_is_one_slot_on_one_gpu_and_per_draft_with_parallelism():
+    assert resolve_gdn_state_slots("auto") == resolve_gdn_state_slots("auto", 1, 1) == ("one", "'auto' on one GPU")
     assert resolve_gdn_state_slots("auto", 2) == (
-        "per_draft", "'auto' at tensor parallelism 2: one slot has run at tensor parallelism 1 only")
-    for tp in (1, 2, 4):  # an explicit value is kept
-        assert resolve_gdn_state_slots("one", tp) == ("one", "set")
-        assert resolve_gdn_state_slots("per_draft", tp) == ("per_draft", "set")
+        "per_draft", "'auto' at tensor parallelism 2, data parallelism 1: one slot has run on one GPU only")
+    assert resolve_gdn_state_slots("auto", 1, 2)[0] == "per_draft"
+    for tp, dp in ((1, 1), (2, 1), (4, 2)):  # an explicit value is kept
+        assert resolve_gdn_state_slots("one", tp, dp) == ("one", "set")
+        assert resolve_gdn_state_slots("per_draft", tp, dp) == ("per_draft", "set")
     with pytest.raises(ValueError, match=r"^gdn_state_slots='ONE': 'auto', 'per_draft' or 'one'$"):
         resolve_gdn_state_slots("ONE", 1)
 

@@ -125,7 +125,7 @@ def test_kv_estimate_by_hand(tmp_path: Path) -> None:
 
 
 def test_the_gdn_state_slots_follow_the_plugins_switch() -> None:
-    # the plugin's default "auto" is one slot at tensor parallelism 1, where the soak's servers run
+    # the plugin's default "auto" is one slot on one GPU, where the soak's servers run
     assert soak.gdn_state_slots_from_env({}) == "one"
     assert soak.gdn_state_slots_from_env({"VLLM_TFM_GDN_STATE_SLOTS": "auto"}) == "one"
     assert soak.gdn_state_slots_from_env({"VLLM_TFM_GDN_STATE_SLOTS": "one"}) == "one"

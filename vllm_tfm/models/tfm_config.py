@@ -93,7 +93,7 @@ class TfmConfig(_Strict):
         default="auto",
         description="GDN state slots a request holds in vLLM's cache (hybrid targets): 'per_draft' = vLLM's 1 + B, "
                     "'one' = a single slot the commit rewrites in place (vllm_plugin/runtime/one_slot.py), "
-                    "'auto' = 'one' at tensor parallelism 1, 'per_draft' above it",
+                    "'auto' = 'one' on one GPU, 'per_draft' with tensor or data parallelism",
     )
     weaver: WeaverConfig | None = None
     treeflash: TreeFlashConfig | None = None

@@ -148,8 +148,9 @@ def _wrap_init(orig: Callable) -> Callable:
             )
         self._tfm_enabled = True
         # one GDN state slot per request (one_slot.py): vLLM's chain kernel never runs, its state offsets mean nothing
-        slots, why = resolve_gdn_state_slots(self.drafter.tfm_settings.tfm.gdn_state_slots,
-                                             vllm_config.parallel_config.tensor_parallel_size)
+        par = vllm_config.parallel_config
+        slots, why = resolve_gdn_state_slots(self.drafter.tfm_settings.tfm.gdn_state_slots, par.tensor_parallel_size,
+                                             getattr(par, "data_parallel_size", 1))
         STATE.one_slot = bool(self.model_config.is_hybrid) and slots == ONE_SLOT
         if self.model_config.is_hybrid:
             stats_logger.info("vllm-tfm: gdn_state_slots %r (%s): %s GDN state slot(s) per request", slots, why,

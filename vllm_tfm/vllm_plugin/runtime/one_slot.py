@@ -1,4 +1,4 @@
-"""One GDN state slot per request (``gdn_state_slots: "one"``, the default at tensor parallelism 1):
+"""One GDN state slot per request (``gdn_state_slots: "one"``, the default on one GPU):
 the committed state always sits at slot ``[n, 0]``, conv window columns ``0 .. W - 2``.
 
 vLLM 0.26 gives a request of a hybrid target 1 + B GDN state slots per layer when it speculates B
@@ -40,33 +40,37 @@ from typing import Any
 import torch
 from torch import Tensor
 
-__all__ = ["AUTO", "ONE_SLOT", "ONES", "PER_DRAFT", "resolve_gdn_state_slots", "one_slot_kv_cache_specs", "read_offsets", "commit_destinations", "chain_accepted",
-           "concurrency_with_slots", "per_draft_concurrency_notice"]
+__all__ = ["AUTO", "ONE_SLOT", "ONES", "PER_DRAFT", "resolve_gdn_state_slots", "one_slot_kv_cache_specs",
+           "read_offsets", "commit_destinations", "chain_accepted", "concurrency_with_slots",
+           "per_draft_concurrency_notice"]
 
 ONE_SLOT = "one"
 """The ``gdn_state_slots`` value of this mode (``TfmConfig``)."""
 PER_DRAFT = "per_draft"
 """vLLM's own layout: 1 + B GDN state slots per request."""
 AUTO = "auto"
-"""The default: one slot at tensor parallelism 1, per_draft above it (:func:`resolve_gdn_state_slots`)."""
+"""The default: one slot on one GPU, per_draft with tensor or data parallelism (:func:`resolve_gdn_state_slots`)."""
 
 
-def resolve_gdn_state_slots(setting: str, tensor_parallel_size: int) -> tuple[str, str]:
+def resolve_gdn_state_slots(setting: str, tensor_parallel_size: int = 1, data_parallel_size: int = 1) -> tuple[str, str]:
     """(``"one"`` or ``"per_draft"``, why) for a tfm engine's ``gdn_state_slots`` setting.
 
-    ``"auto"`` (the default) is one slot at tensor parallelism 1, where the one-slot engines have run
-    the zoo checks, the serving and preemption soaks and the 27B shape (bench/NOTES.md sections 59-61):
-    at the Qwen3.6-27B shape and B = 16 an 80 GB card holds about 6 per-draft requests of 608 tokens
-    and 65-72 one-slot requests. Above tensor parallelism 1 ``"auto"`` keeps vLLM's per-draft layout:
-    one slot has not run sharded yet. An explicit value is kept as it is.
+    ``"auto"`` (the default) is one slot on one GPU (tensor and data parallelism 1), where the one-slot
+    engines have run the zoo checks, the serving and preemption soaks, Ray and the 27B shape
+    (bench/NOTES.md sections 59-61): at the Qwen3.6-27B shape and B = 16 an 80 GB card holds about 6
+    per-draft requests of 608 tokens and 65-72 one-slot ones. With tensor or data parallelism ``"auto"``
+    keeps vLLM's per-draft layout, as the unset CUDA-graph mode keeps PIECEWISE there
+    (``vllm_plugin/cuda_graphs.py``): one slot has not run on more than one GPU. An explicit value is
+    kept as it is.
     """
     if setting in (ONE_SLOT, PER_DRAFT):
         return setting, "set"
     if setting != AUTO:
         raise ValueError(f"gdn_state_slots={setting!r}: 'auto', 'per_draft' or 'one'")
-    if int(tensor_parallel_size) > 1:
-        return PER_DRAFT, f"'auto' at tensor parallelism {int(tensor_parallel_size)}: one slot has run at tensor parallelism 1 only"
-    return ONE_SLOT, "'auto' at tensor parallelism 1"
+    tp, dp = int(tensor_parallel_size), int(data_parallel_size)
+    if tp > 1 or dp > 1:
+        return PER_DRAFT, f"'auto' at tensor parallelism {tp}, data parallelism {dp}: one slot has run on one GPU only"
+    return ONE_SLOT, "'auto' on one GPU"
 
 
 def _one_block(spec: Any) -> Any:
