@@ -408,6 +408,13 @@ def write_random_models(root: Path) -> tuple[Path, Path]:
     return target, drafter
 
 
+def soak_command(argv: Sequence[str], environ: Mapping[str, str]) -> str:
+    """The command line a result records: the ``VLLM_TFM_*`` switches the servers inherit (they change what
+    runs, e.g. ``VLLM_TFM_GDN_STATE_SLOTS``), then this script with its arguments."""
+    switches = [f"{k}={v}" for k, v in sorted(environ.items()) if k.startswith("VLLM_TFM_")]
+    return " ".join([*switches, "python3 bench/soak.py", *argv])
+
+
 def gdn_state_slots_from_env(environ: Mapping[str, str] | None = None) -> str:
     """``"one"`` or ``"per_draft"``: the plugin's ``gdn_state_slots`` as the servers and engines started here
     (one GPU) will resolve it from the ``VLLM_TFM_*`` variables they inherit, else from its
@@ -884,7 +891,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         again_requests=args.again_requests, first_round_share=args.first_round_share, nospec_gpu=args.nospec_gpu,
         triton_f32=args.triton_f32, cuda_graphs=args.cuda_graphs, async_scheduling=args.async_scheduling,
         deadline_s=args.deadline_s or (450.0 if args.phase == "soak" else 420.0),
-        command="python3 bench/soak.py " + " ".join(sys.argv[1:] if argv is None else argv),
+        command=soak_command(sys.argv[1:] if argv is None else argv, os.environ),
     )
     prompts, info = prompt_source(cfg)
     log(f"phase {args.phase}: target {target}, drafter {drafter}, prompts {info}")

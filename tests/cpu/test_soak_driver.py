@@ -124,6 +124,13 @@ def test_kv_estimate_by_hand(tmp_path: Path) -> None:
         soak.estimate_request_kv_bytes(str(t), str(d), budget=16, max_model_len=1024, gdn_state_slots="two")
 
 
+def test_the_recorded_command_carries_the_plugins_switches() -> None:
+    env = {"VLLM_TFM_GDN_STATE_SLOTS": "one", "PATH": "/bin", "VLLM_TFM_KERNELS": "0", "VLLM_USE_V1": "1"}
+    assert soak.soak_command(["--phase", "preempt", "--cuda-graphs"], env) == (
+        "VLLM_TFM_GDN_STATE_SLOTS=one VLLM_TFM_KERNELS=0 python3 bench/soak.py --phase preempt --cuda-graphs")
+    assert soak.soak_command([], {}) == "python3 bench/soak.py"
+
+
 def test_the_gdn_state_slots_follow_the_plugins_switch() -> None:
     # the plugin's default "auto" is one slot on one GPU, where the soak's servers run
     assert soak.gdn_state_slots_from_env({}) == "one"

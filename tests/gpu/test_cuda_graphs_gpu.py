@@ -1,10 +1,11 @@
 """tfm with CUDA graphs on the GPU (skipped without CUDA): bench/gpu_graphs_e2e.py on the toy zoo.
 
-Five engines (no-spec and tfm, eager and with graphs, tfm also with FULL_AND_PIECEWISE), float32,
-32 prompts x 64 greedy tokens, batch 8 and batch 1. Greedy tfm with piecewise CUDA graphs must
-equal no-spec with the same graphs and eager tfm token for token, and its tree steps must have
-replayed piecewise graphs (never a full graph). About 6 minutes.
-"""
+Every engine of that bench in parallel on the GPU (no-spec and tfm, eager, piecewise and full graphs, the
+switches' controls, asynchronous scheduling, per-draft and one GDN state slot, tfm's default layout and the
+one-slot fallback without full tree graphs), float32, 32 prompts x 64 greedy tokens at batch 8, batch 1 and
+in waves. Every required verdict must hold (tfm equal to no-spec and to its controls token for token), and
+every usage check (which graphs tree steps replayed, the GDN metadata paths, the device topology, the
+deferred drafts, the one-slot commits, the waves). Several minutes."""
 
 from __future__ import annotations
 
