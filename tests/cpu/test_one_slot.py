@@ -402,6 +402,34 @@ def test_auto_is_one_slot_on_one_gpu_and_per_draft_with_parallelism():
         resolve_gdn_state_slots("ONE", 1)
 
 
+def test_a_tfm_runner_takes_the_resolved_layout(caplog: pytest.LogCaptureFixture):
+    def layout(setting: str, tp: int = 1, dp: int = 1, hybrid: bool = True) -> bool:
+        runner = SimpleNamespace(model_config=SimpleNamespace(is_hybrid=hybrid),
+                                 drafter=SimpleNamespace(tfm_settings=SimpleNamespace(tfm=TfmConfig(proposal="ddtree",
+                                                                                                    gdn_state_slots=setting))))
+        cfg = SimpleNamespace(parallel_config=SimpleNamespace(tensor_parallel_size=tp, data_parallel_size=dp),
+                              speculative_config=SimpleNamespace(num_speculative_tokens=S))
+        hooks.set_gdn_state_layout(runner, cfg)
+        return STATE.one_slot
+
+    try:
+        with caplog.at_level("INFO", logger="vllm.tfm"):
+            assert layout("auto") and not layout("auto", tp=2) and not layout("auto", dp=2)
+            assert layout("one", tp=2) and not layout("per_draft")
+            assert not layout("auto", hybrid=False)  # no GDN layers: nothing to keep in one slot, nothing logged
+    finally:
+        STATE.one_slot = False
+    assert [r.getMessage() for r in caplog.records] == [
+        "vllm-tfm: gdn_state_slots 'one' ('auto' on one GPU): 1 GDN state slot(s) per request",
+        f"vllm-tfm: gdn_state_slots 'per_draft' ('auto' at tensor parallelism 2, data parallelism 1: one slot has run "
+        f"on one GPU only): 1 + B = {1 + S} GDN state slot(s) per request",
+        f"vllm-tfm: gdn_state_slots 'per_draft' ('auto' at tensor parallelism 1, data parallelism 2: one slot has run "
+        f"on one GPU only): 1 + B = {1 + S} GDN state slot(s) per request",
+        "vllm-tfm: gdn_state_slots 'one' (set): 1 GDN state slot(s) per request",
+        f"vllm-tfm: gdn_state_slots 'per_draft' (set): 1 + B = {1 + S} GDN state slot(s) per request",
+    ]
+
+
 def test_the_layer_reads_slot_zero_whatever_vllms_accepted_counts_say():
     """``_tree_step_forward_core`` in one-slot mode (the reference path): the same outputs and stash as with
     vLLM's counts all 1, whatever counts its metadata holds; the stash's offsets are the fixed ones."""

@@ -115,6 +115,21 @@ def check_engine_config(vllm_config: Any) -> None:
                              "scheduling (unset VLLM_TFM_TRACE or drop --async-scheduling)")
 
 
+def set_gdn_state_layout(runner: Any, vllm_config: Any) -> None:
+    """``STATE.one_slot`` for a tfm runner: its drafter's ``gdn_state_slots`` resolved for the engine's
+    parallelism (``one_slot.resolve_gdn_state_slots``), one slot for hybrid targets only (vLLM's chain kernel
+    then never runs, its state offsets mean nothing: one_slot.py). A hybrid target's layout is logged."""
+    par = vllm_config.parallel_config
+    slots, why = resolve_gdn_state_slots(runner.drafter.tfm_settings.tfm.gdn_state_slots, par.tensor_parallel_size,
+                                         getattr(par, "data_parallel_size", 1))
+    hybrid = bool(runner.model_config.is_hybrid)
+    STATE.one_slot = hybrid and slots == ONE_SLOT
+    if hybrid:
+        budget = int(vllm_config.speculative_config.num_speculative_tokens)
+        stats_logger.info("vllm-tfm: gdn_state_slots %r (%s): %s GDN state slot(s) per request", slots, why,
+                          1 if STATE.one_slot else f"1 + B = {1 + budget}")
+
+
 def _wrap_init(orig: Callable) -> Callable:
     @functools.wraps(orig)
     def __init__(self: Any, vllm_config: Any, device: Any, *args: Any, **kwargs: Any) -> None:
@@ -147,14 +162,7 @@ def _wrap_init(orig: Callable) -> Callable:
                 "(use_dflash() for method 'tfm') installed in this process?"
             )
         self._tfm_enabled = True
-        # one GDN state slot per request (one_slot.py): vLLM's chain kernel never runs, its state offsets mean nothing
-        par = vllm_config.parallel_config
-        slots, why = resolve_gdn_state_slots(self.drafter.tfm_settings.tfm.gdn_state_slots, par.tensor_parallel_size,
-                                             getattr(par, "data_parallel_size", 1))
-        STATE.one_slot = bool(self.model_config.is_hybrid) and slots == ONE_SLOT
-        if self.model_config.is_hybrid:
-            stats_logger.info("vllm-tfm: gdn_state_slots %r (%s): %s GDN state slot(s) per request", slots, why,
-                              1 if STATE.one_slot else f"1 + B = {1 + int(spec.num_speculative_tokens)}")
+        set_gdn_state_layout(self, vllm_config)
         if STATE.one_slot:
             ONES.reserve(int(self.max_num_reqs), self.device)  # before any graph capture: a fixed address
         from .graph_dispatch import enable_tree_graphs
