@@ -74,7 +74,7 @@ from .stage_timing import TIMER
 from .state import STATE, StepTree
 from .step_kernels import step_kernels
 
-__all__ = ["install_runner_hooks", "install_profile_hooks", "check_engine_config", "RUNNER_HOOKS", "PROFILE_HOOKS"]
+__all__ = ["install_runner_hooks", "install_profile_hooks", "check_engine_config", "set_gdn_state_layout", "RUNNER_HOOKS", "PROFILE_HOOKS"]
 
 stats_logger = logging.getLogger("vllm.tfm")  # under vLLM's logger: printed next to its own stats lines
 
