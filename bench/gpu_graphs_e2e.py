@@ -172,6 +172,7 @@ def expects_one_slot(name: str) -> bool:
     value = engine_env(name).get("VLLM_TFM_GDN_STATE_SLOTS", AUTO)
     return bool(ENGINES[name]["spec"]) and resolve_gdn_state_slots(value)[0] == ONE_SLOT
 
+
 REQUIRED: tuple[tuple[str, str], ...] = (
     ("tfm-graphs", "nospec-graphs"),
     ("tfm-graphs", "tfm-eager"),
@@ -359,6 +360,8 @@ def run_engine(name: str, settings_path: Path) -> int:
     res: dict[str, Any] = {"engine": name, "status": "started"}
     path = Path(s["out"]) / f"{name}.json"
     res["env"] = engine_env(name)
+    if not ENGINES[name].get("pin", True):  # tfm's own default, whatever the caller's environment says
+        os.environ.pop("VLLM_TFM_GDN_STATE_SLOTS", None)
     os.environ.update(res["env"])  # before vllm_tfm reads it (engine build)
 
     def save() -> None:
