@@ -151,6 +151,9 @@ def worker_info(worker: Any) -> dict[str, Any]:
         info["plugin_registered"] = is_registered()
         info["runtime_installed"] = runtime.is_installed()
         info["options"] = get_tfm_options(worker.vllm_config).model_dump(mode="json", exclude={"weaver", "treeflash"})
+        from vllm_tfm.vllm_plugin.runtime.state import STATE
+
+        info["one_gdn_state_slot"] = STATE.one_slot  # the worker's resolved layout (options' gdn_state_slots: "auto")
         info["tree_metrics"] = runtime.snapshot_metrics()
     except Exception as e:  # noqa: BLE001
         info["error"] = f"{type(e).__name__}: {e}"
