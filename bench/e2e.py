@@ -354,11 +354,11 @@ def run_arm(arm: Arm, settings_path: Path) -> int:
         vllm_tfm.register()
         res["machine"] = {"device": torch.cuda.get_device_name(0), "torch": torch.__version__, "vllm": vllm.__version__,
                           "cuda": torch.version.cuda}
-        # this process's environment is child_env's: the plugin resolves its value (one GPU: "auto" is one slot)
-        one_slot = resolve_gdn_state_slots(os.environ.get("VLLM_TFM_GDN_STATE_SLOTS") or AUTO)[0] == ONE_SLOT
-        res["gdn_state_slots"] = (ONE_SLOT if one_slot else "per_draft") if arm.kind == "tfm" else None
-        res["gdn_state_gib_per_request"] = round(
-            gdn_state_bytes_per_request(arm.num_speculative_tokens, one_slot=one_slot and arm.kind == "tfm") / 2**30, 3)
+        # this process's environment is child_env's (a tfm arm always has the switch): the plugin's resolution
+        res["gdn_state_slots"] = (resolve_gdn_state_slots(os.environ.get("VLLM_TFM_GDN_STATE_SLOTS") or AUTO)[0]
+                                  if arm.kind == "tfm" else None)
+        res["gdn_state_gib_per_request"] = round(gdn_state_bytes_per_request(
+            arm.num_speculative_tokens, one_slot=res["gdn_state_slots"] == ONE_SLOT) / 2**30, 3)
         kw = engine_kwargs(arm, s, plan)
         res["engine_kwargs"] = kw
         log(f"{arm.name}: starting the engine")

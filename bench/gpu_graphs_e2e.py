@@ -360,8 +360,7 @@ def run_engine(name: str, settings_path: Path) -> int:
     res: dict[str, Any] = {"engine": name, "status": "started"}
     path = Path(s["out"]) / f"{name}.json"
     res["env"] = engine_env(name)
-    if not ENGINES[name].get("pin", True):  # tfm's own default, whatever the caller's environment says
-        os.environ.pop("VLLM_TFM_GDN_STATE_SLOTS", None)
+    os.environ.pop("VLLM_TFM_GDN_STATE_SLOTS", None)  # the engine's layout is its own (engine_env), not the caller's
     os.environ.update(res["env"])  # before vllm_tfm reads it (engine build)
 
     def save() -> None:

@@ -140,25 +140,21 @@ def _wrap_warmup_and_capture(orig: Callable) -> Callable:
     def _warmup_and_capture(self: Any, desc: Any, cudagraph_runtime_mode: Any, *args: Any, **kwargs: Any) -> Any:
         graphs = tree_graphs_of(self)
         full_uniform = getattr(cudagraph_runtime_mode, "name", None) == "FULL" and desc.uniform
-        if graphs is None and full_uniform and STATE.one_slot and getattr(self, "_tfm_enabled", False):
+        if graphs is not None and full_uniform:
+            try:
+                with graphs.capture(graphs.requests_of(desc.num_tokens)):
+                    return orig(self, desc, cudagraph_runtime_mode, *args, **kwargs)
+            except FullTreeGraphsUnavailable as exc:
+                if graphs.captured:  # the full graphs already captured verify trees: no way back to vLLM's
+                    raise RuntimeError(f"vllm-tfm: {exc}; use cudagraph_mode=PIECEWISE") from exc
+                self._tfm_tree_graphs = None
+                logger.warning("vllm-tfm: full CUDA graphs of tree steps are off: %s. %s", exc.reason,
+                               "Steps with drafts replay the piecewise graphs (one GDN state slot per request: vLLM's "
+                               "own full decode graphs are not captured)." if STATE.one_slot else
+                               "Tree steps replay the piecewise graphs; the full decode graphs are vLLM's own.")
+        if full_uniform and STATE.one_slot and getattr(self, "_tfm_enabled", False):
             return None  # vLLM's own full decode graph would capture its chain kernel (one_slot.py); never replayed
-        if graphs is None or not full_uniform:
-            return orig(self, desc, cudagraph_runtime_mode, *args, **kwargs)
-        try:
-            with graphs.capture(graphs.requests_of(desc.num_tokens)):
-                return orig(self, desc, cudagraph_runtime_mode, *args, **kwargs)
-        except FullTreeGraphsUnavailable as exc:
-            if graphs.captured:  # the full graphs already captured verify trees: no way back to vLLM's
-                raise RuntimeError(f"vllm-tfm: {exc}; use cudagraph_mode=PIECEWISE") from exc
-            self._tfm_tree_graphs = None
-            if STATE.one_slot:  # vLLM's own full decode graphs would capture its chain kernel (one_slot.py)
-                logger.warning("vllm-tfm: full CUDA graphs of tree steps are off: %s. Steps with drafts replay the "
-                               "piecewise graphs (one GDN state slot per request: vLLM's own full decode graphs "
-                               "are not captured).", exc.reason)
-                return None
-            logger.warning("vllm-tfm: full CUDA graphs of tree steps are off: %s. Tree steps replay the piecewise "
-                           "graphs; the full decode graphs are vLLM's own.", exc.reason)
-            return orig(self, desc, cudagraph_runtime_mode, *args, **kwargs)
+        return orig(self, desc, cudagraph_runtime_mode, *args, **kwargs)
 
     return _warmup_and_capture
 
