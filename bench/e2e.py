@@ -594,6 +594,9 @@ SWITCH_ABS: dict[str, SwitchAB] = {
     # the DFlash top-K of the Weaver build in one launch (VLLM_TFM_TOPK_KERNEL, runtime/tree_builder_gpu.py); the
     # Weaver graphs key on it, so the off setting's graph is captured in an unrecorded run first
     "topk_kernel": SwitchAB("set_topk_kernel", "topk_kernel_ab", "topk_kernel", warm_off=True),
+    # the Weaver's prompt pass on its own stream beside the top-K (VLLM_TFM_WEAVER_PROMPT_OVERLAP,
+    # runtime/tree_builder_gpu.py); the Weaver graphs key on it, as on topk_kernel
+    "prompt_overlap": SwitchAB("set_prompt_overlap", "prompt_overlap_ab", "prompt_overlap", warm_off=True),
 }
 
 

@@ -434,6 +434,10 @@ SWITCH_AB_TITLES: dict[str, tuple[str, str]] = {
     "topk_kernel_ab": ("topk_kernel", "The DFlash top-K of the Weaver build in one kernel launch (on) / torch.topk (off) "
                        "on the same engine, decode tokens/s (clean runs in this order, after an unrecorded run that "
                        "captured the off setting's Weaver graphs; VLLM_TFM_TOPK_KERNEL, runtime/tree_builder_gpu.py):"),
+    "prompt_overlap_ab": ("prompt_overlap", "The Weaver's prompt pass on its own stream beside the DFlash top-K (on) / "
+                          "after it (off) on the same engine, decode tokens/s (clean runs in this order, after an "
+                          "unrecorded run that captured the off setting's Weaver graphs; VLLM_TFM_WEAVER_PROMPT_OVERLAP, "
+                          "runtime/tree_builder_gpu.py):"),
 }
 
 

@@ -2,6 +2,7 @@
 """Where the time of one Weaver tree build goes, kernel by kernel, at the Qwen3.6-27B drafter shape.
 
 usage: python3 bench/weaver_profile.py [--out FILE] [--cases 1:32:2,1:32:4,8:32:2] [--repeats 10]
+       python3 bench/weaver_profile.py --prompt-overlap-ab [--cases 1:16:2,2:16:2,4:16:2,8:16:2] [--repeats 50]
 
 Per case R:B:w (requests, budget, Weaver width): the build as the runtime runs it
 (``runtime/weaver_graphs.py``: one CUDA graph per bucket, its replay, the one host sync), with
@@ -19,6 +20,12 @@ the inputs, Weaver and tables of ``bench/weaver_round.py`` (random bfloat16 Weav
   round kernel plus the next scorer call (count, device us);
 * ``sequence`` (with ``--sequence``): the first build's kernels in order (short name, microseconds),
   for attribution (~90 KB per case).
+
+With ``--prompt-overlap-ab`` each case instead times the build with the Weaver's prompt pass on its own
+stream (``VLLM_TFM_WEAVER_PROMPT_OVERLAP``, ``set_prompt_overlap``) and without, in one process on one graph
+object (one graph per setting), in rounds of ``--repeats`` builds per setting in ABBA order (8 rounds), with
+the DFlash logits in bfloat16 as the engine's drafter gives them; it records each setting's median and
+minimum and whether the two settings' trees are equal.
 
 Profiling adds no kernels; the wall time is measured outside the profiler. The ``VLLM_TFM_*``
 environment (e.g. ``VLLM_TFM_CANDIDATE_KERNEL=0``, ``VLLM_TFM_WEAVER_ROUND_KERNEL=0``) is recorded.
@@ -139,6 +146,43 @@ def profile_case(x: dict[str, Any], budget: int, width: int, repeats: int, seque
     return case
 
 
+def prompt_overlap_ab(x: dict[str, Any], budget: int, width: int, repeats: int, rounds: int = 8) -> dict[str, Any]:
+    """The build's wall time with the prompt pass on its own stream and without (module docstring)."""
+    from vllm_tfm.vllm_plugin.runtime.tree_builder_gpu import set_prompt_overlap
+
+    r = int(x["roots"].shape[0])
+    graphs = WeaverGraphs(buckets=(r,))
+    args = (x["weaver"], x["logits"].to(torch.bfloat16), x["hidden"], x["verifier"], x["roots"], x["embed"], x["head"],
+            budget, TOP_K, width, CPN)
+    stream = torch.cuda.current_stream()
+    ms: dict[bool, list[float]] = {False: [], True: []}
+    trees: dict[bool, tuple[torch.Tensor, torch.Tensor]] = {}
+    try:
+        for on in (False, True):  # each setting's capture and a first replay
+            set_prompt_overlap(on)
+            trees[on] = graphs.weaver_trees(*args)
+        for i in range(rounds):
+            for on in ((False, True) if i % 2 == 0 else (True, False)):
+                set_prompt_overlap(on)
+                for _ in range(repeats):
+                    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                    torch.cuda.synchronize()
+                    a.record(stream)
+                    graphs.weaver_trees(*args)
+                    b.record(stream)
+                    b.synchronize()
+                    ms[on].append(a.elapsed_time(b))
+    finally:
+        set_prompt_overlap(None)
+    same = all(torch.equal(u, v) for u, v in zip(trees[False], trees[True]))
+    med = {on: statistics.median(v) for on, v in ms.items()}
+    return {
+        "requests": r, "budget": budget, "width": width, "builds_per_setting": len(ms[True]),
+        "off_ms": {"median": med[False], "min": min(ms[False])}, "on_ms": {"median": med[True], "min": min(ms[True])},
+        "delta_median_ms": med[True] - med[False], "graphs": len(graphs._graphs), "same_trees": same,
+    }
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", default=None)
@@ -146,6 +190,8 @@ def main() -> int:
     ap.add_argument("--repeats", type=int, default=10)
     ap.add_argument("--top", type=int, default=25, help="kernel names printed per case")
     ap.add_argument("--sequence", action="store_true", help="keep the first build's kernel order in the JSON")
+    ap.add_argument("--prompt-overlap-ab", action="store_true",
+                    help="time each case with the prompt pass on its own stream and without (no profile)")
     args = ap.parse_args()
     dev = torch.device("cuda")
     res: dict[str, Any] = {
@@ -163,6 +209,16 @@ def main() -> int:
             inputs_by_r.clear()
             torch.cuda.empty_cache()
             inputs_by_r[r] = inputs(r, dev, seed=r)
+        if args.prompt_overlap_ab:
+            with torch.inference_mode():
+                case = prompt_overlap_ab(inputs_by_r[r], b, w, args.repeats)
+            res["cases"].append(case)
+            print(f"R={r} B={b} w={w}: prompt pass beside the top-K {case['on_ms']['median']:.3f} ms, after it "
+                  f"{case['off_ms']['median']:.3f} ms (median of {case['builds_per_setting']} builds each; "
+                  f"{case['delta_median_ms']:+.3f} ms), same trees: {case['same_trees']}", flush=True)
+            if args.out:
+                Path(args.out).write_text(json.dumps(res, separators=(",", ":")) + "\n")
+            continue
         with torch.inference_mode():
             case = profile_case(inputs_by_r[r], b, w, args.repeats, args.sequence)
         res["cases"].append(case)

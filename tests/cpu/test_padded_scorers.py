@@ -168,3 +168,28 @@ def test_batched_treeflash_scorer_equals_per_request_and_drives_the_padded_build
         assert tok.shape == (r_, budget) and par.shape == (r_, budget + 1)
     with pytest.raises(ValueError, match=r"prev_tokens must be \[R=4, M\]"):
         batched(1, prev[:2])
+
+
+def test_given_kv_buffers_hold_garbage_yet_score_as_the_scorers_own_and_wrong_ones_are_refused():
+    """``kv_cache`` (``BatchedWeaverTreeScorer.prompt_buffers``, what a caller with a prompt stream makes before
+    its fork event) may hold anything: the prompt pass zeroes it first, so the scores equal those of a scorer
+    that allocated its own buffers; buffers of another shape are refused with a one-line error."""
+    w, embed, head, logits, dh, vh, roots = weaver_inputs(2, 3, seed=8, dtype=F64)
+    cl, cand = logits.topk(5, dim=-1)
+    t = lambda x: torch.tensor(x, dtype=torch.long)
+    ok = torch.ones(2, 1, dtype=torch.bool)
+
+    def scores(kv):
+        s = BatchedWeaverTreeScorer(w, vh, dh, cand, cl, embed, head, max_nodes=4, kv_cache=kv)
+        first = s(t([[0], [0]]), t([[-1], [-1]]), t([[int(roots[0])], [int(roots[1])]]), t([[0], [0]]), ok)
+        return first, s(t([[1], [1]]), t([[0], [0]]), t([[int(cand[0, 0, 1])], [int(cand[1, 0, 0])]]), t([[1], [1]]), ok)
+
+    kv = BatchedWeaverTreeScorer.prompt_buffers(w, vh, dh, 4)
+    assert [tuple(b.shape) for b in kv] == [(2, 2, 2, 1 + 3 + 4 + 1, 8)] * 2
+    for b in kv:
+        b.fill_(float("nan"))
+    for a, b in zip(scores(None), scores(kv)):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+    with pytest.raises(ValueError, match=r"kv_cache must be 2 buffers of \(shape, dtype, device\)"):
+        BatchedWeaverTreeScorer(w, vh, dh, cand, cl, embed, head, max_nodes=4,
+                                kv_cache=BatchedWeaverTreeScorer.prompt_buffers(w, vh, dh, 3))

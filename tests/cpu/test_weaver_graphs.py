@@ -281,3 +281,35 @@ def test_the_lazy_tail_switch(monkeypatch):
             set_weaver_lazy_tail("yes")  # type: ignore[arg-type]
     finally:
         set_weaver_lazy_tail(None)
+
+
+def test_the_prompt_overlap_switch_its_stream_and_the_weaver_graphs_key(monkeypatch) -> None:
+    """``VLLM_TFM_WEAVER_PROMPT_OVERLAP`` / ``set_prompt_overlap`` (runtime/tree_builder_gpu.py): the Weaver graphs'
+    key holds the setting (a same-engine A/B replays another graph), and no stream is handed out off it or for
+    devices other than CUDA (CPU builds run the prompt pass in line)."""
+    from vllm_tfm.vllm_plugin.runtime import tree_builder_gpu as tbg
+    from vllm_tfm.vllm_plugin.runtime.weaver_graphs import graph_key
+
+    monkeypatch.delenv(tbg.PROMPT_OVERLAP_ENV, raising=False)
+    assert not tbg.prompt_overlap_enabled()  # opt-in
+    monkeypatch.setenv(tbg.PROMPT_OVERLAP_ENV, "1")
+    assert tbg.prompt_overlap_enabled()
+    monkeypatch.setenv(tbg.PROMPT_OVERLAP_ENV, "0")
+    assert not tbg.prompt_overlap_enabled()
+    try:
+        assert tbg.set_prompt_overlap(True) is True
+        assert tbg.prompt_stream(torch.device("cpu")) is None
+        assert tbg.set_prompt_overlap(None) is False  # back to the environment's
+        logits, hidden, verifier = torch.zeros(1, 3, 50), torch.zeros(1, 3, 8), torch.zeros(1, 8)
+        table, weaver = torch.zeros(50, 8), torch.nn.Linear(1, 1)
+        keys = {on: (tbg.set_prompt_overlap(on), graph_key(1, weaver, logits, hidden, verifier, table, table, 4, 5, 2, 2))[1]
+                for on in (False, True)}
+        assert [i for i, (a, b) in enumerate(zip(keys[False], keys[True])) if a != b] == [len(keys[True]) - 1]
+        tbg.set_prompt_overlap(False)
+        assert tbg.prompt_stream(torch.device("cuda", 0)) is None  # off: no stream, whatever the device
+        with pytest.raises(ValueError, match="set_prompt_overlap takes True, False or None, got 1"):
+            tbg.set_prompt_overlap(1)
+    finally:
+        tbg.set_prompt_overlap(None)
+    monkeypatch.setenv(tbg.PROMPT_OVERLAP_ENV, "true")
+    assert tbg.prompt_overlap_enabled()

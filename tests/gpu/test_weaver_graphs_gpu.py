@@ -196,3 +196,114 @@ def test_a_lazy_tail_hands_out_the_captured_rounds_trees_and_its_key_then_waits(
         graphs.check_skipped_tails()
     assert graphs.skipped_tails == (1 if cpn == 2 else 0)
     assert STATE.metrics.hooks["weaver.tail_skipped"] == graphs.skipped_tails
+
+
+@pytest.fixture
+def overlap_switch():
+    from vllm_tfm.vllm_plugin.runtime.tree_builder_gpu import set_prompt_overlap
+
+    yield set_prompt_overlap
+    set_prompt_overlap(None)
+
+
+@pytest.fixture
+def kernels_switch():
+    from vllm_tfm.vllm_plugin.runtime.kernels_or_reference import set_kernels_enabled
+
+    yield set_kernels_enabled
+    set_kernels_enabled(True)
+
+
+@pytest.mark.parametrize("kernels", [True, False])
+@pytest.mark.parametrize("graphs_on", [False, True])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_prompt_pass_on_its_own_stream_gives_the_same_trees(kernels, graphs_on, dtype, overlap_switch,
+                                                                 kernels_switch):
+    """VLLM_TFM_WEAVER_PROMPT_OVERLAP: the same kernels on the same inputs in another stream, so the same trees,
+    exactly, eagerly and through graph replays (each setting captures its own graph: the key holds it), with our
+    kernels and with the torch references (VLLM_TFM_KERNELS=0: torch.topk of a float32 copy of the logits, whose
+    memory the caching allocator may hand out again while the top-K still reads it; the K/V buffers the prompt
+    stream writes are therefore made before the top-K is queued, bench/NOTES.md section 62)."""
+    kernels_switch(kernels)
+    w, embed, head = weaver_and_tables(dtype)
+    graphs = WeaverGraphs((1, 4, 8)) if graphs_on else None
+    with torch.inference_mode():
+        for step, r in enumerate((1, 3, 8, 1, 8)):
+            inputs = drafter_outputs(r, head, dtype, seed=40 + step)
+            out = {}
+            for on in (False, True):
+                overlap_switch(on)
+                build = graphs.weaver_trees if graphs is not None else weaver_trees
+                out[on] = build(w, *inputs, embed, head, 16, 512, 2, 8)
+            assert torch.equal(out[True][0], out[False][0]), f"step {step}: tokens"
+            assert torch.equal(out[True][1], out[False][1]), f"step {step}: parents"
+    if graphs is not None:
+        assert len(graphs._graphs) == 6 and graphs.replays == 10  # buckets 1, 4, 8 for each setting
+
+
+def _scorer_inputs(r: int, dtype: torch.dtype):
+    w, embed, head = weaver_and_tables(dtype)
+    logits, hidden, verifier, roots = drafter_outputs(r, head, dtype, seed=7)
+    cand_logits, cand_ids = logits.topk(64, dim=-1)
+    return w, embed, head, hidden, verifier, roots.long(), cand_ids, cand_logits.to(dtype)
+
+
+def _roots_call(scorer, roots: torch.Tensor) -> torch.Tensor:
+    r = roots.shape[0]
+    z = torch.zeros(r, 1, dtype=torch.long, device=DEV)
+    return scorer(z, z - 1, roots[:, None], z, torch.ones(r, 1, dtype=torch.bool, device=DEV))
+
+
+def test_the_prompt_stream_waits_for_its_inputs_and_the_first_call_for_the_prompt():
+    """The two orderings the stream needs, each made to matter by a long sleep on the other stream:
+    the prompt pass reads inputs written on the current stream after a sleep (it waits for the fork
+    event), and the first call reads K/V the prompt stream writes after a sleep (it joins first).
+    Without either wait, the K/V or the scores would come from zeros."""
+    from vllm_tfm.models.weaver import BatchedWeaverTreeScorer
+
+    w, embed, head, hidden, verifier, roots, cand_ids, cand_logits = _scorer_inputs(3, torch.float32)
+    with torch.inference_mode():
+        ref = BatchedWeaverTreeScorer(w, verifier, hidden, cand_ids, cand_logits, embed, head, max_nodes=17)
+        want = _roots_call(ref, roots)
+        side = torch.cuda.Stream(DEV)
+        # 1. the inputs are written late on the current stream; the prompt stream must wait for them
+        vh, dh = torch.zeros_like(verifier), torch.zeros_like(hidden)
+        torch.cuda.synchronize()
+        torch.cuda._sleep(200_000_000)  # ~0.1 s of GPU time before the inputs' copies
+        vh.copy_(verifier)
+        dh.copy_(hidden)
+        kv = BatchedWeaverTreeScorer.prompt_buffers(w, vh, dh, 17)
+        fork = torch.cuda.Event()
+        fork.record()
+        late_inputs = BatchedWeaverTreeScorer(w, vh, dh, cand_ids, cand_logits, embed, head, max_nodes=17,
+                                              prompt_stream=side, prompt_after=fork, kv_cache=kv)
+        got_inputs = _roots_call(late_inputs, roots)
+        # 2. the prompt stream starts late; the first call must wait for its K/V
+        torch.cuda.synchronize()
+        with torch.cuda.stream(side):
+            torch.cuda._sleep(200_000_000)
+        late_prompt = BatchedWeaverTreeScorer(w, verifier, hidden, cand_ids, cand_logits, embed, head, max_nodes=17,
+                                              prompt_stream=side)
+        got_prompt = _roots_call(late_prompt, roots)
+        torch.cuda.synchronize()
+    for scorer, got in ((late_inputs, got_inputs), (late_prompt, got_prompt)):
+        assert torch.equal(got, want)
+        for a, b in zip(scorer.kv_cache, ref.kv_cache):
+            assert torch.equal(a, b)
+
+
+def test_a_prompt_stream_after_an_earlier_event_needs_buffers_made_before_it():
+    from vllm_tfm.models.weaver import BatchedWeaverTreeScorer
+
+    w, embed, head, hidden, verifier, roots, cand_ids, cand_logits = _scorer_inputs(2, torch.float32)
+    fork = torch.cuda.Event()
+    fork.record()
+    side = torch.cuda.Stream(DEV)
+    with torch.inference_mode():
+        with pytest.raises(ValueError, match="a prompt stream that starts after an earlier event needs the K/V buffers"):
+            BatchedWeaverTreeScorer(w, verifier, hidden, cand_ids, cand_logits, embed, head, max_nodes=17,
+                                    prompt_stream=side, prompt_after=fork)
+        wrong = BatchedWeaverTreeScorer.prompt_buffers(w, verifier, hidden, 9)  # sized for 9 node slots, not 17
+        with pytest.raises(ValueError, match="kv_cache must be 2 buffers of"):
+            BatchedWeaverTreeScorer(w, verifier, hidden, cand_ids, cand_logits, embed, head, max_nodes=17,
+                                    prompt_stream=side, prompt_after=fork, kv_cache=wrong)

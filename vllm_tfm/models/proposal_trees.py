@@ -61,6 +61,7 @@ def weaver_growth(
     round_kernel: bool = True,
     score_kernel: bool = True,
     topk_kernel: bool = True,
+    prompt_stream: torch.cuda.Stream | None = None,
 ) -> tuple[WeaverGrowth, Tensor]:
     """The host-sync-free part of ``weaver_padded_trees``: DFlash top-K candidates, the batched
     Weaver scorer and the first ``fixed_rounds`` rounds of growth. Returns (growth, cand_ids);
@@ -72,13 +73,26 @@ def weaver_growth(
     through ``vllm_tfm.kernels.weaver_linear``, its candidate scores through
     ``vllm_tfm.kernels.candidate_scores``; the same scores to the activations' rounding). ``topk_kernel``:
     the DFlash top-K through ``vllm_tfm.kernels.topk_rows`` where it takes the logits (equal logits
-    ordered by index), else ``torch.topk``."""
+    ordered by index), else ``torch.topk``. ``prompt_stream`` (CUDA): the scorer's prompt pass runs on
+    it, concurrently with the top-K and the growth's set-up on the current stream (the two need
+    nothing from each other; ``BatchedWeaverTreeScorer``); the roots' scoring call joins them. The
+    same trees: the same kernels on the same inputs. Everything the prompt stream reads or writes is
+    made before the event it starts after (``BatchedWeaverTreeScorer.prompt_buffers``): a buffer
+    allocated later could be a temporary of the top-K that the top-K still reads."""
+    fork: torch.cuda.Event | None = None
+    kv_cache: list[Tensor] | None = None
+    if prompt_stream is not None and dflash_hidden.is_cuda:
+        kv_cache = BatchedWeaverTreeScorer.prompt_buffers(weaver, verifier_hidden, dflash_hidden, 1 + budget)
+        fork = torch.cuda.Event()  # the prompt's inputs and buffers are ready here, before the top-K is queued
+        fork.record()
+    else:
+        prompt_stream = None
     cand_logits, cand_ids = _candidates(dflash_logits, top_k, kernel=topk_kernel)
     if logits_dtype is not None:
         cand_logits = cand_logits.to(logits_dtype)
     scorer = BatchedWeaverTreeScorer(
         weaver, verifier_hidden, dflash_hidden, cand_ids, cand_logits, embed, lm_head, max_nodes=1 + budget,
-        score_kernel=score_kernel,
+        score_kernel=score_kernel, prompt_stream=prompt_stream, prompt_after=fork, kv_cache=kv_cache,
     )
     growth = WeaverGrowth(
         root_tokens, cand_ids, scorer, budget, dflash_logits.shape[1], width, children_per_node, check=False
@@ -88,6 +102,7 @@ def weaver_growth(
         if kernel is not None:
             growth.round_fn = kernel
     growth.run_fixed()
+    scorer.join_prompt()  # no-op after the roots' call; a capture must end with its streams joined
     return growth, cand_ids
 
 
@@ -107,6 +122,7 @@ def weaver_padded_trees(
     round_kernel: bool = True,
     score_kernel: bool = True,
     topk_kernel: bool = True,
+    prompt_stream: torch.cuda.Stream | None = None,
 ) -> tuple[PaddedTrees, Tensor]:
     """TfM trees of R requests, ``max_depth`` = D: (trees, cand_ids [R, D, K]).
 
@@ -120,6 +136,7 @@ def weaver_padded_trees(
     growth, cand_ids = weaver_growth(
         weaver, dflash_logits, dflash_hidden, verifier_hidden, root_tokens, embed, lm_head,
         budget, top_k, width, children_per_node, logits_dtype, round_kernel, score_kernel, topk_kernel,
+        prompt_stream,
     )
     growth.run_tail()
     return growth.trees(), cand_ids
@@ -141,12 +158,14 @@ def weaver_draft_trees(
     round_kernel: bool = True,
     score_kernel: bool = True,
     topk_kernel: bool = True,
+    prompt_stream: torch.cuda.Stream | None = None,
 ) -> tuple[Tensor, Tensor]:
     """``weaver_padded_trees`` in the runtime layout: tokens [R, B], parents [R, 1 + B]; a tree
     smaller than B is completed with the best depth-1 candidate."""
     trees, cand_ids = weaver_padded_trees(
         weaver, dflash_logits, dflash_hidden, verifier_hidden, root_tokens, embed, lm_head,
         budget, top_k, width, children_per_node, logits_dtype, round_kernel, score_kernel, topk_kernel,
+        prompt_stream,
     )
     return trees.draft_layout(cand_ids[:, 0, 0])
 

@@ -403,6 +403,12 @@ class WeaverTreeScorer:
             return candidate_logprobs(qry, self.cand_rows[dep], self.cand_logits[dep])
 
 
+def _kv_specs(weaver: Weaver, r: int, depth: int, max_nodes: int, dtype: torch.dtype,
+              device: torch.device) -> list[tuple[tuple[int, ...], torch.dtype, torch.device]]:
+    """(shape, dtype, device) of the scorer's K/V buffer of each layer: [prompt (1 + D) | node slots | trash slot]."""
+    return [((2, r, layer.n_heads, 1 + depth + max_nodes + 1, layer.head_dim), dtype, device) for layer in weaver.layers]
+
+
 def _norm_linear(fused: bool, x: Tensor, weight_t: Tensor, bias: Tensor, eps: float) -> Tensor:
     """``Linear(RMSNormWithBias(x))`` with the norm folded into (weight_t [in, out], bias): the fused
     kernel (``vllm_tfm.kernels.weaver_linear``) or ``norm_linear``."""
@@ -463,6 +469,18 @@ class BatchedWeaverTreeScorer:
             ``vllm_tfm.kernels.candidate_scores``, one launch each: the same function in another
             order with fewer roundings (agreeing with the torch path to the activation dtype's
             rounding).
+        prompt_stream: CUDA only. The prompt pass (the K/V of the prompt, which reads only
+            ``verifier_hidden``, ``dflash_hidden``, the folded weights and the RoPE table) runs on
+            this stream, after ``prompt_after`` (an event recorded on the current stream; None: the
+            current stream now), while the current stream goes on with the work the caller queued
+            after that event (the DFlash top-K, the growth's set-up: ``proposal_trees.weaver_growth``).
+            The first call, or :meth:`join_prompt`, makes the current stream wait for it. The same
+            values as without it: the same kernels, in another stream.
+        kv_cache: the K/V buffers from :meth:`prompt_buffers` (None: allocated here). With
+            ``prompt_after`` they are required, made before that event was recorded: memory the
+            caching allocator hands out after it may be memory the current stream's work queued
+            after the event still reads (a temporary freed on the host), which the prompt stream,
+            ordered only after the event, would overwrite.
     """
 
     def __init__(
@@ -477,9 +495,13 @@ class BatchedWeaverTreeScorer:
         max_nodes: int,
         validate: bool = False,
         score_kernel: bool = False,
+        prompt_stream: torch.cuda.Stream | None = None,
+        prompt_after: torch.cuda.Event | None = None,
+        kv_cache: list[Tensor] | None = None,
     ) -> None:
         self.weaver = weaver
         self.score_kernel = score_kernel
+        self._prompt_done: torch.cuda.Event | None = None
         depth = weaver._check_prompt(verifier_hidden, dflash_hidden)
         if verifier_hidden.dim() != 2:
             raise ValueError(f"verifier_hidden must be [R, H], got shape {tuple(verifier_hidden.shape)}")
@@ -508,11 +530,33 @@ class BatchedWeaverTreeScorer:
             # per layer, keys and values [2, R, heads, S, head_dim] of [prompt (1 + D) | node slots
             # (max_nodes) | trash slot]: heads before positions, the layout attention reads; the
             # prompt's part written by the fused prompt pass
-            self.kv_cache: list[Tensor] = [
-                torch.zeros(2, r, layer.n_heads, p0 + max_nodes + 1, layer.head_dim, dtype=dtype, device=dev)
-                for layer in weaver.layers
-            ]
-            prompt_pass(weaver, self.folded, verifier_hidden, dflash_hidden, rope, self.kv_cache)
+            side = prompt_stream if prompt_stream is not None and dev.type == "cuda" else None
+            if kv_cache is None:
+                if side is not None and prompt_after is not None:
+                    raise ValueError("a prompt stream that starts after an earlier event needs the K/V buffers "
+                                     "made before it (kv_cache=BatchedWeaverTreeScorer.prompt_buffers(...))")
+                kv_cache = self.prompt_buffers(weaver, verifier_hidden, dflash_hidden, max_nodes)
+            else:
+                want = _kv_specs(weaver, r, depth, max_nodes, dtype, dev)
+                got = [(tuple(t.shape), t.dtype, t.device) for t in kv_cache]
+                if got != want:
+                    raise ValueError(f"kv_cache must be {len(want)} buffers of (shape, dtype, device) {want}, got {got}")
+            self.kv_cache: list[Tensor] = list(kv_cache)
+            if side is None:
+                for kv in self.kv_cache:  # unscored node slots are read (with weight 0): no garbage
+                    kv.zero_()
+                prompt_pass(weaver, self.folded, verifier_hidden, dflash_hidden, rope, self.kv_cache)
+            else:
+                if prompt_after is None:
+                    side.wait_stream(torch.cuda.current_stream(dev))
+                else:
+                    side.wait_event(prompt_after)
+                with torch.cuda.stream(side):
+                    for kv in self.kv_cache:  # unscored node slots are read (with weight 0): no garbage
+                        kv.zero_()
+                    prompt_pass(weaver, self.folded, verifier_hidden, dflash_hidden, rope, self.kv_cache)
+                    self._prompt_done = torch.cuda.Event()
+                    self._prompt_done.record(side)
             # additive key mask (0: visible, -inf: not) of every node slot, the trash slot (row
             # max_nodes) and the root's parent (row max_nodes + 1, the prompt only): the whole
             # prompt, then its ancestors-or-self among the node slots; one more column for the
@@ -551,7 +595,27 @@ class BatchedWeaverTreeScorer:
         self._scored[rows, node_ids[rows, cols]] = True
         self._depths[rows, node_ids[rows, cols]] = depths[rows, cols]
 
+    @staticmethod
+    def prompt_buffers(weaver: Weaver, verifier_hidden: Tensor, dflash_hidden: Tensor, max_nodes: int) -> list[Tensor]:
+        """The K/V buffers of a scorer of these inputs ([2, R, heads, 1 + D + max_nodes + 1, head_dim] per layer,
+        uninitialised: the prompt pass zeroes them first), after making what the prompt pass reads besides its
+        inputs, the folded weights and the RoPE table (both cached on the Weaver). A caller that runs the prompt
+        on another stream calls this before recording the event the stream starts after (``kv_cache``)."""
+        depth = weaver._check_prompt(verifier_hidden, dflash_hidden)
+        dev, dtype = verifier_hidden.device, folded_weaver(weaver).proposal_in.dtype
+        rope_table(weaver, depth, dtype, dev)
+        specs = _kv_specs(weaver, int(verifier_hidden.shape[0]), depth, max_nodes, dtype, dev)
+        return [torch.empty(shape, dtype=dt, device=d) for shape, dt, d in specs]
+
+    def join_prompt(self) -> None:
+        """Make the current stream wait for the prompt pass queued on ``prompt_stream`` (once; nothing
+        without one). Every call does it first; a caller that may make no call joins with this."""
+        done, self._prompt_done = self._prompt_done, None
+        if done is not None:
+            torch.cuda.current_stream(self.key_bias.device).wait_event(done)
+
     def __call__(self, node_ids: Tensor, parent_ids: Tensor, tokens: Tensor, depths: Tensor, valid: Tensor) -> Tensor:
+        self.join_prompt()
         r = self.num_requests
         if node_ids.dim() != 2 or node_ids.shape[0] != r or node_ids.shape[1] == 0:
             raise ValueError(f"node_ids must be [R={r}, w >= 1], got shape {tuple(node_ids.shape)}")

@@ -88,6 +88,7 @@ NON_OPTION_ENV_VARS: frozenset[str] = frozenset(
         "VLLM_TFM_WEAVER_LINEAR_PDL",  # kernels/weaver_linear.py: 0 launches the linear kernel without programmatic dependent launch
         "VLLM_TFM_CANDIDATE_KERNEL",  # kernels/candidate_scores.py: 0 keeps the torch candidate scores of the Weaver scorer
         "VLLM_TFM_TOPK_KERNEL",  # runtime: 0 keeps torch.topk for the DFlash candidates of the Weaver build (runtime/tree_builder_gpu.py)
+        "VLLM_TFM_WEAVER_PROMPT_OVERLAP",  # runtime: 1 runs the Weaver's prompt pass on a second stream beside the top-K (runtime/tree_builder_gpu.py)
         "VLLM_TFM_WEAVER_ATTENTION_KERNEL",  # kernels/weaver_attention.py: 0 keeps RoPE / scatter / SDPA in the Weaver scorer
         "VLLM_TFM_TREE_ATTENTION",  # runtime: "kernel" opts in to the one-launch tree attention, "triton" (default) one call per tree request
         "VLLM_TFM_PROFILE",  # runtime: per-stage CUDA-event timings (runtime/stage_timing.py)

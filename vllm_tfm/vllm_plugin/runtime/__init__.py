@@ -52,7 +52,7 @@ from __future__ import annotations
 __all__ = [
     "install", "is_installed", "snapshot_metrics", "collect_tree_metrics", "flush_trace", "set_deferred_drafts",
     "set_device_topology", "set_commit_reuse", "set_early_sampled_copy", "set_gdn_metadata_fast",
-    "set_weaver_lazy_tail", "set_kv_compact_kernel", "set_topk_kernel",
+    "set_weaver_lazy_tail", "set_kv_compact_kernel", "set_topk_kernel", "set_prompt_overlap",
 ]
 
 
@@ -184,6 +184,16 @@ def set_topk_kernel(worker: object = None, on: bool | None = None) -> bool:
     key on it: the first build after a change captures the other setting's graph (a late capture). The
     signature suits ``LLM.collective_rpc``."""
     from .tree_builder_gpu import set_topk_kernel as _set
+
+    return _set(on)
+
+
+def set_prompt_overlap(worker: object = None, on: bool | None = None) -> bool:
+    """The Weaver's prompt pass on its own stream, beside the DFlash top-K (``tree_builder_gpu.prompt_stream``),
+    on or off in this process from the next build on (None: ``VLLM_TFM_WEAVER_PROMPT_OVERLAP``); the setting
+    now in force. The Weaver CUDA graphs key on it, like ``set_topk_kernel``. The signature suits
+    ``LLM.collective_rpc``."""
+    from .tree_builder_gpu import set_prompt_overlap as _set
 
     return _set(on)
 

@@ -215,7 +215,10 @@ class TFMProposer(DFlashProposer):
         logits = self.model.compute_logits(hidden_states)
         self._marginal_logits = logits
         self._dflash_out = hidden_states
-        return logits.argmax(dim=-1), None
+        # vLLM's propose only reshapes and returns these ids (llm_base_proposer.py ~619-627), and ``propose``
+        # below drops them for the trees: zeros instead of an argmax over [R * D, V] (14 us at batch 1 at the
+        # 27B shape, bench/NOTES.md section 62)
+        return torch.zeros(logits.shape[0], dtype=torch.long, device=logits.device), None
 
     # ------------------------------------------------------------------ propose
     def propose(

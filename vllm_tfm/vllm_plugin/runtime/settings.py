@@ -52,6 +52,7 @@ from ..options import VLLM_PROPOSALS
 __all__ = [
     "RuntimeSwitch",
     "env_on",
+    "env_opted_in",
     "TreeSettings",
     "settings_from_options",
     "set_proposal_override",
@@ -71,19 +72,26 @@ def env_on(env: str) -> bool:
     return os.environ.get(env, "1") not in ("0", "false", "False")
 
 
-class RuntimeSwitch:
-    """An on-by-default runtime switch read every step: its environment variable unset or not 0 / false,
-    unless ``set`` overrode it in this process (a same-engine A/B through ``collective_rpc``)."""
+def env_opted_in(env: str) -> bool:
+    """An off-by-default environment switch: set to 1 / true."""
+    return os.environ.get(env, "0").strip().lower() in ("1", "true")
 
-    def __init__(self, env: str, setter_name: str) -> None:
+
+class RuntimeSwitch:
+    """A runtime switch read every step: its environment variable unset or not 0 / false (``default_on``, the
+    usual form), or set to 1 / true (``default_on=False``: opt-in), unless ``set`` overrode it in this process
+    (a same-engine A/B through ``collective_rpc``)."""
+
+    def __init__(self, env: str, setter_name: str, default_on: bool = True) -> None:
         self.env = env
         self._setter_name = setter_name  # the public setter, for the one-line error
         self._override: bool | None = None
+        self.default_on = default_on
 
     def enabled(self) -> bool:
         if self._override is not None:
             return self._override
-        return env_on(self.env)
+        return env_on(self.env) if self.default_on else env_opted_in(self.env)
 
     def set(self, on: bool | None) -> bool:
         """Override (None: back to the environment's); the setting now in force."""

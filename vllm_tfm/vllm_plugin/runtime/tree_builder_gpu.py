@@ -43,7 +43,8 @@ from vllm_tfm.tree.padded import fill_to_budget
 from .kernels_or_reference import kernels_enabled
 from .settings import RuntimeSwitch
 
-__all__ = ["TOPK_KERNEL_ENV", "chain_trees", "ddtree_trees", "fill_to_budget", "ranked_top", "set_topk_kernel",
+__all__ = ["PROMPT_OVERLAP_ENV", "TOPK_KERNEL_ENV", "chain_trees", "ddtree_trees", "fill_to_budget",
+           "prompt_overlap_enabled", "prompt_stream", "ranked_top", "set_prompt_overlap", "set_topk_kernel",
            "topk_kernel_enabled", "treeflash_trees", "weaver_trees"]
 
 TOPK_KERNEL_ENV = "VLLM_TFM_TOPK_KERNEL"
@@ -62,6 +63,41 @@ def set_topk_kernel(on: bool | None) -> bool:
     force. The Weaver CUDA graphs key on it (``weaver_graphs.graph_key``), so the next build after a change
     replays (or captures) the other setting's graph."""
     return _TOPK.set(on)
+
+
+PROMPT_OVERLAP_ENV = "VLLM_TFM_WEAVER_PROMPT_OVERLAP"
+# opt-in until its present form has run on a GPU (bench/NOTES.md section 62: the first form measured -0.25 ms per
+# batch-1 step at the 27B shape, and broke the torch-reference build, which its buffer rule now prevents)
+_PROMPT_OVERLAP = RuntimeSwitch(PROMPT_OVERLAP_ENV, "set_prompt_overlap", default_on=False)
+_PROMPT_STREAMS: dict[torch.device, torch.cuda.Stream] = {}
+
+
+def prompt_overlap_enabled() -> bool:
+    """``VLLM_TFM_WEAVER_PROMPT_OVERLAP`` set to 1 / true (default off), unless ``set_prompt_overlap`` overrode
+    it: the Weaver's prompt pass runs on a second stream while the DFlash top-K and the growth's set-up run on
+    the build's own (``models.proposal_trees.weaver_growth``; bench/NOTES.md section 62)."""
+    return _PROMPT_OVERLAP.enabled()
+
+
+def set_prompt_overlap(on: bool | None) -> bool:
+    """Override ``VLLM_TFM_WEAVER_PROMPT_OVERLAP`` in this process (None: back to the environment's); the
+    setting now in force. The Weaver CUDA graphs key on it, like ``set_topk_kernel``."""
+    return _PROMPT_OVERLAP.set(on)
+
+
+def prompt_stream(device: torch.device) -> torch.cuda.Stream | None:
+    """The stream of the Weaver's prompt pass on ``device`` while the switch is on (None off it, and on
+    other devices than CUDA): one per device for the process, since cuBLAS keeps a workspace per
+    stream and CUDA graphs capture work on any stream forked from the capturing one."""
+    device = torch.device(device)
+    if device.type != "cuda" or not prompt_overlap_enabled():
+        return None
+    if device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    stream = _PROMPT_STREAMS.get(device)
+    if stream is None:
+        stream = _PROMPT_STREAMS[device] = torch.cuda.Stream(device)
+    return stream
 
 
 def weaver_trees(
@@ -90,6 +126,7 @@ def weaver_trees(
         weaver, dflash_logits, dflash_hidden, verifier_hidden, root_tokens, embed, lm_head,
         budget, top_k, width, children_per_node, logits_dtype=dflash_hidden.dtype, round_kernel=kernels_enabled(),
         score_kernel=kernels_enabled(), topk_kernel=kernels_enabled() and topk_kernel_enabled(),
+        prompt_stream=prompt_stream(dflash_hidden.device),
     )
 
 

@@ -89,7 +89,7 @@ from vllm_tfm.tree.weaver_padded import WeaverGrowth, pending_from_flags
 from .kernels_or_reference import kernels_enabled
 from .settings import RuntimeSwitch
 from .state import STATE
-from .tree_builder_gpu import topk_kernel_enabled, weaver_trees
+from .tree_builder_gpu import prompt_overlap_enabled, prompt_stream, topk_kernel_enabled, weaver_trees
 
 __all__ = [
     "DeferredTail",
@@ -243,6 +243,7 @@ def _build(
         weaver, inputs.logits, inputs.hidden, inputs.verifier, inputs.roots, embed, lm_head,
         budget, top_k, width, cpn, logits_dtype=inputs.hidden.dtype, round_kernel=kernels_enabled(),
         score_kernel=kernels_enabled(), topk_kernel=kernels_enabled() and topk_kernel_enabled(),
+        prompt_stream=prompt_stream(inputs.hidden.device),
     )
     filler = cand_ids[:, 0, 0]
     tokens, parents = growth.trees().draft_layout(filler)
@@ -262,12 +263,13 @@ def graph_key(
     device, Weaver and vocabulary tables (the batch size itself and the root tokens' dtype are not
     part of it: rows are padded to the bucket, roots are copied into int64 buffers), whether the
     rounds may take the round kernel (``kernels_enabled()``) and whether the DFlash top-K may take its
-    kernel (``topk_kernel_enabled()``: ``set_topk_kernel`` then picks another graph)."""
+    kernel (``topk_kernel_enabled()``: ``set_topk_kernel`` then picks another graph) and whether the prompt pass
+    runs on its own stream (``prompt_overlap_enabled()``, ``set_prompt_overlap``)."""
     return (
         bucket, budget, top_k, width, children_per_node, tuple(dflash_logits.shape[1:]), tuple(dflash_hidden.shape[1:]),
         tuple(verifier_hidden.shape[1:]), dflash_logits.dtype, dflash_hidden.dtype, verifier_hidden.dtype,
         dflash_logits.device, id(weaver), _table_key(embed), _table_key(lm_head), kernels_enabled(),
-        topk_kernel_enabled(),
+        topk_kernel_enabled(), prompt_overlap_enabled(),
     )
 
 
