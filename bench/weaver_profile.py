@@ -50,7 +50,7 @@ for p in (REPO, REPO / "bench"):
     if str(p) not in sys.path:
         sys.path.insert(0, str(p))
 
-from weaver_round import CPN, TOP_K, inputs
+from weaver_round import CPN, TOP_K, inputs, time_call_ms
 
 from vllm_tfm.vllm_plugin.runtime.weaver_graphs import WeaverGraphs
 
@@ -87,16 +87,7 @@ def profile_case(x: dict[str, Any], budget: int, width: int, repeats: int, seque
             budget, TOP_K, width, CPN)
     graphs.weaver_trees(*args)  # capture and a first replay
     (cap,) = graphs._graphs.values()
-    stream = torch.cuda.current_stream()
-    ms = []
-    for _ in range(repeats):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        torch.cuda.synchronize()
-        a.record(stream)
-        graphs.weaver_trees(*args)
-        b.record(stream)
-        b.synchronize()
-        ms.append(a.elapsed_time(b))
+    ms = [time_call_ms(lambda: graphs.weaver_trees(*args)) for _ in range(repeats)]
     torch.cuda.synchronize()
     acts = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
     with torch.profiler.profile(activities=acts) as prof:
@@ -154,7 +145,6 @@ def prompt_overlap_ab(x: dict[str, Any], budget: int, width: int, repeats: int, 
     graphs = WeaverGraphs(buckets=(r,))
     args = (x["weaver"], x["logits"].to(torch.bfloat16), x["hidden"], x["verifier"], x["roots"], x["embed"], x["head"],
             budget, TOP_K, width, CPN)
-    stream = torch.cuda.current_stream()
     ms: dict[bool, list[float]] = {False: [], True: []}
     trees: dict[bool, tuple[torch.Tensor, torch.Tensor]] = {}
     try:
@@ -164,14 +154,7 @@ def prompt_overlap_ab(x: dict[str, Any], budget: int, width: int, repeats: int, 
         for i in range(rounds):
             for on in ((False, True) if i % 2 == 0 else (True, False)):
                 set_prompt_overlap(on)
-                for _ in range(repeats):
-                    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                    torch.cuda.synchronize()
-                    a.record(stream)
-                    graphs.weaver_trees(*args)
-                    b.record(stream)
-                    b.synchronize()
-                    ms[on].append(a.elapsed_time(b))
+                ms[on] += [time_call_ms(lambda: graphs.weaver_trees(*args)) for _ in range(repeats)]
     finally:
         set_prompt_overlap(None)
     same = all(torch.equal(u, v) for u, v in zip(trees[False], trees[True]))

@@ -60,6 +60,19 @@ def inputs(r: int, device: torch.device, seed: int) -> dict[str, Any]:
     }
 
 
+def time_call_ms(fn: Any) -> float:
+    """Milliseconds of one call of ``fn`` (no arguments) between CUDA events on the current stream, from an idle
+    device to the end of what it queued there (host work and syncs inside the call included)."""
+    stream = torch.cuda.current_stream()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    torch.cuda.synchronize()
+    start.record(stream)
+    fn()
+    end.record(stream)
+    end.synchronize()
+    return start.elapsed_time(end)
+
+
 def timed_build(x: dict[str, Any], budget: int, kernel: bool, repeats: int) -> dict[str, Any]:
     os.environ[kw.ENV_SWITCH] = "1" if kernel else "0"
     graphs = WeaverGraphs(buckets=(int(x["roots"].shape[0]),))
@@ -69,16 +82,7 @@ def timed_build(x: dict[str, Any], budget: int, kernel: bool, repeats: int) -> d
     tokens, parents = graphs.weaver_trees(*args)  # capture (and a first replay)
     (cap,) = graphs._graphs.values()
     kernel_used = isinstance(cap.growth.round_fn, kw.KernelRound)
-    ms: list[float] = []
-    stream = torch.cuda.current_stream()
-    for _ in range(repeats):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        torch.cuda.synchronize()
-        start.record(stream)
-        graphs.weaver_trees(*args)
-        end.record(stream)
-        end.synchronize()
-        ms.append(start.elapsed_time(end))
+    ms = [time_call_ms(lambda: graphs.weaver_trees(*args)) for _ in range(repeats)]
     os.environ.pop(kw.ENV_SWITCH, None)
     return {
         "round_kernel": kernel_used, "fixed_rounds": cap.growth.fixed_rounds,

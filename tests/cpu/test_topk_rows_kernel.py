@@ -138,28 +138,6 @@ def test_candidates_dispatch_and_switch(monkeypatch) -> None:
     assert ktk.topk_candidates(x64, 3)[0].dtype == torch.float64
 
 
-def test_the_runtime_switch_and_the_weaver_graphs_key(monkeypatch) -> None:
-    """``VLLM_TFM_TOPK_KERNEL`` / ``set_topk_kernel`` (runtime/tree_builder_gpu.py) and the Weaver graphs' key,
-    which holds the setting, so that a same-engine A/B replays another graph."""
-    from vllm_tfm.vllm_plugin.runtime import tree_builder_gpu as tbg
-    from vllm_tfm.vllm_plugin.runtime.weaver_graphs import graph_key
-
-    monkeypatch.setenv(tbg.TOPK_KERNEL_ENV, "0")
-    assert not tbg.topk_kernel_enabled()
-    try:
-        assert tbg.set_topk_kernel(True) is True
-        assert tbg.set_topk_kernel(None) is False  # back to the environment's
-        logits, hidden, verifier = torch.zeros(1, 3, 50), torch.zeros(1, 3, 8), torch.zeros(1, 8)
-        table, weaver = torch.zeros(50, 8), torch.nn.Linear(1, 1)
-        keys = {on: (tbg.set_topk_kernel(on), graph_key(1, weaver, logits, hidden, verifier, table, table, 4, 5, 2, 2))[1]
-                for on in (False, True)}
-        assert [i for i, (a, b) in enumerate(zip(keys[False], keys[True])) if a != b] == [len(keys[True]) - 2]
-    finally:
-        tbg.set_topk_kernel(None)
-    monkeypatch.delenv(tbg.TOPK_KERNEL_ENV)
-    assert tbg.topk_kernel_enabled()
-
-
 def test_candidates_take_the_kernel_where_it_runs(emu_dir, monkeypatch) -> None:
     """With the device checks passed (as on a GPU), the dispatcher launches the kernel and its order."""
     gen = torch.Generator().manual_seed(2)

@@ -283,33 +283,46 @@ def test_the_lazy_tail_switch(monkeypatch):
         set_weaver_lazy_tail(None)
 
 
-def test_the_prompt_overlap_switch_its_stream_and_the_weaver_graphs_key(monkeypatch) -> None:
-    """``VLLM_TFM_WEAVER_PROMPT_OVERLAP`` / ``set_prompt_overlap`` (runtime/tree_builder_gpu.py): the Weaver graphs'
-    key holds the setting (a same-engine A/B replays another graph), and no stream is handed out off it or for
-    devices other than CUDA (CPU builds run the prompt pass in line)."""
+
+@pytest.mark.parametrize("env, setter, enabled, position, default_on", [
+    ("VLLM_TFM_TOPK_KERNEL", "set_topk_kernel", "topk_kernel_enabled", 2, True),
+    ("VLLM_TFM_WEAVER_PROMPT_OVERLAP", "set_prompt_overlap", "prompt_overlap_enabled", 1, False),
+])
+def test_the_weaver_graphs_key_holds_each_build_switch(env, setter, enabled, position, default_on, monkeypatch) -> None:
+    """The build switches of runtime/tree_builder_gpu.py: the environment (on by default, or opt-in), the in-process
+    setter over it, and the Weaver graphs' key, which holds the setting in its own place, so that a same-engine A/B
+    replays (or captures) the other setting's graph."""
     from vllm_tfm.vllm_plugin.runtime import tree_builder_gpu as tbg
     from vllm_tfm.vllm_plugin.runtime.weaver_graphs import graph_key
 
-    monkeypatch.delenv(tbg.PROMPT_OVERLAP_ENV, raising=False)
-    assert not tbg.prompt_overlap_enabled()  # opt-in
-    monkeypatch.setenv(tbg.PROMPT_OVERLAP_ENV, "1")
-    assert tbg.prompt_overlap_enabled()
-    monkeypatch.setenv(tbg.PROMPT_OVERLAP_ENV, "0")
-    assert not tbg.prompt_overlap_enabled()
+    is_on, set_on = getattr(tbg, enabled), getattr(tbg, setter)
+    monkeypatch.delenv(env, raising=False)
+    assert is_on() is default_on
+    monkeypatch.setenv(env, "0")
+    assert not is_on()
     try:
-        assert tbg.set_prompt_overlap(True) is True
-        assert tbg.prompt_stream(torch.device("cpu")) is None
-        assert tbg.set_prompt_overlap(None) is False  # back to the environment's
+        assert set_on(True) is True
+        assert set_on(None) is False  # back to the environment's
         logits, hidden, verifier = torch.zeros(1, 3, 50), torch.zeros(1, 3, 8), torch.zeros(1, 8)
         table, weaver = torch.zeros(50, 8), torch.nn.Linear(1, 1)
-        keys = {on: (tbg.set_prompt_overlap(on), graph_key(1, weaver, logits, hidden, verifier, table, table, 4, 5, 2, 2))[1]
+        keys = {on: (set_on(on), graph_key(1, weaver, logits, hidden, verifier, table, table, 4, 5, 2, 2))[1]
                 for on in (False, True)}
-        assert [i for i, (a, b) in enumerate(zip(keys[False], keys[True])) if a != b] == [len(keys[True]) - 1]
+        assert [i for i, (a, b) in enumerate(zip(keys[False], keys[True])) if a != b] == [len(keys[True]) - position]
+        with pytest.raises(ValueError, match=f"{setter} takes True, False or None, got 1"):
+            set_on(1)
+    finally:
+        set_on(None)
+    monkeypatch.setenv(env, "1")
+    assert is_on()
+
+
+def test_the_prompt_stream_is_handed_out_only_on_cuda_and_only_when_asked_for() -> None:
+    from vllm_tfm.vllm_plugin.runtime import tree_builder_gpu as tbg
+
+    try:
+        tbg.set_prompt_overlap(True)
+        assert tbg.prompt_stream(torch.device("cpu")) is None  # CPU builds run the prompt pass in line
         tbg.set_prompt_overlap(False)
         assert tbg.prompt_stream(torch.device("cuda", 0)) is None  # off: no stream, whatever the device
-        with pytest.raises(ValueError, match="set_prompt_overlap takes True, False or None, got 1"):
-            tbg.set_prompt_overlap(1)
     finally:
         tbg.set_prompt_overlap(None)
-    monkeypatch.setenv(tbg.PROMPT_OVERLAP_ENV, "true")
-    assert tbg.prompt_overlap_enabled()
