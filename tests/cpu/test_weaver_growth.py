@@ -191,3 +191,58 @@ def test_tail_rounds_restricted_to_the_first_rows_ignore_the_rows_after_them():
         tree = gr.trees().tree(r)
         assert tree.tokens.tolist() == ref.tokens.tolist() and tree.parents.tolist() == ref.parents.tolist()
     assert int(first.trees().num_nodes[1]) < 17 == int(full.trees().num_nodes[1])
+
+
+def test_with_a_prompt_stream_everything_it_touches_is_made_before_the_fork_and_the_trees_do_not_change(monkeypatch):
+    """``weaver_growth(prompt_stream=)``: the prompt stream starts after an event recorded on the build's stream, and
+    memory the caching allocator hands out after that event may be a temporary the top-K queued after it still
+    reads (bench/NOTES.md section 62: the first form allocated the K/V buffers in the scorer, after the top-K, and
+    broke the torch-reference build on the GPU). So the K/V buffers (and the folded weights and RoPE table) are
+    made, then the event is recorded, then the top-K is queued, and the scorer takes those buffers. Run on the CPU
+    with the CUDA-only parts stood in for: the order of those steps, and the same trees as without a stream."""
+    import vllm_tfm.models.proposal_trees as pt
+    from vllm_tfm.models.weaver import BatchedWeaverTreeScorer
+
+    budget, width, top_k, cpn, depth = 8, 2, 16, 4, 5
+    w, embed, head, logits, dh, vh, roots = model_inputs(3, depth, seed=11)
+    with torch.inference_mode():
+        base_growth, base_cand = weaver_growth(w, logits, dh, vh, roots, embed, head, budget, top_k, width, cpn)
+        base_growth.run_tail()
+        want = base_growth.trees().draft_layout(base_cand[:, 0, 0])
+
+    log: list[str] = []
+    made: list[list[torch.Tensor]] = []
+    real_buffers, real_candidates = BatchedWeaverTreeScorer.prompt_buffers, pt._candidates
+    real_init = BatchedWeaverTreeScorer.__init__
+
+    class Event:  # stands in for torch.cuda.Event: records where the fork is
+        def record(self) -> None:
+            log.append("fork")
+
+    def buffers(*args, **kwargs):
+        log.append("buffers")
+        made.append(real_buffers(*args, **kwargs))
+        return made[-1]
+
+    def candidates(*args, **kwargs):
+        log.append("top-K")
+        return real_candidates(*args, **kwargs)
+
+    def init(self, *args, **kwargs):
+        log.append("scorer")
+        assert kwargs["kv_cache"] is made[-1] and isinstance(kwargs["prompt_after"], Event)
+        real_init(self, *args, **kwargs)
+
+    monkeypatch.setattr(pt, "_runs_prompt_beside", lambda stream, hidden: stream is not None)
+    monkeypatch.setattr(pt.torch.cuda, "Event", Event)
+    monkeypatch.setattr(BatchedWeaverTreeScorer, "prompt_buffers", staticmethod(buffers))
+    monkeypatch.setattr(BatchedWeaverTreeScorer, "__init__", init)
+    monkeypatch.setattr(pt, "_candidates", candidates)
+    with torch.inference_mode():
+        growth, cand = weaver_growth(w, logits, dh, vh, roots, embed, head, budget, top_k, width, cpn,
+                                     prompt_stream=object())  # on the CPU the scorer runs the prompt in line
+        growth.run_tail()
+        got = growth.trees().draft_layout(cand[:, 0, 0])
+    assert log == ["buffers", "fork", "top-K", "scorer"]
+    assert len(growth.scorer.kv_cache) == len(made[-1]) and all(a is b for a, b in zip(growth.scorer.kv_cache, made[-1]))
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])

@@ -45,6 +45,11 @@ def _candidates(dflash_logits: Tensor, top_k: int, kernel: bool = False) -> tupl
     return topk_candidates(dflash_logits, top_k, kernel=kernel)
 
 
+def _runs_prompt_beside(prompt_stream: torch.cuda.Stream | None, dflash_hidden: Tensor) -> bool:
+    """Whether ``weaver_growth`` runs the prompt pass on ``prompt_stream`` (CUDA inputs only)."""
+    return prompt_stream is not None and dflash_hidden.is_cuda
+
+
 def weaver_growth(
     weaver: Weaver,
     dflash_logits: Tensor,
@@ -81,7 +86,7 @@ def weaver_growth(
     allocated later could be a temporary of the top-K that the top-K still reads."""
     fork: torch.cuda.Event | None = None
     kv_cache: list[Tensor] | None = None
-    if prompt_stream is not None and dflash_hidden.is_cuda:
+    if _runs_prompt_beside(prompt_stream, dflash_hidden):
         kv_cache = BatchedWeaverTreeScorer.prompt_buffers(weaver, verifier_hidden, dflash_hidden, 1 + budget)
         fork = torch.cuda.Event()  # the prompt's inputs and buffers are ready here, before the top-K is queued
         fork.record()
