@@ -2,7 +2,7 @@
 """Where the time of one Weaver tree build goes, kernel by kernel, at the Qwen3.6-27B drafter shape.
 
 usage: python3 bench/weaver_profile.py [--out FILE] [--cases 1:32:2,1:32:4,8:32:2] [--repeats 10]
-       python3 bench/weaver_profile.py --prompt-overlap-ab [--cases 1:16:2,2:16:2,4:16:2,8:16:2] [--repeats 50]
+       python3 bench/weaver_profile.py --prompt-overlap-ab [--cases 1:16:2,2:16:2,4:16:2,8:16:2] [--repeats 25]
 
 Per case R:B:w (requests, budget, Weaver width): the build as the runtime runs it
 (``runtime/weaver_graphs.py``: one CUDA graph per bucket, its replay, the one host sync), with
