@@ -345,7 +345,7 @@ def run_arm(arm: Arm, settings_path: Path) -> int:
 
         import vllm_tfm
         from vllm_tfm.vllm_plugin.runtime import collect_tree_metrics
-        from vllm_tfm.vllm_plugin.runtime.one_slot import AUTO, ONE_SLOT, resolve_gdn_state_slots
+        from vllm_tfm.vllm_plugin.runtime.one_slot import ONE_SLOT, gdn_state_slots_from_env
         from vllm_tfm.vllm_plugin.runtime.stage_timing import (
             collect_stage_timings,
             set_stage_timing,
@@ -355,8 +355,7 @@ def run_arm(arm: Arm, settings_path: Path) -> int:
         res["machine"] = {"device": torch.cuda.get_device_name(0), "torch": torch.__version__, "vllm": vllm.__version__,
                           "cuda": torch.version.cuda}
         # this process's environment is child_env's (a tfm arm always has the switch): the plugin's resolution
-        res["gdn_state_slots"] = (resolve_gdn_state_slots(os.environ.get("VLLM_TFM_GDN_STATE_SLOTS") or AUTO)[0]
-                                  if arm.kind == "tfm" else None)
+        res["gdn_state_slots"] = gdn_state_slots_from_env() if arm.kind == "tfm" else None
         res["gdn_state_gib_per_request"] = round(gdn_state_bytes_per_request(
             arm.num_speculative_tokens, one_slot=res["gdn_state_slots"] == ONE_SLOT) / 2**30, 3)
         kw = engine_kwargs(arm, s, plan)

@@ -167,10 +167,9 @@ def engine_env(name: str) -> dict[str, str]:
 def expects_one_slot(name: str) -> bool:
     """True for the tfm engines whose requests hold one GDN state slot: the plugin's resolution of their
     ``VLLM_TFM_GDN_STATE_SLOTS`` on one GPU (unset: its default, "auto")."""
-    from vllm_tfm.vllm_plugin.runtime.one_slot import AUTO, ONE_SLOT, resolve_gdn_state_slots
+    from vllm_tfm.vllm_plugin.runtime.one_slot import ONE_SLOT, gdn_state_slots_from_env
 
-    value = engine_env(name).get("VLLM_TFM_GDN_STATE_SLOTS", AUTO)
-    return bool(ENGINES[name]["spec"]) and resolve_gdn_state_slots(value)[0] == ONE_SLOT
+    return bool(ENGINES[name]["spec"]) and gdn_state_slots_from_env(engine_env(name)) == ONE_SLOT
 
 
 REQUIRED: tuple[tuple[str, str], ...] = (

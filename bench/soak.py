@@ -417,12 +417,10 @@ def soak_command(argv: Sequence[str], environ: Mapping[str, str]) -> str:
 
 def gdn_state_slots_from_env(environ: Mapping[str, str] | None = None) -> str:
     """``"one"`` or ``"per_draft"``: the plugin's ``gdn_state_slots`` as the servers and engines started here
-    (one GPU) will resolve it from the ``VLLM_TFM_*`` variables they inherit, else from its
-    default ``"auto"`` (the plugin's own parsing and resolution; a value it refuses raises ValueError)."""
-    from vllm_tfm.vllm_plugin.options import env_overrides
-    from vllm_tfm.vllm_plugin.runtime.one_slot import AUTO, resolve_gdn_state_slots
+    (one GPU) resolve it from the ``VLLM_TFM_*`` variables they inherit (``one_slot.gdn_state_slots_from_env``)."""
+    from vllm_tfm.vllm_plugin.runtime.one_slot import gdn_state_slots_from_env as resolve
 
-    return resolve_gdn_state_slots(env_overrides(environ)[0].get("gdn_state_slots") or AUTO)[0]
+    return resolve(environ)
 
 
 def estimate_request_kv_bytes(target_dir: str, drafter_dir: str, budget: int, max_model_len: int, dtype_bytes: int = 4,

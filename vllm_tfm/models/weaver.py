@@ -34,6 +34,7 @@ Size at Qwen3.6-27B width (H 5120, d 1024, 3 layers, 8 heads, d_mlp 3072):
 
 from __future__ import annotations
 
+from contextlib import nullcontext
 from pathlib import Path
 
 import torch
@@ -542,19 +543,16 @@ class BatchedWeaverTreeScorer:
                 if got != want:
                     raise ValueError(f"kv_cache must be {len(want)} buffers of (shape, dtype, device) {want}, got {got}")
             self.kv_cache: list[Tensor] = list(kv_cache)
-            if side is None:
-                for kv in self.kv_cache:  # unscored node slots are read (with weight 0): no garbage
-                    kv.zero_()
-                prompt_pass(weaver, self.folded, verifier_hidden, dflash_hidden, rope, self.kv_cache)
-            else:
+            if side is not None:
                 if prompt_after is None:
                     side.wait_stream(torch.cuda.current_stream(dev))
                 else:
                     side.wait_event(prompt_after)
-                with torch.cuda.stream(side):
-                    for kv in self.kv_cache:  # unscored node slots are read (with weight 0): no garbage
-                        kv.zero_()
-                    prompt_pass(weaver, self.folded, verifier_hidden, dflash_hidden, rope, self.kv_cache)
+            with nullcontext() if side is None else torch.cuda.stream(side):
+                for kv in self.kv_cache:  # unscored node slots are read (with weight 0): no garbage
+                    kv.zero_()
+                prompt_pass(weaver, self.folded, verifier_hidden, dflash_hidden, rope, self.kv_cache)
+                if side is not None:
                     self._prompt_done = torch.cuda.Event()
                     self._prompt_done.record(side)
             # additive key mask (0: visible, -inf: not) of every node slot, the trash slot (row

@@ -35,12 +35,14 @@ Prefix caching of hybrid models (``mamba_cache_mode`` 'align' / 'all') is refuse
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Mapping
 from typing import Any
 
 import torch
 from torch import Tensor
 
-__all__ = ["AUTO", "ONE_SLOT", "ONES", "PER_DRAFT", "resolve_gdn_state_slots", "one_slot_kv_cache_specs",
+__all__ = ["AUTO", "ONE_SLOT", "ONES", "PER_DRAFT", "resolve_gdn_state_slots", "gdn_state_slots_from_env",
+           "one_slot_kv_cache_specs",
            "read_offsets", "commit_destinations", "chain_accepted", "concurrency_with_slots",
            "per_draft_concurrency_notice"]
 
@@ -71,6 +73,16 @@ def resolve_gdn_state_slots(setting: str, tensor_parallel_size: int = 1, data_pa
     if tp > 1 or dp > 1:
         return PER_DRAFT, f"'auto' at tensor parallelism {tp}, data parallelism {dp}: one slot has run on one GPU only"
     return ONE_SLOT, "'auto' on one GPU"
+
+
+def gdn_state_slots_from_env(environ: Mapping[str, str] | None = None) -> str:
+    """``"one"`` or ``"per_draft"``: ``gdn_state_slots`` as an engine on one GPU resolves it from these
+    ``VLLM_TFM_*`` variables (default ``os.environ``; unset: the default ``"auto"``), through the plugin's own
+    parsing (``options.env_overrides``: an unknown ``VLLM_TFM_*`` name or a refused value raises ValueError) and
+    :func:`resolve_gdn_state_slots`. For the benches, which set the variables their engines inherit."""
+    from ..options import env_overrides
+
+    return resolve_gdn_state_slots(env_overrides(environ)[0].get("gdn_state_slots") or AUTO)[0]
 
 
 def _one_block(spec: Any) -> Any:
