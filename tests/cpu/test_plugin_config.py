@@ -338,6 +338,16 @@ def test_drafter_target_mismatch(env: Any) -> None:
     assert build(env, tfm(shallow, 3)).method == "tfm"  # D = min(3, 8 - 1) = 3
 
 
+def test_quantization_needs_a_quantized_drafter_checkpoint(env: Any) -> None:
+    """vLLM 0.26 cannot quantize an unquantized drafter at load (drafter_checks.check_drafter_quantization):
+    refused at config time in one line, not in the worker; no quantization and an explicit None pass."""
+    d = drafter(env, "quant")
+    message = raises(env, tfm(d, quantization="fp8"), r"quantization='fp8' needs a drafter checkpoint quantized with it")
+    assert message.startswith(f"{d / 'config.json'}: ")
+    assert build(env, tfm(d)).draft_model_config.quantization is None
+    assert build(env, tfm(d, quantization=None)).method == "tfm"
+
+
 def test_engine_and_parallel_refusals(env: Any, monkeypatch: pytest.MonkeyPatch) -> None:
     d = drafter(env, "engine")
     raises(env, tfm(d), r"does not support pipeline parallelism \(pipeline_parallel_size=2\)", parallel={"pipeline_parallel_size": 2})

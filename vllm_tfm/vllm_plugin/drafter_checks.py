@@ -21,6 +21,7 @@ __all__ = [
     "locate_drafter",
     "read_drafter_config",
     "check_drafter_against_target",
+    "check_drafter_quantization",
     "check_drafter_weights",
     "check_proposal_files",
     "check_treeflash_shape",
@@ -129,6 +130,26 @@ def check_drafter_against_target(
     if block is not None and (not _int(block) or block < 2):
         raise ValueError(f"{source}: dflash_config.block_size must be an integer >= 2, got {block!r}")
     return block
+
+
+def check_drafter_quantization(config: dict[str, Any], source: str, quantization: Any) -> None:
+    """Refuse the speculative config's ``quantization`` for a drafter checkpoint that is not quantized.
+
+    vLLM 0.26 builds a DFlash drafter's quantization config from the checkpoint's own
+    ``quantization_config`` (or ``compression_config``) only: without one, ``get_quant_config``
+    (model_executor/model_loader/weight_utils.py) looks for it in a dict ``hf_overrides``, and the
+    draft model config's ``hf_overrides`` is always a callable (``SpeculativeConfig.
+    compose_draft_hf_overrides``), so the load fails in the worker with "hf_overrides must be a dict".
+    That was the outcome on the GPU host with ``quantization: "fp8"`` (bench/NOTES.md section 63).
+    """
+    if quantization is None:
+        return
+    if config.get("quantization_config") is not None or config.get("compression_config") is not None:
+        return
+    raise ValueError(
+        f"{source}: speculative_config quantization={quantization!r} needs a drafter checkpoint quantized with it "
+        "(a quantization_config in config.json); vLLM 0.26 cannot quantize an unquantized drafter at load"
+    )
 
 
 def _is_dflash_weight(path: Path) -> bool:
