@@ -103,6 +103,9 @@ class Arm:
     env: tuple[tuple[str, str], ...] = ()
     # vLLM's async_scheduling for this engine; None: vLLM's default for no-spec and DFlash, False (pinned) for tfm
     async_scheduling: bool | None = None
+    # the speculative config's ``quantization`` (vLLM's own key): "fp8" quantizes the DFlash drafter's linear
+    # layers at load (vllm_plugin/draft_quantization.py); the lm_head it shares with the target stays bf16
+    draft_quantization: str | None = None
 
     @property
     def num_speculative_tokens(self) -> int:
@@ -131,6 +134,11 @@ ARMS: dict[str, Arm] = {
     # the same with tfm's default scheduling at TP 1 (asynchronous): what `gdn_state_slots: "one"` as the default runs
     "tfm16-full-async-oneslot": Arm("tfm16-full-async-oneslot", "tfm", 16, graphs=True, full=True, async_scheduling=True,
                                     env=(("VLLM_TFM_GDN_STATE_SLOTS", "one"),)),
+    # the same with the DFlash drafter's linear layers in FP8: the drafting's speed only (the acceptance replay does
+    # not see what FP8 does to the drafts)
+    "tfm16-full-async-oneslot-fp8draft": Arm("tfm16-full-async-oneslot-fp8draft", "tfm", 16, graphs=True, full=True,
+                                             async_scheduling=True, env=(("VLLM_TFM_GDN_STATE_SLOTS", "one"),),
+                                             draft_quantization="fp8"),
 }
 DEFAULT_ARMS = "nospec,dflash,tfm32,tfm64,tfm16"
 
@@ -245,6 +253,8 @@ def engine_kwargs(arm: Arm, s: dict[str, Any], plan: dict[str, Any]) -> dict[str
     elif arm.kind == "tfm":
         kw["speculative_config"] = {"method": "tfm", "model": s["drafter"], "num_speculative_tokens": arm.budget,
                                     "attention_backend": "TRITON_ATTN"}
+        if arm.draft_quantization is not None:
+            kw["speculative_config"]["quantization"] = arm.draft_quantization
     if arm.kind == "tfm":  # synchronous unless the arm says: the scheduling of the tfm arms' earlier results
         kw["async_scheduling"] = bool(arm.async_scheduling)
     elif arm.async_scheduling is not None:
@@ -329,6 +339,7 @@ def run_arm(arm: Arm, settings_path: Path) -> int:
     plan = s["plans"].get(arm.name, {})
     res: dict[str, Any] = {"arm": arm.name, "kind": arm.kind, "budget": arm.budget, "graphs": arm.graphs, "full": arm.full,
                            "env": dict(arm.env), "async_scheduling": arm.async_scheduling,
+                           "draft_quantization": arm.draft_quantization,
                            "num_speculative_tokens": arm.num_speculative_tokens, "status": "started",
                            "profile_entry": plan.get("label"), "profile_mal": plan.get("mal"), "batches": {}}
     path = Path(s["work"]) / f"arm_{arm.name}.json"

@@ -220,7 +220,8 @@ def _arm_desc(arm: dict[str, Any]) -> str:
     graphs = " (full CUDA graphs of tree steps)" if arm.get("full") else " (CUDA graphs)"
     env = "".join(f", {k}={v}" for k, v in (arm.get("env") or {}).items())
     sched = ", asynchronous scheduling" if arm.get("async_scheduling") else ""
-    return f"tfm (Weaver trees), B={arm.get('budget')}" + (graphs if arm.get("graphs") else "") + sched + env
+    quant = f", DFlash drafter quantization {arm['draft_quantization']}" if arm.get("draft_quantization") else ""
+    return f"tfm (Weaver trees), B={arm.get('budget')}" + (graphs if arm.get("graphs") else "") + sched + env + quant
 
 
 def _short_batch(arm: dict[str, Any], b: int) -> int | None:

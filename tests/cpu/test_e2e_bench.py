@@ -155,6 +155,28 @@ def test_tfm_arm_config_replays_its_profile_entry(big: Any, monkeypatch: pytest.
         spec_config(e2e.engine_kwargs(arm, settings(big), plan))
 
 
+def test_fp8_drafter_arm_quantizes_the_drafter_only(big: Any, monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """The fp8draft arm is its base arm with vLLM's own ``quantization`` key in the speculative config: the
+    drafter's model config carries fp8, the target's none; the base arm's drafter carries none."""
+    from vllm_tfm.verify.acceptance_profile import AcceptanceProfile, save_profile
+
+    prof = builtin_geometric_profile(temperatures=(1.0,))
+    for name, want in (("tfm16-full-async-oneslot-fp8draft", "fp8"), ("tfm16-full-async-oneslot", None)):
+        arm = e2e.ARMS[name]
+        plan = e2e.arm_profile(arm, prof, 1.0, 15)
+        save_profile(AcceptanceProfile(source=prof.source, measured=False, entries=[plan["entry"]]), tmp_path / "p.json")
+        for k, v in e2e.child_env(arm, {"seed": 3}, tmp_path).items():
+            if k.startswith("VLLM_TFM_"):
+                monkeypatch.setenv(k, v)
+        monkeypatch.setenv("VLLM_TFM_BENCHMARK_ACCEPTANCE_REPLAY", str(tmp_path / "p.json"))
+        kw = e2e.engine_kwargs(arm, settings(big), plan)
+        cfg = spec_config(kw)
+        assert cfg.method == "tfm" and cfg.draft_model_config.quantization == want
+        assert kw.get("quantization") is None
+    desc = e2e_report._arm_desc({"kind": "tfm", "budget": 16, "draft_quantization": "fp8"})
+    assert desc == "tfm (Weaver trees), B=16, DFlash drafter quantization fp8"
+
+
 def test_tfm_graphs_arm_gets_piecewise_graphs_with_tree_step_sizes(big: Any, monkeypatch: pytest.MonkeyPatch,
                                                                    tmp_path: Path) -> None:
     from vllm.config import ParallelConfig

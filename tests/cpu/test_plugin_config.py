@@ -338,14 +338,38 @@ def test_drafter_target_mismatch(env: Any) -> None:
     assert build(env, tfm(shallow, 3)).method == "tfm"  # D = min(3, 8 - 1) = 3
 
 
-def test_quantization_needs_a_quantized_drafter_checkpoint(env: Any) -> None:
-    """vLLM 0.26 cannot quantize an unquantized drafter at load (drafter_checks.check_drafter_quantization):
-    refused at config time in one line, not in the worker; no quantization and an explicit None pass."""
+def test_drafter_quantized_at_load_by_online_methods_only(env: Any) -> None:
+    """``quantization: "fp8"`` on an unquantized drafter: the config is accepted and the worker's quantization
+    config resolves to vLLM's online FP8 through the plugin's patch (vLLM 0.26's own get_quant_config refuses the
+    draft's callable hf_overrides); a method that needs a checkpoint config file is refused at config time in one
+    line; the target's quantization is untouched."""
+    from vllm.config import LoadConfig, VllmConfig
+    from vllm.engine.arg_utils import EngineArgs
+    from vllm.model_executor.layers.quantization.fp8 import Fp8Config
+    from vllm.model_executor.model_loader import weight_utils
+
+    from vllm_tfm.vllm_plugin.draft_quantization import is_tfm_draft_config
+    from vllm_tfm.vllm_plugin.patching import is_patched, original
+
     d = drafter(env, "quant")
-    message = raises(env, tfm(d, quantization="fp8"), r"quantization='fp8' needs a drafter checkpoint quantized with it")
+    message = raises(env, tfm(d, quantization="awq"), r"quantization='awq' needs a drafter checkpoint quantized with it")
     assert message.startswith(f"{d / 'config.json'}: ")
     assert build(env, tfm(d)).draft_model_config.quantization is None
-    assert build(env, tfm(d, quantization=None)).method == "tfm"
+    float32 = EngineArgs(model=str(env["target"]), skip_tokenizer_init=True, dtype="float32").create_model_config()
+    raises(env, tfm(d, quantization="fp8"), r"quantization='fp8' runs the drafter in bfloat16, float16, not the "
+           r"model's float32; set dtype to one of them", model_config=float32)
+
+    bf16 = EngineArgs(model=str(env["target"]), skip_tokenizer_init=True, dtype="bfloat16").create_model_config()
+    cfg = build(env, tfm(d, quantization="fp8"), model_config=bf16)
+    draft = cfg.draft_model_config
+    assert draft.quantization == "fp8" and callable(draft.hf_overrides) and is_tfm_draft_config(draft)
+    assert is_patched(weight_utils, "get_quant_config")
+    quant = VllmConfig.get_quantization_config(draft, LoadConfig())
+    assert isinstance(quant, Fp8Config) and not quant.is_checkpoint_fp8_serialized
+    assert callable(draft.hf_overrides)  # the caller's config keeps its callable
+    with pytest.raises(ValueError, match="hf_overrides must be a dict"):
+        original(weight_utils, "get_quant_config")(draft, LoadConfig())
+    assert not is_tfm_draft_config(env["model_config"])
 
 
 def test_engine_and_parallel_refusals(env: Any, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -113,7 +113,8 @@ def prepare_tfm(
         target_hidden_size=hidden,
         target_num_layers=target_model_config.get_total_num_hidden_layers(),
     )
-    drafter_checks.check_drafter_quantization(raw, str(directory / "config.json"), spec_values.get("quantization"))
+    drafter_checks.check_drafter_quantization(raw, str(directory / "config.json"), spec_values.get("quantization"),
+                                              getattr(target_model_config, "dtype", None))
     if is_local and str(load_format) != "dummy":
         drafter_checks.check_drafter_weights(directory)
     options = resolve_tfm_options(directory, inline, num_speculative_tokens)

@@ -132,24 +132,39 @@ def check_drafter_against_target(
     return block
 
 
-def check_drafter_quantization(config: dict[str, Any], source: str, quantization: Any) -> None:
-    """Refuse the speculative config's ``quantization`` for a drafter checkpoint that is not quantized.
+def check_drafter_quantization(config: dict[str, Any], source: str, quantization: Any, dtype: Any = None) -> None:
+    """Refuse the speculative config's ``quantization`` where vLLM cannot apply it to this drafter checkpoint.
 
-    vLLM 0.26 builds a DFlash drafter's quantization config from the checkpoint's own
-    ``quantization_config`` (or ``compression_config``) only: without one, ``get_quant_config``
-    (model_executor/model_loader/weight_utils.py) looks for it in a dict ``hf_overrides``, and the
-    draft model config's ``hf_overrides`` is always a callable (``SpeculativeConfig.
-    compose_draft_hf_overrides``), so the load fails in the worker with "hf_overrides must be a dict".
-    That was the outcome on the GPU host with ``quantization: "fp8"`` (bench/NOTES.md section 63).
+    A checkpoint with its own ``quantization_config`` (or ``compression_config``) is vLLM's to check. An
+    unquantized one can only be quantized at load, by a method that needs no config file (``fp8`` and vLLM's
+    other online methods; ``draft_quantization`` makes vLLM 0.26 reach them for a tfm drafter); one that needs
+    a file (AWQ, GPTQ, ...) would fail in the worker, so it is refused here in one line; so is a model dtype
+    (``dtype``, the target's, which the drafter runs in) outside the method's activation dtypes (FP8: bfloat16 and
+    float16, not float32).
     """
     if quantization is None:
         return
     if config.get("quantization_config") is not None or config.get("compression_config") is not None:
         return
-    raise ValueError(
-        f"{source}: speculative_config quantization={quantization!r} needs a drafter checkpoint quantized with it "
-        "(a quantization_config in config.json); vLLM 0.26 cannot quantize an unquantized drafter at load"
-    )
+    from vllm.model_executor.layers.quantization import get_quantization_config
+
+    try:
+        method = get_quantization_config(str(quantization))
+    except ValueError:
+        return  # an unknown method: vLLM's own config check names it
+    if method.get_config_filenames():
+        raise ValueError(
+            f"{source}: speculative_config quantization={quantization!r} needs a drafter checkpoint quantized with it "
+            "(a quantization_config in config.json); an unquantized drafter is quantized at load only by methods "
+            "that need no checkpoint config, such as 'fp8'"
+        )
+    supported = method.get_supported_act_dtypes()
+    if dtype is not None and dtype not in supported:
+        names = ", ".join(str(d).removeprefix("torch.") for d in supported)
+        raise ValueError(
+            f"speculative_config: quantization={quantization!r} runs the drafter in {names}, not the model's "
+            f"{str(dtype).removeprefix('torch.')}; set dtype to one of them"
+        )
 
 
 def _is_dflash_weight(path: Path) -> bool:

@@ -67,6 +67,7 @@ def register() -> None:
         from .allowed_token_masks import install_allowed_token_masks
         from .async_scheduling import install_async_scheduling_patches
         from .config_patch import install_config_patches, install_direct_construction, install_predicate_patches
+        from .draft_quantization import install_draft_quantization
         from .fp32_prefill import install_fp32_prefill
         from .guards import install_request_guard
         from .models_registry import register_config_hooks, register_models
@@ -80,6 +81,7 @@ def register() -> None:
         register_config_hooks()
         install_fp32_prefill()
         install_allowed_token_masks()
+        install_draft_quantization()
         install_runtime()
         _REGISTERED = True
 
