@@ -254,6 +254,10 @@ def _add_eval_parser(sub) -> None:
                     help="anchors per prompt for the drafter-quality analysis (default 32)")
     ev.add_argument("--deadline-minutes", type=float, default=None,
                     help="replay: run budget 64 first and skip the cells that would start after this many minutes")
+    ev.add_argument("--drafter-fp8", action="store_true",
+                    help="the DFlash drafter's linear layers rounded as vLLM's online FP8 runs them (per-tensor e4m3 "
+                         "weights, per-token e4m3 activations; vllm_tfm.reference.fp8_sim): the acceptance of "
+                         "'quantization': 'fp8' in the speculative config")
     ev.add_argument("--mode", choices=("replay", "decode"), default="replay",
                     help="replay (default): accepted paths read off the target's continuation, batched over prompts "
                          "(equal to the decoder's, tested); decode: run the speculative decoder with tree verify")
@@ -279,6 +283,8 @@ def _eval_command(args: argparse.Namespace, methods: list[str]) -> str:
         parts += ["--width", str(args.width)]
     for r in args.data_root or []:
         parts += ["--data-root", r]
+    if args.drafter_fp8:
+        parts.append("--drafter-fp8")
     return shlex.join(parts)
 
 
@@ -336,6 +342,12 @@ def _eval(args: argparse.Namespace) -> int:
         else:
             models = load_zoo(zoo_dir)
     random_models = models.source == "random"
+    if args.drafter_fp8:
+        from vllm_tfm.reference.fp8_sim import simulate_fp8_linears
+
+        count = simulate_fp8_linears(models.bundle.dflash)
+        notes.append(f"--drafter-fp8: the DFlash drafter's {count} linear layers run as vLLM's online FP8 "
+                     "(vllm_tfm.reference.fp8_sim); the target, its lm_head and the Weaver as they are.")
     print(f"vllm-tfm eval: reference decoder on {device} (torch {torch.__version__}, transformers {transformers.__version__})")
     print(f"models: {models.description}")
     if random_models:

@@ -317,3 +317,41 @@ def test_cli_eval_width_is_recorded_in_the_config_and_the_command(tmp_path):
     assert rc == 0
     data = json.loads(out.read_text())
     assert data["config"]["width"] == 2 and " --width 2" in data["command"]
+
+
+def test_cli_eval_drafter_fp8_rounds_the_drafter_and_says_so(tmp_path, monkeypatch):
+    """--drafter-fp8: every linear layer of the DFlash drafter (and nothing of the target or the Weaver) goes
+    through fp8_sim before the evaluation; the note and the command record it."""
+    import vllm_tfm.reference.fp8_sim as fp8_sim
+    from vllm_tfm.reference import zoo
+
+    seen: dict[str, object] = {}
+    real = fp8_sim.simulate_fp8_linears
+
+    def spy(module):
+        seen["module"] = module
+        return real(module)
+
+    monkeypatch.setattr(fp8_sim, "simulate_fp8_linears", spy)
+    made = zoo.random_demo_models
+
+    def models(seed):
+        m = made(seed)
+        seen["dflash"], seen["target"] = m.bundle.dflash, m.target
+        return m
+
+    monkeypatch.setattr(zoo, "random_demo_models", models)
+    out = tmp_path / "acc.json"
+    rc = main([
+        "eval", "--random-models", "--methods", "tfm", "--budgets", "4", "--temperatures", "0", "--prompts", "1",
+        "--max-new-tokens", "3", "--prompt-len", "5", "--block-size", "3", "--device", "cpu", "--drafter-fp8",
+        "--out", str(out), "--plots-dir", str(tmp_path / "plots"),
+    ])
+    assert rc == 0
+    data = json.loads(out.read_text())
+    assert data["command"].endswith(" --drafter-fp8")
+    assert any(n.startswith("--drafter-fp8: the DFlash drafter's ") for n in data["notes"])
+    assert seen["module"] is seen["dflash"]
+    assert any(isinstance(m, fp8_sim.Fp8SimLinear) for m in seen["dflash"].modules())
+    assert not any(isinstance(m, torch.nn.Linear) for m in seen["dflash"].modules())
+    assert not any(isinstance(m, fp8_sim.Fp8SimLinear) for m in seen["target"].modules())

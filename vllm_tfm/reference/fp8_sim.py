@@ -1,0 +1,76 @@
+"""The DFlash drafter's linear layers as vLLM's online FP8 runs them, simulated in the drafter's own dtype.
+
+For ``vllm-tfm eval --drafter-fp8``: what FP8 drafter weights (``"quantization": "fp8"`` in the speculative
+config, ``vllm_plugin/draft_quantization.py``) do to acceptance, measured with the reference decoder on the toy
+zoo instead of on a GPU. The rounding follows vLLM 0.26's ``Fp8LinearMethod`` for an unquantized checkpoint
+(``model_executor/layers/quantization/fp8.py``) as read there, not its kernels:
+
+* weights: float8 e4m3 (largest finite 448) with one scale per tensor, ``amax / 448``; the shards vLLM fuses
+  into one layer share one scale, the largest of theirs (``process_fp8_weight_tensor_strategy`` requantizes the
+  logical shards to their maximum): q, k and v of an attention block, gate and up of an MLP;
+* activations: e4m3 with a dynamic scale per token (row), ``amax / 448``, on H100 / H200 (cutlass FP8, vLLM's
+  ``kFp8DynamicTokenSym``);
+* the product accumulated in float32 (here: the drafter's dtype, float32 on the zoo), no rounding of the
+  output beyond the model's dtype.
+
+The lm_head and the input embedding are the target's and stay as they are, as in vLLM (DFlash shares them).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+__all__ = ["E4M3_MAX", "fp8_round", "fp8_round_rows", "Fp8SimLinear", "simulate_fp8_linears"]
+
+E4M3_MAX = 448.0  # the largest finite float8_e4m3fn
+_FUSED_SHARDS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
+
+
+def fp8_round(x: Tensor, scale: Tensor) -> Tensor:
+    """``x`` rounded to ``scale`` times an e4m3 value (saturating at +-448 scale), in ``x``'s dtype."""
+    q = (x.float() / scale).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
+    return (q.float() * scale).to(x.dtype)
+
+
+def _scale(amax: Tensor) -> Tensor:
+    return (amax.float() / E4M3_MAX).clamp_min(torch.finfo(torch.float32).tiny)
+
+
+def fp8_round_rows(x: Tensor) -> Tensor:
+    """Per-row (token) dynamic scales over the last dimension: ``fp8_round(x, amax_row / 448)``."""
+    return fp8_round(x, _scale(x.abs().amax(dim=-1, keepdim=True)))
+
+
+class Fp8SimLinear(nn.Module):
+    """A bias-free or biased linear layer whose weight was rounded once to e4m3 at ``weight_scale`` and whose
+    input is rounded per row at every call."""
+
+    def __init__(self, linear: nn.Linear, weight_scale: Tensor) -> None:
+        super().__init__()
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        with torch.no_grad():
+            self.weight = nn.Parameter(fp8_round(linear.weight.detach(), weight_scale.detach()), requires_grad=False)
+            self.bias = None if linear.bias is None else nn.Parameter(linear.bias.detach().clone(), requires_grad=False)
+        self.weight_scale = float(weight_scale.detach())
+
+    def forward(self, x: Tensor) -> Tensor:
+        return F.linear(fp8_round_rows(x), self.weight, self.bias)
+
+
+def simulate_fp8_linears(module: nn.Module) -> int:
+    """Replace every ``nn.Linear`` under ``module`` by an ``Fp8SimLinear`` (in place); returns how many. Fused
+    shards (q/k/v, gate/up: siblings under one parent) share the largest of their per-tensor scales."""
+    count = 0
+    for parent in list(module.modules()):
+        children = {name: child for name, child in parent.named_children() if isinstance(child, nn.Linear)}
+        groups: list[tuple[str, ...]] = [g for g in _FUSED_SHARDS if all(n in children for n in g)]
+        grouped = {n for g in groups for n in g}
+        groups += [(n,) for n in children if n not in grouped]
+        for group in groups:
+            scale = _scale(torch.stack([children[n].weight.detach().abs().amax() for n in group]).amax())
+            for name in group:
+                setattr(parent, name, Fp8SimLinear(children[name], scale))
+                count += 1
+    return count
