@@ -258,6 +258,9 @@ def _add_eval_parser(sub) -> None:
                     help="the DFlash drafter's linear layers rounded as vLLM's online FP8 runs them (per-tensor e4m3 "
                          "weights, per-token e4m3 activations; vllm_tfm.reference.fp8_sim): the acceptance of "
                          "'quantization': 'fp8' in the speculative config")
+    ev.add_argument("--drafter-fp8-head", action="store_true",
+                    help="the DFlash drafter's marginal logits through an FP8 copy of the target's lm_head (e4m3, "
+                         "per-row scales; vllm_tfm.reference.fp8_sim.Fp8SimHead); the Weaver reads the lm_head as it is")
     ev.add_argument("--mode", choices=("replay", "decode"), default="replay",
                     help="replay (default): accepted paths read off the target's continuation, batched over prompts "
                          "(equal to the decoder's, tested); decode: run the speculative decoder with tree verify")
@@ -285,6 +288,8 @@ def _eval_command(args: argparse.Namespace, methods: list[str]) -> str:
         parts += ["--data-root", r]
     if args.drafter_fp8:
         parts.append("--drafter-fp8")
+    if args.drafter_fp8_head:
+        parts.append("--drafter-fp8-head")
     return shlex.join(parts)
 
 
@@ -348,6 +353,12 @@ def _eval(args: argparse.Namespace) -> int:
         count = simulate_fp8_linears(models.bundle.dflash)
         notes.append(f"--drafter-fp8: the DFlash drafter's {count} linear layers run as vLLM's online FP8 "
                      "(vllm_tfm.reference.fp8_sim); the target, its lm_head and the Weaver as they are.")
+    if args.drafter_fp8_head:
+        from vllm_tfm.reference.fp8_sim import Fp8SimHead
+
+        models.bundle.dflash.logits_head = Fp8SimHead(models.target.get_output_embeddings())
+        notes.append("--drafter-fp8-head: the DFlash marginals through an FP8 copy of the target's lm_head "
+                     "(vllm_tfm.reference.fp8_sim.Fp8SimHead); the target and the Weaver read the lm_head as it is.")
     print(f"vllm-tfm eval: reference decoder on {device} (torch {torch.__version__}, transformers {transformers.__version__})")
     print(f"models: {models.description}")
     if random_models:

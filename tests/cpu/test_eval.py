@@ -355,3 +355,35 @@ def test_cli_eval_drafter_fp8_rounds_the_drafter_and_says_so(tmp_path, monkeypat
     assert any(isinstance(m, fp8_sim.Fp8SimLinear) for m in seen["dflash"].modules())
     assert not any(isinstance(m, torch.nn.Linear) for m in seen["dflash"].modules())
     assert not any(isinstance(m, fp8_sim.Fp8SimLinear) for m in seen["target"].modules())
+    assert seen["dflash"].logits_head is None
+
+
+def test_cli_eval_drafter_fp8_head_gives_the_drafter_its_own_head(tmp_path, monkeypatch):
+    """--drafter-fp8-head: the drafter's marginals go through an FP8 copy of the target's lm_head; the target's
+    own lm_head (which the Weaver reads) is untouched."""
+    import vllm_tfm.reference.fp8_sim as fp8_sim
+    from vllm_tfm.reference import zoo
+
+    seen: dict[str, object] = {}
+    made = zoo.random_demo_models
+
+    def models(seed):
+        m = made(seed)
+        seen["dflash"], seen["target"] = m.bundle.dflash, m.target
+        seen["lm_head"] = m.target.get_output_embeddings().weight.detach().clone()
+        return m
+
+    monkeypatch.setattr(zoo, "random_demo_models", models)
+    out = tmp_path / "acc.json"
+    rc = main([
+        "eval", "--random-models", "--methods", "tfm", "--budgets", "4", "--temperatures", "0", "--prompts", "1",
+        "--max-new-tokens", "3", "--prompt-len", "5", "--block-size", "3", "--device", "cpu", "--drafter-fp8-head",
+        "--out", str(out), "--plots-dir", str(tmp_path / "plots"),
+    ])
+    assert rc == 0
+    data = json.loads(out.read_text())
+    assert data["command"].endswith(" --drafter-fp8-head")
+    head = seen["dflash"].logits_head
+    assert isinstance(head, fp8_sim.Fp8SimHead)
+    assert torch.equal(seen["target"].get_output_embeddings().weight, seen["lm_head"])
+    assert not torch.equal(head.weight, seen["lm_head"])

@@ -103,3 +103,29 @@ def test_whole_drafter_every_linear_but_no_other_parameter(tiny_dflash_config) -
             assert torch.equal(p, before[name])
         elif name.endswith("proj.weight") or name == "fc.weight":
             assert not torch.equal(p, before[name])
+
+
+def test_fp8_head_rounds_each_vocabulary_row_at_its_own_scale_and_is_not_saved(tiny_dflash_config) -> None:
+    from vllm_tfm.models.dflash import drafter_logits, marginal_logits
+    from vllm_tfm.reference.fp8_sim import Fp8SimHead
+
+    g = torch.Generator().manual_seed(4)
+    lm_head = nn.Linear(32, 64, bias=False)
+    with torch.no_grad():
+        lm_head.weight.copy_(torch.randn(64, 32, generator=g))
+        lm_head.weight[7] *= 1e-3  # a small row keeps its precision with its own scale
+    head = Fp8SimHead(lm_head)
+    for row, rounded in zip(lm_head.weight.detach(), head.weight):
+        scale = row.abs().amax() / E4M3_MAX
+        assert_nearest_e4m3(row / scale, rounded / scale)
+    assert head.state_dict() == {} and list(head.parameters()) == []
+    x = torch.randn(3, 32, generator=g)
+    torch.testing.assert_close(head(x), F.linear(fp8_round_rows(x), head.weight), rtol=0, atol=0)
+
+    drafter = DFlashDrafter(tiny_dflash_config)
+    hidden = torch.randn(5, 32, generator=g)
+    assert torch.equal(drafter_logits(drafter, hidden, lm_head), marginal_logits(hidden, lm_head))
+    drafter.logits_head = head
+    assert torch.equal(drafter_logits(drafter, hidden, lm_head), head(hidden[1:]))
+    assert not torch.equal(drafter_logits(drafter, hidden, lm_head), marginal_logits(hidden, lm_head))
+    assert "logits_head.weight" not in drafter.state_dict()

@@ -3,7 +3,7 @@ layout), the Weaver tree scorer and the TreeFlash AR approximator, with Hugging 
 ``save_pretrained`` / ``from_pretrained`` (safetensors) and one-line load errors; ``proposal_trees``
 turns their outputs into draft trees for R requests at once."""
 
-from .dflash import DFLASH_ARCHITECTURE, ContextKV, DFlashConfig, DFlashDrafter, marginal_logits
+from .dflash import DFLASH_ARCHITECTURE, ContextKV, DFlashConfig, DFlashDrafter, drafter_logits, marginal_logits
 from .drafter_dir import DrafterBundle, load_drafter_dir
 from .tfm_config import TfmConfig, TreeFlashConfig, WeaverConfig
 from .proposal_trees import treeflash_padded_trees, weaver_draft_trees, weaver_padded_trees
@@ -16,6 +16,7 @@ __all__ = [
     "DFlashConfig",
     "DFlashDrafter",
     "marginal_logits",
+    "drafter_logits",
     "DrafterBundle",
     "load_drafter_dir",
     "TfmConfig",

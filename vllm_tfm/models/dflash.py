@@ -65,6 +65,7 @@ __all__ = [
     "DFlashDrafter",
     "ContextKV",
     "marginal_logits",
+    "drafter_logits",
 ]
 
 DFLASH_ARCHITECTURE = "DFlashDraftModel"
@@ -390,6 +391,9 @@ class DFlashDrafter(nn.Module):
         self.fc = nn.Linear(config.fc_in_features, config.hidden_size, bias=False)
         self.hidden_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        # the drafter's own head of its marginal logits (``drafter_logits``); None: the target's lm_head, which
+        # z-lab's DFlash shares. Set only to evaluate another head (``vllm-tfm eval --drafter-fp8-head``).
+        self.logits_head: nn.Module | None = None
 
     # ------------------------------------------------------------------ pieces
     def _rope(self, positions: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
@@ -555,6 +559,12 @@ class DFlashDrafter(nn.Module):
 
     def validate_against_target(self, target_config: object) -> None:
         self.config.validate_against_target(target_config)
+
+
+def drafter_logits(drafter: DFlashDrafter, hidden: Tensor, lm_head: nn.Module | Tensor) -> Tensor:
+    """:func:`marginal_logits` through the drafter's own ``logits_head`` when it has one, else the target's
+    ``lm_head``. Only the marginals change: the Weaver and TreeFlash read the target's lm_head rows either way."""
+    return marginal_logits(hidden, drafter.logits_head if drafter.logits_head is not None else lm_head)
 
 
 def marginal_logits(hidden: Tensor, lm_head: nn.Module | Tensor) -> Tensor:

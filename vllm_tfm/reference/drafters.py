@@ -33,7 +33,7 @@ from vllm_tfm.models import (
     TreeFlashApproximator,
     TreeFlashTransitionScorer,
     Weaver,
-    marginal_logits,
+    drafter_logits,
 )
 from vllm_tfm.tree import Tree, build_chain, build_ddtree, build_treeflash, build_weaver, default_weaver_width
 
@@ -187,7 +187,7 @@ class DFlashProposer:
         final norm), as :meth:`propose` computes it; callers that run the DFlash forward for many
         anchors at once (the acceptance replay) build each anchor's tree here."""
         hidden = self.drafter.norm(prenorm)  # [gamma, H]
-        logits = marginal_logits(hidden, self.lm_head)  # [D, V], row d-1 = depth d
+        logits = drafter_logits(self.drafter, hidden, self.lm_head)  # [D, V], row d-1 = depth d
         logits = logits.to(_math_dtype(logits.dtype))
         bias = None
         if self.proposal_bias is not None:

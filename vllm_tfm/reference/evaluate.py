@@ -41,7 +41,7 @@ import numpy as np
 import torch
 from torch import Tensor, nn
 
-from vllm_tfm.models import DrafterBundle, TreeFlashTransitionScorer, marginal_logits
+from vllm_tfm.models import DrafterBundle, TreeFlashTransitionScorer, drafter_logits
 
 from .decoder import SamplingConfig, SpeculativeDecoder
 from .drafters import METHODS, DraftInputs, ProposalBias, make_proposer
@@ -322,7 +322,7 @@ def drafter_quality(
             cu = torch.tensor([0, a], dtype=torch.long, device=device)
             prenorm = drafter.forward_batch_prenorm(ctx, cu, blk[None], pos[None], embed)[0]
             hidden = drafter.norm(prenorm)
-            mlog = marginal_logits(hidden, lm_head).double()  # [D, V]
+            mlog = drafter_logits(drafter, hidden, lm_head).double()  # [D, V]
             bias = None
             if proposal_bias is not None:
                 inputs = DraftInputs(root=int(ids[a]), position=a, verifier_hidden=final[a - 1], tokens=ids[: a + 1])

@@ -14,6 +14,10 @@ zoo instead of on a GPU. The rounding follows vLLM 0.26's ``Fp8LinearMethod`` fo
   output beyond the model's dtype.
 
 The lm_head and the input embedding are the target's and stay as they are, as in vLLM (DFlash shares them).
+``Fp8SimHead`` is the other option measured here: an FP8 copy of the lm_head for the drafter's marginal logits
+only (``vllm-tfm eval --drafter-fp8-head``), e4m3 weights with one scale per vocabulary row and activations
+with one per row, as the branch ``s63-fp8-head``'s ``kernels/fp8_head.py`` runs it (bench/NOTES.md section 63);
+the Weaver keeps reading the target's lm_head rows.
 """
 
 from __future__ import annotations
@@ -22,7 +26,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-__all__ = ["E4M3_MAX", "fp8_round", "fp8_round_rows", "Fp8SimLinear", "simulate_fp8_linears"]
+from vllm_tfm.models.common import as_weight
+
+__all__ = ["E4M3_MAX", "fp8_round", "fp8_round_rows", "Fp8SimLinear", "Fp8SimHead", "simulate_fp8_linears"]
 
 E4M3_MAX = 448.0  # the largest finite float8_e4m3fn
 _FUSED_SHARDS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
@@ -57,6 +63,20 @@ class Fp8SimLinear(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         return F.linear(fp8_round_rows(x), self.weight, self.bias)
+
+
+class Fp8SimHead(nn.Module):
+    """The lm_head [V, H] rounded to e4m3 with one scale per vocabulary row (``amax / 448``), its input rounded
+    per row at every call; logits in the input's dtype. For ``DFlashDrafter.logits_head``."""
+
+    def __init__(self, lm_head: nn.Module | Tensor) -> None:
+        super().__init__()
+        w = as_weight(lm_head, "lm_head").detach()
+        scale = _scale(w.abs().amax(dim=1, keepdim=True))
+        self.register_buffer("weight", fp8_round(w, scale), persistent=False)  # not in a state_dict
+
+    def forward(self, x: Tensor) -> Tensor:
+        return F.linear(fp8_round_rows(x), self.weight.to(x.dtype))
 
 
 def simulate_fp8_linears(module: nn.Module) -> int:

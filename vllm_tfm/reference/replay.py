@@ -37,7 +37,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from vllm_tfm.models import DrafterBundle, marginal_logits
+from vllm_tfm.models import DrafterBundle, drafter_logits
 from vllm_tfm.models.proposal_trees import treeflash_padded_trees, weaver_padded_trees
 from vllm_tfm.tree.marginal_padded import ddtree_trees
 from vllm_tfm.tree.types import Tree
@@ -211,7 +211,7 @@ def batched_trees(
     """
     drafter = proposer.drafter
     hidden = drafter.norm(prenorm)
-    logits = marginal_logits(hidden, proposer.lm_head)
+    logits = drafter_logits(drafter, hidden, proposer.lm_head)
     logits = logits.to(torch.float64 if logits.dtype == torch.float64 else torch.float32)
     if bias is not None:
         if proposer.method == "treeflash":
