@@ -130,19 +130,27 @@ def test_dflash_arm_config_is_vllms_synthetic_chain(big: Any, monkeypatch: pytes
     assert plan["mal"] == pytest.approx(mean_accepted_length(geometric_pmf(0.75, 15)))
 
 
-def test_tfm_arm_config_replays_its_profile_entry(big: Any, monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+def replay_env(arm: Any, prof: Any, monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> dict[str, Any]:
+    """The arm's plan at T = 1, its profile entry saved and the child's VLLM_TFM_* environment set, as the
+    e2e driver does for an arm's engine process."""
     from vllm_tfm.verify.acceptance_profile import AcceptanceProfile, save_profile
-    from vllm_tfm.vllm_plugin.benchmark_mode import get_acceptance_replay
-    from vllm_tfm.vllm_plugin.options import get_tfm_options
 
-    prof = builtin_geometric_profile(temperatures=(1.0,))
-    arm = e2e.ARMS["tfm64"]
     plan = e2e.arm_profile(arm, prof, 1.0, 15)
     save_profile(AcceptanceProfile(source=prof.source, measured=False, entries=[plan["entry"]]), tmp_path / "p.json")
     for k, v in e2e.child_env(arm, {"seed": 3}, tmp_path).items():
         if k.startswith("VLLM_TFM_"):
             monkeypatch.setenv(k, v)
     monkeypatch.setenv("VLLM_TFM_BENCHMARK_ACCEPTANCE_REPLAY", str(tmp_path / "p.json"))
+    return plan
+
+
+def test_tfm_arm_config_replays_its_profile_entry(big: Any, monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    from vllm_tfm.vllm_plugin.benchmark_mode import get_acceptance_replay
+    from vllm_tfm.vllm_plugin.options import get_tfm_options
+
+    prof = builtin_geometric_profile(temperatures=(1.0,))
+    arm = e2e.ARMS["tfm64"]
+    plan = replay_env(arm, prof, monkeypatch, tmp_path)
     cfg = spec_config(e2e.engine_kwargs(arm, settings(big), plan))
     assert cfg.method == "tfm" and cfg.num_speculative_tokens == 64
     assert get_tfm_options(cfg).proposal == "tfm"
@@ -158,17 +166,10 @@ def test_tfm_arm_config_replays_its_profile_entry(big: Any, monkeypatch: pytest.
 def test_fp8_drafter_arm_quantizes_the_drafter_only(big: Any, monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     """The fp8draft arm is its base arm with vLLM's own ``quantization`` key in the speculative config: the
     drafter's model config carries fp8, the target's none; the base arm's drafter carries none."""
-    from vllm_tfm.verify.acceptance_profile import AcceptanceProfile, save_profile
-
     prof = builtin_geometric_profile(temperatures=(1.0,))
     for name, want in (("tfm16-full-async-oneslot-fp8draft", "fp8"), ("tfm16-full-async-oneslot", None)):
         arm = e2e.ARMS[name]
-        plan = e2e.arm_profile(arm, prof, 1.0, 15)
-        save_profile(AcceptanceProfile(source=prof.source, measured=False, entries=[plan["entry"]]), tmp_path / "p.json")
-        for k, v in e2e.child_env(arm, {"seed": 3}, tmp_path).items():
-            if k.startswith("VLLM_TFM_"):
-                monkeypatch.setenv(k, v)
-        monkeypatch.setenv("VLLM_TFM_BENCHMARK_ACCEPTANCE_REPLAY", str(tmp_path / "p.json"))
+        plan = replay_env(arm, prof, monkeypatch, tmp_path)
         kw = e2e.engine_kwargs(arm, settings(big), plan)
         cfg = spec_config(kw)
         assert cfg.method == "tfm" and cfg.draft_model_config.quantization == want
@@ -182,8 +183,6 @@ def test_tfm_graphs_arm_gets_piecewise_graphs_with_tree_step_sizes(big: Any, mon
     from vllm.config import ParallelConfig
     from vllm.engine.arg_utils import EngineArgs
 
-    from vllm_tfm.verify.acceptance_profile import AcceptanceProfile, save_profile
-
     prof = builtin_geometric_profile(temperatures=(1.0,))
     for name, mode, sizes, eager in (
         ("tfm64-graphs", "PIECEWISE", [1, 2, 4, 8, *(65 * k for k in range(1, 9))], False),
@@ -191,12 +190,7 @@ def test_tfm_graphs_arm_gets_piecewise_graphs_with_tree_step_sizes(big: Any, mon
         ("tfm64", None, None, True),
     ):
         arm = e2e.ARMS[name]
-        plan = e2e.arm_profile(arm, prof, 1.0, 15)
-        save_profile(AcceptanceProfile(source=prof.source, measured=False, entries=[plan["entry"]]), tmp_path / "p.json")
-        for k, v in e2e.child_env(arm, {"seed": 3}, tmp_path).items():
-            if k.startswith("VLLM_TFM_"):
-                monkeypatch.setenv(k, v)
-        monkeypatch.setenv("VLLM_TFM_BENCHMARK_ACCEPTANCE_REPLAY", str(tmp_path / "p.json"))
+        plan = replay_env(arm, prof, monkeypatch, tmp_path)
         args = EngineArgs(**e2e.engine_kwargs(arm, settings(big), plan))
         args.create_speculative_config(args.create_model_config(), ParallelConfig())
         got = args.compilation_config.cudagraph_mode

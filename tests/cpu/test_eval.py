@@ -319,49 +319,8 @@ def test_cli_eval_width_is_recorded_in_the_config_and_the_command(tmp_path):
     assert data["config"]["width"] == 2 and " --width 2" in data["command"]
 
 
-def test_cli_eval_drafter_fp8_rounds_the_drafter_and_says_so(tmp_path, monkeypatch):
-    """--drafter-fp8: every linear layer of the DFlash drafter (and nothing of the target or the Weaver) goes
-    through fp8_sim before the evaluation; the note and the command record it."""
-    import vllm_tfm.reference.fp8_sim as fp8_sim
-    from vllm_tfm.reference import zoo
-
-    seen: dict[str, object] = {}
-    real = fp8_sim.simulate_fp8_linears
-
-    def spy(module):
-        seen["module"] = module
-        return real(module)
-
-    monkeypatch.setattr(fp8_sim, "simulate_fp8_linears", spy)
-    made = zoo.random_demo_models
-
-    def models(seed):
-        m = made(seed)
-        seen["dflash"], seen["target"] = m.bundle.dflash, m.target
-        return m
-
-    monkeypatch.setattr(zoo, "random_demo_models", models)
-    out = tmp_path / "acc.json"
-    rc = main([
-        "eval", "--random-models", "--methods", "tfm", "--budgets", "4", "--temperatures", "0", "--prompts", "1",
-        "--max-new-tokens", "3", "--prompt-len", "5", "--block-size", "3", "--device", "cpu", "--drafter-fp8",
-        "--out", str(out), "--plots-dir", str(tmp_path / "plots"),
-    ])
-    assert rc == 0
-    data = json.loads(out.read_text())
-    assert data["command"].endswith(" --drafter-fp8")
-    assert any(n.startswith("--drafter-fp8: the DFlash drafter's ") for n in data["notes"])
-    assert seen["module"] is seen["dflash"]
-    assert any(isinstance(m, fp8_sim.Fp8SimLinear) for m in seen["dflash"].modules())
-    assert not any(isinstance(m, torch.nn.Linear) for m in seen["dflash"].modules())
-    assert not any(isinstance(m, fp8_sim.Fp8SimLinear) for m in seen["target"].modules())
-    assert seen["dflash"].logits_head is None
-
-
-def test_cli_eval_drafter_fp8_head_gives_the_drafter_its_own_head(tmp_path, monkeypatch):
-    """--drafter-fp8-head: the drafter's marginals go through an FP8 copy of the target's lm_head; the target's
-    own lm_head (which the Weaver reads) is untouched."""
-    import vllm_tfm.reference.fp8_sim as fp8_sim
+def _eval_with_flag(tmp_path, monkeypatch, flag: str) -> tuple[dict, dict]:
+    """``vllm-tfm eval --random-models ... <flag>``: (results JSON, the models it built, their lm_head before)."""
     from vllm_tfm.reference import zoo
 
     seen: dict[str, object] = {}
@@ -377,12 +336,44 @@ def test_cli_eval_drafter_fp8_head_gives_the_drafter_its_own_head(tmp_path, monk
     out = tmp_path / "acc.json"
     rc = main([
         "eval", "--random-models", "--methods", "tfm", "--budgets", "4", "--temperatures", "0", "--prompts", "1",
-        "--max-new-tokens", "3", "--prompt-len", "5", "--block-size", "3", "--device", "cpu", "--drafter-fp8-head",
+        "--max-new-tokens", "3", "--prompt-len", "5", "--block-size", "3", "--device", "cpu", flag,
         "--out", str(out), "--plots-dir", str(tmp_path / "plots"),
     ])
     assert rc == 0
     data = json.loads(out.read_text())
-    assert data["command"].endswith(" --drafter-fp8-head")
+    assert data["command"].endswith(f" {flag}")
+    return data, seen
+
+
+def test_cli_eval_drafter_fp8_rounds_the_drafter_and_says_so(tmp_path, monkeypatch):
+    """--drafter-fp8: every linear layer of the DFlash drafter (and nothing of the target or the Weaver) goes
+    through fp8_sim before the evaluation; the note and the command record it."""
+    import vllm_tfm.reference.fp8_sim as fp8_sim
+
+    calls: list[object] = []
+    real = fp8_sim.simulate_fp8_linears
+
+    def spy(module):
+        calls.append(module)
+        return real(module)
+
+    monkeypatch.setattr(fp8_sim, "simulate_fp8_linears", spy)
+    data, seen = _eval_with_flag(tmp_path, monkeypatch, "--drafter-fp8")
+    assert any(n.startswith("--drafter-fp8: the DFlash drafter's ") for n in data["notes"])
+    assert calls == [seen["dflash"]]
+    assert any(isinstance(m, fp8_sim.Fp8SimLinear) for m in seen["dflash"].modules())
+    assert not any(isinstance(m, torch.nn.Linear) for m in seen["dflash"].modules())
+    assert not any(isinstance(m, fp8_sim.Fp8SimLinear) for m in seen["target"].modules())
+    assert seen["dflash"].logits_head is None
+
+
+def test_cli_eval_drafter_fp8_head_gives_the_drafter_its_own_head(tmp_path, monkeypatch):
+    """--drafter-fp8-head: the drafter's marginals go through an FP8 copy of the target's lm_head; the target's
+    own lm_head (which the Weaver reads) is untouched."""
+    import vllm_tfm.reference.fp8_sim as fp8_sim
+
+    data, seen = _eval_with_flag(tmp_path, monkeypatch, "--drafter-fp8-head")
+    assert any(n.startswith("--drafter-fp8-head: the DFlash marginals ") for n in data["notes"])
     head = seen["dflash"].logits_head
     assert isinstance(head, fp8_sim.Fp8SimHead)
     assert torch.equal(seen["target"].get_output_embeddings().weight, seen["lm_head"])
