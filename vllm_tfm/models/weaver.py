@@ -536,9 +536,10 @@ class BatchedWeaverTreeScorer:
                 if side is not None and prompt_after is not None:
                     raise ValueError("a prompt stream that starts after an earlier event needs the K/V buffers "
                                      "made before it (kv_cache=BatchedWeaverTreeScorer.prompt_buffers(...))")
-                kv_cache = self.prompt_buffers(weaver, verifier_hidden, dflash_hidden, max_nodes)
+            want = _kv_specs(weaver, r, depth, max_nodes, dtype, dev)
+            if kv_cache is None:  # the folded weights and RoPE table are made above: no prompt_buffers call
+                kv_cache = [torch.empty(shape, dtype=dt, device=d) for shape, dt, d in want]
             else:
-                want = _kv_specs(weaver, r, depth, max_nodes, dtype, dev)
                 got = [(tuple(t.shape), t.dtype, t.device) for t in kv_cache]
                 if got != want:
                     raise ValueError(f"kv_cache must be {len(want)} buffers of (shape, dtype, device) {want}, got {got}")

@@ -41,7 +41,7 @@ def _make_get_quant_config(original: Callable[..., Any]) -> Callable[..., Any]:
     @functools.wraps(original)
     def get_quant_config(model_config: Any, load_config: Any) -> Any:
         overrides = getattr(model_config, "hf_overrides", None)
-        if callable(overrides) and not isinstance(overrides, dict) and is_tfm_draft_config(model_config):
+        if callable(overrides) and is_tfm_draft_config(model_config):
             plain = copy.copy(model_config)  # the caller's config keeps its callable
             object.__setattr__(plain, "hf_overrides", {})
             return original(plain, load_config)

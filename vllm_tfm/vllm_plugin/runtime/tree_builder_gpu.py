@@ -43,7 +43,7 @@ from vllm_tfm.tree.padded import fill_to_budget
 from .kernels_or_reference import kernels_enabled
 from .settings import RuntimeSwitch
 
-__all__ = ["PROMPT_OVERLAP_ENV", "TOPK_KERNEL_ENV", "chain_trees", "ddtree_trees", "fill_to_budget",
+__all__ = ["PROMPT_OVERLAP_ENV", "TOPK_KERNEL_ENV", "chain_trees", "ddtree_trees", "fill_to_budget", "growth_switches",
            "prompt_overlap_enabled", "prompt_stream", "ranked_top", "set_prompt_overlap", "set_topk_kernel",
            "topk_kernel_enabled", "treeflash_trees", "weaver_trees"]
 
@@ -66,8 +66,8 @@ def set_topk_kernel(on: bool | None) -> bool:
 
 
 PROMPT_OVERLAP_ENV = "VLLM_TFM_WEAVER_PROMPT_OVERLAP"
-# opt-in until its present form has run on a GPU (bench/NOTES.md section 62: the first form measured -0.25 ms per
-# batch-1 step at the 27B shape, and broke the torch-reference build, which its buffer rule now prevents)
+# opt-in: on an H100 at the 27B shape it gave no steady gain per tree step (batch 2 slower, batch 4 faster;
+# bench/NOTES.md section 63); its form with every buffer made before the fork passed the zoo's tokens there
 _PROMPT_OVERLAP = RuntimeSwitch(PROMPT_OVERLAP_ENV, "set_prompt_overlap", default_on=False)
 _PROMPT_STREAMS: dict[torch.device, torch.cuda.Stream] = {}
 
@@ -100,6 +100,15 @@ def prompt_stream(device: torch.device) -> torch.cuda.Stream | None:
     return stream
 
 
+def growth_switches(device: torch.device) -> dict[str, object]:
+    """The runtime switches of a Weaver build on ``device``, as ``weaver_growth`` keywords: the round, score and
+    top-K kernels (``kernels_enabled()``, ``topk_kernel_enabled()``) and the prompt stream (``prompt_stream``).
+    One place for the eager build here and the captured one (``weaver_graphs``), whose graph key reads the same."""
+    kernels = kernels_enabled()
+    return {"round_kernel": kernels, "score_kernel": kernels, "topk_kernel": kernels and topk_kernel_enabled(),
+            "prompt_stream": prompt_stream(device)}
+
+
 def weaver_trees(
     weaver: nn.Module,
     dflash_logits: Tensor,
@@ -124,9 +133,7 @@ def weaver_trees(
     check_marginals(dflash_logits, budget)
     return weaver_draft_trees(
         weaver, dflash_logits, dflash_hidden, verifier_hidden, root_tokens, embed, lm_head,
-        budget, top_k, width, children_per_node, logits_dtype=dflash_hidden.dtype, round_kernel=kernels_enabled(),
-        score_kernel=kernels_enabled(), topk_kernel=kernels_enabled() and topk_kernel_enabled(),
-        prompt_stream=prompt_stream(dflash_hidden.device),
+        budget, top_k, width, children_per_node, logits_dtype=dflash_hidden.dtype, **growth_switches(dflash_hidden.device),
     )
 
 

@@ -89,7 +89,7 @@ from vllm_tfm.tree.weaver_padded import WeaverGrowth, pending_from_flags
 from .kernels_or_reference import kernels_enabled
 from .settings import RuntimeSwitch
 from .state import STATE
-from .tree_builder_gpu import prompt_overlap_enabled, prompt_stream, topk_kernel_enabled, weaver_trees
+from .tree_builder_gpu import growth_switches, prompt_overlap_enabled, topk_kernel_enabled, weaver_trees
 
 __all__ = [
     "DeferredTail",
@@ -241,9 +241,7 @@ def _build(
     """The capturable part of ``tree_builder_gpu.weaver_trees`` on the static inputs."""
     growth, cand_ids = weaver_growth(
         weaver, inputs.logits, inputs.hidden, inputs.verifier, inputs.roots, embed, lm_head,
-        budget, top_k, width, cpn, logits_dtype=inputs.hidden.dtype, round_kernel=kernels_enabled(),
-        score_kernel=kernels_enabled(), topk_kernel=kernels_enabled() and topk_kernel_enabled(),
-        prompt_stream=prompt_stream(inputs.hidden.device),
+        budget, top_k, width, cpn, logits_dtype=inputs.hidden.dtype, **growth_switches(inputs.hidden.device),
     )
     filler = cand_ids[:, 0, 0]
     tokens, parents = growth.trees().draft_layout(filler)
