@@ -139,6 +139,10 @@ ARMS: dict[str, Arm] = {
     "tfm16-full-async-oneslot-fp8draft": Arm("tfm16-full-async-oneslot-fp8draft", "tfm", 16, graphs=True, full=True,
                                              async_scheduling=True, env=(("VLLM_TFM_GDN_STATE_SLOTS", "one"),),
                                              draft_quantization="fp8"),
+    # and its logits through an FP8 copy of the lm_head (tfm option draft_lm_head, vllm_plugin/runtime/draft_head.py)
+    "tfm16-full-async-oneslot-fp8draft-fp8head": Arm(
+        "tfm16-full-async-oneslot-fp8draft-fp8head", "tfm", 16, graphs=True, full=True, async_scheduling=True,
+        env=(("VLLM_TFM_GDN_STATE_SLOTS", "one"), ("VLLM_TFM_DRAFT_LM_HEAD", "fp8")), draft_quantization="fp8"),
 }
 DEFAULT_ARMS = "nospec,dflash,tfm32,tfm64,tfm16"
 

@@ -75,11 +75,14 @@ if VL or SSM_DTYPE:
 # Size of the run, from the environment (defaults: the quick smoke run):
 #   TFM_E2E_PROMPTS (8), TFM_E2E_MAX_TOKENS (32), TFM_E2E_BUDGET (7), TFM_E2E_BLOCK (8),
 #   TFM_E2E_DTYPE (float32), TFM_E2E_MAX_SEQS (16: the engine's batch), TFM_E2E_CASES (all; a
-#   comma list of case names from CASES).
+#   comma list of case names from CASES), TFM_E2E_DRAFT_QUANTIZATION (none; "fp8": the speculative config's
+#   quantization, the DFlash drafter's layers in FP8, bfloat16/float16 only; with VLLM_TFM_DRAFT_LM_HEAD=fp8 its
+#   logits too: the drafts change, the tokens must not).
 BUDGET = int(os.environ.get("TFM_E2E_BUDGET", "7"))
 BLOCK = int(os.environ.get("TFM_E2E_BLOCK", "8"))
 MAX_TOKENS = int(os.environ.get("TFM_E2E_MAX_TOKENS", "32"))
 DTYPE = os.environ.get("TFM_E2E_DTYPE", "float32")
+DRAFT_QUANTIZATION = os.environ.get("TFM_E2E_DRAFT_QUANTIZATION") or None
 MAX_SEQS = int(os.environ.get("TFM_E2E_MAX_SEQS", "16"))
 _N_PROMPTS = int(os.environ.get("TFM_E2E_PROMPTS", "8"))
 PROMPT_LENS = [5, 9, 17, 33, 3, 12, 64, 7][:_N_PROMPTS] + [
@@ -231,6 +234,8 @@ def engine_kwargs(spec: bool) -> dict:
     if spec:
         kw["speculative_config"] = {"method": "tfm", "model": str(DRAFTER), "num_speculative_tokens": BUDGET,
                                     "attention_backend": "TRITON_ATTN"}
+        if DRAFT_QUANTIZATION:
+            kw["speculative_config"]["quantization"] = DRAFT_QUANTIZATION
     return kw
 
 
@@ -763,7 +768,9 @@ def phase_tfm(out: Path) -> None:
                        "dtype": DTYPE, "max_num_seqs": MAX_SEQS, "models": f"zoo {ZOO}" if ZOO else "random",
                        "vl": VL, "ssm_dtype": SSM_DTYPE, "control": CONTROL}
     variant = ("TFM_E2E_VL=1 " if VL else "") + (f"TFM_E2E_SSM_DTYPE={SSM_DTYPE} " if SSM_DTYPE else "") + (
-        f"TFM_E2E_CONTROL={','.join(CONTROL)} " if CONTROL else "")
+        f"TFM_E2E_CONTROL={','.join(CONTROL)} " if CONTROL else "") + (
+        f"TFM_E2E_DRAFT_QUANTIZATION={DRAFT_QUANTIZATION} " if DRAFT_QUANTIZATION else "") + "".join(
+        f"{k}={v} " for k, v in sorted(os.environ.items()) if k == "VLLM_TFM_DRAFT_LM_HEAD")
     results["command"] = variant + ("TFM_E2E_ZOO=zoo " if ZOO else "") + ("TFM_E2E_PROMPTS={} TFM_E2E_MAX_TOKENS={} TFM_E2E_BUDGET={} TFM_E2E_BLOCK={} "
                           "TFM_E2E_DTYPE={} TFM_E2E_MAX_SEQS={} TFM_E2E_CASES={} bash bench/run_gpu_plugin.sh").format(
         len(ps), MAX_TOKENS, BUDGET, BLOCK, DTYPE, MAX_SEQS, ",".join(wanted) or "all")

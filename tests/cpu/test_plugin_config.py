@@ -372,6 +372,26 @@ def test_drafter_quantized_at_load_by_online_methods_only(env: Any) -> None:
     assert not is_tfm_draft_config(env["model_config"])
 
 
+def test_fp8_draft_lm_head_needs_one_gpu_and_a_16_bit_model(env: Any) -> None:
+    """``draft_lm_head: "fp8"`` (runtime/draft_head.py): carried to the workers with the other options, refused in
+    one line with tensor parallelism (the copy is not vocabulary-split) and with a float32 model."""
+    from vllm.engine.arg_utils import EngineArgs
+
+    from vllm_tfm.vllm_plugin.options import get_tfm_options
+
+    d = drafter(env, "fp8head")
+    raises(env, tfm(d, draft_lm_head="fp4"), r"draft_lm_head: Input should be 'model' or 'fp8'")
+    float32 = EngineArgs(model=str(env["target"]), skip_tokenizer_init=True, dtype="float32").create_model_config()
+    raises(env, tfm(d, draft_lm_head="fp8"), r"draft_lm_head='fp8' needs a bfloat16 or float16 model, not float32",
+           model_config=float32)
+    bf16 = EngineArgs(model=str(env["target"]), skip_tokenizer_init=True, dtype="bfloat16").create_model_config()
+    raises(env, tfm(d, draft_lm_head="fp8"), r"draft_lm_head='fp8' runs on one GPU; this engine has "
+           r"tensor_parallel_size 2", model_config=bf16, parallel={"tensor_parallel_size": 2})
+    cfg = build(env, tfm(d, draft_lm_head="fp8"), model_config=bf16)
+    assert get_tfm_options(cfg).draft_lm_head == "fp8"
+    assert get_tfm_options(build(env, tfm(d), model_config=bf16)).draft_lm_head == "model"
+
+
 def test_engine_and_parallel_refusals(env: Any, monkeypatch: pytest.MonkeyPatch) -> None:
     d = drafter(env, "engine")
     raises(env, tfm(d), r"does not support pipeline parallelism \(pipeline_parallel_size=2\)", parallel={"pipeline_parallel_size": 2})

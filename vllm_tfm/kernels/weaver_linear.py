@@ -11,7 +11,7 @@ The reference rounds h and z to the activation dtype as torch does; the kernel k
 and rounds once (the same function to bfloat16 rounding of the output). The kernel runs for CUDA
 tensors of float32, bfloat16 or float16 (one dtype for all), at most ``KERNEL_ROWS`` rows of x (the
 source takes up to ``MAX_ROWS``; from 8 rows its activation reads through L1 make it slower than
-cuBLAS on the H200, ``bench/results/weaver_linear.json``), K a
+cuBLAS on the H200, ``bench/results/weaver_linear.json.gz``), K a
 multiple of 8 and 16-byte aligned contiguous rows of x and weight; anything else (and
 ``VLLM_TFM_WEAVER_LINEAR_KERNEL=0``) calls the reference, with a one-time warning for CUDA inputs
 the kernel does not take but for the row count (more rows: cuBLAS, silently).
@@ -57,7 +57,7 @@ SOURCE = "weaver_linear.cu"
 WARPS = 4  # WL_WARPS in the source
 SPLIT_TARGET_WARPS = 2048  # k_split's aim: about 16 warps per SM on the H200's 132, enough weight loads in flight
 MAX_ROWS = 16  # WL_M <= 16: one output per lane in the epilogue
-KERNEL_ROWS = 4  # the dispatch's limit: on the H200 cuBLAS is faster from 8 rows (bench/results/weaver_linear.json)
+KERNEL_ROWS = 4  # the dispatch's limit: on the H200 cuBLAS is faster from 8 rows (bench/results/weaver_linear.json.gz)
 DTYPE_CODE = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 ENV_SWITCH = "VLLM_TFM_WEAVER_LINEAR_KERNEL"
 PDL_SWITCH = "VLLM_TFM_WEAVER_LINEAR_PDL"

@@ -95,6 +95,12 @@ class TfmConfig(_Strict):
                     "'one' = a single slot the commit rewrites in place (vllm_plugin/runtime/one_slot.py), "
                     "'auto' = 'one' on one GPU, 'per_draft' with tensor or data parallelism",
     )
+    draft_lm_head: Literal["model", "fp8"] = Field(
+        default="model",
+        description="the DFlash drafter's logits: 'model' = vLLM's compute_logits over the lm_head it shares with the "
+                    "target, 'fp8' = an FP8 copy of that lm_head with per-row scales (half the bytes; one GPU, compute "
+                    "capability >= 8.9, vllm_plugin/runtime/draft_head.py); the target still verifies with its own",
+    )
     weaver: WeaverConfig | None = None
     treeflash: TreeFlashConfig | None = None
 

@@ -118,6 +118,8 @@ def prepare_tfm(
     if is_local and str(load_format) != "dummy":
         drafter_checks.check_drafter_weights(directory)
     options = resolve_tfm_options(directory, inline, num_speculative_tokens)
+    drafter_checks.check_draft_lm_head(options, "speculative_config", getattr(target_model_config, "dtype", None),
+                                       int(getattr(target_parallel_config, "tensor_parallel_size", 1) or 1))
     if engine_args is not None:
         cuda_graphs.configure_engine_graphs(engine_args, target_model_config, options.budget)
     depth = draft_depth(options.budget, block)

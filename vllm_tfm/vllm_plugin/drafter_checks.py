@@ -13,10 +13,13 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from vllm_tfm.models.io import read_json
 from vllm_tfm.models.tfm_config import TREEFLASH_WEIGHTS_NAME, WEAVER_WEIGHTS_NAME, TfmConfig
 
 __all__ = [
+    "check_draft_lm_head",
     "DFLASH_ARCHITECTURE",
     "locate_drafter",
     "read_drafter_config",
@@ -165,6 +168,19 @@ def check_drafter_quantization(config: dict[str, Any], source: str, quantization
             f"speculative_config: quantization={quantization!r} runs the drafter in {names}, not the model's "
             f"{str(dtype).removeprefix('torch.')}; set dtype to one of them"
         )
+
+
+def check_draft_lm_head(options: TfmConfig, source: str, dtype: Any, tensor_parallel_size: int) -> None:
+    """``draft_lm_head: "fp8"`` needs one GPU (the lm_head copy is not vocabulary-split) and a bfloat16 or float16
+    model (the FP8 GEMM writes those); the load-time checks are in ``runtime/draft_head.py``."""
+    if options.draft_lm_head != "fp8":
+        return
+    if tensor_parallel_size != 1:
+        raise ValueError(f"{source}: draft_lm_head='fp8' runs on one GPU; this engine has tensor_parallel_size "
+                         f"{tensor_parallel_size}; use draft_lm_head='model'")
+    if dtype is not None and dtype not in (torch.bfloat16, torch.float16):
+        raise ValueError(f"{source}: draft_lm_head='fp8' needs a bfloat16 or float16 model, not "
+                         f"{str(dtype).removeprefix('torch.')}; set dtype or use draft_lm_head='model'")
 
 
 def _is_dflash_weight(path: Path) -> bool:

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from contextlib import nullcontext
 from typing import Any
 
@@ -42,8 +43,10 @@ from vllm.v1.spec_decode.dflash import DFlashProposer
 
 from vllm_tfm.models.vocab_table import VocabTable
 
+from ..draft_quantization import repair_context_kv_projection
 from ..options import get_drafter_dir, get_tfm_options, loads_treeflash
 from .dflash_prenorm import install_prenorm_output, split_rows
+from .draft_head import fp8_draft_head
 from .drafter_inputs import bonus_rows, dflash_context_order
 from .sampler import needs_native_sampler
 from .settings import settings_from_options
@@ -60,6 +63,8 @@ logger = logging.getLogger("vllm.tfm")  # under vLLM's logger: printed next to i
 
 class TFMProposer(DFlashProposer):
     """DFlash drafting + tree building (module docstring)."""
+
+    _draft_logits: Callable[[Tensor], Tensor] | None = None  # draft_lm_head 'fp8' (draft_head.py), set at load
 
     def __init__(self, vllm_config: Any, device: torch.device, runner: Any = None) -> None:
         spec = vllm_config.speculative_config
@@ -98,6 +103,10 @@ class TFMProposer(DFlashProposer):
     # ------------------------------------------------------------------ load
     def load_model(self, target_model: torch.nn.Module) -> None:
         super().load_model(target_model)
+        repair_context_kv_projection(self.model, self.dtype)  # a quantized drafter (draft_quantization)
+        if self.tfm_settings.tfm.draft_lm_head == "fp8":
+            self._draft_logits = fp8_draft_head(self.model, self.dtype, tp_world_size())
+            logger.info("vllm-tfm: the DFlash drafter's logits read an FP8 copy of the lm_head (draft_lm_head 'fp8')")
         from vllm.config import get_layers_from_vllm_config
         from vllm.model_executor.layers.attention import Attention
 
@@ -158,8 +167,6 @@ class TFMProposer(DFlashProposer):
         embed = target_vocab_table(
             target_model, ("model.embed_tokens", "language_model.model.embed_tokens"), "input embedding", tp_world_size()
         )
-        drafter = self.model
-
         def final_norm(x: Tensor) -> Tensor:  # vLLM's RMSNorm on rows
             return norm(x.reshape(-1, hidden)).view(x.shape)
 
@@ -167,7 +174,7 @@ class TFMProposer(DFlashProposer):
             return table_rows(embed, ids)
 
         def head(x: Tensor) -> Tensor:  # the drafter's logits (the target's lm_head, vocabulary-gathered)
-            return drafter.compute_logits(x.reshape(-1, hidden)).view(*x.shape[:-1], -1)
+            return self._drafter_logits(x.reshape(-1, hidden)).view(*x.shape[:-1], -1)
 
         self._treeflash_io = (final_norm, rows, head)
 
@@ -189,7 +196,7 @@ class TFMProposer(DFlashProposer):
         def make_inputs(rows: int) -> DrafterOutputs:
             if not one_row:  # one zero row, the serving shapes and dtypes (the logits from the drafter's own head)
                 hidden = torch.zeros(depth, self.hidden_size, dtype=self.dtype, device=self.device)
-                logits = self.model.compute_logits(hidden)
+                logits = self._drafter_logits(hidden)
                 verifier = torch.zeros(1, verifier_size, dtype=self.dtype, device=self.device)
                 roots = torch.zeros(1, dtype=torch.int32, device=self.device)
                 one_row.append((logits[None], hidden[None], verifier, roots))
@@ -209,10 +216,16 @@ class TFMProposer(DFlashProposer):
         return done
 
     # ------------------------------------------------------------------ marginals
+    def _drafter_logits(self, hidden_states: Tensor) -> Tensor:
+        """[M, H] -> [M, V]: the drafter's ``compute_logits``, or its FP8 lm_head copy (``draft_lm_head``)."""
+        if self._draft_logits is not None:
+            return self._draft_logits(hidden_states)
+        return self.model.compute_logits(hidden_states)
+
     def _sample_draft_tokens(self, hidden_states: Tensor, sampling_metadata: Any) -> tuple[Tensor, Tensor | None]:
         if self.treeflash is not None:  # rows [normed | pre-norm stream] (dflash_prenorm)
             hidden_states, self._dflash_prenorm = split_rows(hidden_states, self.hidden_size)
-        logits = self.model.compute_logits(hidden_states)
+        logits = self._drafter_logits(hidden_states)
         self._marginal_logits = logits
         self._dflash_out = hidden_states
         # vLLM's propose only reshapes and returns these ids (llm_base_proposer.py ~619-627), and ``propose``
