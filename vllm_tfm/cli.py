@@ -261,6 +261,10 @@ def _add_eval_parser(sub) -> None:
     ev.add_argument("--drafter-fp8-head", action="store_true",
                     help="the DFlash drafter's marginal logits through an FP8 copy of the target's lm_head (e4m3, "
                          "per-row scales; vllm_tfm.reference.fp8_sim.Fp8SimHead); the Weaver reads the lm_head as it is")
+    ev.add_argument("--weaver-fp8", action="store_true",
+                    help="the Weaver's linear weights rounded to e4m3 with per-tensor scales "
+                         "(vllm_tfm.reference.fp8_sim; the batched scorer folds its norms into the rounded weights "
+                         "and keeps activations as they are): what a weight-only FP8 Weaver would propose")
     ev.add_argument("--mode", choices=("replay", "decode"), default="replay",
                     help="replay (default): accepted paths read off the target's continuation, batched over prompts "
                          "(equal to the decoder's, tested); decode: run the speculative decoder with tree verify")
@@ -290,6 +294,8 @@ def _eval_command(args: argparse.Namespace, methods: list[str]) -> str:
         parts.append("--drafter-fp8")
     if args.drafter_fp8_head:
         parts.append("--drafter-fp8-head")
+    if args.weaver_fp8:
+        parts.append("--weaver-fp8")
     return shlex.join(parts)
 
 
@@ -359,6 +365,15 @@ def _eval(args: argparse.Namespace) -> int:
         models.bundle.dflash.logits_head = Fp8SimHead(models.target.get_output_embeddings())
         notes.append("--drafter-fp8-head: the DFlash marginals through an FP8 copy of the target's lm_head "
                      "(vllm_tfm.reference.fp8_sim.Fp8SimHead); the target and the Weaver read the lm_head as it is.")
+    if args.weaver_fp8:
+        if models.bundle.weaver is None:
+            raise SystemExit("vllm-tfm eval: --weaver-fp8 needs a drafter with a Weaver")
+        from vllm_tfm.reference.fp8_sim import simulate_fp8_linears
+
+        count = simulate_fp8_linears(models.bundle.weaver)
+        notes.append(f"--weaver-fp8: the Weaver's {count} linear weights rounded to e4m3 with per-tensor scales "
+                     "(vllm_tfm.reference.fp8_sim); the batched scorer folds its norms into them and keeps its "
+                     "activations, the lm_head and the embedding rows as they are (weight-only FP8).")
     print(f"vllm-tfm eval: reference decoder on {device} (torch {torch.__version__}, transformers {transformers.__version__})")
     print(f"models: {models.description}")
     if random_models:

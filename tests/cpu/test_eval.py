@@ -328,7 +328,7 @@ def _eval_with_flag(tmp_path, monkeypatch, flag: str) -> tuple[dict, dict]:
 
     def models(seed):
         m = made(seed)
-        seen["dflash"], seen["target"] = m.bundle.dflash, m.target
+        seen["dflash"], seen["target"], seen["weaver"] = m.bundle.dflash, m.target, m.bundle.weaver
         seen["lm_head"] = m.target.get_output_embeddings().weight.detach().clone()
         return m
 
@@ -378,3 +378,16 @@ def test_cli_eval_drafter_fp8_head_gives_the_drafter_its_own_head(tmp_path, monk
     assert isinstance(head, fp8_sim.Fp8SimHead)
     assert torch.equal(seen["target"].get_output_embeddings().weight, seen["lm_head"])
     assert not torch.equal(head.weight, seen["lm_head"])
+
+
+def test_cli_eval_weaver_fp8_rounds_the_weaver_only(tmp_path, monkeypatch):
+    """--weaver-fp8: every linear layer of the Weaver goes through fp8_sim, the DFlash drafter and the target keep
+    theirs; the note and the command record it."""
+    import vllm_tfm.reference.fp8_sim as fp8_sim
+
+    data, seen = _eval_with_flag(tmp_path, monkeypatch, "--weaver-fp8")
+    assert any(n.startswith("--weaver-fp8: the Weaver's ") for n in data["notes"])
+    assert any(isinstance(m, fp8_sim.Fp8SimLinear) for m in seen["weaver"].modules())
+    assert not any(isinstance(m, torch.nn.Linear) for m in seen["weaver"].modules())
+    assert not any(isinstance(m, fp8_sim.Fp8SimLinear) for m in seen["dflash"].modules())
+    assert not any(isinstance(m, fp8_sim.Fp8SimLinear) for m in seen["target"].modules())

@@ -57,10 +57,10 @@ def fp8_draft_head(drafter: Any, dtype: torch.dtype, tp_size: int) -> Callable[[
     weight = lm_head.weight
     if weight.dtype != dtype or weight.shape[0] < vocab:
         raise _refuse(f"the lm_head weight is {weight.dtype} {tuple(weight.shape)}, not {dtype} with {vocab} rows")
-    wq, w_scale = quantize_head(weight[:vocab])
-    reason = fp8_head_unsupported_reason(weight[:1], wq)
+    reason = fp8_head_unsupported_reason(weight[:1], weight[:0])  # device, dtype, GPU, H: before the copy
     if reason is not None:
         raise _refuse(reason)
+    wq, w_scale = quantize_head(weight[:vocab])  # its rows padded to a multiple of 16, as _scaled_mm needs
 
     def logits(hidden: Tensor) -> Tensor:
         return fp8_head_logits(hidden, wq, w_scale, vocab, quantize_rows=_vllm_quantize_rows)
