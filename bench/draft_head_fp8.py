@@ -7,7 +7,7 @@ usage: python3 bench/draft_head_fp8.py [--out FILE] [--rows 15,16,120,128] [--vo
 
 Rows: batch x depths (15 depths of a DFlash block of 16: 15 at batch 1, 120 at batch 8), bfloat16 activations
 and weights from a normal distribution (weights x 0.02). Per row count, medians of ``--repeats`` CUDA-event
-timings after warm-up, eager: ``bf16_us`` (``F.linear``, what vLLM's ``compute_logits`` runs), ``fp8_us``
+timings after a warm-up call, eager (``gdn_tree.time_calls``): ``bf16_us`` (``F.linear``, what vLLM's ``compute_logits`` runs), ``fp8_us``
 (``fp8_head_logits``: the activations' per-row quantization, the padding and the GEMM), ``fp8_gemm_us`` (the
 ``torch._scaled_mm`` alone on quantized inputs), ``fp8_vllm_us`` (``fp8_head_logits`` with vLLM's one-kernel
 per-token quantization, what the plugin runs; where vLLM imports), and the GB/s each reads (weights only). Also the FP8 logits'
@@ -28,26 +28,18 @@ import torch
 import torch.nn.functional as F
 
 REPO = Path(__file__).resolve().parents[1]
-if str(REPO) not in sys.path:
-    sys.path.insert(0, str(REPO))
+for p in (REPO, REPO / "bench"):
+    if str(p) not in sys.path:
+        sys.path.insert(0, str(p))
+
+from gdn_tree import time_calls  # noqa: E402
 
 from vllm_tfm.kernels.fp8_head import fp8_head_logits, quantize_head  # noqa: E402
 
 
 def median_us(fn: Any, repeats: int) -> float:
-    for _ in range(5):
-        fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(repeats):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b) * 1000.0)
-    times.sort()
-    return times[len(times) // 2]
+    """Median CUDA-event microseconds of one eager call (``gdn_tree.time_calls``, no graph)."""
+    return time_calls([fn], repeats, graph=False)[0]
 
 
 def main(argv: list[str] | None = None) -> int:
