@@ -1,6 +1,7 @@
-"""The fused context K/V projection of a quantized DFlash drafter (``draft_quantization.repair_context_kv_projection``),
-against vLLM 0.26's own ``_build_fused_kv_buffers`` on stand-in layers whose quantization method stores float8
-[in, out] weights with per-tensor scales and quantizes activations per row, as vLLM's online FP8 does."""
+"""The fused context K/V projection of a quantized DFlash drafter (``draft_quantization``'s patch of
+``DFlashQwen3Model._build_context_kv_buffers``), through vLLM 0.26's own ``_build_fused_kv_buffers`` on stand-in
+layers whose quantization method stores float8 [in, out] weights with per-tensor scales and quantizes activations
+per row, as vLLM's online FP8 does."""
 
 from __future__ import annotations
 
@@ -16,7 +17,8 @@ pytest.importorskip("vllm")
 from vllm.model_executor.layers.linear import UnquantizedLinearMethod  # noqa: E402
 from vllm.model_executor.models.qwen3_dflash import DFlashQwen3Model  # noqa: E402
 
-from vllm_tfm.vllm_plugin.draft_quantization import dequantized_weight, repair_context_kv_projection  # noqa: E402
+from vllm_tfm.vllm_plugin.draft_quantization import dequantized_weight, install_draft_quantization  # noqa: E402
+from vllm_tfm.vllm_plugin.patching import original  # noqa: E402
 
 E4M3 = torch.float8_e4m3fn
 HIDDEN, Q, KV, HEAD_DIM = 64, 48, 16, 8
@@ -38,7 +40,7 @@ class Linear(torch.nn.Module):
         super().__init__()
         out, n_in = weight.shape
         self.input_size_per_partition, self.output_size_per_partition = n_in, out
-        self.quant_method, self.bias = method, None
+        self.quant_method, self.bias, self.params_dtype = method, None, weight.dtype
         if quantized:
             scale = weight.abs().amax() / 448.0
             wq = (weight / scale).to(E4M3).t()  # [in, out], as online FP8 leaves it
@@ -50,8 +52,9 @@ class Linear(torch.nn.Module):
             self.weight = torch.nn.Parameter(weight, requires_grad=False)
 
 
-def drafter(layers: int, quantized: bool, out: int = Q + 2 * KV) -> Any:
-    """A stand-in for vLLM's DFlashQwen3Model with its real ``_build_fused_kv_buffers``."""
+def drafter(layers: int, quantized: bool, out: int = Q + 2 * KV, patched: bool = True) -> Any:
+    """A stand-in for vLLM's DFlashQwen3Model with its real ``_build_fused_kv_buffers`` and the plugin's
+    ``_build_context_kv_buffers`` (``patched``) or vLLM's."""
     torch.manual_seed(layers + 10 * quantized + out)
     attns = []
     for _ in range(layers):
@@ -67,26 +70,29 @@ def drafter(layers: int, quantized: bool, out: int = Q + 2 * KV) -> Any:
         layers=[types.SimpleNamespace(self_attn=a) for a in attns],
         hidden_norm=types.SimpleNamespace(weight=torch.ones(HIDDEN)),
     )
-    for name in ("_build_fused_kv_buffers", "_build_context_kv_buffers"):
-        setattr(inner, name, types.MethodType(getattr(DFlashQwen3Model, name), inner))
+    install_draft_quantization()
+    build = DFlashQwen3Model._build_context_kv_buffers
+    if not patched:
+        build = original(DFlashQwen3Model, "_build_context_kv_buffers")
+    inner._build_context_kv_buffers = types.MethodType(build, inner)
+    inner._build_fused_kv_buffers = types.MethodType(DFlashQwen3Model._build_fused_kv_buffers, inner)
     return types.SimpleNamespace(model=inner)
 
 
 def test_quantized_drafter_context_kv_matches_its_layers() -> None:
-    """vLLM's own buffer cannot even be multiplied; the repaired one gives, for random context rows, the K/V part of
-    what each quantized layer computes (up to the layers' own per-row activation rounding)."""
-    broken = drafter(3, quantized=True)
+    """vLLM's own buffer cannot even be multiplied; the patched build gives, for random context rows, the K/V part
+    of what each quantized layer computes (up to the layers' own per-row activation rounding)."""
+    broken = drafter(3, quantized=True, patched=False)
     broken.model._build_fused_kv_buffers()
     x = torch.randn(5, HIDDEN).to(torch.bfloat16)
     with pytest.raises(RuntimeError, match="cannot be multiplied"):
         F.linear(x, broken.model._fused_kv_weight)
 
     d = drafter(3, quantized=True)
-    assert not hasattr(d.model, "_num_attn_layers")
-    assert repair_context_kv_projection(d, torch.bfloat16)
+    d.model._build_fused_kv_buffers()  # vLLM's build (at load, or lazily after dummy weights)
     inner = d.model
     assert inner._num_attn_layers == 3 and inner._fused_kv_weight.shape == (3 * 2 * KV, HIDDEN)
-    assert inner._fused_kv_weight.dtype == torch.bfloat16
+    assert inner._fused_kv_weight.dtype == torch.bfloat16  # the layers' params_dtype
     exact = torch.cat([
         (a.self_attn.qkv_proj.weight.float() * a.self_attn.qkv_proj.weight_scale).t()[Q:Q + 2 * KV] for a in inner.layers
     ])
@@ -101,16 +107,18 @@ def test_identity_rows_read_a_quantized_weight_exactly() -> None:
     d = drafter(1, quantized=True, out=40)  # 40 columns: stored padded to 48
     linear = d.model.layers[0].self_attn.qkv_proj
     assert linear.weight.shape == (HIDDEN, 48)
-    w = dequantized_weight(linear, torch.float32)
+    linear.params_dtype = torch.float32  # read without the bfloat16 rounding
+    w = dequantized_weight(linear)
     torch.testing.assert_close(w, (linear.weight.float() * linear.weight_scale).t()[:40], rtol=1e-6, atol=0)
 
 
 def test_unquantized_drafter_is_left_to_vllm() -> None:
-    d = drafter(2, quantized=False)
-    assert not repair_context_kv_projection(d, torch.bfloat16)
-    assert not hasattr(d.model, "_fused_kv_weight")
-    no_fused = types.SimpleNamespace(model=types.SimpleNamespace(layers=[]))
-    assert not repair_context_kv_projection(no_fused, torch.bfloat16)
+    """Unquantized layers: the patched build's fused weight is exactly vLLM's own."""
+    d, plain = drafter(2, quantized=False), drafter(2, quantized=False, patched=False)
+    d.model._build_fused_kv_buffers()
+    plain.model._build_fused_kv_buffers()
+    assert torch.equal(d.model._fused_kv_weight, plain.model._fused_kv_weight)
+    assert d.model._fused_kv_weight.shape == (2 * 2 * KV, HIDDEN)
 
 
 def test_fp8_draft_head_refusals() -> None:

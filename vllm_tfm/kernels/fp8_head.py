@@ -13,6 +13,9 @@ own bfloat16 lm_head, so the drafter may read an FP8 copy (half the bytes) at th
   applied in the epilogue (row-wise scaling). ``quantize_rows(x, rows)`` -> (e4m3 [>= rows, H], float32
   [>= rows, 1]) does the activations' part: ``quantize_rows_torch`` (six torch ops) unless the caller passes a
   fused kernel (the vLLM plugin passes vLLM's per-token FP8 quantization, one launch).
+* ``scaled_mm_logits``: the same GEMM without the checks, for callers that checked once.
+* ``fp8_round`` / ``fp8_round_rows`` / ``e4m3_scale``: the rounding itself in float (``reference/fp8_sim.py``
+  builds its simulated FP8 layers from them).
 * ``fp8_head_logits_reference``: the same signature and function in float32 on any device (the rounded
   activations times the dequantized weights), and what ``fp8_head_logits`` runs where ``torch._scaled_mm`` with
   row-wise scales does not (no CUDA, compute capability below 8.9, H not a multiple of 16), with a one-time
@@ -29,8 +32,8 @@ from torch import Tensor
 
 from vllm_tfm.kernels.loader import warn_fallback
 
-__all__ = ["E4M3_MAX", "QuantizeRows", "quantize_head", "quantize_rows_torch", "fp8_head_logits", "fp8_head_logits_reference",
-           "fp8_head_unsupported_reason"]
+__all__ = ["E4M3_MAX", "QuantizeRows", "e4m3_scale", "fp8_round", "fp8_round_rows", "quantize_head", "quantize_rows_torch",
+           "fp8_head_logits", "fp8_head_logits_reference", "fp8_head_unsupported_reason", "scaled_mm_logits"]
 
 QuantizeRows = Callable[[Tensor, int], tuple[Tensor, Tensor]]
 
@@ -44,6 +47,22 @@ def _round_up(n: int, m: int) -> int:
     return -(-n // m) * m
 
 
+def e4m3_scale(amax: Tensor) -> Tensor:
+    """The e4m3 scale that maps ``amax`` to 448, in float32 (never 0)."""
+    return (amax.float() / E4M3_MAX).clamp_min(_TINY)
+
+
+def fp8_round(x: Tensor, scale: Tensor) -> Tensor:
+    """``x`` rounded to ``scale`` times an e4m3 value (saturating at +-448 scale), in ``x``'s dtype."""
+    q = (x.float() / scale).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
+    return (q.float() * scale).to(x.dtype)
+
+
+def fp8_round_rows(x: Tensor) -> Tensor:
+    """Per-row (token) dynamic scales over the last dimension: ``fp8_round(x, amax_row / 448)``."""
+    return fp8_round(x, e4m3_scale(x.abs().amax(dim=-1, keepdim=True)))
+
+
 def quantize_head(weight: Tensor) -> tuple[Tensor, Tensor]:
     """[V, H] float weight -> (float8_e4m3fn [Vp, H], float32 [1, Vp]): per-row scales, Vp = V rounded up to 16
     with zero rows (scale 1). Done once, at load."""
@@ -55,24 +74,17 @@ def quantize_head(weight: Tensor) -> tuple[Tensor, Tensor]:
     scale = torch.ones(vp, dtype=torch.float32, device=weight.device)
     for start in range(0, v, _QUANT_ROWS):  # bounded float32 temporaries (a 27B head is 5 GB in float32)
         rows = weight.detach()[start:start + _QUANT_ROWS].float()
-        s = (rows.abs().amax(dim=1) / E4M3_MAX).clamp_min(_TINY)
+        s = e4m3_scale(rows.abs().amax(dim=1))
         q[start:start + rows.shape[0]] = (rows / s[:, None]).clamp_(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
         scale[start:start + rows.shape[0]] = s
     return q, scale[None, :]
 
 
-def _rows_scaled(x: Tensor) -> tuple[Tensor, Tensor]:
-    """x [M, H] -> (x / s in float32, s [M, 1]) with s = the row's amax / 448 (dynamic per-row scales)."""
-    xf = x.float()
-    s = (xf.abs().amax(dim=1, keepdim=True) / E4M3_MAX).clamp_min(_TINY)
-    return xf / s, s
-
-
 def quantize_rows_torch(x: Tensor, rows: int) -> tuple[Tensor, Tensor]:
     """x [M, H] -> (e4m3 [rows, H], float32 [rows, 1]) with per-row scales, zero rows (scale 1) below M."""
     m = x.shape[0]
-    xs, s = _rows_scaled(x)
-    xq = F.pad(xs, (0, 0, 0, rows - m)).clamp_(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
+    s = e4m3_scale(x.abs().amax(dim=1, keepdim=True))
+    xq = F.pad(x.float() / s, (0, 0, 0, rows - m)).clamp_(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
     return xq, F.pad(s, (0, 0, 0, rows - m), value=1.0)
 
 
@@ -88,8 +100,7 @@ def _check(x: Tensor, wq: Tensor, w_scale: Tensor, vocab: int) -> None:
 def fp8_head_logits_reference(x: Tensor, wq: Tensor, w_scale: Tensor, vocab: int) -> Tensor:
     """The function of ``fp8_head_logits`` in float32: e4m3-rounded rows of x times the dequantized weights."""
     _check(x, wq, w_scale, vocab)
-    xs, s = _rows_scaled(x)
-    xr = xs.clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn).float() * s
+    xr = fp8_round_rows(x.float())
     w = wq[:vocab].float() * w_scale[0, :vocab, None]
     return (xr @ w.t()).to(x.dtype)
 
@@ -115,6 +126,12 @@ def fp8_head_logits(x: Tensor, wq: Tensor, w_scale: Tensor, vocab: int, quantize
         if x.is_cuda:
             warn_fallback("fp8_head_logits", reason)
         return fp8_head_logits_reference(x, wq, w_scale, vocab)
+    return scaled_mm_logits(x, wq, w_scale, vocab, quantize_rows)
+
+
+def scaled_mm_logits(x: Tensor, wq: Tensor, w_scale: Tensor, vocab: int, quantize_rows: QuantizeRows | None = None) -> Tensor:
+    """``fp8_head_logits``'s GEMM without its checks, for a caller that checked once
+    (``fp8_head_unsupported_reason``): the per-step path of ``vllm_plugin/runtime/draft_head.py``."""
     m = x.shape[0]
     xq, sa = (quantize_rows or quantize_rows_torch)(x, _round_up(max(m, 1), _ALIGN))
     out = torch._scaled_mm(xq, wq.t(), scale_a=sa, scale_b=w_scale, out_dtype=x.dtype)[:m]

@@ -16,8 +16,8 @@ zoo instead of on a GPU. The rounding follows vLLM 0.26's ``Fp8LinearMethod`` fo
 The lm_head and the input embedding are the target's and stay as they are, as in vLLM (DFlash shares them).
 ``Fp8SimHead`` is the other option measured here: an FP8 copy of the lm_head for the drafter's marginal logits
 only (``vllm-tfm eval --drafter-fp8-head``), e4m3 weights with one scale per vocabulary row and activations
-with one per row, as the branch ``s63-fp8-head``'s ``kernels/fp8_head.py`` runs it (bench/NOTES.md section 63);
-the Weaver keeps reading the target's lm_head rows.
+with one per row, as ``vllm_tfm.kernels.fp8_head`` runs it for the vLLM option ``draft_lm_head: "fp8"``; the
+Weaver keeps reading the target's lm_head rows. The rounding helpers are that module's.
 """
 
 from __future__ import annotations
@@ -26,27 +26,12 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from vllm_tfm.kernels.fp8_head import E4M3_MAX, e4m3_scale, fp8_round, fp8_round_rows
 from vllm_tfm.models.common import as_weight
 
 __all__ = ["E4M3_MAX", "fp8_round", "fp8_round_rows", "Fp8SimLinear", "Fp8SimHead", "simulate_fp8_linears"]
 
-E4M3_MAX = 448.0  # the largest finite float8_e4m3fn
 _FUSED_SHARDS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
-
-
-def fp8_round(x: Tensor, scale: Tensor) -> Tensor:
-    """``x`` rounded to ``scale`` times an e4m3 value (saturating at +-448 scale), in ``x``'s dtype."""
-    q = (x.float() / scale).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
-    return (q.float() * scale).to(x.dtype)
-
-
-def _scale(amax: Tensor) -> Tensor:
-    return (amax.float() / E4M3_MAX).clamp_min(torch.finfo(torch.float32).tiny)
-
-
-def fp8_round_rows(x: Tensor) -> Tensor:
-    """Per-row (token) dynamic scales over the last dimension: ``fp8_round(x, amax_row / 448)``."""
-    return fp8_round(x, _scale(x.abs().amax(dim=-1, keepdim=True)))
 
 
 class Fp8SimLinear(nn.Module):
@@ -72,7 +57,7 @@ class Fp8SimHead(nn.Module):
     def __init__(self, lm_head: nn.Module | Tensor) -> None:
         super().__init__()
         w = as_weight(lm_head, "lm_head").detach()
-        scale = _scale(w.abs().amax(dim=1, keepdim=True))
+        scale = e4m3_scale(w.abs().amax(dim=1, keepdim=True))
         self.register_buffer("weight", fp8_round(w, scale), persistent=False)  # not in a state_dict
 
     def forward(self, x: Tensor) -> Tensor:
@@ -89,7 +74,7 @@ def simulate_fp8_linears(module: nn.Module) -> int:
         grouped = {n for g in groups for n in g}
         groups += [(n,) for n in children if n not in grouped]
         for group in groups:
-            scale = _scale(torch.stack([children[n].weight.detach().abs().amax() for n in group]).amax())
+            scale = e4m3_scale(torch.stack([children[n].weight.detach().abs().amax() for n in group]).amax())
             for name in group:
                 setattr(parent, name, Fp8SimLinear(children[name], scale))
                 count += 1

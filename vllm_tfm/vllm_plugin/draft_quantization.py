@@ -18,17 +18,17 @@ check, unchanged), else the online methods (``fp8``: per-tensor FP8 weights, act
 Every other model config goes to the original unchanged. Methods that need a config file (AWQ, GPTQ, ...) on
 an unquantized drafter are refused at config time (``drafter_checks.check_drafter_quantization``).
 
-The context K/V projection of a quantized drafter (``repair_context_kv_projection``). vLLM 0.26's DFlash model
-(``model_executor/models/qwen3_dflash.py``, ``_build_context_kv_buffers``) projects every step's context rows
-for all layers in one GEMM against ``torch.cat`` of the layers' raw ``qkv_proj.weight[q_size:]`` slices, which
-assumes bfloat16 [out, in] weights. Online FP8 leaves each weight as float8 [in, out] with a scale, so that GEMM
-failed in the profile run on the GPU host ("mat1 and mat2 shapes cannot be multiplied (4096x5120 and
-6144x5120)", bench/NOTES.md section 64); vLLM's own DFlash has the same fault. After the drafter is loaded the
-proposer rebuilds that fused weight from what each quantized layer computes: the layer's quantization method
-applied to the identity rows (one-hot rows quantize exactly under per-token or per-tensor activation scales)
-gives its dequantized weight, transposed, for any method and weight layout. The fused projection then runs in
-the model's dtype on the dequantized values, which is what the quantized layers represent; the query rows keep
-the layers' own quantized GEMMs.
+The context K/V projection of a quantized DFlash drafter. vLLM 0.26's DFlash model
+(``model_executor/models/qwen3_dflash.py``, ``DFlashQwen3Model._build_context_kv_buffers``) projects every step's
+context rows for all layers in one GEMM against ``torch.cat`` of the layers' raw ``qkv_proj.weight[q_size:]``
+slices, which assumes unquantized [out, in] weights. Online FP8 leaves each weight float8 [in, out] with a scale, so
+that GEMM failed in the profile run on the GPU host ("mat1 and mat2 shapes cannot be multiplied (4096x5120 and
+6144x5120)", bench/NOTES.md section 64), for vLLM's own DFlash as well. Patched here: after the original builds
+its buffers, a drafter whose ``qkv_proj`` layers are quantized gets the fused weight rebuilt from what each layer
+computes (``dequantized_weight``: the layer's quantization method applied to identity rows, which quantize exactly
+under per-token or per-tensor activation scales), for any method and weight layout, on every build (at load, lazily
+after dummy weights, on a reload). The fused projection then runs in the model's dtype on the dequantized values;
+the query rows keep the layers' own quantized GEMMs. Unquantized drafters get the original's buffers unchanged.
 """
 
 from __future__ import annotations
@@ -45,7 +45,7 @@ from torch import Tensor
 from .options import HF_OPTIONS_ATTR
 from .patching import replace_attribute
 
-__all__ = ["install_draft_quantization", "is_tfm_draft_config", "repair_context_kv_projection", "dequantized_weight"]
+__all__ = ["install_draft_quantization", "is_tfm_draft_config", "dequantized_weight"]
 
 logger = logging.getLogger("vllm.tfm")
 
@@ -69,13 +69,18 @@ def _make_get_quant_config(original: Callable[..., Any]) -> Callable[..., Any]:
 
 
 def install_draft_quantization() -> None:
-    """Patch ``weight_utils.get_quant_config`` (module docstring); idempotent. ``VllmConfig`` imports it at each
-    call, so the patched function is the one the drafter's quantization config comes from."""
+    """Patch ``weight_utils.get_quant_config`` and ``DFlashQwen3Model._build_context_kv_buffers`` (module
+    docstring); idempotent. ``VllmConfig`` imports ``get_quant_config`` at each call, so the patched function is
+    the one the drafter's quantization config comes from."""
     from vllm.model_executor.model_loader import weight_utils
+    from vllm.model_executor.models.qwen3_dflash import DFlashQwen3Model
 
     replace_attribute(weight_utils, "get_quant_config", _make_get_quant_config,
                       reason="a tfm drafter's callable hf_overrides read as no override (vLLM 0.26 refuses any "
                              "non-dict, so no unquantized drafter could be quantized at load)")
+    replace_attribute(DFlashQwen3Model, "_build_context_kv_buffers", _make_build_context_kv_buffers,
+                      reason="the fused context K/V weight of a quantized DFlash drafter from its dequantized layers "
+                             "(vLLM 0.26 concatenates the raw quantized weights)")
 
 
 def _is_quantized(linear: Any) -> bool:
@@ -86,10 +91,11 @@ def _is_quantized(linear: Any) -> bool:
 
 
 @torch.no_grad()
-def dequantized_weight(linear: Any, dtype: torch.dtype) -> Tensor:
-    """[out, in] in ``dtype``: what a vLLM linear layer's quantization method multiplies by, read by applying the
-    method to the identity rows (no bias). ``input_size_per_partition`` rows, in chunks of 1024."""
-    n_in = int(linear.input_size_per_partition)
+def dequantized_weight(linear: Any) -> Tensor:
+    """[out, in] in the layer's ``params_dtype``: what a vLLM linear layer's quantization method multiplies by,
+    read by applying the method to the identity rows (no bias). ``input_size_per_partition`` rows, in chunks of
+    1024."""
+    n_in, dtype = int(linear.input_size_per_partition), linear.params_dtype
     device = next(p.device for p in linear.parameters())
     cols = []
     for start in range(0, n_in, 1024):
@@ -100,20 +106,15 @@ def dequantized_weight(linear: Any, dtype: torch.dtype) -> Tensor:
     return torch.cat(cols).t().contiguous()
 
 
-def repair_context_kv_projection(drafter: torch.nn.Module, dtype: torch.dtype) -> bool:
-    """Rebuild the DFlash drafter's fused context K/V weight from its quantized layers (module docstring).
-    Returns False, changing nothing, when no layer's ``qkv_proj`` is quantized."""
-    inner = getattr(drafter, "model", drafter)
-    if not hasattr(inner, "_build_fused_kv_buffers"):  # no fused context projection in this drafter model
-        return False
-    attns = [layer.self_attn for layer in inner.layers]
-    if not any(_is_quantized(a.qkv_proj) for a in attns):
-        return False
-    if not hasattr(inner, "_num_attn_layers"):  # dummy weights: vLLM builds these lazily at the first step
-        inner._build_fused_kv_buffers()
-    kv = [dequantized_weight(a.qkv_proj, dtype)[a.q_size:] for a in attns]
-    inner._fused_kv_weight = torch.cat(kv).contiguous()
-    method = type(attns[0].qkv_proj.quant_method).__name__
-    logger.info("vllm-tfm: the drafter's %d layers are quantized (%s); its fused context K/V projection "
-                "[%d, %d] is rebuilt from their dequantized weights", len(attns), method, *inner._fused_kv_weight.shape)
-    return True
+def _make_build_context_kv_buffers(original: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(original)
+    def _build_context_kv_buffers(self: Any, layers_attn: list[Any], has_bias: bool) -> None:
+        original(self, layers_attn, has_bias)
+        if not any(_is_quantized(a.qkv_proj) for a in layers_attn):
+            return
+        self._fused_kv_weight = torch.cat([dequantized_weight(a.qkv_proj)[a.q_size:] for a in layers_attn]).contiguous()
+        logger.info("vllm-tfm: the DFlash drafter's %d layers are quantized (%s); its fused context K/V projection "
+                    "[%d, %d] is built from their dequantized weights", len(layers_attn),
+                    type(layers_attn[0].qkv_proj.quant_method).__name__, *self._fused_kv_weight.shape)
+
+    return _build_context_kv_buffers

@@ -21,7 +21,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from vllm_tfm.kernels.fp8_head import fp8_head_logits, fp8_head_unsupported_reason, quantize_head
+from vllm_tfm.kernels.fp8_head import fp8_head_unsupported_reason, quantize_head, scaled_mm_logits
 
 __all__ = ["fp8_draft_head"]
 
@@ -30,16 +30,11 @@ def _refuse(why: str) -> ValueError:
     return ValueError(f"tfm option draft_lm_head='fp8': {why}")
 
 
-def _vllm_quantize_rows(x: Tensor, rows: int) -> tuple[Tensor, Tensor]:
-    from vllm import _custom_ops as ops
-
-    return ops.scaled_fp8_quant(x, num_token_padding=rows, use_per_token_if_dynamic=True)
-
-
 @torch.no_grad()
 def fp8_draft_head(drafter: Any, dtype: torch.dtype, tp_size: int) -> Callable[[Tensor], Tensor]:
     """hidden [M, H] -> logits [M, vocab]: ``drafter.compute_logits`` with the lm_head read in FP8 (module
     docstring). ``drafter``: vLLM's DFlash model (its ``lm_head`` and ``logits_processor``)."""
+    from vllm import _custom_ops as ops
     from vllm.model_executor.layers.vocab_parallel_embedding import UnquantizedEmbeddingMethod
 
     if tp_size != 1:
@@ -62,7 +57,10 @@ def fp8_draft_head(drafter: Any, dtype: torch.dtype, tp_size: int) -> Callable[[
         raise _refuse(reason)
     wq, w_scale = quantize_head(weight[:vocab])  # its rows padded to a multiple of 16, as _scaled_mm needs
 
-    def logits(hidden: Tensor) -> Tensor:
-        return fp8_head_logits(hidden, wq, w_scale, vocab, quantize_rows=_vllm_quantize_rows)
+    def quantize_rows(x: Tensor, rows: int) -> tuple[Tensor, Tensor]:  # vLLM's per-token kernel, rows padded
+        return ops.scaled_fp8_quant(x, num_token_padding=rows, use_per_token_if_dynamic=True)
+
+    def logits(hidden: Tensor) -> Tensor:  # checked above, once: no per-step validation
+        return scaled_mm_logits(hidden, wq, w_scale, vocab, quantize_rows)
 
     return logits

@@ -43,7 +43,6 @@ from vllm.v1.spec_decode.dflash import DFlashProposer
 
 from vllm_tfm.models.vocab_table import VocabTable
 
-from ..draft_quantization import repair_context_kv_projection
 from ..options import get_drafter_dir, get_tfm_options, loads_treeflash
 from .dflash_prenorm import install_prenorm_output, split_rows
 from .draft_head import fp8_draft_head
@@ -103,7 +102,6 @@ class TFMProposer(DFlashProposer):
     # ------------------------------------------------------------------ load
     def load_model(self, target_model: torch.nn.Module) -> None:
         super().load_model(target_model)
-        repair_context_kv_projection(self.model, self.dtype)  # a quantized drafter (draft_quantization)
         if self.tfm_settings.tfm.draft_lm_head == "fp8":
             self._draft_logits = fp8_draft_head(self.model, self.dtype, tp_world_size())
             logger.info("vllm-tfm: the DFlash drafter's logits read an FP8 copy of the lm_head (draft_lm_head 'fp8')")
