@@ -29,6 +29,10 @@ this script) measures, for each arm, output tokens/s at batch 1 and batch 8:
                  every result before bench/NOTES.md section 61) unless the environment sets it, whatever
                  tfm's default ("auto": one slot on one GPU); tfm16-full-async-oneslot is what
                  tfm runs by default on one GPU
+  tfm16-full-async-oneslot-fp8draft[-fp8head][-dv32k|-w4]  (optional) that arm with the DFlash drafter's layers
+                 in FP8 (and its logits through an FP8 lm_head copy; and those logits over a draft vocabulary of
+                 32,768 tokens, or the Weaver at width 4, which needs ``--arm-profile NAME=PATH`` with acceptance
+                 measured at width 4)
 
 The target is written here with the exact Qwen3.6-27B text shape (``bench/e2e_models.py``; with
 ``--target-class vl`` in the published checkpoints' class, ``Qwen3_5ForConditionalGeneration`` with
@@ -83,7 +87,7 @@ for p in (str(REPO), str(BENCH)):
         sys.path.insert(0, p)
 
 __all__ = ["Arm", "ARMS", "DEFAULT_ARMS", "parse_arms", "arm_estimate_s", "compile_estimate_s", "measure_estimate_s",
-           "fits", "tfm_switches", "resolve_profile", "arm_profile", "engine_kwargs", "measured_mal", "decode_rate", "main"]
+           "fits", "tfm_switches", "resolve_profile", "arm_profile", "parse_arm_profiles", "engine_kwargs", "measured_mal", "decode_rate", "main"]
 
 RESULTS_FORMAT = "vllm-tfm-e2e/1"
 DFLASH_K = 15  # in-tree DFlash chain length: the drafter's block 16 minus the bonus slot
@@ -106,6 +110,9 @@ class Arm:
     # the speculative config's ``quantization`` (vLLM's own key): "fp8" quantizes the DFlash drafter's linear
     # layers at load (vllm_plugin/draft_quantization.py); the lm_head it shares with the target stays bf16
     draft_quantization: str | None = None
+    # the Weaver's width w (tfm option ``width``, VLLM_TFM_WIDTH); None: the runtime's default_weaver_width(B).
+    # An arm with its own width replays acceptance measured at that width: it needs --arm-profile NAME=PATH
+    width: int | None = None
 
     @property
     def num_speculative_tokens(self) -> int:
@@ -143,6 +150,17 @@ ARMS: dict[str, Arm] = {
     "tfm16-full-async-oneslot-fp8draft-fp8head": Arm(
         "tfm16-full-async-oneslot-fp8draft-fp8head", "tfm", 16, graphs=True, full=True, async_scheduling=True,
         env=(("VLLM_TFM_GDN_STATE_SLOTS", "one"), ("VLLM_TFM_DRAFT_LM_HEAD", "fp8")), draft_quantization="fp8"),
+    # the same drafting from a draft vocabulary of 32,768 tokens (tfm option draft_vocab, FR-Spec; the drafter
+    # directory's draft_vocab.json, a random ranking: speed only, the acceptance is the replay's)
+    "tfm16-full-async-oneslot-fp8draft-fp8head-dv32k": Arm(
+        "tfm16-full-async-oneslot-fp8draft-fp8head-dv32k", "tfm", 16, graphs=True, full=True, async_scheduling=True,
+        env=(("VLLM_TFM_GDN_STATE_SLOTS", "one"), ("VLLM_TFM_DRAFT_LM_HEAD", "fp8"),
+             ("VLLM_TFM_DRAFT_VOCAB", "draft_vocab.json"), ("VLLM_TFM_DRAFT_VOCAB_SIZE", "32768")),
+        draft_quantization="fp8"),
+    # the same growing its trees 4 nodes per Weaver call (4 calls per tree at B = 16 instead of the default width 2's 8)
+    "tfm16-full-async-oneslot-fp8draft-fp8head-w4": Arm(
+        "tfm16-full-async-oneslot-fp8draft-fp8head-w4", "tfm", 16, graphs=True, full=True, async_scheduling=True,
+        env=(("VLLM_TFM_GDN_STATE_SLOTS", "one"), ("VLLM_TFM_DRAFT_LM_HEAD", "fp8")), draft_quantization="fp8", width=4),
 }
 DEFAULT_ARMS = "nospec,dflash,tfm32,tfm64,tfm16"
 
@@ -732,7 +750,30 @@ def child_env(arm: Arm, s: dict[str, Any], work: Path) -> dict[str, str]:
                    VLLM_TFM_I_AM_BENCHMARKING="1", VLLM_TFM_BENCHMARK_REPLAY_SEED=str(s["seed"]))
         env.setdefault("VLLM_TFM_GDN_STATE_SLOTS", "per_draft")  # the earlier results' layout unless asked otherwise
     env.update(arm.env)
+    if arm.width is not None:
+        env["VLLM_TFM_WIDTH"] = str(arm.width)
     return env
+
+
+def parse_arm_profiles(items: list[str], arms: list[Arm]) -> dict[str, str]:
+    """``--arm-profile NAME=PATH`` values -> {arm name: path}; every arm with its own Weaver width needs one
+    (its trees are grown differently from the profile's default-width cells). One-line ValueError otherwise."""
+    names = {a.name for a in arms}
+    out: dict[str, str] = {}
+    for item in items:
+        name, sep, path = item.partition("=")
+        if not sep or not name or not path:
+            raise ValueError(f"--arm-profile takes NAME=PATH, got {item!r}")
+        if name not in names:
+            raise ValueError(f"--arm-profile {name}: not one of this run's arms ({', '.join(sorted(names))})")
+        if name in out:
+            raise ValueError(f"--arm-profile {name} given twice")
+        out[name] = path
+    for arm in arms:
+        if arm.width is not None and arm.name not in out:
+            raise ValueError(f"arm {arm.name} grows its trees at width {arm.width}: give acceptance measured at that "
+                             f"width with --arm-profile {arm.name}=PATH (e.g. `vllm-tfm eval ... --width {arm.width}`)")
+    return out
 
 
 def tfm_switches(environ: Any) -> dict[str, str]:
@@ -756,6 +797,7 @@ def driver(args: argparse.Namespace) -> int:
     ab_order(args.ab_repeats)  # its one-line error before any engine starts
     ab_switches = parse_ab_switches(args.ab_switch, args.ab_device_topology, args.ab_commit_reuse)
     batches = sorted({int(b) for b in args.batches.split(",")})
+    arm_profile_paths = parse_arm_profiles(args.arm_profile, arms)
     profile, profile_path = resolve_profile(args.profile, args.temperature)
     if not profile.measured:
         log(f"NOTE: acceptance profile NOT measured: {profile.source}")
@@ -796,7 +838,11 @@ def driver(args: argparse.Namespace) -> int:
 
     for arm in arms:
         try:
-            plan = arm_profile(arm, profile, args.temperature, depth)
+            own = arm_profile_paths.get(arm.name)
+            arm_prof = resolve_profile(own, args.temperature)[0] if own else profile
+            plan = arm_profile(arm, arm_prof, args.temperature, depth)
+            if own:
+                plan.update(profile_path=own, profile_source=arm_prof.source)
         except ValueError as e:
             results["arms"][arm.name] = {"arm": arm.name, "kind": arm.kind, "status": "error", "error": str(e)}
             log(f"{arm.name}: {e}")
@@ -804,7 +850,7 @@ def driver(args: argparse.Namespace) -> int:
         if "entry" in plan:
             entry = plan.pop("entry")
             if arm.kind == "tfm":
-                save_profile(AcceptanceProfile(source=profile.source, measured=profile.measured, entries=[entry]),
+                save_profile(AcceptanceProfile(source=arm_prof.source, measured=arm_prof.measured, entries=[entry]),
                              work / f"profile_{arm.name}.json")
         settings["plans"][arm.name] = plan
     models = write_models(work, vl=args.target_class == "vl")
@@ -900,6 +946,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--ab-deferred", action="store_true",
                     help="tfm arms: one more clean run per batch with deferred drafts off (runtime/deferred_drafts.py), "
                          "on the same engine: a same-machine before / after in the arm's JSON (deferred_off)")
+    ap.add_argument("--arm-profile", action="append", default=[], metavar="NAME=PATH",
+                    help="this arm replays acceptance from PATH instead of --profile (an arm with its own Weaver "
+                         "width needs one: tfm16-full-async-oneslot-fp8draft-fp8head-w4)")
     ap.add_argument("--ab-switch", action="append", default=[], metavar="NAME",
                     help="tfm arms: more clean runs per batch after the clean run with the runtime switch NAME off and "
                          f"on (one of {', '.join(SWITCH_ABS)}; see SWITCH_ABS), on the same engine (<NAME>_ab in the "

@@ -133,7 +133,25 @@ def write_drafter(directory: str | Path, seed: int = 0, weaver: bool = True) -> 
         torch.manual_seed(seed)
         model = Weaver(WeaverConfig(d_model=DRAFTER_SHAPE["hidden_size"], max_depth=DRAFT_BLOCK - 1))
         model.to(torch.bfloat16).save_pretrained(path)
+    write_speed_draft_vocab(path / DRAFT_VOCAB_NAME, seed)
     return path
+
+
+DRAFT_VOCAB_NAME = "draft_vocab.json"
+
+
+def write_speed_draft_vocab(path: Path, seed: int = 0) -> None:
+    """A draft-vocabulary file for the target's vocabulary with a seeded random ranking (the dummy weights have
+    no token frequencies; arms with ``VLLM_TFM_DRAFT_VOCAB`` measure its speed, their acceptance is a replay)."""
+    import numpy as np
+
+    from vllm_tfm.models.draft_vocab import DRAFT_VOCAB_FORMAT
+
+    vocab = TARGET_SHAPE["vocab_size"]
+    ranked = np.random.default_rng(seed).permutation(vocab)
+    path.write_text(json.dumps({"format": DRAFT_VOCAB_FORMAT, "vocab_size": vocab, "token_ids": ranked.tolist(),
+                                "counts": [0] * vocab, "tokens_counted": 0, "tokenizer": "none (dummy weights)",
+                                "source": "a seeded random ranking, for speed only (bench/e2e_models.py)"}) + "\n")
 
 
 def gdn_state_bytes_per_request(num_speculative_tokens: int, ssm_bytes: int = 4, conv_bytes: int = 2,

@@ -55,6 +55,7 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--threads", type=int, default=1, help="torch CPU threads (default 1: the models are tiny)")
     demo.set_defaults(func=_demo)
     _add_eval_parser(sub)
+    _add_draft_vocab_parser(sub)
     train = sub.add_parser("train", add_help=False,
                            help="train the toy zoo (tokenizer, target, dflash, weaver, treeflash, all); "
                                 "`vllm-tfm train --help` for its options")
@@ -265,10 +266,65 @@ def _add_eval_parser(sub) -> None:
                     help="the Weaver's linear weights rounded to e4m3 with per-tensor scales "
                          "(vllm_tfm.reference.fp8_sim; the batched scorer folds its norms into the rounded weights "
                          "and keeps activations as they are): what a weight-only FP8 Weaver would propose")
+    ev.add_argument("--draft-vocab", default=None, metavar="FILE",
+                    help="the DFlash marginals over a draft vocabulary only (`vllm-tfm draft-vocab`; -inf at the other "
+                         "tokens, vllm_tfm.models.draft_vocab): the acceptance of the tfm option draft_vocab")
+    ev.add_argument("--draft-vocab-size", type=int, default=None, metavar="N",
+                    help="with --draft-vocab: its N most frequent tokens (default: all in the file)")
     ev.add_argument("--mode", choices=("replay", "decode"), default="replay",
                     help="replay (default): accepted paths read off the target's continuation, batched over prompts "
                          "(equal to the decoder's, tested); decode: run the speculative decoder with tree verify")
     ev.set_defaults(func=_eval)
+
+
+def _add_draft_vocab_parser(sub: argparse._SubParsersAction) -> None:
+    dv = sub.add_parser("draft-vocab", help="rank a tokenizer's vocabulary by frequency in a corpus: a draft-vocabulary "
+                                            "file for the tfm option draft_vocab")
+    dv.add_argument("--tokenizer", required=True, help="directory with tokenizer.json (the target's, or the zoo's)")
+    dv.add_argument("--data-root", action="append", required=True,
+                    help="corpus root (repeatable; 'site-packages' for this Python's)")
+    dv.add_argument("--extensions", default=".py", help="comma list of file suffixes counted (default .py)")
+    dv.add_argument("--split", choices=("train", "all"), default="train",
+                    help="train (default): only the files the trainer's split keeps for training (not held out for "
+                         "`vllm-tfm eval`); all: every file")
+    dv.add_argument("--eval-modulus", type=int, default=20, help="the split's modulus (default 20, the trainer's)")
+    dv.add_argument("--max-bytes", type=int, default=256_000_000, help="stop after this much text (default 256 MB)")
+    dv.add_argument("--vocab-size", type=int, default=None,
+                    help="the model's vocabulary (default: the tokenizer's; a model may pad it)")
+    dv.add_argument("--out", required=True, help="the draft-vocabulary JSON to write")
+    dv.set_defaults(func=_draft_vocab)
+
+
+def _draft_vocab(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from vllm_tfm.models.draft_vocab import count_token_ids, write_draft_vocab
+    from vllm_tfm.train.data import DataConfig, build_manifest, read_texts
+    from vllm_tfm.train.tokenizer import data_tokenizer, load_tokenizer
+
+    exts = tuple(e.strip() for e in args.extensions.split(",") if e.strip())
+    if not exts:
+        raise ValueError("--extensions must name at least one suffix")
+    cfg = DataConfig(extensions=exts, eval_modulus=args.eval_modulus)
+    manifest = build_manifest(args.data_root, cfg)
+    files = manifest.train if args.split == "train" else manifest.train + manifest.eval
+    full = load_tokenizer(args.tokenizer)
+    tok = data_tokenizer(full)  # special-token strings in the text count as ordinary bytes, as in training
+    vocab = args.vocab_size if args.vocab_size is not None else full.get_vocab_size()
+    if vocab < full.get_vocab_size():
+        raise ValueError(f"--vocab-size {vocab} is smaller than the tokenizer's {full.get_vocab_size()}")
+    texts = read_texts(files, args.max_bytes)
+    counts = count_token_ids((e.ids for e in tok.encode_batch(texts, add_special_tokens=False)), vocab)
+    source = (f"{len(texts)} {args.split}-split files ({'/'.join(exts)}, eval_modulus {args.eval_modulus}) under "
+              f"{', '.join(manifest.roots)}, at most {args.max_bytes} bytes")
+    data = write_draft_vocab(args.out, counts, str(Path(args.tokenizer).resolve()), source)
+    print(f"{args.out}: {vocab} token ids ranked over {data['tokens_counted']} tokens of {source}; "
+          f"{int((counts > 0).sum())} occur")
+    total = max(1, data["tokens_counted"])
+    for n in (256, 1024, 2048, 4096, 16384, 32768, 65536):
+        if n < vocab:
+            print(f"  the first {n}: {sum(data['counts'][:n]) / total:.4f} of the tokens counted")
+    return 0
 
 
 def _eval_command(args: argparse.Namespace, methods: list[str]) -> str:
@@ -296,6 +352,10 @@ def _eval_command(args: argparse.Namespace, methods: list[str]) -> str:
         parts.append("--drafter-fp8-head")
     if args.weaver_fp8:
         parts.append("--weaver-fp8")
+    if args.draft_vocab is not None:
+        parts += ["--draft-vocab", args.draft_vocab]
+    if args.draft_vocab_size is not None:
+        parts += ["--draft-vocab-size", str(args.draft_vocab_size)]
     return shlex.join(parts)
 
 
@@ -359,12 +419,25 @@ def _eval(args: argparse.Namespace) -> int:
         count = simulate_fp8_linears(models.bundle.dflash)
         notes.append(f"--drafter-fp8: the DFlash drafter's {count} linear layers run as vLLM's online FP8 "
                      "(vllm_tfm.reference.fp8_sim); the target, its lm_head and the Weaver as they are.")
-    if args.drafter_fp8_head:
+    if args.draft_vocab_size is not None and args.draft_vocab is None:
+        raise ValueError("--draft-vocab-size needs --draft-vocab")
+    if args.drafter_fp8_head and args.draft_vocab is None:
         from vllm_tfm.reference.fp8_sim import Fp8SimHead
 
         models.bundle.dflash.logits_head = Fp8SimHead(models.target.get_output_embeddings())
         notes.append("--drafter-fp8-head: the DFlash marginals through an FP8 copy of the target's lm_head "
                      "(vllm_tfm.reference.fp8_sim.Fp8SimHead); the target and the Weaver read the lm_head as it is.")
+    if args.draft_vocab is not None:
+        from vllm_tfm.models.draft_vocab import DraftVocabHead, load_draft_vocab
+        from vllm_tfm.reference.fp8_sim import Fp8SimHead
+
+        lm_head = models.target.get_output_embeddings()
+        ids = load_draft_vocab(args.draft_vocab, args.draft_vocab_size, int(lm_head.weight.shape[0]))
+        models.bundle.dflash.logits_head = DraftVocabHead(lm_head, ids, Fp8SimHead if args.drafter_fp8_head else None)
+        notes.append(f"--draft-vocab: the DFlash marginals over the {ids.numel()} tokens of {args.draft_vocab} only "
+                     f"(-inf at the other {int(lm_head.weight.shape[0]) - ids.numel()}; vllm_tfm.models.draft_vocab)"
+                     + (", through an FP8 copy of their lm_head rows (--drafter-fp8-head)" if args.drafter_fp8_head else "")
+                     + "; the target and the Weaver read the lm_head as it is.")
     if args.weaver_fp8:
         if models.bundle.weaver is None:
             raise SystemExit("vllm-tfm eval: --weaver-fp8 needs a drafter with a Weaver")

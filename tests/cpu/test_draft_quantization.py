@@ -126,7 +126,7 @@ def test_fp8_draft_head_refusals() -> None:
     ``compute_logits`` (or cannot run here: CPU tensors)."""
     from vllm.model_executor.layers.vocab_parallel_embedding import UnquantizedEmbeddingMethod
 
-    from vllm_tfm.vllm_plugin.runtime.draft_head import fp8_draft_head
+    from vllm_tfm.vllm_plugin.runtime.draft_head import draft_logits_head
 
     def stub(**change: Any) -> Any:
         head = types.SimpleNamespace(quant_method=UnquantizedEmbeddingMethod(), weight=torch.randn(64, 32).to(torch.bfloat16))
@@ -149,5 +149,5 @@ def test_fp8_draft_head_refusals() -> None:
     ]
     for change, tp, message in cases:
         with pytest.raises(ValueError, match=r"^tfm option draft_lm_head='fp8': " + message) as info:
-            fp8_draft_head(stub(**change), torch.bfloat16, tp)
+            draft_logits_head(stub(**change), torch.bfloat16, tp, True, None)
         assert "\n" not in str(info.value)

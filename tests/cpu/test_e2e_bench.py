@@ -166,14 +166,23 @@ def test_tfm_arm_config_replays_its_profile_entry(big: Any, monkeypatch: pytest.
 def test_fp8_drafter_arm_quantizes_the_drafter_only(big: Any, monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     """The fp8draft arm is its base arm with vLLM's own ``quantization`` key in the speculative config: the
     drafter's model config carries fp8, the target's none; the base arm's drafter carries none."""
+    from vllm_tfm.vllm_plugin.options import get_tfm_options
+
     prof = builtin_geometric_profile(temperatures=(1.0,))
-    for name, want in (("tfm16-full-async-oneslot-fp8draft", "fp8"), ("tfm16-full-async-oneslot", None)):
+    for name, want, width in (("tfm16-full-async-oneslot-fp8draft", "fp8", None), ("tfm16-full-async-oneslot", None, None),
+                              ("tfm16-full-async-oneslot-fp8draft-fp8head-w4", "fp8", 4),
+                              ("tfm16-full-async-oneslot-fp8draft-fp8head-dv32k", "fp8", None)):
         arm = e2e.ARMS[name]
+        monkeypatch.delenv("VLLM_TFM_WIDTH", raising=False)
         plan = replay_env(arm, prof, monkeypatch, tmp_path)
         kw = e2e.engine_kwargs(arm, settings(big), plan)
         cfg = spec_config(kw)
         assert cfg.method == "tfm" and cfg.draft_model_config.quantization == want
         assert kw.get("quantization") is None
+        assert get_tfm_options(cfg).width == width  # the arm's width reaches the tfm options; None: the default
+        # the dv32k arm drafts from the first 32,768 ids of the drafter directory's draft_vocab.json (checked here)
+        opts = get_tfm_options(cfg)
+        assert (opts.draft_vocab, opts.draft_vocab_size) == (("draft_vocab.json", 32768) if "dv32k" in name else (None, None))
     desc = e2e_report._arm_desc({"kind": "tfm", "budget": 16, "draft_quantization": "fp8"})
     assert desc == "tfm (Weaver trees), B=16, DFlash drafter quantization fp8"
 
@@ -544,6 +553,54 @@ def test_driver_runs_arms_and_renders_what_they_measured(fake_engine: None, monk
     res = json.loads((out / "e2e_27b.json").read_text())
     assert rc == 0 and [x["arm"] for x in res["skipped"]] == ["dflash", "tfm64"]
     assert "Next command: bash bench/run_gpu_e2e.sh --arms nospec,dflash,tfm64" in capsys.readouterr().out
+
+
+def test_a_width_arm_replays_its_own_profile_and_sets_the_width(fake_engine: None, monkeypatch: pytest.MonkeyPatch,
+                                                                tmp_path: Path) -> None:
+    """The w4 arm is the FP8 arm growing at width 4: VLLM_TFM_WIDTH=4 in its process only, and it replays the
+    --arm-profile file's entry while the other tfm arm replays --profile's; without --arm-profile it is refused."""
+    import time
+
+    from vllm_tfm.verify.acceptance_profile import AcceptanceProfile, ProfileEntry, save_profile
+
+    w4, base = e2e.ARMS["tfm16-full-async-oneslot-fp8draft-fp8head-w4"], e2e.ARMS["tfm16-full-async-oneslot-fp8draft-fp8head"]
+    assert (w4.kind, w4.budget, w4.graphs, w4.full, w4.async_scheduling, w4.env, w4.draft_quantization) == (
+        base.kind, base.budget, base.graphs, base.full, base.async_scheduling, base.env, base.draft_quantization)
+    assert w4.width == 4 and base.width is None
+    with pytest.raises(ValueError, match=r"grows its trees at width 4: give acceptance measured at that width with "
+                                         r"--arm-profile tfm16-full-async-oneslot-fp8draft-fp8head-w4=PATH"):
+        e2e.parse_arm_profiles([], [base, w4])
+    with pytest.raises(ValueError, match="--arm-profile tfm64: not one of this run's arms"):
+        e2e.parse_arm_profiles(["tfm64=x.json", f"{w4.name}=y.json"], [base, w4])
+    with pytest.raises(ValueError, match="--arm-profile takes NAME=PATH, got 'x.json'"):
+        e2e.parse_arm_profiles(["x.json"], [base, w4])
+
+    own_pmf = geometric_pmf(0.5, 15)
+    save_profile(AcceptanceProfile(source="width-4 cells", measured=True, entries=[
+        ProfileEntry(method="tfm", budget=16, temperature=1.0, accepted_pmf=own_pmf, steps=10)]), tmp_path / "w4.json")
+    monkeypatch.setattr(e2e, "write_models", write_fast_models)
+    seen_env: dict[str, dict] = {}
+
+    def run_child(arm: Any, settings_path: Path, out: Path, timeout_s: float, env: dict) -> int:
+        seen_env[arm.name] = env
+        return e2e.run_arm(arm, settings_path)
+
+    monkeypatch.setattr(e2e, "run_child", run_child)
+    monkeypatch.setattr(e2e, "T0", time.time())
+    out, work = tmp_path / "out", tmp_path / "work"
+    rc = e2e.main(["--out", str(out), "--work", str(work), "--arms", f"tfm16,{w4.name}", "--batches", "1",
+                   "--output-len", "11", "--profile", "builtin", "--arm-profile", f"{w4.name}={tmp_path / 'w4.json'}",
+                   "--deadline-s", "1000"])
+    assert rc == 0
+    res = json.loads((out / "e2e_27b.json").read_text())
+    replayed = {n: json.loads(Path(seen_env[n]["VLLM_TFM_BENCHMARK_ACCEPTANCE_REPLAY"]).read_text()) for n in seen_env}
+    assert replayed[w4.name]["entries"][0]["accepted_pmf"] == pytest.approx(own_pmf)
+    assert replayed[w4.name]["source"] == "width-4 cells" and replayed[w4.name]["measured"]
+    assert replayed["tfm16"]["entries"][0]["accepted_pmf"] == pytest.approx(geometric_pmf(0.80, 15))
+    assert seen_env[w4.name]["VLLM_TFM_WIDTH"] == "4" and "VLLM_TFM_WIDTH" not in seen_env["tfm16"]
+    plans = res["settings"]["plans"]
+    assert plans[w4.name]["profile_path"] == str(tmp_path / "w4.json") and "profile_path" not in plans["tfm16"]
+    assert plans[w4.name]["mal"] == pytest.approx(mean_accepted_length(own_pmf))
 
 
 def test_driver_runs_the_vl_class_when_asked(fake_engine: None, monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:

@@ -12,6 +12,7 @@ import pickle
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 
 from _vllm_plugin_env import (
@@ -390,6 +391,35 @@ def test_fp8_draft_lm_head_needs_one_gpu_and_a_16_bit_model(env: Any) -> None:
     cfg = build(env, tfm(d, draft_lm_head="fp8"), model_config=bf16)
     assert get_tfm_options(cfg).draft_lm_head == "fp8"
     assert get_tfm_options(build(env, tfm(d), model_config=bf16)).draft_lm_head == "model"
+
+
+def test_draft_vocab_is_checked_where_the_config_is_built(env: Any) -> None:
+    """``draft_vocab`` (runtime/draft_head.py): a file in the drafter directory (or an absolute path) of this
+    vocabulary, holding draft_vocab_size and at least top_k ids, on one GPU; every refusal one line."""
+    from vllm_tfm.models.draft_vocab import write_draft_vocab
+    from vllm_tfm.vllm_plugin.options import get_tfm_options
+
+    d = drafter(env, "dvocab")
+    vocab = env["model_config"].get_vocab_size()
+    counts = np.arange(vocab, dtype=np.int64)  # id v occurs v times: the ranking is vocab-1, vocab-2, ...
+    write_draft_vocab(d / "dv.json", counts, "test", "test")
+    write_draft_vocab(env["root"] / "other.json", np.ones(vocab + 1, dtype=np.int64), "test", "test")
+    cfg = build(env, tfm(d, draft_vocab="dv.json", draft_vocab_size=4, top_k=4))
+    assert (get_tfm_options(cfg).draft_vocab, get_tfm_options(cfg).draft_vocab_size) == ("dv.json", 4)
+    assert build(env, tfm(d, draft_vocab=str(d / "dv.json"), top_k=4)).method == "tfm"  # absolute: as it is
+    raises(env, tfm(d, draft_vocab_size=4, top_k=4), r"draft_vocab_size needs draft_vocab, the file it counts from")
+    raises(env, tfm(d, draft_vocab="dv.json", draft_vocab_size=3, top_k=4),
+           r"draft_vocab_size 3 is smaller than top_k 4, the candidates kept per depth")
+    raises(env, tfm(d, draft_vocab="dv.json", draft_vocab_size=vocab + 1, top_k=4),
+           rf"draft_vocab: draft vocabulary {d / 'dv.json'}: holds {vocab} token ids, cannot take the first {vocab + 1}")
+    raises(env, tfm(d, draft_vocab="missing.json", top_k=4), r"draft_vocab: draft vocabulary .*missing.json: no such file")
+    raises(env, tfm(d, draft_vocab=str(env["root"] / "other.json"), top_k=4),
+           rf"made for a vocabulary of {vocab + 1} tokens, the model has {vocab}")
+    raises(env, tfm(d, draft_vocab="dv.json", top_k=4), r"draft_vocab runs on one GPU; this engine has "
+           r"tensor_parallel_size 2", parallel={"tensor_parallel_size": 2})
+    (d / "five.json").write_text(json.dumps({"format": "vllm-tfm-draft-vocab/1", "vocab_size": vocab,
+                                             "token_ids": [4, 3, 2, 1, 0]}))  # a file may rank a part of the vocabulary
+    raises(env, tfm(d, draft_vocab="five.json", top_k=8), r"draft_vocab: .*five.json holds 5 token ids, fewer than top_k 8")
 
 
 def test_engine_and_parallel_refusals(env: Any, monkeypatch: pytest.MonkeyPatch) -> None:

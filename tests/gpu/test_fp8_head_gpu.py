@@ -73,3 +73,48 @@ def test_vllm_per_token_quantization_gives_the_same_logits() -> None:
     assert got.shape == (15, 1024) and torch.isfinite(got).all()
     err = (got.float() - want.float()).abs()
     assert (err <= 2e-2 * want.float().abs() + 2e-3 * want.float().abs().amax(dim=1, keepdim=True)).all(), err.max()
+
+
+@pytest.mark.parametrize("fp8", [False, True])
+@pytest.mark.parametrize("m", [1, 15, 120])
+def test_the_runtime_head_over_a_draft_vocab(fp8: bool, m: int) -> None:
+    """``draft_logits_head`` with a draft vocabulary on the GPU (runtime/draft_head.py, as the plugin builds it):
+    at the draft vocabulary's tokens the plain head's logits (bf16) or the FP8 head of those rows (vLLM's
+    quantization op); -inf at every other token; the argmax of a full row is the argmax over the subset."""
+    if fp8 and torch.cuda.get_device_capability() < (8, 9):
+        pytest.skip("FP8 GEMMs need compute capability 8.9")
+    import types
+
+    pytest.importorskip("vllm._custom_ops")
+    from vllm.model_executor.layers.vocab_parallel_embedding import UnquantizedEmbeddingMethod
+
+    from vllm_tfm.models.draft_vocab import subset_logits_reference
+    from vllm_tfm.vllm_plugin.runtime.draft_head import draft_logits_head
+
+    v, h = 4000, 256
+    x, w = _case(m, h, v + 16, torch.bfloat16, seed=m + 3)  # 16 rows of vocabulary padding past org_vocab_size
+    head = types.SimpleNamespace(quant_method=UnquantizedEmbeddingMethod(), weight=w)
+    proc = types.SimpleNamespace(soft_cap=None, scale=1.0, head_dtype=None, org_vocab_size=v)
+    drafter = types.SimpleNamespace(lm_head=head, logits_processor=proc, draft_id_to_target_id=None)
+    g = torch.Generator().manual_seed(m)
+    ids = torch.randperm(v, generator=g)[:1000].sort().values.cuda()
+    got = draft_logits_head(drafter, torch.bfloat16, 1, fp8, ids)(x)
+    assert got.shape == (m, v) and got.dtype == torch.bfloat16
+    rest = torch.ones(v, dtype=torch.bool, device="cuda")
+    rest[ids] = False
+    assert torch.isneginf(got[:, rest]).all() and torch.isfinite(got[:, ids]).all()
+    if fp8:
+        ops = pytest.importorskip("vllm._custom_ops")
+
+        def vllm_rows(rows_in: torch.Tensor, rows: int) -> tuple[torch.Tensor, torch.Tensor]:  # as the plugin quantizes
+            return ops.scaled_fp8_quant(rows_in, num_token_padding=rows, use_per_token_if_dynamic=True)
+
+        wq, ws = quantize_head(w[ids])  # per-row scales: the subset's rows quantize as in the full copy
+        want = fp8_head_logits(x, wq, ws, ids.numel(), quantize_rows=vllm_rows)
+        err = (got[:, ids].float() - want.float()).abs()
+        assert (err <= 1e-2 * want.float().abs() + 1e-3 * want.float().abs().amax(dim=1, keepdim=True)).all(), err.max()
+    else:
+        ref = subset_logits_reference(x.double(), w[:v].double(), ids, v)
+        err = (got[:, ids].double() - ref[:, ids]).abs()
+        assert (err <= 1e-2 * ref[:, ids].abs() + 1e-2 * ref[:, ids].abs().amax(dim=1, keepdim=True)).all(), err.max()
+        assert torch.equal(got.argmax(dim=1), ids[got[:, ids].argmax(dim=1)])

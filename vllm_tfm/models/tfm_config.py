@@ -101,8 +101,25 @@ class TfmConfig(_Strict):
                     "target, 'fp8' = an FP8 copy of that lm_head with per-row scales (half the bytes; one GPU, compute "
                     "capability >= 8.9, vllm_plugin/runtime/draft_head.py); the target still verifies with its own",
     )
+    draft_vocab: str | None = Field(
+        default=None, min_length=1,
+        description="a draft-vocabulary file (`vllm-tfm draft-vocab`; a relative path is in the drafter directory): "
+                    "the DFlash marginals over its first draft_vocab_size tokens only, -inf at the others (FR-Spec, "
+                    "models/draft_vocab.py); the target still verifies with its full vocabulary",
+    )
+    draft_vocab_size: int | None = Field(default=None, gt=0,
+                                         description="how many of draft_vocab's most frequent tokens (None: all)")
     weaver: WeaverConfig | None = None
     treeflash: TreeFlashConfig | None = None
+
+    @model_validator(mode="after")
+    def _draft_vocab_fits(self) -> TfmConfig:
+        if self.draft_vocab_size is not None and self.draft_vocab is None:
+            raise ValueError("draft_vocab_size needs draft_vocab, the file it counts from")
+        if self.draft_vocab_size is not None and self.draft_vocab_size < self.top_k:
+            raise ValueError(f"draft_vocab_size {self.draft_vocab_size} is smaller than top_k {self.top_k}, the "
+                             "candidates kept per depth")
+        return self
 
     @model_validator(mode="after")
     def _models_present(self) -> TfmConfig:

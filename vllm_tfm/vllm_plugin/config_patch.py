@@ -120,6 +120,8 @@ def prepare_tfm(
     options = resolve_tfm_options(directory, inline, num_speculative_tokens)
     drafter_checks.check_draft_lm_head(options, "speculative_config", getattr(target_model_config, "dtype", None),
                                        int(getattr(target_parallel_config, "tensor_parallel_size", 1) or 1))
+    drafter_checks.check_draft_vocab(options, "speculative_config", directory, target_model_config.get_vocab_size(),
+                                     int(getattr(target_parallel_config, "tensor_parallel_size", 1) or 1))
     if engine_args is not None:
         cuda_graphs.configure_engine_graphs(engine_args, target_model_config, options.budget)
     depth = draft_depth(options.budget, block)

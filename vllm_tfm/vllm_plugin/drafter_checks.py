@@ -20,6 +20,8 @@ from vllm_tfm.models.tfm_config import TREEFLASH_WEIGHTS_NAME, WEAVER_WEIGHTS_NA
 
 __all__ = [
     "check_draft_lm_head",
+    "check_draft_vocab",
+    "draft_vocab_path",
     "DFLASH_ARCHITECTURE",
     "locate_drafter",
     "read_drafter_config",
@@ -181,6 +183,34 @@ def check_draft_lm_head(options: TfmConfig, source: str, dtype: Any, tensor_para
     if dtype is not None and dtype not in (torch.bfloat16, torch.float16):
         raise ValueError(f"{source}: draft_lm_head='fp8' needs a bfloat16 or float16 model, not "
                          f"{str(dtype).removeprefix('torch.')}; set dtype or use draft_lm_head='model'")
+
+
+def draft_vocab_path(options: TfmConfig, drafter_dir: str | Path) -> Path | None:
+    """The ``draft_vocab`` file: a relative path lies in the drafter directory (None: no draft vocabulary)."""
+    if options.draft_vocab is None:
+        return None
+    p = Path(options.draft_vocab).expanduser()
+    return p if p.is_absolute() else Path(drafter_dir) / p
+
+
+def check_draft_vocab(options: TfmConfig, source: str, drafter_dir: str | Path, vocab_size: int,
+                      tensor_parallel_size: int) -> None:
+    """``draft_vocab`` on one GPU (the lm_head is vocabulary-split under tensor parallelism), a readable file
+    of this vocabulary holding ``draft_vocab_size`` and at least ``top_k`` ids; read again at load."""
+    path = draft_vocab_path(options, drafter_dir)
+    if path is None:
+        return
+    if tensor_parallel_size != 1:
+        raise ValueError(f"{source}: draft_vocab runs on one GPU; this engine has tensor_parallel_size "
+                         f"{tensor_parallel_size}")
+    from vllm_tfm.models.draft_vocab import load_draft_vocab
+
+    try:
+        ids = load_draft_vocab(path, options.draft_vocab_size, vocab_size)
+    except ValueError as e:
+        raise ValueError(f"{source}: draft_vocab: {e}") from None
+    if ids.numel() < options.top_k:
+        raise ValueError(f"{source}: draft_vocab: {path} holds {ids.numel()} token ids, fewer than top_k {options.top_k}")
 
 
 def _is_dflash_weight(path: Path) -> bool:

@@ -41,11 +41,13 @@ from torch import Tensor
 
 from vllm.v1.spec_decode.dflash import DFlashProposer
 
+from vllm_tfm.models.draft_vocab import load_draft_vocab
 from vllm_tfm.models.vocab_table import VocabTable
 
+from ..drafter_checks import draft_vocab_path
 from ..options import get_drafter_dir, get_tfm_options, loads_treeflash
 from .dflash_prenorm import install_prenorm_output, split_rows
-from .draft_head import fp8_draft_head
+from .draft_head import draft_logits_head
 from .drafter_inputs import bonus_rows, dflash_context_order
 from .sampler import needs_native_sampler
 from .settings import settings_from_options
@@ -63,7 +65,7 @@ logger = logging.getLogger("vllm.tfm")  # under vLLM's logger: printed next to i
 class TFMProposer(DFlashProposer):
     """DFlash drafting + tree building (module docstring)."""
 
-    _draft_logits: Callable[[Tensor], Tensor] | None = None  # draft_lm_head 'fp8' (draft_head.py), set at load
+    _draft_logits: Callable[[Tensor], Tensor] | None = None  # draft_lm_head 'fp8' / draft_vocab (draft_head.py), at load
 
     def __init__(self, vllm_config: Any, device: torch.device, runner: Any = None) -> None:
         spec = vllm_config.speculative_config
@@ -102,9 +104,7 @@ class TFMProposer(DFlashProposer):
     # ------------------------------------------------------------------ load
     def load_model(self, target_model: torch.nn.Module) -> None:
         super().load_model(target_model)
-        if self.tfm_settings.tfm.draft_lm_head == "fp8":
-            self._draft_logits = fp8_draft_head(self.model, self.dtype, tp_world_size())
-            logger.info("vllm-tfm: the DFlash drafter's logits read an FP8 copy of the lm_head (draft_lm_head 'fp8')")
+        self._load_draft_head()
         from vllm.config import get_layers_from_vllm_config
         from vllm.model_executor.layers.attention import Attention
 
@@ -213,9 +213,23 @@ class TFMProposer(DFlashProposer):
                         list(done), time.perf_counter() - t0, used, max_requests)
         return done
 
+    def _load_draft_head(self) -> None:
+        """The drafter's own logits head where ``draft_lm_head`` is 'fp8' or ``draft_vocab`` is set (draft_head.py)."""
+        tfm = self.tfm_settings.tfm
+        ids = None
+        if tfm.draft_vocab is not None:
+            path = draft_vocab_path(tfm, get_drafter_dir(self.vllm_config))
+            ids = load_draft_vocab(path, tfm.draft_vocab_size, int(self.model.logits_processor.org_vocab_size))
+        self._draft_logits = draft_logits_head(self.model, self.dtype, tp_world_size(), tfm.draft_lm_head == "fp8", ids)
+        if tfm.draft_lm_head == "fp8":
+            logger.info("vllm-tfm: the DFlash drafter's logits read an FP8 copy of the lm_head (draft_lm_head 'fp8')")
+        if ids is not None:
+            logger.info("vllm-tfm: the DFlash drafter drafts from the %d tokens of draft vocabulary %s (its logits of "
+                        "the other tokens are -inf)", ids.numel(), path)
+
     # ------------------------------------------------------------------ marginals
     def _drafter_logits(self, hidden_states: Tensor) -> Tensor:
-        """[M, H] -> [M, V]: the drafter's ``compute_logits``, or its FP8 lm_head copy (``draft_lm_head``)."""
+        """[M, H] -> [M, V]: the drafter's ``compute_logits``, or its own head (``draft_lm_head``, ``draft_vocab``)."""
         if self._draft_logits is not None:
             return self._draft_logits(hidden_states)
         return self.model.compute_logits(hidden_states)
