@@ -145,13 +145,12 @@ def write_speed_draft_vocab(path: Path, seed: int = 0) -> None:
     no token frequencies; arms with ``VLLM_TFM_DRAFT_VOCAB`` measure its speed, their acceptance is a replay)."""
     import numpy as np
 
-    from vllm_tfm.models.draft_vocab import DRAFT_VOCAB_FORMAT
+    from vllm_tfm.models.draft_vocab import write_draft_vocab
 
-    vocab = TARGET_SHAPE["vocab_size"]
-    ranked = np.random.default_rng(seed).permutation(vocab)
-    path.write_text(json.dumps({"format": DRAFT_VOCAB_FORMAT, "vocab_size": vocab, "token_ids": ranked.tolist(),
-                                "counts": [0] * vocab, "tokens_counted": 0, "tokenizer": "none (dummy weights)",
-                                "source": "a seeded random ranking, for speed only (bench/e2e_models.py)"}) + "\n")
+    counts = np.random.default_rng(seed).permutation(TARGET_SHAPE["vocab_size"])  # distinct: a random ranking
+    write_draft_vocab(path, counts, "none (dummy weights)",
+                      "not a corpus: the counts are a seeded random permutation, a ranking for speed only "
+                      "(bench/e2e_models.py)")
 
 
 def gdn_state_bytes_per_request(num_speculative_tokens: int, ssm_bytes: int = 4, conv_bytes: int = 2,

@@ -31,6 +31,7 @@ __all__ = [
     "DRAFT_VOCAB_FORMAT",
     "DraftVocabHead",
     "count_token_ids",
+    "expand_subset_logits",
     "load_draft_vocab",
     "ranked_token_ids",
     "subset_logits_reference",
@@ -100,12 +101,17 @@ def load_draft_vocab(path: str | Path, size: int | None, vocab_size: int) -> Ten
     return chosen
 
 
+def expand_subset_logits(sub: Tensor, token_ids: Tensor, vocab_size: int) -> Tensor:
+    """Logits of the draft vocabulary [..., N] -> full-vocabulary rows [..., V]: ``sub`` at ``token_ids`` [N],
+    -inf at every other token (what every consumer of the marginals reads)."""
+    out = sub.new_full((*sub.shape[:-1], vocab_size), float("-inf"))
+    return out.index_copy_(out.dim() - 1, token_ids, sub)
+
+
 def subset_logits_reference(hidden: Tensor, weight: Tensor, token_ids: Tensor, vocab_size: int) -> Tensor:
     """hidden [..., H], weight [V, H] (the full lm_head), token_ids [N] -> [..., V]: ``hidden @ weight.T`` at
     ``token_ids``, -inf elsewhere. The oracle of ``DraftVocabHead`` and the runtime's head."""
-    out = hidden.new_full((*hidden.shape[:-1], vocab_size), float("-inf"))
-    out[..., token_ids] = hidden @ weight[token_ids].T.to(hidden.dtype)
-    return out
+    return expand_subset_logits(hidden @ weight[token_ids].T.to(hidden.dtype), token_ids, vocab_size)
 
 
 class DraftVocabHead(nn.Module):
@@ -131,6 +137,4 @@ class DraftVocabHead(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         sub = self.subset(x) if self.subset is not None else F.linear(x, self.rows.to(x.dtype))
-        out = x.new_full((*x.shape[:-1], self.vocab_size), float("-inf"), dtype=sub.dtype)
-        out[..., self.token_ids] = sub
-        return out
+        return expand_subset_logits(sub, self.token_ids, self.vocab_size)

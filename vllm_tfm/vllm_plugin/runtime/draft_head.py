@@ -29,6 +29,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from vllm_tfm.kernels.fp8_head import fp8_head_unsupported_reason, quantize_head, scaled_mm_logits
+from vllm_tfm.models.draft_vocab import expand_subset_logits
 
 __all__ = ["draft_logits_head"]
 
@@ -93,7 +94,6 @@ def draft_logits_head(drafter: Any, dtype: torch.dtype, tp_size: int, fp8: bool,
         return head
 
     def logits(hidden: Tensor) -> Tensor:  # the consumers read full-vocabulary rows: -inf outside the subset
-        out = torch.full((hidden.shape[0], vocab), float("-inf"), dtype=hidden.dtype, device=hidden.device)
-        return out.index_copy_(1, ids, head(hidden))
+        return expand_subset_logits(head(hidden), ids, vocab)
 
     return logits
