@@ -157,6 +157,12 @@ ARMS: dict[str, Arm] = {
         env=(("VLLM_TFM_GDN_STATE_SLOTS", "one"), ("VLLM_TFM_DRAFT_LM_HEAD", "fp8"),
              ("VLLM_TFM_DRAFT_VOCAB", "draft_vocab.json"), ("VLLM_TFM_DRAFT_VOCAB_SIZE", "32768")),
         draft_quantization="fp8"),
+    # the same with the Weaver's projections on e4m3 rows (tfm option weaver_weights, weight-only FP8: the tree
+    # build's linear kernel reads half the bytes; the replay does not see what it does to the trees)
+    "tfm16-full-async-oneslot-fp8draft-fp8head-fp8weaver": Arm(
+        "tfm16-full-async-oneslot-fp8draft-fp8head-fp8weaver", "tfm", 16, graphs=True, full=True, async_scheduling=True,
+        env=(("VLLM_TFM_GDN_STATE_SLOTS", "one"), ("VLLM_TFM_DRAFT_LM_HEAD", "fp8"), ("VLLM_TFM_WEAVER_WEIGHTS", "fp8")),
+        draft_quantization="fp8"),
     # the same growing its trees 4 nodes per Weaver call (4 calls per tree at B = 16 instead of the default width 2's 8)
     "tfm16-full-async-oneslot-fp8draft-fp8head-w4": Arm(
         "tfm16-full-async-oneslot-fp8draft-fp8head-w4", "tfm", 16, graphs=True, full=True, async_scheduling=True,

@@ -77,8 +77,8 @@ if VL or SSM_DTYPE:
 #   TFM_E2E_DTYPE (float32), TFM_E2E_MAX_SEQS (16: the engine's batch), TFM_E2E_CASES (all; a
 #   comma list of case names from CASES), TFM_E2E_DRAFT_QUANTIZATION (none; "fp8": the speculative config's
 #   quantization, the DFlash drafter's layers in FP8, bfloat16/float16 only; with VLLM_TFM_DRAFT_LM_HEAD=fp8 its
-#   logits too; with VLLM_TFM_DRAFT_VOCAB=FILE [VLLM_TFM_DRAFT_VOCAB_SIZE=N] from a draft vocabulary: the drafts
-#   change, the tokens must not).
+#   logits too; with VLLM_TFM_DRAFT_VOCAB=FILE [VLLM_TFM_DRAFT_VOCAB_SIZE=N] from a draft vocabulary; with
+#   VLLM_TFM_WEAVER_WEIGHTS=fp8 the Weaver's projections on e4m3 rows: the drafts change, the tokens must not).
 BUDGET = int(os.environ.get("TFM_E2E_BUDGET", "7"))
 BLOCK = int(os.environ.get("TFM_E2E_BLOCK", "8"))
 MAX_TOKENS = int(os.environ.get("TFM_E2E_MAX_TOKENS", "32"))
@@ -772,7 +772,7 @@ def phase_tfm(out: Path) -> None:
         f"TFM_E2E_CONTROL={','.join(CONTROL)} " if CONTROL else "") + (
         f"TFM_E2E_DRAFT_QUANTIZATION={DRAFT_QUANTIZATION} " if DRAFT_QUANTIZATION else "") + "".join(
         f"{k}={v} " for k, v in sorted(os.environ.items())
-        if k in ("VLLM_TFM_DRAFT_LM_HEAD", "VLLM_TFM_DRAFT_VOCAB", "VLLM_TFM_DRAFT_VOCAB_SIZE"))
+        if k in ("VLLM_TFM_DRAFT_LM_HEAD", "VLLM_TFM_DRAFT_VOCAB", "VLLM_TFM_DRAFT_VOCAB_SIZE", "VLLM_TFM_WEAVER_WEIGHTS"))
     results["command"] = variant + ("TFM_E2E_ZOO=zoo " if ZOO else "") + ("TFM_E2E_PROMPTS={} TFM_E2E_MAX_TOKENS={} TFM_E2E_BUDGET={} TFM_E2E_BLOCK={} "
                           "TFM_E2E_DTYPE={} TFM_E2E_MAX_SEQS={} TFM_E2E_CASES={} bash bench/run_gpu_plugin.sh").format(
         len(ps), MAX_TOKENS, BUDGET, BLOCK, DTYPE, MAX_SEQS, ",".join(wanted) or "all")

@@ -192,6 +192,36 @@ __device__ __forceinline__ void decode8(const raw8& r, float* o) {
 }
 #endif
 
+// Float8 e4m3 (the "fn" variant: no infinities, largest finite 448) -> float32, exact. Two values
+// in a 16-bit word (the low byte first): on sm_89 and newer one cvt to f16x2 (every e4m3 value is
+// an f16 value), elsewhere (and in the CPU emulation) bit arithmetic: the e4m3 sign, exponent and
+// mantissa placed in an f16's bits give the value times 2^-8, subnormals included. NaN (0x7f, 0xff)
+// is not preserved by the latter; the weights these decode are finite by construction.
+#if !defined(TFM_HOST_EMU) && defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890
+__device__ __forceinline__ void e4m3x2_to_f32(u32 v, float* o) {
+  u32 h2;
+  unsigned short in = (unsigned short)v;
+  asm("cvt.rn.f16x2.e4m3x2 %0, %1;" : "=r"(h2) : "h"(in));
+  o[0] = f16_bits_to_f32(h2 & 0xffffu);
+  o[1] = f16_bits_to_f32(h2 >> 16);
+}
+#else
+__device__ __forceinline__ float e4m3_bits_to_f32(u32 b) {
+  return f16_bits_to_f32(((b & 0x80u) << 8) | ((b & 0x7fu) << 7)) * 256.0f;
+}
+__device__ __forceinline__ void e4m3x2_to_f32(u32 v, float* o) {
+  o[0] = e4m3_bits_to_f32(v & 0xffu);
+  o[1] = e4m3_bits_to_f32((v >> 8) & 0xffu);
+}
+#endif
+// Eight consecutive e4m3 values (8 bytes, the first in the lowest byte) -> float32.
+__device__ __forceinline__ void e4m3x8_to_f32(uint2 v, float* o) {
+  e4m3x2_to_f32(v.x & 0xffffu, o);
+  e4m3x2_to_f32(v.x >> 16, o + 2);
+  e4m3x2_to_f32(v.y & 0xffffu, o + 4);
+  e4m3x2_to_f32(v.y >> 16, o + 6);
+}
+
 // Sum over the 32 lanes of a warp; every lane receives the total.
 __device__ __forceinline__ float warp_sum(float x) {
 #pragma unroll

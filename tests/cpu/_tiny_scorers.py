@@ -21,8 +21,9 @@ class ScorerPair(NamedTuple):
     inputs: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]  # verifier, dflash hidden, ids, logits
 
 
-def tiny_scorer_pair(seed: int, r: int, n_layers: int = 2, perturb: bool = True) -> ScorerPair:
-    """R requests, 8 node slots; ``perturb``: norms and biases made non-trivial (weights + 0.05 noise)."""
+def tiny_scorer_pair(seed: int, r: int, n_layers: int = 2, perturb: bool = True, fp8: bool = False) -> ScorerPair:
+    """R requests, 8 node slots; ``perturb``: norms and biases made non-trivial (weights + 0.05 noise); ``fp8``: the
+    Weaver's weight-only FP8 (``Weaver.fp8_weights``)."""
     torch.manual_seed(seed)
     cfg = WeaverConfig(d_model=HIDDEN, d_rank=32, n_layers=n_layers, n_heads=2, d_mlp=48, max_depth=DEPTH)
     weaver = Weaver(cfg).eval()
@@ -30,6 +31,7 @@ def tiny_scorer_pair(seed: int, r: int, n_layers: int = 2, perturb: bool = True)
         with torch.no_grad():
             for p in weaver.parameters():
                 p.add_(torch.randn_like(p) * 0.05)
+    weaver.fp8_weights = fp8
     embed, head = torch.randn(VOCAB, HIDDEN), torch.randn(VOCAB, HIDDEN) * 0.1
     inputs = (torch.randn(r, HIDDEN), torch.randn(r, DEPTH, HIDDEN), torch.randint(0, VOCAB, (r, DEPTH, TOP_K)),
               torch.randn(r, DEPTH, TOP_K))

@@ -393,6 +393,20 @@ def test_fp8_draft_lm_head_needs_one_gpu_and_a_16_bit_model(env: Any) -> None:
     assert get_tfm_options(build(env, tfm(d), model_config=bf16)).draft_lm_head == "model"
 
 
+def test_weaver_weights_reach_the_workers(env: Any) -> None:
+    """``weaver_weights`` (models/weaver_step.py): 'model' by default, 'fp8' carried to the workers from the speculative
+    config or VLLM_TFM_WEAVER_WEIGHTS, anything else refused in one line."""
+    from vllm_tfm.vllm_plugin.options import get_tfm_options
+
+    d = drafter(env, "fp8weaver")
+    raises(env, tfm(d, weaver_weights="int8"), r"weaver_weights: Input should be 'model' or 'fp8'")
+    assert get_tfm_options(build(env, tfm(d))).weaver_weights == "model"
+    assert get_tfm_options(build(env, tfm(d, weaver_weights="fp8"))).weaver_weights == "fp8"
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("VLLM_TFM_WEAVER_WEIGHTS", "fp8")
+        assert get_tfm_options(build(env, tfm(d))).weaver_weights == "fp8"
+
+
 def test_draft_vocab_is_checked_where_the_config_is_built(env: Any) -> None:
     """``draft_vocab`` (runtime/draft_head.py): a file in the drafter directory (or an absolute path) of this
     vocabulary, holding draft_vocab_size and at least top_k ids, on one GPU; every refusal one line."""

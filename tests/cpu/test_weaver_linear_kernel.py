@@ -86,7 +86,7 @@ def test_several_groups_of_weight_loads_at_each_k_split(emu_dir: Path, monkeypat
     a partial step, two groups and a partial step, with each unit's K split over 1, 2 or 4 warps
     (partial sums gathered in shared memory); the norm's sum of squares split over the block's
     warps by step; N leaving warps past the last unit (they sum squares and write nothing)."""
-    monkeypatch.setattr(kl, "k_split", lambda units, k: split)
+    monkeypatch.setattr(kl, "k_split", lambda units, k, step=256: split)
     cases = [(3, 1024 * split, 9, False, torch.float32), (1, 1032 * split, 5, True, torch.float32),
              (4, 2312, 11, False, torch.float32), (2, 2312, 3, True, torch.bfloat16), (2, 264, 9, False, torch.float32)]
     past_the_end = []
@@ -185,3 +185,115 @@ def test_scorer_kernel_path_is_the_torch_path_where_no_kernel_runs() -> None:
             torch.tensor([[True, False]] * r))
     ref, got = (s(*args) for s in scorers)
     assert torch.equal(got[:, 0], ref[:, 0])
+
+
+def fp8_problem(seed, m, k, n, dtype, *, swiglu=False, residual=False):
+    """``problem`` with the weight quantized to e4m3 with row scales; (x, w8, b, res, scale, dequantized float64 w)."""
+    x, w, b, res = problem(seed, m, k, n, dtype, bias=not residual, residual=residual, swiglu=swiglu)
+    w8, scale = kl.quantize_weight_rows(w.float() * (1 + torch.arange(w.shape[0])[:, None] % 7))  # row ranges differ
+    return x, w8, b, res, scale, w8.double() * scale.double()[:, None]
+
+
+def test_every_e4m3_byte_decodes_exactly(emu_dir: Path) -> None:
+    """All 254 finite e4m3 bytes (subnormals, +-0, +-448) as weights against one-hot activation rows: each output is
+    one weight's value times its row scale 1, exactly (float32)."""
+    codes = torch.arange(256, dtype=torch.uint8)
+    codes[(codes == 0x7F) | (codes == 0xFF)] = 0  # NaN codes: weights are finite by construction
+    w8 = codes.view(torch.float8_e4m3fn).view(16, 16)
+    x = torch.eye(16)
+    y, launches = run(emu_dir, x, w8, None, None, None, False, torch.ones(16))
+    assert launches[0][0] == "weaver_linear"
+    assert torch.equal(y, w8.float().t())
+
+
+@pytest.mark.parametrize("split", [1, 2, 4])
+def test_fp8_weights_match_float64(emu_dir: Path, monkeypatch, split: int) -> None:
+    """Weight-only FP8 (e4m3 with one scale per row): the function of the dequantized weights, in every epilogue, with K
+    past one group of 4 steps of 512 columns and partial steps at each K split, 16 rows; the torch reference within
+    one rounding."""
+    monkeypatch.setattr(kl, "k_split", lambda units, k, step=256: split)
+    cases = [(2, 2320, 9, "norm_bias", torch.bfloat16), (1, 272, 5, "swiglu", torch.float32),
+             (16, 1040, 6, "residual", torch.float16), (3, 8208, 3, "swiglu", torch.bfloat16)]
+    for i, (m, k, n, mode, dtype) in enumerate(cases):
+        swiglu, residual = mode == "swiglu", mode == "residual"
+        eps = None if residual else 1e-6
+        x, w8, b, res, scale, wd = fp8_problem(90 + i, m, k, n, dtype, swiglu=swiglu, residual=residual)
+        reason = kl.unsupported_reason(x, w8, b, res, eps, swiglu, scale)
+        assert reason == kl.NOT_CUDA if m <= kl.FP8_KERNEL_ROWS else kl.TOO_MANY_ROWS in reason
+        y, _ = run(emu_dir, x, w8, b, res, eps, swiglu, scale)  # the source takes up to MAX_ROWS
+        assert y.dtype == dtype and y.shape == (m, n)
+        exact, bound_scale = float64_layer(x, wd, b, res, eps, swiglu)
+        check(y, exact, bound_scale, dtype)
+        ref = kl.weaver_linear_reference(x, w8, b, res, eps, swiglu, scale).double()
+        assert bool(((y.double() - ref).abs() <= (4 * OUT_RTOL[dtype] + 1e-5) * (bound_scale + exact.abs())).all())
+
+
+def test_rows_gather_from_a_table_with_clamped_ids(emu_dir: Path) -> None:
+    """rows: the layer's input rows are gathered from x (a table) by id, ids outside the table clamped to its ends;
+    with 16-bit and FP8 weights, and the norm's sums over the gathered rows."""
+    gen = torch.Generator().manual_seed(5)
+    table = torch.randn(40, 528, generator=gen).to(torch.bfloat16)
+    ids = torch.tensor([7, -3, 39, 1000])
+    picked = table[torch.tensor([7, 0, 39, 39])]
+    w = (torch.randn(11, 528, generator=gen) / 528**0.5).to(torch.bfloat16)
+    b = torch.randn(11, generator=gen).to(torch.bfloat16)
+    y, _ = run(emu_dir, table, w, b, None, 1e-6, False, None, ids)
+    assert y.shape == (4, 11)
+    check(y, *float64_layer(picked, w, b, None, 1e-6, False), torch.bfloat16)
+    assert torch.equal(kl.weaver_linear_reference(table, w, b, None, 1e-6, False, None, ids),
+                       kl.weaver_linear_reference(picked, w, b, None, 1e-6, False))
+    w8, scale = kl.quantize_weight_rows(w)
+    y8, _ = run(emu_dir, table, w8, b, None, 1e-6, False, scale, ids)
+    check(y8, *float64_layer(picked, w8.double() * scale.double()[:, None], b, None, 1e-6, False), torch.bfloat16)
+
+
+def test_fp8_and_rows_inputs_the_kernel_takes() -> None:
+    x, w8, b, res, scale, _ = fp8_problem(3, 2, 16, 4, torch.bfloat16, residual=True)
+    with pytest.raises(ValueError, match="comes with weight_scale"):
+        kl.unsupported_reason(x, w8, None, res, None, False)
+    with pytest.raises(ValueError, match="comes with weight_scale"):
+        kl.weaver_linear_reference(x, w8.float(), None, res, None, False, scale)
+    with pytest.raises(ValueError, match=r"weight_scale must be float32 \[4\]"):
+        kl.weaver_linear(x, w8, None, res, None, False, scale[:3])
+    many = torch.zeros(kl.FP8_KERNEL_ROWS, 16, dtype=torch.bfloat16)
+    assert kl.KERNEL_ROWS <= kl.FP8_KERNEL_ROWS <= kl.MAX_ROWS
+    assert kl.unsupported_reason(many, w8, None, None, None, False, scale) == kl.NOT_CUDA
+    more = torch.zeros(kl.FP8_KERNEL_ROWS + 1, 16, dtype=torch.bfloat16)
+    assert kl.TOO_MANY_ROWS in kl.unsupported_reason(more, w8, None, None, None, False, scale)
+    with pytest.raises(ValueError, match="rows index an empty table"):
+        kl.weaver_linear(x[:0], w8, None, None, None, False, scale, torch.tensor([0]))
+    assert "multiple of 16" in kl.unsupported_reason(x[:, :8], w8[:, :8].contiguous(), None, None, None, False, scale)
+    assert "int64 [M]" in kl.unsupported_reason(x, w8, None, None, None, False, scale, torch.tensor([0, 1], dtype=torch.int32))
+    table = torch.zeros(100, 16, dtype=torch.bfloat16)  # rows count against the limit, not the table
+    assert kl.unsupported_reason(table, w8, None, None, None, False, scale, torch.tensor([0, 99])) == kl.NOT_CUDA
+    w8q, sq = kl.quantize_weight_rows(torch.tensor([[1.0, -2.0], [0.0, 0.0]]))
+    assert torch.equal(w8q.float() * sq[:, None], torch.tensor([[1.0, -2.0], [0.0, 0.0]]))  # exact where representable
+    assert float(sq[0]) == float(torch.tensor(2.0 / 448, dtype=torch.float32)) and w8q.dtype == torch.float8_e4m3fn
+
+
+def test_weaver_scorer_with_fp8_weights_through_the_kernels(emu_dir: Path) -> None:
+    """Weaver.fp8_weights: the kernel path reads the e4m3 rows (every linear launch gets a float8 weight) and gives
+    the torch path's log-probabilities (which compute with the rounded values) to float32 rounding; both differ
+    from the unrounded Weaver's by more than that (the rounding took effect)."""
+    calls = [
+        (torch.tensor([[0], [0]]), torch.tensor([[-1], [-1]]), torch.tensor([[5], [VOCAB + 9]]), torch.tensor([[0], [0]])),
+        (torch.tensor([[1], [1]]), torch.tensor([[0], [0]]), torch.tensor([[7], [-3]]), torch.tensor([[1], [1]])),
+    ]
+    plain = tiny_scorer_pair(1, 2)[0]
+    pair = tiny_scorer_pair(1, 2, fp8=True)
+    weights = []
+    real = kl.weaver_linear_kernel
+
+    def spy(*args):
+        weights.append(args[1].dtype)
+        return real(*args)
+
+    with (emulated(emu_dir), mock.patch.object(kc, "unsupported_reason", lambda *a: None),
+          mock.patch.object(kl, "unsupported_reason", lambda *a: None), mock.patch.object(kl, "weaver_linear_kernel", spy)):
+        for node, parent, tok, dep in calls:
+            valid = torch.ones_like(node, dtype=torch.bool)
+            ref, got, unrounded = (s(node, parent, tok, dep, valid) for s in (pair[0], pair[1], plain))
+            assert torch.allclose(got, ref, rtol=0, atol=2e-5)
+            assert float((ref - unrounded).abs().max()) > 1e-3
+    assert weights and all(dt == torch.float8_e4m3fn for dt in weights)
+    assert len(weights) == len(calls) * (2 + 4 * pair.config.n_layers)

@@ -64,6 +64,40 @@ def test_matches_float64(dtype, layer: int) -> None:
         assert bool(((y.double() - ref).abs() <= (4 * OUT_RTOL[dtype] + 1e-4) * (scale + exact.abs())).all())
 
 
+def test_every_e4m3_byte_decodes_exactly_on_the_gpu() -> None:
+    """The sm_89+ decode (one cvt.rn.f16x2.e4m3x2 per two bytes): all 254 finite e4m3 codes against one-hot rows."""
+    codes = torch.arange(256, dtype=torch.uint8, device=DEV)
+    codes[(codes == 0x7F) | (codes == 0xFF)] = 0
+    w8 = codes.view(torch.float8_e4m3fn).view(16, 16)
+    y = kl.weaver_linear_kernel(torch.eye(16, device=DEV), w8, None, None, None, False, torch.ones(16, device=DEV))
+    assert torch.equal(y, w8.float().t())
+
+
+@pytest.mark.parametrize("layer", range(len(LAYERS)))
+def test_fp8_weights_match_float64(layer: int) -> None:
+    """Weight-only FP8 at the 27B Weaver's layers, M = 1, 2, 4, 16 (the source's limit), bfloat16 activations: the
+    function of the dequantized weights to float32 rounding plus one bfloat16 rounding; the input rows gathered from a
+    table by clamped ids give the same bits as the rows themselves."""
+    k, n, mode = LAYERS[layer]
+    k += (-k) % 16  # FP8 rows: K a multiple of 16 (264 -> 272)
+    for m in (1, 2, 4, kl.MAX_ROWS):
+        x, w, b, res, eps, swiglu = problem(layer * 100 + m + 7, m, k, n, torch.bfloat16, mode)
+        w8, scale = kl.quantize_weight_rows(w)
+        reason = kl.unsupported_reason(x, w8, b, res, eps, swiglu, scale)
+        assert reason is None if m <= kl.FP8_KERNEL_ROWS else kl.TOO_MANY_ROWS in reason
+        y = kl.weaver_linear_kernel(x, w8, b, res, eps, swiglu, scale)
+        exact, bound_scale = float64_layer(x, w8.double() * scale.double()[:, None], b, res, eps, swiglu)
+        err = (y.double() - exact).abs()
+        bound = 1e-5 * bound_scale + OUT_RTOL[torch.bfloat16] * exact.abs() + 1e-30
+        assert bool((err <= bound).all()), (m, k, n, mode, float((err / bound).max()))
+        table = torch.cat([torch.zeros_like(x[:1]), x])  # x's rows are table rows 1..m; id -5 reads row 0
+        ids = torch.arange(1, m + 1, device=DEV)
+        assert torch.equal(kl.weaver_linear_kernel(table, w8, b, res, eps, swiglu, scale, ids), y)
+        ids[0] = -5
+        got = kl.weaver_linear_kernel(table, w8, b, res, eps, swiglu, scale, ids)
+        assert torch.equal(got[1:], y[1:]) and not torch.equal(got[:1], y[:1])
+
+
 def test_dispatch_rows() -> None:
     args = problem(1, kl.KERNEL_ROWS, 1024, 1024, torch.bfloat16, "residual")
     assert torch.equal(kl.weaver_linear(*args), kl.weaver_linear_kernel(*args))  # deterministic: the kernel ran
@@ -72,9 +106,12 @@ def test_dispatch_rows() -> None:
     assert torch.equal(kl.weaver_linear(*big), kl.weaver_linear_reference(*big))
 
 
-def test_weaver_scorer_at_the_27b_shape() -> None:
+@pytest.mark.parametrize("fp8", [False, True])
+def test_weaver_scorer_at_the_27b_shape(fp8: bool) -> None:
+    """The kernel path's log-probabilities against the torch path's (with weight-only FP8: both on the e4m3 rows'
+    values, the kernel reading the bytes and the embedding rows gathered in the token_in layer)."""
     r, w = 2, 2
-    scorers = scorer_pair_27b(r)
+    scorers = scorer_pair_27b(r, fp8=fp8)
     node = torch.zeros(r, w, dtype=torch.long, device=DEV)
     parent = torch.full_like(node, -1)
     tok = torch.randint(0, VOCAB, (r, w), device=DEV)

@@ -101,6 +101,12 @@ class TfmConfig(_Strict):
                     "target, 'fp8' = an FP8 copy of that lm_head with per-row scales (half the bytes; one GPU, compute "
                     "capability >= 8.9, vllm_plugin/runtime/draft_head.py); the target still verifies with its own",
     )
+    weaver_weights: Literal["model", "fp8"] = Field(
+        default="model",
+        description="the Weaver's projections in the tree build: 'model' = its stored weights, 'fp8' = rounded to e4m3 "
+                    "with one scale per output row after its norms are folded in (weight-only FP8: the fused kernel "
+                    "reads half the bytes; models/weaver_step.py); the target still verifies with its own weights",
+    )
     draft_vocab: str | None = Field(
         default=None, min_length=1,
         description="a draft-vocabulary file (`vllm-tfm draft-vocab`; a relative path is in the drafter directory): "

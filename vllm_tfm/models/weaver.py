@@ -42,7 +42,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from .common import RMSNormWithBias, apply_rope, as_weight, compute_dtype, masked_attention, rope_cos_sin
-from .weaver_step import folded_weaver, norm_linear, prompt_pass, rope_table
+from .weaver_step import Fp8Rows, folded_weaver, norm_linear, prompt_pass, rope_table
 from .vocab_table import ShardedVocabTable, VocabTable, candidate_scores_reference, table_num_rows, table_rows
 from .io import read_state, target_text_config, write_state
 from .tfm_config import TFM_CONFIG_NAME, WEAVER_WEIGHTS_NAME, TfmConfig, WeaverConfig
@@ -115,6 +115,10 @@ class Weaver(nn.Module):
         self.layers = nn.ModuleList(WeaverBlock(config) for _ in range(config.n_layers))
         self.out_norm = RMSNormWithBias(d, config.norm_eps)
         self.lm_head_query_in = nn.Linear(d, h, bias=False)
+        # BatchedWeaverTreeScorer's folded projections rounded to e4m3 rows (weight-only FP8,
+        # weaver_step.py; the tfm option weaver_weights "fp8"); the modules' own forward and
+        # WeaverTreeScorer keep the stored weights
+        self.fp8_weights = False
 
     # ------------------------------------------------------------------ pieces
     def _rope(self, positions: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
@@ -410,25 +414,35 @@ def _kv_specs(weaver: Weaver, r: int, depth: int, max_nodes: int, dtype: torch.d
     return [((2, r, layer.n_heads, 1 + depth + max_nodes + 1, layer.head_dim), dtype, device) for layer in weaver.layers]
 
 
-def _norm_linear(fused: bool, x: Tensor, weight_t: Tensor, bias: Tensor, eps: float) -> Tensor:
+def _fused_linear(x: Tensor, weight_t: Tensor, fp8: Fp8Rows | None, bias: Tensor | None, residual: Tensor | None,
+                  eps: float | None, swiglu: bool, rows: Tensor | None = None) -> Tensor:
+    """The fused kernel (``vllm_tfm.kernels.weaver_linear``) on the e4m3 rows where there are some and the kernel
+    takes this many rows, else on the weights' values (weight_t [in, out]: the same function to rounding)."""
+    m = x.shape[0] if rows is None else rows.shape[0]
+    if fp8 is not None and m <= linear_kernel.FP8_KERNEL_ROWS:
+        return linear_kernel.weaver_linear(x, fp8.q, bias, residual, eps, swiglu, fp8.scale, rows)
+    return linear_kernel.weaver_linear(x, weight_t.t(), bias, residual, eps, swiglu, None, rows)
+
+
+def _norm_linear(fused: bool, x: Tensor, weight_t: Tensor, bias: Tensor, eps: float, fp8: Fp8Rows | None = None) -> Tensor:
     """``Linear(RMSNormWithBias(x))`` with the norm folded into (weight_t [in, out], bias): the fused
     kernel (``vllm_tfm.kernels.weaver_linear``) or ``norm_linear``."""
     if fused:
-        return linear_kernel.weaver_linear(x, weight_t.t(), bias, None, eps, False)
+        return _fused_linear(x, weight_t, fp8, bias, None, eps, False)
     return norm_linear(x, weight_t, bias, eps)
 
 
-def _residual_linear(fused: bool, residual: Tensor, x: Tensor, weight_t: Tensor) -> Tensor:
+def _residual_linear(fused: bool, residual: Tensor, x: Tensor, weight_t: Tensor, fp8: Fp8Rows | None = None) -> Tensor:
     """``residual + x @ weight_t`` (weight_t [in, out])."""
     if fused:
-        return linear_kernel.weaver_linear(x, weight_t.t(), None, residual, None, False)
+        return _fused_linear(x, weight_t, fp8, None, residual, None, False)
     return torch.addmm(residual, x, weight_t)
 
 
-def _norm_swiglu(fused: bool, x: Tensor, weight_t: Tensor, bias: Tensor, eps: float) -> Tensor:
+def _norm_swiglu(fused: bool, x: Tensor, weight_t: Tensor, bias: Tensor, eps: float, fp8: Fp8Rows | None = None) -> Tensor:
     """``silu(gate) * up`` of the folded ``gate_up(mlp_norm(x))`` (weight_t [in, 2 d_mlp])."""
     if fused:
-        return linear_kernel.weaver_linear(x, weight_t.t(), bias, None, eps, True)
+        return _fused_linear(x, weight_t, fp8, bias, None, eps, True)
     gate, up = norm_linear(x, weight_t, bias, eps).chunk(2, dim=-1)
     return F.silu(gate) * up
 
@@ -628,25 +642,29 @@ class BatchedWeaverTreeScorer:
         if node_ids.device != dev:
             node_ids, parent_ids, tokens, depths, valid = (t.to(dev) for t in (node_ids, parent_ids, tokens, depths, valid))
         with torch.no_grad():
-            # invalid rows: computed on clamped inputs, written to the trash slot, ignored
-            dep = depths.clamp(0, self.depth - 1)
-            toks = tokens.clamp(0, self.n_embed_rows - 1)
-            emb = _lookup(self.embed, toks).flatten(0, 1)  # [R w, H]
+            # invalid rows: computed on clamped inputs (token ids, depths: the candidate scores clamp
+            # them), written to the trash slot, ignored
             fused = self.score_kernel
             if fused:  # the kernels read [R, w] index tensors as contiguous rows
                 node_ids, parent_ids, depths, valid = (t.contiguous() for t in (node_ids, parent_ids, depths, valid))
             attention = attention_kernel.node_attention if fused else attention_kernel.node_attention_reference
-            x = _norm_linear(fused, emb, fw.token_in, fw.token_in_bias, fw.embed_eps)  # [R w, d]
+            if fused and isinstance(self.embed, Tensor):  # the embedding rows gathered (and clamped) by the kernel
+                x = _fused_linear(self.embed, fw.token_in, fw.token_in_fp8, fw.token_in_bias, None, fw.embed_eps, False,
+                                  tokens.reshape(-1).contiguous())
+            else:
+                emb = _lookup(self.embed, tokens.clamp(0, self.n_embed_rows - 1)).flatten(0, 1)  # [R w, H]
+                x = _norm_linear(fused, emb, fw.token_in, fw.token_in_bias, fw.embed_eps, fw.token_in_fp8)  # [R w, d]
             for li, (layer, lw, kv) in enumerate(zip(wv.layers, fw.layers, self.kv_cache)):
                 # q, k, v and their rotate_half in one GEMM: [R w, 2 * 3 * heads * hd]
-                proj = _norm_linear(fused, x, lw.qkv_rot, lw.qkv_rot_bias, lw.attn_eps)
+                proj = _norm_linear(fused, x, lw.qkv_rot, lw.qkv_rot_bias, lw.attn_eps, lw.qkv_rot_fp8)
                 # RoPE, the nodes' K/V into the cache, attention over the prompt and the
                 # ancestors-or-self; the first layer also writes the nodes' key-mask rows
                 attn = attention(proj, self._rope_nodes, node_ids, parent_ids, depths, valid, kv, self.key_bias,
                                  1 + self.depth, layer.head_dim**-0.5, li == 0)  # [R w, heads hd]
-                x = _residual_linear(fused, x, attn, lw.o_proj)
-                x = _residual_linear(fused, x, _norm_swiglu(fused, x, lw.gate_up, lw.gate_up_bias, lw.mlp_eps), lw.down)
-            qry = _norm_linear(fused, x, fw.query, fw.query_bias, fw.out_eps)  # [R w, H]
+                x = _residual_linear(fused, x, attn, lw.o_proj, lw.o_proj_fp8)
+                act = _norm_swiglu(fused, x, lw.gate_up, lw.gate_up_bias, lw.mlp_eps, lw.gate_up_fp8)
+                x = _residual_linear(fused, x, act, lw.down, lw.down_fp8)
+            qry = _norm_linear(fused, x, fw.query, fw.query_bias, fw.out_eps, fw.query_fp8)  # [R w, H]
             score_fn = candidate_kernel.candidate_scores if fused else candidate_scores_reference
-            scores = score_fn(self.lm_head, self.cand_ids, self.cand_logits, dep, qry.view(r, node_ids.shape[1], -1))
+            scores = score_fn(self.lm_head, self.cand_ids, self.cand_logits, depths, qry.view(r, node_ids.shape[1], -1))
             return torch.log_softmax(scores, dim=-1)  # [R, w, K]

@@ -20,11 +20,17 @@ layouts). The same function here, with weights folded once per weight version:
 
 The arithmetic is the same function in a different order (folded weights, fused reductions, an
 online softmax), so scores agree with the module path to float32 rounding (~1e-6), not bit for bit.
+
+Weight-only FP8 (``Weaver.fp8_weights``, the tfm option ``weaver_weights: "fp8"``): every folded
+projection is rounded to e4m3 with one scale per output row (``kernels.weaver_linear.quantize_weight_rows``)
+and the folded weights hold those values (dequantized to the Weaver's dtype), so every path computes the
+same function; the e4m3 bytes and scales ride beside them (``Fp8Rows``) for the fused kernel, which
+reads half the bytes.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import torch.nn.functional as F
@@ -32,7 +38,15 @@ from torch import Tensor
 
 from .common import RMSNormWithBias, compute_dtype
 
-__all__ = ["FoldedBlock", "FoldedWeaver", "folded_weaver", "norm_linear", "prompt_pass", "rope_table"]
+__all__ = ["Fp8Rows", "FoldedBlock", "FoldedWeaver", "folded_weaver", "norm_linear", "prompt_pass", "rope_table"]
+
+
+@dataclass(frozen=True)
+class Fp8Rows:
+    """A folded projection as e4m3 bytes [out, in] with one float32 scale per output row [out]."""
+
+    q: Tensor
+    scale: Tensor
 
 
 @dataclass(frozen=True)
@@ -53,6 +67,11 @@ class FoldedBlock:
     gate_up_bias: Tensor
     mlp_eps: float
     down: Tensor
+    # weight-only FP8 (module docstring): the same projections' e4m3 rows, or None
+    qkv_rot_fp8: Fp8Rows | None = None
+    o_proj_fp8: Fp8Rows | None = None
+    gate_up_fp8: Fp8Rows | None = None
+    down_fp8: Fp8Rows | None = None
 
 
 @dataclass(frozen=True)
@@ -69,6 +88,8 @@ class FoldedWeaver:
     query: Tensor  # [d, H] (transposed), out_norm folded into lm_head_query_in
     query_bias: Tensor  # [H]
     out_eps: float
+    token_in_fp8: Fp8Rows | None = None  # weight-only FP8 (module docstring), or None
+    query_fp8: Fp8Rows | None = None
 
 
 def _fold(norm: RMSNormWithBias, weight: Tensor) -> tuple[Tensor, Tensor]:
@@ -105,6 +126,26 @@ def _fold_block(layer) -> FoldedBlock:
     )
 
 
+def _fp8_pair(weight_t: Tensor) -> tuple[Tensor, Fp8Rows]:
+    """A folded weight [in, out] (transposed view) -> (its e4m3-rounded values, same layout and dtype; the rows)."""
+    from vllm_tfm.kernels.weaver_linear import dequantize_weight_rows, quantize_weight_rows
+
+    q, scale = quantize_weight_rows(weight_t.t())
+    return dequantize_weight_rows(q, scale, weight_t.dtype).t(), Fp8Rows(q, scale)
+
+
+def _fp8_folded(folded: FoldedWeaver) -> FoldedWeaver:
+    """``folded`` with every projection rounded to e4m3 rows (the projections' values replaced, the rows beside)."""
+    layers = []
+    for lw in folded.layers:
+        (qkv, qkv8), (o, o8), (gu, gu8), (dn, dn8) = (_fp8_pair(t) for t in (lw.qkv_rot, lw.o_proj, lw.gate_up, lw.down))
+        layers.append(replace(lw, qkv_rot=qkv, o_proj=o, gate_up=gu, down=dn, qkv_rot_fp8=qkv8, o_proj_fp8=o8,
+                              gate_up_fp8=gu8, down_fp8=dn8))
+    (prop, _), (tok, tok8), (qry, qry8) = (_fp8_pair(t) for t in (folded.proposal_in, folded.token_in, folded.query))
+    return replace(folded, proposal_in=prop, token_in=tok, query=qry, layers=tuple(layers), token_in_fp8=tok8,
+                   query_fp8=qry8)
+
+
 def _weights_key(weaver) -> tuple:
     """Identity and version of every parameter (host-side only; inference tensors have no version
     counter, and their data does not change in place outside inference mode)."""
@@ -120,8 +161,10 @@ def _weights_key(weaver) -> tuple:
 
 def folded_weaver(weaver) -> FoldedWeaver:
     """The folded weights of ``weaver``, computed once per version of its parameters and cached on
-    the module (a weight updated in place, a dtype or device change: folded again)."""
-    key = _weights_key(weaver)
+    the module (a weight updated in place, a dtype or device change: folded again); rounded to e4m3
+    rows where ``weaver.fp8_weights`` is set (module docstring)."""
+    fp8 = bool(getattr(weaver, "fp8_weights", False))
+    key = (*_weights_key(weaver), fp8)
     cached = weaver.__dict__.get("_folded_weaver")
     if cached is not None and cached[0] == key:
         return cached[1]
@@ -141,6 +184,8 @@ def folded_weaver(weaver) -> FoldedWeaver:
             query_bias=qry_b,
             out_eps=weaver.out_norm.eps,
         )
+        if fp8:
+            folded = _fp8_folded(folded)
     weaver.__dict__["_folded_weaver"] = (key, folded)  # not a module attribute: no state_dict entry
     return folded
 

@@ -136,6 +136,9 @@ class TFMProposer(DFlashProposer):
                 f"{settings.max_depth}; lower num_speculative_tokens or the DFlash block size"
             )
         self.weaver = Weaver.from_pretrained(settings.drafter_dir, dtype=self.dtype, device=self.device).eval()
+        self.weaver.fp8_weights = settings.tfm.weaver_weights == "fp8"
+        if self.weaver.fp8_weights:
+            logger.info("vllm-tfm: the Weaver's projections run on e4m3 rows with per-row scales (weaver_weights 'fp8')")
         tp = tp_world_size()
         self._target_embed = target_vocab_table(
             target_model, ("model.embed_tokens", "language_model.model.embed_tokens"), "input embedding", tp
