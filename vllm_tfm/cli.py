@@ -263,9 +263,13 @@ def _add_eval_parser(sub) -> None:
                     help="the DFlash drafter's marginal logits through an FP8 copy of the target's lm_head (e4m3, "
                          "per-row scales; vllm_tfm.reference.fp8_sim.Fp8SimHead); the Weaver reads the lm_head as it is")
     ev.add_argument("--weaver-fp8", action="store_true",
-                    help="the Weaver's linear weights rounded to e4m3 with per-tensor scales "
-                         "(vllm_tfm.reference.fp8_sim; the batched scorer folds its norms into the rounded weights "
-                         "and keeps activations as they are): what a weight-only FP8 Weaver would propose")
+                    help="the Weaver's linear weights rounded to e4m3 with per-tensor scales before its norms are "
+                         "folded (vllm_tfm.reference.fp8_sim.simulate_fp8_linears; a coarser rounding than the "
+                         "runtime's, kept for bench/NOTES.md section 64's result; see --weaver-weights)")
+    ev.add_argument("--weaver-weights", choices=("model", "fp8"), default="model",
+                    help="fp8: the Weaver rounded exactly as the tfm option weaver_weights 'fp8' rounds it (norms "
+                         "folded into the projections, e4m3 with one scale per output row; "
+                         "vllm_tfm.reference.fp8_sim.simulate_fp8_weaver_rows)")
     ev.add_argument("--draft-vocab", default=None, metavar="FILE",
                     help="the DFlash marginals over a draft vocabulary only (`vllm-tfm draft-vocab`; -inf at the other "
                          "tokens, vllm_tfm.models.draft_vocab): the acceptance of the tfm option draft_vocab")
@@ -352,6 +356,8 @@ def _eval_command(args: argparse.Namespace, methods: list[str]) -> str:
         parts.append("--drafter-fp8-head")
     if args.weaver_fp8:
         parts.append("--weaver-fp8")
+    if args.weaver_weights != "model":
+        parts += ["--weaver-weights", args.weaver_weights]
     if args.draft_vocab is not None:
         parts += ["--draft-vocab", args.draft_vocab]
     if args.draft_vocab_size is not None:
@@ -438,6 +444,18 @@ def _eval(args: argparse.Namespace) -> int:
                      f"(-inf at the other {int(lm_head.weight.shape[0]) - ids.numel()}; vllm_tfm.models.draft_vocab)"
                      + (", through an FP8 copy of their lm_head rows (--drafter-fp8-head)" if args.drafter_fp8_head else "")
                      + "; the target and the Weaver read the lm_head as it is.")
+    if args.weaver_fp8 and args.weaver_weights != "model":
+        raise SystemExit("vllm-tfm eval: --weaver-fp8 and --weaver-weights fp8 are two roundings of the Weaver; pick one")
+    if args.weaver_weights == "fp8":
+        if models.bundle.weaver is None:
+            raise SystemExit("vllm-tfm eval: --weaver-weights fp8 needs a drafter with a Weaver")
+        from vllm_tfm.reference.fp8_sim import simulate_fp8_weaver_rows
+
+        count = simulate_fp8_weaver_rows(models.bundle.weaver)
+        notes.append(f"--weaver-weights fp8: the Weaver's {count} projections rounded as the tfm option weaver_weights "
+                     "'fp8' rounds them (norms folded in, e4m3 with one scale per output row; "
+                     "vllm_tfm.reference.fp8_sim.simulate_fp8_weaver_rows); activations, the lm_head and the embedding "
+                     "rows as they are (weight-only FP8).")
     if args.weaver_fp8:
         if models.bundle.weaver is None:
             raise SystemExit("vllm-tfm eval: --weaver-fp8 needs a drafter with a Weaver")

@@ -336,7 +336,7 @@ def _eval_with_flag(tmp_path, monkeypatch, flag: str) -> tuple[dict, dict]:
     out = tmp_path / "acc.json"
     rc = main([
         "eval", "--random-models", "--methods", "tfm", "--budgets", "4", "--temperatures", "0", "--prompts", "1",
-        "--max-new-tokens", "3", "--prompt-len", "5", "--block-size", "3", "--device", "cpu", flag,
+        "--max-new-tokens", "3", "--prompt-len", "5", "--block-size", "3", "--device", "cpu", *flag.split(),
         "--out", str(out), "--plots-dir", str(tmp_path / "plots"),
     ])
     assert rc == 0
@@ -378,6 +378,23 @@ def test_cli_eval_drafter_fp8_head_gives_the_drafter_its_own_head(tmp_path, monk
     assert isinstance(head, fp8_sim.Fp8SimHead)
     assert torch.equal(seen["target"].get_output_embeddings().weight, seen["lm_head"])
     assert not torch.equal(head.weight, seen["lm_head"])
+
+
+def test_cli_eval_weaver_weights_fp8_rounds_the_weaver_as_the_runtime(tmp_path, monkeypatch):
+    """--weaver-weights fp8: the Weaver's norms folded into its projections (norm weights 1, biases 0; the projections
+    biased), every projection's weight on e4m3 rows (each row an e4m3 grid of its own scale); the DFlash drafter
+    untouched; the note and the command record it; with --weaver-fp8 it is refused."""
+    data, seen = _eval_with_flag(tmp_path, monkeypatch, "--weaver-weights fp8")
+    assert any(n.startswith("--weaver-weights fp8: the Weaver's 11 projections") for n in data["notes"])
+    weaver = seen["weaver"]
+    assert all(float(n.weight.detach().sub(1).abs().max()) == 0 for n in (weaver.embed_norm, weaver.layers[0].mlp_norm))
+    for linear in (weaver.token_in, weaver.layers[0].qkv, weaver.layers[0].down):
+        w = linear.weight.detach().float()
+        scale = w.abs().amax(dim=1, keepdim=True) / 448
+        assert torch.equal((w / scale).to(torch.float8_e4m3fn).float() * scale, w)
+    assert weaver.token_in.bias is not None and weaver.layers[0].down.bias is None
+    with pytest.raises(SystemExit, match="two roundings of the Weaver"):
+        _eval_with_flag(tmp_path, monkeypatch, "--weaver-weights fp8 --weaver-fp8")
 
 
 def test_cli_eval_weaver_fp8_rounds_the_weaver_only(tmp_path, monkeypatch):

@@ -8,7 +8,14 @@ import torch.nn.functional as F
 from torch import nn
 
 from vllm_tfm.models.dflash import DFlashConfig, DFlashDecoderLayer, DFlashDrafter
-from vllm_tfm.reference.fp8_sim import E4M3_MAX, Fp8SimLinear, fp8_round, fp8_round_rows, simulate_fp8_linears
+from vllm_tfm.reference.fp8_sim import (
+    E4M3_MAX,
+    Fp8SimLinear,
+    fp8_round,
+    fp8_round_rows,
+    simulate_fp8_linears,
+    simulate_fp8_weaver_rows,
+)
 
 
 @pytest.fixture
@@ -129,3 +136,39 @@ def test_fp8_head_rounds_each_vocabulary_row_at_its_own_scale_and_is_not_saved(t
     assert torch.equal(drafter_logits(drafter, hidden, lm_head), head(hidden[1:]))
     assert not torch.equal(drafter_logits(drafter, hidden, lm_head), marginal_logits(hidden, lm_head))
     assert "logits_head.weight" not in drafter.state_dict()
+
+
+def test_weaver_rows_simulation_is_the_runtime_rounding() -> None:
+    """simulate_fp8_weaver_rows (vllm-tfm eval --weaver-weights fp8): the reference decoder's module path on the rounded
+    Weaver gives the log-probabilities of the runtime's batched scorer with Weaver.fp8_weights (folded weights rounded
+    to e4m3 rows), to float32 rounding; both differ from the unrounded Weaver's by far more (the rounding took effect)."""
+    import copy
+
+    from vllm_tfm.models import Weaver, WeaverConfig
+    from vllm_tfm.models.weaver import BatchedWeaverTreeScorer
+
+    torch.manual_seed(3)
+    h, depth, k, vocab = 64, 4, 12, 100
+    weaver = Weaver(WeaverConfig(d_model=h, d_rank=32, n_layers=2, n_heads=2, d_mlp=48, max_depth=depth)).eval()
+    with torch.no_grad():
+        for p in weaver.parameters():
+            p.add_(torch.randn_like(p) * 0.1)  # norms with non-trivial gains and biases
+    rounded = copy.deepcopy(weaver)
+    assert simulate_fp8_weaver_rows(rounded) == 3 + 4 * 2
+    assert all(float(layer.attn_norm.weight.detach().sub(1).abs().max()) == 0 for layer in rounded.layers)
+    weaver.fp8_weights = True
+    embed, head = torch.randn(vocab, h), torch.randn(vocab, h) * 0.1
+    vh, dh = torch.randn(1, h), torch.randn(1, depth, h)
+    cand, cl = torch.randint(0, vocab, (1, depth, k)), torch.randn(1, depth, k)
+    batched = BatchedWeaverTreeScorer(weaver, vh, dh, cand, cl, embed, head, max_nodes=8)
+    modules = rounded.tree_scorer(vh[0], dh[0], cand[0], cl[0], embed, head)
+    plain = copy.deepcopy(weaver)
+    plain.fp8_weights = False
+    unrounded = plain.tree_scorer(vh[0], dh[0], cand[0], cl[0], embed, head)
+    t = lambda *x: torch.tensor([x], dtype=torch.long)  # noqa: E731
+    for ids, parents, tokens, depths in (((0,), (-1,), (7,), (0,)), ((1, 2), (0, 0), (9, 4), (1, 1))):
+        got = batched(t(*ids), t(*parents), t(*tokens), t(*depths), torch.ones(1, len(ids), dtype=torch.bool))[0]
+        want = modules(torch.tensor(ids), torch.tensor(parents), torch.tensor(tokens), torch.tensor(depths))
+        off = unrounded(torch.tensor(ids), torch.tensor(parents), torch.tensor(tokens), torch.tensor(depths))
+        assert torch.allclose(got, want.to(got.dtype), rtol=0, atol=2e-5)
+        assert float((want - off).abs().max()) > 1e-3

@@ -38,7 +38,8 @@ from torch import Tensor
 
 from .common import RMSNormWithBias, compute_dtype
 
-__all__ = ["Fp8Rows", "FoldedBlock", "FoldedWeaver", "folded_weaver", "norm_linear", "prompt_pass", "rope_table"]
+__all__ = ["Fp8Rows", "FoldedBlock", "FoldedWeaver", "fold_norm", "folded_weaver", "fp8_rows_values", "norm_linear",
+           "prompt_pass", "rope_table"]
 
 
 @dataclass(frozen=True)
@@ -92,7 +93,7 @@ class FoldedWeaver:
     query_fp8: Fp8Rows | None = None
 
 
-def _fold(norm: RMSNormWithBias, weight: Tensor) -> tuple[Tensor, Tensor]:
+def fold_norm(norm: RMSNormWithBias, weight: Tensor) -> tuple[Tensor, Tensor]:
     """``weight @ (x_hat * g + b)`` = ``(weight * g) @ x_hat + weight @ b``: (folded weight, bias),
     computed in float32 (float64 for float64 weights) and returned in the weight's dtype."""
     cd = compute_dtype(weight.dtype)
@@ -110,10 +111,10 @@ def _rotate_rows(rows: Tensor, n_heads: int, head_dim: int) -> Tensor:
 
 def _fold_block(layer) -> FoldedBlock:
     d, heads, hd = layer.qkv.weight.shape[1], layer.n_heads, layer.head_dim
-    w, b = _fold(layer.attn_norm, layer.qkv.weight)
+    w, b = fold_norm(layer.attn_norm, layer.qkv.weight)
     rot_w = torch.cat([_rotate_rows(w[:d], heads, hd), _rotate_rows(w[d : 2 * d], heads, hd), torch.zeros_like(w[:d])])
     rot_b = torch.cat([_rotate_rows(b[:d], heads, hd), _rotate_rows(b[d : 2 * d], heads, hd), torch.zeros_like(b[:d])])
-    gu, gu_b = _fold(layer.mlp_norm, layer.gate_up.weight)
+    gu, gu_b = fold_norm(layer.mlp_norm, layer.gate_up.weight)
     return FoldedBlock(
         qkv_rot=torch.cat([w, rot_w]).contiguous().t(),
         qkv_rot_bias=torch.cat([b, rot_b]).contiguous(),
@@ -126,12 +127,19 @@ def _fold_block(layer) -> FoldedBlock:
     )
 
 
-def _fp8_pair(weight_t: Tensor) -> tuple[Tensor, Fp8Rows]:
-    """A folded weight [in, out] (transposed view) -> (its e4m3-rounded values, same layout and dtype; the rows)."""
+def fp8_rows_values(weight: Tensor) -> tuple[Tensor, Fp8Rows]:
+    """A weight [out, in] -> (its values rounded to e4m3 rows, in its dtype; the rows): the rounding of
+    ``Weaver.fp8_weights`` (``reference.fp8_sim.simulate_fp8_weaver_rows`` applies the same to the modules)."""
     from vllm_tfm.kernels.weaver_linear import dequantize_weight_rows, quantize_weight_rows
 
-    q, scale = quantize_weight_rows(weight_t.t())
-    return dequantize_weight_rows(q, scale, weight_t.dtype).t(), Fp8Rows(q, scale)
+    q, scale = quantize_weight_rows(weight)
+    return dequantize_weight_rows(q, scale, weight.dtype), Fp8Rows(q, scale)
+
+
+def _fp8_pair(weight_t: Tensor) -> tuple[Tensor, Fp8Rows]:
+    """A folded weight [in, out] (transposed view) -> (its e4m3-rounded values, same layout and dtype; the rows)."""
+    values, rows = fp8_rows_values(weight_t.t())
+    return values.t(), rows
 
 
 def _fp8_folded(folded: FoldedWeaver) -> FoldedWeaver:
@@ -169,9 +177,9 @@ def folded_weaver(weaver) -> FoldedWeaver:
     if cached is not None and cached[0] == key:
         return cached[1]
     with torch.no_grad():
-        prop, prop_b = _fold(weaver.output_norm, weaver.proposal_in.weight)
-        tok, tok_b = _fold(weaver.embed_norm, weaver.token_in.weight)
-        qry, qry_b = _fold(weaver.out_norm, weaver.lm_head_query_in.weight)
+        prop, prop_b = fold_norm(weaver.output_norm, weaver.proposal_in.weight)
+        tok, tok_b = fold_norm(weaver.embed_norm, weaver.token_in.weight)
+        qry, qry_b = fold_norm(weaver.out_norm, weaver.lm_head_query_in.weight)
         folded = FoldedWeaver(
             proposal_in=prop.contiguous().t(),
             proposal_in_bias=prop_b,

@@ -18,6 +18,12 @@ The lm_head and the input embedding are the target's and stay as they are, as in
 only (``vllm-tfm eval --drafter-fp8-head``), e4m3 weights with one scale per vocabulary row and activations
 with one per row, as ``vllm_tfm.kernels.fp8_head`` runs it for the vLLM option ``draft_lm_head: "fp8"``; the
 Weaver keeps reading the target's lm_head rows. The rounding helpers are that module's.
+
+``simulate_fp8_weaver_rows`` is the Weaver's rounding under the tfm option ``weaver_weights: "fp8"``
+(``vllm-tfm eval --weaver-weights fp8``), exactly: each norm folded into the projection after it, the folded
+weight rounded to e4m3 with one scale per output row (``models.weaver_step.fp8_rows_values``), the folded bias
+from the unrounded weight; the modules then hold those values (the norm's affine part moved into the linear
+layer), so the reference decoder's Weaver computes what the runtime's batched scorer computes, to float rounding.
 """
 
 from __future__ import annotations
@@ -29,7 +35,8 @@ from torch import Tensor, nn
 from vllm_tfm.kernels.fp8_head import E4M3_MAX, e4m3_scale, fp8_round, fp8_round_rows
 from vllm_tfm.models.common import as_weight
 
-__all__ = ["E4M3_MAX", "fp8_round", "fp8_round_rows", "Fp8SimLinear", "Fp8SimHead", "simulate_fp8_linears"]
+__all__ = ["E4M3_MAX", "fp8_round", "fp8_round_rows", "Fp8SimLinear", "Fp8SimHead", "simulate_fp8_linears",
+           "simulate_fp8_weaver_rows"]
 
 _FUSED_SHARDS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
 
@@ -79,3 +86,37 @@ def simulate_fp8_linears(module: nn.Module) -> int:
                 setattr(parent, name, Fp8SimLinear(children[name], scale))
                 count += 1
     return count
+
+
+def simulate_fp8_weaver_rows(weaver: nn.Module) -> int:
+    """Round ``weaver``'s projections as ``Weaver.fp8_weights`` does (module docstring), in place; returns how many.
+
+    A norm followed by a projection, ``W (g * x_hat + b)``, becomes ``Q(W g) x_hat + W b``: the norm keeps no affine
+    part (weight 1, bias 0) and the projection gets the rounded folded weight and the bias ``W b``; a projection
+    without a norm before it (o_proj, down) gets ``Q(W)``."""
+    from vllm_tfm.models.weaver_step import fold_norm, fp8_rows_values
+
+    def fold_into(parent: nn.Module, norm_name: str, linear_name: str) -> None:
+        norm, linear = getattr(parent, norm_name), getattr(parent, linear_name)
+        w, b = fold_norm(norm, linear.weight.detach())
+        biased = nn.Linear(linear.in_features, linear.out_features, bias=True, device=w.device, dtype=w.dtype)
+        with torch.no_grad():
+            biased.weight.copy_(fp8_rows_values(w)[0])
+            biased.bias.copy_(b)
+            norm.weight.fill_(1.0)
+            norm.bias.zero_()
+        setattr(parent, linear_name, biased.requires_grad_(False))
+
+    def round_plain(linear: nn.Linear) -> None:
+        with torch.no_grad():
+            linear.weight.copy_(fp8_rows_values(linear.weight.detach())[0])
+
+    pairs = [(weaver, "output_norm", "proposal_in"), (weaver, "embed_norm", "token_in"),
+             (weaver, "out_norm", "lm_head_query_in")]
+    for layer in weaver.layers:
+        pairs += [(layer, "attn_norm", "qkv"), (layer, "mlp_norm", "gate_up")]
+        round_plain(layer.o_proj)
+        round_plain(layer.down)
+    for parent, norm_name, linear_name in pairs:
+        fold_into(parent, norm_name, linear_name)
+    return len(pairs) + 2 * len(weaver.layers)
