@@ -77,15 +77,16 @@ TOO_MANY_ROWS = "more rows than the kernel's"
 
 
 def quantize_weight_rows(weight: Tensor) -> tuple[Tensor, Tensor]:
-    """[N, K] float weight -> (float8_e4m3fn [N, K], float32 [N]): one scale per row, ``amax / 448``
-    (``fp8_head.e4m3_scale``), for ``weaver_linear``'s weight-only FP8 path. Done once per weight."""
-    from vllm_tfm.kernels.fp8_head import E4M3_MAX, e4m3_scale
+    """[N, K] float weight -> (float8_e4m3fn [N, K], float32 [N]): one scale per row, ``amax / 448``, for
+    ``weaver_linear``'s weight-only FP8 path: the FP8 lm_head copy's rounding (``fp8_head.quantize_head``, whose
+    padding rows are dropped). Done once per weight."""
+    from vllm_tfm.kernels.fp8_head import quantize_head
 
     if weight.dim() != 2:
         raise ValueError(f"quantize_weight_rows: the weight must be [N, K], got {tuple(weight.shape)}")
-    w = weight.detach().float()
-    scale = e4m3_scale(w.abs().amax(dim=1))
-    return (w / scale[:, None]).clamp_(-E4M3_MAX, E4M3_MAX).to(FP8).contiguous(), scale.contiguous()
+    n = weight.shape[0]
+    q, scale = quantize_head(weight)
+    return q[:n], scale[0, :n].contiguous()
 
 
 def dequantize_weight_rows(weight: Tensor, weight_scale: Tensor, dtype: torch.dtype) -> Tensor:

@@ -149,6 +149,7 @@ def _fp8_folded(folded: FoldedWeaver) -> FoldedWeaver:
         (qkv, qkv8), (o, o8), (gu, gu8), (dn, dn8) = (_fp8_pair(t) for t in (lw.qkv_rot, lw.o_proj, lw.gate_up, lw.down))
         layers.append(replace(lw, qkv_rot=qkv, o_proj=o, gate_up=gu, down=dn, qkv_rot_fp8=qkv8, o_proj_fp8=o8,
                               gate_up_fp8=gu8, down_fp8=dn8))
+    # proposal_in: rounded values only (the prompt pass's 1 + D rows per request run cuBLAS, never the FP8 kernel)
     (prop, _), (tok, tok8), (qry, qry8) = (_fp8_pair(t) for t in (folded.proposal_in, folded.token_in, folded.query))
     return replace(folded, proposal_in=prop, token_in=tok, query=qry, layers=tuple(layers), token_in_fp8=tok8,
                    query_fp8=qry8)
