@@ -29,10 +29,10 @@ this script) measures, for each arm, output tokens/s at batch 1 and batch 8:
                  every result before bench/NOTES.md section 61) unless the environment sets it, whatever
                  tfm's default ("auto": one slot on one GPU); tfm16-full-async-oneslot is what
                  tfm runs by default on one GPU
-  tfm16-full-async-oneslot-fp8draft[-fp8head][-dv32k|-w4]  (optional) that arm with the DFlash drafter's layers
-                 in FP8 (and its logits through an FP8 lm_head copy; and those logits over a draft vocabulary of
-                 32,768 tokens, or the Weaver at width 4, which needs ``--arm-profile NAME=PATH`` with acceptance
-                 measured at width 4)
+  tfm16-full-async-oneslot-fp8draft[-fp8head][-dv32k|-fp8weaver|-w4]  (optional) that arm with the DFlash drafter's
+                 layers in FP8 (and its logits through an FP8 lm_head copy; and those logits over a draft vocabulary
+                 of 32,768 tokens, or the Weaver's projections in FP8 (weaver_weights), or the Weaver at width 4,
+                 which needs ``--arm-profile NAME=PATH`` with acceptance measured at width 4)
 
 The target is written here with the exact Qwen3.6-27B text shape (``bench/e2e_models.py``; with
 ``--target-class vl`` in the published checkpoints' class, ``Qwen3_5ForConditionalGeneration`` with
