@@ -102,6 +102,7 @@ class StepKernels:
         self._block_v: dict[tuple[int, int, int], int | None] = {}
         self._variant: dict[tuple, int] = {}
         self._accepted: tuple[Tensor, ...] | None = None  # commit indices shared by every group
+        self._one_column: tuple[Tensor, Tensor, Tensor] | None = None  # the same, one-slot tables
 
     @property
     def groups(self) -> dict[int, GroupSlots]:
@@ -176,6 +177,8 @@ class StepKernels:
         The parts that do not depend on the group (accepted nodes, p as int32, zeros) are made once
         per step and shared by all groups (read-only).
         """
+        if group.commit is None and group.slots.shape[1] == 1:
+            group.commit = self._one_column_commit_indices(group, last_node)
         if group.commit is None and self.commit_reuse is not None:
             group.commit = self._reused_commit_indices(self.commit_reuse, group, last_node, num_accepted)
         if group.commit is None:
@@ -193,6 +196,33 @@ class StepKernels:
             )
         return group.commit
 
+
+    def _one_column_commit_indices(self, group: GroupSlots, last_node: Tensor) -> tuple[CommitIndices, CommitIndices]:
+        """``commit_indices`` of a group whose table holds one slot per request (``gdn_state_slots: "one"``,
+        one_slot.py): every request reads and writes slot ``[n, 0]`` and conv columns from 0 (a one-column
+        table has no other column: ``start`` and the destination offset p are 0), so the indices are the
+        group's own ``conv_slot`` (int32 ``slots[:, 0]``) and zeros. Only the accepted node changes from step
+        to step: one int32 copy per step, shared by every group, and no launch per group (the per-draft
+        path's gather and copies were ~3 launches per group, ~27 per 27B step: bench/NOTES.md section 67).
+        With ``commit_reuse`` the copy goes into the reused tensor, so the uploaded commit tables stay valid
+        (the groups' slot tensors are the captured graph's, the same objects every replay)."""
+        r = last_node.shape[0]
+        reuse = self.commit_reuse
+        shared = self._one_column
+        if shared is None or shared[0] is not last_node:
+            if reuse is not None:
+                if reuse.shared is None or reuse.shared[0].shape[0] != r:
+                    reuse.shared = tuple(torch.zeros(r, dtype=torch.int32, device=self.device) for _ in range(3))  # type: ignore[assignment]
+                    reuse.indices.clear()
+                acc, _, zeros = reuse.shared  # type: ignore[misc]
+                acc.copy_(last_node)
+            else:
+                acc = last_node.to(device=self.device, dtype=torch.int32)
+                zeros = torch.zeros_like(acc)
+            shared = self._one_column = (last_node, acc, zeros)
+        _, acc, zeros = shared
+        conv = group.conv_slot
+        return CommitIndices(acc, conv, conv, zeros, zeros, None), CommitIndices(acc, conv, conv, group.start32, zeros, None)
 
     def _reused_commit_indices(self, reuse: CommitReuse, group: GroupSlots, last_node: Tensor,
                                num_accepted: Tensor) -> tuple[CommitIndices, CommitIndices]:
