@@ -629,6 +629,9 @@ SWITCH_ABS: dict[str, SwitchAB] = {
     # the K/V compaction of the accepted paths in one launch (VLLM_TFM_KV_COMPACT_KERNEL, runtime/commit.py)
     "kv_compact_kernel": SwitchAB("set_kv_compact_kernel", "kv_compact_kernel_ab", "kv_compact_kernel",
                                   ("commit.kv_compact_kernel", "kv_compact_kernel_calls")),
+    # all-greedy tree acceptance in one launch after the argmax (VLLM_TFM_GREEDY_ACCEPT_KERNEL, runtime/sampler.py)
+    "greedy_accept_kernel": SwitchAB("set_greedy_accept_kernel", "greedy_accept_kernel_ab", "greedy_accept_kernel",
+                                     ("sampler.greedy_kernel", "greedy_accept_kernel_steps")),
     # the DFlash top-K of the Weaver build in one launch (VLLM_TFM_TOPK_KERNEL, runtime/tree_builder_gpu.py); the
     # Weaver graphs key on it, so the off setting's graph is captured in an unrecorded run first
     "topk_kernel": SwitchAB("set_topk_kernel", "topk_kernel_ab", "topk_kernel", warm_off=True),

@@ -432,6 +432,9 @@ SWITCH_AB_TITLES: dict[str, tuple[str, str]] = {
     "kv_compact_kernel_ab": ("kv_compact_kernel", "The K/V compaction of the accepted paths in one kernel launch (on) / "
                              "a gather and a scatter per attention layer (off) on the same engine, decode tokens/s "
                              "(clean runs in this order; VLLM_TFM_KV_COMPACT_KERNEL, runtime/commit.py):"),
+    "greedy_accept_kernel_ab": ("greedy_accept_kernel", "All-greedy tree acceptance in one kernel launch after the "
+                                "argmax (on) / the torch path (off) on the same engine, decode tokens/s (clean runs in "
+                                "this order; VLLM_TFM_GREEDY_ACCEPT_KERNEL, runtime/sampler.py):"),
     "topk_kernel_ab": ("topk_kernel", "The DFlash top-K of the Weaver build in one kernel launch (on) / torch.topk (off) "
                        "on the same engine, decode tokens/s (clean runs in this order, after an unrecorded run that "
                        "captured the off setting's Weaver graphs; VLLM_TFM_TOPK_KERNEL, runtime/tree_builder_gpu.py):"),

@@ -14,6 +14,7 @@ MATH_MODULES = [
     "vllm_tfm.verify.tree_attention",
     "vllm_tfm.kernels.tree_attention",
     "vllm_tfm.kernels.kv_compact",
+    "vllm_tfm.kernels.greedy_accept",
     "vllm_tfm.models",
 ]
 

@@ -418,6 +418,55 @@ def test_sampler_verifies_trees_and_checks_the_metadata():
         sampler(md, None, logits, sampling_metadata(max_num_logprobs=2))
 
 
+@pytest.mark.parametrize("seed", [0, 1])
+def test_sampler_greedy_kernel_gives_the_torch_paths_result(seed, tmp_path_factory, monkeypatch):
+    """An all-greedy tree step verified by the one-launch kernel (``kernels.greedy_accept``, emulated on the CPU)
+    returns vLLM's sampled tokens and the accepted paths of the torch path, entry for entry, with a request
+    without drafts in the batch; a batch with a sampled request keeps the torch path (no launch)."""
+    from _emulation import emulated, emulation_build_dir
+
+    from vllm_tfm.kernels import greedy_accept as kga
+    from vllm_tfm.vllm_plugin.runtime.metrics import Metrics
+    from vllm_tfm.vllm_plugin.runtime.sampler import set_greedy_accept_kernel
+
+    gen = torch.Generator().manual_seed(seed)
+    store = ProposalStore()
+    kinds = ["random", "chain", "star", "deep"]
+    ids = [f"q{r}" for r in range(len(kinds))]
+    toks = torch.randint(0, 6, (len(kinds), 7), generator=gen)  # few tokens: siblings repeat
+    store.put(ids, toks, torch.stack([random_tree_parents(8, gen, k) for k in kinds]))
+    spec = {rid: toks[r].tolist() for r, rid in enumerate(ids)}
+    req_ids = ["pre", *ids]
+    STATE.step = build_step_tree(req_ids, np.array([3, 8, 8, 8, 8]), spec, store, allow_trees=True)
+    logits = torch.randn(int(STATE.step.sample_cu[-1]), 6, generator=gen)
+    md = SimpleNamespace(num_draft_tokens=[0, 7, 7, 7, 7], max_spec_len=7,
+                         draft_token_ids=torch.tensor([t for rid in ids for t in spec[rid]], dtype=torch.int32))
+    monkeypatch.setattr(kga, "unsupported_reason", lambda *a: None)  # CPU tensors run through the emulation
+    STATE.metrics = Metrics(max_depth=7)
+    try:
+        sampler = TFMTreeSampler(torch.nn.Identity(), fake_runner(5))
+        with emulated(emulation_build_dir(tmp_path_factory, "emu_sampler_greedy")) as launches:
+            set_greedy_accept_kernel(True)
+            got = sampler(md, None, logits, sampling_metadata())
+            got_accept = STATE.step.accept
+            set_greedy_accept_kernel(False)
+            want = sampler(md, None, logits, sampling_metadata())
+            want_accept = STATE.step.accept
+            set_greedy_accept_kernel(True)
+            hot = fake_runner(5)
+            hot.input_batch.temperature_cpu[2] = 0.7  # one sampled request: the torch path
+            TFMTreeSampler(torch.nn.Identity(), hot)(md, None, logits, sampling_metadata())
+        assert [name for name, _, _ in launches] == ["tree_greedy_accept"]
+        assert STATE.metrics.hooks["sampler.greedy_kernel"] == 1
+    finally:
+        set_greedy_accept_kernel(None)
+        STATE.metrics = None
+    assert got.sampled_token_ids.dtype == torch.int32 and torch.equal(got.sampled_token_ids, want.sampled_token_ids)
+    for f in ("accepted_nodes", "num_accepted", "last_node", "bonus", "output_tokens"):
+        assert torch.equal(getattr(got_accept, f), getattr(want_accept, f)), f
+    assert int(got_accept.num_accepted.sum()) > 0  # some drafts accepted, so the paths were compared
+
+
 # ---------------------------------------------------------------- GDN glue
 H, K, HV, V, W, S = 1, 4, 2, 3, 4, 3
 D = 2 * H * K + HV * V

@@ -45,6 +45,7 @@ from .uniforms import Generators, check_uniforms, draw_uniforms, inverse_cdf
 __all__ = [
     "AcceptResult",
     "METHODS",
+    "greedy_walk",
     "uniform_width",
     "verify_greedy",
     "verify_target_only",
@@ -88,8 +89,13 @@ def verify_greedy(logits: Tensor, trees: TreeBatch, tables: TreeTables | None = 
     the roots is then ceil(log2 Dmax) rounds of pointer doubling instead of Dmax steps.
     """
     _check_rows(logits, trees, "logits")
+    return greedy_walk(logits.argmax(dim=-1), trees, tables)
+
+
+def greedy_walk(target: Tensor, trees: TreeBatch, tables: TreeTables | None = None) -> AcceptResult:
+    """``verify_greedy`` from the target's argmax at every node (target: [T] int64): the walk and the result.
+    The one-launch kernel ``vllm_tfm.kernels.greedy_accept`` computes the same (its reference calls this)."""
     tables = _tables(trees, tables)
-    target = logits.argmax(dim=-1)  # [T]
     table = tables.children
     match = torch.where(table >= 0, trees.tokens[table.clamp(min=0)], -1) == target.unsqueeze(1)  # [T, C]
     first = match.long().argmax(dim=1, keepdim=True)  # first True

@@ -52,7 +52,7 @@ from __future__ import annotations
 __all__ = [
     "install", "is_installed", "snapshot_metrics", "collect_tree_metrics", "flush_trace", "set_deferred_drafts",
     "set_device_topology", "set_commit_reuse", "set_early_sampled_copy", "set_gdn_metadata_fast",
-    "set_weaver_lazy_tail", "set_kv_compact_kernel", "set_topk_kernel", "set_prompt_overlap",
+    "set_weaver_lazy_tail", "set_kv_compact_kernel", "set_greedy_accept_kernel", "set_topk_kernel", "set_prompt_overlap",
 ]
 
 
@@ -174,6 +174,15 @@ def set_kv_compact_kernel(worker: object = None, on: bool | None = None) -> bool
     next step on (None: ``VLLM_TFM_KV_COMPACT_KERNEL``); the setting now in force. The signature suits
     ``LLM.collective_rpc``."""
     from .commit import set_kv_compact_kernel as _set
+
+    return _set(on)
+
+
+def set_greedy_accept_kernel(worker: object = None, on: bool | None = None) -> bool:
+    """The one-launch greedy tree acceptance (``sampler.py``, ``vllm_tfm.kernels.greedy_accept``) on or off in this
+    process from the next step on (None: ``VLLM_TFM_GREEDY_ACCEPT_KERNEL``); the setting now in force. The
+    signature suits ``LLM.collective_rpc``."""
+    from .sampler import set_greedy_accept_kernel as _set
 
     return _set(on)
 

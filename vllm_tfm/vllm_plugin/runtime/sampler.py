@@ -12,6 +12,10 @@ drafts, then the bonus token, then -1. ``TFMTreeSampler`` keeps that contract:
   processed target distribution (temperature, top-k, top-p, min-p per request; exact for trees
   whose children are fixed before verification, which is what every tfm builder produces).
 
+A tree-active step whose requests are all greedy (host temperatures) is verified by one kernel launch
+after the argmax (``vllm_tfm.kernels.greedy_accept``, ``VLLM_TFM_GREEDY_ACCEPT_KERNEL``, default on) where
+the CUDA kernels run; its result equals the torch path's entry for entry (the torch path is its reference).
+
 The accepted paths are kept in the step state for the commit (KV compaction, GDN state) and for
 the drafter (which reorders root + accepted path first).
 
@@ -24,14 +28,19 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
 import torch
 from torch import Tensor, nn
 
+from vllm_tfm.kernels import greedy_accept as kga
+from vllm_tfm.kernels.loader import warn_fallback
 from vllm_tfm.tree.types import TreeBatch
 from vllm_tfm.verify.accept_result import AcceptResult
-from vllm_tfm.verify.logits_processing import TreeSamplingParams
+from vllm_tfm.verify.logits_processing import GREEDY_TEMPERATURE_EPS, TreeSamplingParams
 from vllm_tfm.verify.sampling import verify_tree
 
+from .kernels_or_reference import kernels_enabled
+from .settings import RuntimeSwitch
 from .stage_timing import TIMER
 from .tensor_parallel import check_same_on_tp_ranks
 from .state import STATE, StepTree
@@ -39,7 +48,24 @@ from .state import STATE, StepTree
 if TYPE_CHECKING:
     from .replay import AcceptanceReplayer
 
-__all__ = ["TFMTreeSampler", "needs_native_sampler", "output_token_ids", "sample_trees"]
+__all__ = ["GREEDY_ACCEPT_KERNEL_ENV", "TFMTreeSampler", "greedy_accept_kernel_enabled", "needs_native_sampler",
+           "output_token_ids", "sample_trees", "set_greedy_accept_kernel"]
+
+GREEDY_ACCEPT_KERNEL_ENV = "VLLM_TFM_GREEDY_ACCEPT_KERNEL"
+_GAK = RuntimeSwitch(GREEDY_ACCEPT_KERNEL_ENV, "set_greedy_accept_kernel")
+
+
+def greedy_accept_kernel_enabled() -> bool:
+    """``VLLM_TFM_GREEDY_ACCEPT_KERNEL`` unset or not 0 / false (default on), unless ``set_greedy_accept_kernel``
+    overrode it: a tree step whose requests are all greedy is verified by one kernel launch after the argmax
+    (``vllm_tfm.kernels.greedy_accept``) instead of the torch path's ~45 launches."""
+    return _GAK.enabled()
+
+
+def set_greedy_accept_kernel(on: bool | None) -> bool:
+    """Override ``VLLM_TFM_GREEDY_ACCEPT_KERNEL`` in this process (None: back to the environment's); the setting
+    now in force. For a same-engine A/B (kernel vs torch path) through ``collective_rpc``."""
+    return _GAK.set(on)
 
 
 def _processor_active(proc: Any) -> bool:
@@ -124,11 +150,13 @@ class TFMTreeSampler(nn.Module):
             )
 
     def _verify(self, step: StepTree, metadata: Any, logits: Tensor, sampling_metadata: Any) -> Any:
-        from vllm.v1.outputs import SamplerOutput
-
         runner = self._runner[0]
         batch = runner.input_batch
         r = step.num_reqs
+        if greedy_accept_kernel_enabled() and kernels_enabled():
+            done = self._verify_greedy_kernel(step, metadata, logits, batch.temperature_cpu[:r])
+            if done is not None:
+                return self._finish(step, batch, *done)
         min_p = None
         for proc in sampling_metadata.logitsprocs.argmax_invariant:
             if hasattr(proc, "min_p_cpu") and getattr(proc, "min_p_count", 0) > 0:
@@ -150,12 +178,46 @@ class TFMTreeSampler(nn.Module):
             with TIMER.span("replay_accept"):
                 is_spec = step.dev("replayed") != 0
                 result = self.replay.accept(trees, logits, result, is_spec, tables)
+        return self._finish(step, batch, result, output_token_ids(result, metadata.max_spec_len))
+
+    def _verify_greedy_kernel(self, step: StepTree, metadata: Any, logits: Tensor,
+                              temperature: Any) -> tuple[AcceptResult, Tensor] | None:
+        """(result, vLLM's sampled tokens) of a batch whose requests are all greedy (host temperatures), from
+        the argmax and one launch of ``kernels.greedy_accept``; None where the kernel does not run (a sampled
+        request, no CUDA kernels: the torch path then, whose greedy walk is the kernel's reference)."""
+        if not bool(np.all(np.asarray(temperature) < GREEDY_TEMPERATURE_EPS)):
+            return None
+        drafts = metadata.draft_token_ids
+        dmax = int(step.sample_depth.max()) if step.sample_depth.size else 0
+        max_nodes = int(np.diff(step.sample_cu).max())
+        cols = int(metadata.max_spec_len) + 1
+        target = logits.argmax(dim=-1)
+        parents, cu = step.dev("sample_parents"), step.dev("sample_cu")
+        reason = kga.unsupported_reason(target, parents, cu, drafts, dmax, cols, max_nodes)
+        if reason is not None:
+            if reason != kga.NOT_CUDA:
+                warn_fallback("tree_greedy_accept", reason)
+            return None
+        result, sampled = kga.tree_greedy_accept_kernel(target, parents, cu, drafts, dmax, cols)
+        if STATE.metrics is not None:
+            STATE.metrics.hook("sampler.greedy_kernel")
+        if self.replay is not None:  # benchmark-only: the tree batch and tables the replay reads are its own cost
+            with TIMER.span("replay_accept"):
+                trees = sample_trees(step, drafts)
+                tables = step.sample_tables()
+                result = self.replay.accept(trees, logits, result, step.dev("replayed") != 0, tables)
+                sampled = output_token_ids(result, metadata.max_spec_len)
+        return result, sampled
+
+    def _finish(self, step: StepTree, batch: Any, result: AcceptResult, sampled: Tensor) -> Any:
+        from vllm.v1.outputs import SamplerOutput
+
         step.accept = result
         if STATE.check_tp:
-            req_ids = list(batch.req_ids[:r])
+            req_ids = list(batch.req_ids[: step.num_reqs])
             check_same_on_tp_ranks("accepted paths", [result.accepted_nodes, result.output_tokens], req_ids, STATE.check_step)
             if STATE.metrics is not None:
                 STATE.metrics.tp_accept_checks += 1
         if STATE.metrics is not None:
             STATE.metrics.record_accept(step, result)
-        return SamplerOutput(sampled_token_ids=output_token_ids(result, metadata.max_spec_len), logprobs_tensors=None)
+        return SamplerOutput(sampled_token_ids=sampled, logprobs_tensors=None)
