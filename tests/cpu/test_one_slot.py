@@ -182,7 +182,7 @@ def test_the_kernel_paths_commit_tables_write_slot_zero_in_place(emu_dir, monkey
     ref = dataclasses.replace(stash, ssm_state=want_ssm, conv_state=want_conv.transpose(-1, -2),
                               k=stash.k.double(), g=stash.g.double(), delta=stash.delta.double())
     commit_gdn_layers([ref], parents, torch.from_numpy(cu), last, commit_destinations(num_acc))
-    tables = StepKernels(SimpleNamespace(spec_parents=parents.numpy(), spec_cu=cu), torch.device("cpu"))
+    tables = StepKernels(SimpleNamespace(spec_parents=parents.numpy(), spec_cu=cu), torch.device("cpu"), one_slot=True)
     group = tables.group(lay.slots, read_offsets(lay.slots))
     stash = dataclasses.replace(stash, state_indices=group.slots, prev_accepted=group.prev_accepted)
     monkeypatch.setattr(kgdn, "commit_unsupported_reason", lambda *a: None)

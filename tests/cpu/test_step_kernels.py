@@ -92,30 +92,31 @@ class _TorchCalls(torch.overrides.TorchFunctionMode):
         return func(*args, **(kwargs or {}))
 
 
-def test_one_slot_tables_commit_indices_are_the_slot_column_and_one_copy_per_step():
-    """One GDN state slot per request (one-column slot tables): the commit reads and writes slot [n, 0] with
-    conv columns from 0, so every group's indices are its own slot column and zeros. Per replayed step the
-    only device work is the accepted nodes' int32 copy, shared by the groups (the per-draft path gathers
-    and copies per group); with commit reuse the index tensors are the same objects every step (the
-    uploaded commit tables point into them), and their values are what the per-draft path computes."""
-    from vllm_tfm.vllm_plugin.runtime.one_slot import read_offsets
+def test_one_slot_commit_indices_are_slot_column_zero_and_one_copy_per_step():
+    """One GDN state slot per request (``one_slot=True``): the layers read slot [n, 0] and the commit writes it from
+    conv column 0, so every group's indices are its slot column 0 and zeros, the values the general path computes
+    from the one-slot offsets (``read_offsets``, ``commit_destinations``) on vLLM's 1 + S column table. Per
+    replayed step the only device work is the accepted nodes' int32 copy, shared by the groups (the general path
+    gathers and copies per group); with commit reuse the index tensors are the same objects every step (the
+    uploaded commit tables point into them)."""
+    from vllm_tfm.vllm_plugin.runtime.one_slot import commit_destinations, read_offsets
     from vllm_tfm.vllm_plugin.runtime.step_kernels import CommitReuse
 
     g = torch.Generator().manual_seed(3)
     trees = [random_tree_parents(n, g, kind) for n, kind in ((7, "random"), (1, "chain"), (5, "deep"), (4, "star"))]
     step = _step(trees)
     r = len(trees)
-    captured = StepKernels(step, torch.device("cpu"))
-    slot_tables = [torch.randperm(50, generator=g)[:r].view(r, 1).to(torch.int32) for _ in range(3)]  # 3 KV-cache groups
-    groups = [captured.group(t, read_offsets(t)) for t in slot_tables]
+    captured = StepKernels(step, torch.device("cpu"), one_slot=True)
+    slot_tables = [torch.randperm(200, generator=g)[: r * (1 + S)].view(r, 1 + S).to(torch.int32) for _ in range(3)]
+    groups = [captured.group(t, read_offsets(t)) for t in slot_tables]  # 3 KV-cache groups
     reuse = CommitReuse()
     first = None
     for i in range(3):
         tables = StepKernels(step, torch.device("cpu"), plan=captured.plan,
                              groups={k: type(v)(**{**v.__dict__, "commit": None}) for k, v in captured.groups.items()},
-                             commit_reuse=reuse)
+                             commit_reuse=reuse, one_slot=True)
         last = torch.tensor([int(torch.randint(0, t.numel(), (1,), generator=g)) for t in trees])
-        p = torch.zeros(r, dtype=torch.long)  # one_slot.commit_destinations
+        p = commit_destinations(torch.randint(0, S + 1, (r,), generator=g))
         with _TorchCalls() as calls:
             got = [tables.commit_indices(tables.group_of(grp.slots), last, p) for grp in groups]
         if i > 0:
@@ -124,14 +125,14 @@ def test_one_slot_tables_commit_indices_are_the_slot_column_and_one_copy_per_ste
         if first is None:
             first = flat
         assert all(a is b for a, b in zip(first, flat))  # filled in place: the uploaded rows stay valid
+        general = StepKernels(step, torch.device("cpu"))  # one_slot False: the gathers on the same offsets
         for (gdn_idx, conv_idx), table in zip(got, slot_tables):
-            assert gdn_idx.src is gdn_idx.dst and conv_idx.src is conv_idx.dst  # one slot: read and written in place
-            for k in range(r):  # the per-draft path's meaning, with prev_accepted = 1 and p = 0 (one_slot.py)
-                slot = int(table[k, 0])
-                assert int(gdn_idx.accepted[k]) == int(conv_idx.accepted[k]) == int(last[k])
-                assert int(gdn_idx.src[k]) == int(gdn_idx.dst[k]) == slot == int(conv_idx.src[k])
-                assert int(gdn_idx.src_start[k]) == int(gdn_idx.dst_start[k]) == 0
-                assert int(conv_idx.src_start[k]) == int(conv_idx.dst_start[k]) == 0
-            for ci in (gdn_idx, conv_idx):
-                assert ci.snapshot is None
-                assert all(t.dtype == torch.int32 for t in (ci.accepted, ci.src, ci.dst, ci.src_start, ci.dst_start))
+            assert gdn_idx.src is gdn_idx.dst and conv_idx.src is conv_idx.dst  # read and written in place
+            want_gdn, want_conv = general.commit_indices(general.group(table, read_offsets(table)), last, p)
+            for got_i, want_i in ((gdn_idx, want_gdn), (conv_idx, want_conv)):
+                for f in ("accepted", "src", "dst", "src_start", "dst_start"):
+                    assert torch.equal(getattr(got_i, f), getattr(want_i, f)), f
+                assert got_i.snapshot is None and got_i.src.dtype == torch.int32
+            for k in range(r):  # written out: slot [n, 0], offsets 0
+                assert int(gdn_idx.src[k]) == int(table[k, 0]) == int(conv_idx.dst[k])
+                assert int(conv_idx.src_start[k]) == int(conv_idx.dst_start[k]) == 0 == int(gdn_idx.dst_start[k])

@@ -235,7 +235,7 @@ class TreeGraphs:
         plan = TreePlan.build_into(self.plan_buffer, torch.from_numpy(step.spec_parents), torch.from_numpy(step.spec_cu),
                                    self.nodes, depth_bound=self.depth_bound)
         step.gdn = {}
-        set_step_kernels(StepKernels(step, self.device, plan=plan))
+        set_step_kernels(StepKernels(step, self.device, plan=plan, one_slot=STATE.one_slot))
 
     def end_capture_run(self, tables: StepKernels | None) -> None:
         """After the run that captured the graph: keep its stashes and slot tensors for the replays."""
@@ -312,7 +312,8 @@ class TreeGraphs:
         step.gdn = dict(cap.stashes)
         groups = {key: dataclasses.replace(g, commit=None) for key, g in cap.groups.items()}
         reuse = cap.commit_reuse if commit_reuse_enabled() else None
-        set_step_kernels(StepKernels(step, self.device, plan=plan, groups=groups, commit_reuse=reuse))
+        set_step_kernels(StepKernels(step, self.device, plan=plan, groups=groups, commit_reuse=reuse,
+                                     one_slot=STATE.one_slot))
         step.full_graph = True
         if STATE.metrics is not None:
             STATE.metrics.hook("cudagraph.tree.full_replay")

@@ -187,6 +187,7 @@ class TFMTreeSampler(nn.Module):
         request, no CUDA kernels: the torch path then, whose greedy walk is the kernel's reference)."""
         if not bool(np.all(np.asarray(temperature) < GREEDY_TEMPERATURE_EPS)):
             return None
+        step.complete()  # the topology arrays, if they were pending (deferred drafts)
         drafts = metadata.draft_token_ids
         dmax = int(step.sample_depth.max()) if step.sample_depth.size else 0
         max_nodes = int(np.diff(step.sample_cu).max())

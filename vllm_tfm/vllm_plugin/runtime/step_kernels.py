@@ -31,7 +31,7 @@ from torch import Tensor
 from vllm_tfm.kernels.plan import CommitIndices, TreePlan
 
 from .kernels_or_reference import tree_ops
-from .state import StepTree
+from .state import STATE, StepTree
 
 __all__ = ["CommitReuse", "GroupSlots", "StepKernels", "current_step_kernels", "set_step_kernels", "step_kernels"]
 
@@ -84,13 +84,17 @@ class StepKernels:
     """Kernel tables of one tree-active step (module docstring)."""
 
     def __init__(self, step: StepTree, device: torch.device, plan: TreePlan | None = None,
-                 groups: dict[int, GroupSlots] | None = None, commit_reuse: CommitReuse | None = None) -> None:
+                 groups: dict[int, GroupSlots] | None = None, commit_reuse: CommitReuse | None = None,
+                 one_slot: bool = False) -> None:
         """plan: the step's tree plan when already built (a fixed-layout plan of full CUDA graphs,
         ``full_graphs.py``), else built here from the step's trees; groups: the slots of each
         KV-cache group when they are known already (computed by a captured graph), else computed on
         first use; commit_reuse: a full graph's ``CommitReuse`` (its groups' slot tensors are the same
-        objects every replay), None to make the commit indices anew."""
+        objects every replay), None to make the commit indices anew; one_slot: the engine keeps one GDN state
+        slot per request (``gdn_state_slots: "one"``, one_slot.py), so every commit reads and writes slot
+        ``[n, 0]`` from conv column 0 (``_one_slot_commit_indices``)."""
         self.commit_reuse = commit_reuse
+        self.one_slot = one_slot
         if isinstance(step, StepTree):
             step.complete()  # its topology arrays, if they were pending (deferred drafts)
         self.step = step
@@ -102,7 +106,7 @@ class StepKernels:
         self._block_v: dict[tuple[int, int, int], int | None] = {}
         self._variant: dict[tuple, int] = {}
         self._accepted: tuple[Tensor, ...] | None = None  # commit indices shared by every group
-        self._one_column: tuple[Tensor, Tensor, Tensor] | None = None  # the same, one-slot tables
+        self._one_slot_shared: tuple[Tensor, Tensor, Tensor] | None = None  # the same, one GDN state slot per request
 
     @property
     def groups(self) -> dict[int, GroupSlots]:
@@ -177,8 +181,8 @@ class StepKernels:
         The parts that do not depend on the group (accepted nodes, p as int32, zeros) are made once
         per step and shared by all groups (read-only).
         """
-        if group.commit is None and group.slots.shape[1] == 1:
-            group.commit = self._one_column_commit_indices(group, last_node)
+        if group.commit is None and self.one_slot:
+            group.commit = self._one_slot_commit_indices(group, last_node)
         if group.commit is None and self.commit_reuse is not None:
             group.commit = self._reused_commit_indices(self.commit_reuse, group, last_node, num_accepted)
         if group.commit is None:
@@ -197,18 +201,20 @@ class StepKernels:
         return group.commit
 
 
-    def _one_column_commit_indices(self, group: GroupSlots, last_node: Tensor) -> tuple[CommitIndices, CommitIndices]:
-        """``commit_indices`` of a group whose table holds one slot per request (``gdn_state_slots: "one"``,
-        one_slot.py): every request reads and writes slot ``[n, 0]`` and conv columns from 0 (a one-column
-        table has no other column: ``start`` and the destination offset p are 0), so the indices are the
-        group's own ``conv_slot`` (int32 ``slots[:, 0]``) and zeros. Only the accepted node changes from step
-        to step: one int32 copy per step, shared by every group, and no launch per group (the per-draft
-        path's gather and copies were ~3 launches per group, ~27 per 27B step: bench/NOTES.md section 67).
-        With ``commit_reuse`` the copy goes into the reused tensor, so the uploaded commit tables stay valid
-        (the groups' slot tensors are the captured graph's, the same objects every replay)."""
+    def _one_slot_commit_indices(self, group: GroupSlots, last_node: Tensor) -> tuple[CommitIndices, CommitIndices]:
+        """``commit_indices`` of an engine with one GDN state slot per request (``gdn_state_slots: "one"``,
+        one_slot.py): the layers read slot ``[n, 0]`` (their ``prev_accepted`` is ``read_offsets``, all 1, so
+        ``start`` is 0) and the commit writes it (``commit_destinations``: p = 0), so the GDN source and
+        destination are both ``slots[:, 0]``, which is the group's ``conv_slot`` (int32), and the offsets are
+        zeros; vLLM's slot table is still 1 + B columns wide, of which only column 0 is read. Only the accepted
+        node changes from step to step: one int32 copy per step, shared by every group, and no launch per group
+        (the general path gathers and copies three times per KV-cache group, ~27 launches per 27B step:
+        bench/NOTES.md section 67). With ``commit_reuse`` the copy goes into the reused tensor, so the uploaded
+        commit tables stay valid (the groups' slot tensors are the captured graph's, the same objects every
+        replay)."""
         r = last_node.shape[0]
         reuse = self.commit_reuse
-        shared = self._one_column
+        shared = self._one_slot_shared
         if shared is None or shared[0] is not last_node:
             if reuse is not None:
                 if reuse.shared is None or reuse.shared[0].shape[0] != r:
@@ -219,7 +225,7 @@ class StepKernels:
             else:
                 acc = last_node.to(device=self.device, dtype=torch.int32)
                 zeros = torch.zeros_like(acc)
-            shared = self._one_column = (last_node, acc, zeros)
+            shared = self._one_slot_shared = (last_node, acc, zeros)
         _, acc, zeros = shared
         conv = group.conv_slot
         return CommitIndices(acc, conv, conv, zeros, zeros, None), CommitIndices(acc, conv, conv, group.start32, zeros, None)
@@ -272,6 +278,6 @@ def step_kernels(step: StepTree, device: torch.device) -> StepKernels | None:
         return None
     tables = _CURRENT["tables"]
     if tables is None or tables.step is not step:
-        tables = StepKernels(step, device)
+        tables = StepKernels(step, device, one_slot=STATE.one_slot)
         _CURRENT["tables"] = tables
     return tables
