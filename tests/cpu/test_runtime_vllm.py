@@ -418,11 +418,16 @@ def test_sampler_verifies_trees_and_checks_the_metadata():
         sampler(md, None, logits, sampling_metadata(max_num_logprobs=2))
 
 
-@pytest.mark.parametrize("seed", [0, 1])
-def test_sampler_greedy_kernel_gives_the_torch_paths_result(seed, tmp_path_factory, monkeypatch):
+@pytest.mark.parametrize("seed,deferred", [(0, False), (1, False), (2, True)])
+def test_sampler_greedy_kernel_gives_the_torch_paths_result(seed, deferred, tmp_path_factory, monkeypatch):
     """An all-greedy tree step verified by the one-launch kernel (``kernels.greedy_accept``, emulated on the CPU)
     returns vLLM's sampled tokens and the accepted paths of the torch path, entry for entry, with a request
-    without drafts in the batch; a batch with a sampled request keeps the torch path (no launch)."""
+    without drafts in the batch; a batch with a sampled request keeps the torch path (no launch). ``deferred``:
+    the step was built on placeholder drafts with its topology pending (deferred drafts, the default with
+    asynchronous scheduling), which the sampler completes before it reads the trees' depths and sizes (on the
+    GPU the first version read the pending arrays, -2 everywhere, and fell back)."""
+    from vllm_tfm.vllm_plugin.runtime.state import PLACEHOLDER_DRAFT
+
     from _emulation import emulated, emulation_build_dir
 
     from vllm_tfm.kernels import greedy_accept as kga
@@ -437,7 +442,13 @@ def test_sampler_greedy_kernel_gives_the_torch_paths_result(seed, tmp_path_facto
     store.put(ids, toks, torch.stack([random_tree_parents(8, gen, k) for k in kinds]))
     spec = {rid: toks[r].tolist() for r, rid in enumerate(ids)}
     req_ids = ["pre", *ids]
-    STATE.step = build_step_tree(req_ids, np.array([3, 8, 8, 8, 8]), spec, store, allow_trees=True)
+    if deferred:
+        placeholders = {rid: [PLACEHOLDER_DRAFT] * 7 for rid in ids}
+        STATE.step = build_step_tree(req_ids, np.array([3, 8, 8, 8, 8]), placeholders, store, allow_trees=True,
+                                     defer_topology=True)
+        assert STATE.step.topology_pending
+    else:
+        STATE.step = build_step_tree(req_ids, np.array([3, 8, 8, 8, 8]), spec, store, allow_trees=True)
     logits = torch.randn(int(STATE.step.sample_cu[-1]), 6, generator=gen)
     md = SimpleNamespace(num_draft_tokens=[0, 7, 7, 7, 7], max_spec_len=7,
                          draft_token_ids=torch.tensor([t for rid in ids for t in spec[rid]], dtype=torch.int32))

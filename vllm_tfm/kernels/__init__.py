@@ -15,6 +15,8 @@ unsupported dtype or shape) it calls the reference instead and says so once.
 * :func:`kv_compact_layers`: the K/V moves of the accepted tree paths in every full-attention layer of
   a KV-cache group, one launch (its torch reference :func:`kv_compact_reference`, the same signature;
   :func:`kv_compact_unsupported_reason` says when the kernel cannot run).
+* ``greedy_accept.tree_greedy_accept``: greedy tree acceptance of a ragged batch in one launch (its torch
+  reference ``tree_greedy_accept_reference`` runs ``vllm_tfm.verify.sampling.greedy_walk``).
 * :func:`kernels_available`: whether the CUDA path can run on this machine.
 """
 
