@@ -190,6 +190,19 @@ def copy_bandwidth(nbytes: int = 2 << 30, reps: int = 10) -> float:
     return 2 * nbytes / statistics.median(times)
 
 
+def host_us(fn: Callable[[], object], reps: int, calls: int = 10) -> float:
+    """Median host microseconds to issue one call (``calls`` calls per sample, synchronised between samples)."""
+    times = []
+    for _ in range(reps):
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        times.append((time.perf_counter() - t) * 1e6 / calls)
+    torch.cuda.synchronize()
+    return statistics.median(times)
+
+
 def kernel_bench_parser(doc: str, repeats: int) -> argparse.ArgumentParser:
     """The options the Weaver kernel benches share (bench/candidate_scores.py, weaver_linear.py,
     weaver_round.py, weaver_attention.py): --out FILE, --repeats N, --sanitize-case."""

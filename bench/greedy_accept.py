@@ -22,9 +22,7 @@ arrays as the sampler does (one host-to-device copy). Times, medians of ``--repe
 
 from __future__ import annotations
 
-import statistics
 import sys
-import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -39,7 +37,7 @@ for p in (REPO, REPO / "bench", REPO / "tests" / "cpu"):
 
 from _greedy_cases import GREEDY_CASES, greedy_batch  # noqa: E402
 from _trees import random_tree_parents  # noqa: E402
-from gdn_tree import kernel_bench_parser, result_header, time_calls, write_result  # noqa: E402
+from gdn_tree import host_us, kernel_bench_parser, result_header, time_calls, write_result  # noqa: E402
 
 from vllm_tfm.kernels import greedy_accept as kga  # noqa: E402
 from vllm_tfm.tree.bitmask import ragged_depths  # noqa: E402
@@ -87,18 +85,6 @@ def problem(r: int, budget: int, seed: int) -> dict[str, Any]:
             "parents": parents.to(DEV), "cu": torch.from_numpy(cu).to(DEV),
             "nonroot": torch.from_numpy(np.nonzero(par >= 0)[0]).to(DEV),
             "drafts": tokens[parents >= 0].to(torch.int32).to(DEV), "n": n}
-
-
-def host_us(fn: Callable[[], object], reps: int) -> float:
-    times = []
-    for _ in range(reps):
-        torch.cuda.synchronize()
-        t = time.perf_counter()
-        for _ in range(CALLS):
-            fn()
-        times.append((time.perf_counter() - t) * 1e6 / CALLS)
-    torch.cuda.synchronize()
-    return statistics.median(times)
 
 
 def launches(fn: Callable[[], object]) -> int:

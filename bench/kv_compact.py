@@ -25,10 +25,8 @@ call (a real step's are too: the forward just wrote them).
 
 from __future__ import annotations
 
-import statistics
 import sys
 import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -41,6 +39,7 @@ for p in (REPO, REPO / "bench"):
 
 from gdn_tree import (  # noqa: E402
     copy_bandwidth,
+    host_us,
     kernel_bench_parser,
     past_budget,
     result_header,
@@ -140,19 +139,6 @@ def sanitize_case() -> None:
         if not same_bytes(p["caches"], want):
             raise SystemExit(f"sanitize case {i} ({batch} x {dmax}, {layout}, {dtype}): kernel and reference differ")
     print("sanitize case: the kernel moves the reference's bytes")
-
-
-def host_us(fn: Callable[[], object], reps: int) -> float:
-    """Median host microseconds to issue one call (``CALLS`` calls per sample, synchronised between samples)."""
-    times = []
-    for _ in range(reps):
-        torch.cuda.synchronize()
-        t = time.perf_counter()
-        for _ in range(CALLS):
-            fn()
-        times.append((time.perf_counter() - t) * 1e6 / CALLS)
-    torch.cuda.synchronize()
-    return statistics.median(times)
 
 
 def bench_case(batch: int, dmax: int, block_size: int, reps: int, bw: float) -> dict[str, Any]:

@@ -23,15 +23,11 @@ from vllm_tfm.kernels import greedy_accept as kga
 from vllm_tfm.kernels.loader import kernels_available, kernels_unavailable_reason
 from vllm_tfm.tree.bitmask import ragged_depths
 
-pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
+              pytest.mark.skipif(torch.cuda.is_available() and not kernels_available(),
+                                 reason=f"CUDA kernels unavailable: {kernels_unavailable_reason()}")]
 
 DEV = torch.device("cuda")
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _kernels_must_work():
-    if not kernels_available():
-        pytest.skip(f"CUDA kernels unavailable: {kernels_unavailable_reason()}")
 
 
 def _check(target, parents, cu, drafts, dmax, cols, max_nodes):
