@@ -35,8 +35,7 @@ for p in (REPO, REPO / "bench", REPO / "tests" / "cpu"):
     if str(p) not in sys.path:
         sys.path.insert(0, str(p))
 
-from _greedy_cases import GREEDY_CASES, greedy_batch  # noqa: E402
-from _trees import random_tree_parents  # noqa: E402
+from _greedy_cases import GREEDY_CASES, greedy_batch, planted_step  # noqa: E402
 from gdn_tree import host_us, kernel_bench_parser, result_header, time_calls, write_result  # noqa: E402
 
 from vllm_tfm.kernels import greedy_accept as kga  # noqa: E402
@@ -68,18 +67,10 @@ def sanitize_case() -> None:
 
 
 def problem(r: int, budget: int, seed: int) -> dict[str, Any]:
-    g = torch.Generator().manual_seed(seed)
     n = budget + 1
-    trees = [random_tree_parents(n, g, "deep" if k % 2 else "random") for k in range(r)]
-    parents = torch.cat(trees)
+    logits, parents, tokens = planted_step(r, n, VOCAB, seed)
+    logits = logits.to(torch.bfloat16)
     cu = np.arange(r + 1, dtype=np.int64) * n
-    tokens = torch.randint(0, VOCAB, (r * n,), generator=g)
-    logits = torch.randn(r * n, VOCAB, generator=g).to(torch.bfloat16)
-    for k, tree in enumerate(trees):
-        node = int(torch.randint(0, n, (1,), generator=g))
-        while node > 0:
-            logits[k * n + int(tree[node]), tokens[k * n + node]] = 30.0
-            node = int(tree[node])
     par = parents.numpy()
     return {"logits": logits.to(DEV), "parents_host": par, "cu_host": cu, "depth_host": ragged_depths(par, cu),
             "parents": parents.to(DEV), "cu": torch.from_numpy(cu).to(DEV),

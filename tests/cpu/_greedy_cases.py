@@ -35,26 +35,48 @@ def greedy_batch(sizes_kinds: list[tuple[int, str]], seed: int, follow: float, d
     return target, parents, cu, drafts, dmax, max(tr.numel() for tr in trees), tokens
 
 
+def brute_greedy_walk(parents: list[int], tokens: list[int], argmax: list[int]) -> tuple[list[int], int]:
+    """One tree by brute force: from the root, follow the first child carrying the target argmax.
+    Returns (the accepted local nodes root-first, the bonus token)."""
+    node, path = 0, []
+    while True:
+        nxt = [j for j in range(1, len(parents)) if parents[j] == node and tokens[j] == argmax[node]]
+        if not nxt:
+            return path, argmax[node]
+        node = nxt[0]
+        path.append(node)
+
+
 def greedy_loops(target, parents, cu, tokens, dmax: int, cols: int):
-    """The greedy walk with Python loops: per request, the first child (index order) carrying the argmax."""
+    """``brute_greedy_walk`` per request of a ragged batch, in the kernel's output layout."""
     r = cu.shape[0] - 1
     acc = np.full((r, dmax), -1)
     out = np.full((r, cols), -1)
     num, last, bonus = np.zeros(r, dtype=np.int64), np.zeros(r, dtype=np.int64), np.zeros(r, dtype=np.int64)
     for k in range(r):
-        base, n = int(cu[k]), int(cu[k + 1] - cu[k])
-        cur, path = 0, []
-        while True:
-            nxt = [i for i in range(cur + 1, n) if int(parents[base + i]) == cur and int(tokens[base + i]) == int(target[base + cur])]
-            if not nxt:
-                break
-            cur = nxt[0]
-            path.append(cur)
+        lo, hi = int(cu[k]), int(cu[k + 1])
+        path, b = brute_greedy_walk(parents[lo:hi].tolist(), tokens[lo:hi].tolist(), target[lo:hi].tolist())
         acc[k, : len(path)] = path
-        out[k, : len(path)] = [int(tokens[base + i]) for i in path]
-        out[k, len(path)] = int(target[base + cur])
-        num[k], last[k], bonus[k] = len(path), cur, int(target[base + cur])
+        out[k, : len(path)] = [int(tokens[lo + i]) for i in path]
+        out[k, len(path)] = b
+        num[k], last[k], bonus[k] = len(path), path[-1] if path else 0, b
     return acc, num, last, bonus, out
+
+
+def planted_step(r: int, n: int, vocab: int, seed: int):
+    """(logits float32 [r n, vocab], parents [r n], tokens [r n]) of r trees of n nodes (random and deep
+    alternately), random tokens, with a path of random length planted in each tree: the argmax at each of its
+    nodes' parents is that node's token. The 27B tree step's shape at vocab 248320 and n = 17."""
+    g = torch.Generator().manual_seed(seed)
+    trees = [random_tree_parents(n, g, "deep" if k % 2 else "random") for k in range(r)]
+    tokens = torch.randint(0, vocab, (r * n,), generator=g)
+    logits = torch.randn(r * n, vocab, generator=g)
+    for k, tree in enumerate(trees):
+        node = int(torch.randint(0, n, (1,), generator=g))
+        while node > 0:
+            logits[k * n + int(tree[node]), tokens[k * n + node]] = 30.0
+            node = int(tree[node])
+    return logits, torch.cat(trees), tokens
 
 
 GREEDY_CASES = [

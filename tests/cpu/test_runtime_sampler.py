@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 import torch
 
+from _greedy_cases import brute_greedy_walk
 from _sampling_fakes import sampling_metadata
 from _trees import path_of, random_tree_parents
 from vllm_tfm.vllm_plugin.runtime.inputs import build_step_tree
@@ -26,17 +27,6 @@ from vllm_tfm.verify.logits_processing import TreeSamplingParams
 from vllm_tfm.verify.sampling import verify_tree
 
 VOCAB = 50
-
-
-def greedy_walk(parents: list[int], tokens: list[int], argmax: list[int]) -> tuple[list[int], int]:
-    """Brute force: from the root, follow the first child carrying the target argmax."""
-    node, path = 0, []
-    while True:
-        nxt = [j for j in range(1, len(parents)) if parents[j] == node and tokens[j] == argmax[node]]
-        if not nxt:
-            return path, argmax[node]
-        node = nxt[0]
-        path.append(node)
 
 
 def make_batch(seed: int):
@@ -87,7 +77,7 @@ def test_greedy_tree_output_follows_the_contract(seed):
     for r, rid in enumerate(req_ids[1:], start=1):
         parents, tokens = trees[rid]
         base = int(step.sample_cu[r])
-        path, bonus = greedy_walk(parents, tokens, argmax[base : base + len(parents)])
+        path, bonus = brute_greedy_walk(parents, tokens, argmax[base : base + len(parents)])
         expect = [tokens[j] for j in path] + [bonus]
         assert out[r].tolist() == expect + [-1] * (max_spec + 1 - len(expect))
         assert result.accepted_nodes[r, : len(path)].tolist() == path

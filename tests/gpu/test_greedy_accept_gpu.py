@@ -16,8 +16,7 @@ import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "cpu"))
-from _greedy_cases import GREEDY_CASES, greedy_batch, greedy_loops
-from _trees import random_tree_parents
+from _greedy_cases import GREEDY_CASES, greedy_batch, greedy_loops, planted_step
 
 from vllm_tfm.kernels import greedy_accept as kga
 from vllm_tfm.kernels.loader import kernels_available, kernels_unavailable_reason
@@ -57,18 +56,10 @@ def test_kernel_equals_reference_and_loops(sizes_kinds, follow, drafts_dtype):
 def test_27b_step_from_bf16_logits(r):
     """R requests of B = 16 drafts (17 nodes), bf16 logits over 248,320 tokens with planted argmaxes along a
     random path, int32 drafts as vLLM gives them; vLLM's sampled layout is [R, 17]."""
-    g = torch.Generator().manual_seed(r)
     vocab, n = 248320, 17
-    trees = [random_tree_parents(n, g, "deep" if k % 2 else "random") for k in range(r)]
-    parents = torch.cat(trees)
+    logits, parents, tokens = planted_step(r, n, vocab, seed=r)
+    logits = logits.to(torch.bfloat16)
     cu = torch.arange(r + 1, dtype=torch.int64) * n
-    tokens = torch.randint(0, vocab, (r * n,), generator=g)
-    logits = torch.randn(r * n, vocab, generator=g).to(torch.bfloat16)
-    for k, tree in enumerate(trees):  # a path of random length: the argmax at each node its next node's token
-        node = int(torch.randint(0, n, (1,), generator=g))
-        while node > 0:
-            logits[k * n + int(tree[node]), tokens[k * n + node]] = 30.0
-            node = int(tree[node])
     drafts = tokens[parents >= 0].to(torch.int32)
     dmax = int(ragged_depths(parents.numpy(), cu.numpy()).max())
     target = logits.to(DEV).argmax(dim=-1)

@@ -179,7 +179,8 @@ class StepKernels:
         last_node, num_accepted: [Rs] the deepest accepted node and the accepted draft count p.
         GDN: slot [n, prev - 1] -> slot [n, p]; conv: slot [n, 0], columns prev - 1 .. -> p ...
         The parts that do not depend on the group (accepted nodes, p as int32, zeros) are made once
-        per step and shared by all groups (read-only).
+        per step and shared by all groups (read-only). With one GDN state slot per request
+        (``one_slot``) the indices are the slot column 0 and zeros (``_one_slot_commit_indices``).
         """
         if group.commit is None and self.one_slot:
             group.commit = self._one_slot_commit_indices(group, last_node)
@@ -200,7 +201,6 @@ class StepKernels:
             )
         return group.commit
 
-
     def _one_slot_commit_indices(self, group: GroupSlots, last_node: Tensor) -> tuple[CommitIndices, CommitIndices]:
         """``commit_indices`` of an engine with one GDN state slot per request (``gdn_state_slots: "one"``,
         one_slot.py): the layers read slot ``[n, 0]`` (their ``prev_accepted`` is ``read_offsets``, all 1, so
@@ -217,10 +217,7 @@ class StepKernels:
         shared = self._one_slot_shared
         if shared is None or shared[0] is not last_node:
             if reuse is not None:
-                if reuse.shared is None or reuse.shared[0].shape[0] != r:
-                    reuse.shared = tuple(torch.zeros(r, dtype=torch.int32, device=self.device) for _ in range(3))  # type: ignore[assignment]
-                    reuse.indices.clear()
-                acc, _, zeros = reuse.shared  # type: ignore[misc]
+                acc, _, zeros = self._reuse_shared(reuse, r)
                 acc.copy_(last_node)
             else:
                 acc = last_node.to(device=self.device, dtype=torch.int32)
@@ -230,15 +227,20 @@ class StepKernels:
         conv = group.conv_slot
         return CommitIndices(acc, conv, conv, zeros, zeros, None), CommitIndices(acc, conv, conv, group.start32, zeros, None)
 
+    def _reuse_shared(self, reuse: CommitReuse, r: int) -> tuple[Tensor, Tensor, Tensor]:
+        """``reuse``'s (accepted node, p, zeros) int32 [r] tensors, made at the first call for r requests (the
+        kept per-group indices, made for another r, are dropped then)."""
+        if reuse.shared is None or reuse.shared[0].shape[0] != r:
+            reuse.shared = tuple(torch.zeros(r, dtype=torch.int32, device=self.device) for _ in range(3))  # type: ignore[assignment]
+            reuse.indices.clear()
+        return reuse.shared  # type: ignore[return-value]
+
     def _reused_commit_indices(self, reuse: CommitReuse, group: GroupSlots, last_node: Tensor,
                                num_accepted: Tensor) -> tuple[CommitIndices, CommitIndices]:
         """``commit_indices`` written into ``reuse``'s tensors (made at the first call): the same values,
         the same tensor objects every step."""
         r = last_node.shape[0]
-        if reuse.shared is None or reuse.shared[0].shape[0] != r:
-            reuse.shared = tuple(torch.zeros(r, dtype=torch.int32, device=self.device) for _ in range(3))  # type: ignore[assignment]
-            reuse.indices.clear()
-        acc, p32, zeros = reuse.shared  # type: ignore[misc]
+        acc, p32, zeros = self._reuse_shared(reuse, r)
         shared = self._accepted
         if shared is None or shared[0] is not last_node or shared[1] is not num_accepted:
             acc.copy_(last_node)
