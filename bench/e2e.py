@@ -632,6 +632,9 @@ SWITCH_ABS: dict[str, SwitchAB] = {
     # all-greedy tree acceptance in one launch after the argmax (VLLM_TFM_GREEDY_ACCEPT_KERNEL, runtime/sampler.py)
     "greedy_accept_kernel": SwitchAB("set_greedy_accept_kernel", "greedy_accept_kernel_ab", "greedy_accept_kernel",
                                      ("sampler.greedy_kernel", "greedy_accept_kernel_steps")),
+    # one-slot engines' commit indices from the slot column 0 (VLLM_TFM_ONE_SLOT_COMMIT, runtime/step_kernels.py)
+    "one_slot_commit": SwitchAB("set_one_slot_commit", "one_slot_commit_ab", "one_slot_commit",
+                                ("commit.one_slot_indices", "one_slot_commit_steps")),
     # the DFlash top-K of the Weaver build in one launch (VLLM_TFM_TOPK_KERNEL, runtime/tree_builder_gpu.py); the
     # Weaver graphs key on it, so the off setting's graph is captured in an unrecorded run first
     "topk_kernel": SwitchAB("set_topk_kernel", "topk_kernel_ab", "topk_kernel", warm_off=True),

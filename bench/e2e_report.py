@@ -435,6 +435,10 @@ SWITCH_AB_TITLES: dict[str, tuple[str, str]] = {
     "greedy_accept_kernel_ab": ("greedy_accept_kernel", "All-greedy tree acceptance in one kernel launch after the "
                                 "argmax (on) / the torch path (off) on the same engine, decode tokens/s (clean runs in "
                                 "this order; VLLM_TFM_GREEDY_ACCEPT_KERNEL, runtime/sampler.py):"),
+    "one_slot_commit_ab": ("one_slot_commit", "One-slot engines' commit indices from the slot column 0, one copy per "
+                           "step (on) / the general path's gather and copies per KV-cache group (off) on the same "
+                           "engine, decode tokens/s (clean runs in this order; VLLM_TFM_ONE_SLOT_COMMIT, "
+                           "runtime/step_kernels.py):"),
     "topk_kernel_ab": ("topk_kernel", "The DFlash top-K of the Weaver build in one kernel launch (on) / torch.topk (off) "
                        "on the same engine, decode tokens/s (clean runs in this order, after an unrecorded run that "
                        "captured the off setting's Weaver graphs; VLLM_TFM_TOPK_KERNEL, runtime/tree_builder_gpu.py):"),

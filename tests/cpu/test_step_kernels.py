@@ -10,6 +10,7 @@ from __future__ import annotations
 from types import SimpleNamespace
 
 import numpy as np
+import pytest
 import torch
 
 from _trees import random_tree_parents
@@ -136,3 +137,43 @@ def test_one_slot_commit_indices_are_slot_column_zero_and_one_copy_per_step():
             for k in range(r):  # written out: slot [n, 0], offsets 0
                 assert int(gdn_idx.src[k]) == int(table[k, 0]) == int(conv_idx.dst[k])
                 assert int(conv_idx.src_start[k]) == int(conv_idx.dst_start[k]) == 0 == int(gdn_idx.dst_start[k])
+
+
+def test_the_one_slot_commit_switch_puts_one_slot_tables_on_the_general_path(monkeypatch: pytest.MonkeyPatch):
+    """``VLLM_TFM_ONE_SLOT_COMMIT=0`` (or ``set_one_slot_commit(False)``, the same-engine A/B's setter) makes a
+    one-slot engine's tables take the general path (a gather and copies per group), with the same index values;
+    the override wins over the environment until it is reset, and a bad value is refused with its message."""
+    from vllm_tfm.vllm_plugin.runtime import set_one_slot_commit
+    from vllm_tfm.vllm_plugin.runtime.one_slot import commit_destinations, read_offsets
+    from vllm_tfm.vllm_plugin.runtime.step_kernels import ONE_SLOT_COMMIT_ENV
+
+    g = torch.Generator().manual_seed(5)
+    trees = [random_tree_parents(n, g, kind) for n, kind in ((6, "random"), (3, "chain"))]
+    step = _step(trees)
+    table = torch.randperm(100, generator=g)[: 2 * (1 + S)].view(2, 1 + S).to(torch.int32)
+    last, p = torch.tensor([4, 2]), commit_destinations(torch.tensor([2, 1]))
+
+    def indices(one_slot: bool) -> tuple[bool, list[str], tuple]:
+        tables = StepKernels(step, torch.device("cpu"), one_slot=one_slot)
+        grp = tables.group(table, read_offsets(table))
+        with _TorchCalls() as calls:
+            got = tables.commit_indices(grp, last, p)
+        return tables.one_slot, calls.names, got
+
+    monkeypatch.delenv(ONE_SLOT_COMMIT_ENV, raising=False)
+    on, on_calls, on_idx = indices(True)
+    assert on and "gather" not in on_calls
+    monkeypatch.setenv(ONE_SLOT_COMMIT_ENV, "0")
+    off, off_calls, off_idx = indices(True)
+    assert not off and "gather" in off_calls
+    for got_i, want_i in zip(on_idx, off_idx):
+        for f in ("accepted", "src", "dst", "src_start", "dst_start"):
+            assert torch.equal(getattr(got_i, f), getattr(want_i, f)), f
+    try:
+        assert set_one_slot_commit(on=True) is True
+        assert indices(True)[0]  # the override wins over the environment's 0
+        assert not indices(False)[0]  # and never makes a per-draft engine one-slot
+        with pytest.raises(ValueError, match="set_one_slot_commit takes True, False or None, got 1"):
+            set_one_slot_commit(on=1)  # type: ignore[arg-type]
+    finally:
+        assert set_one_slot_commit(on=None) is False  # back to the environment's 0

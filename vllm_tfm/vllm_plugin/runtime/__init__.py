@@ -52,7 +52,8 @@ from __future__ import annotations
 __all__ = [
     "install", "is_installed", "snapshot_metrics", "collect_tree_metrics", "flush_trace", "set_deferred_drafts",
     "set_device_topology", "set_commit_reuse", "set_early_sampled_copy", "set_gdn_metadata_fast",
-    "set_weaver_lazy_tail", "set_kv_compact_kernel", "set_greedy_accept_kernel", "set_topk_kernel", "set_prompt_overlap",
+    "set_weaver_lazy_tail", "set_kv_compact_kernel", "set_greedy_accept_kernel", "set_one_slot_commit", "set_topk_kernel",
+    "set_prompt_overlap",
 ]
 
 
@@ -183,6 +184,15 @@ def set_greedy_accept_kernel(worker: object = None, on: bool | None = None) -> b
     process from the next step on (None: ``VLLM_TFM_GREEDY_ACCEPT_KERNEL``); the setting now in force. The
     signature suits ``LLM.collective_rpc``."""
     from .sampler import set_greedy_accept_kernel as _set
+
+    return _set(on)
+
+
+def set_one_slot_commit(worker: object = None, on: bool | None = None) -> bool:
+    """The one-slot commit indices (``step_kernels.py``: slot column 0 and zeros with one GDN state slot per
+    request) on or off in this process from the next step on (None: ``VLLM_TFM_ONE_SLOT_COMMIT``); the setting
+    now in force. The signature suits ``LLM.collective_rpc``."""
+    from .step_kernels import set_one_slot_commit as _set
 
     return _set(on)
 

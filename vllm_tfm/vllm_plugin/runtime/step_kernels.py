@@ -31,9 +31,27 @@ from torch import Tensor
 from vllm_tfm.kernels.plan import CommitIndices, TreePlan
 
 from .kernels_or_reference import tree_ops
+from .settings import RuntimeSwitch
 from .state import STATE, StepTree
 
-__all__ = ["CommitReuse", "GroupSlots", "StepKernels", "current_step_kernels", "set_step_kernels", "step_kernels"]
+__all__ = ["ONE_SLOT_COMMIT_ENV", "CommitReuse", "GroupSlots", "StepKernels", "current_step_kernels",
+           "one_slot_commit_enabled", "set_one_slot_commit", "set_step_kernels", "step_kernels"]
+
+ONE_SLOT_COMMIT_ENV = "VLLM_TFM_ONE_SLOT_COMMIT"
+_OSC = RuntimeSwitch(ONE_SLOT_COMMIT_ENV, "set_one_slot_commit")
+
+
+def one_slot_commit_enabled() -> bool:
+    """``VLLM_TFM_ONE_SLOT_COMMIT`` unset or not 0 / false (default on), unless ``set_one_slot_commit`` overrode it:
+    an engine with one GDN state slot per request takes its commit indices from the slot column 0
+    (``StepKernels._one_slot_commit_indices``) instead of the general path's gather and copies per KV-cache group."""
+    return _OSC.enabled()
+
+
+def set_one_slot_commit(on: bool | None) -> bool:
+    """Override ``VLLM_TFM_ONE_SLOT_COMMIT`` in this process (None: back to the environment's); the setting now in
+    force, read by every ``StepKernels`` made from then on. For a same-engine A/B through ``collective_rpc``."""
+    return _OSC.set(on)
 
 
 @dataclass
@@ -92,9 +110,10 @@ class StepKernels:
         first use; commit_reuse: a full graph's ``CommitReuse`` (its groups' slot tensors are the same
         objects every replay), None to make the commit indices anew; one_slot: the engine keeps one GDN state
         slot per request (``gdn_state_slots: "one"``, one_slot.py), so every commit reads and writes slot
-        ``[n, 0]`` from conv column 0 (``_one_slot_commit_indices``)."""
+        ``[n, 0]`` from conv column 0 (``_one_slot_commit_indices``; the general path's indices, which are the
+        same values, with ``VLLM_TFM_ONE_SLOT_COMMIT=0``)."""
         self.commit_reuse = commit_reuse
-        self.one_slot = one_slot
+        self.one_slot = one_slot and one_slot_commit_enabled()
         if isinstance(step, StepTree):
             step.complete()  # its topology arrays, if they were pending (deferred drafts)
         self.step = step
@@ -223,6 +242,8 @@ class StepKernels:
                 acc = last_node.to(device=self.device, dtype=torch.int32)
                 zeros = torch.zeros_like(acc)
             shared = self._one_slot_shared = (last_node, acc, zeros)
+            if STATE.metrics is not None:
+                STATE.metrics.hook("commit.one_slot_indices")
         _, acc, zeros = shared
         conv = group.conv_slot
         return CommitIndices(acc, conv, conv, zeros, zeros, None), CommitIndices(acc, conv, conv, group.start32, zeros, None)
