@@ -197,6 +197,7 @@ METADATA_REUSED = "gdn.metadata_reused"
 METADATA_FAST = "gdn.metadata_fast"
 DEVICE_TOPOLOGY = "topology.device"
 ONE_SLOT_COMMITS = "commit.one_slot"
+ONE_SLOT_INDICES = "commit.one_slot_indices"
 
 
 def log(*args: object) -> None:
@@ -530,15 +531,21 @@ def topology_usage(runs: dict[str, dict[str, Any]]) -> dict[str, Any]:
 
 
 def one_slot_usage(runs: dict[str, dict[str, Any]]) -> dict[str, Any]:
-    """Per tfm engine: commits into the one GDN state slot (runtime/one_slot.py). ok iff the -oneslot engines and
-    tfm-fullpw-async-auto (tfm's default layout on one GPU) made some and the others none (the engines ran the
-    layout they were meant to)."""
+    """Per tfm engine: commits into the one GDN state slot (runtime/one_slot.py) and tree steps whose commit
+    indices came from the slot column 0 (``commit.one_slot_indices``, runtime/step_kernels.py). ok iff the -oneslot
+    engines and tfm-fullpw-async-auto (tfm's default layout on one GPU) made some commits and the others none (the
+    engines ran the layout they were meant to), and the one-slot engines on the kernel path took the column-0
+    indices while the others (per-draft slots, the torch reference ops of ``VLLM_TFM_KERNELS=0``) never did."""
     out: dict[str, Any] = {}
     for name, r in runs.items():
         if not ENGINES.get(name, {}).get("spec"):
             continue
-        n = sum(int((r.get(f"{label}_paths") or {}).get(ONE_SLOT_COMMITS, 0)) for label in LABELS)
-        out[name] = {ONE_SLOT_COMMITS: n, "ok": n > 0 if expects_one_slot(name) else n == 0}
+        n, m = (sum(int((r.get(f"{label}_paths") or {}).get(hook, 0)) for label in LABELS)
+                for hook in (ONE_SLOT_COMMITS, ONE_SLOT_INDICES))
+        env = engine_env(name)
+        indices = expects_one_slot(name) and env.get("VLLM_TFM_KERNELS") != "0" and env.get("VLLM_TFM_ONE_SLOT_COMMIT") != "0"
+        ok = (n > 0 if expects_one_slot(name) else n == 0) and (m > 0 if indices else m == 0)
+        out[name] = {ONE_SLOT_COMMITS: n, ONE_SLOT_INDICES: m, "ok": ok}
     return out
 
 
@@ -670,7 +677,8 @@ def driver(args: argparse.Namespace) -> int:
     for name, t in result["topology_usage"].items():
         log(f"topology {name}: {'OK' if t['ok'] else 'FAIL'} {DEVICE_TOPOLOGY} {t[DEVICE_TOPOLOGY]}")
     for name, o in result["one_slot_usage"].items():
-        log(f"one slot {name}: {'OK' if o['ok'] else 'FAIL'} {ONE_SLOT_COMMITS} {o[ONE_SLOT_COMMITS]}")
+        log(f"one slot {name}: {'OK' if o['ok'] else 'FAIL'} {ONE_SLOT_COMMITS} {o[ONE_SLOT_COMMITS]}"
+            f" {ONE_SLOT_INDICES} {o[ONE_SLOT_INDICES]}")
     for name, w in result["waves_usage"].items():
         log(f"waves {name}: {'OK' if w['ok'] else 'FAIL'} " + " ".join(f"{k} {x}" for k, x in w.items() if k != "ok"))
     log(("OK" if ok else "FAIL") + f": results in {out / 'graphs.json'}")

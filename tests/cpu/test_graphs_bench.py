@@ -241,8 +241,10 @@ def test_the_topology_control_must_not_write_on_the_device_and_tfm_fullpw_must()
 
 
 def test_one_slot_engines_must_commit_into_one_slot_and_the_others_never() -> None:
-    def engine(n: int) -> dict:
-        return {"b8_paths": {g.ONE_SLOT_COMMITS: n}, "b1_paths": {}, "waves_paths": {g.ONE_SLOT_COMMITS: n}}
+    def engine(n: int, m: int | None = None) -> dict:
+        m = n if m is None else m
+        return {"b8_paths": {g.ONE_SLOT_COMMITS: n, g.ONE_SLOT_INDICES: m}, "b1_paths": {},
+                "waves_paths": {g.ONE_SLOT_COMMITS: n}}
 
     for name, copy in (("tfm-eager-oneslot", "tfm-eager"), ("tfm-fullpw-oneslot", "tfm-fullpw"),
                        ("tfm-fullpw-async-oneslot", "tfm-fullpw-async")):
@@ -256,6 +258,12 @@ def test_one_slot_engines_must_commit_into_one_slot_and_the_others_never() -> No
     assert usage["tfm-fullpw-oneslot"][g.ONE_SLOT_COMMITS] == 14
     assert not g.one_slot_usage({"tfm-eager-oneslot": engine(0)})["tfm-eager-oneslot"]["ok"]  # the option was lost
     assert not g.one_slot_usage({"tfm-eager": engine(3)})["tfm-eager"]["ok"]
+    # the column-0 commit indices: taken by one-slot engines on the kernel path, never by the others
+    assert usage["tfm-fullpw-oneslot"][g.ONE_SLOT_INDICES] == 7
+    assert not g.one_slot_usage({"tfm-fullpw-oneslot": engine(7, 0)})["tfm-fullpw-oneslot"]["ok"]
+    assert g.one_slot_usage({"tfm-fallback-oneslot": engine(5, 0)})["tfm-fallback-oneslot"]["ok"]  # torch reference ops
+    assert not g.one_slot_usage({"tfm-fallback-oneslot": engine(5, 2)})["tfm-fallback-oneslot"]["ok"]
+    assert not g.one_slot_usage({"tfm-fullpw": engine(0, 3)})["tfm-fullpw"]["ok"]
 
 
 class FakeEngine:
@@ -366,7 +374,7 @@ def test_tfm_engines_pin_per_draft_slots_unless_they_name_a_layout() -> None:
     expected = {n for n, e in g.ENGINES.items() if e["spec"] and g.expects_one_slot(n)}
     assert expected == {"tfm-eager-oneslot", "tfm-fullpw-oneslot", "tfm-fullpw-async-oneslot", "tfm-fallback-oneslot",
                         "tfm-fullpw-async-auto"}
-    commits = {"b8_paths": {g.ONE_SLOT_COMMITS: 4}}
+    commits = {"b8_paths": {g.ONE_SLOT_COMMITS: 4, g.ONE_SLOT_INDICES: 4}}
     assert g.one_slot_usage({"tfm-fullpw-async-auto": commits})["tfm-fullpw-async-auto"]["ok"]
     assert not g.one_slot_usage({"tfm-fullpw-async": commits})["tfm-fullpw-async"]["ok"]
 
