@@ -635,6 +635,10 @@ SWITCH_ABS: dict[str, SwitchAB] = {
     # one-slot engines' commit indices from the slot column 0 (VLLM_TFM_ONE_SLOT_COMMIT, runtime/step_kernels.py)
     "one_slot_commit": SwitchAB("set_one_slot_commit", "one_slot_commit_ab", "one_slot_commit",
                                 ("commit.one_slot_indices", "one_slot_commit_steps")),
+    # the drafter's context order of a tree step's rows in one launch (VLLM_TFM_CONTEXT_ORDER_KERNEL,
+    # runtime/drafter_inputs.py)
+    "context_order_kernel": SwitchAB("set_context_order_kernel", "context_order_kernel_ab", "context_order_kernel",
+                                     ("proposer.context_order_kernel", "context_order_kernel_steps")),
     # the DFlash top-K of the Weaver build in one launch (VLLM_TFM_TOPK_KERNEL, runtime/tree_builder_gpu.py); the
     # Weaver graphs key on it, so the off setting's graph is captured in an unrecorded run first
     "topk_kernel": SwitchAB("set_topk_kernel", "topk_kernel_ab", "topk_kernel", warm_off=True),

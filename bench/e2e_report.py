@@ -439,6 +439,9 @@ SWITCH_AB_TITLES: dict[str, tuple[str, str]] = {
                            "step (on) / the general path's gather and copies per KV-cache group (off) on the same "
                            "engine, decode tokens/s (clean runs in this order; VLLM_TFM_ONE_SLOT_COMMIT, "
                            "runtime/step_kernels.py):"),
+    "context_order_kernel_ab": ("context_order_kernel", "The drafter's context order of a tree step's rows in one "
+                                "kernel launch (on) / the torch argsort (off) on the same engine, decode tokens/s "
+                                "(clean runs in this order; VLLM_TFM_CONTEXT_ORDER_KERNEL, runtime/drafter_inputs.py):"),
     "topk_kernel_ab": ("topk_kernel", "The DFlash top-K of the Weaver build in one kernel launch (on) / torch.topk (off) "
                        "on the same engine, decode tokens/s (clean runs in this order, after an unrecorded run that "
                        "captured the off setting's Weaver graphs; VLLM_TFM_TOPK_KERNEL, runtime/tree_builder_gpu.py):"),

@@ -41,9 +41,11 @@ KERNELS = {
     "kv_compact.cu": ["kv_compact_layers"],
     "topk_rows.cu": ["topk_rows"],
     "tree_greedy_accept.cu": ["tree_greedy_accept"],
+    "context_order.cu": ["dflash_context_order"],
 }
 WRAPPERS = ("gdn", "conv", "tree_attention", "batched_commit", "weaver_round", "candidate_scores", "weaver_linear",
-            "weaver_attention", "step_topology", "kv_compact", "topk_rows", "greedy_accept")  # vllm_tfm.kernels modules that launch kernels
+            "weaver_attention", "step_topology", "kv_compact", "topk_rows", "greedy_accept",
+            "context_order")  # vllm_tfm.kernels modules that launch kernels
 
 
 def build(source: str, options: list[str], out_dir: Path, sanitize: bool = False) -> Path:

@@ -15,6 +15,7 @@ MATH_MODULES = [
     "vllm_tfm.kernels.tree_attention",
     "vllm_tfm.kernels.kv_compact",
     "vllm_tfm.kernels.greedy_accept",
+    "vllm_tfm.kernels.context_order",
     "vllm_tfm.models",
 ]
 

@@ -17,6 +17,8 @@ unsupported dtype or shape) it calls the reference instead and says so once.
   :func:`kv_compact_unsupported_reason` says when the kernel cannot run).
 * ``greedy_accept.tree_greedy_accept``: greedy tree acceptance of a ragged batch in one launch (its torch
   reference ``tree_greedy_accept_reference`` runs ``vllm_tfm.verify.sampling.greedy_walk``).
+* ``context_order.dflash_context_order_kernel``: the DFlash drafter's context order of a tree step's rows in one
+  launch (its torch reference ``dflash_context_order_reference``, the same signature).
 * :func:`kernels_available`: whether the CUDA path can run on this machine.
 """
 

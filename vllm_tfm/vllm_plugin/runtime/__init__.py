@@ -53,7 +53,7 @@ __all__ = [
     "install", "is_installed", "snapshot_metrics", "collect_tree_metrics", "flush_trace", "set_deferred_drafts",
     "set_device_topology", "set_commit_reuse", "set_early_sampled_copy", "set_gdn_metadata_fast",
     "set_weaver_lazy_tail", "set_kv_compact_kernel", "set_greedy_accept_kernel", "set_one_slot_commit", "set_topk_kernel",
-    "set_prompt_overlap",
+    "set_prompt_overlap", "set_context_order_kernel",
 ]
 
 
@@ -193,6 +193,15 @@ def set_one_slot_commit(worker: object = None, on: bool | None = None) -> bool:
     request) on or off in this process from the next step on (None: ``VLLM_TFM_ONE_SLOT_COMMIT``); the setting
     now in force. The signature suits ``LLM.collective_rpc``."""
     from .step_kernels import set_one_slot_commit as _set
+
+    return _set(on)
+
+
+def set_context_order_kernel(worker: object = None, on: bool | None = None) -> bool:
+    """The DFlash context order of a tree step's rows in one launch (``drafter_inputs.py``,
+    ``vllm_tfm.kernels.context_order``) on or off in this process from the next step on (None:
+    ``VLLM_TFM_CONTEXT_ORDER_KERNEL``); the setting now in force. The signature suits ``LLM.collective_rpc``."""
+    from .drafter_inputs import set_context_order_kernel as _set
 
     return _set(on)
 

@@ -13,7 +13,31 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-__all__ = ["dflash_context_order", "bonus_rows"]
+from vllm_tfm.kernels import context_order as kco
+from vllm_tfm.kernels.loader import warn_fallback
+
+from .kernels_or_reference import kernels_enabled
+from .settings import RuntimeSwitch
+from .state import STATE
+
+__all__ = ["CONTEXT_ORDER_KERNEL_ENV", "bonus_rows", "context_order_kernel_enabled", "dflash_context_order",
+           "set_context_order_kernel"]
+
+
+CONTEXT_ORDER_KERNEL_ENV = "VLLM_TFM_CONTEXT_ORDER_KERNEL"
+_COK = RuntimeSwitch(CONTEXT_ORDER_KERNEL_ENV, "set_context_order_kernel")
+
+
+def context_order_kernel_enabled() -> bool:
+    """``VLLM_TFM_CONTEXT_ORDER_KERNEL`` unset or not 0 / false (default on), unless ``set_context_order_kernel``
+    overrode it: ``dflash_context_order`` runs one kernel launch instead of the torch reference's ~20."""
+    return _COK.enabled()
+
+
+def set_context_order_kernel(on: bool | None) -> bool:
+    """Override ``VLLM_TFM_CONTEXT_ORDER_KERNEL`` in this process (None: back to the environment's); the setting
+    now in force. For a same-engine A/B through ``collective_rpc``."""
+    return _COK.set(on)
 
 
 def dflash_context_order(
@@ -24,23 +48,19 @@ def dflash_context_order(
 
     req_index: [T] request of each row; row_base: [R] row of each request's root (first logits
     row); rows_per_req: [R] scheduled rows; accepted_nodes: [R, Dmax] local node indices of the
-    accepted path (-1 padding), node j being row ``row_base + j``.
+    accepted path (-1 padding), node j being row ``row_base + j``. One launch of
+    ``vllm_tfm.kernels.context_order`` where the CUDA kernels run (``VLLM_TFM_CONTEXT_ORDER_KERNEL``, default
+    on), else its torch reference (the same permutation).
     """
-    t = req_index.shape[0]
-    dev = req_index.device
-    req = req_index.to(torch.long)
-    base = row_base.to(torch.long)
-    local = torch.arange(t, device=dev) - base[req]
-    valid = accepted_nodes >= 0
-    rank = torch.arange(1, accepted_nodes.shape[1] + 1, device=dev).expand_as(accepted_nodes)
-    rows = torch.where(valid, base[:, None] + accepted_nodes, t)  # padding -> a spare slot
-    path_rank = torch.zeros(t + 1, dtype=torch.long, device=dev)
-    path_rank.scatter_(0, rows.reshape(-1), torch.where(valid, rank, 0).reshape(-1))
-    path_rank = path_rank[:t]
-    n = rows_per_req.to(torch.long)[req]
-    key = torch.where(local <= 0, local, torch.where(path_rank > 0, path_rank, n + local))
-    span = 4 * t + 4
-    return torch.argsort(req * span + key + 2 * t + 2, stable=True)
+    if context_order_kernel_enabled() and kernels_enabled():
+        reason = kco.unsupported_reason(req_index, row_base, rows_per_req, accepted_nodes)
+        if reason is None:
+            if STATE.metrics is not None:
+                STATE.metrics.hook("proposer.context_order_kernel")
+            return kco.dflash_context_order_kernel(req_index, row_base, rows_per_req, accepted_nodes)
+        if reason != kco.NOT_CUDA:
+            warn_fallback("dflash_context_order", reason)
+    return kco.dflash_context_order_reference(req_index, row_base, rows_per_req, accepted_nodes)
 
 
 def bonus_rows(sample_start: Tensor, last_node: Tensor) -> Tensor:
