@@ -424,7 +424,7 @@ def run_engine(name: str, settings_path: Path) -> int:
                 res[f"{label}_graph_steps"] = {k: v for k, v in (snap.get("hooks") or {}).items() if k.startswith("cudagraph.")}
                 # which runtime paths ran (Weaver graph or eager build, tree attention kernel or Triton)
                 res[f"{label}_paths"] = {k: v for k, v in (snap.get("hooks") or {}).items()
-                                         if k.startswith(("weaver.", "attention.", "proposer.", "gdn.", "topology.", "commit."))}
+                                         if k.startswith(("weaver.", "attention.", "proposer.", "gdn.", "topology.", "commit.", "sampler."))}
             log(f"{name} {label}: {sum(map(len, res[label]))} tokens in {res[f'{label}_s']} s "
                 f"{res.get(f'{label}_tree_metrics', '')} {res.get(f'{label}_graph_steps', '')}")
             save()
