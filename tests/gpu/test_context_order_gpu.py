@@ -8,21 +8,14 @@ Run on the GPU host: ``python3 -m pytest tests/gpu/test_context_order_gpu.py -q`
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import pytest
 import torch
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "cpu"))
+from _kernel_marks import KERNEL_GPU_MARKS
 from _context_order_cases import context_order_case
 
 from vllm_tfm.kernels import context_order as kco
-from vllm_tfm.kernels.loader import kernels_available, kernels_unavailable_reason
 
-pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
-              pytest.mark.skipif(torch.cuda.is_available() and not kernels_available(),
-                                 reason=f"CUDA kernels unavailable: {kernels_unavailable_reason()}")]
+pytestmark = KERNEL_GPU_MARKS
 
 DEV = torch.device("cuda")
 

@@ -9,22 +9,15 @@ Run on the GPU host: ``python3 -m pytest tests/gpu/test_greedy_accept_gpu.py -q`
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import pytest
 import torch
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "cpu"))
+from _kernel_marks import KERNEL_GPU_MARKS
 from _greedy_cases import GREEDY_CASES, greedy_batch, greedy_loops, planted_step
 
 from vllm_tfm.kernels import greedy_accept as kga
-from vllm_tfm.kernels.loader import kernels_available, kernels_unavailable_reason
 from vllm_tfm.tree.bitmask import ragged_depths
 
-pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
-              pytest.mark.skipif(torch.cuda.is_available() and not kernels_available(),
-                                 reason=f"CUDA kernels unavailable: {kernels_unavailable_reason()}")]
+pytestmark = KERNEL_GPU_MARKS
 
 DEV = torch.device("cuda")
 
