@@ -147,8 +147,18 @@ def test_engine_config_carries_the_confirmed_replay_to_workers(
 # ------------------------------------------------------------------ the sampler with replay
 
 
-def test_tree_sampler_replays_spec_requests_after_the_real_verification(monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize("path", ["torch", "greedy_kernel"])
+def test_tree_sampler_replays_spec_requests_after_the_real_verification(
+    monkeypatch: pytest.MonkeyPatch, tmp_path_factory: pytest.TempPathFactory, path: str
+) -> None:
+    """The replay follows the real verification on both verification paths: the torch path (``verify_tree``) and
+    the one-launch greedy kernel (here through the CPU emulation), where the replay makes its own tree batch."""
     pytest.importorskip("vllm")
+    from contextlib import nullcontext
+
+    from _emulation import emulated, emulation_build_dir
+
+    from vllm_tfm.kernels import greedy_accept as kga
     from vllm_tfm.vllm_plugin.benchmark_mode import ReplaySpec
     from vllm_tfm.vllm_plugin.runtime import sampler as sampler_mod
     from vllm_tfm.vllm_plugin.runtime.inputs import build_step_tree
@@ -176,10 +186,16 @@ def test_tree_sampler_replays_spec_requests_after_the_real_verification(monkeypa
         smd = sampling_metadata()
         md = SimpleNamespace(num_draft_tokens=list(step.num_draft), draft_token_ids=torch.tensor([5, 6, 7, 1, 2, 3]),
                              max_spec_len=3)
-        out = sampler_mod.TFMTreeSampler(torch.nn.Identity(), runner, replay=replay)(md, None, logits, smd)
+        context = nullcontext([])
+        if path == "greedy_kernel":
+            monkeypatch.setattr(kga, "unsupported_reason", lambda *a: None)
+            context = emulated(emulation_build_dir(tmp_path_factory, "emu_replay_greedy"))
+        with context as launches:
+            out = sampler_mod.TFMTreeSampler(torch.nn.Identity(), runner, replay=replay)(md, None, logits, smd)
     finally:
         STATE.step = None
-    assert calls == [1]  # the real verification ran (its cost stays in the step)
+    # the real verification ran (its cost stays in the step): the torch path or the kernel
+    assert (calls, [name for name, _, _ in launches]) == (([1], []) if path == "torch" else ([], ["tree_greedy_accept"]))
     ids = out.sampled_token_ids.tolist()
     assert ids[0][0] == 9 and ids[0][1:] == [-1, -1, -1]  # the prefill request: its own sampled token
     assert ids[1] == [5, 6, 9, -1]  # r0: A = 2 along the deepest path root -> 1 -> 2, bonus = argmax

@@ -175,9 +175,7 @@ class TFMTreeSampler(nn.Module):
         generators = sampling_metadata.generators or None
         result = verify_tree(logits, trees, params, method=self.method, generator=generators, tables=tables)
         if self.replay is not None:
-            with TIMER.span("replay_accept"):
-                is_spec = step.dev("replayed") != 0
-                result = self.replay.accept(trees, logits, result, is_spec, tables)
+            result = self._replayed(step, logits, result, trees, tables)
         return self._finish(step, batch, result, output_token_ids(result, metadata.max_spec_len))
 
     def _verify_greedy_kernel(self, step: StepTree, metadata: Any, logits: Tensor,
@@ -202,13 +200,21 @@ class TFMTreeSampler(nn.Module):
         result, sampled = kga.tree_greedy_accept_kernel(target, parents, cu, drafts, dmax, cols)
         if STATE.metrics is not None:
             STATE.metrics.hook("sampler.greedy_kernel")
-        if self.replay is not None:  # benchmark-only: the tree batch and tables the replay reads are its own cost
-            with TIMER.span("replay_accept"):
-                trees = sample_trees(step, drafts)
-                tables = step.sample_tables()
-                result = self.replay.accept(trees, logits, result, step.dev("replayed") != 0, tables)
-                sampled = output_token_ids(result, metadata.max_spec_len)
+        if self.replay is not None:
+            result = self._replayed(step, logits, result, None, None, drafts)
+            sampled = output_token_ids(result, metadata.max_spec_len)
         return result, sampled
+
+    def _replayed(self, step: StepTree, logits: Tensor, result: AcceptResult, trees: TreeBatch | None,
+                  tables: Any, drafts: Tensor | None = None) -> AcceptResult:
+        """Benchmark-only acceptance replay (``replay.py``) of the step's replayed requests, in its own timed
+        span; the tree batch and tables it reads are made here when the verification did not make them (the
+        greedy kernel's path), so their cost is the replay's."""
+        assert self.replay is not None
+        with TIMER.span("replay_accept"):
+            if trees is None:
+                trees, tables = sample_trees(step, drafts), step.sample_tables()
+            return self.replay.accept(trees, logits, result, step.dev("replayed") != 0, tables)
 
     def _finish(self, step: StepTree, batch: Any, result: AcceptResult, sampled: Tensor) -> Any:
         from vllm.v1.outputs import SamplerOutput
