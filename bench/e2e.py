@@ -639,6 +639,9 @@ SWITCH_ABS: dict[str, SwitchAB] = {
     # runtime/drafter_inputs.py)
     "context_order_kernel": SwitchAB("set_context_order_kernel", "context_order_kernel_ab", "context_order_kernel",
                                      ("proposer.context_order_kernel", "context_order_kernel_steps")),
+    # a tree step's commit on its own stream beside the drafting (VLLM_TFM_COMMIT_OVERLAP, runtime/commit_overlap.py)
+    "commit_overlap": SwitchAB("set_commit_overlap", "commit_overlap_ab", "commit_overlap",
+                               ("commit.overlap", "commit_overlap_steps")),
     # the DFlash top-K of the Weaver build in one launch (VLLM_TFM_TOPK_KERNEL, runtime/tree_builder_gpu.py); the
     # Weaver graphs key on it, so the off setting's graph is captured in an unrecorded run first
     "topk_kernel": SwitchAB("set_topk_kernel", "topk_kernel_ab", "topk_kernel", warm_off=True),

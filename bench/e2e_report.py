@@ -442,6 +442,9 @@ SWITCH_AB_TITLES: dict[str, tuple[str, str]] = {
     "context_order_kernel_ab": ("context_order_kernel", "The drafter's context order of a tree step's rows in one "
                                 "kernel launch (on) / the torch argsort (off) on the same engine, decode tokens/s "
                                 "(clean runs in this order; VLLM_TFM_CONTEXT_ORDER_KERNEL, runtime/drafter_inputs.py):"),
+    "commit_overlap_ab": ("commit_overlap", "A tree step's commit on its own CUDA stream beside the drafting (on) / "
+                          "before it on the drafting's stream (off) on the same engine, decode tokens/s (clean runs in "
+                          "this order; VLLM_TFM_COMMIT_OVERLAP, runtime/commit_overlap.py):"),
     "topk_kernel_ab": ("topk_kernel", "The DFlash top-K of the Weaver build in one kernel launch (on) / torch.topk (off) "
                        "on the same engine, decode tokens/s (clean runs in this order, after an unrecorded run that "
                        "captured the off setting's Weaver graphs; VLLM_TFM_TOPK_KERNEL, runtime/tree_builder_gpu.py):"),

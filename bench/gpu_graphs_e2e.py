@@ -96,7 +96,7 @@ for _p in (str(REPO), str(BENCH)):
         sys.path.insert(0, _p)
 
 __all__ = ["ENGINES", "REQUIRED", "WaveSchedule", "acceptance_async", "engine_kwargs", "graph_usage", "main", "run_waves",
-           "one_slot_usage", "topology_usage", "verdicts", "waves_usage"]
+           "commit_overlap_usage", "one_slot_usage", "topology_usage", "verdicts", "waves_usage"]
 
 ZOO = REPO / "zoo"
 MODELS = os.environ.get("TFM_GRAPHS_MODELS", "zoo")
@@ -198,6 +198,8 @@ METADATA_FAST = "gdn.metadata_fast"
 DEVICE_TOPOLOGY = "topology.device"
 ONE_SLOT_COMMITS = "commit.one_slot"
 ONE_SLOT_INDICES = "commit.one_slot_indices"
+COMMITS = "commit"  # every tree step's commit (runtime/hooks.py commit_step)
+COMMITS_OVERLAPPED = "commit.overlap"  # those queued on the commit stream beside the drafting (runtime/commit_overlap.py)
 
 
 def log(*args: object) -> None:
@@ -424,7 +426,8 @@ def run_engine(name: str, settings_path: Path) -> int:
                 res[f"{label}_graph_steps"] = {k: v for k, v in (snap.get("hooks") or {}).items() if k.startswith("cudagraph.")}
                 # which runtime paths ran (Weaver graph or eager build, tree attention kernel or Triton)
                 res[f"{label}_paths"] = {k: v for k, v in (snap.get("hooks") or {}).items()
-                                         if k.startswith(("weaver.", "attention.", "proposer.", "gdn.", "topology.", "commit.", "sampler."))}
+                                         if k == COMMITS or k.startswith(("weaver.", "attention.", "proposer.", "gdn.",
+                                                                          "topology.", "commit.", "sampler."))}
             log(f"{name} {label}: {sum(map(len, res[label]))} tokens in {res[f'{label}_s']} s "
                 f"{res.get(f'{label}_tree_metrics', '')} {res.get(f'{label}_graph_steps', '')}")
             save()
@@ -549,6 +552,21 @@ def one_slot_usage(runs: dict[str, dict[str, Any]]) -> dict[str, Any]:
     return out
 
 
+def commit_overlap_usage(runs: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    """Per tfm engine: its commits and those that ran on the commit stream beside the drafting (``commit.overlap``,
+    runtime/commit_overlap.py). ok iff every commit did, or none where ``VLLM_TFM_COMMIT_OVERLAP=0``: the engine's
+    tokens were made with the stream layout it was meant to run."""
+    out: dict[str, Any] = {}
+    for name, r in runs.items():
+        if not ENGINES.get(name, {}).get("spec"):
+            continue
+        n, m = (sum(int((r.get(f"{label}_paths") or {}).get(hook, 0)) for label in LABELS)
+                for hook in (COMMITS, COMMITS_OVERLAPPED))
+        off = engine_env(name).get("VLLM_TFM_COMMIT_OVERLAP") == "0"
+        out[name] = {COMMITS: n, COMMITS_OVERLAPPED: m, "ok": m == 0 if off else m == n}
+    return out
+
+
 def deferred_usage(runs: dict[str, dict[str, Any]]) -> dict[str, Any]:
     """Per tfm engine: steps whose drafts went to the scheduler as placeholders (runtime/deferred_drafts.py).
     ok iff the -sync control had none and every other synchronous tfm engine had some (an asynchronous
@@ -654,14 +672,14 @@ def driver(args: argparse.Namespace) -> int:
               "metadata_usage": metadata_usage(runs, MODELS),
               "deferred_usage": deferred_usage(runs), "acceptance_async": acceptance_async(runs),
               "topology_usage": topology_usage(runs), "waves_usage": waves_usage(runs),
-              "one_slot_usage": one_slot_usage(runs),
+              "one_slot_usage": one_slot_usage(runs), "commit_overlap_usage": commit_overlap_usage(runs),
               "engines": {n: {k: v for k, v in r.items() if k not in (*LABELS, "b8_margins", "b1_margins", "traceback")}
                           for n, r in runs.items()}}
     required = [v["equal"] for v in result["verdicts"].values() if v["required"]]
     ok = bool(required) and all(required) and all(g["ok"] for g in result["graph_usage"].values()) and all(
         m["ok"] for m in result["metadata_usage"].values()) and all(d["ok"] for d in result["deferred_usage"].values()) and all(
         t["ok"] for t in result["topology_usage"].values()) and all(w["ok"] for w in result["waves_usage"].values()) and all(
-        o["ok"] for o in result["one_slot_usage"].values())
+        o["ok"] for o in result["one_slot_usage"].values()) and all(c["ok"] for c in result["commit_overlap_usage"].values())
     result["ok"] = ok
     (out / "graphs.json").write_text(json.dumps(result, indent=1, default=str) + "\n")
     for key, v in result["verdicts"].items():
@@ -679,6 +697,9 @@ def driver(args: argparse.Namespace) -> int:
     for name, o in result["one_slot_usage"].items():
         log(f"one slot {name}: {'OK' if o['ok'] else 'FAIL'} {ONE_SLOT_COMMITS} {o[ONE_SLOT_COMMITS]}"
             f" {ONE_SLOT_INDICES} {o[ONE_SLOT_INDICES]}")
+    for name, c in result["commit_overlap_usage"].items():
+        log(f"commit overlap {name}: {'OK' if c['ok'] else 'FAIL'} {COMMITS} {c[COMMITS]} {COMMITS_OVERLAPPED} "
+            f"{c[COMMITS_OVERLAPPED]}")
     for name, w in result["waves_usage"].items():
         log(f"waves {name}: {'OK' if w['ok'] else 'FAIL'} " + " ".join(f"{k} {x}" for k, x in w.items() if k != "ok"))
     log(("OK" if ok else "FAIL") + f": results in {out / 'graphs.json'}")

@@ -938,7 +938,7 @@ def test_every_switch_ab_has_a_setter_and_a_report_title_and_bad_names_are_refus
 
     assert set(e2e.SWITCH_ABS) == {"device_topology", "commit_reuse", "early_sampled_copy", "gdn_metadata_fast",
                                    "weaver_lazy_tail", "kv_compact_kernel", "greedy_accept_kernel", "one_slot_commit",
-                                   "context_order_kernel", "topk_kernel", "prompt_overlap"}
+                                   "context_order_kernel", "commit_overlap", "topk_kernel", "prompt_overlap"}
     for name, sw in e2e.SWITCH_ABS.items():
         assert callable(getattr(runtime, sw.setter)) and sw.setter in runtime.__all__
         assert e2e_report.SWITCH_AB_TITLES[sw.ab_key][0] == sw.flag
@@ -947,8 +947,8 @@ def test_every_switch_ab_has_a_setter_and_a_report_title_and_bad_names_are_refus
         "early_sampled_copy", "commit_reuse", "device_topology"]
     with pytest.raises(ValueError, match="--ab-switch: unknown switch 'early_copy'; expected one of device_topology, "
                                          "commit_reuse, early_sampled_copy, gdn_metadata_fast, weaver_lazy_tail, kv_compact_kernel, "
-                                         "greedy_accept_kernel, one_slot_commit, context_order_kernel, topk_kernel, "
-                                         "prompt_overlap"):
+                                         "greedy_accept_kernel, one_slot_commit, context_order_kernel, commit_overlap, "
+                                         "topk_kernel, prompt_overlap"):
         e2e.parse_ab_switches(["early_copy"])
 
 

@@ -396,3 +396,17 @@ def test_the_fallback_engine_is_judged_as_piecewise_with_one_slot() -> None:
     assert g.metadata_usage({name: run(0, 9, fast=3)}, "zoo")[name]["ok"]
     assert not g.metadata_usage({name: run(0, 9)}, "zoo")[name]["ok"]
     assert g.one_slot_usage({name: run(0, 9)})[name]["ok"] and not g.one_slot_usage({name: run(0, 9, commits=0)})[name]["ok"]
+
+
+def test_every_commit_of_a_tfm_engine_runs_beside_the_drafting_unless_switched_off(monkeypatch: pytest.MonkeyPatch) -> None:
+    def engine(commits: int, overlapped: int) -> dict:
+        return {"b8_paths": {g.COMMITS: commits, g.COMMITS_OVERLAPPED: overlapped}, "b1_paths": {},
+                "waves_paths": {g.COMMITS: commits, g.COMMITS_OVERLAPPED: overlapped}}
+
+    usage = g.commit_overlap_usage({"tfm-fullpw": engine(9, 9), "nospec-graphs": engine(0, 0)})
+    assert set(usage) == {"tfm-fullpw"} and usage["tfm-fullpw"] == {g.COMMITS: 18, g.COMMITS_OVERLAPPED: 18, "ok": True}
+    assert not g.commit_overlap_usage({"tfm-fullpw": engine(9, 8)})["tfm-fullpw"]["ok"]  # one commit on the drafting's stream
+    off = dict(g.ENGINES["tfm-fullpw"], env={"VLLM_TFM_COMMIT_OVERLAP": "0"})
+    monkeypatch.setitem(g.ENGINES, "tfm-fullpw", off)
+    assert g.commit_overlap_usage({"tfm-fullpw": engine(9, 0)})["tfm-fullpw"]["ok"]
+    assert not g.commit_overlap_usage({"tfm-fullpw": engine(9, 9)})["tfm-fullpw"]["ok"]  # the switch was ignored

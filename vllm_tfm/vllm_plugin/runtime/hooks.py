@@ -48,6 +48,7 @@ from torch import Tensor
 
 from .accepted_offsets import OffsetPlan, move_states_to_slot0, plan_offsets
 from .commit import commit_gdn_layers, compact_kv, compaction_rows, spec_accepted, spec_rows
+from .commit_overlap import OVERLAP
 from .deferred_drafts import (
     deferred_drafts_enabled,
     early_sampled_copy_enabled,
@@ -433,8 +434,13 @@ def _wrap_update_states_after(orig: Callable) -> Callable:
                                     copy=not _is_async(self))
             step = STATE.step
             if step is not None and step.tree_gdn:
-                with STATE.metrics.timed("commit"), TIMER.span("commit"):
+                # on the commit stream beside the drafting (commit_overlap.py), joined when the drafting is queued
+                device = getattr(self, "device", None)
+                with OVERLAP.side(device, step, output_token_ids) as side, STATE.metrics.timed("commit"), \
+                        TIMER.span("commit"):
                     commit_step(self, step, output_token_ids)
+                    if side:
+                        STATE.metrics.hook("commit.overlap")
             out = orig(self, output_token_ids, scheduler_output)
             if self.model_config.is_hybrid and not STATE.one_slot:
                 n = self.input_batch.num_reqs
@@ -465,6 +471,7 @@ def _wrap_propose(orig: Callable) -> Callable:
                             sample_hidden_states, *args, **kwargs)
         finally:
             STATE.final_hidden = None
+            OVERLAP.join()  # the drafting is queued: what comes after it waits for the commit too
 
     return propose_draft_token_ids
 
@@ -530,6 +537,7 @@ def _wrap_sample_tokens(orig: Callable) -> Callable:
             with STATE.metrics.timed("sample_tokens"), TIMER.span("sample_tokens"):
                 return orig(self, *args, **kwargs)
         finally:
+            OVERLAP.join()  # a step that drafted nothing (or raised) joins its commit here
             STATE.step = None
             STATE.draft_fill = None
             _log_interval_stats()
