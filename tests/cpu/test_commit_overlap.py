@@ -94,7 +94,7 @@ def test_off_cuda_or_switched_off_the_commit_runs_on_the_current_stream(monkeypa
     bad value is refused with its message."""
     overlap = CommitOverlap()
     monkeypatch.delenv(COMMIT_OVERLAP_ENV, raising=False)
-    for device in (torch.device("cpu"), None):
+    for device in (torch.device("cpu"), "cpu", None):
         with overlap.side(device, "held") as side:
             assert side is False
         assert not overlap.pending and overlap.join() is False

@@ -77,10 +77,11 @@ class CommitOverlap:
         return stream
 
     @contextmanager
-    def side(self, device: torch.device | None, *held: Any) -> Iterator[bool]:
+    def side(self, device: torch.device | str | None, *held: Any) -> Iterator[bool]:
         """Run the body on the commit stream after everything queued on the current stream so far, when the
         switch is on and ``device`` is a CUDA device (yields True); else on the current stream (yields
         False). ``held``: what the body reads that the current stream made, kept referenced until the join."""
+        device = None if device is None else torch.device(device)
         if device is None or device.type != "cuda" or not commit_overlap_enabled():
             yield False
             return
