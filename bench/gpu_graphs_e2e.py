@@ -554,16 +554,19 @@ def one_slot_usage(runs: dict[str, dict[str, Any]]) -> dict[str, Any]:
 
 def commit_overlap_usage(runs: dict[str, dict[str, Any]]) -> dict[str, Any]:
     """Per tfm engine: its commits and those that ran on the commit stream beside the drafting (``commit.overlap``,
-    runtime/commit_overlap.py). ok iff every commit did, or none where ``VLLM_TFM_COMMIT_OVERLAP=0``: the engine's
-    tokens were made with the stream layout it was meant to run."""
+    runtime/commit_overlap.py). ok iff every commit did where the engine's environment turns it on
+    (``VLLM_TFM_COMMIT_OVERLAP=1``) and none elsewhere: the engine's tokens were made with the stream layout it was
+    meant to run."""
+    from vllm_tfm.vllm_plugin.runtime.commit_overlap import commit_overlap_from_env
+
     out: dict[str, Any] = {}
     for name, r in runs.items():
         if not ENGINES.get(name, {}).get("spec"):
             continue
         n, m = (sum(int((r.get(f"{label}_paths") or {}).get(hook, 0)) for label in LABELS)
                 for hook in (COMMITS, COMMITS_OVERLAPPED))
-        off = engine_env(name).get("VLLM_TFM_COMMIT_OVERLAP") == "0"
-        out[name] = {COMMITS: n, COMMITS_OVERLAPPED: m, "ok": m == 0 if off else m == n}
+        on = commit_overlap_from_env({**os.environ, **engine_env(name)})
+        out[name] = {COMMITS: n, COMMITS_OVERLAPPED: m, "ok": m == n if on else m == 0}
     return out
 
 

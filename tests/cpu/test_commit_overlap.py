@@ -12,7 +12,12 @@ import pytest
 import torch
 
 from vllm_tfm.vllm_plugin.runtime import hooks
-from vllm_tfm.vllm_plugin.runtime.commit_overlap import COMMIT_OVERLAP_ENV, CommitOverlap, set_commit_overlap
+from vllm_tfm.vllm_plugin.runtime.commit_overlap import (
+    COMMIT_OVERLAP_ENV,
+    CommitOverlap,
+    commit_overlap_from_env,
+    set_commit_overlap,
+)
 from vllm_tfm.vllm_plugin.runtime.metrics import Metrics
 from vllm_tfm.vllm_plugin.runtime.state import STATE
 
@@ -89,19 +94,25 @@ def test_a_drafting_that_raises_still_joins(monkeypatch: pytest.MonkeyPatch) -> 
 
 
 def test_off_cuda_or_switched_off_the_commit_runs_on_the_current_stream(monkeypatch: pytest.MonkeyPatch) -> None:
-    """No commit stream is made or waited for: not on a CUDA device, or with the switch off (then not even for a
-    CUDA device, so this runs without one). The setter's override wins over the environment until reset, and a
+    """No commit stream is made or waited for: not on a CUDA device, or with the switch off (its default; then not
+    even for a CUDA device, so this runs without one). The setter's override wins over the environment until reset, and a
     bad value is refused with its message."""
     overlap = CommitOverlap()
-    monkeypatch.delenv(COMMIT_OVERLAP_ENV, raising=False)
+    monkeypatch.setenv(COMMIT_OVERLAP_ENV, "1")
     for device in (torch.device("cpu"), "cpu", None):
         with overlap.side(device, "held") as side:
             assert side is False
         assert not overlap.pending and overlap.join() is False
+    for setting in ("0", None):  # off by default
+        if setting is None:
+            monkeypatch.delenv(COMMIT_OVERLAP_ENV)
+        else:
+            monkeypatch.setenv(COMMIT_OVERLAP_ENV, setting)
+        with overlap.side(torch.device("cuda", 0)) as side:
+            assert side is False
+        assert not overlap.pending
+    assert commit_overlap_from_env({COMMIT_OVERLAP_ENV: "1"}) and not commit_overlap_from_env({})
     monkeypatch.setenv(COMMIT_OVERLAP_ENV, "0")
-    with overlap.side(torch.device("cuda", 0)) as side:
-        assert side is False
-    assert not overlap.pending
     try:
         from vllm_tfm.vllm_plugin.runtime import set_commit_overlap as runtime_setter
 

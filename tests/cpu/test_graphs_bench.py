@@ -398,15 +398,19 @@ def test_the_fallback_engine_is_judged_as_piecewise_with_one_slot() -> None:
     assert g.one_slot_usage({name: run(0, 9)})[name]["ok"] and not g.one_slot_usage({name: run(0, 9, commits=0)})[name]["ok"]
 
 
-def test_every_commit_of_a_tfm_engine_runs_beside_the_drafting_unless_switched_off(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_every_commit_of_a_tfm_engine_runs_beside_the_drafting_where_switched_on(monkeypatch: pytest.MonkeyPatch) -> None:
     def engine(commits: int, overlapped: int) -> dict:
         return {"b8_paths": {g.COMMITS: commits, g.COMMITS_OVERLAPPED: overlapped}, "b1_paths": {},
                 "waves_paths": {g.COMMITS: commits, g.COMMITS_OVERLAPPED: overlapped}}
 
-    usage = g.commit_overlap_usage({"tfm-fullpw": engine(9, 9), "nospec-graphs": engine(0, 0)})
-    assert set(usage) == {"tfm-fullpw"} and usage["tfm-fullpw"] == {g.COMMITS: 18, g.COMMITS_OVERLAPPED: 18, "ok": True}
+    monkeypatch.delenv("VLLM_TFM_COMMIT_OVERLAP", raising=False)
+    usage = g.commit_overlap_usage({"tfm-fullpw": engine(9, 0), "nospec-graphs": engine(0, 0)})
+    assert set(usage) == {"tfm-fullpw"} and usage["tfm-fullpw"] == {g.COMMITS: 18, g.COMMITS_OVERLAPPED: 0, "ok": True}
+    assert not g.commit_overlap_usage({"tfm-fullpw": engine(9, 9)})["tfm-fullpw"]["ok"]  # off by default
+    monkeypatch.setenv("VLLM_TFM_COMMIT_OVERLAP", "1")  # the driver's environment, which every engine inherits
+    assert g.commit_overlap_usage({"tfm-fullpw": engine(9, 9)})["tfm-fullpw"]["ok"]
     assert not g.commit_overlap_usage({"tfm-fullpw": engine(9, 8)})["tfm-fullpw"]["ok"]  # one commit on the drafting's stream
     off = dict(g.ENGINES["tfm-fullpw"], env={"VLLM_TFM_COMMIT_OVERLAP": "0"})
-    monkeypatch.setitem(g.ENGINES, "tfm-fullpw", off)
+    monkeypatch.setitem(g.ENGINES, "tfm-fullpw", off)  # an engine's own setting wins
     assert g.commit_overlap_usage({"tfm-fullpw": engine(9, 0)})["tfm-fullpw"]["ok"]
-    assert not g.commit_overlap_usage({"tfm-fullpw": engine(9, 9)})["tfm-fullpw"]["ok"]  # the switch was ignored
+    assert not g.commit_overlap_usage({"tfm-fullpw": engine(9, 9)})["tfm-fullpw"]["ok"]

@@ -22,30 +22,38 @@ of the current stream that runs first; so the fork holds references to them (``h
 Tensors the commit makes belong to the commit stream; every use of that stream begins with a fork, so
 any later reuse of their memory there is ordered after the current stream's work queued before it.
 
-Off (``VLLM_TFM_COMMIT_OVERLAP=0``, ``set_commit_overlap(False)``) or off CUDA the commit runs on the
-current stream, as before. The same kernels on the same inputs either way, so the same states.
+Off (the default; ``VLLM_TFM_COMMIT_OVERLAP=1`` or ``set_commit_overlap(True)`` turns it on) or off CUDA the
+commit runs on the current stream, as before. The same kernels on the same inputs either way, so the same states.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from typing import Any
 
 import torch
 
-from .settings import RuntimeSwitch
+from .settings import RuntimeSwitch, env_opted_in
 
-__all__ = ["COMMIT_OVERLAP_ENV", "OVERLAP", "CommitOverlap", "commit_overlap_enabled", "set_commit_overlap"]
+__all__ = ["COMMIT_OVERLAP_ENV", "OVERLAP", "CommitOverlap", "commit_overlap_enabled", "commit_overlap_from_env",
+           "set_commit_overlap"]
 
 COMMIT_OVERLAP_ENV = "VLLM_TFM_COMMIT_OVERLAP"
-_SWITCH = RuntimeSwitch(COMMIT_OVERLAP_ENV, "set_commit_overlap")
+_SWITCH = RuntimeSwitch(COMMIT_OVERLAP_ENV, "set_commit_overlap", default_on=False)
 
 
 def commit_overlap_enabled() -> bool:
-    """``VLLM_TFM_COMMIT_OVERLAP`` unset or not 0 / false (default on), unless ``set_commit_overlap`` overrode
-    it: a tree step's commit runs on its own CUDA stream beside the drafting (module docstring)."""
+    """``VLLM_TFM_COMMIT_OVERLAP`` set to 1 / true (default off: opt-in until its tokens are checked on the toy zoo,
+    bench/NOTES.md section 69), unless ``set_commit_overlap`` overrode it: a tree step's commit runs on its own CUDA
+    stream beside the drafting (module docstring)."""
     return _SWITCH.enabled()
+
+
+def commit_overlap_from_env(environ: Mapping[str, str]) -> bool:
+    """What ``commit_overlap_enabled`` says in a process with this environment and no override (the benches'
+    verdicts on their engines)."""
+    return env_opted_in(COMMIT_OVERLAP_ENV, environ)
 
 
 def set_commit_overlap(on: bool | None) -> bool:

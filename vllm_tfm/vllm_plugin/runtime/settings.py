@@ -42,6 +42,7 @@ no block size).
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping
 from dataclasses import dataclass, replace
 
 from vllm_tfm.models.tfm_config import TfmConfig
@@ -72,9 +73,9 @@ def env_on(env: str) -> bool:
     return os.environ.get(env, "1") not in ("0", "false", "False")
 
 
-def env_opted_in(env: str) -> bool:
-    """An off-by-default environment switch: set to 1 / true."""
-    return os.environ.get(env, "0").strip().lower() in ("1", "true")
+def env_opted_in(env: str, environ: Mapping[str, str] | None = None) -> bool:
+    """An off-by-default environment switch: set to 1 / true (in ``environ``; None: this process's)."""
+    return (os.environ if environ is None else environ).get(env, "0").strip().lower() in ("1", "true")
 
 
 class RuntimeSwitch:
