@@ -22,6 +22,9 @@ states). Per step (``propose``):
    Weaver build replays CUDA graphs (``weaver_graphs``; ``VLLM_TFM_WEAVER_GRAPHS=0``: eager). The tokens go back to
    vLLM ([R, B]), the parents to the ``ProposalStore`` keyed by request id.
 
+With ``VLLM_TFM_DRAFTER_GRAPHS=1`` (opt-in, one GPU) step 2's forward replays a full CUDA graph per
+(requests, query tokens) instead of vLLM's piecewise drafter graphs (``drafter_graphs.py``).
+
 At engine start-up vLLM's profile run calls ``warm_up_weaver_graphs`` (``runtime/hooks.py``): the
 Weaver graphs of every batch size up to ``max_num_seqs`` are captured then, from zero drafter
 outputs of the serving shapes and dtypes (the DFlash logits come from the drafter's own
@@ -48,6 +51,7 @@ from ..drafter_checks import draft_vocab_path
 from ..options import get_drafter_dir, get_tfm_options, loads_treeflash
 from .dflash_prenorm import install_prenorm_output, split_rows
 from .draft_head import draft_logits_head
+from .drafter_graphs import DrafterGraphs, drafter_graphs_enabled
 from .drafter_inputs import bonus_rows, dflash_context_order
 from .sampler import needs_native_sampler
 from .settings import settings_from_options
@@ -100,11 +104,16 @@ class TFMProposer(DFlashProposer):
         self._weaver_graphs = weaver_graphs_from_env()
         STATE.check_tp = check_tp_trees_enabled() and vllm_config.parallel_config.tensor_parallel_size > 1
         STATE.check_step = 0
+        # full CUDA graphs of the drafter's query forward (drafter_graphs.py): one GPU, graphs not turned off
+        self._drafter_graphs = _drafter_graphs(vllm_config, device)
+        self._drafter_graph_key: tuple[int, int] | None = None  # this step's key, between the inputs and the forward
 
     # ------------------------------------------------------------------ load
     def load_model(self, target_model: torch.nn.Module) -> None:
         super().load_model(target_model)
         self._load_draft_head()
+        if self._drafter_graphs is not None:
+            self._route_forward_through_graphs()
         from vllm.config import get_layers_from_vllm_config
         from vllm.model_executor.layers.attention import Attention
 
@@ -231,6 +240,51 @@ class TFMProposer(DFlashProposer):
                         "the other tokens are -inf)", ids.numel(), path)
 
     # ------------------------------------------------------------------ marginals
+    # ------------------------------------------------------------------ full drafter graphs
+    def _route_forward_through_graphs(self) -> None:
+        """The drafter model's forward, as an instance attribute (its class, which vLLM's proposer asserts, stays):
+        a step that set a graph key and runs in mode FULL goes through ``DrafterGraphs.run``, any other call (the
+        profile run, vLLM's piecewise capture, steps without a key) to the model's own forward."""
+        from vllm.config import CUDAGraphMode
+        from vllm.forward_context import get_forward_context
+
+        model, graphs = self.model, self._drafter_graphs
+        inner = model.forward
+
+        def forward(*args: Any, **kwargs: Any) -> Any:
+            key = self._drafter_graph_key
+            if key is None or get_forward_context().cudagraph_runtime_mode != CUDAGraphMode.FULL:
+                return inner(*args, **kwargs)
+            out = graphs.run(key, lambda: inner(*args, **kwargs))
+            if STATE.metrics is not None:
+                STATE.metrics.hook("proposer.drafter_graph")
+            return out
+
+        model.forward = forward
+
+    def set_inputs_first_pass(self, *args: Any, **kwargs: Any) -> tuple[int, Tensor, Any]:
+        """DFlash's inputs; where this step's forward takes a full graph, its attention metadata's per-step tensors
+        are replaced by the graphs' persistent copies and the step's key is kept for the dispatch and the forward."""
+        num_tokens, token_indices, cad = super().set_inputs_first_pass(*args, **kwargs)
+        self._drafter_graph_key = None
+        graphs = self._drafter_graphs
+        if graphs is not None and drafter_graphs_enabled():
+            key = graphs.key(cad.num_reqs, 1 + int(self.num_speculative_tokens), num_tokens)
+            if key is not None:
+                cad = graphs.persistent_metadata(cad, key)
+                self._drafter_graph_key = key
+        return num_tokens, token_indices, cad
+
+    def _determine_batch_execution_and_padding(self, num_tokens: int, use_cudagraphs: bool = True) -> tuple[Any, int, Any]:
+        """Mode FULL, unpadded, for a step with a graph key (its forward replays the full graph); vLLM's dispatch
+        (piecewise, padded to a capture size) otherwise."""
+        key = self._drafter_graph_key
+        if key is not None and use_cudagraphs and num_tokens == key[0] * key[1]:
+            from vllm.config import CUDAGraphMode
+
+            return CUDAGraphMode.FULL, num_tokens, None
+        return super()._determine_batch_execution_and_padding(num_tokens, use_cudagraphs)
+
     def _drafter_logits(self, hidden_states: Tensor) -> Tensor:
         """[M, H] -> [M, V]: the drafter's ``compute_logits``, or its own head (``draft_lm_head``, ``draft_vocab``)."""
         if self._draft_logits is not None:
@@ -278,19 +332,22 @@ class TFMProposer(DFlashProposer):
         budget = int(num_speculative_tokens)
         depth = min(settings.max_depth, budget)
         with TIMER.span("draft"):
-            super().propose(
-                depth,
-                target_token_ids,
-                target_positions,
-                target_hidden_states,
-                next_token_ids,
-                token_indices_to_sample,
-                common_attn_metadata,
-                sampling_metadata,
-                mm_embed_inputs=mm_embed_inputs,
-                num_rejected_tokens_gpu=num_rejected_tokens_gpu,
-                slot_mappings=slot_mappings,
-            )
+            try:
+                super().propose(
+                    depth,
+                    target_token_ids,
+                    target_positions,
+                    target_hidden_states,
+                    next_token_ids,
+                    token_indices_to_sample,
+                    common_attn_metadata,
+                    sampling_metadata,
+                    mm_embed_inputs=mm_embed_inputs,
+                    num_rejected_tokens_gpu=num_rejected_tokens_gpu,
+                    slot_mappings=slot_mappings,
+                )
+            finally:
+                self._drafter_graph_key = None  # dummy runs and vLLM's captures never take a key
         num_req = next_token_ids.shape[0]
         logits = self._marginal_logits
         if logits is None:
@@ -401,3 +458,19 @@ class TFMProposer(DFlashProposer):
         else:
             last = torch.zeros(num_req, dtype=torch.long, device=start.device)
         return sample_hidden[bonus_rows(start, last)]
+
+
+def _drafter_graphs(vllm_config: Any, device: torch.device) -> DrafterGraphs | None:
+    """The proposer's full drafter graphs: on a CUDA device, one GPU (no tensor, pipeline or data parallelism),
+    CUDA graphs not turned off (``enforce_eager``, cudagraph mode NONE, the speculative config's
+    ``enforce_eager``); None elsewhere. Whether a step uses them is ``VLLM_TFM_DRAFTER_GRAPHS`` (read per step)."""
+    from vllm.config import CUDAGraphMode
+
+    par = vllm_config.parallel_config
+    if torch.device(device).type != "cuda" or par.tensor_parallel_size * par.pipeline_parallel_size * par.data_parallel_size != 1:
+        return None
+    if vllm_config.model_config.enforce_eager or getattr(vllm_config.speculative_config, "enforce_eager", False):
+        return None
+    if vllm_config.compilation_config.cudagraph_mode == CUDAGraphMode.NONE:
+        return None
+    return DrafterGraphs(int(vllm_config.scheduler_config.max_num_seqs), torch.device(device))
