@@ -553,7 +553,8 @@ def parse_ab_switches(names: list[str], device_topology: bool = False, commit_re
 
 
 def switch_ab_runs(llm: Any, ps: list[list[int]], params: Any, setter: Any, flag: str,
-                   count: tuple[str, str] | None = None, repeats: int = 1, warm_off: bool = False) -> list[dict[str, Any]]:
+                   count: tuple[str, str] | None = None, repeats: int = 1, warm_off: bool = False,
+                   warm_on: bool = False) -> list[dict[str, Any]]:
     """More clean runs after the arm's clean run (a runtime switch on), in ``ab_order(repeats)``, set in
     the worker through ``setter`` (then back to the environment's setting), each marked ``run[flag]``.
     Each run also records its tree steps (``tree_steps``: steps that committed a tree, the ``commit``
@@ -561,7 +562,8 @@ def switch_ab_runs(llm: Any, ps: list[list[int]], params: Any, setter: Any, flag
     differs from run to run, so tokens/s mixes the switch with the run's accepted lengths, and the step
     time does not. With ``count`` = (tree-metrics hook, key), each run also records how many steps took
     that hook. A same-engine A/B. ``warm_off``: one unrecorded run with the switch off first, for switches
-    that select another CUDA graph (captured on its first use, which must not land in a timed run)."""
+    that select another CUDA graph (captured on its first use, which must not land in a timed run); ``warm_on``
+    likewise with the switch on (switches whose own graphs are captured on first use)."""
     from vllm_tfm.vllm_plugin.runtime import collect_tree_metrics
 
     hooks = [("commit", "tree_steps")] + ([count] if count is not None else [])
@@ -572,9 +574,10 @@ def switch_ab_runs(llm: Any, ps: list[list[int]], params: Any, setter: Any, flag
 
     out = []
     try:
-        if warm_off:
-            llm.collective_rpc(setter, args=(False,))
-            one_run(llm, ps, params)
+        for warm, on in ((warm_off, False), (warm_on, True)):
+            if warm:
+                llm.collective_rpc(setter, args=(on,))
+                one_run(llm, ps, params)
         for on in ab_order(repeats):
             llm.collective_rpc(setter, args=(on,))
             before = hooked()
@@ -610,6 +613,7 @@ class SwitchAB:
     flag: str
     count: tuple[str, str] | None = None
     warm_off: bool = False  # switch_ab_runs' warm_off: the switch picks another CUDA graph
+    warm_on: bool = False  # switch_ab_runs' warm_on: the switch's graphs are captured on their first use
 
 
 SWITCH_ABS: dict[str, SwitchAB] = {
@@ -642,6 +646,10 @@ SWITCH_ABS: dict[str, SwitchAB] = {
     # a tree step's commit on its own stream beside the drafting (VLLM_TFM_COMMIT_OVERLAP, runtime/commit_overlap.py)
     "commit_overlap": SwitchAB("set_commit_overlap", "commit_overlap_ab", "commit_overlap",
                                ("commit.overlap", "commit_overlap_steps")),
+    # full CUDA graphs of the DFlash drafter's query forward (VLLM_TFM_DRAFTER_GRAPHS, runtime/drafter_graphs.py);
+    # captured on a key's second use, so an unrecorded run with the switch on comes first
+    "drafter_graphs": SwitchAB("set_drafter_graphs", "drafter_graphs_ab", "drafter_graphs",
+                               ("proposer.drafter_graph", "drafter_graph_forwards"), warm_on=True),
     # the DFlash top-K of the Weaver build in one launch (VLLM_TFM_TOPK_KERNEL, runtime/tree_builder_gpu.py); the
     # Weaver graphs key on it, so the off setting's graph is captured in an unrecorded run first
     "topk_kernel": SwitchAB("set_topk_kernel", "topk_kernel_ab", "topk_kernel", warm_off=True),
@@ -656,7 +664,8 @@ def switch_ab(llm: Any, ps: list[list[int]], params: Any, name: str, repeats: in
     import vllm_tfm.vllm_plugin.runtime as runtime
 
     sw = SWITCH_ABS[name]
-    return switch_ab_runs(llm, ps, params, getattr(runtime, sw.setter), sw.flag, sw.count, repeats, sw.warm_off)
+    return switch_ab_runs(llm, ps, params, getattr(runtime, sw.setter), sw.flag, sw.count, repeats, sw.warm_off,
+                          sw.warm_on)
 
 
 def host_spans_run(llm: Any, ps: list[list[int]], params: Any) -> dict[str, Any]:

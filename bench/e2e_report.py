@@ -445,6 +445,10 @@ SWITCH_AB_TITLES: dict[str, tuple[str, str]] = {
     "commit_overlap_ab": ("commit_overlap", "A tree step's commit on its own CUDA stream beside the drafting (on) / "
                           "before it on the drafting's stream (off) on the same engine, decode tokens/s (clean runs in "
                           "this order; VLLM_TFM_COMMIT_OVERLAP, runtime/commit_overlap.py):"),
+    "drafter_graphs_ab": ("drafter_graphs", "The DFlash drafter's query forward in one full CUDA graph per size (on) / "
+                          "vLLM's piecewise drafter graphs (off) on the same engine, decode tokens/s (clean runs in this "
+                          "order, after an unrecorded run that captured the graphs; VLLM_TFM_DRAFTER_GRAPHS, "
+                          "runtime/drafter_graphs.py):"),
     "topk_kernel_ab": ("topk_kernel", "The DFlash top-K of the Weaver build in one kernel launch (on) / torch.topk (off) "
                        "on the same engine, decode tokens/s (clean runs in this order, after an unrecorded run that "
                        "captured the off setting's Weaver graphs; VLLM_TFM_TOPK_KERNEL, runtime/tree_builder_gpu.py):"),

@@ -889,6 +889,11 @@ def test_a_graph_selecting_switch_runs_its_off_setting_once_unrecorded_first(mon
     assert [r["thing"] for r in runs] == [False, True, False]  # the warm run is not among them
     assert e2e.SWITCH_ABS["topk_kernel"].warm_off and not e2e.SWITCH_ABS["kv_compact_kernel"].warm_off
     assert e2e.SWITCH_ABS["prompt_overlap"].warm_off  # another Weaver graph too
+    runs_seen.clear()
+    runs = e2e.switch_ab_runs(LLM(), [[1]], None, set_thing, "thing", repeats=1, warm_on=True)
+    assert runs_seen == [(True,), (False,), (True,), (False,)]  # graphs captured on first use: the on setting first
+    assert [r["thing"] for r in runs] == [False, True, False]
+    assert e2e.SWITCH_ABS["drafter_graphs"].warm_on and not e2e.SWITCH_ABS["drafter_graphs"].warm_off
 
 
 def test_decode_ms_per_step_divides_the_decode_window_by_the_tree_steps() -> None:
@@ -938,7 +943,8 @@ def test_every_switch_ab_has_a_setter_and_a_report_title_and_bad_names_are_refus
 
     assert set(e2e.SWITCH_ABS) == {"device_topology", "commit_reuse", "early_sampled_copy", "gdn_metadata_fast",
                                    "weaver_lazy_tail", "kv_compact_kernel", "greedy_accept_kernel", "one_slot_commit",
-                                   "context_order_kernel", "commit_overlap", "topk_kernel", "prompt_overlap"}
+                                   "context_order_kernel", "commit_overlap", "drafter_graphs", "topk_kernel",
+                                   "prompt_overlap"}
     for name, sw in e2e.SWITCH_ABS.items():
         assert callable(getattr(runtime, sw.setter)) and sw.setter in runtime.__all__
         assert e2e_report.SWITCH_AB_TITLES[sw.ab_key][0] == sw.flag
@@ -948,7 +954,7 @@ def test_every_switch_ab_has_a_setter_and_a_report_title_and_bad_names_are_refus
     with pytest.raises(ValueError, match="--ab-switch: unknown switch 'early_copy'; expected one of device_topology, "
                                          "commit_reuse, early_sampled_copy, gdn_metadata_fast, weaver_lazy_tail, kv_compact_kernel, "
                                          "greedy_accept_kernel, one_slot_commit, context_order_kernel, commit_overlap, "
-                                         "topk_kernel, prompt_overlap"):
+                                         "drafter_graphs, topk_kernel, prompt_overlap"):
         e2e.parse_ab_switches(["early_copy"])
 
 

@@ -78,6 +78,7 @@ NON_OPTION_ENV_VARS: frozenset[str] = frozenset(
         "VLLM_TFM_CONTEXT_ORDER_KERNEL",  # runtime: 0 keeps the torch argsort for the drafter's context order (runtime/drafter_inputs.py)
         "VLLM_TFM_ONE_SLOT_COMMIT",  # runtime: 0 makes one-slot engines' commit indices by the general path (runtime/step_kernels.py)
         "VLLM_TFM_COMMIT_OVERLAP",  # runtime: 1 runs a tree step's commit on its own stream beside the drafting (runtime/commit_overlap.py)
+        "VLLM_TFM_DRAFTER_GRAPHS",  # runtime: 1 replays full CUDA graphs of the DFlash drafter's query forward (runtime/drafter_graphs.py)
         "VLLM_TFM_GREEDY_ACCEPT_KERNEL",  # runtime: 0 keeps the torch path for all-greedy tree acceptance (runtime/sampler.py)
         "VLLM_TFM_WEAVER_LAZY_TAIL",  # runtime: 0 makes the forward wait for the Weaver graphs' tail check (runtime/weaver_graphs.py)
         "VLLM_TFM_DEFERRED_DRAFTS",  # runtime: 0 hands the scheduler the drafts' tokens and waits for the drafter (runtime/deferred_drafts.py)

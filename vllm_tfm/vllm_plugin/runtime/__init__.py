@@ -53,7 +53,7 @@ __all__ = [
     "install", "is_installed", "snapshot_metrics", "collect_tree_metrics", "flush_trace", "set_deferred_drafts",
     "set_device_topology", "set_commit_reuse", "set_early_sampled_copy", "set_gdn_metadata_fast",
     "set_weaver_lazy_tail", "set_kv_compact_kernel", "set_greedy_accept_kernel", "set_one_slot_commit", "set_topk_kernel",
-    "set_prompt_overlap", "set_context_order_kernel", "set_commit_overlap",
+    "set_prompt_overlap", "set_context_order_kernel", "set_commit_overlap", "set_drafter_graphs",
 ]
 
 
@@ -231,6 +231,15 @@ def set_commit_overlap(worker: object = None, on: bool | None = None) -> bool:
     process from the next commit on (None: ``VLLM_TFM_COMMIT_OVERLAP``); the setting now in force. The
     signature suits ``LLM.collective_rpc``."""
     from .commit_overlap import set_commit_overlap as _set
+
+    return _set(on)
+
+
+def set_drafter_graphs(worker: object = None, on: bool | None = None) -> bool:
+    """Full CUDA graphs of the DFlash drafter's query forward (``drafter_graphs.py``) on or off in this process
+    from the next drafter forward on (None: ``VLLM_TFM_DRAFTER_GRAPHS``); the setting now in force. The signature
+    suits ``LLM.collective_rpc``."""
+    from .drafter_graphs import set_drafter_graphs as _set
 
     return _set(on)
 
