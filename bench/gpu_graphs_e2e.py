@@ -144,6 +144,12 @@ ENGINES: dict[str, dict[str, Any]] = {
                            "env": {"VLLM_TFM_GDN_STATE_SLOTS": "one"}},
     "tfm-fullpw-async-oneslot": {"spec": True, "eager": False, "compilation_config": {"cudagraph_mode": "FULL_AND_PIECEWISE"},
                                  "async_scheduling": True, "env": {"VLLM_TFM_GDN_STATE_SLOTS": "one"}},
+    # tfm-fullpw-oneslot with the drafter's query forward in full CUDA graphs (runtime/drafter_graphs.py): the same
+    # kernels, so the same drafts, trees and mean accepted length (synchronous: its steps are those of the engine
+    # it copies)
+    "tfm-fullpw-oneslot-dgraph": {"spec": True, "eager": False,
+                                  "compilation_config": {"cudagraph_mode": "FULL_AND_PIECEWISE"},
+                                  "env": {"VLLM_TFM_GDN_STATE_SLOTS": "one", "VLLM_TFM_DRAFTER_GRAPHS": "1"}},
     # tfm-fullpw-async with tfm's own gdn_state_slots ("auto", no pin): one slot on one GPU
     "tfm-fullpw-async-auto": {"spec": True, "eager": False, "compilation_config": {"cudagraph_mode": "FULL_AND_PIECEWISE"},
                               "async_scheduling": True, "pin": False},
@@ -188,16 +194,19 @@ REQUIRED: tuple[tuple[str, str], ...] = (
     ("tfm-fullpw-async-oneslot", "nospec-graphs"),
     ("tfm-fallback-oneslot", "nospec-graphs"),
     ("tfm-fullpw-async-auto", "nospec-graphs"),
+    ("tfm-fullpw-oneslot-dgraph", "nospec-graphs"),
+    ("tfm-fullpw-oneslot-dgraph", "tfm-fullpw-oneslot"),
 )
 INFORMATIONAL: tuple[tuple[str, str], ...] = (("nospec-graphs", "nospec-eager"), ("tfm-eager", "tfm-eager-async"))
 GRAPH_ENGINES = ("tfm-graphs", "tfm-fullpw", "tfm-fullpw-pergroup", "tfm-fullpw-sync", "tfm-fullpw-hosttopo", "tfm-fullpw-async",
                  "tfm-fullpw-oneslot", "tfm-fullpw-async-oneslot", "tfm-fallback-oneslot",
-                 "tfm-fullpw-async-auto")
+                 "tfm-fullpw-async-auto", "tfm-fullpw-oneslot-dgraph")
 METADATA_REUSED = "gdn.metadata_reused"
 METADATA_FAST = "gdn.metadata_fast"
 DEVICE_TOPOLOGY = "topology.device"
 ONE_SLOT_COMMITS = "commit.one_slot"
 ONE_SLOT_INDICES = "commit.one_slot_indices"
+DRAFTER_GRAPH = "proposer.drafter_graph"  # drafter forwards through the full drafter graphs (runtime/drafter_graphs.py)
 COMMITS = "commit"  # every tree step's commit (runtime/hooks.py commit_step)
 COMMITS_OVERLAPPED = "commit.overlap"  # those queued on the commit stream beside the drafting (runtime/commit_overlap.py)
 
@@ -570,6 +579,26 @@ def commit_overlap_usage(runs: dict[str, dict[str, Any]]) -> dict[str, Any]:
     return out
 
 
+def drafter_graph_usage(runs: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    """Per tfm engine: drafter forwards through the full drafter graphs. ok iff the -dgraph engine had some and the
+    others none; and, where both ran, the -dgraph engine's mean accepted length equals tfm-fullpw-oneslot's in every
+    run (``same_drafts``: the graphs' marginals are the piecewise forward's, so the trees are the same)."""
+    from vllm_tfm.vllm_plugin.runtime.drafter_graphs import DRAFTER_GRAPHS_ENV
+
+    out: dict[str, Any] = {}
+    for name, r in runs.items():
+        if not ENGINES.get(name, {}).get("spec"):
+            continue
+        n = sum(int((r.get(f"{label}_paths") or {}).get(DRAFTER_GRAPH, 0)) for label in LABELS)
+        on = engine_env(name).get(DRAFTER_GRAPHS_ENV) == "1"
+        out[name] = {DRAFTER_GRAPH: n, "ok": n > 0 if on else n == 0}
+    if "tfm-fullpw-oneslot" in runs and "tfm-fullpw-oneslot-dgraph" in runs:
+        mal = {label: [(runs[e].get(f"{label}_tree_metrics") or {}).get("mean_accepted_length")
+                       for e in ("tfm-fullpw-oneslot", "tfm-fullpw-oneslot-dgraph")] for label in LABELS}
+        out["same_drafts"] = {"mean_accepted_length": mal, "ok": all(a is not None and a == b for a, b in mal.values())}
+    return out
+
+
 def deferred_usage(runs: dict[str, dict[str, Any]]) -> dict[str, Any]:
     """Per tfm engine: steps whose drafts went to the scheduler as placeholders (runtime/deferred_drafts.py).
     ok iff the -sync control had none and every other synchronous tfm engine had some (an asynchronous
@@ -676,13 +705,15 @@ def driver(args: argparse.Namespace) -> int:
               "deferred_usage": deferred_usage(runs), "acceptance_async": acceptance_async(runs),
               "topology_usage": topology_usage(runs), "waves_usage": waves_usage(runs),
               "one_slot_usage": one_slot_usage(runs), "commit_overlap_usage": commit_overlap_usage(runs),
+              "drafter_graph_usage": drafter_graph_usage(runs),
               "engines": {n: {k: v for k, v in r.items() if k not in (*LABELS, "b8_margins", "b1_margins", "traceback")}
                           for n, r in runs.items()}}
     required = [v["equal"] for v in result["verdicts"].values() if v["required"]]
     ok = bool(required) and all(required) and all(g["ok"] for g in result["graph_usage"].values()) and all(
         m["ok"] for m in result["metadata_usage"].values()) and all(d["ok"] for d in result["deferred_usage"].values()) and all(
         t["ok"] for t in result["topology_usage"].values()) and all(w["ok"] for w in result["waves_usage"].values()) and all(
-        o["ok"] for o in result["one_slot_usage"].values()) and all(c["ok"] for c in result["commit_overlap_usage"].values())
+        o["ok"] for o in result["one_slot_usage"].values()) and all(c["ok"] for c in result["commit_overlap_usage"].values()) and all(
+        d["ok"] for d in result["drafter_graph_usage"].values())
     result["ok"] = ok
     (out / "graphs.json").write_text(json.dumps(result, indent=1, default=str) + "\n")
     for key, v in result["verdicts"].items():
@@ -703,6 +734,8 @@ def driver(args: argparse.Namespace) -> int:
     for name, c in result["commit_overlap_usage"].items():
         log(f"commit overlap {name}: {'OK' if c['ok'] else 'FAIL'} {COMMITS} {c[COMMITS]} {COMMITS_OVERLAPPED} "
             f"{c[COMMITS_OVERLAPPED]}")
+    for name, d in result["drafter_graph_usage"].items():
+        log(f"drafter graphs {name}: {'OK' if d['ok'] else 'FAIL'} " + " ".join(f"{k} {x}" for k, x in d.items() if k != "ok"))
     for name, w in result["waves_usage"].items():
         log(f"waves {name}: {'OK' if w['ok'] else 'FAIL'} " + " ".join(f"{k} {x}" for k, x in w.items() if k != "ok"))
     log(("OK" if ok else "FAIL") + f": results in {out / 'graphs.json'}")

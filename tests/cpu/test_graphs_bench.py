@@ -414,3 +414,22 @@ def test_every_commit_of_a_tfm_engine_runs_beside_the_drafting_where_switched_on
     monkeypatch.setitem(g.ENGINES, "tfm-fullpw", off)  # an engine's own setting wins
     assert g.commit_overlap_usage({"tfm-fullpw": engine(9, 0)})["tfm-fullpw"]["ok"]
     assert not g.commit_overlap_usage({"tfm-fullpw": engine(9, 9)})["tfm-fullpw"]["ok"]
+
+
+def test_the_drafter_graph_engine_replays_its_graphs_and_drafts_as_the_engine_it_copies() -> None:
+    def engine(forwards: int, mal: float) -> dict:
+        return {"b8_paths": {g.DRAFTER_GRAPH: forwards}, "b1_paths": {}, "waves_paths": {},
+                **{f"{label}_tree_metrics": {"mean_accepted_length": mal} for label in g.LABELS}}
+
+    base, copy = g.ENGINES["tfm-fullpw-oneslot"], g.ENGINES["tfm-fullpw-oneslot-dgraph"]
+    assert copy["env"] == {**base["env"], "VLLM_TFM_DRAFTER_GRAPHS": "1"}
+    assert {k: v for k, v in copy.items() if k != "env"} == {k: v for k, v in base.items() if k != "env"}
+    assert {("tfm-fullpw-oneslot-dgraph", "nospec-graphs"), ("tfm-fullpw-oneslot-dgraph", "tfm-fullpw-oneslot")} <= set(g.REQUIRED)
+    usage = g.drafter_graph_usage({"tfm-fullpw-oneslot": engine(0, 2.5), "tfm-fullpw-oneslot-dgraph": engine(40, 2.5),
+                                   "nospec-graphs": engine(0, 0.0)})
+    assert all(u["ok"] for u in usage.values()) and set(usage) == {"tfm-fullpw-oneslot", "tfm-fullpw-oneslot-dgraph",
+                                                                  "same_drafts"}
+    assert not g.drafter_graph_usage({"tfm-fullpw-oneslot-dgraph": engine(0, 2.5)})["tfm-fullpw-oneslot-dgraph"]["ok"]
+    assert not g.drafter_graph_usage({"tfm-fullpw-oneslot": engine(3, 2.5)})["tfm-fullpw-oneslot"]["ok"]
+    other = g.drafter_graph_usage({"tfm-fullpw-oneslot": engine(0, 2.5), "tfm-fullpw-oneslot-dgraph": engine(40, 2.4)})
+    assert not other["same_drafts"]["ok"]  # other drafts: the graphs read something stale
