@@ -373,7 +373,7 @@ def test_tfm_engines_pin_per_draft_slots_unless_they_name_a_layout() -> None:
     assert {k: v for k, v in auto.items() if k != "pin"} == base and ("tfm-fullpw-async-auto", "nospec-graphs") in g.REQUIRED
     expected = {n for n, e in g.ENGINES.items() if e["spec"] and g.expects_one_slot(n)}
     assert expected == {"tfm-eager-oneslot", "tfm-fullpw-oneslot", "tfm-fullpw-async-oneslot", "tfm-fallback-oneslot",
-                        "tfm-fullpw-async-auto"}
+                        "tfm-fullpw-async-auto", "tfm-fullpw-oneslot-dgraph"}
     commits = {"b8_paths": {g.ONE_SLOT_COMMITS: 4, g.ONE_SLOT_INDICES: 4}}
     assert g.one_slot_usage({"tfm-fullpw-async-auto": commits})["tfm-fullpw-async-auto"]["ok"]
     assert not g.one_slot_usage({"tfm-fullpw-async": commits})["tfm-fullpw-async"]["ok"]
