@@ -646,8 +646,8 @@ SWITCH_ABS: dict[str, SwitchAB] = {
     # a tree step's commit on its own stream beside the drafting (VLLM_TFM_COMMIT_OVERLAP, runtime/commit_overlap.py)
     "commit_overlap": SwitchAB("set_commit_overlap", "commit_overlap_ab", "commit_overlap",
                                ("commit.overlap", "commit_overlap_steps")),
-    # full CUDA graphs of the DFlash drafter's query forward (VLLM_TFM_DRAFTER_GRAPHS, runtime/drafter_graphs.py);
-    # captured on a key's second use, so an unrecorded run with the switch on comes first
+    # full CUDA graphs of the DFlash drafter's query forward (VLLM_TFM_DRAFTER_GRAPHS, runtime/drafter_graphs.py;
+    # the engine must start with it set); captured on a key's second use, so an unrecorded run with it on first
     "drafter_graphs": SwitchAB("set_drafter_graphs", "drafter_graphs_ab", "drafter_graphs",
                                ("proposer.drafter_graph", "drafter_graph_forwards"), warm_on=True),
     # the DFlash top-K of the Weaver build in one launch (VLLM_TFM_TOPK_KERNEL, runtime/tree_builder_gpu.py); the

@@ -140,3 +140,28 @@ def test_the_proposer_dispatches_full_and_routes_the_forward(monkeypatch: pytest
             dg.set_drafter_graphs("on")  # type: ignore[arg-type]
     finally:
         assert dg.set_drafter_graphs(None) is False
+
+
+def test_only_a_one_gpu_graphs_engine_started_with_the_switch_gets_drafter_graphs(monkeypatch: pytest.MonkeyPatch) -> None:
+    from vllm.config import CUDAGraphMode
+
+    from vllm_tfm.vllm_plugin.runtime import proposer
+
+    made: list[tuple[int, torch.device]] = []
+    monkeypatch.setattr(proposer, "DrafterGraphs", lambda n, device: made.append((n, device)) or "graphs")
+
+    def config(tp: int = 1, eager: bool = False, mode: Any = CUDAGraphMode.FULL_AND_PIECEWISE) -> Any:
+        return SimpleNamespace(
+            parallel_config=SimpleNamespace(tensor_parallel_size=tp, pipeline_parallel_size=1, data_parallel_size=1),
+            model_config=SimpleNamespace(enforce_eager=eager), speculative_config=SimpleNamespace(enforce_eager=False),
+            compilation_config=SimpleNamespace(cudagraph_mode=mode), scheduler_config=SimpleNamespace(max_num_seqs=8))
+
+    cuda = torch.device("cuda", 0)
+    monkeypatch.delenv(DRAFTER_GRAPHS_ENV, raising=False)
+    assert proposer._drafter_graphs(config(), cuda) is None  # opt-in: vLLM's DFlash path unchanged
+    monkeypatch.setenv(DRAFTER_GRAPHS_ENV, "1")
+    assert proposer._drafter_graphs(config(), cuda) == "graphs" and made == [(8, cuda)]
+    for cfg, dev in ((config(tp=2), cuda), (config(eager=True), cuda), (config(mode=CUDAGraphMode.NONE), cuda),
+                     (config(), torch.device("cpu"))):
+        assert proposer._drafter_graphs(cfg, dev) is None
+    assert len(made) == 1

@@ -53,14 +53,16 @@ Key = tuple[int, int]  # (requests, query tokens per request)
 
 
 def drafter_graphs_enabled() -> bool:
-    """``VLLM_TFM_DRAFTER_GRAPHS`` set to 1 / true (default off), unless ``set_drafter_graphs`` overrode it: tree
-    steps' drafter forwards replay full graphs where the engine has them (module docstring)."""
+    """``VLLM_TFM_DRAFTER_GRAPHS`` set to 1 / true (default off), unless ``set_drafter_graphs`` overrode it: read when
+    the proposer is made (an engine started without it never takes the graphs: vLLM's DFlash path unchanged) and at
+    every step of an engine started with it (a same-engine A/B) (module docstring)."""
     return _SWITCH.enabled()
 
 
 def set_drafter_graphs(on: bool | None) -> bool:
     """Override ``VLLM_TFM_DRAFTER_GRAPHS`` in this process (None: back to the environment's); the setting now in
-    force, read at every drafter forward. For a same-engine A/B through ``collective_rpc``."""
+    force, read at every drafter forward of an engine that started with the graphs. For a same-engine A/B through
+    ``collective_rpc``."""
     return _SWITCH.set(on)
 
 

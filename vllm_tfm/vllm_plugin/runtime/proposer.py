@@ -461,11 +461,14 @@ class TFMProposer(DFlashProposer):
 
 
 def _drafter_graphs(vllm_config: Any, device: torch.device) -> DrafterGraphs | None:
-    """The proposer's full drafter graphs: on a CUDA device, one GPU (no tensor, pipeline or data parallelism),
-    CUDA graphs not turned off (``enforce_eager``, cudagraph mode NONE, the speculative config's
-    ``enforce_eager``); None elsewhere. Whether a step uses them is ``VLLM_TFM_DRAFTER_GRAPHS`` (read per step)."""
+    """The proposer's full drafter graphs where the engine starts with ``VLLM_TFM_DRAFTER_GRAPHS=1``, on a CUDA
+    device, one GPU (no tensor, pipeline or data parallelism), CUDA graphs not turned off (``enforce_eager``,
+    cudagraph mode NONE, the speculative config's ``enforce_eager``); None elsewhere, and the proposer is vLLM's
+    DFlash path unchanged. With them, whether a step uses them is read again per step (``set_drafter_graphs``)."""
     from vllm.config import CUDAGraphMode
 
+    if not drafter_graphs_enabled():
+        return None
     par = vllm_config.parallel_config
     if torch.device(device).type != "cuda" or par.tensor_parallel_size * par.pipeline_parallel_size * par.data_parallel_size != 1:
         return None
