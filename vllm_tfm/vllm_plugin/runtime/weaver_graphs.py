@@ -146,7 +146,8 @@ def graph_buckets(text: str | None) -> tuple[int, ...]:
 def weaver_graphs_from_env(environ: Mapping[str, str] | None = None) -> WeaverGraphs | None:
     """A ``WeaverGraphs`` unless ``VLLM_TFM_WEAVER_GRAPHS`` is 0 / false (on by default: the H200
     measured 79 -> 12 ms per Weaver build at Qwen3.6-27B shape, batch 1, bench/results/e2e_27b_eager.json.gz
-    vs the eager build, and tokens equal to no speculation, bench/results/graphs_zoo.json.gz)."""
+    (in git history at edd14e2) vs the eager build, and tokens equal to no speculation,
+    bench/results/graphs_zoo.json.gz)."""
     env = os.environ if environ is None else environ
     if env.get(GRAPHS_ENV, "1").strip().lower() in ("0", "false", "no", "off"):
         return None
