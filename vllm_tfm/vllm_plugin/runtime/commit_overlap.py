@@ -6,7 +6,7 @@ step's forward; the drafting queued after it (the DFlash forward on the target's
 Weaver build) reads none of them. On one stream the drafting still waits for the commit: at batch 8 of
 the 27B shape the commit is ~1 ms of state traffic, queued before ~4 ms of
 drafting whose Weaver part is bound by kernel latency, not bytes (0.95 of 26.6 ms a step on an H200,
-bench/NOTES.md section 68; section 69 measures the overlap). Here:
+bench/NOTES.md section 68; section 69 predicts what the overlap saves, not measured yet). Here:
 
 * fork (:meth:`CommitOverlap.side`): the commit stream waits for everything the current stream has
   queued so far (the forward, the sampler's acceptance), then the commit's kernels are queued on it;

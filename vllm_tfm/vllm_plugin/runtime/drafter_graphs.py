@@ -4,8 +4,8 @@ vLLM 0.26 captures only piecewise graphs for a drafter (``SpecDecodeBaseProposer
 v1/spec_decode/llm_base_proposer.py:411-426): between the pieces, each drafter attention layer runs eagerly
 (``unified_kv_cache_update`` and ``unified_attention_with_output``), one piece's replay after another's. At the
 27B shape the DFlash stage of a batch-1 step spans ~0.25 ms more than its kernels on an H100 (bench/NOTES.md
-section 67's trace: 86 launches) and ~0.5 ms more on an H200 (section 68's stage times against their byte
-floor). Here a tree step's drafter forward (R requests x (1 + D) query tokens each, the same count for every
+section 67's trace: 86 launches); on an H200 it is ~0.7 ms above its FP8 weights' byte floor (an estimate from
+section 68's 1.50 ms stage and the H100 trace's kernel times; not traced there). Here a tree step's drafter forward (R requests x (1 + D) query tokens each, the same count for every
 request) replays one full graph per key (R, 1 + D):
 
 * inputs: the forward reads buffers at fixed addresses: vLLM's ``input_ids``, ``positions`` and query slot

@@ -104,7 +104,7 @@ class TFMProposer(DFlashProposer):
         self._weaver_graphs = weaver_graphs_from_env()
         STATE.check_tp = check_tp_trees_enabled() and vllm_config.parallel_config.tensor_parallel_size > 1
         STATE.check_step = 0
-        # full CUDA graphs of the drafter's query forward (drafter_graphs.py): one GPU, graphs not turned off
+        # full CUDA graphs of the drafter's query forward (drafter_graphs.py): VLLM_TFM_DRAFTER_GRAPHS=1, one GPU
         self._drafter_graphs = _drafter_graphs(vllm_config, device)
         self._drafter_graph_key: tuple[int, int] | None = None  # this step's key, between the inputs and the forward
 
@@ -239,7 +239,6 @@ class TFMProposer(DFlashProposer):
             logger.info("vllm-tfm: the DFlash drafter drafts from the %d tokens of draft vocabulary %s (its logits of "
                         "the other tokens are -inf)", ids.numel(), path)
 
-    # ------------------------------------------------------------------ marginals
     # ------------------------------------------------------------------ full drafter graphs
     def _route_forward_through_graphs(self) -> None:
         """The drafter model's forward, as an instance attribute (its class, which vLLM's proposer asserts, stays):
@@ -285,6 +284,7 @@ class TFMProposer(DFlashProposer):
             return CUDAGraphMode.FULL, num_tokens, None
         return super()._determine_batch_execution_and_padding(num_tokens, use_cudagraphs)
 
+    # ------------------------------------------------------------------ marginals
     def _drafter_logits(self, hidden_states: Tensor) -> Tensor:
         """[M, H] -> [M, V]: the drafter's ``compute_logits``, or its own head (``draft_lm_head``, ``draft_vocab``)."""
         if self._draft_logits is not None:
