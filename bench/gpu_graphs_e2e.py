@@ -207,6 +207,7 @@ DEVICE_TOPOLOGY = "topology.device"
 ONE_SLOT_COMMITS = "commit.one_slot"
 ONE_SLOT_INDICES = "commit.one_slot_indices"
 DRAFTER_GRAPH = "proposer.drafter_graph"  # drafter forwards through the full drafter graphs (runtime/drafter_graphs.py)
+DRAFTER_GRAPH_REPLAYS = "proposer.drafter_graph_replay"  # those that replayed a captured graph
 COMMITS = "commit"  # every tree step's commit (runtime/hooks.py commit_step)
 COMMITS_OVERLAPPED = "commit.overlap"  # those queued on the commit stream beside the drafting (runtime/commit_overlap.py)
 
@@ -580,18 +581,20 @@ def commit_overlap_usage(runs: dict[str, dict[str, Any]]) -> dict[str, Any]:
 
 
 def drafter_graph_usage(runs: dict[str, dict[str, Any]]) -> dict[str, Any]:
-    """Per tfm engine: drafter forwards through the full drafter graphs. ok iff the -dgraph engine had some and the
-    others none; and, where both ran, the -dgraph engine's mean accepted length equals tfm-fullpw-oneslot's in every
-    run (``same_drafts``: the graphs' marginals are the piecewise forward's, so the trees are the same)."""
+    """Per tfm engine: drafter forwards through the full drafter graphs and those that replayed one. ok iff the
+    -dgraph engine replayed some and the others took none; and, where both ran, the -dgraph engine's mean accepted
+    length equals tfm-fullpw-oneslot's in every run (``same_drafts``: the graphs' marginals are the piecewise
+    forward's, so the trees are the same)."""
     from vllm_tfm.vllm_plugin.runtime.drafter_graphs import DRAFTER_GRAPHS_ENV
 
     out: dict[str, Any] = {}
     for name, r in runs.items():
         if not ENGINES.get(name, {}).get("spec"):
             continue
-        n = sum(int((r.get(f"{label}_paths") or {}).get(DRAFTER_GRAPH, 0)) for label in LABELS)
+        n, m = (sum(int((r.get(f"{label}_paths") or {}).get(hook, 0)) for label in LABELS)
+                for hook in (DRAFTER_GRAPH, DRAFTER_GRAPH_REPLAYS))
         on = engine_env(name).get(DRAFTER_GRAPHS_ENV) == "1"
-        out[name] = {DRAFTER_GRAPH: n, "ok": n > 0 if on else n == 0}
+        out[name] = {DRAFTER_GRAPH: n, DRAFTER_GRAPH_REPLAYS: m, "ok": m > 0 if on else n == 0}
     if "tfm-fullpw-oneslot" in runs and "tfm-fullpw-oneslot-dgraph" in runs:
         mal = {label: [(runs[e].get(f"{label}_tree_metrics") or {}).get("mean_accepted_length")
                        for e in ("tfm-fullpw-oneslot", "tfm-fullpw-oneslot-dgraph")] for label in LABELS}

@@ -12,6 +12,8 @@ import torch
 
 from vllm_tfm.vllm_plugin.runtime import drafter_graphs as dg
 from vllm_tfm.vllm_plugin.runtime.drafter_graphs import DRAFTER_GRAPHS_ENV, Captured, DrafterGraphs
+from vllm_tfm.vllm_plugin.runtime.metrics import Metrics
+from vllm_tfm.vllm_plugin.runtime.state import STATE
 
 
 class _Graph:
@@ -83,7 +85,9 @@ def test_a_key_runs_eagerly_once_then_is_captured_and_replays() -> None:
     assert graphs.run((2, 16), forward) == 2 and log == ["forward 2"]  # another key starts over
 
 
-def test_a_failed_capture_leaves_the_key_eager_for_good(caplog: pytest.LogCaptureFixture) -> None:
+def test_a_failed_capture_turns_the_graphs_off_for_good(caplog: pytest.LogCaptureFixture) -> None:
+    """A failed capture can leave the shared pool unusable (section 69: every later capture on that H100 failed in
+    the caching allocator), so no key is taken after one, and the failure is logged with its traceback."""
     log: list[str] = []
     graphs = _graphs(log, fail=True)
     forward = lambda: log.append("forward") or 7  # noqa: E731
@@ -92,7 +96,8 @@ def test_a_failed_capture_leaves_the_key_eager_for_good(caplog: pytest.LogCaptur
     with caplog.at_level("WARNING", logger="vllm.tfm"):
         assert graphs.run((1, 16), forward) == 7
     assert log == ["capture", "forward"] and "could not be captured" in caplog.text
-    assert graphs.key(1, 16, 16) is None  # the proposer's steps of that size keep the piecewise graphs
+    assert "Traceback" in caplog.text and "stream is capturing" in graphs.failed
+    assert graphs.key(1, 16, 16) is None and graphs.key(2, 16, 32) is None  # every size: the piecewise graphs
     log.clear()
     assert graphs.run((1, 16), forward) == 7 and log == ["forward"]
 
@@ -113,6 +118,7 @@ def test_the_proposer_dispatches_full_and_routes_the_forward(monkeypatch: pytest
                         lambda self, n, use_cudagraphs=True: (CUDAGraphMode.PIECEWISE, 34, None))
     mode = SimpleNamespace(cudagraph_runtime_mode=CUDAGraphMode.FULL)
     monkeypatch.setattr(fc, "get_forward_context", lambda: mode)
+    monkeypatch.setattr(STATE, "metrics", Metrics(4))
     p = TFMProposer.__new__(TFMProposer)
     p._drafter_graphs, p._drafter_graph_key, p.num_speculative_tokens = _graphs(log), None, 15
     p.model = SimpleNamespace(forward=lambda **kw: log.append("model") or "hidden")
@@ -126,6 +132,7 @@ def test_the_proposer_dispatches_full_and_routes_the_forward(monkeypatch: pytest
     assert p.model.forward(input_ids=None) == "hidden" and log == ["model"]  # the key's first step: eager
     log.clear()
     assert p.model.forward(input_ids=None) == "hidden" and log == ["capture", "model", "replay"]
+    assert STATE.metrics.hooks["proposer.drafter_graph"] == 2 and STATE.metrics.hooks["proposer.drafter_graph_replay"] == 1
     mode.cudagraph_runtime_mode = CUDAGraphMode.PIECEWISE  # not a FULL step: the model's own forward
     log.clear()
     assert p.model.forward(input_ids=None) == "hidden" and log == ["model"]

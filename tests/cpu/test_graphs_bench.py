@@ -417,8 +417,9 @@ def test_every_commit_of_a_tfm_engine_runs_beside_the_drafting_where_switched_on
 
 
 def test_the_drafter_graph_engine_replays_its_graphs_and_drafts_as_the_engine_it_copies() -> None:
-    def engine(forwards: int, mal: float) -> dict:
-        return {"b8_paths": {g.DRAFTER_GRAPH: forwards}, "b1_paths": {}, "waves_paths": {},
+    def engine(forwards: int, mal: float, replays: int | None = None) -> dict:
+        paths = {g.DRAFTER_GRAPH: forwards, g.DRAFTER_GRAPH_REPLAYS: max(forwards - 16, 0) if replays is None else replays}
+        return {"b8_paths": paths, "b1_paths": {}, "waves_paths": {},
                 **{f"{label}_tree_metrics": {"mean_accepted_length": mal} for label in g.LABELS}}
 
     base, copy = g.ENGINES["tfm-fullpw-oneslot"], g.ENGINES["tfm-fullpw-oneslot-dgraph"]
@@ -430,6 +431,8 @@ def test_the_drafter_graph_engine_replays_its_graphs_and_drafts_as_the_engine_it
     assert all(u["ok"] for u in usage.values()) and set(usage) == {"tfm-fullpw-oneslot", "tfm-fullpw-oneslot-dgraph",
                                                                   "same_drafts"}
     assert not g.drafter_graph_usage({"tfm-fullpw-oneslot-dgraph": engine(0, 2.5)})["tfm-fullpw-oneslot-dgraph"]["ok"]
+    # every capture failed (section 69's H100 run: 16 forwards, all eager): not ok
+    assert not g.drafter_graph_usage({"tfm-fullpw-oneslot-dgraph": engine(16, 2.5, 0)})["tfm-fullpw-oneslot-dgraph"]["ok"]
     assert not g.drafter_graph_usage({"tfm-fullpw-oneslot": engine(3, 2.5)})["tfm-fullpw-oneslot"]["ok"]
     other = g.drafter_graph_usage({"tfm-fullpw-oneslot": engine(0, 2.5), "tfm-fullpw-oneslot-dgraph": engine(40, 2.4)})
     assert not other["same_drafts"]["ok"]  # other drafts: the graphs read something stale

@@ -44,9 +44,9 @@ _SWITCH = RuntimeSwitch(COMMIT_OVERLAP_ENV, "set_commit_overlap", default_on=Fal
 
 
 def commit_overlap_enabled() -> bool:
-    """``VLLM_TFM_COMMIT_OVERLAP`` set to 1 / true (default off: opt-in until its tokens are checked on the toy zoo,
-    bench/NOTES.md section 69), unless ``set_commit_overlap`` overrode it: a tree step's commit runs on its own CUDA
-    stream beside the drafting (module docstring)."""
+    """``VLLM_TFM_COMMIT_OVERLAP`` set to 1 / true (default off: opt-in until its speed is measured; the toy zoo's
+    tokens with it equal no-spec's, bench/NOTES.md section 69), unless ``set_commit_overlap`` overrode it: a tree
+    step's commit runs on its own CUDA stream beside the drafting (module docstring)."""
     return _SWITCH.enabled()
 
 

@@ -21,7 +21,9 @@ request) replays one full graph per key (R, 1 + D):
   (compilation/cuda_graph.py:244-254) and the attention ops run inside the same capture;
 * capture: a key's first step runs eagerly (Triton compiles its kernels outside any capture); its second is
   captured on a side stream into one memory pool shared by every key, then replayed; every later step of that
-  key replays. A capture that raises is logged once and leaves the key eager for good;
+  key replays. A capture that raises is logged once with its traceback and turns the graphs off for good (every
+  key back on the piecewise graphs): on an H100 the first failure left the pool so that every later capture
+  failed in the caching allocator (bench/NOTES.md section 69);
 * output: the forward's output lives in the pool until the next replay; vLLM's proposer gathers the sampled
   rows out of it at once (llm_base_proposer.py:605).
 
@@ -89,7 +91,7 @@ class DrafterGraphs:
         self._seq_lens = torch.zeros(max_requests, dtype=torch.int32, device=self.device)
         self._graphs: dict[Key, Captured] = {}
         self._warm: set[Key] = set()  # keys that ran eagerly once
-        self._eager: set[Key] = set()  # keys whose capture failed
+        self.failed: str | None = None  # why a capture failed (then no key is taken any more)
         self._capture_fn = capture
         self._pool: Any = None
         self._stream: torch.cuda.Stream | None = None
@@ -99,9 +101,9 @@ class DrafterGraphs:
     def key(self, num_requests: int, query_per_request: int, num_tokens: int) -> Key | None:
         """The graph key of a drafter forward of ``num_tokens`` query rows, or None where it takes none: another
         row count than R x (1 + D) (requests with different query counts), more requests than the buffers hold,
-        or a key whose capture failed."""
+        or any forward after a failed capture."""
         k = (int(num_requests), int(query_per_request))
-        if not 1 <= k[0] <= self.max_requests or k[1] < 1 or int(num_tokens) != k[0] * k[1] or k in self._eager:
+        if not 1 <= k[0] <= self.max_requests or k[1] < 1 or int(num_tokens) != k[0] * k[1] or self.failed is not None:
             return None
         return k
 
@@ -125,16 +127,16 @@ class DrafterGraphs:
         else captured and replayed (module docstring)."""
         captured = self._graphs.get(key)
         if captured is None:
-            if key not in self._warm or key in self._eager:
+            if key not in self._warm or self.failed is not None:
                 self._warm.add(key)
                 return forward()
             try:
                 captured = (self._capture_fn or self._cuda_capture)(forward)
-            except Exception as e:  # noqa: BLE001 - the forward still runs, eagerly, from now on
-                self._eager.add(key)
+            except Exception as e:  # noqa: BLE001 - the forward still runs, on the piecewise graphs from now on
+                self.failed = f"{type(e).__name__}: {e}"
                 logger.warning("vllm-tfm: the drafter's full CUDA graph for %d requests x %d queries could not be "
-                               "captured (%s: %s); that size runs its piecewise graphs", key[0], key[1],
-                               type(e).__name__, e)
+                               "captured (%s); the drafter runs its piecewise graphs from now on", key[0], key[1],
+                               self.failed, exc_info=True)
                 return forward()
             self._graphs[key] = captured
             self.captures += 1

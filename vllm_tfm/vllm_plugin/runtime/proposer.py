@@ -254,9 +254,12 @@ class TFMProposer(DFlashProposer):
             key = self._drafter_graph_key
             if key is None or get_forward_context().cudagraph_runtime_mode != CUDAGraphMode.FULL:
                 return inner(*args, **kwargs)
+            replays = graphs.replays
             out = graphs.run(key, lambda: inner(*args, **kwargs))
             if STATE.metrics is not None:
                 STATE.metrics.hook("proposer.drafter_graph")
+                if graphs.replays > replays:
+                    STATE.metrics.hook("proposer.drafter_graph_replay")
             return out
 
         model.forward = forward
