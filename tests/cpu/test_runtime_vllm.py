@@ -194,6 +194,35 @@ def tree_attention_call(monkeypatch, impl, reason=None, enabled=True, kernel=Non
     return kernel_calls, loop_calls, (query, kv_cache, md, output)
 
 
+def test_a_drafter_layer_on_a_tree_step_never_builds_the_steps_attention_plan(monkeypatch):
+    """The DFlash drafter's attention layers run after the target's forward of a tree step. A full-graph step whose
+    topology is completed after its graph's plan was set (deferred drafts: ``StepTree.complete`` marks the plan due
+    again) has no plan until something reads it, and reading builds it (host work, uploads from unpinned memory):
+    a drafter layer that read it built it for nothing, and broke the capture of the drafter's full graphs
+    (bench/NOTES.md section 69). vLLM's forward runs for a drafter layer without the plan being touched."""
+    from vllm_tfm.vllm_plugin.runtime import state as state_mod
+
+    built: list[int] = []
+    real = state_mod.StepTree.attn_plan
+
+    def counting(self):
+        built.append(1)
+        return real.fget(self)
+
+    monkeypatch.setattr(state_mod.StepTree, "attn_plan", property(counting, real.fset))
+    vllm_calls: list[str] = []
+
+    def vllm_forward(self, layer, q, k, v, kv, md, out, *a):
+        vllm_calls.append(layer.layer_name)
+        return out
+
+    kernel, loop, _ = tree_attention_call(monkeypatch, fake_attention_impl(), vllm_forward=vllm_forward,
+                                          layer_name="drafter.layers.0.self_attn.attn")
+    assert built == [] and vllm_calls == ["drafter.layers.0.self_attn.attn"] and kernel == [] and loop == []
+    tree_attention_call(monkeypatch, fake_attention_impl(), vllm_forward=vllm_forward)  # a target layer reads it
+    assert built
+
+
 @pytest.mark.parametrize("choice, kernels, loops", [(None, 1, 0), ("triton", 0, 1)])
 def test_tree_attention_default_kernel_and_chosen_triton_path_run_without_a_warning(monkeypatch, choice, kernels, loops):
     # unset: one kernel call for all trees (the default); "triton": one call per tree request

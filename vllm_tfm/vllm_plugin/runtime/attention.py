@@ -218,12 +218,12 @@ class TFMTritonAttentionImpl(TritonAttentionImpl):
         output_block_scale: Tensor | None = None,
     ) -> Tensor:
         step = STATE.step
-        if (
+        if (  # the layer first: the drafter's layers never read the step's plan (built on its first read)
             step is None
             or not step.tree_active
-            or step.attn_plan is None
-            or attn_metadata is None
             or getattr(layer, "layer_name", None) not in STATE.target_attn_layers
+            or attn_metadata is None
+            or step.attn_plan is None
         ):
             return super().forward(
                 layer, query, key, value, kv_cache, attn_metadata, output, output_scale, output_block_scale
