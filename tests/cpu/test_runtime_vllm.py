@@ -195,11 +195,11 @@ def tree_attention_call(monkeypatch, impl, reason=None, enabled=True, kernel=Non
 
 
 def test_a_drafter_layer_on_a_tree_step_never_builds_the_steps_attention_plan(monkeypatch):
-    """The DFlash drafter's attention layers run after the target's forward of a tree step. A full-graph step whose
-    topology is completed after its graph's plan was set (deferred drafts: ``StepTree.complete`` marks the plan due
-    again) has no plan until something reads it, and reading builds it (host work, uploads from unpinned memory):
-    a drafter layer that read it built it for nothing, and broke the capture of the drafter's full graphs
-    (bench/NOTES.md section 69). vLLM's forward runs for a drafter layer without the plan being touched."""
+    """The DFlash drafter's attention layers run after the target's forward of a tree step. A tree step's attention
+    plan is built on its first read (``defer_attn_plan``; host work, uploads from unpinned memory), and a full-graph
+    step's forward never reads it (its graph has the fixed-layout tables): the drafter's first attention layer read
+    it and built it for nothing, and that broke the capture of the drafter's full graphs (bench/NOTES.md section
+    69). vLLM's forward runs for a drafter layer without the plan being touched."""
     from vllm_tfm.vllm_plugin.runtime import state as state_mod
 
     built: list[int] = []
