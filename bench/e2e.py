@@ -649,7 +649,7 @@ SWITCH_ABS: dict[str, SwitchAB] = {
     # full CUDA graphs of the DFlash drafter's query forward (VLLM_TFM_DRAFTER_GRAPHS, runtime/drafter_graphs.py;
     # the engine must start with it set); captured on a key's second use, so an unrecorded run with it on first
     "drafter_graphs": SwitchAB("set_drafter_graphs", "drafter_graphs_ab", "drafter_graphs",
-                               ("proposer.drafter_graph", "drafter_graph_forwards"), warm_on=True),
+                               ("proposer.drafter_graph_replay", "drafter_graph_replays"), warm_on=True),
     # the DFlash top-K of the Weaver build in one launch (VLLM_TFM_TOPK_KERNEL, runtime/tree_builder_gpu.py); the
     # Weaver graphs key on it, so the off setting's graph is captured in an unrecorded run first
     "topk_kernel": SwitchAB("set_topk_kernel", "topk_kernel_ab", "topk_kernel", warm_off=True),
