@@ -543,6 +543,16 @@ def topology_usage(runs: dict[str, dict[str, Any]]) -> dict[str, Any]:
     return out
 
 
+def _tfm_engines(runs: dict[str, dict[str, Any]]) -> list[tuple[str, dict[str, Any]]]:
+    """(name, result) of the runs of tfm engines."""
+    return [(name, r) for name, r in runs.items() if ENGINES.get(name, {}).get("spec")]
+
+
+def _path_counts(r: dict[str, Any], *hooks: str) -> tuple[int, ...]:
+    """Each hook's count summed over the engine's runs (batch 8, batch 1, waves)."""
+    return tuple(sum(int((r.get(f"{label}_paths") or {}).get(hook, 0)) for label in LABELS) for hook in hooks)
+
+
 def one_slot_usage(runs: dict[str, dict[str, Any]]) -> dict[str, Any]:
     """Per tfm engine: commits into the one GDN state slot (runtime/one_slot.py) and tree steps whose commit
     indices came from the slot column 0 (``commit.one_slot_indices``, runtime/step_kernels.py). ok iff the -oneslot
@@ -550,11 +560,8 @@ def one_slot_usage(runs: dict[str, dict[str, Any]]) -> dict[str, Any]:
     engines ran the layout they were meant to), and the one-slot engines on the kernel path took the column-0
     indices while the others (per-draft slots, the torch reference ops of ``VLLM_TFM_KERNELS=0``) never did."""
     out: dict[str, Any] = {}
-    for name, r in runs.items():
-        if not ENGINES.get(name, {}).get("spec"):
-            continue
-        n, m = (sum(int((r.get(f"{label}_paths") or {}).get(hook, 0)) for label in LABELS)
-                for hook in (ONE_SLOT_COMMITS, ONE_SLOT_INDICES))
+    for name, r in _tfm_engines(runs):
+        n, m = _path_counts(r, ONE_SLOT_COMMITS, ONE_SLOT_INDICES)
         env = engine_env(name)
         indices = expects_one_slot(name) and env.get("VLLM_TFM_KERNELS") != "0" and env.get("VLLM_TFM_ONE_SLOT_COMMIT") != "0"
         ok = (n > 0 if expects_one_slot(name) else n == 0) and (m > 0 if indices else m == 0)
@@ -570,11 +577,8 @@ def commit_overlap_usage(runs: dict[str, dict[str, Any]]) -> dict[str, Any]:
     from vllm_tfm.vllm_plugin.runtime.commit_overlap import commit_overlap_from_env
 
     out: dict[str, Any] = {}
-    for name, r in runs.items():
-        if not ENGINES.get(name, {}).get("spec"):
-            continue
-        n, m = (sum(int((r.get(f"{label}_paths") or {}).get(hook, 0)) for label in LABELS)
-                for hook in (COMMITS, COMMITS_OVERLAPPED))
+    for name, r in _tfm_engines(runs):
+        n, m = _path_counts(r, COMMITS, COMMITS_OVERLAPPED)
         on = commit_overlap_from_env({**os.environ, **engine_env(name)})
         out[name] = {COMMITS: n, COMMITS_OVERLAPPED: m, "ok": m == n if on else m == 0}
     return out
@@ -588,11 +592,8 @@ def drafter_graph_usage(runs: dict[str, dict[str, Any]]) -> dict[str, Any]:
     from vllm_tfm.vllm_plugin.runtime.drafter_graphs import DRAFTER_GRAPHS_ENV
 
     out: dict[str, Any] = {}
-    for name, r in runs.items():
-        if not ENGINES.get(name, {}).get("spec"):
-            continue
-        n, m = (sum(int((r.get(f"{label}_paths") or {}).get(hook, 0)) for label in LABELS)
-                for hook in (DRAFTER_GRAPH, DRAFTER_GRAPH_REPLAYS))
+    for name, r in _tfm_engines(runs):
+        n, m = _path_counts(r, DRAFTER_GRAPH, DRAFTER_GRAPH_REPLAYS)
         on = engine_env(name).get(DRAFTER_GRAPHS_ENV) == "1"
         out[name] = {DRAFTER_GRAPH: n, DRAFTER_GRAPH_REPLAYS: m, "ok": m > 0 if on else n == 0}
     if "tfm-fullpw-oneslot" in runs and "tfm-fullpw-oneslot-dgraph" in runs:
