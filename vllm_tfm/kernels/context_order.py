@@ -29,7 +29,8 @@ from torch import Tensor
 
 from vllm_tfm.kernels.loader import get_kernel, kernels_unavailable_reason, launch, tensor_device_index
 
-__all__ = ["NOT_CUDA", "dflash_context_order_kernel", "dflash_context_order_reference", "unsupported_reason"]
+__all__ = ["NOT_CUDA", "dflash_context_order_kernel", "dflash_context_order_reference", "launch_unchecked",
+           "unsupported_reason"]
 
 SOURCE = "context_order.cu"
 THREADS = 128  # CO_THREADS
@@ -97,6 +98,12 @@ def dflash_context_order_kernel(req_index: Tensor, row_base: Tensor, rows_per_re
     reason = _shape_error(req_index, row_base, rows_per_req, accepted_nodes)
     if reason is not None:
         raise ValueError(f"dflash_context_order: {reason}")
+    return launch_unchecked(req_index, row_base, accepted_nodes)
+
+
+def launch_unchecked(req_index: Tensor, row_base: Tensor, accepted_nodes: Tensor) -> Tensor:
+    """The launch itself, for arguments ``unsupported_reason`` accepted (not checked again: the runtime's
+    per-step dispatch checks once)."""
     t = req_index.shape[0]
     perm = torch.empty(t, dtype=torch.int64, device=req_index.device)
     if t == 0:

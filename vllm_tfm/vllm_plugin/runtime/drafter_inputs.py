@@ -57,7 +57,7 @@ def dflash_context_order(
         if reason is None:
             if STATE.metrics is not None:
                 STATE.metrics.hook("proposer.context_order_kernel")
-            return kco.dflash_context_order_kernel(req_index, row_base, rows_per_req, accepted_nodes)
+            return kco.launch_unchecked(req_index, row_base, accepted_nodes)
         if reason != kco.NOT_CUDA:
             warn_fallback("dflash_context_order", reason)
     return kco.dflash_context_order_reference(req_index, row_base, rows_per_req, accepted_nodes)
