@@ -586,15 +586,16 @@ def commit_overlap_usage(runs: dict[str, dict[str, Any]]) -> dict[str, Any]:
 
 def drafter_graph_usage(runs: dict[str, dict[str, Any]]) -> dict[str, Any]:
     """Per tfm engine: drafter forwards through the full drafter graphs and those that replayed one. ok iff the
-    -dgraph engine replayed some and the others took none; and, where both ran, the -dgraph engine's mean accepted
-    length equals tfm-fullpw-oneslot's in every run (``same_drafts``: the graphs' marginals are the piecewise
-    forward's, so the trees are the same)."""
-    from vllm_tfm.vllm_plugin.runtime.drafter_graphs import DRAFTER_GRAPHS_ENV
+    engines whose environment turns them on (``VLLM_TFM_DRAFTER_GRAPHS=1``: the -dgraph engine, or every engine
+    when the driver's environment sets it) replayed some and the others took none; and, where both ran, the
+    -dgraph engine's mean accepted length equals tfm-fullpw-oneslot's in every run (``same_drafts``: the graphs'
+    marginals are the piecewise forward's, so the trees are the same)."""
+    from vllm_tfm.vllm_plugin.runtime.drafter_graphs import drafter_graphs_from_env
 
     out: dict[str, Any] = {}
     for name, r in _tfm_engines(runs):
         n, m = _path_counts(r, DRAFTER_GRAPH, DRAFTER_GRAPH_REPLAYS)
-        on = engine_env(name).get(DRAFTER_GRAPHS_ENV) == "1"
+        on = drafter_graphs_from_env({**os.environ, **engine_env(name)})
         out[name] = {DRAFTER_GRAPH: n, DRAFTER_GRAPH_REPLAYS: m, "ok": m > 0 if on else n == 0}
     if "tfm-fullpw-oneslot" in runs and "tfm-fullpw-oneslot-dgraph" in runs:
         mal = {label: [(runs[e].get(f"{label}_tree_metrics") or {}).get("mean_accepted_length")

@@ -166,6 +166,7 @@ def test_only_a_one_gpu_graphs_engine_started_with_the_switch_gets_drafter_graph
     cuda = torch.device("cuda", 0)
     monkeypatch.delenv(DRAFTER_GRAPHS_ENV, raising=False)
     assert proposer._drafter_graphs(config(), cuda) is None  # opt-in: vLLM's DFlash path unchanged
+    assert dg.drafter_graphs_from_env({DRAFTER_GRAPHS_ENV: "1"}) and not dg.drafter_graphs_from_env({})
     monkeypatch.setenv(DRAFTER_GRAPHS_ENV, "1")
     assert proposer._drafter_graphs(config(), cuda) == "graphs" and made == [(8, cuda)]
     for cfg, dev in ((config(tp=2), cuda), (config(eager=True), cuda), (config(mode=CUDAGraphMode.NONE), cuda),

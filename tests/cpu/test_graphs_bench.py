@@ -416,12 +416,13 @@ def test_every_commit_of_a_tfm_engine_runs_beside_the_drafting_where_switched_on
     assert not g.commit_overlap_usage({"tfm-fullpw": engine(9, 9)})["tfm-fullpw"]["ok"]
 
 
-def test_the_drafter_graph_engine_replays_its_graphs_and_drafts_as_the_engine_it_copies() -> None:
+def test_the_drafter_graph_engine_replays_its_graphs_and_drafts_as_the_engine_it_copies(monkeypatch: pytest.MonkeyPatch) -> None:
     def engine(forwards: int, mal: float, replays: int | None = None) -> dict:
         paths = {g.DRAFTER_GRAPH: forwards, g.DRAFTER_GRAPH_REPLAYS: max(forwards - 16, 0) if replays is None else replays}
         return {"b8_paths": paths, "b1_paths": {}, "waves_paths": {},
                 **{f"{label}_tree_metrics": {"mean_accepted_length": mal} for label in g.LABELS}}
 
+    monkeypatch.delenv("VLLM_TFM_DRAFTER_GRAPHS", raising=False)
     base, copy = g.ENGINES["tfm-fullpw-oneslot"], g.ENGINES["tfm-fullpw-oneslot-dgraph"]
     assert copy["env"] == {**base["env"], "VLLM_TFM_DRAFTER_GRAPHS": "1"}
     assert {k: v for k, v in copy.items() if k != "env"} == {k: v for k, v in base.items() if k != "env"}
@@ -434,5 +435,9 @@ def test_the_drafter_graph_engine_replays_its_graphs_and_drafts_as_the_engine_it
     # every capture failed (section 69's H100 run: 16 forwards, all eager): not ok
     assert not g.drafter_graph_usage({"tfm-fullpw-oneslot-dgraph": engine(16, 2.5, 0)})["tfm-fullpw-oneslot-dgraph"]["ok"]
     assert not g.drafter_graph_usage({"tfm-fullpw-oneslot": engine(3, 2.5)})["tfm-fullpw-oneslot"]["ok"]
+    monkeypatch.setenv("VLLM_TFM_DRAFTER_GRAPHS", "1")  # the driver's environment, which every engine inherits
+    assert g.drafter_graph_usage({"tfm-fullpw-oneslot": engine(40, 2.5)})["tfm-fullpw-oneslot"]["ok"]
+    assert not g.drafter_graph_usage({"tfm-fullpw-oneslot": engine(0, 2.5)})["tfm-fullpw-oneslot"]["ok"]
+    monkeypatch.delenv("VLLM_TFM_DRAFTER_GRAPHS")
     other = g.drafter_graph_usage({"tfm-fullpw-oneslot": engine(0, 2.5), "tfm-fullpw-oneslot-dgraph": engine(40, 2.4)})
     assert not other["same_drafts"]["ok"]  # other drafts: the graphs read something stale

@@ -34,7 +34,7 @@ from typing import Any
 
 import torch
 
-from .settings import RuntimeSwitch, env_opted_in
+from .settings import RuntimeSwitch
 
 __all__ = ["COMMIT_OVERLAP_ENV", "OVERLAP", "CommitOverlap", "commit_overlap_enabled", "commit_overlap_from_env",
            "set_commit_overlap"]
@@ -53,7 +53,7 @@ def commit_overlap_enabled() -> bool:
 def commit_overlap_from_env(environ: Mapping[str, str]) -> bool:
     """What ``commit_overlap_enabled`` says in a process with this environment and no override (the benches'
     verdicts on their engines)."""
-    return env_opted_in(COMMIT_OVERLAP_ENV, environ)
+    return _SWITCH.enabled_in(environ)
 
 
 def set_commit_overlap(on: bool | None) -> bool:

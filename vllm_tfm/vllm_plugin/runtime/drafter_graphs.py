@@ -35,7 +35,7 @@ data parallelism (collectives, DP padding): the proposer makes no :class:`Drafte
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -43,7 +43,8 @@ import torch
 
 from .settings import RuntimeSwitch
 
-__all__ = ["DRAFTER_GRAPHS_ENV", "DrafterGraphs", "drafter_graphs_enabled", "set_drafter_graphs"]
+__all__ = ["DRAFTER_GRAPHS_ENV", "DrafterGraphs", "drafter_graphs_enabled", "drafter_graphs_from_env",
+           "set_drafter_graphs"]
 
 logger = logging.getLogger("vllm.tfm")
 
@@ -59,6 +60,12 @@ def drafter_graphs_enabled() -> bool:
     the proposer is made (an engine started without it never takes the graphs: vLLM's DFlash path unchanged) and at
     every step of an engine started with it (a same-engine A/B) (module docstring)."""
     return _SWITCH.enabled()
+
+
+def drafter_graphs_from_env(environ: Mapping[str, str]) -> bool:
+    """What ``drafter_graphs_enabled`` says in a process with this environment and no override (the benches'
+    verdicts on their engines)."""
+    return _SWITCH.enabled_in(environ)
 
 
 def set_drafter_graphs(on: bool | None) -> bool:

@@ -68,9 +68,10 @@ __all__ = [
     "TRACE_MAX_MB_DEFAULT",
 ]
 
-def env_on(env: str) -> bool:
-    """An on-by-default environment switch: unset, or set to anything but 0 / false."""
-    return os.environ.get(env, "1") not in ("0", "false", "False")
+def env_on(env: str, environ: Mapping[str, str] | None = None) -> bool:
+    """An on-by-default environment switch: unset, or set to anything but 0 / false (in ``environ``; None: this
+    process's)."""
+    return (os.environ if environ is None else environ).get(env, "1") not in ("0", "false", "False")
 
 
 def env_opted_in(env: str, environ: Mapping[str, str] | None = None) -> bool:
@@ -93,6 +94,11 @@ class RuntimeSwitch:
         if self._override is not None:
             return self._override
         return env_on(self.env) if self.default_on else env_opted_in(self.env)
+
+    def enabled_in(self, environ: Mapping[str, str]) -> bool:
+        """What ``enabled`` says in a process with this environment and no override (the benches' verdicts on
+        engines they start with their own environment)."""
+        return env_on(self.env, environ) if self.default_on else env_opted_in(self.env, environ)
 
     def set(self, on: bool | None) -> bool:
         """Override (None: back to the environment's); the setting now in force."""
