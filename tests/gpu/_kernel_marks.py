@@ -4,6 +4,7 @@ CPU emulation tests and the GPU tests both use: ``_greedy_cases``, ``_context_or
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 
@@ -20,3 +21,10 @@ KERNEL_GPU_MARKS = [
     pytest.mark.skipif(torch.cuda.is_available() and not kernels_available(),
                        reason=f"CUDA kernels unavailable: {kernels_unavailable_reason()}"),
 ]
+
+# A test that captures a CUDA graph: skipped where PyTorch's caching allocator is off (PYTORCH_NO_CUDA_MEMORY_CACHING=1,
+# as bench/gpu_common.sh's compute-sanitizer runs set it for exact bounds), since every tensor a capture makes is then a
+# cudaMalloc, which CUDA refuses while a stream captures (cudaErrorStreamCaptureUnsupported).
+CAPTURES_A_GRAPH = pytest.mark.skipif(os.environ.get("PYTORCH_NO_CUDA_MEMORY_CACHING", "0") not in ("", "0"),
+                                      reason="CUDA graph capture needs PyTorch's caching allocator "
+                                             "(PYTORCH_NO_CUDA_MEMORY_CACHING is set)")

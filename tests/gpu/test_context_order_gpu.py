@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from _kernel_marks import KERNEL_GPU_MARKS
+from _kernel_marks import CAPTURES_A_GRAPH, KERNEL_GPU_MARKS
 from _context_order_cases import context_order_case
 
 from vllm_tfm.kernels import context_order as kco
@@ -31,6 +31,7 @@ def test_kernel_equals_reference_and_lists(num_req, max_nodes):
         assert torch.equal(kco.dflash_context_order_reference(req_index, row_base, rows, accepted), got)
 
 
+@CAPTURES_A_GRAPH
 def test_the_launch_reads_nothing_back_and_replays_in_a_graph():
     req_index, row_base, rows, accepted, expected = context_order_case(8, 17, 7, DEV)
     kco.dflash_context_order_kernel(req_index, row_base, rows, accepted)  # compile and load first

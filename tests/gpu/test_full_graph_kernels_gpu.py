@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from _kernel_marks import CAPTURES_A_GRAPH
 
 from vllm_tfm.kernels import conv as kconv
 from vllm_tfm.kernels import gdn as kgdn
@@ -97,6 +98,7 @@ def test_commit_on_a_fixed_plan_equals_the_per_step_plan() -> None:
     assert torch.equal(states[0], states[1])
 
 
+@CAPTURES_A_GRAPH
 def test_graph_replay_of_a_fixed_plan_computes_the_trees_written_last() -> None:
     """Record conv + verify once (chains), then write other trees and inputs and replay: each replay ==
     the eager kernels on a per-step plan of those trees."""

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from _kernel_marks import CAPTURES_A_GRAPH
 
 from vllm_tfm.kernels import topk_rows as ktk
 from vllm_tfm.kernels.loader import kernels_available, kernels_unavailable_reason
@@ -64,6 +65,7 @@ def test_small_rows_every_cluster_and_edge_case(dtype, cluster) -> None:
     _assert_reference(x[:, :700], 700, cluster)  # k = V on strided rows
 
 
+@CAPTURES_A_GRAPH
 def test_replayed_from_a_cuda_graph_on_new_logits() -> None:
     x = _logits(15, 248320, torch.bfloat16, seed=1)
     ktk.topk_rows(x, 512)  # compile and load outside the capture

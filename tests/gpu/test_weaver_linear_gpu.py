@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from _kernel_marks import CAPTURES_A_GRAPH
 from _weaver27b import VOCAB, scorer_pair_27b
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "cpu"))
@@ -150,6 +151,7 @@ def _dependent_chain(m: int, seed: int):
     return run, x0
 
 
+@CAPTURES_A_GRAPH
 @pytest.mark.parametrize("m", [1, 4])
 def test_programmatic_launch_keeps_dependent_layers_in_order(monkeypatch, m: int) -> None:
     """The kernel launched with programmatic dependent launch (its weights loaded before it waits for
