@@ -62,7 +62,7 @@ PROBES: dict[str, dict[str, Any]] = {  # bench/soak_probes.py's rows that the en
     "n3": {"n": 3, "temperature": 0.8, "seed": 7},
 }
 DEFAULT_PROBES = ("allowed", "logprobs")
-# no-spec's answer to the allowed probe on the soak's probe prompt (bench/results/soak_zoo_graphs_async_s54.json.gz)
+# no-spec's answer to the allowed probe on the soak's probe prompt (soak_zoo_graphs_async_s54.json.gz, in git history at 1c9f37b)
 SOAK_NOSPEC_ALLOWED = (84, 65, 85, 9, 79, 9, 70, 16, 69, 9, 70, 16)
 
 

@@ -89,7 +89,7 @@ off). FULL_AND_PIECEWISE since full tree graphs passed their GPU checks on the H
 no speculation at batch 8 and 1 with 616 tree steps on full graphs (``bash bench/run_gpu_graphs.sh``,
 ``bench/results/graphs_zoo_full.json.gz``), the kernels on fixed-layout plans == per-step plans
 (``tests/gpu/test_full_graph_kernels_gpu.py``); at Qwen3.6-27B shape 98.5 vs 62.4 tokens/s with
-piecewise graphs at batch 1, 383 vs 355 at batch 8 (``bench/results/e2e_27b_full_graphs.json.gz``).
+piecewise graphs at batch 1, 383 vs 355 at batch 8 (``e2e_27b_full_graphs.json.gz``, in git history at 1c9f37b).
 None would mean eager (``enforce_eager=True``, with a warning naming the opt-in)."""
 PARALLEL_DEFAULT_MODE = "PIECEWISE"
 """The unset mode with tensor or data parallelism > 1: full tree graphs have not run on more than one
