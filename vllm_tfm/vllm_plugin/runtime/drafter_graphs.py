@@ -5,8 +5,13 @@ v1/spec_decode/llm_base_proposer.py:411-426): between the pieces, each drafter a
 (``unified_kv_cache_update`` and ``unified_attention_with_output``), one piece's replay after another's. At the
 27B shape the DFlash stage of a batch-1 step spans ~0.25 ms more than its kernels on an H100 (bench/NOTES.md
 section 67's trace: 86 launches); on an H200 it is ~0.7 ms above its FP8 weights' byte floor (an estimate from
-section 68's 1.50 ms stage and the H100 trace's kernel times; not traced there). Here a tree step's drafter forward (R requests x (1 + D) query tokens each, the same count for every
-request) replays one full graph per key (R, 1 + D):
+section 68's 1.50 ms stage and the H100 trace's kernel times; not traced there). Measured (section 70, an H100):
+the graphs replay and the drafts are the same, but a 27B step is not shorter beyond a same-engine A/B's ~0.3 ms
+resolution at batch 1 or 8. With asynchronous scheduling the host queues the drafter while the GPU still runs the
+target's forward, so the piecewise launches were not on the GPU's path; graphs save host work only. Opt-in.
+
+Here a tree step's drafter forward (R requests x (1 + D) query tokens each, the same count for every request)
+replays one full graph per key (R, 1 + D):
 
 * inputs: the forward reads buffers at fixed addresses: vLLM's ``input_ids``, ``positions`` and query slot
   mapping (written each step by DFlash's ``copy_and_expand_dflash_inputs_kernel``, v1/spec_decode/dflash.py
