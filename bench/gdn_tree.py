@@ -753,6 +753,8 @@ def main() -> None:
     ap.add_argument("--n", type=int, nargs="+", help="tree sizes (default 16 32 64 128 256)")
     ap.add_argument("--batch", type=int, nargs="+", help="batch sizes (default 1 8 32)")
     ap.add_argument("--sanitize-case", action="store_true")
+    ap.add_argument("--only", choices=("verify", "commit", "conv"), nargs="+", default=None,
+                    help="time only these kernels (default: all three)")
     ap.add_argument("--fixed-plan", action="store_true",
                     help="verify on the full CUDA graphs' fixed-layout plans (TreePlan.build_into) instead of per-step plans")
     ap.add_argument("--depth-bound", type=int, default=None,
@@ -793,7 +795,8 @@ def main() -> None:
     def within_budget() -> bool:
         return time.perf_counter() - start < args.budget_s
 
-    for batch in batches:
+    only = set(args.only or ("verify", "commit", "conv"))
+    for batch in batches if "verify" in only else ():
         for n in ns:
             print(f"verify n={n} batch={batch} ...", file=sys.stderr, flush=True)
             try:
@@ -804,10 +807,11 @@ def main() -> None:
             torch.cuda.empty_cache()
             save()
     for batch in batches:
-        print(f"commit batch={batch} ...", file=sys.stderr, flush=True)
-        results["commit"].append(bench_commit(64 if 64 in ns else max(ns), batch, bw, reps, within_budget()))
-        save()
-        for n in sorted({min(ns), max(ns)}):
+        if "commit" in only:
+            print(f"commit batch={batch} ...", file=sys.stderr, flush=True)
+            results["commit"].append(bench_commit(64 if 64 in ns else max(ns), batch, bw, reps, within_budget()))
+            save()
+        for n in sorted({min(ns), max(ns)}) if "conv" in only else ():
             print(f"conv n={n} batch={batch} ...", file=sys.stderr, flush=True)
             results["conv"].append(bench_conv(n, batch, bw, reps, within_budget()))
             save()

@@ -40,6 +40,21 @@ typedef TFM_CAT(TFM_TYPE_, CONV_WT) twt;
 #define CONV_THREADS 256
 #define CONV_NPC 8     // nodes per CTA
 #define CONV_WMAX 8    // largest supported conv width
+// CONV_W (NVRTC -D; vllm_tfm/kernels/conv.py passes it with VLLM_TFM_TREE_CONV_UNROLLED=1): tree_conv1d with the
+// conv width as a constant, its loads unrolled and all issued before the first use (the weights, every window
+// entry of the CTA's nodes, their own rows for the stash); 0 (default, and the commit kernels' builds): the
+// runtime width W <= CONV_WMAX, each node's window loaded in the loop that consumes it.
+#ifndef CONV_W
+#define CONV_W 0
+#endif
+#if CONV_W > CONV_WMAX
+#error "CONV_W must be at most CONV_WMAX"
+#endif
+#if CONV_W > 0
+#define CONV_WB CONV_W
+#else
+#define CONV_WB CONV_WMAX
+#endif
 
 #define CONV_SOFTPLUS_THRESHOLD 20.f  // vLLM's (and torch's F.softplus default): x past it is x
 
@@ -98,6 +113,54 @@ tree_conv1d(const tin* __restrict__ x, i64 x_row, const int* __restrict__ req_of
   __syncthreads();
   const int c = blockIdx.x * CONV_THREADS + tid;
   if (c >= D) return;
+#if CONV_W > 0
+  constexpr int wk = CONV_W;
+  const int na = min(CONV_NPC, T - node0);
+  // Every load first, then the arithmetic: each node's window, the weights and (for the stash) the node's own
+  // row are independent loads, so they are all in flight at once (a load consumed in the loop that issued it
+  // cost one memory round trip per node; bench/NOTES.md section 70).
+  float w[CONV_WB];
+#pragma unroll
+  for (int t = 0; t < CONV_WB; ++t) w[t] = t < wk ? to_f32(weight[(i64)c * w_d + (i64)t * w_t]) : 0.f;
+  const float b = bias != nullptr ? to_f32(bias[(i64)c * b_d]) : 0.f;
+  float win[CONV_NPC][CONV_WB];
+  tin own[CONV_NPC];
+#pragma unroll
+  for (int a = 0; a < CONV_NPC; ++a) {
+#pragma unroll
+    for (int t = 0; t < CONV_WB; ++t) {
+      float val = 0.f;
+      if (a < na && t < wk) {
+        const int src = s_src[a][t];
+        val = src >= 0 ? to_f32(x[(i64)src * x_row + c])
+                       : to_f32(conv_state[(i64)s_slot[a] * cs_slot + (i64)c * cs_d + (i64)(-src - 1) * cs_l]);
+      }
+      win[a][t] = val;
+    }
+    own[a] = x_copy != nullptr && a < na ? x[(i64)(node0 + a) * x_row + c] : from_f32<tin>(0.f);
+  }
+#pragma unroll
+  for (int a = 0; a < CONV_NPC; ++a) {
+    if (a >= na) break;
+    const int i = node0 + a;
+    float acc = 0.f;
+    // oldest window entry first: sum_w weight[w] * window[W-1-w], w ascending
+#pragma unroll
+    for (int wi = 0; wi < CONV_WB; ++wi) {
+      if (wi < wk) acc = fmaf(w[wi], win[a][wk - 1 - wi], acc);
+    }
+    acc += b;
+    if (silu_act) acc = silu(acc);
+    if (x_copy != nullptr) x_copy[(i64)i * x_copy_row + c] = own[a];
+    if (qk_out != nullptr && c < 2 * qk_cols) {
+      const int half = c >= qk_cols;
+      qk_out[(i64)half * qk_half + (i64)i * qk_cols + (c - half * qk_cols)] = from_f32<tin>(acc);
+    } else {
+      y[(i64)i * D + c] = from_f32<tin>(acc);
+    }
+  }
+#else
+  // the runtime width: each node's window loads are consumed in the loop that issues them
   float w[CONV_WMAX];
 #pragma unroll
   for (int t = 0; t < CONV_WMAX; ++t) w[t] = t < W ? to_f32(weight[(i64)c * w_d + (i64)t * w_t]) : 0.f;
@@ -128,6 +191,7 @@ tree_conv1d(const tin* __restrict__ x, i64 x_row, const int* __restrict__ req_of
       y[(i64)i * D + c] = from_f32<tin>(acc);
     }
   }
+#endif
 }
 
 // The work of one CTA: channels blockIdx.x * 256 .. of request r.

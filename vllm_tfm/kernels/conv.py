@@ -9,6 +9,7 @@ float32, bfloat16 or float16 with a conv width of at most 8; anything else calls
 from __future__ import annotations
 
 import ctypes
+import os
 from dataclasses import dataclass
 
 import torch
@@ -26,12 +27,22 @@ __all__ = [
     "tree_causal_conv1d_planned",
     "tree_conv_commit",
     "tree_conv_commit_planned",
+    "unrolled_enabled",
 ]
 
 SOURCE = "tree_conv.cu"
 THREADS = 256
 NODES_PER_CTA = 8
 MAX_WIDTH = 8
+UNROLLED_SWITCH = "VLLM_TFM_TREE_CONV_UNROLLED"
+
+
+def unrolled_enabled() -> bool:
+    """``VLLM_TFM_TREE_CONV_UNROLLED=1`` (read at every launch; off by default until measured on a GPU,
+    bench/NOTES.md section 70): ``tree_conv1d`` compiled with the conv width as a constant (``-DCONV_W``), its
+    loads unrolled and all in flight before the first use, instead of one memory round trip per node of a CTA.
+    The same arithmetic in the same order (the same results bit for bit)."""
+    return os.environ.get(UNROLLED_SWITCH, "0") == "1"
 
 
 def _options(x: Tensor, state: Tensor, weight: Tensor | None) -> list[str]:
@@ -144,7 +155,10 @@ def tree_causal_conv1d_planned(
     wst = None if window_start is None else window_start.to(device=dev, dtype=torch.int32).contiguous()
     if bias is not None and bias.dtype != weight.dtype:
         bias = bias.to(weight.dtype)
-    kern = get_kernel(SOURCE, "tree_conv1d", _options(x, conv_state, weight), tensor_device_index(x))
+    options = _options(x, conv_state, weight)
+    if unrolled_enabled():  # the width compiled in: every load of the CTA's windows issued before the first use
+        options.append(f"-DCONV_W={width}")
+    kern = get_kernel(SOURCE, "tree_conv1d", options, tensor_device_index(x))
     cs, ws = conv_state.stride(), weight.stride()
     i32, i64 = ctypes.c_int, ctypes.c_longlong
     launch(
