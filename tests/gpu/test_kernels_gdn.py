@@ -406,9 +406,11 @@ def conv_case(trees, dim=640, width=4, state_len=6, dtype=torch.bfloat16, state_
     return {k: v.to(DEV) for k, v in c.items()}
 
 
+@pytest.mark.parametrize("unrolled", ["0", "1"])  # VLLM_TFM_TREE_CONV_UNROLLED: the width compiled in or not
 @pytest.mark.parametrize("dtype, tol", [(torch.float32, FP32_TOL), (torch.bfloat16, HALF_TOL)])
 @pytest.mark.parametrize("activation, with_bias, transposed", [("silu", True, False), (None, False, True)])
-def test_tree_conv1d_matches_reference(dtype, tol, activation, with_bias, transposed):
+def test_tree_conv1d_matches_reference(monkeypatch, dtype, tol, activation, with_bias, transposed, unrolled):
+    monkeypatch.setenv(kconv.UNROLLED_SWITCH, unrolled)
     g = _seeded(14)
     c = conv_case([bushy_tree(70, g), chain(3), torch.tensor([-1]), star(9)], dtype=dtype, seed=15, transposed=transposed)
     if not with_bias:
@@ -430,13 +432,15 @@ def test_tree_conv1d_matches_reference(dtype, tol, activation, with_bias, transp
     assert torch.equal(y2, y)
 
 
+@pytest.mark.parametrize("unrolled", ["0", "1"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("strided", [False, True])
-def test_tree_conv1d_extras_equal_the_separate_operations(dtype, strided):
+def test_tree_conv1d_extras_equal_the_separate_operations(monkeypatch, dtype, strided, unrolled):
     """The conv launch's extras (the GDN layer's prologue): q and k blocks equal to y's columns, the copy
     of x equal to x, the gates equal to gdn_gates' (the same float32 operations: bit for bit on the GPU,
     checked to 1 ulp-scale here and counted), y's other columns unchanged; rows of a, b, x, g, beta
     with strides (as views of wider projection outputs are)."""
+    monkeypatch.setenv(kconv.UNROLLED_SWITCH, unrolled)
     g = _seeded(31)
     trees = [bushy_tree(70, g), chain(3), torch.tensor([-1]), star(9)]
     kd, hv, vd = 2 * 64, 6, 6 * 32  # q | k | v columns: 2 kd + vd
@@ -474,6 +478,21 @@ def test_tree_conv1d_extras_equal_the_separate_operations(dtype, strided):
     assert g_buf[:, hv:].isnan().all()  # nothing past the rows' HV columns
     bad = kconv.ConvExtras(qk_out=qk[:, :-1], qk_cols=kd)
     assert "qk_out must be" in kconv.extras_unsupported_reason(x, bad)
+
+
+@pytest.mark.parametrize("width", [2, 4, 8])
+def test_tree_conv1d_builds_with_and_without_the_width_compiled_in_are_bit_equal(monkeypatch, width):
+    """VLLM_TFM_TREE_CONV_UNROLLED changes when the loads are issued, not the arithmetic or its order."""
+    g = _seeded(40 + width)
+    c = conv_case([bushy_tree(70, g), chain(13), torch.tensor([-1]), star(9), bushy_tree(17, g)], dtype=torch.bfloat16,
+                  seed=41 + width, width=width, state_len=width + 2)
+    plan = TreePlan.build(c["parents"], c["cu_nodes"])
+    ys = []
+    for unrolled in ("0", "1"):
+        monkeypatch.setenv(kconv.UNROLLED_SWITCH, unrolled)
+        ys.append(kconv.tree_causal_conv1d_planned(plan, c["x"], c["conv_state"], c["state_indices"], c["weight"],
+                                                   c["bias"], "silu", c["window_start"]))
+    assert torch.equal(ys[0], ys[1])
 
 
 @pytest.mark.parametrize("pattern", ["in_place", "shifted", "cross_alias"])
