@@ -7,8 +7,8 @@ Weaver build) reads none of them. On one stream the drafting still waits for the
 the 27B shape the commit is ~1 ms of state traffic, queued before ~4 ms of
 drafting whose Weaver part is bound by kernel latency, not bytes (0.95 of 26.6 ms a step on an H200,
 bench/NOTES.md section 68). Measured at the 27B shape on an H100 (section 70), the overlap does not shorten a
-step beyond a same-engine A/B's ~0.3 ms resolution at batch 1 or 8: the commit's traffic competes with the
-drafting's weight reads instead of filling idle time, so it stays opt-in. Here:
+step beyond a same-engine A/B's ~0.3 ms resolution at batch 1 or 8 (likely: the commit's traffic competes with
+the drafting's weight reads instead of filling idle time; not traced), so it stays opt-in. Here:
 
 * fork (:meth:`CommitOverlap.side`): the commit stream waits for everything the current stream has
   queued so far (the forward, the sampler's acceptance), then the commit's kernels are queued on it;
@@ -47,8 +47,9 @@ _SWITCH = RuntimeSwitch(COMMIT_OVERLAP_ENV, "set_commit_overlap", default_on=Fal
 
 def commit_overlap_enabled() -> bool:
     """``VLLM_TFM_COMMIT_OVERLAP`` set to 1 / true (default off: no gain measured at the 27B shape; the toy zoo's
-    tokens with it equal no-spec's, synchronous and asynchronous, bench/NOTES.md section 70), unless ``set_commit_overlap`` overrode it: a tree
-    step's commit runs on its own CUDA stream beside the drafting (module docstring)."""
+    tokens with it equal no-spec's, synchronous and asynchronous, bench/NOTES.md section 70), unless
+    ``set_commit_overlap`` overrode it: a tree step's commit runs on its own CUDA stream beside the drafting (module
+    docstring)."""
     return _SWITCH.enabled()
 
 

@@ -7,8 +7,9 @@ v1/spec_decode/llm_base_proposer.py:411-426): between the pieces, each drafter a
 section 67's trace: 86 launches); on an H200 it is ~0.7 ms above its FP8 weights' byte floor (an estimate from
 section 68's 1.50 ms stage and the H100 trace's kernel times; not traced there). Measured (section 70, an H100):
 the graphs replay and the drafts are the same, but a 27B step is not shorter beyond a same-engine A/B's ~0.3 ms
-resolution at batch 1 or 8. With asynchronous scheduling the host queues the drafter while the GPU still runs the
-target's forward, so the piecewise launches were not on the GPU's path; graphs save host work only. Opt-in.
+resolution at batch 1 or 8. The likely reason (section 67's trace: a batch-1 step is 95% GPU-busy): with
+asynchronous scheduling the host queues the drafter while the GPU still runs the target's forward, so the piecewise
+launches were not on the GPU's path, and graphs save host work only. Opt-in.
 
 Here a tree step's drafter forward (R requests x (1 + D) query tokens each, the same count for every request)
 replays one full graph per key (R, 1 + D):
