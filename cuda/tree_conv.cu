@@ -58,6 +58,18 @@ typedef TFM_CAT(TFM_TYPE_, CONV_WT) twt;
 
 #define CONV_SOFTPLUS_THRESHOLD 20.f  // vLLM's (and torch's F.softplus default): x past it is x
 
+// Node i's output of channel c: into qk_out's q or k block for the first 2 qk_cols channels where qk_out is given,
+// else into y.
+__device__ __forceinline__ void conv_store(float acc, int i, int c, int D, tin* __restrict__ y,
+                                           tin* __restrict__ qk_out, i64 qk_half, int qk_cols) {
+  if (qk_out != nullptr && c < 2 * qk_cols) {
+    const int half = c >= qk_cols;
+    qk_out[(i64)half * qk_half + (i64)i * qk_cols + (c - half * qk_cols)] = from_f32<tin>(acc);
+  } else {
+    y[(i64)i * D + c] = from_f32<tin>(acc);
+  }
+}
+
 // grid (ceil(D / 256), ceil(T / 8)), block 256.
 // Optional work of the same launch, each skipped when its output pointer is null (the GDN layer's
 // prologue, vllm_tfm/vllm_plugin/runtime/gdn.py; bench/NOTES.md section 40):
@@ -152,12 +164,7 @@ tree_conv1d(const tin* __restrict__ x, i64 x_row, const int* __restrict__ req_of
     acc += b;
     if (silu_act) acc = silu(acc);
     if (x_copy != nullptr) x_copy[(i64)i * x_copy_row + c] = own[a];
-    if (qk_out != nullptr && c < 2 * qk_cols) {
-      const int half = c >= qk_cols;
-      qk_out[(i64)half * qk_half + (i64)i * qk_cols + (c - half * qk_cols)] = from_f32<tin>(acc);
-    } else {
-      y[(i64)i * D + c] = from_f32<tin>(acc);
-    }
+    conv_store(acc, i, c, D, y, qk_out, qk_half, qk_cols);
   }
 #else
   // the runtime width: each node's window loads are consumed in the loop that issues them
@@ -184,12 +191,7 @@ tree_conv1d(const tin* __restrict__ x, i64 x_row, const int* __restrict__ req_of
     acc += b;
     if (silu_act) acc = silu(acc);
     if (x_copy != nullptr) x_copy[(i64)i * x_copy_row + c] = x[(i64)i * x_row + c];
-    if (qk_out != nullptr && c < 2 * qk_cols) {
-      const int half = c >= qk_cols;
-      qk_out[(i64)half * qk_half + (i64)i * qk_cols + (c - half * qk_cols)] = from_f32<tin>(acc);
-    } else {
-      y[(i64)i * D + c] = from_f32<tin>(acc);
-    }
+    conv_store(acc, i, c, D, y, qk_out, qk_half, qk_cols);
   }
 #endif
 }
