@@ -1,7 +1,6 @@
 """The tree conv1d kernel (``cuda/tree_conv.cu`` ``tree_conv1d``, with the runtime width and with the width compiled
-in, ``VLLM_TFM_TREE_CONV_UNROLLED=1``) through the CPU emulation
-(``cuda/host_emu``) against the float64 torch reference (``vllm_tfm.verify.conv``) on fresh random inputs: widths
-2, 4 and 8, a batch of mixed trees (one node, a chain deeper than the window, a star, a random and a deep tree, node
+in, ``VLLM_TFM_TREE_CONV_UNROLLED=1``) through the CPU emulation (``cuda/host_emu``) against the float64 torch
+reference (``vllm_tfm.verify.conv``) on fresh random inputs: widths 2, 4 and 8, a batch of mixed trees (one node, a chain deeper than the window, a star, a random and a deep tree, node
 counts that are not multiples of the kernel's 8 nodes a CTA), windows that start inside a longer state, the stash's
 copy of x, and no bias / no activation. The GPU runs the same comparisons (tests/gpu/test_kernels_gdn.py)."""
 
