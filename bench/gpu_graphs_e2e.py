@@ -517,12 +517,8 @@ def metadata_usage(runs: dict[str, dict[str, Any]], models: str) -> dict[str, An
     other tfm engine reused; and the engines with full graphs (the -pergroup control aside) made fast
     builds, the others none (their builder has no full-graph buffers to write)."""
     out: dict[str, Any] = {}
-    for name, r in runs.items():
-        if not ENGINES.get(name, {}).get("spec"):
-            continue
-        paths = [r.get(f"{label}_paths") or {} for label in LABELS]
-        n = sum(int(p.get(METADATA_REUSED, 0)) for p in paths)
-        fast = sum(int(p.get(METADATA_FAST, 0)) for p in paths)
+    for name, r in _tfm_engines(runs):
+        n, fast = _path_counts(r, METADATA_REUSED, METADATA_FAST)
         off = (ENGINES[name].get("env") or {}).get("VLLM_TFM_GDN_METADATA_ONCE") == "0"
         full = "FULL" in str((ENGINES[name].get("compilation_config") or {}).get("cudagraph_mode", ""))
         ok = n == 0 if off else (n > 0 if models == "random" else True)
@@ -538,7 +534,7 @@ def topology_usage(runs: dict[str, dict[str, Any]]) -> dict[str, Any]:
     for name in ("tfm-fullpw", "tfm-fullpw-hosttopo"):
         if name not in runs:
             continue
-        n = sum(int((runs[name].get(f"{label}_paths") or {}).get(DEVICE_TOPOLOGY, 0)) for label in LABELS)
+        (n,) = _path_counts(runs[name], DEVICE_TOPOLOGY)
         out[name] = {DEVICE_TOPOLOGY: n, "ok": n == 0 if name.endswith("hosttopo") else n > 0}
     return out
 
@@ -597,10 +593,9 @@ def drafter_graph_usage(runs: dict[str, dict[str, Any]]) -> dict[str, Any]:
         n, m = _path_counts(r, DRAFTER_GRAPH, DRAFTER_GRAPH_REPLAYS)
         on = drafter_graphs_from_env({**os.environ, **engine_env(name)})
         out[name] = {DRAFTER_GRAPH: n, DRAFTER_GRAPH_REPLAYS: m, "ok": m > 0 if on else n == 0}
-    if "tfm-fullpw-oneslot" in runs and "tfm-fullpw-oneslot-dgraph" in runs:
-        mal = {label: [(runs[e].get(f"{label}_tree_metrics") or {}).get("mean_accepted_length")
-                       for e in ("tfm-fullpw-oneslot", "tfm-fullpw-oneslot-dgraph")] for label in LABELS}
-        out["same_drafts"] = {"mean_accepted_length": mal, "ok": all(a is not None and a == b for a, b in mal.values())}
+    same = _same_acceptance(runs, "tfm-fullpw-oneslot", "tfm-fullpw-oneslot-dgraph")
+    if same is not None:
+        out["same_drafts"] = same
     return out
 
 
@@ -611,25 +606,32 @@ def deferred_usage(runs: dict[str, dict[str, Any]]) -> dict[str, Any]:
     control equals tfm-fullpw's in both batches (the same drafts reached the same forward). The -async
     engine's is only reported (:func:`acceptance_async`)."""
     out: dict[str, Any] = {}
-    for name, r in runs.items():
-        if not ENGINES.get(name, {}).get("spec"):
-            continue
+    for name, r in _tfm_engines(runs):
         n = sum(int((r.get(f"{label}_tree_metrics") or {}).get("placeholder_steps") or 0) for label in LABELS)
         off = (ENGINES[name].get("env") or {}).get("VLLM_TFM_DEFERRED_DRAFTS") == "0"
         off = off or bool(ENGINES[name].get("async_scheduling"))
         out[name] = {"placeholder_steps": n, "ok": n == 0 if off else n > 0}
-    mal = _mean_accepted_lengths(runs, "tfm-fullpw-sync")
-    if mal is not None:
-        out["same_acceptance"] = {"mean_accepted_length": mal, "ok": all(a is not None and a == b for a, b in mal.values())}
+    same = _same_acceptance(runs, "tfm-fullpw", "tfm-fullpw-sync")
+    if same is not None:
+        out["same_acceptance"] = same
     return out
 
 
-def _mean_accepted_lengths(runs: dict[str, dict[str, Any]], other: str) -> dict[str, list[Any]] | None:
-    """{batch label: [tfm-fullpw's, other's mean accepted length]}, None unless both engines ran."""
-    if "tfm-fullpw" not in runs or other not in runs:
+def _mean_accepted_lengths(runs: dict[str, dict[str, Any]], other: str,
+                           base: str = "tfm-fullpw") -> dict[str, list[Any]] | None:
+    """{batch label: [base's, other's mean accepted length]}, None unless both engines ran."""
+    if base not in runs or other not in runs:
         return None
-    return {label: [(runs[e].get(f"{label}_tree_metrics") or {}).get("mean_accepted_length") for e in ("tfm-fullpw", other)]
+    return {label: [(runs[e].get(f"{label}_tree_metrics") or {}).get("mean_accepted_length") for e in (base, other)]
             for label in LABELS}
+
+
+def _same_acceptance(runs: dict[str, dict[str, Any]], base: str, other: str) -> dict[str, Any] | None:
+    """Both engines' mean accepted lengths per run and ok iff they are equal in every run; None unless both ran."""
+    mal = _mean_accepted_lengths(runs, other, base)
+    if mal is None:
+        return None
+    return {"mean_accepted_length": mal, "ok": all(a is not None and a == b for a, b in mal.values())}
 
 
 def acceptance_async(runs: dict[str, dict[str, Any]]) -> dict[str, list[Any]] | None:
@@ -714,11 +716,9 @@ def driver(args: argparse.Namespace) -> int:
               "engines": {n: {k: v for k, v in r.items() if k not in (*LABELS, "b8_margins", "b1_margins", "traceback")}
                           for n, r in runs.items()}}
     required = [v["equal"] for v in result["verdicts"].values() if v["required"]]
-    ok = bool(required) and all(required) and all(g["ok"] for g in result["graph_usage"].values()) and all(
-        m["ok"] for m in result["metadata_usage"].values()) and all(d["ok"] for d in result["deferred_usage"].values()) and all(
-        t["ok"] for t in result["topology_usage"].values()) and all(w["ok"] for w in result["waves_usage"].values()) and all(
-        o["ok"] for o in result["one_slot_usage"].values()) and all(c["ok"] for c in result["commit_overlap_usage"].values()) and all(
-        d["ok"] for d in result["drafter_graph_usage"].values())
+    usages = ("graph_usage", "metadata_usage", "deferred_usage", "topology_usage", "waves_usage", "one_slot_usage",
+              "commit_overlap_usage", "drafter_graph_usage")  # acceptance_async is reported, not judged
+    ok = bool(required) and all(required) and all(v["ok"] for u in usages for v in result[u].values())
     result["ok"] = ok
     (out / "graphs.json").write_text(json.dumps(result, indent=1, default=str) + "\n")
     for key, v in result["verdicts"].items():

@@ -50,11 +50,6 @@ typedef TFM_CAT(TFM_TYPE_, CONV_WT) twt;
 #if CONV_W > CONV_WMAX
 #error "CONV_W must be at most CONV_WMAX"
 #endif
-#if CONV_W > 0
-#define CONV_WB CONV_W
-#else
-#define CONV_WB CONV_WMAX
-#endif
 
 #define CONV_SOFTPLUS_THRESHOLD 20.f  // vLLM's (and torch's F.softplus default): x past it is x
 
@@ -126,23 +121,22 @@ tree_conv1d(const tin* __restrict__ x, i64 x_row, const int* __restrict__ req_of
   const int c = blockIdx.x * CONV_THREADS + tid;
   if (c >= D) return;
 #if CONV_W > 0
-  constexpr int wk = CONV_W;
   const int na = min(CONV_NPC, T - node0);
   // Every load first, then the arithmetic: each node's window, the weights and (for the stash) the node's own
   // row are independent loads, so they are all in flight at once (a load consumed in the loop that issued it
   // cost one memory round trip per node; bench/NOTES.md section 70).
-  float w[CONV_WB];
+  float w[CONV_W];
 #pragma unroll
-  for (int t = 0; t < CONV_WB; ++t) w[t] = t < wk ? to_f32(weight[(i64)c * w_d + (i64)t * w_t]) : 0.f;
+  for (int t = 0; t < CONV_W; ++t) w[t] = to_f32(weight[(i64)c * w_d + (i64)t * w_t]);
   const float b = bias != nullptr ? to_f32(bias[(i64)c * b_d]) : 0.f;
-  float win[CONV_NPC][CONV_WB];
+  float win[CONV_NPC][CONV_W];
   tin own[CONV_NPC];
 #pragma unroll
   for (int a = 0; a < CONV_NPC; ++a) {
 #pragma unroll
-    for (int t = 0; t < CONV_WB; ++t) {
+    for (int t = 0; t < CONV_W; ++t) {
       float val = 0.f;
-      if (a < na && t < wk) {
+      if (a < na) {
         const int src = s_src[a][t];
         val = src >= 0 ? to_f32(x[(i64)src * x_row + c])
                        : to_f32(conv_state[(i64)s_slot[a] * cs_slot + (i64)c * cs_d + (i64)(-src - 1) * cs_l]);
@@ -158,9 +152,7 @@ tree_conv1d(const tin* __restrict__ x, i64 x_row, const int* __restrict__ req_of
     float acc = 0.f;
     // oldest window entry first: sum_w weight[w] * window[W-1-w], w ascending
 #pragma unroll
-    for (int wi = 0; wi < CONV_WB; ++wi) {
-      if (wi < wk) acc = fmaf(w[wi], win[a][wk - 1 - wi], acc);
-    }
+    for (int wi = 0; wi < CONV_W; ++wi) acc = fmaf(w[wi], win[a][CONV_W - 1 - wi], acc);
     acc += b;
     if (silu_act) acc = silu(acc);
     if (x_copy != nullptr) x_copy[(i64)i * x_copy_row + c] = own[a];

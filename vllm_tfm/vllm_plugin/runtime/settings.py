@@ -93,7 +93,7 @@ class RuntimeSwitch:
     def enabled(self) -> bool:
         if self._override is not None:
             return self._override
-        return env_on(self.env) if self.default_on else env_opted_in(self.env)
+        return self.enabled_in(os.environ)
 
     def enabled_in(self, environ: Mapping[str, str]) -> bool:
         """What ``enabled`` says in a process with this environment and no override (the benches' verdicts on
