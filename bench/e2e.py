@@ -33,8 +33,8 @@ this script) measures, for each arm, output tokens/s at batch 1 and batch 8:
                  layers in FP8 (and its logits through an FP8 lm_head copy; and those logits over a draft vocabulary
                  of 32,768 tokens, or the Weaver's projections in FP8 (weaver_weights), or the Weaver at width 4,
                  which needs ``--arm-profile NAME=PATH`` with acceptance measured at width 4)
-  tfm16-full-async-oneslot-fp8draft-fp8head-fp8weaver-convu  (optional) that -fp8weaver arm with tree conv1d
-                 compiled for its conv width (VLLM_TFM_TREE_CONV_UNROLLED=1)
+  tfm16-full-async-oneslot-fp8draft-fp8head-fp8weaver-convloop  (optional) that -fp8weaver arm with tree conv1d
+                 in its loop build (VLLM_TFM_TREE_CONV_UNROLLED=0; the default compiles the conv width in)
 
 The target is written here with the exact Qwen3.6-27B text shape (``bench/e2e_models.py``; with
 ``--target-class vl`` in the published checkpoints' class, ``Qwen3_5ForConditionalGeneration`` with
@@ -165,13 +165,13 @@ ARMS: dict[str, Arm] = {
         "tfm16-full-async-oneslot-fp8draft-fp8head-fp8weaver", "tfm", 16, graphs=True, full=True, async_scheduling=True,
         env=(("VLLM_TFM_GDN_STATE_SLOTS", "one"), ("VLLM_TFM_DRAFT_LM_HEAD", "fp8"), ("VLLM_TFM_WEAVER_WEIGHTS", "fp8")),
         draft_quantization="fp8"),
-    # the same with tree conv1d compiled for its conv width (VLLM_TFM_TREE_CONV_UNROLLED=1, vllm_tfm/kernels/conv.py):
-    # a two-engine A/B of a kernel build, since the target's full graphs hold the conv launches
-    "tfm16-full-async-oneslot-fp8draft-fp8head-fp8weaver-convu": Arm(
-        "tfm16-full-async-oneslot-fp8draft-fp8head-fp8weaver-convu", "tfm", 16, graphs=True, full=True,
+    # the same with tree conv1d in its loop build (VLLM_TFM_TREE_CONV_UNROLLED=0, vllm_tfm/kernels/conv.py): a
+    # two-engine A/B of the kernel build, since the target's full graphs hold the conv launches
+    "tfm16-full-async-oneslot-fp8draft-fp8head-fp8weaver-convloop": Arm(
+        "tfm16-full-async-oneslot-fp8draft-fp8head-fp8weaver-convloop", "tfm", 16, graphs=True, full=True,
         async_scheduling=True,
         env=(("VLLM_TFM_GDN_STATE_SLOTS", "one"), ("VLLM_TFM_DRAFT_LM_HEAD", "fp8"), ("VLLM_TFM_WEAVER_WEIGHTS", "fp8"),
-             ("VLLM_TFM_TREE_CONV_UNROLLED", "1")),
+             ("VLLM_TFM_TREE_CONV_UNROLLED", "0")),
         draft_quantization="fp8"),
     # the same growing its trees 4 nodes per Weaver call (4 calls per tree at B = 16 instead of the default width 2's 8)
     "tfm16-full-async-oneslot-fp8draft-fp8head-w4": Arm(

@@ -40,15 +40,19 @@ typedef TFM_CAT(TFM_TYPE_, CONV_WT) twt;
 #define CONV_THREADS 256
 #define CONV_NPC 8     // nodes per CTA
 #define CONV_WMAX 8    // largest supported conv width
-// CONV_W (NVRTC -D; vllm_tfm/kernels/conv.py passes it with VLLM_TFM_TREE_CONV_UNROLLED=1): tree_conv1d with the
-// conv width as a constant, its loads unrolled and all issued before the first use (the weights, every window
-// entry of the CTA's nodes, their own rows for the stash); 0 (default, and the commit kernels' builds): the
-// runtime width W <= CONV_WMAX, each node's window loaded in the loop that consumes it.
+// CONV_W (NVRTC -D; vllm_tfm/kernels/conv.py passes it unless VLLM_TFM_TREE_CONV_UNROLLED=0, where x and the conv
+// state share a type): tree_conv1d with the conv width as a constant, its loads unrolled and all issued before the
+// first use (the weights, every window entry of the CTA's nodes, their own rows for the stash); 0 (mixed
+// types, the switch off, and the commit kernels' builds): the runtime width W <= CONV_WMAX, each node's window
+// loaded in the loop that consumes it.
 #ifndef CONV_W
 #define CONV_W 0
 #endif
 #if CONV_W > CONV_WMAX
 #error "CONV_W must be at most CONV_WMAX"
+#endif
+#if CONV_W > 0 && TFM_IN != CONV_ST
+#error "CONV_W needs x and the conv state in one type (one pointer per window entry)"
 #endif
 
 #define CONV_SOFTPLUS_THRESHOLD 20.f  // vLLM's (and torch's F.softplus default): x past it is x
@@ -129,20 +133,24 @@ tree_conv1d(const tin* __restrict__ x, i64 x_row, const int* __restrict__ req_of
 #pragma unroll
   for (int t = 0; t < CONV_W; ++t) w[t] = to_f32(weight[(i64)c * w_d + (i64)t * w_t]);
   const float b = bias != nullptr ? to_f32(bias[(i64)c * b_d]) : 0.f;
-  float win[CONV_NPC][CONV_W];
-  tin own[CONV_NPC];
+  // Each entry's address is chosen first (a select, no branch) and loaded unconditionally, so the 8 x CONV_W loads
+  // go to distinct registers with nothing to wait for between them (a load from x or from the state in a branch of
+  // its own made the compiler consume each before the next: no faster than the loop; bench/NOTES.md section 71).
+  // Entries of nodes past T load x's row src = 0 of channel c (a valid address; never used).
+  tin win[CONV_NPC][CONV_W];
 #pragma unroll
   for (int a = 0; a < CONV_NPC; ++a) {
 #pragma unroll
     for (int t = 0; t < CONV_W; ++t) {
-      float val = 0.f;
-      if (a < na) {
-        const int src = s_src[a][t];
-        val = src >= 0 ? to_f32(x[(i64)src * x_row + c])
-                       : to_f32(conv_state[(i64)s_slot[a] * cs_slot + (i64)c * cs_d + (i64)(-src - 1) * cs_l]);
-      }
-      win[a][t] = val;
+      const int src = a < na ? s_src[a][t] : 0;
+      const tin* p = src >= 0 ? x + (i64)src * x_row + c
+                              : conv_state + (i64)s_slot[a] * cs_slot + (i64)c * cs_d + (i64)(-src - 1) * cs_l;
+      win[a][t] = *p;
     }
+  }
+  tin own[CONV_NPC];
+#pragma unroll
+  for (int a = 0; a < CONV_NPC; ++a) {
     own[a] = x_copy != nullptr && a < na ? x[(i64)(node0 + a) * x_row + c] : from_f32<tin>(0.f);
   }
 #pragma unroll
@@ -152,7 +160,7 @@ tree_conv1d(const tin* __restrict__ x, i64 x_row, const int* __restrict__ req_of
     float acc = 0.f;
     // oldest window entry first: sum_w weight[w] * window[W-1-w], w ascending
 #pragma unroll
-    for (int wi = 0; wi < CONV_W; ++wi) acc = fmaf(w[wi], win[a][CONV_W - 1 - wi], acc);
+    for (int wi = 0; wi < CONV_W; ++wi) acc = fmaf(w[wi], to_f32(win[a][CONV_W - 1 - wi]), acc);
     acc += b;
     if (silu_act) acc = silu(acc);
     if (x_copy != nullptr) x_copy[(i64)i * x_copy_row + c] = own[a];

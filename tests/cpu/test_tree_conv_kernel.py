@@ -1,10 +1,13 @@
 """The tree conv1d kernel (``cuda/tree_conv.cu`` ``tree_conv1d``, with the runtime width and with the width compiled
-in, ``VLLM_TFM_TREE_CONV_UNROLLED=1``) through the CPU emulation (``cuda/host_emu``) against the float64 torch
-reference (``vllm_tfm.verify.conv``) on fresh random inputs: widths 2, 4 and 8, a batch of mixed trees (one node, a chain deeper than the window, a star, a random and a deep tree, node
-counts that are not multiples of the kernel's 8 nodes a CTA), windows that start inside a longer state, the stash's
-copy of x, and no bias / no activation. The GPU runs the same comparisons (tests/gpu/test_kernels_gdn.py)."""
+in, the default: ``VLLM_TFM_TREE_CONV_UNROLLED`` unset or ``1``) through the CPU emulation (``cuda/host_emu``) against
+the float64 torch reference (``vllm_tfm.verify.conv``) on fresh random inputs: widths 2, 4 and 8, a batch of mixed
+trees (one node, a chain deeper than the window, a star, a random and a deep tree, node counts that are not multiples
+of the kernel's 8 nodes a CTA), windows that start inside a longer state, the stash's copy of x, and no bias / no
+activation. The GPU runs the same comparisons (tests/gpu/test_kernels_gdn.py)."""
 
 from __future__ import annotations
+
+from unittest import mock
 
 import pytest
 import torch
@@ -86,3 +89,26 @@ def test_bfloat16_inputs_within_bfloat16_rounding_and_both_builds_bit_equal(emu_
     assert _rel(ys[1], _reference(c, c["bias"], "silu")) < 3e-3
     assert torch.equal(ys[0], ys[1])  # the same arithmetic in the same order
     assert torch.equal(c["conv_state"], state_before)  # the state is only read
+
+
+def test_the_width_is_compiled_in_by_default_where_x_and_the_state_share_a_dtype(emu_dir, monkeypatch):
+    """Unset, the switch is on; a float32 state under bfloat16 x takes the loop build, and its float32 copy of the
+    same values gives the same outputs bit for bit."""
+    monkeypatch.delenv(kconv.UNROLLED_SWITCH, raising=False)
+    c = _case(4, dim=40, seed=5, dtype=torch.bfloat16)
+    plan = TreePlan.build(c["parents"], c["cu_nodes"])
+    built: list[list[str]] = []
+    with emulated(emu_dir):
+        inner = kconv.get_kernel
+
+        def recording(source, name, options, device_index=0):
+            built.append([o for o in options if o.startswith("-DCONV_W=")])
+            return inner(source, name, options, device_index)
+
+        with mock.patch.object(kconv, "get_kernel", recording):
+            ys = [kconv.tree_causal_conv1d_planned(plan, c["x"], state, c["state_indices"], c["weight"], c["bias"],
+                                                   "silu", c["window_start"])
+                  for state in (c["conv_state"], c["conv_state"].float())]
+    assert built == [["-DCONV_W=4"], []]
+    assert _rel(ys[0], _reference(c, c["bias"], "silu")) < 3e-3
+    assert torch.equal(ys[0], ys[1])
