@@ -42,7 +42,7 @@ typedef TFM_CAT(TFM_TYPE_, CONV_WT) twt;
 #define CONV_WMAX 8    // largest supported conv width
 // CONV_W (NVRTC -D; vllm_tfm/kernels/conv.py passes it unless VLLM_TFM_TREE_CONV_UNROLLED=0, where x and the conv
 // state share a type): tree_conv1d with the conv width as a constant, its loads unrolled and all issued before the
-// first use (the weights, every window entry of the CTA's nodes, their own rows for the stash); 0 (mixed
+// first use (the weights and every window entry of the CTA's nodes, the first being the node's own row); 0 (mixed
 // types, the switch off, and the commit kernels' builds): the runtime width W <= CONV_WMAX, each node's window
 // loaded in the loop that consumes it.
 #ifndef CONV_W
@@ -124,19 +124,19 @@ tree_conv1d(const tin* __restrict__ x, i64 x_row, const int* __restrict__ req_of
   __syncthreads();
   const int c = blockIdx.x * CONV_THREADS + tid;
   if (c >= D) return;
+  // the weights (CONV_WMAX of them, zero past W, in the loop build) and the bias
+  constexpr int WREG = CONV_W > 0 ? CONV_W : CONV_WMAX;
+  float w[WREG];
+#pragma unroll
+  for (int t = 0; t < WREG; ++t) w[t] = CONV_W > 0 || t < W ? to_f32(weight[(i64)c * w_d + (i64)t * w_t]) : 0.f;
+  const float b = bias != nullptr ? to_f32(bias[(i64)c * b_d]) : 0.f;
 #if CONV_W > 0
   const int na = min(CONV_NPC, T - node0);
-  // Every load first, then the arithmetic: each node's window, the weights and (for the stash) the node's own
-  // row are independent loads, so they are all in flight at once (a load consumed in the loop that issued it
-  // cost one memory round trip per node; bench/NOTES.md section 70).
-  float w[CONV_W];
-#pragma unroll
-  for (int t = 0; t < CONV_W; ++t) w[t] = to_f32(weight[(i64)c * w_d + (i64)t * w_t]);
-  const float b = bias != nullptr ? to_f32(bias[(i64)c * b_d]) : 0.f;
-  // Each entry's address is chosen first (a select, no branch) and loaded unconditionally, so the 8 x CONV_W loads
-  // go to distinct registers with nothing to wait for between them (a load from x or from the state in a branch of
-  // its own made the compiler consume each before the next: no faster than the loop; bench/NOTES.md section 71).
-  // Entries of nodes past T load x's row src = 0 of channel c (a valid address; never used).
+  // Every load first, then the arithmetic. Each entry's address is chosen first (a select, no branch) and loaded
+  // unconditionally, so the 8 x CONV_W loads go to distinct registers with nothing to wait for between them (a load
+  // from x or from the state in a branch of its own made the compiler consume each before the next: no faster than
+  // the loop; bench/NOTES.md sections 70 and 71). Entries of nodes past T load x's row 0 of channel c (a valid
+  // address; never used). Entry 0 is the node's own row (its path ends with itself), which the stash copies.
   tin win[CONV_NPC][CONV_W];
 #pragma unroll
   for (int a = 0; a < CONV_NPC; ++a) {
@@ -148,11 +148,6 @@ tree_conv1d(const tin* __restrict__ x, i64 x_row, const int* __restrict__ req_of
       win[a][t] = *p;
     }
   }
-  tin own[CONV_NPC];
-#pragma unroll
-  for (int a = 0; a < CONV_NPC; ++a) {
-    own[a] = x_copy != nullptr && a < na ? x[(i64)(node0 + a) * x_row + c] : from_f32<tin>(0.f);
-  }
 #pragma unroll
   for (int a = 0; a < CONV_NPC; ++a) {
     if (a >= na) break;
@@ -163,15 +158,11 @@ tree_conv1d(const tin* __restrict__ x, i64 x_row, const int* __restrict__ req_of
     for (int wi = 0; wi < CONV_W; ++wi) acc = fmaf(w[wi], to_f32(win[a][CONV_W - 1 - wi]), acc);
     acc += b;
     if (silu_act) acc = silu(acc);
-    if (x_copy != nullptr) x_copy[(i64)i * x_copy_row + c] = own[a];
+    if (x_copy != nullptr) x_copy[(i64)i * x_copy_row + c] = win[a][0];
     conv_store(acc, i, c, D, y, qk_out, qk_half, qk_cols);
   }
 #else
   // the runtime width: each node's window loads are consumed in the loop that issues them
-  float w[CONV_WMAX];
-#pragma unroll
-  for (int t = 0; t < CONV_WMAX; ++t) w[t] = t < W ? to_f32(weight[(i64)c * w_d + (i64)t * w_t]) : 0.f;
-  const float b = bias != nullptr ? to_f32(bias[(i64)c * b_d]) : 0.f;
   for (int a = 0; a < CONV_NPC; ++a) {
     const int i = node0 + a;
     if (i >= T) break;
