@@ -35,8 +35,6 @@ this script) measures, for each arm, output tokens/s at batch 1 and batch 8:
                  which needs ``--arm-profile NAME=PATH`` with acceptance measured at width 4)
   tfm16-full-async-oneslot-fp8draft-fp8head-fp8weaver-convloop  (optional) that -fp8weaver arm with tree conv1d
                  in its loop build (VLLM_TFM_TREE_CONV_UNROLLED=0; the default compiles the conv width in)
-  tfm16-full-async-oneslot-fp8draft-fp8head-fp8weaver-wstep  (optional) that -fp8weaver arm with each Weaver call's
-                 step in one launch (VLLM_TFM_WEAVER_STEP_KERNEL=1)
 
 The target is written here with the exact Qwen3.6-27B text shape (``bench/e2e_models.py``; with
 ``--target-class vl`` in the published checkpoints' class, ``Qwen3_5ForConditionalGeneration`` with
@@ -174,13 +172,6 @@ ARMS: dict[str, Arm] = {
         async_scheduling=True,
         env=(("VLLM_TFM_GDN_STATE_SLOTS", "one"), ("VLLM_TFM_DRAFT_LM_HEAD", "fp8"), ("VLLM_TFM_WEAVER_WEIGHTS", "fp8"),
              ("VLLM_TFM_TREE_CONV_UNROLLED", "0")),
-        draft_quantization="fp8"),
-    # the same with each Weaver call's step in one launch (VLLM_TFM_WEAVER_STEP_KERNEL=1, vllm_tfm/kernels/weaver_step.py)
-    "tfm16-full-async-oneslot-fp8draft-fp8head-fp8weaver-wstep": Arm(
-        "tfm16-full-async-oneslot-fp8draft-fp8head-fp8weaver-wstep", "tfm", 16, graphs=True, full=True,
-        async_scheduling=True,
-        env=(("VLLM_TFM_GDN_STATE_SLOTS", "one"), ("VLLM_TFM_DRAFT_LM_HEAD", "fp8"), ("VLLM_TFM_WEAVER_WEIGHTS", "fp8"),
-             ("VLLM_TFM_WEAVER_STEP_KERNEL", "1")),
         draft_quantization="fp8"),
     # the same growing its trees 4 nodes per Weaver call (4 calls per tree at B = 16 instead of the default width 2's 8)
     "tfm16-full-async-oneslot-fp8draft-fp8head-w4": Arm(

@@ -63,13 +63,6 @@ __device__ __forceinline__ void pdl_launch_dependents() { asm volatile("griddepc
 __device__ __forceinline__ void prefetch_l2(const void* p, u32 bytes) {
   asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(p), "r"(bytes) : "memory");
 }
-// A load of a word other blocks of the grid write, with acquire semantics at GPU scope (grid_barrier's spin).
-__device__ __forceinline__ int ld_acquire_gpu(const int* p) {
-  int v;
-  asm volatile("ld.acquire.gpu.global.b32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
-  return v;
-}
-__device__ __forceinline__ void spin_pause() { __nanosleep(32); }
 // Thread block clusters (PTX ISA: %cluster_ctarank, barrier.cluster, mapa; sm_90). A kernel launched
 // with a cluster dimension (vllm_tfm/kernels/loader.py, launch(..., cluster=C)) has its C CTAs resident
 // together; each can store into the others' shared memory through cluster_map's generic address. The
@@ -102,8 +95,6 @@ __device__ __forceinline__ void pdl_wait() {}
 __device__ __forceinline__ void pdl_launch_dependents() {}
 __device__ __forceinline__ void prefetch_l2(const void*, u32) {}
 #define TFM_DYNAMIC_SMEM(type, name) type* name = reinterpret_cast<type*>(tfm_emu_dynamic_smem())
-__device__ __forceinline__ int ld_acquire_gpu(const int* p) { return __atomic_load_n(p, __ATOMIC_ACQUIRE); }
-__device__ __forceinline__ void spin_pause() { std::this_thread::yield(); }
 #endif
 
 __device__ __forceinline__ float to_f32(float x) { return x; }
@@ -243,29 +234,3 @@ __device__ __forceinline__ float warp_sum(float x) {
 __device__ __forceinline__ float l2norm_scale(float sum_sq) { return 1.0f / sqrtf(sum_sq + 1e-6f); }
 
 __device__ __forceinline__ float silu(float x) { return x / (1.0f + expf(-x)); }
-
-// Every block of the grid waits here until all have arrived (a software grid barrier: the kernel's
-// blocks must all be resident at once, which a cooperative launch guarantees; loader.launch(...,
-// cooperative=True)). bar: two ints, zero before the first use (a count of arrivals, a generation),
-// that the barrier leaves as it found them but for the generation, so one buffer serves launch after
-// launch (one such kernel at a time per buffer). Global writes before the barrier, by any thread of any
-// block, are visible to every thread after it (the pattern of CUDA's cooperative groups: a block
-// barrier, then one thread's fences around the arrival).
-__device__ __forceinline__ void grid_barrier(int* bar) {
-  __syncthreads();
-  if (threadIdx.x == 0) {
-    int* count = bar;
-    int* gen = bar + 1;
-    const int g = ld_acquire_gpu(gen);  // cannot move on before this block arrives
-    __threadfence();
-    if (atomicAdd(count, 1) == (int)(gridDim.x * gridDim.y * gridDim.z) - 1) {
-      atomicExch(count, 0);  // the last to arrive resets the count, then releases the others
-      __threadfence();
-      atomicAdd(gen, 1);
-    } else {
-      while (ld_acquire_gpu(gen) == g) spin_pause();
-    }
-    __threadfence();
-  }
-  __syncthreads();
-}

@@ -37,7 +37,6 @@ KERNELS = {
     "candidate_scores.cu": ["candidate_scores"],
     "weaver_linear.cu": ["weaver_linear"],
     "weaver_attention.cu": ["weaver_node_attention"],
-    "weaver_step.cu": ["weaver_step"],
     "tree_step_topology.cu": ["tree_step_topology"],
     "kv_compact.cu": ["kv_compact_layers"],
     "topk_rows.cu": ["topk_rows"],
@@ -45,7 +44,7 @@ KERNELS = {
     "context_order.cu": ["dflash_context_order"],
 }
 WRAPPERS = ("gdn", "conv", "tree_attention", "batched_commit", "weaver_round", "candidate_scores", "weaver_linear",
-            "weaver_attention", "weaver_step", "step_topology", "kv_compact", "topk_rows", "greedy_accept",
+            "weaver_attention", "step_topology", "kv_compact", "topk_rows", "greedy_accept",
             "context_order")  # vllm_tfm.kernels modules that launch kernels
 
 
@@ -111,16 +110,9 @@ def emulated_kernels(out_dir: Path | None = None, sanitize: bool = False) -> Ite
         set_cluster.restype = None
         return _EmuKernel(fn, kernel_name, set_cluster)
 
-    def launch(kernel, grid, block, args, shared_mem: int = 0, programmatic: bool = False, cluster: int = 1,
-               cooperative: bool = False) -> None:
+    def launch(kernel, grid, block, args, shared_mem: int = 0, programmatic: bool = False, cluster: int = 1) -> None:
         # programmatic (dependent launch): the emulation runs kernels one after the other, which is
-        # the ordering griddepcontrol.wait guarantees; cluster: CTAs per cluster along x, run together;
-        # cooperative: every block of the (1-D) grid runs together, as one cluster (so such a kernel keeps to
-        # dynamic shared memory, as clustered kernels do)
-        if cooperative:
-            if grid[1] != 1 or grid[2] != 1 or cluster != 1:
-                raise loader.KernelLaunchError(f"{kernel.name}: the emulation runs 1-D cooperative grids only")
-            cluster = grid[0]
+        # the ordering griddepcontrol.wait guarantees; cluster: CTAs per cluster along x, run together
         if shared_mem > kernel.max_dynamic_smem:
             raise loader.KernelLaunchError(f"{kernel.name} needs {shared_mem} bytes of shared memory")
         if cluster < 1 or grid[0] % cluster:
@@ -148,9 +140,6 @@ def emulated_kernels(out_dir: Path | None = None, sanitize: bool = False) -> Ite
         stack.enter_context(mock.patch("vllm_tfm.kernels.tree_attention.device_smem_optin", lambda i: 227 * 1024))
         stack.enter_context(mock.patch("vllm_tfm.kernels.weaver_round.device_smem_optin", lambda i: 227 * 1024))
         stack.enter_context(mock.patch("vllm_tfm.kernels.weaver_attention.device_smem_optin", lambda i: 227 * 1024))
-        # a cooperative grid's blocks are threads here: a few of them (TFM_EMU_RESIDENT_BLOCKS, default 3)
-        resident = int(os.environ.get("TFM_EMU_RESIDENT_BLOCKS", "3"))
-        stack.enter_context(mock.patch("vllm_tfm.kernels.weaver_step.max_resident_blocks", lambda k, t, s: resident))
         stack.enter_context(mock.patch("torch.cuda.current_device", lambda: 0))
         stack.enter_context(mock.patch("torch.cuda.get_device_properties", lambda i: _Props()))
         yield launches

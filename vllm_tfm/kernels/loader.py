@@ -362,12 +362,12 @@ def _ctype_arg(value: Any) -> ctypes._SimpleCData:
         _TENSOR.append(torch.Tensor)
     if isinstance(value, _TENSOR[0]):
         return ctypes.c_void_p(value.data_ptr())
-    if isinstance(value, (ctypes._SimpleCData, ctypes.Structure)):  # a Structure: a struct passed by value
+    if isinstance(value, ctypes._SimpleCData):
         return value
     if value is None:
         return ctypes.c_void_p(0)
     raise TypeError(
-        f"kernel argument {value!r}: pass a tensor, None, or a ctypes value (c_int, c_longlong, c_float, a Structure)"
+        f"kernel argument {value!r}: pass a tensor, None, or a ctypes value (c_int, c_longlong, c_float)"
     )
 
 
@@ -413,12 +413,7 @@ def param_array(kernel: CompiledKernel, args: Sequence[Any]) -> ctypes.Array:
                 if type(v) is not _Pointer:
                     break
                 v.value = a.data_ptr()
-            elif type(a) is not type(v):
-                break
-            elif isinstance(a, ctypes.Structure):
-                if bytes(a) != bytes(v):
-                    break
-            elif a.value != v.value or (type(a) in _FLOAT_ARGS and bytes(a) != bytes(v)):
+            elif type(a) is not type(v) or a.value != v.value or (type(a) in _FLOAT_ARGS and bytes(a) != bytes(v)):
                 break
         else:
             return found[1]
@@ -436,15 +431,10 @@ def param_array(kernel: CompiledKernel, args: Sequence[Any]) -> ctypes.Array:
 
 
 def _launch_config(driver: Any, grid: tuple[int, int, int], block: tuple[int, int, int], shared_mem: int,
-                   stream: int, programmatic: bool, cluster: int, cooperative: bool = False) -> Any:
-    """``CUlaunchConfig`` of a launch with the programmatic stream serialization attribute, a cluster
-    dimension (``cluster`` CTAs along x) and / or the cooperative attribute (every block resident at once)."""
+                   stream: int, programmatic: bool, cluster: int) -> Any:
+    """``CUlaunchConfig`` of a launch with the programmatic stream serialization attribute and / or a
+    cluster dimension (``cluster`` CTAs along x)."""
     attrs = []
-    if cooperative:
-        attr = driver.CUlaunchAttribute()
-        attr.id = driver.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_COOPERATIVE
-        attr.value.cooperative = 1
-        attrs.append(attr)
     if programmatic:
         attr = driver.CUlaunchAttribute()
         attr.id = driver.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
@@ -494,21 +484,6 @@ def max_active_clusters(kernel: CompiledKernel, grid: tuple[int, int, int], bloc
     return int(_check_cu(driver.cuOccupancyMaxActiveClusters(kernel.function, cfg), "cuOccupancyMaxActiveClusters"))
 
 
-def max_resident_blocks(kernel: CompiledKernel, threads: int, shared_mem: int) -> int:
-    """How many blocks of ``threads`` threads and ``shared_mem`` bytes of dynamic shared memory the device
-    holds at once (``cuOccupancyMaxActiveBlocksPerMultiprocessor`` x its SMs): the largest grid of a
-    cooperative launch."""
-    driver, _ = _import_cuda()
-    _raise_smem_limit(driver, kernel, shared_mem)
-    per_sm = int(_check_cu(driver.cuOccupancyMaxActiveBlocksPerMultiprocessor(kernel.function, int(threads),
-                                                                             int(shared_mem)),
-                           "cuOccupancyMaxActiveBlocksPerMultiprocessor"))
-    dev = _check_cu(driver.cuDeviceGet(kernel.device_index), "cuDeviceGet")
-    sms = int(_check_cu(driver.cuDeviceGetAttribute(driver.CUdevice_attribute.CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT,
-                                                    dev), "cuDeviceGetAttribute(MULTIPROCESSOR_COUNT)"))
-    return per_sm * sms
-
-
 class _Pointer(ctypes.c_void_p):
     """A pointer argument's slot in a kept parameter array (a tensor or None at that position)."""
 
@@ -521,7 +496,6 @@ def launch(
     shared_mem: int = 0,
     programmatic: bool = False,
     cluster: int = 1,
-    cooperative: bool = False,
 ) -> None:
     """Launch ``kernel`` on torch's current stream of its device.
 
@@ -533,9 +507,6 @@ def launch(
     kernel must ``griddepcontrol.wait`` before it reads that kernel's outputs (GDN verify version 5).
     ``cluster``: CTAs per thread block cluster along x (sm_90; grid x a multiple of it), for kernels
     that share work through distributed shared memory (GDN verify version 6 with ``G6_CLUSTER``).
-    ``cooperative``: every block of the grid resident at once, or the launch fails (``cuLaunchKernelEx``
-    with the cooperative attribute), for kernels whose blocks wait for one another (a grid barrier:
-    the Weaver step, ``weaver_step.py``); :func:`max_resident_blocks` says how many fit.
     With ``VLLM_TFM_SYNC_LAUNCH=1`` the stream is synchronised after the launch so that an
     asynchronous fault is reported at its launch.
     """
@@ -556,8 +527,8 @@ def launch(
     stream = torch.cuda.current_stream(kernel.device_index)
     if cluster > 1 and grid[0] % cluster:
         raise KernelLaunchError(f"{kernel.name}: grid {tuple(grid)} is not a multiple of the cluster size {cluster}")
-    if programmatic or cluster > 1 or cooperative:
-        cfg = _launch_config(driver, grid, block, shared_mem, stream.cuda_stream, programmatic, cluster, cooperative)
+    if programmatic or cluster > 1:
+        cfg = _launch_config(driver, grid, block, shared_mem, stream.cuda_stream, programmatic, cluster)
         result = driver.cuLaunchKernelEx(cfg, kernel.function, ctypes.addressof(pointers), 0)
     else:
         result = driver.cuLaunchKernel(
@@ -566,7 +537,7 @@ def launch(
         )
     if (result[0] if isinstance(result, tuple) else result) != driver.CUresult.CUDA_SUCCESS:
         # the message is formatted only on failure (this runs hundreds of times per decode step)
-        call = "cuLaunchKernelEx" if programmatic or cluster > 1 or cooperative else "cuLaunchKernel"
+        call = "cuLaunchKernelEx" if programmatic or cluster > 1 else "cuLaunchKernel"
         _check_cu(result, f"{call}({kernel.name}, grid={grid}, block={block}, smem={shared_mem})")
     if os.environ.get("VLLM_TFM_SYNC_LAUNCH") == "1":
         _check_cu(driver.cuStreamSynchronize(driver.CUstream(stream.cuda_stream)), f"after {kernel.name}")

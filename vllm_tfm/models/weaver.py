@@ -49,7 +49,6 @@ from .tfm_config import TFM_CONFIG_NAME, WEAVER_WEIGHTS_NAME, TfmConfig, WeaverC
 import vllm_tfm.kernels.candidate_scores as candidate_kernel  # module imports: the kernels import this package too
 import vllm_tfm.kernels.weaver_attention as attention_kernel
 import vllm_tfm.kernels.weaver_linear as linear_kernel
-import vllm_tfm.kernels.weaver_step as step_kernel
 
 __all__ = ["Weaver", "WeaverTreeScorer", "BatchedWeaverTreeScorer", "weaver_param_count", "candidate_logprobs"]
 
@@ -581,9 +580,6 @@ class BatchedWeaverTreeScorer:
             self.key_bias[:, :, :p0] = 0.0
         self._scored = torch.zeros(r, max_nodes, dtype=torch.bool, device=dev) if validate else None
         self._depths = torch.zeros(r, max_nodes, dtype=torch.long, device=dev) if validate else None
-        # the one-launch step (kernels.weaver_step, VLLM_TFM_WEAVER_STEP_KERNEL=1): per width w, its scratch and
-        # whether it takes this scorer's calls (None) or why not
-        self._step_scratch: dict[int, tuple[step_kernel.StepBuffers, str | None]] = {}
 
     def _check(self, node_ids: Tensor, parent_ids: Tensor, tokens: Tensor, depths: Tensor, valid: Tensor) -> None:
         """The protocol of the class docstring, for the valid rows (host sync)."""
@@ -631,30 +627,6 @@ class BatchedWeaverTreeScorer:
         if done is not None:
             torch.cuda.current_stream(self.key_bias.device).wait_event(done)
 
-    def _one_launch_step(self, node_ids: Tensor, parent_ids: Tensor, tokens: Tensor, depths: Tensor,
-                         valid: Tensor) -> Tensor | None:
-        """The query rows [R w, H] of the call's Weaver step in one launch (``kernels.weaver_step``), the per-kernel
-        path's bit for bit, where it is switched on and takes the operands; else None (the per-kernel path runs)."""
-        if not step_kernel.enabled() or not isinstance(self.embed, Tensor):
-            return None
-        w = node_ids.shape[1]
-        flat = tokens.reshape(-1).contiguous()
-        scale = self.weaver.layers[0].head_dim ** -0.5
-        found = self._step_scratch.get(w)
-        if found is None:
-            bufs = step_kernel.step_buffers(self.folded, flat.shape[0], self.key_bias.dtype, self.key_bias.device)
-            reason = step_kernel.unsupported_reason(self.folded, self.embed, flat, self._rope_nodes, node_ids, parent_ids,
-                                                    depths, valid, self.kv_cache, self.key_bias, 1 + self.depth, scale,
-                                                    bufs)
-            if reason is not None:
-                step_kernel.warn_unsupported(reason, self.key_bias.is_cuda)
-            found = self._step_scratch[w] = (bufs, reason)
-        bufs, reason = found
-        if reason is not None:
-            return None
-        return step_kernel.weaver_step_kernel(self.folded, self.embed, flat, self._rope_nodes, node_ids, parent_ids,
-                                              depths, valid, self.kv_cache, self.key_bias, 1 + self.depth, scale, bufs)
-
     def __call__(self, node_ids: Tensor, parent_ids: Tensor, tokens: Tensor, depths: Tensor, valid: Tensor) -> Tensor:
         self.join_prompt()
         r = self.num_requests
@@ -675,11 +647,6 @@ class BatchedWeaverTreeScorer:
             fused = self.score_kernel
             if fused:  # the kernels read [R, w] index tensors as contiguous rows
                 node_ids, parent_ids, depths, valid = (t.contiguous() for t in (node_ids, parent_ids, depths, valid))
-            qry = self._one_launch_step(node_ids, parent_ids, tokens, depths, valid) if fused else None
-            if qry is not None:
-                score_fn = candidate_kernel.candidate_scores
-                scores = score_fn(self.lm_head, self.cand_ids, self.cand_logits, depths, qry.view(r, node_ids.shape[1], -1))
-                return torch.log_softmax(scores, dim=-1)  # [R, w, K]
             attention = attention_kernel.node_attention if fused else attention_kernel.node_attention_reference
             if fused and isinstance(self.embed, Tensor):  # the embedding rows gathered (and clamped) by the kernel
                 x = _fused_linear(self.embed, fw.token_in, fw.token_in_fp8, fw.token_in_bias, None, fw.embed_eps, False,
