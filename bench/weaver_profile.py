@@ -28,7 +28,8 @@ the DFlash logits in bfloat16 as the engine's drafter gives them; it records eac
 minimum and whether the two settings' trees are equal.
 
 Profiling adds no kernels; the wall time is measured outside the profiler. The ``VLLM_TFM_*``
-environment (e.g. ``VLLM_TFM_CANDIDATE_KERNEL=0``, ``VLLM_TFM_WEAVER_ROUND_KERNEL=0``) is recorded.
+environment (e.g. ``VLLM_TFM_CANDIDATE_KERNEL=0``, ``VLLM_TFM_WEAVER_ROUND_KERNEL=0``) is recorded;
+``VLLM_TFM_WEAVER_WEIGHTS=fp8`` gives the Weaver its weight-only FP8 rows (the e2e default arm's).
 """
 
 from __future__ import annotations

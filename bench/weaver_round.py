@@ -48,6 +48,8 @@ def inputs(r: int, device: torch.device, seed: int) -> dict[str, Any]:
         for p in weaver.parameters():
             p.add_(torch.randn_like(p) * 0.02)
     weaver = weaver.to(device=device, dtype=torch.bfloat16).eval()
+    # the default arm's weight-only FP8 projections where the environment asks for them as the engine's does
+    weaver.fp8_weights = os.environ.get("VLLM_TFM_WEAVER_WEIGHTS") == "fp8"
     gen = torch.Generator(device=device).manual_seed(seed + 1)
     embed = torch.randn(VOCAB, H, generator=gen, device=device).to(torch.bfloat16)
     head = (torch.randn(VOCAB, H, generator=gen, device=device) * 0.05).to(torch.bfloat16)

@@ -16,7 +16,7 @@
 // agree with a float64 reference to float32 rounding of a sum of H products.
 //
 // Requirements (checked by the wrapper, vllm_tfm/kernels/candidate_scores.py): H % 8 == 0, the
-// table's and the queries' rows 16-byte aligned; cand_ids, cand_logits [R, D, K] and out [R w, K]
+// table's and the queries' rows 16-byte aligned (rows of H elements: a multiple of 16 bytes, prefetch_l2's unit); cand_ids, cand_logits [R, D, K] and out [R w, K]
 // contiguous. Depths are clamped to [0, D - 1] and ids to [0, table_rows - 1] (memory safety; the
 // scorer passes clamped depths and the DFlash top-K ids of the same vocabulary).
 //
@@ -57,6 +57,11 @@ extern "C" __global__ void __launch_bounds__(CS_WARPS * 32) candidate_scores(
   i64 id = cand_ids[e];
   id = id < 0 ? 0 : (id >= table_rows ? table_rows - 1 : id);
   const tin* __restrict__ row = table + id * table_ld;
+  // Launched with programmatic dependent launch (VLLM_TFM_WEAVER_CHAIN_PDL), this block may start while the query
+  // linear before it still runs: the ids, depths and the table are older (the DFlash top-K, the growth round before
+  // the call, weights), so the row is fetched into L2 first; the query is read after the wait.
+  if (lane == 0) prefetch_l2(row, (u32)(H * (int)sizeof(tin)));
+  pdl_wait();
   const tin* __restrict__ q = queries + (i64)n * queries_ld;
   float acc = 0.0f;
 #pragma unroll 4

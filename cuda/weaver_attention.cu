@@ -65,7 +65,8 @@ extern "C" __global__ void __launch_bounds__(WA_THREADS) weaver_node_attention(
     int w, int heads, int hd, int S, int p0, int n_slots, int cols, int D, float scale, int write_mask) {
   (void)hd;  // WA_HD
   // the next kernel (the o_proj linear, launched with programmatic dependent launch) may start now:
-  // it loads its weights during this kernel and waits for its completion before reading our output
+  // it loads its weights during this kernel and waits for its completion before reading our output;
+  // this kernel, so launched too (VLLM_TFM_WEAVER_CHAIN_PDL), stages its K / V rows before its own wait
   pdl_launch_dependents();
   TFM_DYNAMIC_SMEM(uint4, s_raw);
   // proj and out are restrict here (written by no other block of this launch)

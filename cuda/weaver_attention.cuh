@@ -95,6 +95,10 @@ __device__ __forceinline__ void wa_node_attention(
     }
     cp_async_commit();
   }
+  // Launched with programmatic dependent launch (vllm_tfm/kernels/weaver_attention.py), the copies above may run
+  // while the qkv linear before it still does: they read only cache rows that kernels before that linear wrote (the
+  // prompt pass, earlier calls' node rows). Everything below reads its output (proj) or writes.
+  pdl_wait();
 
   // ---- B: one warp per node: q, k, v rotated (lane l: the element pairs 2 l + 64 t), the valid
   //      node's k and v into the cache, q and own v to shared memory, the own key's score

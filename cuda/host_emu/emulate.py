@@ -78,15 +78,18 @@ class _EmuKernel:
 
 
 class _Launches(list):
-    """(kernel name, grid, shared memory bytes) of each launch; ``clusters``: each one's cluster size."""
+    """(kernel name, grid, shared memory bytes) of each launch; ``clusters``: each one's cluster size;
+    ``programmatic``: whether each was launched with programmatic dependent launch."""
 
     def __init__(self) -> None:
         super().__init__()
         self.clusters: list[int] = []
+        self.programmatic: list[bool] = []
 
     def clear(self) -> None:
         super().clear()
         self.clusters.clear()
+        self.programmatic.clear()
 
 
 @contextlib.contextmanager
@@ -123,6 +126,7 @@ def emulated_kernels(out_dir: Path | None = None, sanitize: bool = False) -> Ite
         ptrs = (ctypes.c_void_p * max(len(values), 1))(*[ctypes.addressof(v) for v in values])
         launches.append((kernel.name, tuple(grid), int(shared_mem)))
         launches.clusters.append(int(cluster))
+        launches.programmatic.append(bool(programmatic))
         kernel.set_cluster(int(cluster))
         kernel.function(*grid, *block, int(shared_mem), ctypes.addressof(ptrs))
 

@@ -5,7 +5,8 @@ against a float64 evaluation of the same stored values and against the torch ref
 forests of earlier nodes, roots (parent -1), a deep chain, n = 1, invalid rows with garbage ids,
 out-of-range depths (clamped), more keys than a warp's lanes, head rows of one 16-byte vector; the
 K/V and key-mask writes; through ``BatchedWeaverTreeScorer`` (one launch per layer, the torch path's
-log-probabilities to float32 rounding); and which inputs the kernel takes."""
+log-probabilities to float32 rounding), launched with programmatic dependent launch unless switched off, with the
+candidate scores; and which inputs the kernel takes."""
 
 from __future__ import annotations
 
@@ -127,3 +128,27 @@ def test_dispatch_uses_the_reference_off_cuda_and_when_switched_off(monkeypatch)
         monkeypatch.setenv(ka.ENV_SWITCH, "0")
         with mock.patch.object(ka, "unsupported_reason", lambda *x: None):
             assert torch.equal(ka.node_attention(*a, False), ka.node_attention_reference(*b, False))
+
+
+def test_the_scorer_launches_attention_and_candidate_scores_with_pdl_unless_switched_off(emu_dir: Path,
+                                                                                       monkeypatch) -> None:
+    """VLLM_TFM_WEAVER_CHAIN_PDL (on unless 0): the attention and candidate-score launches ask for programmatic
+    dependent launch like the linear ones, or not; the scores are the same either way."""
+    monkeypatch.delenv(ka.CHAIN_PDL_SWITCH, raising=False)
+    outs, flags = [], []
+    for setting in (None, "0"):
+        if setting is not None:
+            monkeypatch.setenv(ka.CHAIN_PDL_SWITCH, setting)
+        scorer = tiny_scorer_pair(4, 2)[1]
+        node, valid = torch.zeros(2, 1, dtype=torch.long), torch.ones(2, 1, dtype=torch.bool)
+        with (emulated(emu_dir) as launches, mock.patch.object(kc, "unsupported_reason", lambda *a: None),
+              mock.patch.object(kl, "unsupported_reason", lambda *a: None),
+              mock.patch.object(ka, "unsupported_reason", lambda *a: None)):
+            outs.append(scorer(node, node - 1, torch.tensor([[5], [9]]), node, valid))
+        by_name: dict[str, set[bool]] = {}
+        for (name, *_), pdl in zip(launches, launches.programmatic):
+            by_name.setdefault(name, set()).add(pdl)
+        flags.append(by_name)
+    assert flags[0] == {"weaver_linear": {True}, "weaver_node_attention": {True}, "candidate_scores": {True}}
+    assert flags[1] == {"weaver_linear": {True}, "weaver_node_attention": {False}, "candidate_scores": {False}}
+    assert torch.equal(outs[0], outs[1])

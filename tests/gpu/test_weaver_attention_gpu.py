@@ -7,17 +7,19 @@ problems at the 27B drafter's layer shape (8 heads of 128, D = 15, 33 node slots
 requests, w = 1, 2, 4 nodes per call, bfloat16 / float16 / float32; a deep chain and 130 node slots
 (more keys than a CTA's lanes four times over); the dispatch takes the kernel on CUDA; and the
 Weaver's log-probabilities through the scorer's kernels stay within bfloat16 rounding of the torch
-path at the 27B shape over three calls.
+path at the 27B shape over three calls; launched with programmatic dependent launch (with the candidate scores),
+the plain launches' outputs bit for bit, eagerly and from a CUDA graph.
 """
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 
 import pytest
 import torch
-from _weaver27b import VOCAB, scorer_pair_27b
+from _weaver27b import VOCAB, scorer_pair_27b, scorers_27b
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "cpu"))
 from _attention_problem import check_results, problem, run_on_copies, run_reference
@@ -75,3 +77,47 @@ def test_weaver_scorer_at_the_27b_shape(monkeypatch) -> None:
             ref, got = (s(node, parent, tok, torch.full_like(node, depth), valid) for s in scorers)
             p_ref, p_got = ref.exp()[valid], got.exp()[valid]
             assert float((p_ref - p_got).abs().sum(-1).max()) <= 0.05  # total variation of the 512-way softmax
+
+
+@pytest.mark.parametrize("fp8", [True, False])
+def test_chain_pdl_gives_the_plain_launches_outputs(monkeypatch, fp8: bool) -> None:
+    """The attention and candidate-score kernels launched with programmatic dependent launch (each may start while the
+    linear before it runs: VLLM_TFM_WEAVER_CHAIN_PDL) give the plain launches' log-probabilities, K/V caches and
+    key-mask rows bit for bit over three calls at the 27B shape, eagerly and replayed from a CUDA graph."""
+    r, w = 2, 2
+    off_s, on_s = scorers_27b(r, (True, True), max_nodes=17, fp8=fp8)
+    tok = torch.randint(0, VOCAB, (r, w), device=DEV)
+    calls = [
+        (torch.zeros(r, w, dtype=torch.long, device=DEV), torch.full((r, w), -1, device=DEV), 0,
+         torch.tensor([[True, False]] * r, device=DEV)),
+        (torch.tensor([[1, 2]] * r, device=DEV), torch.zeros(r, w, dtype=torch.long, device=DEV), 1,
+         torch.ones(r, w, dtype=torch.bool, device=DEV)),
+        (torch.tensor([[3, 4]] * r, device=DEV), torch.tensor([[1, 2]] * r, device=DEV), 2,
+         torch.ones(r, w, dtype=torch.bool, device=DEV)),
+    ]
+    with torch.inference_mode():
+        for node, parent, depth, valid in calls:
+            args = (node, parent, tok, torch.full_like(node, depth), valid)
+            monkeypatch.setenv(ka.CHAIN_PDL_SWITCH, "0")
+            ref = off_s(*args)
+            monkeypatch.setenv(ka.CHAIN_PDL_SWITCH, "1")
+            got = on_s(*args)
+            assert torch.equal(ref[valid], got[valid])
+        for a, b in zip(off_s.kv_cache, on_s.kv_cache):
+            assert torch.equal(a, b)
+        assert torch.equal(off_s.key_bias, on_s.key_bias)
+        if os.environ.get("PYTORCH_NO_CUDA_MEMORY_CACHING", "0") in ("", "0"):  # a capture needs the caching allocator
+            args = (torch.tensor([[5, 6]] * r, device=DEV), torch.tensor([[3, 4]] * r, device=DEV), tok,
+                    torch.full((r, w), 3, device=DEV), torch.ones(r, w, dtype=torch.bool, device=DEV))
+            monkeypatch.setenv(ka.CHAIN_PDL_SWITCH, "0")
+            eager = off_s(*args)
+            monkeypatch.setenv(ka.CHAIN_PDL_SWITCH, "1")
+            on_s(*args)  # the new width's buffers outside the capture
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                out = on_s(*args)
+            for _ in range(3):
+                out.zero_()
+                graph.replay()
+                torch.cuda.synchronize()
+                assert torch.equal(out, eager)

@@ -10,7 +10,9 @@ of every node and their float32 copy before a batched GEMV (at the 27B shape, R 
 The kernel runs for CUDA tensors: a plain ``[V, H]`` lm_head of float32, bfloat16 or float16 (not a
 vocabulary-split ``ShardedVocabTable``), queries of the same dtype, candidate logits of one of the
 three, H a multiple of 8 with 16-byte aligned rows; anything else (and ``VLLM_TFM_CANDIDATE_KERNEL=0``)
-calls the reference, with a one-time warning for CUDA inputs the kernel does not take.
+calls the reference, with a one-time warning for CUDA inputs the kernel does not take. It is launched with
+programmatic dependent launch unless ``VLLM_TFM_WEAVER_CHAIN_PDL=0`` (``weaver_attention.chain_pdl``): its lm_head
+rows go to L2 while the query linear before it still runs.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ from vllm_tfm.kernels.loader import (
     tensor_device_index,
     warn_fallback,
 )
+from vllm_tfm.kernels.weaver_attention import chain_pdl
 from vllm_tfm.models.vocab_table import VocabTable, candidate_scores_reference
 
 __all__ = ["ENV_SWITCH", "NOT_CUDA", "WARPS", "candidate_scores", "candidate_scores_kernel", "unsupported_reason"]
@@ -113,5 +116,6 @@ def candidate_scores_kernel(lm_head: Tensor, cand_ids: Tensor, cand_logits: Tens
         (WARPS * 32, 1, 1),
         [lm_head, i64(lm_head.shape[0]), i64(lm_head.stride(0)), ids, logits, depths, i64(depths.stride(0)),
          q, i64(q.stride(0)), out, i32(w), i32(d), i32(k), i32(lm_head.shape[1])],
+        programmatic=chain_pdl(),
     )
     return out

@@ -17,7 +17,8 @@ The kernel runs for CUDA tensors of one dtype (float32, bfloat16 or float16), he
 multiple of 16 bytes, contiguous kv / key_bias (at most 288 columns) / rope table / [R, w] index tensors and
 projection rows, and shared memory for the staged K and V rows within the device's limit; anything else
 (and ``VLLM_TFM_WEAVER_ATTENTION_KERNEL=0``) calls the reference, with a one-time warning for CUDA
-inputs the kernel does not take.
+inputs the kernel does not take. It is launched with programmatic dependent launch unless
+``VLLM_TFM_WEAVER_CHAIN_PDL=0`` (``chain_pdl``): it stages its K / V rows while the qkv linear before it still runs.
 """
 
 from __future__ import annotations
@@ -39,9 +40,11 @@ from vllm_tfm.kernels.loader import (
 )
 
 __all__ = [
+    "CHAIN_PDL_SWITCH",
     "ENV_SWITCH",
     "NOT_CUDA",
     "attention_smem_bytes",
+    "chain_pdl",
     "node_attention",
     "node_attention_kernel",
     "node_attention_reference",
@@ -53,9 +56,19 @@ THREADS = 128  # WA_THREADS in the source
 WARPS = THREADS // 32
 DTYPE_CODE = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 ENV_SWITCH = "VLLM_TFM_WEAVER_ATTENTION_KERNEL"
+# this kernel and the candidate scores launched with programmatic dependent launch (on unless "0"; chain_pdl)
+CHAIN_PDL_SWITCH = "VLLM_TFM_WEAVER_CHAIN_PDL"
 NOT_CUDA = "the tensors are not all on one CUDA device"
 MAX_GRID_Y = 65535
 MAX_COLS = 32 * 9  # 32 lanes x WA_KEY_ITERS key columns in the source
+
+
+def chain_pdl() -> bool:
+    """Whether the scorer's attention and candidate-score kernels are launched with programmatic dependent launch
+    (``VLLM_TFM_WEAVER_CHAIN_PDL``, read at every launch; on unless ``0``): each may start while the linear before
+    it still runs, doing what does not read that linear's output (the attention stages the K / V rows of its span,
+    the candidate scores fetch their lm_head rows into L2) before it waits for it. The same outputs bit for bit."""
+    return os.environ.get(CHAIN_PDL_SWITCH, "1") != "0"
 
 
 def _shape(kv: Tensor, key_bias: Tensor) -> tuple[int, int, int, int]:
@@ -186,5 +199,6 @@ def node_attention_kernel(
          i32(w), i32(heads), i32(hd), i32(kv.shape[3]), i32(p0), i32(n), i32(cols), i32(rope.shape[0]),
          ctypes.c_float(scale), i32(1 if write_mask else 0)],
         shared_mem=attention_smem_bytes(w, p0 + n, hd, proj.dtype.itemsize),
+        programmatic=chain_pdl(),
     )
     return out
