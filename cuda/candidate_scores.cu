@@ -16,8 +16,8 @@
 // agree with a float64 reference to float32 rounding of a sum of H products.
 //
 // Requirements (checked by the wrapper, vllm_tfm/kernels/candidate_scores.py): H % 8 == 0, the
-// table's and the queries' rows 16-byte aligned (rows of H elements: a multiple of 16 bytes, prefetch_l2's unit); cand_ids, cand_logits [R, D, K] and out [R w, K]
-// contiguous. Depths are clamped to [0, D - 1] and ids to [0, table_rows - 1] (memory safety; the
+// table's and the queries' rows 16-byte aligned (so a row is a whole number of prefetch_l2's 16-byte
+// units); cand_ids, cand_logits [R, D, K] and out [R w, K] contiguous. Depths are clamped to [0, D - 1] and ids to [0, table_rows - 1] (memory safety; the
 // scorer passes clamped depths and the DFlash top-K ids of the same vocabulary).
 //
 // Compile-time constants (NVRTC -D): TFM_IN, the table's and the queries' type (0 float32,

@@ -59,12 +59,11 @@ def test_dispatch_takes_the_kernel(monkeypatch) -> None:
     assert all(torch.equal(a, b) for a, b in zip(off, ref))
 
 
-def test_weaver_scorer_at_the_27b_shape(monkeypatch) -> None:
-    monkeypatch.setenv("VLLM_TFM_WEAVER_LINEAR_KERNEL", "0")  # the attention (and candidate) kernels differ
-    r, w = 2, 2
-    scorers = scorer_pair_27b(r)
-    tok = torch.randint(0, VOCAB, (r, w), device=DEV)
-    calls = [  # roots (one invalid column), their children, grandchildren under different parents
+def three_calls(r: int) -> list[tuple[torch.Tensor, torch.Tensor, int, torch.Tensor]]:
+    """(node ids, parent ids, depth, valid) of three scorer calls of R requests at w = 2: the roots (one invalid
+    column), their children, grandchildren under different parents."""
+    w = 2
+    return [
         (torch.zeros(r, w, dtype=torch.long, device=DEV), torch.full((r, w), -1, device=DEV), 0,
          torch.tensor([[True, False]] * r, device=DEV)),
         (torch.tensor([[1, 2]] * r, device=DEV), torch.zeros(r, w, dtype=torch.long, device=DEV), 1,
@@ -72,6 +71,14 @@ def test_weaver_scorer_at_the_27b_shape(monkeypatch) -> None:
         (torch.tensor([[3, 4]] * r, device=DEV), torch.tensor([[1, 2]] * r, device=DEV), 2,
          torch.ones(r, w, dtype=torch.bool, device=DEV)),
     ]
+
+
+def test_weaver_scorer_at_the_27b_shape(monkeypatch) -> None:
+    monkeypatch.setenv("VLLM_TFM_WEAVER_LINEAR_KERNEL", "0")  # the attention (and candidate) kernels differ
+    r, w = 2, 2
+    scorers = scorer_pair_27b(r)
+    tok = torch.randint(0, VOCAB, (r, w), device=DEV)
+    calls = three_calls(r)
     with torch.inference_mode():
         for node, parent, depth, valid in calls:
             ref, got = (s(node, parent, tok, torch.full_like(node, depth), valid) for s in scorers)
@@ -87,14 +94,7 @@ def test_chain_pdl_gives_the_plain_launches_outputs(monkeypatch, fp8: bool) -> N
     r, w = 2, 2
     off_s, on_s = scorers_27b(r, (True, True), max_nodes=17, fp8=fp8)
     tok = torch.randint(0, VOCAB, (r, w), device=DEV)
-    calls = [
-        (torch.zeros(r, w, dtype=torch.long, device=DEV), torch.full((r, w), -1, device=DEV), 0,
-         torch.tensor([[True, False]] * r, device=DEV)),
-        (torch.tensor([[1, 2]] * r, device=DEV), torch.zeros(r, w, dtype=torch.long, device=DEV), 1,
-         torch.ones(r, w, dtype=torch.bool, device=DEV)),
-        (torch.tensor([[3, 4]] * r, device=DEV), torch.tensor([[1, 2]] * r, device=DEV), 2,
-         torch.ones(r, w, dtype=torch.bool, device=DEV)),
-    ]
+    calls = three_calls(r)
     with torch.inference_mode():
         for node, parent, depth, valid in calls:
             args = (node, parent, tok, torch.full_like(node, depth), valid)

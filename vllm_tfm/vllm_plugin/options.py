@@ -92,7 +92,7 @@ NON_OPTION_ENV_VARS: frozenset[str] = frozenset(
         "VLLM_TFM_WEAVER_LINEAR_KERNEL",  # kernels/weaver_linear.py: 0 keeps cuBLAS + torch norms / epilogues in the Weaver scorer
         "VLLM_TFM_TREE_CONV_UNROLLED",  # kernels/conv.py: 0 compiles the tree conv without its width (the loop build)
         "VLLM_TFM_WEAVER_LINEAR_PDL",  # kernels/weaver_linear.py: 0 launches the linear kernel without programmatic dependent launch
-        "VLLM_TFM_WEAVER_CHAIN_PDL",  # kernels/weaver_attention.py: 0 launches the scorer's attention and candidate scores without it
+        "VLLM_TFM_WEAVER_CHAIN_PDL",  # kernels/weaver_attention.py: 0 launches the scorer's attention and candidate scores without programmatic dependent launch
         "VLLM_TFM_CANDIDATE_KERNEL",  # kernels/candidate_scores.py: 0 keeps the torch candidate scores of the Weaver scorer
         "VLLM_TFM_TOPK_KERNEL",  # runtime: 0 keeps torch.topk for the DFlash candidates of the Weaver build (runtime/tree_builder_gpu.py)
         "VLLM_TFM_WEAVER_PROMPT_OVERLAP",  # runtime: 1 runs the Weaver's prompt pass on a second stream beside the top-K (runtime/tree_builder_gpu.py)
