@@ -13,12 +13,12 @@ the plain launches' outputs bit for bit, eagerly and from a CUDA graph.
 
 from __future__ import annotations
 
-import os
 import sys
 from pathlib import Path
 
 import pytest
 import torch
+from _kernel_marks import CAPTURES_A_GRAPH
 from _weaver27b import VOCAB, scorer_pair_27b, scorers_27b
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "cpu"))
@@ -86,38 +86,53 @@ def test_weaver_scorer_at_the_27b_shape(monkeypatch) -> None:
             assert float((p_ref - p_got).abs().sum(-1).max()) <= 0.05  # total variation of the 512-way softmax
 
 
-@pytest.mark.parametrize("fp8", [True, False])
-def test_chain_pdl_gives_the_plain_launches_outputs(monkeypatch, fp8: bool) -> None:
-    """The attention and candidate-score kernels launched with programmatic dependent launch (each may start while the
-    linear before it runs: VLLM_TFM_WEAVER_CHAIN_PDL) give the plain launches' log-probabilities, K/V caches and
-    key-mask rows bit for bit over three calls at the 27B shape, eagerly and replayed from a CUDA graph."""
-    r, w = 2, 2
+def chain_pdl_pair(monkeypatch, fp8: bool, r: int = 2, w: int = 2):
+    """Two kernel-path scorers of one 27B-shape Weaver after three_calls(r): the first with VLLM_TFM_WEAVER_CHAIN_PDL=0,
+    the second with it on; (scorers, the calls' token ids, each call's outputs off and on)."""
     off_s, on_s = scorers_27b(r, (True, True), max_nodes=17, fp8=fp8)
     tok = torch.randint(0, VOCAB, (r, w), device=DEV)
-    calls = three_calls(r)
+    outs = []
     with torch.inference_mode():
-        for node, parent, depth, valid in calls:
+        for node, parent, depth, valid in three_calls(r):
             args = (node, parent, tok, torch.full_like(node, depth), valid)
             monkeypatch.setenv(ka.CHAIN_PDL_SWITCH, "0")
             ref = off_s(*args)
             monkeypatch.setenv(ka.CHAIN_PDL_SWITCH, "1")
-            got = on_s(*args)
-            assert torch.equal(ref[valid], got[valid])
-        for a, b in zip(off_s.kv_cache, on_s.kv_cache):
-            assert torch.equal(a, b)
-        assert torch.equal(off_s.key_bias, on_s.key_bias)
-        if os.environ.get("PYTORCH_NO_CUDA_MEMORY_CACHING", "0") in ("", "0"):  # a capture needs the caching allocator
-            args = (torch.tensor([[5, 6]] * r, device=DEV), torch.tensor([[3, 4]] * r, device=DEV), tok,
-                    torch.full((r, w), 3, device=DEV), torch.ones(r, w, dtype=torch.bool, device=DEV))
-            monkeypatch.setenv(ka.CHAIN_PDL_SWITCH, "0")
-            eager = off_s(*args)
-            monkeypatch.setenv(ka.CHAIN_PDL_SWITCH, "1")
-            on_s(*args)  # the new width's buffers outside the capture
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph):
-                out = on_s(*args)
-            for _ in range(3):
-                out.zero_()
-                graph.replay()
-                torch.cuda.synchronize()
-                assert torch.equal(out, eager)
+            outs.append((ref, on_s(*args), valid))
+    return (off_s, on_s), tok, outs
+
+
+@pytest.mark.parametrize("fp8", [True, False])
+def test_chain_pdl_gives_the_plain_launches_outputs(monkeypatch, fp8: bool) -> None:
+    """The attention and candidate-score kernels launched with programmatic dependent launch (each may start while the
+    linear before it runs: VLLM_TFM_WEAVER_CHAIN_PDL) give the plain launches' log-probabilities, K/V caches and
+    key-mask rows bit for bit over three calls at the 27B shape."""
+    (off_s, on_s), _, outs = chain_pdl_pair(monkeypatch, fp8)
+    for ref, got, valid in outs:
+        assert torch.equal(ref[valid], got[valid])
+    for a, b in zip(off_s.kv_cache, on_s.kv_cache):
+        assert torch.equal(a, b)
+    assert torch.equal(off_s.key_bias, on_s.key_bias)
+
+
+@CAPTURES_A_GRAPH
+def test_chain_pdl_replayed_from_a_cuda_graph(monkeypatch) -> None:
+    """A fourth call with the chain's PDL launches captured in a CUDA graph: each replay gives the plain launches'
+    eager log-probabilities."""
+    r, w = 2, 2
+    (off_s, on_s), tok, _ = chain_pdl_pair(monkeypatch, True, r, w)
+    args = (torch.tensor([[5, 6]] * r, device=DEV), torch.tensor([[3, 4]] * r, device=DEV), tok,
+            torch.full((r, w), 3, device=DEV), torch.ones(r, w, dtype=torch.bool, device=DEV))
+    with torch.inference_mode():
+        monkeypatch.setenv(ka.CHAIN_PDL_SWITCH, "0")
+        eager = off_s(*args)
+        monkeypatch.setenv(ka.CHAIN_PDL_SWITCH, "1")
+        on_s(*args)  # the kernels compiled and loaded outside the capture
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = on_s(*args)
+        for _ in range(3):
+            out.zero_()
+            graph.replay()
+            torch.cuda.synchronize()
+            assert torch.equal(out, eager)
