@@ -33,6 +33,8 @@ this script) measures, for each arm, output tokens/s at batch 1 and batch 8:
                  layers in FP8 (and its logits through an FP8 lm_head copy; and those logits over a draft vocabulary
                  of 32,768 tokens, or the Weaver's projections in FP8 (weaver_weights), or the Weaver at width 4,
                  which needs ``--arm-profile NAME=PATH`` with acceptance measured at width 4)
+  tfm16-full-async-oneslot-fp8draft-fp8head-fp8weaver-v6  (optional) that -fp8weaver arm with the GDN tree verify
+                 pinned to version 6 (VLLM_TFM_GDN_VERIFY=6; the default runs version 7 on its trees)
   tfm16-full-async-oneslot-fp8draft-fp8head-fp8weaver-convloop  (optional) that -fp8weaver arm with tree conv1d
                  in its loop build (VLLM_TFM_TREE_CONV_UNROLLED=0; the default compiles the conv width in)
 
@@ -164,6 +166,14 @@ ARMS: dict[str, Arm] = {
     "tfm16-full-async-oneslot-fp8draft-fp8head-fp8weaver": Arm(
         "tfm16-full-async-oneslot-fp8draft-fp8head-fp8weaver", "tfm", 16, graphs=True, full=True, async_scheduling=True,
         env=(("VLLM_TFM_GDN_STATE_SLOTS", "one"), ("VLLM_TFM_DRAFT_LM_HEAD", "fp8"), ("VLLM_TFM_WEAVER_WEIGHTS", "fp8")),
+        draft_quantization="fp8"),
+    # the same with the GDN tree verify pinned to version 6 (VLLM_TFM_GDN_VERIFY=6; auto runs version 7 on these
+    # 17-node trees since bench/NOTES.md section 73): a two-engine A/B of the kernel, held by the full graphs
+    "tfm16-full-async-oneslot-fp8draft-fp8head-fp8weaver-v6": Arm(
+        "tfm16-full-async-oneslot-fp8draft-fp8head-fp8weaver-v6", "tfm", 16, graphs=True, full=True,
+        async_scheduling=True,
+        env=(("VLLM_TFM_GDN_STATE_SLOTS", "one"), ("VLLM_TFM_DRAFT_LM_HEAD", "fp8"), ("VLLM_TFM_WEAVER_WEIGHTS", "fp8"),
+             ("VLLM_TFM_GDN_VERIFY", "6")),
         draft_quantization="fp8"),
     # the same with tree conv1d in its loop build (VLLM_TFM_TREE_CONV_UNROLLED=0, vllm_tfm/kernels/conv.py): a
     # two-engine A/B of the kernel build, since the target's full graphs hold the conv launches

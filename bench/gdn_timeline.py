@@ -1,13 +1,14 @@
 #!/usr/bin/env python3
-"""Verify version 6 (cuda/gdn_tree_verify_grouped.cu) from inside: per-CTA phase times.
+"""Verify versions 6 and 7 (cuda/gdn_tree_verify_grouped.cu, gdn_tree_verify_small.cu) from inside: per-CTA phase times.
 
 Thread 0 of every CTA writes the global timer and the SM clock at the kernel's start and after each
-phase's barrier (``timeline6`` of ``vllm_tfm.kernels.gdn.verify_launches``). This prints, per (n,
+phase's barrier (``timeline6`` / ``timeline7`` of ``vllm_tfm.kernels.gdn.verify_launches``). This prints, per (n,
 batch), the median and the largest time of each phase over the CTAs, the span from the first CTA's
 start to the last one's end, and the graph-timed whole call (bench/gdn_tree.py's timing) beside it:
 what the CTAs do against what the launch costs. Same trees and inputs as bench/gdn_tree.py.
 
 usage (GPU host, repository root):  python3 bench/gdn_timeline.py [--out FILE] [--n 32 128] [--batch 1 8]
+                                    python3 bench/gdn_timeline.py --variant 7 --n 17 32 --batch 1 8 32 --block-v 16 32
 """
 
 from __future__ import annotations
@@ -36,6 +37,58 @@ from vllm_tfm.kernels import loader  # noqa: E402
 # "substitution" is the gathers of the outputs; with the level solve (G6_SOLVE=0) it is the substitution
 SOLVES = {"levels": 0, "paths": 1}
 PHASES = ("loads_tables", "norms_gram", "coefficients_split", "projections", "substitution")
+PHASES7 = ("copies", "masks_gates", "norms_grams_projections", "coefficients", "solve_outputs")
+
+
+def timeline7(n: int, batch: int, reps: int, block_v: int) -> dict:
+    """Version 7's per-CTA phases at S7_BV = ``block_v`` (its timeline marks, ``kgdn.SMALL_MARKS``)."""
+    opts = (f"-DS7_BV={block_v}",)
+    plan, sets, inputs, pool, slots = phase_case(n, batch)
+    fns = []
+    for s in range(sets):
+        x = inputs[s]
+        launches, _, _ = kgdn.verify_launches(plan, x["q"], x["k"], x["v"], x["g"], x["beta"], pool, slots[s],
+                                              return_delta=True, variant=7, extra_options=opts)
+        if [name for name, _ in launches] != ["gdn_tree_verify_small"]:
+            return dict(n=n, batch=batch, variant=7, error=f"version 7 does not take n={n}")
+        fns.append(launches[0][1])
+    call_us, _ = time_calls(fns, reps)
+    x = inputs[0]
+    ctas = plan.num_requests * x["q"].shape[1] * (VD // block_v)
+    buf = torch.zeros(ctas, kgdn.SMALL_MARKS, 2, dtype=torch.int64, device="cuda")
+    launches, _, _ = kgdn.verify_launches(plan, x["q"], x["k"], x["v"], x["g"], x["beta"], pool, slots[0],
+                                          return_delta=True, variant=7, timeline7=buf, extra_options=opts)
+    for _ in range(3):  # the last of three back-to-back calls (warm caches of the tables, as in a graph)
+        launches[0][1]()
+    torch.cuda.synchronize()
+    marks = buf.cpu()
+    ns, clk = marks[:, :, 0].double(), marks[:, :, 1].double()
+    last = kgdn.SMALL_MARKS - 1
+    ghz = statistics.median(((clk[:, last] - clk[:, 0]) / (ns[:, last] - ns[:, 0]).clamp(min=1)).tolist())
+    row = dict(n=n, batch=batch, variant=7, block_v=block_v, nodes=plan.num_nodes, max_depth=plan.max_depth, ctas=ctas,
+               call_us=call_us, clock_ghz=ghz, span_us=float(ns[:, last].max() - ns[:, 0].min()) / 1e3,
+               cta_us_median=statistics.median(((clk[:, last] - clk[:, 0]) / ghz / 1e3).tolist()),
+               start_spread_us=float(ns[:, 0].max() - ns[:, 0].min()) / 1e3, phase_us={})
+    for k, name in enumerate(PHASES7):
+        d = ((clk[:, k + 1] - clk[:, k]) / ghz / 1e3).tolist()
+        row["phase_us"][name] = {"median": statistics.median(d), "max": max(d)}
+    return row
+
+
+def table7(rows: list[dict]) -> str:
+    lines = ["GDN tree verify version 7 from inside (us; per-CTA SM clock, median / max over CTAs; span = first start to "
+             "last end; call = graph-timed whole call)",
+             f"{'n':>4} {'batch':>5} {'BV':>3} {'ctas':>5} {'call':>7} {'span':>7} {'cta':>7} {'spread':>7} | "
+             + " ".join(f"{p[:13]:>13}" for p in PHASES7)]
+    for r in rows:
+        if "error" in r:
+            lines.append(f"{r['n']:>4} {r['batch']:>5} {r['error']}")
+            continue
+        ph = r["phase_us"]
+        lines.append(f"{r['n']:>4} {r['batch']:>5} {r['block_v']:>3} {r['ctas']:>5} {r['call_us']:>7.1f} {r['span_us']:>7.1f} "
+                     f"{r['cta_us_median']:>7.1f} {r['start_spread_us']:>7.1f} | "
+                     + " ".join(f"{ph[p]['median']:>6.2f}/{ph[p]['max']:<6.2f}" for p in PHASES7))
+    return "\n".join(lines)
 
 
 def timeline(n: int, batch: int, reps: int, threads: int | None, parts: int = 3, solve: str = "auto",
@@ -129,6 +182,8 @@ def main() -> None:
                     help="phase 4's solve: auto (the wrapper's choice, grouped_solve), levels (G6_SOLVE=0), paths (1)")
     ap.add_argument("--cluster", type=int, nargs="+", default=[0],
                     help="CTAs per thread block cluster, G6_CLUSTER (0: the wrapper's choice, grouped_cluster)")
+    ap.add_argument("--variant", type=int, choices=(6, 7), default=6, help="the verify version to look into")
+    ap.add_argument("--block-v", type=int, nargs="+", default=[16], help="version 7's V columns per CTA (S7_BV)")
     ap.add_argument("--define", action="append", default=[], metavar="NAME=VALUE",
                     help="a timing-only compile constant for every row (e.g. G6_DPAD=0, GDN_PROFILE_SKIP=16); repeatable")
     args = ap.parse_args()
@@ -139,9 +194,13 @@ def main() -> None:
     if not torch.cuda.is_available() or not loader.kernels_available():
         sys.exit(f"gdn_timeline.py needs a CUDA device and the NVRTC kernels: {loader.kernels_unavailable_reason()}")
     start = time.perf_counter()
-    rows = [timeline(n, b, args.reps, t or None, parts, sw, tuple(args.define), cl) for b in args.batch for n in args.n
-            for t in args.threads for parts in args.s0_parts for sw in args.solve for cl in args.cluster]
-    text = table(rows)
+    if args.variant == 7:
+        rows = [timeline7(n, b, args.reps, bv) for b in args.batch for n in args.n for bv in args.block_v]
+        text = table7(rows)
+    else:
+        rows = [timeline(n, b, args.reps, t or None, parts, sw, tuple(args.define), cl) for b in args.batch
+                for n in args.n for t in args.threads for parts in args.s0_parts for sw in args.solve for cl in args.cluster]
+        text = table(rows)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(dict(command=" ".join([sys.executable, *sys.argv]), machine=machine_info(), rows=rows,

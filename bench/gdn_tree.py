@@ -12,7 +12,7 @@ Shape: H = 16 q/k heads, HV = 48 value heads, K = V = 128, q/k/v bf16, fp32 stat
 DDTree-like (best-first over random per-depth marginals, depth <= 16, deterministic seeds).
 For each n in {16, 32, 64, 128, 256} and batch in {1, 8, 32} it times:
   * ours: vllm_tfm.kernels gdn_tree_verify_planned (the default kernel version) at BV = 16, 32,
-    64 and the automatic choice, and every version (1-6) at its own automatic choice (side by side,
+    64 and the automatic choice, and every version (1-7) at its own automatic choice (side by side,
     same run; versions 4 and 5 are also checked bit for bit against version 3);
   * per-kernel breakdown (n in {16, 64, 128}, batch in {1, 8}): the pairs kernel alone, the main
     kernel alone and the whole call, every version, at the automatic BV;
@@ -365,6 +365,23 @@ def bench_verify(n: int, batch: int, bw: float, reps: int, vllm_fn, allow_slow: 
     o6 = call(6)
     row["v6_vs_v3_o_rel"] = rel_err(o6[0], o3b[0])
     row["v6_vs_v3_delta_rel"] = rel_err(o6[1], o3b[1])
+    # version 7 (trees of <= 32 nodes; larger ones run version 6): which kernel ran, both V widths, its
+    # distance from version 6
+    launches7, _, _ = kgdn.verify_launches(plan, x["q"], x["k"], x["v"], x["g"], x["beta"], pool, slots[0], variant=7)
+    row["v7_kernels"] = [name for name, _ in launches7]
+    if row["v7_kernels"] == ["gdn_tree_verify_small"]:
+        row["v7_block_v_us"] = {}
+        for bv7 in kgdn.SMALL_BLOCK_VS:
+            fns = []
+            for s in range(sets):
+                xs = inputs[s]
+                ls, _, _ = kgdn.verify_launches(plan, xs["q"], xs["k"], xs["v"], xs["g"], xs["beta"], pool, slots[s],
+                                                variant=7, extra_options=(f"-DS7_BV={bv7}",))
+                fns.append(ls[0][1])
+            row["v7_block_v_us"][str(bv7)], _ = time_calls(fns, reps)
+        o7 = call(7)
+        row["v7_vs_v6_o_rel"] = rel_err(o7[0], o6[0])
+        row["v7_vs_v6_delta_rel"] = rel_err(o7[1], o6[1])
     if n in BREAKDOWN_N and batch in BREAKDOWN_BATCH:
         row["breakdown"] = {}
         for variant in kgdn.VERIFY_VARIANTS:
@@ -633,6 +650,27 @@ def sanitize_case() -> None:
     o6, d6 = kgdn.gdn_tree_verify_planned(plan, cg["q"], cg["k"], cg["v"], cg["g"], cg["beta"], cg["ssm_state"],
                                           cg["state_indices"], return_delta=True, variant=6)  # 130 nodes: version 3
     assert rel_err(o6.cpu(), o_ref) <= 3e-3 and rel_err(d6.cpu(), d_ref) <= 1e-5, (6, "tiles")
+    # version 7 on trees of 17 and 32 nodes and a single node at the 27B shape, both V widths
+    trees = [ddtree_parents(17, 6), ddtree_parents(32, 7), [-1]]
+    parents = torch.tensor([p for t in trees for p in t])
+    cu = torch.tensor([0, 17, 49, 50])
+    t_nodes, h, hv, kd, vd = parents.numel(), 16, 48, 128, 128
+    g, beta = ref_gdn.gdn_gates(torch.randn(t_nodes, hv, generator=gen), torch.randn(t_nodes, hv, generator=gen),
+                                torch.rand(hv, generator=gen), torch.randn(hv, generator=gen))
+    c = dict(q=torch.randn(t_nodes, h, kd, generator=gen).bfloat16(), k=torch.randn(t_nodes, h, kd, generator=gen).bfloat16(),
+             v=torch.randn(t_nodes, hv, vd, generator=gen).bfloat16(), g=g, beta=beta, parents=parents, cu_nodes=cu,
+             ssm_state=torch.randn(4, hv, vd, kd, generator=gen) * 0.3, state_indices=torch.tensor([3, 0, 2]))
+    c64 = {k: v.double() if v.is_floating_point() else v for k, v in c.items()}
+    o_ref, d_ref = ref_gdn.gdn_tree_verify(**c64, return_delta=True)
+    cg = {k: v.to(DEV) for k, v in c.items()}
+    plan = TreePlan.build(cg["parents"], cg["cu_nodes"])
+    for bv7 in kgdn.SMALL_BLOCK_VS:
+        launches7, o7, d7 = kgdn.verify_launches(plan, cg["q"], cg["k"], cg["v"], cg["g"], cg["beta"], cg["ssm_state"],
+                                                 cg["state_indices"], return_delta=True, variant=7,
+                                                 extra_options=(f"-DS7_BV={bv7}",))
+        assert [name for name, _ in launches7] == ["gdn_tree_verify_small"], launches7
+        launches7[0][1]()
+        assert rel_err(o7.cpu(), o_ref) <= 3e-3 and rel_err(d7.cpu(), d_ref) <= 1e-5, (7, bv7)
     # version 6 on the largest tree it takes (128 nodes, several 16-row tiles, the last of a request ragged)
     trees = [ddtree_parents(128, 4), ddtree_parents(77, 5)]
     parents = torch.tensor([p for t in trees for p in t])
@@ -692,7 +730,8 @@ def table(results: dict) -> str:
              f"times in us (median; ours timed as {'/'.join(modes)}; eager = with Python launch overhead)",
              f"{'n':>4} {'batch':>5} {'floor':>8} {'ours':>8} {'BV':>5} {'x floor':>8} {'auto':>8} {'v1 auto':>8} "
              f"{'v1/v2':>6} {'v3 auto':>8} {'v2/v3':>6} {'v4 auto':>8} {'v3/v4':>6} {'v4==v3':>6} {'v5 auto':>8} "
-             f"{'v3/v5':>6} {'v5==v3':>6} {'v6 auto':>8} {'v3/v6':>6} {'v6-v3 d':>8} {'eager':>8} "
+             f"{'v3/v5':>6} {'v5==v3':>6} {'v6 auto':>8} {'v3/v6':>6} {'v6-v3 d':>8} {'v7 auto':>8} {'v6/v7':>6} "
+             f"{'v7-v6 d':>8} {'eager':>8} "
              f"{'per-branch':>11} {'speedup':>8} {'reference':>10} {'err':>8} {'rt':>3}"]
     for r in results["verify"]:
         xf = r["ours_best_us"] / r["floor_us"] if r.get("ours_best_us") else None
@@ -705,6 +744,9 @@ def table(results: dict) -> str:
                      f"{fmt(ratio(r.get('v3_auto_us'), r.get('v5_auto_us')), '.2f'):>6} {str(r.get('v5_equals_v3', '-')):>6} "
                      f"{fmt(r.get('v6_auto_us')):>8} {fmt(ratio(r.get('v3_auto_us'), r.get('v6_auto_us')), '.2f'):>6} "
                      f"{fmt(r.get('v6_vs_v3_delta_rel'), '.1e'):>8} "
+                     f"{fmt(r.get('v7_auto_us') if r.get('v7_kernels') == ['gdn_tree_verify_small'] else None):>8} "
+                     f"{fmt(ratio(r.get('v6_auto_us'), r.get('v7_auto_us')) if r.get('v7_kernels') == ['gdn_tree_verify_small'] else None, '.2f'):>6} "
+                     f"{fmt(r.get('v7_vs_v6_delta_rel'), '.1e'):>8} "
                      f"{fmt(r.get('ours_eager_us')):>8} {fmt(r.get('per_branch_us')):>11} "
                      f"{fmt(r.get('speedup_vs_per_branch')):>8} {fmt(r.get('reference_us'), '.0f'):>10} "
                      f"{fmt(r.get('err_vs_reference'), '.1e'):>8} {'v' + str(r.get('runtime_variant', '-')):>3}")

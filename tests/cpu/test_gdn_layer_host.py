@@ -153,12 +153,18 @@ def test_kernel_path_equals_the_previous_layer_bit_for_bit(emu_dir, name, monkey
         tables.clear()  # the setting is read once per step: a new step's tables
         got6 = run_layer(gdn_mod._tree_step_forward_core, case)
         assert [n for n, _, _ in launches[6:]] == ["tree_conv1d", "gdn_tree_verify_grouped"]
+        # pinned to 7 (auto's choice on grids of more waves): version 7, one launch
+        monkeypatch.setenv("VLLM_TFM_GDN_VERIFY", "7")
+        tables.clear()
+        got7 = run_layer(gdn_mod._tree_step_forward_core, case)
+        assert [n for n, _, _ in launches[8:]] == ["tree_conv1d", "gdn_tree_verify_small"]
     assert_same_layer_outcome(got, want)
     # and it is the layer's function: the references' outputs, to bf16 rounding
     with _reference_path(), forward_context(case), torch.inference_mode():
         ref_out, _ = run_layer(gdn_mod._tree_step_forward_core, case)
     assert torch.allclose(got[0].float(), ref_out.float(), atol=3e-2, rtol=3e-2)
     assert torch.allclose(got6[0].float(), ref_out.float(), atol=3e-2, rtol=3e-2)
+    assert torch.allclose(got7[0].float(), ref_out.float(), atol=3e-2, rtol=3e-2)
 
 
 @pytest.mark.slow

@@ -302,7 +302,8 @@ def test_v6_threads_choice():
 
 
 def test_runtime_verify_variant_follows_the_measured_policy():
-    # bench/NOTES.md sections 34 and 37: version 6 where the H200 measured it faster than version 3
+    # bench/NOTES.md sections 34 and 37: version 6 where the H200 measured it faster than version 3; section 73:
+    # version 7 for trees of up to 32 nodes on grids of more than one wave
     limit, sms = 227 * 1024, 132
 
     def trees(nodes: int, requests: int, seed: int = 30) -> tuple[torch.Tensor, torch.Tensor]:
@@ -319,7 +320,14 @@ def test_runtime_verify_variant_follows_the_measured_policy():
     def variant(p: TreePlan, dtype=torch.bfloat16) -> int:  # the 27B shape: H = 16, HV = 48, K = V = 128
         return kgdn.runtime_verify_variant(p, dtype, 16, 48, 128, 128, limit, sms)
 
-    assert variant(plan(17, 2)) == 6 and variant(plan(17, 8)) == 6 and variant(plan(17, 32)) == 6  # B = 16: every batch
+    # version 7 first (section 73) for trees of up to 32 nodes (B = 16's 17) where version 6's grid is more than one
+    # wave (batch 2 and more), bf16 only; version 6 at batch 1 (one wave: 128 CTAs) and for larger trees
+    assert variant(plan(17, 2)) == 7 and variant(plan(17, 8)) == 7 and variant(plan(32, 32)) == 7
+    assert variant(fixed(17, 8, 15)) == 7 and variant(fixed(32, 2, None)) == 7
+    assert variant(plan(17, 1)) == 6 and variant(fixed(17, 1, 15)) == 6 and variant(plan(33, 8)) == 6
+    assert variant(plan(17, 8), torch.float32) == 3 and variant(plan(17, 8), torch.float16) == 3
+    assert kgdn.runtime_verify_variant(plan(17, 8), torch.bfloat16, 16, 48, 128, 128, kgdn.small_smem_bytes(128, 3, 32) - 4,
+                                       sms) == 3  # neither version 7 nor version 6 fits
     assert variant(plan(33, 1)) == 6 and variant(plan(65, 1)) == 6 and variant(plan(128, 1)) == 6  # one wave: 128 CTAs
     # n = 65: two waves (256 CTAs <= 264) with the path solve, not with the level solve (an unbounded fixed plan)
     assert variant(plan(65, 2)) == 6 and variant(fixed(65, 2, 15)) == 6 and variant(fixed(65, 2, None)) == 3
@@ -341,10 +349,10 @@ def test_verify_version_setting(monkeypatch):
 
     monkeypatch.delenv(VERIFY_VERSION_ENV, raising=False)
     assert verify_version_setting() is None
-    for raw, want in (("auto", None), (" 6 ", 6), ("3", 3), ("1", 1)):
+    for raw, want in (("auto", None), (" 6 ", 6), ("3", 3), ("1", 1), ("7", 7)):
         monkeypatch.setenv(VERIFY_VERSION_ENV, raw)
         assert verify_version_setting() == want
-    for bad in ("7", "0", "v6", "-3", "3.0"):
+    for bad in ("8", "0", "v6", "-3", "3.0"):
         monkeypatch.setenv(VERIFY_VERSION_ENV, bad)
-        with pytest.raises(ValueError, match=r"VLLM_TFM_GDN_VERIFY must be auto or one of \[1, 2, 3, 4, 5, 6\], got"):
+        with pytest.raises(ValueError, match=r"VLLM_TFM_GDN_VERIFY must be auto or one of \[1, 2, 3, 4, 5, 6, 7\], got"):
             verify_version_setting()

@@ -199,6 +199,10 @@ VARIANTS = [
                                     "-DG6_SOLVE=1", "-DG6_CLUSTER=2", "-DG6_PATH_REG=17"]),
     ("gdn_tree_verify_grouped.cu", ["-DTFM_IN=1", "-DGDN_K=128", "-DGDN_V=128", "-DGDN_GROUP=3", "-DG6_THREADS=512",
                                     "-DG6_SOLVE=0", "-DG6_CLUSTER=2"]),
+    # version 7 as the runtime builds it at the 27B shape (16 V columns) and at 32, and at the toy zoo's shape
+    ("gdn_tree_verify_small.cu", ["-DTFM_IN=1", "-DGDN_K=128", "-DGDN_V=128", "-DGDN_GROUP=3", "-DS7_BV=16"]),
+    ("gdn_tree_verify_small.cu", ["-DTFM_IN=1", "-DGDN_K=128", "-DGDN_V=128", "-DGDN_GROUP=3", "-DS7_BV=32"]),
+    ("gdn_tree_verify_small.cu", ["-DTFM_IN=1", "-DGDN_K=64", "-DGDN_V=64", "-DGDN_GROUP=2", "-DS7_BV=16"]),
     ("topk_rows.cu", ["-DTK_IN=0"]),
     ("topk_rows.cu", ["-DTK_IN=1"]),
     ("topk_rows.cu", ["-DTK_IN=2"]),

@@ -99,9 +99,10 @@ def test_commit_on_a_fixed_plan_equals_the_per_step_plan() -> None:
 
 
 @CAPTURES_A_GRAPH
-def test_graph_replay_of_a_fixed_plan_computes_the_trees_written_last() -> None:
+@pytest.mark.parametrize("variant", [3, 7])
+def test_graph_replay_of_a_fixed_plan_computes_the_trees_written_last(variant: int) -> None:
     """Record conv + verify once (chains), then write other trees and inputs and replay: each replay ==
-    the eager kernels on a per-step plan of those trees."""
+    the eager kernels on a per-step plan of those trees (verify versions 3 and 7)."""
     n, r, dim, width = 17, 3, 2 * 2 * 128 + 6 * 128, 4
     gen = torch.Generator().manual_seed(11)
     first = make_case(trees_of("ccc", n, 0), dtype=torch.bfloat16, seed=0)
@@ -117,7 +118,8 @@ def test_graph_replay_of_a_fixed_plan_computes_the_trees_written_last() -> None:
     def step(p: TreePlan) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         y = kconv.tree_causal_conv1d_planned(p, x, conv_state, conv_slot, weight, None, "silu", start)
         o, d = kgdn.gdn_tree_verify_planned(p, static["q"], static["k"], static["v"], static["g"], static["beta"],
-                                            static["ssm_state"], static["state_indices"], return_delta=True, block_v=32)
+                                            static["ssm_state"], static["state_indices"], return_delta=True, block_v=32,
+                                            variant=variant)
         return y, o, d
 
     for _ in range(2):  # compile and warm up outside the capture

@@ -200,6 +200,53 @@ def test_verify_v6_bf16_matches_float64_reference(name, group):
     assert rel(o, o_ref) <= HALF_TOL and rel(d, d_ref) <= FP32_TOL
 
 
+V7_SETS = {
+    "single_node": lambda g: [torch.tensor([-1])],
+    "chain32": lambda g: [chain(32)],
+    "star17": lambda g: [star(17)],
+    "mixed_batch": lambda g: [random_tree(17, g), chain(9), star(12), torch.tensor([-1]), bushy_tree(30, g)],
+    "b8_of_17": lambda g: [bushy_tree(17, g) for _ in range(8)],
+}
+
+
+@pytest.mark.parametrize("block_v", [16, 32])
+@pytest.mark.parametrize("group", [3, 1])
+@pytest.mark.parametrize("name", list(V7_SETS))
+def test_verify_v7_bf16_matches_float64_reference(name, group, block_v):
+    # version 7 (trees of <= 32 nodes, a warp per value head and 16 V rows) at K = V = 128 on every tree set:
+    # n = 1, a chain of 32 (depth 31), a star, a batch of mixed trees, eight trees of 17 (the runtime's B = 16)
+    trees = V7_SETS[name](_seeded(len(name) + group))
+    c = make_case(trees, h=2, hv=2 * group, dtype=torch.bfloat16, seed=5 + group)
+    plan = TreePlan.build(c["parents"], c["cu_nodes"])
+    launches, o, d = kgdn.verify_launches(plan, c["q"], c["k"], c["v"], c["g"], c["beta"], c["ssm_state"],
+                                          c["state_indices"], return_delta=True, variant=7,
+                                          extra_options=(f"-DS7_BV={block_v}",))
+    assert [kname for kname, _ in launches] == ["gdn_tree_verify_small"]
+    before = c["ssm_state"].clone()
+    o.fill_(float("nan"))
+    d.fill_(float("nan"))
+    launches[0][1]()
+    torch.cuda.synchronize()
+    assert not o.isnan().any() and not d.isnan().any(), "verify left output elements unwritten"
+    assert torch.equal(c["ssm_state"], before), "verify wrote the state"
+    o_ref, d_ref = reference(c)
+    assert rel(o, o_ref) <= HALF_TOL and rel(d, d_ref) <= FP32_TOL, (rel(o, o_ref), rel(d, d_ref))
+    o6, d6 = run_poisoned(c, variant=6)
+    assert rel(d, d6) <= 1e-6  # version 6: the same function summed in another order
+
+
+def test_verify_v7_at_the_27b_shape_equals_version_6_within_rounding():
+    # the 27B layer (16 q/k heads, 48 value heads) at batch 8 of B = 16 trees: version 7 against the float64
+    # reference and version 6 (the runtime's kernel for these trees before version 7)
+    gen = _seeded(77)
+    c = make_case([bushy_tree(17, gen) for _ in range(8)], h=16, hv=48, dtype=torch.bfloat16, seed=78)
+    o7, d7 = run_poisoned(c, variant=7)
+    o6, d6 = run_poisoned(c, variant=6)
+    o_ref, d_ref = reference(c)
+    assert rel(o7, o_ref) <= HALF_TOL and rel(d7, d_ref) <= FP32_TOL, (rel(o7, o_ref), rel(d7, d_ref))
+    assert rel(d7, d6) <= 1e-6 and rel(o7.float(), o6.float()) <= HALF_TOL
+
+
 @pytest.mark.parametrize("name", ["mixed_batch", "deep70", "star33"])
 def test_verify_v6_path_solve_equals_level_solve(name):
     # the path solve (G6_SOLVE=1: rows of (I + X)^-1 and Y (I + X)^-1 over each node's path, then gathers;
@@ -291,8 +338,8 @@ def test_verify_int32_and_int64_state_indices_agree(variant):
 
 def test_verify_unknown_variant_is_a_clear_error():
     c = make_case([chain(3)], seed=9)
-    with pytest.raises(ValueError, match="variant=7 is not a verify kernel version"):
-        run_poisoned(c, variant=7)
+    with pytest.raises(ValueError, match="variant=8 is not a verify kernel version"):
+        run_poisoned(c, variant=8)
 
 
 def test_verify_without_l2norm_and_custom_scale_and_gqa_group_of_one():

@@ -63,7 +63,11 @@ COMMIT_THREADS, COMMIT_BV, COMMIT_PC = 128, 16, 32
 # bfloat16 inputs whose whole tree fits one CTA's shared memory; other calls run version 3.
 # DEFAULT_VERIFY_VARIANT is the library calls' default; the vLLM runtime picks per step between 3 and 6
 # (runtime_verify_variant, section 34).
-VERIFY_VARIANTS = (1, 2, 3, 4, 5, 6)
+# 7 = trees of at most 32 nodes (cuda/gdn_tree_verify_small.cu; section 73): a CTA of 4 GROUP BV threads
+# per (request, q/k head, BV columns of V), a warp per (value head, 16 V rows, half of K), every n x n block
+# 32 x 32, Delta in registers; ~47 KB of shared memory, so four CTAs share an SM. It takes the bfloat16
+# calls version 6 takes whose trees have at most SMALL_MAX_NODES nodes; other calls run version 6 (or 3).
+VERIFY_VARIANTS = (1, 2, 3, 4, 5, 6, 7)
 DEFAULT_VERIFY_VARIANT = 3
 GROUPED_SOURCE = "gdn_tree_verify_grouped.cu"
 GROUPED_THREADS, GROUPED_BV = 512, 16
@@ -71,6 +75,10 @@ GROUPED_DPAD = 16  # floats between value heads' D / O blocks (G6_DPAD)
 PATH_SOLVE_MAX_DEPTH = 16  # version 6's path solve: deepest node it takes (grouped_solve; G6_PATH_REG = this + 1)
 GROUPED_MARKS = 6  # timeline marks of version 6 (G6_MARKS): start, after phases 0, 1, 2, 3, end
 SM_SMEM_BYTES = 228 * 1024  # shared memory of an sm_90 SM (CTAs also reserve 1 KB each)
+SMALL_SOURCE = "gdn_tree_verify_small.cu"
+SMALL_MAX_NODES = 32  # version 7's trees (S7_N)
+SMALL_BLOCK_VS = (16, 32)  # V columns per value head and CTA (S7_BV)
+SMALL_MARKS = 6  # timeline marks of version 7 (S7_MARKS): start, after phase 0's copies, its masks, phases 1, 2, end
 
 DTYPE_CODE = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 NOT_CUDA = "inputs are not CUDA tensors"  # the reference is the CPU implementation: no warning
@@ -115,6 +123,43 @@ def grouped_smem_bytes(k_dim: int, group: int, n_cap: int, pcap: int, solve_leve
         + (2 + 3 * group) * _align4(n_cap) + 4 * _align4(n_cap) + _align4(n_cap + 1) + _align4(n_cap + 2)
     )
     return 4 * words
+
+
+def small_smem_bytes(k_dim: int, group: int, block_v: int) -> int:
+    """Dynamic shared memory of ``gdn_tree_verify_small`` (mirrors s7_smem_words): the q, k rows of 32
+    nodes in 16 bits (later the raw projections of ``group`` value heads), X and Y of each value head,
+    the v columns, and the per-position tables."""
+    n = SMALL_MAX_NODES
+    words = (max(n * (k_dim + 8), 2 * group * n * (block_v + 4)) + 2 * group * (n * n + 16)
+             + _align4(n * group * block_v // 2) + (4 + 3 * group) * n)
+    return 4 * words
+
+
+def small_unsupported_reason(plan: TreePlan, qk_dtype: torch.dtype, h: int, hv: int, k_dim: int, v_dim: int,
+                             max_smem: int, block_v: int = 16) -> str | None:
+    """None when version 7 (``gdn_tree_verify_small``) takes this call, else why it runs version 6 (or 3)."""
+    if qk_dtype != torch.bfloat16:
+        return f"q/k/v are {qk_dtype}: version 7 takes bfloat16"
+    if plan.max_nodes > SMALL_MAX_NODES:
+        return f"a tree of {plan.max_nodes} nodes: version 7 takes at most {SMALL_MAX_NODES}"
+    if block_v not in SMALL_BLOCK_VS or v_dim % block_v:
+        return f"V={v_dim} is not a multiple of {block_v} (version 7 takes 16 or 32 columns per CTA)"
+    if k_dim % 32:
+        return f"K={k_dim} is not a multiple of 32"
+    if (hv // h) * block_v > 256:
+        return f"{hv // h} value heads per q/k head at {block_v} columns: version 7 takes at most 256 (1024 threads)"
+    smem = small_smem_bytes(k_dim, hv // h, block_v)
+    if smem > max_smem:
+        return f"version 7 needs {smem} bytes of shared memory at K={k_dim}, {hv // h} value heads per q/k head; the device has {max_smem}"
+    return None
+
+
+def small_block_v(plan: TreePlan, h: int, v_dim: int, num_sms: int) -> int:
+    """Version 7's V columns per value head and CTA (S7_BV): 32 where V allows (grids of R H V / 32 CTAs of 128
+    GROUP threads), faster than 16 at every size measured on an H100 (n = 16, 17 and 32 at batch 1, 8 and 32;
+    bench/results/gdn_tree_v7_s73.json.gz, bench/NOTES.md section 73), else 16. An explicit ``-DS7_BV=16`` in ``verify_launches``' ``extra_options``
+    (benchmarks, tests) decides instead."""
+    return 32 if v_dim % 32 == 0 else 16
 
 
 def grouped_solve(plan: TreePlan, k_dim: int, group: int, max_smem: int, extra_options: Sequence[str] = ()) -> int:
@@ -207,7 +252,16 @@ def runtime_verify_variant(plan: TreePlan, qk_dtype: torch.dtype, h: int, hv: in
       1.23-1.58x). With the level solve (a fixed plan without a bound) version 6 lost at n = 33 from batch 2
       (0.88-0.93x), and n = 65 loses from batch 8 with either solve (0.77-0.93x).
 
-    Bfloat16 q/k only, and trees that fit version 6's shared memory (``grouped_unsupported_reason``)."""
+    Bfloat16 q/k only, and trees that fit version 6's shared memory (``grouped_unsupported_reason``).
+
+    Version 7 before all of these where it takes the call (trees of at most 32 nodes) and version 6's grid is
+    more than one wave (R H V / 16 CTAs > the SMs: batch 2 and more at the 27B shape): at n = 17 on an H100
+    31.7 / 107.4 us against version 6's 46.1 / 168.7 at batch 8 / 32, but 11.1 against 10.8 at batch 1
+    (bench/NOTES.md section 73, bench/results/gdn_tree_v7_s73.json.gz; batches 2 to 7 not measured)."""
+    ctas6 = plan.num_requests * h * (v_dim // GROUPED_BV)
+    if ctas6 > num_sms and small_unsupported_reason(plan, qk_dtype, h, hv, k_dim, v_dim, max_smem,
+                                                    small_block_v(plan, h, v_dim, num_sms)) is None:
+        return 7
     if grouped_unsupported_reason(plan, qk_dtype, h, hv, k_dim, v_dim, max_smem) is not None:
         return 3
     ctas = plan.num_requests * h * (v_dim // GROUPED_BV)
@@ -332,6 +386,7 @@ def verify_launches(
     extra_options: Sequence[str] = (),
     threads6: int | None = None,
     timeline6: Tensor | None = None,
+    timeline7: Tensor | None = None,
 ) -> tuple[list[tuple[str, Callable[[], None]]], Tensor, Tensor | None]:
     """Prepare one verify call: ([(kernel name, launch)], o, delta) without launching anything.
 
@@ -342,8 +397,8 @@ def verify_launches(
     wrong outputs). ``threads6``: version 6's threads per CTA (256 or 512; default
     :func:`grouped_threads`), for tests and benchmarks; ``timeline6``: an int64 CUDA tensor of
     ``GROUPED_MARKS * 2`` entries per CTA that version 6 fills with the global timer and the SM clock at
-    its phase boundaries (bench/gdn_timeline.py). Raises ValueError on a shape mismatch or an
-    unknown variant.
+    its phase boundaries (bench/gdn_timeline.py); ``timeline7`` the same for version 7 (``SMALL_MARKS * 2``
+    entries per CTA). Raises ValueError on a shape mismatch or an unknown variant.
     """
     if variant not in VERIFY_VARIANTS:
         raise ValueError(f"variant={variant!r} is not a verify kernel version; choose one of {VERIFY_VARIANTS}")
@@ -367,6 +422,28 @@ def verify_launches(
     delta = _check_out(delta_out, (t_nodes, hv, vd), torch.float32, dev, "delta_out") if return_delta else None
     i32, i64, f32 = ctypes.c_int, ctypes.c_longlong, ctypes.c_float
     st = ssm_state.stride()
+    if variant == 7:
+        max_smem = device_smem_optin(dev_index)
+        forced7 = [int(x.split("=", 1)[1]) for x in extra_options if x.startswith("-DS7_BV=")]
+        bv7 = forced7[-1] if forced7 else small_block_v(plan, h, vd, torch.cuda.get_device_properties(dev_index).multi_processor_count)
+        if small_unsupported_reason(plan, q.dtype, h, hv, kd, vd, max_smem, bv7) is None:
+            opts = ["--std=c++17", "-lineinfo", f"-DTFM_IN={DTYPE_CODE[v.dtype]}", f"-DGDN_K={kd}", f"-DGDN_V={vd}",
+                    f"-DGDN_GROUP={hv // h}", f"-DS7_BV={bv7}",
+                    *[x for x in extra_options if not x.startswith("-DS7_BV=")]]
+            k_small = get_kernel(SMALL_SOURCE, "gdn_tree_verify_small", opts, dev_index)
+            args = [q, k, v, g32, b32, plan.perm, plan.pair_off, plan.pair_j, plan.cu, ssm_state, sidx,
+                    i32(sidx64), i64(st[0]), i64(st[1]), i64(st[2]), o, delta, i32(h), i32(hv), f32(scale),
+                    i32(int(use_qk_l2norm)), timeline7]
+            grid7 = (vd // bv7, h, plan.num_requests)
+            block7 = (4 * (hv // h) * bv7, 1, 1)
+            smem7 = small_smem_bytes(kd, hv // h, bv7)
+
+            def run_small() -> None:
+                launch(k_small, grid7, block7, args, shared_mem=smem7)
+
+            run_small.kernel, run_small.config = k_small, (grid7, block7, smem7, 1)  # type: ignore[attr-defined]
+            return [("gdn_tree_verify_small", run_small)], o, delta
+        variant = 6  # version 7 does not take this call (small_unsupported_reason): version 6 (or 3) does
     if variant == 6:
         max_smem = device_smem_optin(dev_index)
         if grouped_unsupported_reason(plan, q.dtype, h, hv, kd, vd, max_smem) is None:

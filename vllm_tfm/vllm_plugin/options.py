@@ -87,7 +87,7 @@ NON_OPTION_ENV_VARS: frozenset[str] = frozenset(
         "VLLM_TFM_DEVICE_TOPOLOGY",  # runtime: 0 builds a full-graph step's plans and depth positions on the host (runtime/device_topology.py)
         "VLLM_TFM_LOAD_TREEFLASH",  # runtime: load TreeFlash beside another proposal (in-process proposal switches)
         "VLLM_TFM_KERNELS",  # runtime: 0 forces the torch references instead of the kernels
-        "VLLM_TFM_GDN_VERIFY",  # runtime: GDN tree verify version, auto (default) or 1-6 (runtime/settings.py)
+        "VLLM_TFM_GDN_VERIFY",  # runtime: GDN tree verify version, auto (default) or 1-7 (runtime/settings.py)
         "VLLM_TFM_WEAVER_ROUND_KERNEL",  # kernels/weaver_round.py: 0 keeps the torch round of the Weaver growth
         "VLLM_TFM_WEAVER_LINEAR_KERNEL",  # kernels/weaver_linear.py: 0 keeps cuBLAS + torch norms / epilogues in the Weaver scorer
         "VLLM_TFM_TREE_CONV_UNROLLED",  # kernels/conv.py: 0 compiles the tree conv without its width (the loop build)

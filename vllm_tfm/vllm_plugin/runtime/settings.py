@@ -16,7 +16,7 @@ them into ``TreeSettings`` here. Two in-process switches come on top:
   all layers (``vllm_tfm.kernels.batched_commit``) instead of two launches per layer
   (``runtime/commit.py``, ``commit_gdn_layers``). Both write the same states bit for bit
   (tests/gpu/test_batched_commit_gpu.py); on the H200 the batched one cut the commit of a 27B
-  step from 10.0 to 3.6 ms (bench/results/e2e_27b_graphs_batched_commit.json.gz).
+  step from 10.0 to 3.6 ms (bench/results/e2e_27b_graphs_batched_commit.json.gz in git history at addcf24).
 
 * ``VLLM_TFM_KV_COMPACT_KERNEL`` (read every step; default on, ``0`` turns it off; the switch lives in
   ``runtime/commit.py``, ``set_kv_compact_kernel``): the K/V compaction of the accepted paths runs as
@@ -25,7 +25,7 @@ them into ``TreeSettings`` here. Two in-process switches come on top:
 
 * ``VLLM_TFM_GDN_VERIFY`` (read once per step and layer shape, so at capture for CUDA graphs; default
   ``auto``): the GDN tree verify kernel version, ``auto`` picking version 6 where the H200
-  measured it faster than version 3 (``kernels.gdn.runtime_verify_variant``), or a version 1-6 for
+  measured it faster than version 3 (``kernels.gdn.runtime_verify_variant``), or a version 1-7 for
   every step.
 
 One debugging switch is read once, when a tfm model runner is built (``trace_settings``):
@@ -156,8 +156,8 @@ VERIFY_VERSION_ENV = "VLLM_TFM_GDN_VERIFY"
 
 def verify_version_setting() -> int | None:
     """``VLLM_TFM_GDN_VERIFY``: None (unset or ``auto``: per step, version 6 where it is faster,
-    ``kernels.gdn.runtime_verify_variant``), or a verify kernel version every step runs (1-6; 6 still
-    runs version 3 for calls it does not take)."""
+    ``kernels.gdn.runtime_verify_variant``), or a verify kernel version every step runs (1-7; 7 runs version 6,
+    and 6 version 3, for calls it does not take)."""
     from vllm_tfm.kernels.gdn import VERIFY_VARIANTS
 
     raw = os.environ.get(VERIFY_VERSION_ENV, "").strip()
