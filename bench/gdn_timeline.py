@@ -61,18 +61,25 @@ def timeline7(n: int, batch: int, reps: int, block_v: int) -> dict:
     for _ in range(3):  # the last of three back-to-back calls (warm caches of the tables, as in a graph)
         launches[0][1]()
     torch.cuda.synchronize()
-    marks = buf.cpu()
-    ns, clk = marks[:, :, 0].double(), marks[:, :, 1].double()
-    last = kgdn.SMALL_MARKS - 1
-    ghz = statistics.median(((clk[:, last] - clk[:, 0]) / (ns[:, last] - ns[:, 0]).clamp(min=1)).tolist())
     row = dict(n=n, batch=batch, variant=7, block_v=block_v, nodes=plan.num_nodes, max_depth=plan.max_depth, ctas=ctas,
-               call_us=call_us, clock_ghz=ghz, span_us=float(ns[:, last].max() - ns[:, 0].min()) / 1e3,
+               call_us=call_us)
+    row.update(cta_times(buf.cpu(), PHASES7))
+    return row
+
+
+def cta_times(marks: torch.Tensor, phases: tuple[str, ...]) -> dict:
+    """From [CTAs, marks, (global ns, SM clock)]: the SM clock's rate, the span from the first CTA's start to the
+    last one's end, the median CTA, the start spread and each phase's median and largest time over the CTAs (us)."""
+    ns, clk = marks[:, :, 0].double(), marks[:, :, 1].double()
+    last = len(phases)
+    ghz = statistics.median(((clk[:, last] - clk[:, 0]) / (ns[:, last] - ns[:, 0]).clamp(min=1)).tolist())
+    out = dict(clock_ghz=ghz, span_us=float(ns[:, last].max() - ns[:, 0].min()) / 1e3,
                cta_us_median=statistics.median(((clk[:, last] - clk[:, 0]) / ghz / 1e3).tolist()),
                start_spread_us=float(ns[:, 0].max() - ns[:, 0].min()) / 1e3, phase_us={})
-    for k, name in enumerate(PHASES7):
+    for k, name in enumerate(phases):
         d = ((clk[:, k + 1] - clk[:, k]) / ghz / 1e3).tolist()
-        row["phase_us"][name] = {"median": statistics.median(d), "max": max(d)}
-    return row
+        out["phase_us"][name] = {"median": statistics.median(d), "max": max(d)}
+    return out
 
 
 def table7(rows: list[dict]) -> str:
@@ -133,21 +140,12 @@ def timeline(n: int, batch: int, reps: int, threads: int | None, parts: int = 3,
                                             return_delta=True, variant=6)
     equals_kernel = bool(torch.equal(o_l, o_k) and torch.equal(d_l, d_k))
     delta_rel_vs_kernel = float((d_l.double() - d_k.double()).norm() / d_k.double().norm())
-    marks = buf.cpu()
-    ns, clk = marks[:, :, 0].double(), marks[:, :, 1].double()
-    ghz = statistics.median(((clk[:, 5] - clk[:, 0]) / (ns[:, 5] - ns[:, 0]).clamp(min=1)).tolist())
     row = dict(n=n, batch=batch, nodes=plan.num_nodes, pairs=plan.num_pairs, max_depth=plan.max_depth, ctas=ctas,
                threads=threads or "auto", s0_parts=parts, defines=list(defines),
                cluster=cl if cluster else f"auto-{cl}", max_active_clusters=max_clusters,
                solve=solve if solve != "auto" else f"auto-{'paths' if chosen else 'levels'}",
-               equals_kernel=equals_kernel, delta_rel_vs_kernel=delta_rel_vs_kernel,
-               call_us=call_us, clock_ghz=ghz,
-               span_us=float(ns[:, 5].max() - ns[:, 0].min()) / 1e3,
-               cta_us_median=statistics.median(((clk[:, 5] - clk[:, 0]) / ghz / 1e3).tolist()),
-               start_spread_us=float(ns[:, 0].max() - ns[:, 0].min()) / 1e3, phase_us={})
-    for k, name in enumerate(PHASES):
-        d = ((clk[:, k + 1] - clk[:, k]) / ghz / 1e3).tolist()
-        row["phase_us"][name] = {"median": statistics.median(d), "max": max(d)}
+               equals_kernel=equals_kernel, delta_rel_vs_kernel=delta_rel_vs_kernel, call_us=call_us)
+    row.update(cta_times(buf.cpu(), PHASES))
     return row
 
 

@@ -352,16 +352,19 @@ def bench_verify(n: int, batch: int, bw: float, reps: int, vllm_fn, allow_slow: 
     # version 6 (other kernels, other summation order): its distance from version 3, and which kernel ran
     launches6, _, _ = kgdn.verify_launches(plan, x["q"], x["k"], x["v"], x["g"], x["beta"], pool, slots[0], variant=6)
     row["v6_kernels"] = [name for name, _ in launches6]
+
+    def one_kernel_us(variant: int, **kw) -> float:
+        """A one-kernel version's launch alone (graph-timed over the input sets), with verify_launches' keywords."""
+        fns = []
+        for s in range(sets):
+            xs = inputs[s]
+            ls, _, _ = kgdn.verify_launches(plan, xs["q"], xs["k"], xs["v"], xs["g"], xs["beta"], pool, slots[s],
+                                            variant=variant, **kw)
+            fns.append(ls[0][1])
+        return time_calls(fns, reps)[0]
+
     if row["v6_kernels"] == ["gdn_tree_verify_grouped"]:  # both CTA sizes, to check grouped_threads' choice
-        row["v6_threads_us"] = {}
-        for threads in (256, 512):
-            fns = []
-            for s in range(sets):
-                xs = inputs[s]
-                ls, _, _ = kgdn.verify_launches(plan, xs["q"], xs["k"], xs["v"], xs["g"], xs["beta"], pool, slots[s],
-                                                variant=6, threads6=threads)
-                fns.append(ls[0][1])
-            row["v6_threads_us"][str(threads)], _ = time_calls(fns, reps)
+        row["v6_threads_us"] = {str(threads): one_kernel_us(6, threads6=threads) for threads in (256, 512)}
     o6 = call(6)
     row["v6_vs_v3_o_rel"] = rel_err(o6[0], o3b[0])
     row["v6_vs_v3_delta_rel"] = rel_err(o6[1], o3b[1])
@@ -370,15 +373,8 @@ def bench_verify(n: int, batch: int, bw: float, reps: int, vllm_fn, allow_slow: 
     launches7, _, _ = kgdn.verify_launches(plan, x["q"], x["k"], x["v"], x["g"], x["beta"], pool, slots[0], variant=7)
     row["v7_kernels"] = [name for name, _ in launches7]
     if row["v7_kernels"] == ["gdn_tree_verify_small"]:
-        row["v7_block_v_us"] = {}
-        for bv7 in kgdn.SMALL_BLOCK_VS:
-            fns = []
-            for s in range(sets):
-                xs = inputs[s]
-                ls, _, _ = kgdn.verify_launches(plan, xs["q"], xs["k"], xs["v"], xs["g"], xs["beta"], pool, slots[s],
-                                                variant=7, extra_options=(f"-DS7_BV={bv7}",))
-                fns.append(ls[0][1])
-            row["v7_block_v_us"][str(bv7)], _ = time_calls(fns, reps)
+        row["v7_block_v_us"] = {str(bv7): one_kernel_us(7, extra_options=(f"-DS7_BV={bv7}",))
+                                for bv7 in kgdn.SMALL_BLOCK_VS}
         o7 = call(7)
         row["v7_vs_v6_o_rel"] = rel_err(o7[0], o6[0])
         row["v7_vs_v6_delta_rel"] = rel_err(o7[1], o6[1])

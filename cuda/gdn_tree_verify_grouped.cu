@@ -127,17 +127,6 @@ static_assert(GDN_GROUP >= 1 && GDN_GROUP * 4 <= G6_THREADS, "value heads per q/
 // Timeline (bench/gdn_timeline.py): when the caller passes a buffer, thread 0 of each CTA writes the
 // global timer (ns) and the SM clock at the kernel's start and after each phase's barrier.
 #define G6_MARKS 6
-#ifndef TFM_HOST_EMU
-__device__ __forceinline__ long long g6_globaltimer() {
-  long long t;
-  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
-  return t;
-}
-__device__ __forceinline__ long long g6_clock() { return clock64(); }
-#else
-__device__ __forceinline__ long long g6_globaltimer() { return 0; }
-__device__ __forceinline__ long long g6_clock() { return 0; }
-#endif
 
 __host__ __device__ constexpr int g6_align4(int x) { return (x + 3) & ~3; }
 __host__ __device__ constexpr int g6_round16(int x) { return (x + 15) & ~15; }
@@ -266,8 +255,8 @@ gdn_tree_verify_grouped(const tin* __restrict__ q, const tin* __restrict__ k, co
           : nullptr;
   auto mark = [&](int m) {
     if (marks != nullptr) {
-      marks[2 * m] = g6_globaltimer();
-      marks[2 * m + 1] = g6_clock();
+      marks[2 * m] = globaltimer_ns();
+      marks[2 * m + 1] = sm_clock();
     }
   };
   mark(0);

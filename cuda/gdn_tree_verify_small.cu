@@ -12,8 +12,9 @@
 // Why another layout (bench/NOTES.md section 73): at n = 16 version 6 takes 10.4 us at batch 1 and 44 us
 // at batch 8 on an H100 against a bytes floor of 1.2 / 9.7 us (S0 is 64 KB per value head); its CTAs of
 // 256-512 threads and ~100 KB of shared memory, built for n = 128, run batch 8's 1,024 CTAs in waves of one
-// or two CTAs per SM with their latencies exposed. Here a CTA is 4 GROUP S7_BV threads and ~47 KB
-// (four per SM), and every n x n quantity is a 32 x 32 block indexed by the request's local node index
+// or two CTAs per SM with their latencies exposed. Here a CTA is 4 GROUP S7_BV threads (384 at the 27B
+// shape with the wrapper's S7_BV = 32: ~60 KB, two per SM), and every n x n quantity is a 32 x 32 block
+// indexed by the request's local node index
 // (TreePlan.build refuses a parent that does not precede its child, so ancestors come first):
 //   phase 0  S0's rows straight into registers in the mma A-fragment layout (issued first: their DRAM
 //            latency overlaps the rest of the phase); q, k rows (cp.async, rows past n zero), the CTA's v
@@ -73,17 +74,6 @@ static_assert(S7_STAGE <= GDN_GROUP * S7_XS, "the staged tables fit the X region
 // the global timer (ns) and the SM clock at the kernel's start, after phase 0's copies, after its masks and
 // gates, after phase 1, after phase 2 and at the end of its phase 3.
 #define S7_MARKS 6
-#ifndef TFM_HOST_EMU
-__device__ __forceinline__ long long s7_globaltimer() {
-  long long t;
-  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
-  return t;
-}
-__device__ __forceinline__ long long s7_clock() { return clock64(); }
-#else
-__device__ __forceinline__ long long s7_globaltimer() { return 0; }
-__device__ __forceinline__ long long s7_clock() { return 0; }
-#endif
 
 __host__ __device__ constexpr int s7_align4(int x) { return (x + 3) & ~3; }
 __host__ __device__ constexpr int s7_max(int a, int b) { return a > b ? a : b; }
@@ -124,6 +114,26 @@ __device__ __forceinline__ u32 s7_word(const u16* rows, int row, int col) {
   return *reinterpret_cast<const u32*>(rows + row * S7_KP + col);
 }
 
+// A warp's projection tiles (C fragments: rows = its 16 V rows, columns = 8 nodes a tile) into PK, PQ
+// [GROUP][N][PS] (ADD: added to what the other half of K stored).
+template <bool ADD>
+__device__ __forceinline__ void s7_projection_rows(float* PK, float* PQ, const float (&pk)[4][4], const float (&pq)[4][4],
+                                                   int ntiles, int wh, int wr, int gq, int tq) {
+  constexpr int at[4] = {0, S7_PS, 8, S7_PS + 8};  // c0: (row, node), c1: (row, node + 1), c2, c3: row + 8
+#pragma unroll
+  for (int t = 0; t < 4; ++t) {
+    if (t < ntiles) {
+      float* dk = PK + (wh * S7_N + t * 8 + 2 * tq) * S7_PS + wr + gq;
+      float* dq = PQ + (wh * S7_N + t * 8 + 2 * tq) * S7_PS + wr + gq;
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        dk[at[e]] = ADD ? dk[at[e]] + pk[t][e] : pk[t][e];
+        dq[at[e]] = ADD ? dq[at[e]] + pq[t][e] : pq[t][e];
+      }
+    }
+  }
+}
+
 extern "C" __global__ void __launch_bounds__(S7_THREADS)
 gdn_tree_verify_small(const tin* __restrict__ q, const tin* __restrict__ k, const tin* __restrict__ v,
                       const float* __restrict__ g, const float* __restrict__ beta, const int* __restrict__ perm,
@@ -162,8 +172,8 @@ gdn_tree_verify_small(const tin* __restrict__ q, const tin* __restrict__ k, cons
           : nullptr;
   auto mark = [&](int m) {
     if (marks != nullptr) {
-      marks[2 * m] = s7_globaltimer();
-      marks[2 * m + 1] = s7_clock();
+      marks[2 * m] = globaltimer_ns();
+      marks[2 * m + 1] = sm_clock();
     }
   };
   mark(0);
@@ -322,17 +332,7 @@ gdn_tree_verify_small(const tin* __restrict__ q, const tin* __restrict__ k, cons
 
   // ---- phase 2. Raw projections by (value head, node, column): the first half of K's sums stored here,
   // the second half's added after the next barrier (a + b either way: deterministic).
-  if (wk == 0) {
-#pragma unroll
-    for (int t = 0; t < 4; ++t) {
-      if (t < ntiles) {
-        float* dk = PK + (wh * S7_N + t * 8 + 2 * tq) * S7_PS + wr + gq;
-        float* dq = PQ + (wh * S7_N + t * 8 + 2 * tq) * S7_PS + wr + gq;
-        dk[0] = pk[t][0]; dk[S7_PS] = pk[t][1]; dk[8] = pk[t][2]; dk[S7_PS + 8] = pk[t][3];
-        dq[0] = pq[t][0]; dq[S7_PS] = pq[t][1]; dq[8] = pq[t][2]; dq[S7_PS + 8] = pq[t][3];
-      }
-    }
-  }
+  if (wk == 0) s7_projection_rows<false>(PK, PQ, pk, pq, ntiles, wh, wr, gq, tq);
   // X and Y of the computed tiles for every value head; zero off the ancestor pairs, above the diagonal
   // and past n (phase 3 reads whole float4 groups of a row up to its diagonal).
 #pragma unroll
@@ -360,17 +360,7 @@ gdn_tree_verify_small(const tin* __restrict__ q, const tin* __restrict__ k, cons
     }
   }
   __syncthreads();
-  if (wk == 1) {
-#pragma unroll
-    for (int t = 0; t < 4; ++t) {
-      if (t < ntiles) {
-        float* dk = PK + (wh * S7_N + t * 8 + 2 * tq) * S7_PS + wr + gq;
-        float* dq = PQ + (wh * S7_N + t * 8 + 2 * tq) * S7_PS + wr + gq;
-        dk[0] += pk[t][0]; dk[S7_PS] += pk[t][1]; dk[8] += pk[t][2]; dk[S7_PS + 8] += pk[t][3];
-        dq[0] += pq[t][0]; dq[S7_PS] += pq[t][1]; dq[8] += pq[t][2]; dq[S7_PS + 8] += pq[t][3];
-      }
-    }
-  }
+  if (wk == 1) s7_projection_rows<true>(PK, PQ, pk, pq, ntiles, wh, wr, gq, tq);
   __syncthreads();
   mark(4);
 

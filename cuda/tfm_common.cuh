@@ -89,7 +89,16 @@ __device__ __forceinline__ T* cluster_map(T* p, u32 rank) {
   asm volatile("mapa.u64 %0, %1, %2;" : "=l"(out) : "l"(p), "r"(rank));
   return reinterpret_cast<T*>(out);
 }
+// Per-CTA timelines of the benchmarks (bench/gdn_timeline.py): the global timer in ns and the SM's clock.
+__device__ __forceinline__ long long globaltimer_ns() {
+  long long t;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+  return t;
+}
+__device__ __forceinline__ long long sm_clock() { return clock64(); }
 #else
+__device__ __forceinline__ long long globaltimer_ns() { return 0; }
+__device__ __forceinline__ long long sm_clock() { return 0; }
 // the emulation runs kernels one after another, which is the order pdl_wait guarantees
 __device__ __forceinline__ void pdl_wait() {}
 __device__ __forceinline__ void pdl_launch_dependents() {}

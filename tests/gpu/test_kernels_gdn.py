@@ -213,7 +213,7 @@ V7_SETS = {
 @pytest.mark.parametrize("group", [3, 1])
 @pytest.mark.parametrize("name", list(V7_SETS))
 def test_verify_v7_bf16_matches_float64_reference(name, group, block_v):
-    # version 7 (trees of <= 32 nodes, a warp per value head and 16 V rows) at K = V = 128 on every tree set:
+    # version 7 (trees of <= 32 nodes, a warp per value head, 16 V rows and half of K) at K = V = 128 on every tree set:
     # n = 1, a chain of 32 (depth 31), a star, a batch of mixed trees, eight trees of 17 (the runtime's B = 16)
     trees = V7_SETS[name](_seeded(len(name) + group))
     c = make_case(trees, h=2, hv=2 * group, dtype=torch.bfloat16, seed=5 + group)

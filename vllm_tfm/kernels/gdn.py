@@ -61,12 +61,12 @@ COMMIT_THREADS, COMMIT_BV, COMMIT_PC = 128, 16, 32
 # head, 16 V columns) serves every value head of the q/k head's group, computes the pair products
 # itself on tensor cores and runs the projections as bf16 mma on a three-part split of S0. It takes
 # bfloat16 inputs whose whole tree fits one CTA's shared memory; other calls run version 3.
-# DEFAULT_VERIFY_VARIANT is the library calls' default; the vLLM runtime picks per step between 3 and 6
-# (runtime_verify_variant, section 34).
+# DEFAULT_VERIFY_VARIANT is the library calls' default; the vLLM runtime picks per step between 3, 6 and 7
+# (runtime_verify_variant, sections 34 and 73).
 # 7 = trees of at most 32 nodes (cuda/gdn_tree_verify_small.cu; section 73): a CTA of 4 GROUP BV threads
 # per (request, q/k head, BV columns of V), a warp per (value head, 16 V rows, half of K), every n x n block
-# 32 x 32, Delta in registers; ~47 KB of shared memory, so four CTAs share an SM. It takes the bfloat16
-# calls version 6 takes whose trees have at most SMALL_MAX_NODES nodes; other calls run version 6 (or 3).
+# 32 x 32, Delta in registers; two CTAs share an SM at the 27B shape. It takes the bfloat16 calls version 6
+# takes whose trees have at most SMALL_MAX_NODES nodes; other calls run version 6 (or 3).
 VERIFY_VARIANTS = (1, 2, 3, 4, 5, 6, 7)
 DEFAULT_VERIFY_VARIANT = 3
 GROUPED_SOURCE = "gdn_tree_verify_grouped.cu"
@@ -128,7 +128,7 @@ def grouped_smem_bytes(k_dim: int, group: int, n_cap: int, pcap: int, solve_leve
 def small_smem_bytes(k_dim: int, group: int, block_v: int) -> int:
     """Dynamic shared memory of ``gdn_tree_verify_small`` (mirrors s7_smem_words): the q, k rows of 32
     nodes in 16 bits (later the raw projections of ``group`` value heads), X and Y of each value head,
-    the v columns, and the per-position tables."""
+    the v columns, and the per-node tables."""
     n = SMALL_MAX_NODES
     words = (max(n * (k_dim + 8), 2 * group * n * (block_v + 4)) + 2 * group * (n * n + 16)
              + _align4(n * group * block_v // 2) + (4 + 3 * group) * n)
@@ -154,11 +154,11 @@ def small_unsupported_reason(plan: TreePlan, qk_dtype: torch.dtype, h: int, hv: 
     return None
 
 
-def small_block_v(plan: TreePlan, h: int, v_dim: int, num_sms: int) -> int:
-    """Version 7's V columns per value head and CTA (S7_BV): 32 where V allows (grids of R H V / 32 CTAs of 128
-    GROUP threads), faster than 16 at every size measured on an H100 (n = 16, 17 and 32 at batch 1, 8 and 32;
-    bench/results/gdn_tree_v7_s73.json.gz, bench/NOTES.md section 73), else 16. An explicit ``-DS7_BV=16`` in ``verify_launches``' ``extra_options``
-    (benchmarks, tests) decides instead."""
+def small_block_v(v_dim: int) -> int:
+    """Version 7's V columns per value head and CTA (S7_BV): 32 where V allows (grids of R H V / 32 CTAs of
+    128 GROUP threads), faster than 16 at every size measured on an H100 (n = 16, 17 and 32 at batch 1, 8
+    and 32; bench/results/gdn_tree_v7_s73.json.gz, bench/NOTES.md section 73), else 16. An explicit
+    ``-DS7_BV=16`` in ``verify_launches``' ``extra_options`` (benchmarks, tests) decides instead."""
     return 32 if v_dim % 32 == 0 else 16
 
 
@@ -260,7 +260,7 @@ def runtime_verify_variant(plan: TreePlan, qk_dtype: torch.dtype, h: int, hv: in
     (bench/NOTES.md section 73, bench/results/gdn_tree_v7_s73.json.gz; batches 2 to 7 not measured)."""
     ctas6 = plan.num_requests * h * (v_dim // GROUPED_BV)
     if ctas6 > num_sms and small_unsupported_reason(plan, qk_dtype, h, hv, k_dim, v_dim, max_smem,
-                                                    small_block_v(plan, h, v_dim, num_sms)) is None:
+                                                    small_block_v(v_dim)) is None:
         return 7
     if grouped_unsupported_reason(plan, qk_dtype, h, hv, k_dim, v_dim, max_smem) is not None:
         return 3
@@ -425,7 +425,7 @@ def verify_launches(
     if variant == 7:
         max_smem = device_smem_optin(dev_index)
         forced7 = [int(x.split("=", 1)[1]) for x in extra_options if x.startswith("-DS7_BV=")]
-        bv7 = forced7[-1] if forced7 else small_block_v(plan, h, vd, torch.cuda.get_device_properties(dev_index).multi_processor_count)
+        bv7 = forced7[-1] if forced7 else small_block_v(vd)
         if small_unsupported_reason(plan, q.dtype, h, hv, kd, vd, max_smem, bv7) is None:
             opts = ["--std=c++17", "-lineinfo", f"-DTFM_IN={DTYPE_CODE[v.dtype]}", f"-DGDN_K={kd}", f"-DGDN_V={vd}",
                     f"-DGDN_GROUP={hv // h}", f"-DS7_BV={bv7}",
