@@ -249,16 +249,8 @@ gdn_tree_verify_grouped(const tin* __restrict__ q, const tin* __restrict__ k, co
   const int v0 = blockIdx.x * G6_BV;
   const int h = blockIdx.y;
   const int r = blockIdx.z;
-  long long* __restrict__ marks =
-      timeline != nullptr && tid == 0
-          ? timeline + ((i64)(blockIdx.z * gridDim.y + blockIdx.y) * gridDim.x + blockIdx.x) * (2 * G6_MARKS)
-          : nullptr;
-  auto mark = [&](int m) {
-    if (marks != nullptr) {
-      marks[2 * m] = globaltimer_ns();
-      marks[2 * m + 1] = sm_clock();
-    }
-  };
+  const CtaTimeline tl = cta_timeline(timeline, G6_MARKS);
+  auto mark = [&](int m) { tl.mark(m); };
   mark(0);
   const int bos = cu[r];
   const int n = cu[r + 1] - bos;

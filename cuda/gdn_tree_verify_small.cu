@@ -166,16 +166,8 @@ gdn_tree_verify_small(const tin* __restrict__ q, const tin* __restrict__ k, cons
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
   const int gq = lane >> 2, tq = lane & 3;  // mma fragment coordinates
   const int v0 = blockIdx.x * S7_BV, h = blockIdx.y, r = blockIdx.z;
-  long long* __restrict__ marks =
-      timeline != nullptr && tid == 0
-          ? timeline + ((i64)(blockIdx.z * gridDim.y + blockIdx.y) * gridDim.x + blockIdx.x) * (2 * S7_MARKS)
-          : nullptr;
-  auto mark = [&](int m) {
-    if (marks != nullptr) {
-      marks[2 * m] = globaltimer_ns();
-      marks[2 * m + 1] = sm_clock();
-    }
-  };
+  const CtaTimeline tl = cta_timeline(timeline, S7_MARKS);
+  auto mark = [&](int m) { tl.mark(m); };
   mark(0);
   const int bos = cu[r];
   const int n = cu[r + 1] - bos;

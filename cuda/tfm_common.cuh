@@ -106,6 +106,23 @@ __device__ __forceinline__ void prefetch_l2(const void*, u32) {}
 #define TFM_DYNAMIC_SMEM(type, name) type* name = reinterpret_cast<type*>(tfm_emu_dynamic_smem())
 #endif
 
+// A benchmark's per-CTA timeline (bench/gdn_timeline.py): thread 0 of each CTA writes the global timer and the
+// SM clock at mark m into entries 2 m, 2 m + 1 of its CTA's `marks` pairs of `timeline` (nothing when null).
+struct CtaTimeline {
+  long long* p;
+  __device__ __forceinline__ void mark(int m) const {
+    if (p != nullptr) {
+      p[2 * m] = globaltimer_ns();
+      p[2 * m + 1] = sm_clock();
+    }
+  }
+};
+__device__ __forceinline__ CtaTimeline cta_timeline(long long* timeline, int marks) {
+  const bool writes = timeline != nullptr && threadIdx.x == 0;
+  return CtaTimeline{writes ? timeline + ((i64)(blockIdx.z * gridDim.y + blockIdx.y) * gridDim.x + blockIdx.x) * (2 * marks)
+                            : nullptr};
+}
+
 __device__ __forceinline__ float to_f32(float x) { return x; }
 __device__ __forceinline__ float to_f32(bf16s x) { return bf16_bits_to_f32(x.bits); }
 __device__ __forceinline__ float to_f32(f16s x) { return f16_bits_to_f32(x.bits); }
