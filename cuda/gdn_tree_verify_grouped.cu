@@ -250,8 +250,7 @@ gdn_tree_verify_grouped(const tin* __restrict__ q, const tin* __restrict__ k, co
   const int h = blockIdx.y;
   const int r = blockIdx.z;
   const CtaTimeline tl = cta_timeline(timeline, G6_MARKS);
-  auto mark = [&](int m) { tl.mark(m); };
-  mark(0);
+  tl.mark(0);
   const int bos = cu[r];
   const int n = cu[r + 1] - bos;
   if (n <= 0) return;  // the whole cluster: its CTAs share the request
@@ -330,7 +329,7 @@ gdn_tree_verify_grouped(const tin* __restrict__ q, const tin* __restrict__ k, co
   if (!G6_SOLVE && tid == 0) sm.poff_p[n] = cnt;
   cp_async_wait<0>();
   __syncthreads();  // B1: rows and tables visible
-  mark(1);
+  tl.mark(1);
 
   // ---- phase 1.
   for (int p = tid; p < (G6_SOLVE ? 0 : n); p += G6_THREADS) {  // first level position of each depth (phase 4, levels)
@@ -480,7 +479,7 @@ gdn_tree_verify_grouped(const tin* __restrict__ q, const tin* __restrict__ k, co
 #else
   __syncthreads();  // B2: pair products and norm scales visible
 #endif
-  mark(2);
+  tl.mark(2);
 
   // ---- phase 2: X, Y per value head; e^{G_i}.
   for (int c = tid; c < ((GDN_PROFILE_SKIP & 8) ? 0 : n * GDN_GROUP); c += G6_THREADS) {
@@ -513,7 +512,7 @@ gdn_tree_verify_grouped(const tin* __restrict__ q, const tin* __restrict__ k, co
     sm.eg[t * n_cap + i] = expf(seg);  // seg = G_i
   }
   __syncthreads();  // B3: X, Y, e^G, S0 parts visible (the pair products' region is free now)
-  mark(3);
+  tl.mark(3);
 
 #if G6_SOLVE
   // ---- phase 2b: per (node i, value head t), row i of T = (I + X)^-1 and of W = Y (I + X)^-1 on i's
@@ -659,7 +658,7 @@ gdn_tree_verify_grouped(const tin* __restrict__ q, const tin* __restrict__ k, co
     }
   }
   __syncthreads();  // B4: R and the Q projections visible
-  mark(4);
+  tl.mark(4);
 
   // ---- phase 4: a unit per (row, value head ut, 4 columns uq), RPAR rows in flight.
   constexpr int UPR = GDN_GROUP * (G6_BV / 4);  // units per row
@@ -726,6 +725,6 @@ gdn_tree_verify_grouped(const tin* __restrict__ q, const tin* __restrict__ k, co
 #endif
   if (timeline != nullptr) {  // uniform: the end of the CTA's last warp
     __syncthreads();
-    mark(5);
+    tl.mark(5);
   }
 }

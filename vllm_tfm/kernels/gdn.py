@@ -258,13 +258,12 @@ def runtime_verify_variant(plan: TreePlan, qk_dtype: torch.dtype, h: int, hv: in
     more than one wave (R H V / 16 CTAs > the SMs: batch 2 and more at the 27B shape): at n = 17 on an H100
     31.7 / 107.4 us against version 6's 46.1 / 168.7 at batch 8 / 32, but 11.1 against 10.8 at batch 1
     (bench/NOTES.md section 73, bench/results/gdn_tree_v7_s73.json.gz; batches 2 to 7 not measured)."""
-    ctas6 = plan.num_requests * h * (v_dim // GROUPED_BV)
-    if ctas6 > num_sms and small_unsupported_reason(plan, qk_dtype, h, hv, k_dim, v_dim, max_smem,
+    ctas = plan.num_requests * h * (v_dim // GROUPED_BV)  # version 6's grid
+    if ctas > num_sms and small_unsupported_reason(plan, qk_dtype, h, hv, k_dim, v_dim, max_smem,
                                                     small_block_v(v_dim)) is None:
         return 7
     if grouped_unsupported_reason(plan, qk_dtype, h, hv, k_dim, v_dim, max_smem) is not None:
         return 3
-    ctas = plan.num_requests * h * (v_dim // GROUPED_BV)
     if plan.max_nodes <= RUNTIME_V6_MAX_NODES or ctas <= num_sms:
         return 6
     if grouped_solve(plan, k_dim, hv // h, max_smem) == 1 and (
