@@ -1,14 +1,15 @@
 #!/usr/bin/env python3
-"""Verify versions 6 and 7 (cuda/gdn_tree_verify_grouped.cu, gdn_tree_verify_small.cu) from inside: per-CTA phase times.
+"""Verify versions 6, 7 and 8 (cuda/gdn_tree_verify_grouped.cu, _small.cu, _paths.cu) from inside: per-CTA phase times.
 
 Thread 0 of every CTA writes the global timer and the SM clock at the kernel's start and after each
-phase's barrier (``timeline6`` / ``timeline7`` of ``vllm_tfm.kernels.gdn.verify_launches``). This prints, per (n,
+phase's barrier (``timeline6`` / ``timeline7`` / ``timeline8`` of ``vllm_tfm.kernels.gdn.verify_launches``). This prints, per (n,
 batch), the median and the largest time of each phase over the CTAs, the span from the first CTA's
 start to the last one's end, and the graph-timed whole call (bench/gdn_tree.py's timing) beside it:
 what the CTAs do against what the launch costs. Same trees and inputs as bench/gdn_tree.py.
 
 usage (GPU host, repository root):  python3 bench/gdn_timeline.py [--out FILE] [--n 32 128] [--batch 1 8]
                                     python3 bench/gdn_timeline.py --variant 7 --n 17 32 --batch 1 8 32 --block-v 16 32
+                                    python3 bench/gdn_timeline.py --variant 8 --n 33 65 128 --batch 1 8 --block-v 32 64
 """
 
 from __future__ import annotations
@@ -38,32 +39,44 @@ from vllm_tfm.kernels import loader  # noqa: E402
 SOLVES = {"levels": 0, "paths": 1}
 PHASES = ("loads_tables", "norms_gram", "coefficients_split", "projections", "substitution")
 PHASES7 = ("copies", "masks_gates", "norms_grams_projections", "coefficients", "solve_outputs")
+PHASES8 = ("copies_tables", "norms_entries", "grams_projections", "r_and_path_rows", "outputs")
+# the one-kernel versions with their own timeline: marks, phase names, V-width option, kernel, CTAs per q/k
+# head (7: one per q/k head; 8: one per value head) and verify_launches' timeline keyword
+ONE_KERNEL = {
+    7: dict(marks=kgdn.SMALL_MARKS, phases=PHASES7, bv_option="-DS7_BV", kernel="gdn_tree_verify_small",
+            per_qk_head=lambda group: 1, keyword="timeline7"),
+    8: dict(marks=kgdn.PATHS_MARKS, phases=PHASES8, bv_option="-DP8_BV", kernel="gdn_tree_verify_paths",
+            per_qk_head=lambda group: group, keyword="timeline8"),
+}
 
 
-def timeline7(n: int, batch: int, reps: int, block_v: int) -> dict:
-    """Version 7's per-CTA phases at S7_BV = ``block_v`` (its timeline marks, ``kgdn.SMALL_MARKS``)."""
-    opts = (f"-DS7_BV={block_v}",)
+def timeline_one(variant: int, n: int, batch: int, reps: int, block_v: int, defines: tuple[str, ...] = ()) -> dict:
+    """Version 7's or 8's per-CTA phases at ``block_v`` V columns a CTA (their timeline marks)."""
+    spec = ONE_KERNEL[variant]
+    opts = (f"{spec['bv_option']}={block_v}", *[f"-D{d}" for d in defines])
     plan, sets, inputs, pool, slots = phase_case(n, batch)
     fns = []
     for s in range(sets):
         x = inputs[s]
         launches, _, _ = kgdn.verify_launches(plan, x["q"], x["k"], x["v"], x["g"], x["beta"], pool, slots[s],
-                                              return_delta=True, variant=7, extra_options=opts)
-        if [name for name, _ in launches] != ["gdn_tree_verify_small"]:
-            return dict(n=n, batch=batch, variant=7, error=f"version 7 does not take n={n}")
+                                              return_delta=True, variant=variant, extra_options=opts)
+        if [name for name, _ in launches] != [spec["kernel"]]:
+            return dict(n=n, batch=batch, variant=variant, error=f"version {variant} does not take n={n}")
         fns.append(launches[0][1])
     call_us, _ = time_calls(fns, reps)
     x = inputs[0]
-    ctas = plan.num_requests * x["q"].shape[1] * (VD // block_v)
-    buf = torch.zeros(ctas, kgdn.SMALL_MARKS, 2, dtype=torch.int64, device="cuda")
+    h, hv = x["q"].shape[1], x["v"].shape[1]
+    ctas = plan.num_requests * h * spec["per_qk_head"](hv // h) * (VD // block_v)
+    buf = torch.zeros(ctas, spec["marks"], 2, dtype=torch.int64, device="cuda")
     launches, _, _ = kgdn.verify_launches(plan, x["q"], x["k"], x["v"], x["g"], x["beta"], pool, slots[0],
-                                          return_delta=True, variant=7, timeline7=buf, extra_options=opts)
+                                          return_delta=True, variant=variant, extra_options=opts,
+                                          **{spec["keyword"]: buf})
     for _ in range(3):  # the last of three back-to-back calls (warm caches of the tables, as in a graph)
         launches[0][1]()
     torch.cuda.synchronize()
-    row = dict(n=n, batch=batch, variant=7, block_v=block_v, nodes=plan.num_nodes, max_depth=plan.max_depth, ctas=ctas,
-               call_us=call_us)
-    row.update(cta_times(buf.cpu(), PHASES7))
+    row = dict(n=n, batch=batch, variant=variant, block_v=block_v, defines=list(defines), nodes=plan.num_nodes,
+               max_depth=plan.max_depth, ctas=ctas, call_us=call_us)
+    row.update(cta_times(buf.cpu(), spec["phases"]))
     return row
 
 
@@ -82,11 +95,12 @@ def cta_times(marks: torch.Tensor, phases: tuple[str, ...]) -> dict:
     return out
 
 
-def table7(rows: list[dict]) -> str:
-    lines = ["GDN tree verify version 7 from inside (us; per-CTA SM clock, median / max over CTAs; span = first start to "
-             "last end; call = graph-timed whole call)",
+def table_one(variant: int, rows: list[dict]) -> str:
+    phases = ONE_KERNEL[variant]["phases"]
+    lines = [f"GDN tree verify version {variant} from inside (us; per-CTA SM clock, median / max over CTAs; span = "
+             "first start to last end; call = graph-timed whole call)",
              f"{'n':>4} {'batch':>5} {'BV':>3} {'ctas':>5} {'call':>7} {'span':>7} {'cta':>7} {'spread':>7} | "
-             + " ".join(f"{p[:13]:>13}" for p in PHASES7)]
+             + " ".join(f"{p[:13]:>13}" for p in phases)]
     for r in rows:
         if "error" in r:
             lines.append(f"{r['n']:>4} {r['batch']:>5} {r['error']}")
@@ -94,7 +108,8 @@ def table7(rows: list[dict]) -> str:
         ph = r["phase_us"]
         lines.append(f"{r['n']:>4} {r['batch']:>5} {r['block_v']:>3} {r['ctas']:>5} {r['call_us']:>7.1f} {r['span_us']:>7.1f} "
                      f"{r['cta_us_median']:>7.1f} {r['start_spread_us']:>7.1f} | "
-                     + " ".join(f"{ph[p]['median']:>6.2f}/{ph[p]['max']:<6.2f}" for p in PHASES7))
+                     + " ".join(f"{ph[p]['median']:>6.2f}/{ph[p]['max']:<6.2f}" for p in phases)
+                     + (f"  {' '.join(r['defines'])}" if r.get("defines") else ""))
     return "\n".join(lines)
 
 
@@ -180,8 +195,9 @@ def main() -> None:
                     help="phase 4's solve: auto (the wrapper's choice, grouped_solve), levels (G6_SOLVE=0), paths (1)")
     ap.add_argument("--cluster", type=int, nargs="+", default=[0],
                     help="CTAs per thread block cluster, G6_CLUSTER (0: the wrapper's choice, grouped_cluster)")
-    ap.add_argument("--variant", type=int, choices=(6, 7), default=6, help="the verify version to look into")
-    ap.add_argument("--block-v", type=int, nargs="+", default=[16], help="version 7's V columns per CTA (S7_BV)")
+    ap.add_argument("--variant", type=int, choices=(6, 7, 8), default=6, help="the verify version to look into")
+    ap.add_argument("--block-v", type=int, nargs="+", default=[0],
+                    help="versions 7 and 8: V columns per CTA (S7_BV / P8_BV; 0: the wrapper's choice)")
     ap.add_argument("--define", action="append", default=[], metavar="NAME=VALUE",
                     help="a timing-only compile constant for every row (e.g. G6_DPAD=0, GDN_PROFILE_SKIP=16); repeatable")
     args = ap.parse_args()
@@ -192,9 +208,11 @@ def main() -> None:
     if not torch.cuda.is_available() or not loader.kernels_available():
         sys.exit(f"gdn_timeline.py needs a CUDA device and the NVRTC kernels: {loader.kernels_unavailable_reason()}")
     start = time.perf_counter()
-    if args.variant == 7:
-        rows = [timeline7(n, b, args.reps, bv) for b in args.batch for n in args.n for bv in args.block_v]
-        text = table7(rows)
+    if args.variant in ONE_KERNEL:
+        auto = kgdn.small_block_v(VD) if args.variant == 7 else kgdn.paths_block_v(VD)
+        rows = [timeline_one(args.variant, n, b, args.reps, bv or auto, tuple(args.define)) for b in args.batch
+                for n in args.n for bv in args.block_v]
+        text = table_one(args.variant, rows)
     else:
         rows = [timeline(n, b, args.reps, t or None, parts, sw, tuple(args.define), cl) for b in args.batch
                 for n in args.n for t in args.threads for parts in args.s0_parts for sw in args.solve for cl in args.cluster]

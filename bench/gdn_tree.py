@@ -378,6 +378,22 @@ def bench_verify(n: int, batch: int, bw: float, reps: int, vllm_fn, allow_slow: 
         o7 = call(7)
         row["v7_vs_v6_o_rel"] = rel_err(o7[0], o6[0])
         row["v7_vs_v6_delta_rel"] = rel_err(o7[1], o6[1])
+    # version 8 (trees of <= 128 nodes with paths of <= 17; others run version 6): which kernel ran, both V
+    # widths, S0 in two bf16 parts instead of three (P8_SPLIT=2), its distance from version 6
+    launches8, _, _ = kgdn.verify_launches(plan, x["q"], x["k"], x["v"], x["g"], x["beta"], pool, slots[0], variant=8)
+    row["v8_kernels"] = [name for name, _ in launches8]
+    if row["v8_kernels"] == ["gdn_tree_verify_paths"]:
+        row["v8_block_v_us"] = {str(bv8): one_kernel_us(8, extra_options=(f"-DP8_BV={bv8}",))
+                                for bv8 in kgdn.PATHS_BLOCK_VS}
+        row["v8_warps8_us"] = {str(bv8): one_kernel_us(8, extra_options=(f"-DP8_BV={bv8}", "-DP8_WARPS=8"))
+                               for bv8 in kgdn.PATHS_BLOCK_VS}  # CTAs of 8 warps (timing option)
+        row["v8_split2_us"] = one_kernel_us(8, extra_options=("-DP8_SPLIT=2",))
+        o8 = call(8)
+        row["v8_vs_v6_o_rel"] = rel_err(o8[0], o6[0])
+        row["v8_vs_v6_delta_rel"] = rel_err(o8[1], o6[1])
+    timed = {f"v{v}": row[f"v{v}_auto_us"] for v in kgdn.VERIFY_VARIANTS if row.get(f"v{v}_auto_us")}
+    row["fastest_variant"] = min(timed, key=timed.get) if timed else None
+    row["fastest_us"] = min(timed.values()) if timed else None
     if n in BREAKDOWN_N and batch in BREAKDOWN_BATCH:
         row["breakdown"] = {}
         for variant in kgdn.VERIFY_VARIANTS:
@@ -440,6 +456,8 @@ def bench_verify(n: int, batch: int, bw: float, reps: int, vllm_fn, allow_slow: 
             row["per_branch_error"] = f"{type(exc).__name__}: {exc}"[:300]
     if row.get("per_branch_us") and row["ours_best_us"]:
         row["speedup_vs_per_branch"] = row["per_branch_us"] / row["ours_best_us"]
+    if row.get("per_branch_us") and row["fastest_us"]:  # the fastest kernel version in this run (issue 5's 20x)
+        row["fastest_speedup_vs_per_branch"] = row["per_branch_us"] / row["fastest_us"]
     return row
 
 
@@ -746,6 +764,22 @@ def table(results: dict) -> str:
                      f"{fmt(r.get('ours_eager_us')):>8} {fmt(r.get('per_branch_us')):>11} "
                      f"{fmt(r.get('speedup_vs_per_branch')):>8} {fmt(r.get('reference_us'), '.0f'):>10} "
                      f"{fmt(r.get('err_vs_reference'), '.1e'):>8} {'v' + str(r.get('runtime_variant', '-')):>3}")
+    lines.append("versions 6 to 8 (one kernel each; v8 BV32 / BV64 / w8 BV32 / w8 BV64 / split2: version 8's launch alone at "
+                 "32 and 64 V columns, with CTAs of 8 warps, and with S0 in two bf16 parts), the fastest version and its "
+                 "speedup over per-branch recurrence, us")
+    lines.append(f"{'n':>4} {'batch':>5} {'floor':>8} {'v6 auto':>8} {'v7 auto':>8} {'v8 auto':>8} {'v8 BV32':>8} "
+                 f"{'v8 BV64':>8} {'w8 BV32':>8} {'w8 BV64':>8} {'split2':>8} {'v6/v8':>6} {'v8-v6 d':>8} {'fastest':>8} "
+                 f"{'per-branch':>11} {'speedup':>8}")
+    for r in results["verify"]:
+        v7 = r.get("v7_auto_us") if r.get("v7_kernels") == ["gdn_tree_verify_small"] else None
+        v8 = r.get("v8_auto_us") if r.get("v8_kernels") == ["gdn_tree_verify_paths"] else None
+        bvs, w8 = r.get("v8_block_v_us", {}), r.get("v8_warps8_us", {})
+        lines.append(f"{r['n']:>4} {r['batch']:>5} {fmt(r['floor_us']):>8} {fmt(r.get('v6_auto_us')):>8} {fmt(v7):>8} "
+                     f"{fmt(v8):>8} {fmt(bvs.get('32')):>8} {fmt(bvs.get('64')):>8} {fmt(w8.get('32')):>8} "
+                     f"{fmt(w8.get('64')):>8} {fmt(r.get('v8_split2_us')):>8} "
+                     f"{fmt(ratio(r.get('v6_auto_us'), v8), '.2f'):>6} {fmt(r.get('v8_vs_v6_delta_rel'), '.1e'):>8} "
+                     f"{str(r.get('fastest_variant')):>8} {fmt(r.get('per_branch_us')):>11} "
+                     f"{fmt(r.get('fastest_speedup_vs_per_branch')):>8}")
     if any(r.get("fixed_plan") for r in results["verify"]):
         bounds = sorted({str(r.get("depth_bound")) for r in results["verify"] if r.get("fixed_plan")})
         lines.append(f"plans: the full CUDA graphs' fixed layout (--fixed-plan), depth_bound {', '.join(bounds)}; "

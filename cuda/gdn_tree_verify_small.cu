@@ -86,29 +86,6 @@ __host__ __device__ constexpr int s7_smem_words() {
          + (4 + 3 * GDN_GROUP) * S7_N;                          // rk, rq, anc (2 N: see below); G, e^G, beta [GROUP][N]
 }
 
-// Two floats as one bf16x2 word (lo in the low half), each rounded to nearest even: one cvt.rn.bf16x2.f32
-// (PTX ISA: d = {a -> upper half, b -> lower half}).
-#ifndef TFM_HOST_EMU
-__device__ __forceinline__ u32 s7_pack_bf16x2(float lo, float hi) {
-  u32 r;
-  asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
-  return r;
-}
-#else
-__device__ __forceinline__ u32 s7_pack_bf16x2(float lo, float hi) {
-  return (u32)from_f32<bf16s>(lo).bits | ((u32)from_f32<bf16s>(hi).bits << 16);
-}
-#endif
-
-// Two floats as three bf16x2 words: x = hi + mid + lo (each remainder is exact in float32), so three
-// bf16 products with an exact bf16 operand sum to x's float32 product.
-__device__ __forceinline__ void s7_split3(float2 x, u32& hi, u32& mid, u32& lo) {
-  hi = s7_pack_bf16x2(x.x, x.y);
-  const float r0 = x.x - __uint_as_float(hi << 16), r1 = x.y - __uint_as_float(hi & 0xffff0000u);
-  mid = s7_pack_bf16x2(r0, r1);
-  lo = s7_pack_bf16x2(r0 - __uint_as_float(mid << 16), r1 - __uint_as_float(mid & 0xffff0000u));
-}
-
 // The 32-bit word of two bf16 at (row, col) of a staged [N][KP] q / k block.
 __device__ __forceinline__ u32 s7_word(const u16* rows, int row, int col) {
   return *reinterpret_cast<const u32*>(rows + row * S7_KP + col);
@@ -304,7 +281,7 @@ gdn_tree_verify_small(const tin* __restrict__ q, const tin* __restrict__ k, cons
   for (int s = 0; s < S7_KHALF; ++s) {
     u32 ahi[4], amid[4], alo[4];
 #pragma unroll
-    for (int e = 0; e < 4; ++e) s7_split3(s0r[s][e], ahi[e], amid[e], alo[e]);
+    for (int e = 0; e < 4; ++e) split3_bf16x2(s0r[s][e], ahi[e], amid[e], alo[e]);
     const int c = wk * (GDN_K / 2) + s * 16 + 2 * tq;
 #pragma unroll
     for (int t = 0; t < 4; ++t) {

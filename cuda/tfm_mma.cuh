@@ -4,6 +4,7 @@
 //   mma_1688_tf32            mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32
 //   tf32_rna / split_tf32    cvt.rna.tf32.f32, and x = hi + lo with both parts tf32 (3xTF32 products)
 //   cp_async16 / cp_async4 / cp_async_commit / cp_async_wait<N>   cp.async.cg (16 bytes), .ca (4) and groups
+//   pack_bf16x2 / split3_bf16x2  cvt.rn.bf16x2.f32, and a float pair as three bf16x2 parts (float32-accurate products)
 //
 // Fragment layouts (PTX ISA, "Matrix Fragments for mma.m16n8k16 with floating point type"; lane l,
 // g = l / 4, t = l % 4; each 32-bit register holds two 16-bit elements, the lower index in the low
@@ -115,4 +116,27 @@ __device__ __forceinline__ void cp_async_wait() { tfm_emu_cp_wait(N); }
 __device__ __forceinline__ void split_tf32(float x, u32& hi, u32& lo) {
   hi = tf32_rna(x);
   lo = tf32_rna(x - __uint_as_float(hi));
+}
+
+// Two floats as one bf16x2 word (lo in the low half), each rounded to nearest even: one cvt.rn.bf16x2.f32
+// (PTX ISA: d = {a -> upper half, b -> lower half}).
+#ifndef TFM_HOST_EMU
+__device__ __forceinline__ u32 pack_bf16x2(float lo, float hi) {
+  u32 r;
+  asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
+  return r;
+}
+#else
+__device__ __forceinline__ u32 pack_bf16x2(float lo, float hi) {
+  return (u32)from_f32<bf16s>(lo).bits | ((u32)from_f32<bf16s>(hi).bits << 16);
+}
+#endif
+
+// Two floats as three bf16x2 words: x = hi + mid + lo (each remainder is exact in float32), so three
+// bf16 products with an exact bf16 operand sum to x's float32 product (versions 7 and 8 of the GDN verify).
+__device__ __forceinline__ void split3_bf16x2(float2 x, u32& hi, u32& mid, u32& lo) {
+  hi = pack_bf16x2(x.x, x.y);
+  const float r0 = x.x - __uint_as_float(hi << 16), r1 = x.y - __uint_as_float(hi & 0xffff0000u);
+  mid = pack_bf16x2(r0, r1);
+  lo = pack_bf16x2(r0 - __uint_as_float(mid << 16), r1 - __uint_as_float(mid & 0xffff0000u));
 }

@@ -247,6 +247,80 @@ def test_verify_v7_at_the_27b_shape_equals_version_6_within_rounding():
     assert rel(d7, d6) <= 1e-6 and rel(o7.float(), o6.float()) <= HALF_TOL
 
 
+V8_SETS = {
+    "single_node": lambda g: [torch.tensor([-1])],
+    "chain17": lambda g: [chain(17)],
+    "star128": lambda g: [star(128)],
+    "bushy128_depth16": lambda g: [bushy_tree(128, g)],
+    "mixed_batch": lambda g: [bushy_tree(100, g), chain(9), star(12), torch.tensor([-1]), random_tree(30, g)],
+    "n65_not_tile_multiple": lambda g: [bushy_tree(65, g), bushy_tree(33, g)],
+}
+
+
+def _v8_launch(c, **kw):
+    """Version 8's launch into NaN-poisoned outputs (it must be the kernel that runs): (o, delta)."""
+    plan = TreePlan.build(c["parents"], c["cu_nodes"])
+    launches, o, d = kgdn.verify_launches(plan, c["q"], c["k"], c["v"], c["g"], c["beta"], c["ssm_state"],
+                                          c["state_indices"], return_delta=True, variant=8, **kw)
+    assert [kname for kname, _ in launches] == ["gdn_tree_verify_paths"]
+    before = c["ssm_state"].clone()
+    o.fill_(float("nan"))
+    d.fill_(float("nan"))
+    launches[0][1]()
+    torch.cuda.synchronize()
+    assert not o.isnan().any() and not d.isnan().any(), "verify left output elements unwritten"
+    assert torch.equal(c["ssm_state"], before), "verify wrote the state"
+    return o, d
+
+
+@pytest.mark.parametrize("block_v", [32, 64])
+@pytest.mark.parametrize("group", [3, 1])
+@pytest.mark.parametrize("name", list(V8_SETS))
+def test_verify_v8_bf16_matches_float64_reference(name, group, block_v):
+    # version 8 (trees of <= 128 nodes, paths of <= 17, a CTA per value head and 32 / 64 V columns) at K = V = 128
+    # on every tree set: n = 1, a chain of 17 (depth 16), a star of 128, 128 nodes of depth 16, a mixed batch,
+    # n not a multiple of 16
+    trees = V8_SETS[name](_seeded(len(name) + group))
+    c = make_case(trees, h=2, hv=2 * group, dtype=torch.bfloat16, seed=7 + group)
+    o, d = _v8_launch(c, extra_options=(f"-DP8_BV={block_v}",))
+    o_ref, d_ref = reference(c)
+    assert rel(o, o_ref) <= HALF_TOL and rel(d, d_ref) <= FP32_TOL, (rel(o, o_ref), rel(d, d_ref))
+    o6, d6 = run_poisoned(c, variant=6)
+    assert rel(d, d6) <= 1e-6  # version 6: the same function summed in another order
+
+
+@pytest.mark.parametrize("batch", [1, 8])
+def test_verify_v8_at_the_27b_shape_equals_version_6_within_rounding(batch):
+    # the 27B layer (16 q/k heads, 48 value heads) at n = 128, depth <= 16 (issue 5's size): version 8 against
+    # the float64 reference and version 6; both V widths bit for bit
+    gen = _seeded(80 + batch)
+    c = make_case([bushy_tree(128, gen) for _ in range(batch)], h=16, hv=48, dtype=torch.bfloat16, seed=81)
+    o8, d8 = _v8_launch(c)
+    o32, d32 = _v8_launch(c, extra_options=("-DP8_BV=32",))
+    assert torch.equal(o8, o32) and torch.equal(d8, d32)
+    o6, d6 = run_poisoned(c, variant=6)
+    o_ref, d_ref = reference(c)
+    assert rel(o8, o_ref) <= HALF_TOL and rel(d8, d_ref) <= FP32_TOL, (rel(o8, o_ref), rel(d8, d_ref))
+    assert rel(d8, d6) <= 1e-6 and rel(o8.float(), o6.float()) <= HALF_TOL
+
+
+def test_verify_v8_large_gates_and_two_part_split():
+    # gates of -40 a step (decays formed on ancestor pairs only), and S0 in two bf16 parts (P8_SPLIT=2):
+    # within the bars, not the three-part numbers
+    g = _seeded(12)
+    c = make_case([bushy_tree(90, g), star(40), chain(17)], dtype=torch.bfloat16, seed=13, g_scale=40.0)
+    o, d = _v8_launch(c)
+    assert torch.isfinite(o).all() and torch.isfinite(d).all()
+    o_ref, d_ref = reference(c)
+    assert rel(o, o_ref) <= HALF_TOL and rel(d, d_ref) <= FP32_TOL
+    c2 = make_case([bushy_tree(128, g)], dtype=torch.bfloat16, seed=14)
+    o3, d3 = _v8_launch(c2)
+    o2, d2 = _v8_launch(c2, extra_options=("-DP8_SPLIT=2",))
+    o_ref2, d_ref2 = reference(c2)
+    assert rel(o2, o_ref2) <= HALF_TOL and rel(d2, d_ref2) <= FP32_TOL, (rel(o2, o_ref2), rel(d2, d_ref2))
+    assert not torch.equal(d2, d3)
+
+
 @pytest.mark.parametrize("name", ["mixed_batch", "deep70", "star33"])
 def test_verify_v6_path_solve_equals_level_solve(name):
     # the path solve (G6_SOLVE=1: rows of (I + X)^-1 and Y (I + X)^-1 over each node's path, then gathers;
@@ -338,8 +412,8 @@ def test_verify_int32_and_int64_state_indices_agree(variant):
 
 def test_verify_unknown_variant_is_a_clear_error():
     c = make_case([chain(3)], seed=9)
-    with pytest.raises(ValueError, match="variant=8 is not a verify kernel version"):
-        run_poisoned(c, variant=8)
+    with pytest.raises(ValueError, match="variant=9 is not a verify kernel version"):
+        run_poisoned(c, variant=9)
 
 
 def test_verify_without_l2norm_and_custom_scale_and_gqa_group_of_one():

@@ -67,7 +67,12 @@ COMMIT_THREADS, COMMIT_BV, COMMIT_PC = 128, 16, 32
 # per (request, q/k head, BV columns of V), a warp per (value head, 16 V rows, half of K), every n x n block
 # 32 x 32, Delta in registers; two CTAs share an SM at the 27B shape. It takes the bfloat16 calls version 6
 # takes whose trees have at most SMALL_MAX_NODES nodes; other calls run version 6 (or 3).
-VERIFY_VARIANTS = (1, 2, 3, 4, 5, 6, 7)
+# 8 = trees of up to 128 nodes whose paths have at most PATHS_MAX_PATH nodes (cuda/gdn_tree_verify_paths.cu;
+# section 74): a CTA of 16 warps per (request, value head, BV columns of V), the gram and the projections on
+# bf16 tensor cores, each node's rows of (I + X)^-1 and Y (I + X)^-1 by back substitution over its path in
+# registers, then Delta and O as sums over path entries. It takes the bfloat16 calls version 6 takes whose
+# trees fit (paths_unsupported_reason); other calls run version 6 (or 3).
+VERIFY_VARIANTS = (1, 2, 3, 4, 5, 6, 7, 8)
 DEFAULT_VERIFY_VARIANT = 3
 GROUPED_SOURCE = "gdn_tree_verify_grouped.cu"
 GROUPED_THREADS, GROUPED_BV = 512, 16
@@ -79,6 +84,12 @@ SMALL_SOURCE = "gdn_tree_verify_small.cu"
 SMALL_MAX_NODES = 32  # version 7's trees (S7_N)
 SMALL_BLOCK_VS = (16, 32)  # V columns per value head and CTA (S7_BV)
 SMALL_MARKS = 6  # timeline marks of version 7 (S7_MARKS): start, after phase 0's copies, its masks, phases 1, 2, end
+PATHS_SOURCE = "gdn_tree_verify_paths.cu"
+PATHS_MAX_NODES = 128  # version 8's trees (P8_N)
+PATHS_MAX_PATH = 17  # most nodes on a root..node path in version 8 (P8_PATH): depth <= 16, a DFlash block
+PATHS_BLOCK_VS = (32, 64)  # V columns per CTA (P8_BV)
+PATHS_THREADS = 512  # P8_WARPS = 16; a -DP8_WARPS=8 in verify_launches' extra_options (timing) launches 256
+PATHS_MARKS = 6  # timeline marks of version 8 (P8_MARKS): start, after the tables, after phase 0, phases 1, 2, end
 
 DTYPE_CODE = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 NOT_CUDA = "inputs are not CUDA tensors"  # the reference is the CPU implementation: no warning
@@ -152,6 +163,42 @@ def small_unsupported_reason(plan: TreePlan, qk_dtype: torch.dtype, h: int, hv: 
     if smem > max_smem:
         return f"version 7 needs {smem} bytes of shared memory at K={k_dim}, {hv // h} value heads per q/k head; the device has {max_smem}"
     return None
+
+
+def paths_smem_bytes(k_dim: int, block_v: int, max_nodes: int, pcap: int) -> int:
+    """Dynamic shared memory of ``gdn_tree_verify_paths`` (mirrors p8_smem_words) for trees of at most
+    ``max_nodes`` nodes and requests of at most ``pcap`` path entries: the q, k rows in 16 bits and the CTA's S0
+    rows in float32 (later R and the Q projection), the v columns, X, Y, T, W and two index tables by path
+    entry, the per-node tables."""
+    n16 = (max_nodes + 15) & ~15
+    words = (max(n16 * (k_dim + 8) + block_v * (k_dim + 8), 2 * n16 * (block_v + 4)) + n16 * block_v // 2
+             + 6 * _align4(pcap) + 13 * n16 + _align4(n16 + 1))
+    return 4 * words
+
+
+def paths_unsupported_reason(plan: TreePlan, qk_dtype: torch.dtype, k_dim: int, v_dim: int, max_smem: int,
+                             block_v: int = 64) -> str | None:
+    """None when version 8 (``gdn_tree_verify_paths``) takes this call, else why it runs version 6 (or 3).
+    A fixed-layout plan's paths are bounded by its capacity (``max_depth`` = n - 1), not its ``depth_bound``:
+    version 8 holds a path in registers and has no slower way for a deeper one."""
+    if qk_dtype != torch.bfloat16:
+        return f"q/k/v are {qk_dtype}: version 8 takes bfloat16"
+    if plan.max_nodes > PATHS_MAX_NODES:
+        return f"a tree of {plan.max_nodes} nodes: version 8 takes at most {PATHS_MAX_NODES}"
+    if plan.max_depth + 1 > PATHS_MAX_PATH:
+        return f"paths of up to {plan.max_depth + 1} nodes: version 8 takes at most {PATHS_MAX_PATH}"
+    if block_v not in PATHS_BLOCK_VS or v_dim % block_v:
+        return f"V={v_dim} is not a multiple of {block_v} (version 8 takes 32 or 64 columns per CTA)"
+    smem = paths_smem_bytes(k_dim, block_v, plan.max_nodes, plan.max_pairs_per_request)
+    if smem > max_smem:
+        return f"version 8 needs {smem} bytes of shared memory for this plan at K={k_dim}; the device has {max_smem}"
+    return None
+
+
+def paths_block_v(v_dim: int) -> int:
+    """Version 8's V columns per CTA (P8_BV): 64 where V allows, else 32. An explicit ``-DP8_BV=32`` in
+    ``verify_launches``' ``extra_options`` (benchmarks, tests) decides instead."""
+    return 64 if v_dim % 64 == 0 else 32
 
 
 def small_block_v(v_dim: int) -> int:
@@ -386,6 +433,7 @@ def verify_launches(
     threads6: int | None = None,
     timeline6: Tensor | None = None,
     timeline7: Tensor | None = None,
+    timeline8: Tensor | None = None,
 ) -> tuple[list[tuple[str, Callable[[], None]]], Tensor, Tensor | None]:
     """Prepare one verify call: ([(kernel name, launch)], o, delta) without launching anything.
 
@@ -396,8 +444,9 @@ def verify_launches(
     wrong outputs). ``threads6``: version 6's threads per CTA (256 or 512; default
     :func:`grouped_threads`), for tests and benchmarks; ``timeline6``: an int64 CUDA tensor of
     ``GROUPED_MARKS * 2`` entries per CTA that version 6 fills with the global timer and the SM clock at
-    its phase boundaries (bench/gdn_timeline.py); ``timeline7`` the same for version 7 (``SMALL_MARKS * 2``
-    entries per CTA). Raises ValueError on a shape mismatch or an unknown variant.
+    its phase boundaries (bench/gdn_timeline.py); ``timeline7`` and ``timeline8`` the same for versions 7 and 8
+    (``SMALL_MARKS * 2`` / ``PATHS_MARKS * 2`` entries per CTA). Raises ValueError on a shape mismatch or an
+    unknown variant.
     """
     if variant not in VERIFY_VARIANTS:
         raise ValueError(f"variant={variant!r} is not a verify kernel version; choose one of {VERIFY_VARIANTS}")
@@ -421,6 +470,31 @@ def verify_launches(
     delta = _check_out(delta_out, (t_nodes, hv, vd), torch.float32, dev, "delta_out") if return_delta else None
     i32, i64, f32 = ctypes.c_int, ctypes.c_longlong, ctypes.c_float
     st = ssm_state.stride()
+    if variant == 8:
+        max_smem = device_smem_optin(dev_index)
+        forced8 = [int(x.split("=", 1)[1]) for x in extra_options if x.startswith("-DP8_BV=")]
+        bv8 = forced8[-1] if forced8 else paths_block_v(vd)
+        if paths_unsupported_reason(plan, q.dtype, kd, vd, max_smem, bv8) is None:
+            opts = ["--std=c++17", "-lineinfo", f"-DTFM_IN={DTYPE_CODE[v.dtype]}", f"-DGDN_K={kd}", f"-DGDN_V={vd}",
+                    f"-DP8_BV={bv8}", f"-DP8_PATH={PATHS_MAX_PATH}",
+                    *[x for x in extra_options if not x.startswith("-DP8_BV=")]]
+            k_paths = get_kernel(PATHS_SOURCE, "gdn_tree_verify_paths", opts, dev_index)
+            pcap8 = plan.max_pairs_per_request
+            n16 = (plan.max_nodes + 15) & ~15
+            args = [q, k, v, g32, b32, plan.perm, plan.pair_off, plan.pair_j, plan.cu, ssm_state, sidx,
+                    i32(sidx64), i64(st[0]), i64(st[1]), i64(st[2]), o, delta, i32(h), i32(hv), i32(n16), i32(pcap8),
+                    f32(scale), i32(int(use_qk_l2norm)), timeline8]
+            grid8 = (vd // bv8, hv, plan.num_requests)
+            smem8 = paths_smem_bytes(kd, bv8, plan.max_nodes, pcap8)
+            warps8 = [int(x.split("=", 1)[1]) for x in extra_options if x.startswith("-DP8_WARPS=")]
+            block8 = (32 * warps8[-1] if warps8 else PATHS_THREADS, 1, 1)
+
+            def run_paths() -> None:
+                launch(k_paths, grid8, block8, args, shared_mem=smem8)
+
+            run_paths.kernel, run_paths.config = k_paths, (grid8, block8, smem8, 1)  # type: ignore[attr-defined]
+            return [("gdn_tree_verify_paths", run_paths)], o, delta
+        variant = 6  # version 8 does not take this call (paths_unsupported_reason): version 6 (or 3) does
     if variant == 7:
         max_smem = device_smem_optin(dev_index)
         forced7 = [int(x.split("=", 1)[1]) for x in extra_options if x.startswith("-DS7_BV=")]
@@ -536,7 +610,7 @@ def gdn_tree_verify_planned(
     Returns o [T, HV, V] in v.dtype (and delta [T, HV, V] float32 when return_delta).
     block_v forces the V columns per CTA (16, 32 or 64); default :func:`choose_block_v`.
     out / delta_out: optional contiguous preallocated outputs ([T, HV, V], v.dtype / float32),
-    written in full. variant: kernel version (1 to 6, default :data:`DEFAULT_VERIFY_VARIANT`); version 6
+    written in full. variant: kernel version (1 to 8, default :data:`DEFAULT_VERIFY_VARIANT`); version 6
     uses 16 V columns per value head and CTA whatever block_v says, and runs version 3 (with block_v)
     for calls it does not take (:func:`grouped_unsupported_reason`).
     Inputs must be supported (the public wrapper checks); raises ValueError on a shape mismatch.

@@ -1,0 +1,397 @@
+// Gated DeltaNet verify over a token tree, version 8: trees of up to 128 nodes whose root..node paths have at
+// most P8_PATH nodes (depth <= 16 by default: a DFlash block), one kernel per call, one CTA of 16 warps per
+// (request, value head, P8_BV columns of V).
+//
+// The same function as versions 1-7 (DESIGN.md section 4; the chunked delta rule of Yang et al., "Gated Delta
+// Networks", ICLR 2025, restricted to ancestor pairs), for bfloat16 q/k/v and a float32 state:
+//   X_ij = beta_i e^{G_i - G_j} khat_i . khat_j           j a strict ancestor of i
+//   Y_ij = e^{G_i - G_j} qhat_i . khat_j                  j an ancestor of i or i itself
+//   R = diag(beta) (V - diag(e^G) K S0^T)
+//   Delta = T R,  O = diag(e^G) Q S0^T + W R              T = (I + X)^-1, W = Y T; no state is written
+// T and W are zero off the ancestor pairs, and row i of each depends only on X restricted to i's path
+// p_0 (the root) .. p_{d-1} = i: T (I + X) = I and W (I + X) = Y give, from i towards the root,
+//   T_{i p_a} = [a = d - 1] - sum_{b > a} T_{i p_b} X_{p_b p_a}
+//   W_{i p_a} = Y_{i p_a}   - sum_{b > a} W_{i p_b} X_{p_b p_a}
+// (version 6's path rows, section 33, here with both recursions per thread in registers: d^2 / 2 products a row
+// and no barrier per tree level). Then Delta and O are sums over each node's path entries.
+//
+// Why another layout (bench/NOTES.md section 74): version 6 splits a (request, q/k head) over eight CTAs of 16 V
+// columns, each of which loads all q and k rows and computes the whole gram and solve for three value heads; at
+// n = 128 that decomposition alone costs 8 us a call with every product compiled out (section 56). Here a CTA
+// serves one value head and 64 columns (batch 1 at the 27B shape: 96 CTAs, one wave), and the V-independent
+// work is the tensor-core gram and the path recursions, which are small.
+//   phase 0  cp.async: the request's plan tables, g and beta (a first group), then its q, k rows (rows n .. n16
+//            zero), the CTA's S0 rows and v columns; per node: path entries, depth, ancestor bitmask (128
+//            bits), the path gate G; then q / k norms (a warp per row); per path entry the local node index and
+//            that node's first path entry
+//   phase 1  the lower triangles of K K^T and Q K^T as 16 x 8 bf16 mma tiles (exact products, float32 sums),
+//            each product kept where the pair is an ancestor pair and stored, scaled, at its path entry (X, Y);
+//            the projections [K; Q] S0^T as one GEMM (M = P8_BV rows of S0, N = 2 n16 nodes, K = GDN_K) on bf16
+//            mma over a P8_SPLIT-part split of S0 (three parts: float32-accurate), a warp per (16 rows, 64 or
+//            32 node columns), the sums kept in registers
+//   phase 2  R and diag(e^G) Q S0^T from the GEMM's registers into shared memory (over the dead q / k / S0
+//            rows); a thread per (node, T or W) runs its row's back substitution
+//   phase 3  a warp per node, a lane per 1 or 2 columns: Delta_i = sum T_ij R_j, O_i = e^{G_i} q_i S0 + sum W_ij R_j
+//            over i's path entries
+//
+// Compile-time constants (NVRTC -D): TFM_IN (must be 1, bfloat16), GDN_K, GDN_V, P8_BV (32 or 64), P8_PATH
+// (most nodes on a path), P8_SPLIT (2 or 3 bf16 parts of S0). The plan (vllm_tfm/kernels/plan.py: cu, perm,
+// pair_off, pair_j) and the state layout (V-first [slot, HV, V, K] with unit K stride, read only) are those of
+// the other versions; TreePlan.build refuses a parent after its child, so node order is topological. The wrapper
+// (vllm_tfm/kernels/gdn.py paths_unsupported_reason) sends no tree of more than 128 nodes, no path longer than
+// P8_PATH and no request of more than pcap path entries here.
+#include "tfm_mma.cuh"
+
+#ifndef GDN_K
+#define GDN_K 128
+#endif
+#ifndef GDN_V
+#define GDN_V 128
+#endif
+#ifndef P8_BV
+#define P8_BV 64
+#endif
+#ifndef P8_PATH
+#define P8_PATH 17
+#endif
+#ifndef P8_SPLIT
+#define P8_SPLIT 3
+#endif
+#ifndef P8_WARPS
+#define P8_WARPS 16                       // 8: two CTAs of up to 113 KB a SM (timing option)
+#endif
+#define P8_N 128                          // most nodes of a tree
+#define P8_THREADS (32 * P8_WARPS)
+#define P8_KP (GDN_K + 8)                 // bf16 per staged q / k row: a warp's B-fragment words in distinct banks
+#define P8_SP (GDN_K + 8)                 // floats per staged S0 row: a half warp's float2 A-fragment loads miss each other
+#define P8_RP (P8_BV + 4)                 // floats per row of R and of the Q projection: the fragment stores miss each other
+#define P8_RT (P8_BV / 16)                // 16-row tiles of the CTA's S0 rows
+#define P8_CB (P8_WARPS / P8_RT)          // column blocks of the GEMM's 2 P8_N node columns
+#define P8_NPW (2 * P8_N / P8_CB)         // node columns of a warp's GEMM tile
+#define P8_TPW (P8_NPW / 8)               // its 8-wide mma tiles
+#define P8_CPL (P8_BV / 32)               // V columns of a lane in phase 3
+#define P8_KSTEPS (GDN_K / 16)
+#define P8_MARKS 6
+
+static_assert(TFM_IN == 1, "version 8 takes bfloat16 q/k/v");
+static_assert(P8_BV == 32 || P8_BV == 64, "32 or 64 V columns per CTA");
+static_assert(GDN_K % 16 == 0 && GDN_V % P8_BV == 0, "K must be a multiple of 16 and V of P8_BV");
+static_assert(P8_SPLIT == 2 || P8_SPLIT == 3, "S0 in two or three bf16 parts");
+static_assert(P8_PATH >= 1 && P8_PATH <= P8_N, "a path has 1 to 128 nodes");
+static_assert((P8_WARPS == 8 || P8_WARPS == 16) && P8_CB >= 2, "8 or 16 warps, every GEMM warp on one of K or Q");
+static_assert(P8_THREADS >= 2 * P8_N, "a thread per (node, T or W)");
+
+__host__ __device__ constexpr int p8_align4(int x) { return (x + 3) & ~3; }
+__host__ __device__ constexpr int p8_max(int a, int b) { return a > b ? a : b; }
+
+// Words of dynamic shared memory for trees of at most n16 nodes (a multiple of 16) and requests of at most pcap
+// path entries (vllm_tfm/kernels/gdn.py paths_smem_bytes mirrors this).
+__host__ __device__ constexpr int p8_smem_words(int n16, int pcap) {
+  return p8_max(n16 * P8_KP + P8_BV * P8_SP, 2 * n16 * P8_RP)  // q, k rows [2][n16][KP] bf16 and S0 [BV][SP]; later R, QS
+         + n16 * P8_BV / 2                                      // v [n16][BV] bf16
+         + 6 * p8_align4(pcap)                                  // X, Y, T, W by path entry; pj (local node), pbase of pj
+         + 13 * n16 + p8_align4(n16 + 1);                       // per node: rk rq G eG beta g pb plen perm anc[4]; pair_off
+}
+
+// The 32-bit word of two bf16 at (row, col) of a staged [n16][KP] q / k block.
+__device__ __forceinline__ u32 p8_word(const u16* rows, int row, int col) {
+  return *reinterpret_cast<const u32*>(rows + row * P8_KP + col);
+}
+
+extern "C" __global__ void __launch_bounds__(P8_THREADS, 16 / P8_WARPS)
+gdn_tree_verify_paths(const tin* __restrict__ q, const tin* __restrict__ k, const tin* __restrict__ v,
+                      const float* __restrict__ g, const float* __restrict__ beta, const int* __restrict__ perm,
+                      const int* __restrict__ pair_off, const int* __restrict__ pair_j, const int* __restrict__ cu,
+                      const float* __restrict__ state, const void* __restrict__ state_idx, int sidx64, i64 st_slot,
+                      i64 st_head, i64 st_v, tin* __restrict__ o, float* __restrict__ delta_out, int H, int HV,
+                      int n16, int pcap, float scale, int use_l2norm, long long* __restrict__ timeline) {
+  TFM_DYNAMIC_SMEM(float4, smem_f4);
+  if (dynamic_smem_bytes() < (u32)p8_smem_words(n16, pcap) * 4u) __trap();
+  float* base = reinterpret_cast<float*>(smem_f4);
+  u16* qs = reinterpret_cast<u16*>(base);                       // [n16][KP], by local node
+  u16* ks = qs + n16 * P8_KP;
+  float* s0s = base + n16 * P8_KP;                              // [BV][SP]: the CTA's rows of S0
+  float* RS = base;                                             // phase 2 on: [n16][RP] R
+  float* QS = base + n16 * P8_RP;                               // [n16][RP] e^{G_i} qhat_i . S0 row
+  const int r1 = p8_max(n16 * P8_KP + P8_BV * P8_SP, 2 * n16 * P8_RP);
+  u16* vs = reinterpret_cast<u16*>(base + r1);                  // [n16][BV]
+  float* Xp = base + r1 + n16 * P8_BV / 2;                      // by the request's path entry e (0 .. cnt - 1)
+  float* Yp = Xp + p8_align4(pcap);
+  float* Tp = Yp + p8_align4(pcap);
+  float* Wp = Tp + p8_align4(pcap);
+  int* pj = reinterpret_cast<int*>(Wp + p8_align4(pcap));        // entry e's node: flat (as copied), then local
+  int* pbp = pj + p8_align4(pcap);                               // the first path entry of entry e's node
+  float* rk = reinterpret_cast<float*>(pbp + p8_align4(pcap));   // per local node
+  float* rq = rk + n16;
+  float* Gs = rq + n16;                                          // path gate: sum of g over root .. i
+  float* eG = Gs + n16;
+  float* bt = eG + n16;
+  float* gl = bt + n16;
+  int* pb = reinterpret_cast<int*>(gl + n16);                    // first path entry of node i
+  int* plen = pb + n16;                                          // its path's nodes (depth + 1)
+  int* perm_s = plen + n16;                                      // level position -> flat node
+  u32* anc = reinterpret_cast<u32*>(perm_s + n16);               // [n16][4]: bit j, node j on i's path (i included)
+  int* poff = reinterpret_cast<int*>(anc + 4 * n16);             // pair_off of the request's positions [n + 1]
+
+  const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
+  const int gq = lane >> 2, tq = lane & 3;  // mma fragment coordinates
+  const int v0 = blockIdx.x * P8_BV, hv = blockIdx.y, r = blockIdx.z;
+  const CtaTimeline tl = cta_timeline(timeline, P8_MARKS);
+  tl.mark(0);
+  const int bos = cu[r];
+  const int n = cu[r + 1] - bos;
+  if (n <= 0) return;
+  if (n > n16 || n16 > P8_N) __trap();  // the wrapper sizes n16 for the plan's largest tree
+  const int h = hv / (HV / H);
+  const int pbase = pair_off[bos];
+  const int cnt = pair_off[bos + n] - pbase;  // path entries of the request's nodes
+  if (cnt > pcap) __trap();
+  const i64 slot = sidx64 ? reinterpret_cast<const i64*>(state_idx)[r] : (i64)reinterpret_cast<const int*>(state_idx)[r];
+
+  // ---- phase 0. Group 1: the tables; group 2: q, k, S0, v.
+  for (int c = tid; c < cnt; c += P8_THREADS) cp_async4(pj + c, pair_j + pbase + c);
+  for (int c = tid; c <= n; c += P8_THREADS) {
+    cp_async4(poff + c, pair_off + bos + c);
+    if (c < n) {
+      cp_async4(perm_s + c, perm + bos + c);
+      cp_async4(gl + c, g + (i64)(bos + c) * HV + hv);
+      cp_async4(bt + c, beta + (i64)(bos + c) * HV + hv);
+    }
+  }
+  cp_async_commit();
+  constexpr int CPR = GDN_K / 8;  // 16-byte pieces of a q / k row
+  for (int c = tid; c < n16 * CPR; c += P8_THREADS) {
+    const int row = c / CPR, col = (c % CPR) * 8;
+    u16* dq = qs + row * P8_KP + col;
+    u16* dk = ks + row * P8_KP + col;
+    if (row < n) {
+      const i64 src = ((i64)(bos + row) * H + h) * GDN_K + col;
+      cp_async16(dq, q + src);
+      cp_async16(dk, k + src);
+    } else {
+      uint4 z;
+      z.x = 0u; z.y = 0u; z.z = 0u; z.w = 0u;
+      *reinterpret_cast<uint4*>(dq) = z;
+      *reinterpret_cast<uint4*>(dk) = z;
+    }
+  }
+  constexpr int SPR = GDN_K / 4;  // 16-byte pieces of an S0 row
+  const float* s0g = state + slot * st_slot + (i64)hv * st_head + (i64)v0 * st_v;
+  for (int c = tid; c < P8_BV * SPR; c += P8_THREADS) {
+    const int row = c / SPR, col = (c % SPR) * 4;
+    cp_async16(s0s + row * P8_SP + col, s0g + (i64)row * st_v + col);
+  }
+  constexpr int VPR = P8_BV / 8;  // 16-byte pieces of a node's v columns
+  for (int c = tid; c < n * VPR; c += P8_THREADS) {
+    const int i = c / VPR, part = c % VPR;
+    cp_async16(vs + i * P8_BV + part * 8, v + ((i64)(bos + i) * HV + hv) * GDN_V + v0 + part * 8);
+  }
+  cp_async_commit();
+  cp_async_wait<1>();
+  __syncthreads();
+  // per node (by level position p: node perm[p] - bos, whose path, root first, is pair_j's entries
+  // pair_off[p] .. pair_off[p + 1] - 1): first entry, path length, ancestor bits, path gate
+  for (int p = tid; p < n; p += P8_THREADS) {
+    const int i = perm_s[p] - bos;
+    const int e0 = poff[p] - pbase, d = poff[p + 1] - poff[p];
+    if (d > P8_PATH) __trap();  // the wrapper sends no deeper tree here
+    u32 b0 = 0u, b1 = 0u, b2 = 0u, b3 = 0u;  // scalars, not an array: selects, no local memory
+    float gsum = 0.0f;
+    for (int e = e0; e < e0 + d; ++e) {
+      const int j = pj[e] - bos;
+      const u32 bit = 1u << (j & 31);
+      b0 |= (j >> 5) == 0 ? bit : 0u;
+      b1 |= (j >> 5) == 1 ? bit : 0u;
+      b2 |= (j >> 5) == 2 ? bit : 0u;
+      b3 |= (j >> 5) == 3 ? bit : 0u;
+      gsum += gl[j];
+    }
+    pb[i] = e0;
+    plen[i] = d;
+    anc[i * 4] = b0;
+    anc[i * 4 + 1] = b1;
+    anc[i * 4 + 2] = b2;
+    anc[i * 4 + 3] = b3;
+    Gs[i] = gsum;
+    eG[i] = expf(gsum);
+  }
+  cp_async_wait<0>();
+  __syncthreads();
+  tl.mark(1);
+  // q / k norm scales: a warp per row
+  for (int i = warp; i < n; i += P8_WARPS) {
+    float sk = 0.0f, sq = 0.0f;
+    for (int c = lane * 2; c < GDN_K; c += 64) {
+      const u32 wk = p8_word(ks, i, c), wq = p8_word(qs, i, c);
+      const float k0 = bf16_bits_to_f32(wk & 0xffffu), k1 = bf16_bits_to_f32(wk >> 16);
+      const float q0 = bf16_bits_to_f32(wq & 0xffffu), q1 = bf16_bits_to_f32(wq >> 16);
+      sk = fmaf(k0, k0, fmaf(k1, k1, sk));
+      sq = fmaf(q0, q0, fmaf(q1, q1, sq));
+    }
+    sk = warp_sum(sk);
+    sq = warp_sum(sq);
+    if (lane == 0) {
+      rk[i] = use_l2norm ? l2norm_scale(sk) : 1.0f;
+      rq[i] = use_l2norm ? scale * l2norm_scale(sq) : scale;
+    }
+  }
+  // path entries: the local node, and where that node's own path entries start (the recursions' X lookups)
+  for (int e = tid; e < cnt; e += P8_THREADS) {
+    const int j = pj[e] - bos;
+    pj[e] = j;
+    pbp[e] = pb[j];
+  }
+  __syncthreads();
+  tl.mark(2);
+
+  // ---- phase 1. Gram tiles: task u = (gram, tile); gram 0 = K K^T, 1 = Q K^T; the tiles (16-row block mt,
+  // 8-column block nt) of the lower triangle, nt <= 2 mt + 1: mt (mt + 1) tiles before row block mt.
+  const int nt16 = (n + 15) / 16;
+  const int tiles = nt16 * (nt16 + 1);
+  for (int task = warp; task < 2 * tiles; task += P8_WARPS) {
+    const int gram = task / tiles, u = task % tiles;
+    int mt = 0;
+    while ((mt + 1) * (mt + 2) <= u) ++mt;
+    const int nt = u - mt * (mt + 1);
+    if (nt * 8 >= n) continue;
+    const u16* arows = gram == 0 ? ks : qs;
+    float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+#pragma unroll
+    for (int s = 0; s < P8_KSTEPS; ++s) {
+      const int c = s * 16 + 2 * tq;
+      u32 a[4];
+      a[0] = p8_word(arows, mt * 16 + gq, c);
+      a[1] = p8_word(arows, mt * 16 + gq + 8, c);
+      a[2] = p8_word(arows, mt * 16 + gq, c + 8);
+      a[3] = p8_word(arows, mt * 16 + gq + 8, c + 8);
+      mma_16816<true>(acc, a, p8_word(ks, nt * 8 + gq, c), p8_word(ks, nt * 8 + gq, c + 8));
+    }
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      const int i = mt * 16 + gq + (e >> 1) * 8, j = nt * 8 + 2 * tq + (e & 1);
+      if (i >= n || j >= n || (gram == 0 ? j >= i : j > i)) continue;
+      if (!((anc[i * 4 + (j >> 5)] >> (j & 31)) & 1u)) continue;
+      const float dec = expf(Gs[i] - Gs[j]);  // j on i's path: G_i <= G_j, no overflow
+      const int at = pb[i] + plen[j] - 1;     // i's path entry for its ancestor j (at j's depth)
+      if (gram == 0)
+        Xp[at] = bt[i] * dec * rk[i] * rk[j] * acc[e];
+      else
+        Yp[at] = dec * rq[i] * rk[j] * acc[e];
+    }
+  }
+  // Projections: C = S0 [K; Q]^T, rows = this warp's 16 S0 rows, columns = its P8_NPW node columns of K
+  // (columns 0 .. P8_N - 1) or Q (P8_N ..). S0's parts small first, float32 sums.
+  const int rt = warp % P8_RT, cb = warp / P8_RT;
+  const int mat = (cb * P8_NPW) / P8_N, nb = (cb * P8_NPW) % P8_N;
+  const u16* brows = mat == 0 ? ks : qs;
+  float pacc[P8_TPW][4];
+#pragma unroll
+  for (int t = 0; t < P8_TPW; ++t) pacc[t][0] = pacc[t][1] = pacc[t][2] = pacc[t][3] = 0.0f;
+  if (nb < n) {
+    const float* arow = s0s + (rt * 16 + gq) * P8_SP + 2 * tq;
+#pragma unroll 2
+    for (int s = 0; s < P8_KSTEPS; ++s) {
+      const float2 x0 = *reinterpret_cast<const float2*>(arow + s * 16);
+      const float2 x1 = *reinterpret_cast<const float2*>(arow + 8 * P8_SP + s * 16);
+      const float2 x2 = *reinterpret_cast<const float2*>(arow + s * 16 + 8);
+      const float2 x3 = *reinterpret_cast<const float2*>(arow + 8 * P8_SP + s * 16 + 8);
+      u32 ahi[4], amid[4], alo[4];
+      split3_bf16x2(x0, ahi[0], amid[0], alo[0]);
+      split3_bf16x2(x1, ahi[1], amid[1], alo[1]);
+      split3_bf16x2(x2, ahi[2], amid[2], alo[2]);
+      split3_bf16x2(x3, ahi[3], amid[3], alo[3]);
+      const int c = s * 16 + 2 * tq;
+#pragma unroll
+      for (int t = 0; t < P8_TPW; ++t) {
+        if (nb + t * 8 < n) {
+          const u32 b0 = p8_word(brows, nb + t * 8 + gq, c), b1 = p8_word(brows, nb + t * 8 + gq, c + 8);
+          if (P8_SPLIT == 3) mma_16816<true>(pacc[t], alo, b0, b1);
+          mma_16816<true>(pacc[t], amid, b0, b1);
+          mma_16816<true>(pacc[t], ahi, b0, b1);
+        }
+      }
+    }
+  }
+  __syncthreads();  // every read of the q / k / S0 rows is done: R and QS overwrite them
+  tl.mark(3);
+
+  // ---- phase 2. R_i = beta_i (v_i - e^{G_i} khat_i . S0 row) and e^{G_i} qhat_i . S0 row, by (node, column)
+  if (nb < n) {
+    float* dst = mat == 0 ? RS : QS;
+#pragma unroll
+    for (int t = 0; t < P8_TPW; ++t) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int i = nb + t * 8 + 2 * tq + (e & 1), col = rt * 16 + gq + (e >> 1) * 8;
+        if (i < n) {
+          float val;
+          if (mat == 0) {
+            const float vi = bf16_bits_to_f32(vs[i * P8_BV + col]);
+            val = bt[i] * (vi - eG[i] * rk[i] * pacc[t][e]);
+          } else {
+            val = eG[i] * rq[i] * pacc[t][e];
+          }
+          dst[i * P8_RP + col] = val;
+        }
+      }
+    }
+  }
+  // a thread per (node, T or W): back substitution along the node's path, in registers. Distances u from the
+  // node (0 = the node itself, u = d - 1 - b for path position b); X_{p_b p_a} is path entry pbp[e0 + b] + a,
+  // = xb[u] - w with w = d - 1 - a and xb[u] = pbp[e0 + d - 1 - u] + d - 1.
+  if (tid < 2 * n) {
+    const bool isw = tid >= n;
+    const int i = isw ? tid - n : tid;
+    const int e0 = pb[i], d = plen[i];
+    float* out = isw ? Wp : Tp;
+    int xb[P8_PATH];
+    float ov[P8_PATH];
+#pragma unroll
+    for (int u = 0; u < P8_PATH; ++u) xb[u] = u < d ? pbp[e0 + d - 1 - u] + d - 1 : 0;
+    ov[0] = isw ? Yp[e0 + d - 1] : 1.0f;
+    out[e0 + d - 1] = ov[0];
+#pragma unroll
+    for (int w = 1; w < P8_PATH; ++w) {
+      if (w >= d) break;
+      float s = isw ? Yp[e0 + d - 1 - w] : 0.0f;
+#pragma unroll
+      for (int u = 0; u < w; ++u) s = fmaf(-ov[u], Xp[xb[u] - w], s);
+      ov[w] = s;
+      out[e0 + d - 1 - w] = s;
+    }
+  }
+  __syncthreads();
+  tl.mark(4);
+
+  // ---- phase 3. A warp per node, a lane per P8_CPL columns: Delta_i and O_i over i's path entries.
+  for (int i = warp; i < n; i += P8_WARPS) {
+    const int e0 = pb[i], d = plen[i];
+    const i64 row = ((i64)(bos + i) * HV + hv) * GDN_V + v0 + lane * P8_CPL;
+    if constexpr (P8_CPL == 2) {
+      float2 dl;
+      dl.x = 0.0f;
+      dl.y = 0.0f;
+      float2 ol = *reinterpret_cast<const float2*>(QS + i * P8_RP + 2 * lane);
+      for (int e = e0; e < e0 + d; ++e) {
+        const float2 rj = *reinterpret_cast<const float2*>(RS + pj[e] * P8_RP + 2 * lane);
+        const float te = Tp[e], we = Wp[e];
+        dl.x = fmaf(te, rj.x, dl.x);
+        dl.y = fmaf(te, rj.y, dl.y);
+        ol.x = fmaf(we, rj.x, ol.x);
+        ol.y = fmaf(we, rj.y, ol.y);
+      }
+      *reinterpret_cast<u32*>(o + row) = (u32)from_f32<tin>(ol.x).bits | ((u32)from_f32<tin>(ol.y).bits << 16);
+      if (delta_out != nullptr) *reinterpret_cast<float2*>(delta_out + row) = dl;
+    } else {
+      float dl = 0.0f, ol = QS[i * P8_RP + lane];
+      for (int e = e0; e < e0 + d; ++e) {
+        const float rj = RS[pj[e] * P8_RP + lane];
+        dl = fmaf(Tp[e], rj, dl);
+        ol = fmaf(Wp[e], rj, ol);
+      }
+      o[row] = from_f32<tin>(ol);
+      if (delta_out != nullptr) delta_out[row] = dl;
+    }
+  }
+  tl.mark(5);
+}

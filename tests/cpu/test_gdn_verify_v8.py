@@ -1,0 +1,194 @@
+"""Verify kernel version 8 (cuda/gdn_tree_verify_paths.cu: trees of up to 128 nodes whose paths have at most 17
+nodes, a CTA of 16 warps per request, value head and 32 or 64 V columns, each node's rows of (I + X)^-1 and
+Y (I + X)^-1 by back substitution over its path in registers) through the CPU emulation, against the float64
+reference ``vllm_tfm.verify.gdn.gdn_tree_verify``.
+
+Bars as for versions 6 and 7: o <= 3e-3 relative (rounded to bf16), delta <= 1e-5 with the three-part split of S0
+(float32-accurate projections); every NaN-poisoned output element written; the state untouched. Trees: 128 nodes
+of depth 16 (the bound), chains of 17 nodes, stars, a single node, node order unlike level order, several requests
+of different sizes in one call, the full CUDA graphs' fixed-layout plans; the calls it refuses run version 6.
+"""
+
+from __future__ import annotations
+
+import shutil
+
+import pytest
+import torch
+
+from vllm_tfm.kernels import gdn as kgdn
+from vllm_tfm.kernels.plan import TreePlan
+from vllm_tfm.verify import gdn as ref_gdn
+
+from _emulation import emulated, emulation_build_dir  # tests/cpu helper modules
+from _gdn_emu_cases import _case, _g, _random_tree, _rel
+
+pytestmark = [pytest.mark.slow,
+              pytest.mark.skipif(shutil.which("g++") is None, reason="g++ is needed for the CPU emulation")]
+
+LIMIT = 227 * 1024
+
+
+@pytest.fixture(scope="module")
+def launches(tmp_path_factory):
+    with emulated(emulation_build_dir(tmp_path_factory, "emu8")) as made:
+        yield made
+
+
+def _bounded_tree(n: int, gen: torch.Generator, max_depth: int = 16) -> torch.Tensor:
+    """A random tree of n nodes (parents before children) whose depth is exactly ``max_depth`` when
+    n > max_depth: a chain to that depth first, then each node under a random earlier node of smaller depth."""
+    par, depth = [-1], [0]
+    for i in range(1, n):
+        p = i - 1 if i <= max_depth else int(torch.randint(0, i, (1,), generator=gen))
+        while depth[p] >= max_depth:
+            p = par[p]
+        par.append(p)
+        depth.append(depth[p] + 1)
+    return torch.tensor(par)
+
+
+def _depth_first(depth: int, width: int) -> torch.Tensor:
+    """A chain of ``depth`` nodes below the root, then ``width`` children of the root: node order is not
+    level order (the kernel reads its tables by level position and writes by node)."""
+    return torch.tensor([-1] + list(range(depth)) + [0] * width)
+
+
+def _reference(c, **kw):
+    c64 = {k: v.double() if v.is_floating_point() else v for k, v in c.items()}
+    return ref_gdn.gdn_tree_verify(**c64, return_delta=True, **kw)
+
+
+def _run8(c, plan, launches, options=(), return_delta=True, **kw):
+    """Version 8 through ``verify_launches`` with NaN-poisoned outputs: (kernel names launched, o, delta)."""
+    before = c["ssm_state"].clone()
+    o = torch.full(c["v"].shape, float("nan"), dtype=c["v"].dtype)
+    d = torch.full(c["v"].shape, float("nan")) if return_delta else None
+    launches.clear()
+    made, o, d = kgdn.verify_launches(plan, c["q"], c["k"], c["v"], c["g"], c["beta"], c["ssm_state"], c["state_indices"],
+                                      return_delta=return_delta, out=o, delta_out=d, variant=8,
+                                      extra_options=options, **kw)
+    for _, fn in made:
+        fn()
+    assert not o.isnan().any(), "o left unwritten"
+    assert d is None or not d.isnan().any(), "delta left unwritten"
+    assert torch.equal(c["ssm_state"], before), "the verify wrote the state"
+    return [name for name, _, _ in launches], o, d
+
+
+# (name, trees, h, hv, K, V, P8_BV, state index dtype)
+CASES = [
+    ("128_nodes_depth_16", [_bounded_tree(128, _g(1))], 1, 2, 128, 64, 64, torch.int64),
+    ("mixed_batch_chain_star_single", [_bounded_tree(40, _g(2)), torch.arange(-1, 16), torch.tensor([-1]),
+                                       torch.tensor([-1] + [0] * 30)], 2, 4, 64, 64, 64, torch.int32),
+    ("bv32_two_slices", [_bounded_tree(70, _g(3), 9), _random_tree(12, _g(4))], 1, 3, 32, 64, 32, torch.int64),
+    ("node_order_not_level_order", [_depth_first(12, 20), _bounded_tree(33, _g(5))], 1, 1, 32, 32, 32, torch.int32),
+]
+
+
+@pytest.mark.parametrize("name, trees, h, hv, kd, vd, bv, idx_dtype", CASES, ids=[c[0] for c in CASES])
+def test_v8_matches_float64_reference(launches, name, trees, h, hv, kd, vd, bv, idx_dtype):
+    c = _case(trees, h, hv, kd, vd, torch.bfloat16, seed=len(name), idx_dtype=idx_dtype)
+    plan = TreePlan.build(c["parents"], c["cu_nodes"])
+    o_ref, d_ref = _reference(c)
+    names, o8, d8 = _run8(c, plan, launches, (f"-DP8_BV={bv}",))
+    assert names == ["gdn_tree_verify_paths"]
+    assert launches[0][1] == (vd // bv, hv, len(trees))  # grid: V slices, value heads, requests
+    assert _rel(o8, o_ref) <= 3e-3, _rel(o8, o_ref)
+    assert _rel(d8, d_ref) <= 1e-5, _rel(d8, d_ref)
+    _, o_only, _ = _run8(c, plan, launches, (f"-DP8_BV={bv}",), return_delta=False)  # no delta buffer: the same o
+    assert torch.equal(o_only, o8)
+
+
+def test_v8_block_v_and_warps_agree(launches):
+    # the columns and warps per CTA change which warp computes a projection, not its arithmetic: identical outputs
+    c = _case([_bounded_tree(50, _g(20)), torch.tensor([-1, 0, 0, 1])], 1, 2, 64, 64, torch.bfloat16, seed=21)
+    plan = TreePlan.build(c["parents"], c["cu_nodes"])
+    _, o64, d64 = _run8(c, plan, launches, ("-DP8_BV=64",))
+    for options in (("-DP8_BV=32",), ("-DP8_BV=32", "-DP8_WARPS=8"), ("-DP8_BV=64", "-DP8_WARPS=8")):
+        _, o, d = _run8(c, plan, launches, options)
+        assert torch.equal(o, o64) and torch.equal(d, d64), options
+        made, _, _ = kgdn.verify_launches(plan, c["q"], c["k"], c["v"], c["g"], c["beta"], c["ssm_state"],
+                                          c["state_indices"], variant=8, extra_options=options)
+        assert made[0][1].config[1] == (256 if "-DP8_WARPS=8" in options else 512, 1, 1)  # the block it launches
+
+
+def test_v8_two_part_split_is_within_the_bars(launches):
+    # P8_SPLIT=2 drops S0's third bf16 part (each element then within 2^-17 of itself): still far inside the bars,
+    # and not the same numbers as the three-part build
+    c = _case([_bounded_tree(60, _g(25))], 1, 1, 128, 64, torch.bfloat16, seed=26)
+    plan = TreePlan.build(c["parents"], c["cu_nodes"])
+    o_ref, d_ref = _reference(c)
+    _, o3, d3 = _run8(c, plan, launches)
+    _, o2, d2 = _run8(c, plan, launches, ("-DP8_SPLIT=2",))
+    assert _rel(o2, o_ref) <= 3e-3 and _rel(d2, d_ref) <= 1e-5, (_rel(o2, o_ref), _rel(d2, d_ref))
+    assert not torch.equal(d2, d3)
+
+
+def test_v8_without_l2norm_and_with_a_scale(launches):
+    c = _case([_bounded_tree(45, _g(30))], 1, 2, 32, 32, torch.bfloat16, seed=31)
+    plan = TreePlan.build(c["parents"], c["cu_nodes"])
+    o_ref, d_ref = _reference(c, scale=0.3, use_qk_l2norm=False)
+    _, o8, d8 = _run8(c, plan, launches, scale=0.3, use_qk_l2norm=False)
+    assert _rel(o8, o_ref) <= 3e-3 and _rel(d8, d_ref) <= 1e-5, (_rel(o8, o_ref), _rel(d8, d_ref))
+
+
+def test_v8_on_fixed_layout_plans(launches):
+    # full CUDA graphs: trees of 17 nodes in the fixed layout (capacity depth 16: version 8 takes it); at 18
+    # nodes the capacity depth is 17 and version 6 runs, whatever the plan's depth bound
+    n = 17
+    trees = [_bounded_tree(n, _g(40)), torch.arange(-1, n - 1), _depth_first(8, 8)]
+    c = _case(trees, 1, 2, 64, 64, torch.bfloat16, seed=42)
+    o_ref, d_ref = _reference(c)
+    plan = TreePlan.build_into(torch.zeros(TreePlan.fixed_size(len(trees), n), dtype=torch.int32), c["parents"],
+                               c["cu_nodes"], n, depth_bound=15)
+    names, o8, d8 = _run8(c, plan, launches)
+    assert names == ["gdn_tree_verify_paths"]
+    assert _rel(o8, o_ref) <= 3e-3 and _rel(d8, d_ref) <= 1e-5, (_rel(o8, o_ref), _rel(d8, d_ref))
+    c18 = _case([_bounded_tree(18, _g(43), 5)], 1, 2, 64, 64, torch.bfloat16, seed=44)
+    plan18 = TreePlan.build_into(torch.zeros(TreePlan.fixed_size(1, 18), dtype=torch.int32), c18["parents"],
+                                 c18["cu_nodes"], 18, depth_bound=5)
+    assert kgdn.paths_unsupported_reason(plan18, torch.bfloat16, 64, 64, LIMIT) == \
+        "paths of up to 18 nodes: version 8 takes at most 17"
+    names, _, _ = _run8(c18, plan18, launches)
+    assert names == ["gdn_tree_verify_grouped"]
+
+
+def test_v8_runs_version_6_where_it_does_not_apply(launches):
+    # a path of 18 nodes runs version 6 with the same outputs as asking for version 6
+    c = _case([torch.arange(-1, 17), torch.tensor([-1])], 1, 2, 32, 32, torch.bfloat16, seed=51)
+    plan = TreePlan.build(c["parents"], c["cu_nodes"])
+    assert kgdn.paths_unsupported_reason(plan, torch.bfloat16, 32, 32, LIMIT) == \
+        "paths of up to 18 nodes: version 8 takes at most 17"
+    names, o8, d8 = _run8(c, plan, launches)
+    assert names == ["gdn_tree_verify_grouped"]
+    launches.clear()
+    made, o6, d6 = kgdn.verify_launches(plan, c["q"], c["k"], c["v"], c["g"], c["beta"], c["ssm_state"],
+                                        c["state_indices"], return_delta=True, variant=6)
+    for _, fn in made:
+        fn()
+    assert torch.equal(o8, o6) and torch.equal(d8, d6)
+    # float32 inputs: version 6 and then version 3 (two kernels)
+    c32 = _case([_bounded_tree(12, _g(52))], 1, 2, 32, 32, torch.float32, seed=53)
+    plan32 = TreePlan.build(c32["parents"], c32["cu_nodes"])
+    names, _, _ = _run8(c32, plan32, launches)
+    assert names == ["gdn_tree_pairs", "gdn_tree_verify_main"]
+
+
+def test_v8_support_and_shared_memory():
+    big = TreePlan.build(_bounded_tree(129, _g(60)), torch.tensor([0, 129]))
+    assert kgdn.paths_unsupported_reason(big, torch.bfloat16, 128, 128, LIMIT) == \
+        "a tree of 129 nodes: version 8 takes at most 128"
+    plan = TreePlan.build(_bounded_tree(128, _g(61)), torch.tensor([0, 128]))
+    assert kgdn.paths_unsupported_reason(plan, torch.bfloat16, 128, 128, LIMIT) is None
+    assert "float16" in kgdn.paths_unsupported_reason(plan, torch.float16, 128, 128, LIMIT)
+    assert "not a multiple of 64" in kgdn.paths_unsupported_reason(plan, torch.bfloat16, 128, 96, LIMIT, 64)
+    assert "32 or 64 columns" in kgdn.paths_unsupported_reason(plan, torch.bfloat16, 128, 128, LIMIT, 16)
+    # the 27B layer at n = 128: q, k rows and 64 S0 rows (136 words a row) outweigh R and the Q projection
+    pairs = plan.max_pairs_per_request
+    assert kgdn.paths_smem_bytes(128, 64, 128, pairs) == 4 * (
+        128 * 136 + 64 * 136 + 128 * 32 + 6 * ((pairs + 3) & ~3) + 13 * 128 + 132)
+    need = kgdn.paths_smem_bytes(128, 64, 128, pairs)
+    assert need <= LIMIT
+    assert kgdn.paths_unsupported_reason(plan, torch.bfloat16, 128, 128, need) is None
+    assert "needs" in kgdn.paths_unsupported_reason(plan, torch.bfloat16, 128, 128, need - 4)
