@@ -20,13 +20,13 @@
 // n = 128 that decomposition alone costs 8 us a call with every product compiled out (section 56). Here a CTA
 // serves one value head and 64 columns (batch 1 at the 27B shape: 96 CTAs, one wave), and the V-independent
 // work is the tensor-core gram and the path recursions, which are small.
-//   phase 0  cp.async: the request's plan tables, g and beta (a first group), then its q, k rows (rows n .. n16
-//            zero), the CTA's S0 rows and v columns; per node: path entries, depth, ancestor bitmask (128
-//            bits), the path gate G; then q / k norms (a warp per row); per path entry the local node index and
-//            that node's first path entry
+//   phase 0  cp.async in three groups: the request's plan tables, g and beta; its q, k rows (rows n .. n16
+//            zero); the CTA's S0 rows and v columns. Per node, once the tables are in: path entries, depth,
+//            ancestor bitmask (128 bits), the path gate G; once q and k are: their norms (a warp per row); per
+//            path entry the local node index and that node's first path entry
 //   phase 1  the lower triangles of K K^T and Q K^T as 16 x 8 bf16 mma tiles (exact products, float32 sums),
-//            each product kept where the pair is an ancestor pair and stored, scaled, at its path entry (X, Y);
-//            the projections [K; Q] S0^T as one GEMM (M = P8_BV rows of S0, N = 2 n16 nodes, K = GDN_K) on bf16
+//            each product kept where the pair is an ancestor pair and stored, scaled, at its path entry (X, Y),
+//            while S0's copies are still in flight; then the projections [K; Q] S0^T as one GEMM (M = P8_BV rows of S0, N = 2 n16 nodes, K = GDN_K) on bf16
 //            mma over a P8_SPLIT-part split of S0 (three parts: float32-accurate), a warp per (16 rows, 64 or
 //            32 node columns), the sums kept in registers
 //   phase 2  R and diag(e^G) Q S0^T from the GEMM's registers into shared memory (over the dead q / k / S0
@@ -35,7 +35,8 @@
 //            over i's path entries
 //
 // Compile-time constants (NVRTC -D): TFM_IN (must be 1, bfloat16), GDN_K, GDN_V, P8_BV (32 or 64), P8_PATH
-// (most nodes on a path), P8_SPLIT (2 or 3 bf16 parts of S0). The plan (vllm_tfm/kernels/plan.py: cu, perm,
+// (most nodes on a path), P8_SPLIT (2 or 3 bf16 parts of S0); timing options P8_WARPS (16 or 8) and P8_STAGES
+// (2, or 1: S0 waited for with q and k). The plan (vllm_tfm/kernels/plan.py: cu, perm,
 // pair_off, pair_j) and the state layout (V-first [slot, HV, V, K] with unit K stride, read only) are those of
 // the other versions; TreePlan.build refuses a parent after its child, so node order is topological. The wrapper
 // (vllm_tfm/kernels/gdn.py paths_unsupported_reason) sends no tree of more than 128 nodes, no path longer than
@@ -60,6 +61,9 @@
 #ifndef P8_WARPS
 #define P8_WARPS 16                       // 8: two CTAs of up to 113 KB a SM (timing option)
 #endif
+#ifndef P8_STAGES
+#define P8_STAGES 2                       // copy groups after the tables: 2 = q / k, then S0 / v (1: all at once)
+#endif
 #define P8_N 128                          // most nodes of a tree
 #define P8_THREADS (32 * P8_WARPS)
 #define P8_KP (GDN_K + 8)                 // bf16 per staged q / k row: a warp's B-fragment words in distinct banks
@@ -80,6 +84,7 @@ static_assert(P8_SPLIT == 2 || P8_SPLIT == 3, "S0 in two or three bf16 parts");
 static_assert(P8_PATH >= 1 && P8_PATH <= P8_N, "a path has 1 to 128 nodes");
 static_assert((P8_WARPS == 8 || P8_WARPS == 16) && P8_CB >= 2, "8 or 16 warps, every GEMM warp on one of K or Q");
 static_assert(P8_THREADS >= 2 * P8_N, "a thread per (node, T or W)");
+static_assert(P8_STAGES == 1 || P8_STAGES == 2, "one or two copy groups after the tables");
 
 __host__ __device__ constexpr int p8_align4(int x) { return (x + 3) & ~3; }
 __host__ __device__ constexpr int p8_max(int a, int b) { return a > b ? a : b; }
@@ -175,6 +180,9 @@ gdn_tree_verify_paths(const tin* __restrict__ q, const tin* __restrict__ k, cons
       *reinterpret_cast<uint4*>(dk) = z;
     }
   }
+#if P8_STAGES == 2
+  cp_async_commit();  // q, k: their own group, so that the norms and grams need not wait for S0
+#endif
   constexpr int SPR = GDN_K / 4;  // 16-byte pieces of an S0 row
   const float* s0g = state + slot * st_slot + (i64)hv * st_head + (i64)v0 * st_v;
   for (int c = tid; c < P8_BV * SPR; c += P8_THREADS) {
@@ -187,7 +195,7 @@ gdn_tree_verify_paths(const tin* __restrict__ q, const tin* __restrict__ k, cons
     cp_async16(vs + i * P8_BV + part * 8, v + ((i64)(bos + i) * HV + hv) * GDN_V + v0 + part * 8);
   }
   cp_async_commit();
-  cp_async_wait<1>();
+  cp_async_wait<P8_STAGES>();  // the tables
   __syncthreads();
   // per node (by level position p: node perm[p] - bos, whose path, root first, is pair_j's entries
   // pair_off[p] .. pair_off[p + 1] - 1): first entry, path length, ancestor bits, path gate
@@ -215,7 +223,7 @@ gdn_tree_verify_paths(const tin* __restrict__ q, const tin* __restrict__ k, cons
     Gs[i] = gsum;
     eG[i] = expf(gsum);
   }
-  cp_async_wait<0>();
+  cp_async_wait<P8_STAGES - 1>();  // q and k (and with one stage S0 and v)
   __syncthreads();
   tl.mark(1);
   // q / k norm scales: a warp per row
@@ -279,6 +287,10 @@ gdn_tree_verify_paths(const tin* __restrict__ q, const tin* __restrict__ k, cons
         Yp[at] = dec * rq[i] * rk[j] * acc[e];
     }
   }
+#if P8_STAGES == 2
+  cp_async_wait<0>();  // S0 and v
+  __syncthreads();
+#endif
   // Projections: C = S0 [K; Q]^T, rows = this warp's 16 S0 rows, columns = its P8_NPW node columns of K
   // (columns 0 .. P8_N - 1) or Q (P8_N ..). S0's parts small first, float32 sums.
   const int rt = warp % P8_RT, cb = warp / P8_RT;

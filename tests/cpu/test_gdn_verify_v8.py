@@ -100,12 +100,14 @@ def test_v8_matches_float64_reference(launches, name, trees, h, hv, kd, vd, bv, 
     assert torch.equal(o_only, o8)
 
 
-def test_v8_block_v_and_warps_agree(launches):
-    # the columns and warps per CTA change which warp computes a projection, not its arithmetic: identical outputs
+def test_v8_block_v_warps_and_stages_agree(launches):
+    # the columns and warps per CTA change which warp computes a projection, and the copy groups when it starts,
+    # not its arithmetic: identical outputs
     c = _case([_bounded_tree(50, _g(20)), torch.tensor([-1, 0, 0, 1])], 1, 2, 64, 64, torch.bfloat16, seed=21)
     plan = TreePlan.build(c["parents"], c["cu_nodes"])
     _, o64, d64 = _run8(c, plan, launches, ("-DP8_BV=64",))
-    for options in (("-DP8_BV=32",), ("-DP8_BV=32", "-DP8_WARPS=8"), ("-DP8_BV=64", "-DP8_WARPS=8")):
+    for options in (("-DP8_BV=32",), ("-DP8_BV=32", "-DP8_WARPS=8"), ("-DP8_BV=64", "-DP8_WARPS=8"),
+                    ("-DP8_STAGES=1",)):
         _, o, d = _run8(c, plan, launches, options)
         assert torch.equal(o, o64) and torch.equal(d, d64), options
         made, _, _ = kgdn.verify_launches(plan, c["q"], c["k"], c["v"], c["g"], c["beta"], c["ssm_state"],
