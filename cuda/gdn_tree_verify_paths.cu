@@ -226,19 +226,30 @@ gdn_tree_verify_paths(const tin* __restrict__ q, const tin* __restrict__ k, cons
   cp_async_wait<P8_STAGES - 1>();  // q and k (and with one stage S0 and v)
   __syncthreads();
   tl.mark(1);
-  // q / k norm scales: a warp per row
-  for (int i = warp; i < n; i += P8_WARPS) {
+  // q / k norm scales: four threads per row, a quarter of K each (no warp-wide reduction chain)
+  for (int base = 0; base < 4 * n16; base += P8_THREADS) {
+    const int i = (base + tid) >> 2, part = (base + tid) & 3;
     float sk = 0.0f, sq = 0.0f;
-    for (int c = lane * 2; c < GDN_K; c += 64) {
-      const u32 wk = p8_word(ks, i, c), wq = p8_word(qs, i, c);
-      const float k0 = bf16_bits_to_f32(wk & 0xffffu), k1 = bf16_bits_to_f32(wk >> 16);
-      const float q0 = bf16_bits_to_f32(wq & 0xffffu), q1 = bf16_bits_to_f32(wq >> 16);
-      sk = fmaf(k0, k0, fmaf(k1, k1, sk));
-      sq = fmaf(q0, q0, fmaf(q1, q1, sq));
+    if (i < n) {
+#pragma unroll
+      for (int c = part * (GDN_K / 4); c < (part + 1) * (GDN_K / 4); c += 8) {
+        const uint4 wk = *reinterpret_cast<const uint4*>(ks + i * P8_KP + c);
+        const uint4 wq = *reinterpret_cast<const uint4*>(qs + i * P8_KP + c);
+        const u32 kw[4] = {wk.x, wk.y, wk.z, wk.w}, qw[4] = {wq.x, wq.y, wq.z, wq.w};
+#pragma unroll
+        for (int t = 0; t < 4; ++t) {
+          const float k0 = bf16_bits_to_f32(kw[t] & 0xffffu), k1 = bf16_bits_to_f32(kw[t] >> 16);
+          const float q0 = bf16_bits_to_f32(qw[t] & 0xffffu), q1 = bf16_bits_to_f32(qw[t] >> 16);
+          sk = fmaf(k0, k0, fmaf(k1, k1, sk));
+          sq = fmaf(q0, q0, fmaf(q1, q1, sq));
+        }
+      }
     }
-    sk = warp_sum(sk);
-    sq = warp_sum(sq);
-    if (lane == 0) {
+    sk += __shfl_xor_sync(0xffffffffu, sk, 1);
+    sq += __shfl_xor_sync(0xffffffffu, sq, 1);
+    sk += __shfl_xor_sync(0xffffffffu, sk, 2);
+    sq += __shfl_xor_sync(0xffffffffu, sq, 2);
+    if (i < n && part == 0) {
       rk[i] = use_l2norm ? l2norm_scale(sk) : 1.0f;
       rq[i] = use_l2norm ? scale * l2norm_scale(sq) : scale;
     }
@@ -262,29 +273,37 @@ gdn_tree_verify_paths(const tin* __restrict__ q, const tin* __restrict__ k, cons
     while ((mt + 1) * (mt + 2) <= u) ++mt;
     const int nt = u - mt * (mt + 1);
     if (nt * 8 >= n) continue;
+    // this lane's rows i0, i0 + 8 and columns j0, j0 + 1 of the tile: every table read issued first
+    const int i0 = mt * 16 + gq, j0 = nt * 8 + 2 * tq;
+    const u32 a0 = anc[i0 * 4 + (j0 >> 5)] >> (j0 & 31), a1 = anc[(i0 + 8) * 4 + (j0 >> 5)] >> (j0 & 31);
+    const bool ok0 = i0 < n, ok1 = i0 + 8 < n;  // rows past n: their table words are not written
+    const u32 keep = (ok0 ? a0 & 3u : 0u) | (ok1 ? (a1 & 3u) << 2 : 0u);  // bit 2 r + c: (i0 + 8 r, j0 + c)
+    if (!__any_sync(0xffffffffu, keep != 0u)) continue;  // no ancestor pair in the tile: no products
     const u16* arows = gram == 0 ? ks : qs;
     float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
 #pragma unroll
     for (int s = 0; s < P8_KSTEPS; ++s) {
       const int c = s * 16 + 2 * tq;
       u32 a[4];
-      a[0] = p8_word(arows, mt * 16 + gq, c);
-      a[1] = p8_word(arows, mt * 16 + gq + 8, c);
-      a[2] = p8_word(arows, mt * 16 + gq, c + 8);
-      a[3] = p8_word(arows, mt * 16 + gq + 8, c + 8);
+      a[0] = p8_word(arows, i0, c);
+      a[1] = p8_word(arows, i0 + 8, c);
+      a[2] = p8_word(arows, i0, c + 8);
+      a[3] = p8_word(arows, i0 + 8, c + 8);
       mma_16816<true>(acc, a, p8_word(ks, nt * 8 + gq, c), p8_word(ks, nt * 8 + gq, c + 8));
     }
+    const float gi[2] = {Gs[i0], Gs[i0 + 8]}, gj[2] = {Gs[j0], Gs[j0 + 1]};
+    const float si[2] = {gram == 0 ? bt[i0] * rk[i0] : rq[i0], gram == 0 ? bt[i0 + 8] * rk[i0 + 8] : rq[i0 + 8]};
+    const float sj[2] = {rk[j0], rk[j0 + 1]};
+    const int at[2] = {pb[i0], pb[i0 + 8]}, dj[2] = {plen[j0] - 1, plen[j0 + 1] - 1};
+    float* dst = gram == 0 ? Xp : Yp;
 #pragma unroll
     for (int e = 0; e < 4; ++e) {
-      const int i = mt * 16 + gq + (e >> 1) * 8, j = nt * 8 + 2 * tq + (e & 1);
-      if (i >= n || j >= n || (gram == 0 ? j >= i : j > i)) continue;
-      if (!((anc[i * 4 + (j >> 5)] >> (j & 31)) & 1u)) continue;
-      const float dec = expf(Gs[i] - Gs[j]);  // j on i's path: G_i <= G_j, no overflow
-      const int at = pb[i] + plen[j] - 1;     // i's path entry for its ancestor j (at j's depth)
-      if (gram == 0)
-        Xp[at] = bt[i] * dec * rk[i] * rk[j] * acc[e];
-      else
-        Yp[at] = dec * rq[i] * rk[j] * acc[e];
+      const int rr = e >> 1, cc = e & 1;
+      const int i = i0 + 8 * rr, j = j0 + cc;
+      // an ancestor pair (j <= i; for X j < i), kept at i's path entry for its ancestor j (at j's depth);
+      // j on i's path: G_i <= G_j, no overflow
+      if (((keep >> e) & 1u) && j < n && (gram == 1 || j < i))
+        dst[at[rr] + dj[cc]] = si[rr] * sj[cc] * expf(gi[rr] - gj[cc]) * acc[e];
     }
   }
 #if P8_STAGES == 2
@@ -375,34 +394,58 @@ gdn_tree_verify_paths(const tin* __restrict__ q, const tin* __restrict__ k, cons
   __syncthreads();
   tl.mark(4);
 
-  // ---- phase 3. A warp per node, a lane per P8_CPL columns: Delta_i and O_i over i's path entries.
+  // ---- phase 3. A warp per node, a lane per P8_CPL columns: Delta_i and O_i over i's path entries, four
+  // entries a step with all their loads issued first (entries past the path: weight 0 on the node's own R).
   for (int i = warp; i < n; i += P8_WARPS) {
-    const int e0 = pb[i], d = plen[i];
+    const int e0 = pb[i], last = e0 + plen[i] - 1;
+    float dl[P8_CPL], ol[P8_CPL];
+#pragma unroll
+    for (int c = 0; c < P8_CPL; ++c) {
+      dl[c] = 0.0f;
+      ol[c] = QS[i * P8_RP + lane * P8_CPL + c];
+    }
+    for (int e = e0; e <= last; e += 4) {
+      int jj[4];
+      float te[4], we[4];
+#pragma unroll
+      for (int u = 0; u < 4; ++u) {
+        const int eu = e + u <= last ? e + u : last;
+        jj[u] = pj[eu];
+        te[u] = e + u <= last ? Tp[eu] : 0.0f;
+        we[u] = e + u <= last ? Wp[eu] : 0.0f;
+      }
+      float rj[4][P8_CPL];
+#pragma unroll
+      for (int u = 0; u < 4; ++u) {
+        if constexpr (P8_CPL == 2) {
+          const float2 r2 = *reinterpret_cast<const float2*>(RS + jj[u] * P8_RP + 2 * lane);
+          rj[u][0] = r2.x;
+          rj[u][P8_CPL - 1] = r2.y;
+        } else {
+          rj[u][0] = RS[jj[u] * P8_RP + lane];
+        }
+      }
+#pragma unroll
+      for (int u = 0; u < 4; ++u) {
+#pragma unroll
+        for (int c = 0; c < P8_CPL; ++c) {
+          dl[c] = fmaf(te[u], rj[u][c], dl[c]);
+          ol[c] = fmaf(we[u], rj[u][c], ol[c]);
+        }
+      }
+    }
     const i64 row = ((i64)(bos + i) * HV + hv) * GDN_V + v0 + lane * P8_CPL;
     if constexpr (P8_CPL == 2) {
-      float2 dl;
-      dl.x = 0.0f;
-      dl.y = 0.0f;
-      float2 ol = *reinterpret_cast<const float2*>(QS + i * P8_RP + 2 * lane);
-      for (int e = e0; e < e0 + d; ++e) {
-        const float2 rj = *reinterpret_cast<const float2*>(RS + pj[e] * P8_RP + 2 * lane);
-        const float te = Tp[e], we = Wp[e];
-        dl.x = fmaf(te, rj.x, dl.x);
-        dl.y = fmaf(te, rj.y, dl.y);
-        ol.x = fmaf(we, rj.x, ol.x);
-        ol.y = fmaf(we, rj.y, ol.y);
+      *reinterpret_cast<u32*>(o + row) = (u32)from_f32<tin>(ol[0]).bits | ((u32)from_f32<tin>(ol[P8_CPL - 1]).bits << 16);
+      if (delta_out != nullptr) {
+        float2 d2;
+        d2.x = dl[0];
+        d2.y = dl[P8_CPL - 1];
+        *reinterpret_cast<float2*>(delta_out + row) = d2;
       }
-      *reinterpret_cast<u32*>(o + row) = (u32)from_f32<tin>(ol.x).bits | ((u32)from_f32<tin>(ol.y).bits << 16);
-      if (delta_out != nullptr) *reinterpret_cast<float2*>(delta_out + row) = dl;
     } else {
-      float dl = 0.0f, ol = QS[i * P8_RP + lane];
-      for (int e = e0; e < e0 + d; ++e) {
-        const float rj = RS[pj[e] * P8_RP + lane];
-        dl = fmaf(Tp[e], rj, dl);
-        ol = fmaf(Wp[e], rj, ol);
-      }
-      o[row] = from_f32<tin>(ol);
-      if (delta_out != nullptr) delta_out[row] = dl;
+      o[row] = from_f32<tin>(ol[0]);
+      if (delta_out != nullptr) delta_out[row] = dl[0];
     }
   }
   tl.mark(5);
