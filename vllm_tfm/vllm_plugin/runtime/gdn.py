@@ -314,7 +314,7 @@ def _chain_step_forward_core(
     1 + B tokens or a request scheduled without drafts counts as a "decode" for the decode-first
     reorder and may sit before spec rows (a new request takes a finished request's row). The spec
     rows then get another token's gates: wrong output and a wrong recurrent state, so greedy output
-    drifts from no speculation (bench/results/preempt_zoo_before_mixed_fix.json, docs/guarantees.md). In such a
+    drifts from no speculation (bench/results/preempt_zoo_before_mixed_fix.json in git history at b82e1e7, docs/guarantees.md). In such a
     batch the spec rows and the other rows run as two calls of vLLM's own code, each on metadata
     restricted to them (the spec call sees a batch of spec rows only, where the gates line up).
     """
