@@ -349,10 +349,10 @@ def test_verify_version_setting(monkeypatch):
 
     monkeypatch.delenv(VERIFY_VERSION_ENV, raising=False)
     assert verify_version_setting() is None
-    for raw, want in (("auto", None), (" 6 ", 6), ("3", 3), ("1", 1), ("7", 7)):
+    for raw, want in (("auto", None), (" 6 ", 6), ("3", 3), ("1", 1), ("7", 7), ("8", 8)):
         monkeypatch.setenv(VERIFY_VERSION_ENV, raw)
         assert verify_version_setting() == want
-    for bad in ("8", "0", "v6", "-3", "3.0"):
+    for bad in ("9", "0", "v6", "-3", "3.0"):
         monkeypatch.setenv(VERIFY_VERSION_ENV, bad)
-        with pytest.raises(ValueError, match=r"VLLM_TFM_GDN_VERIFY must be auto or one of \[1, 2, 3, 4, 5, 6, 7\], got"):
+        with pytest.raises(ValueError, match=r"VLLM_TFM_GDN_VERIFY must be auto or one of \[1, 2, 3, 4, 5, 6, 7, 8\], got"):
             verify_version_setting()
