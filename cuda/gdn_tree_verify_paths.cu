@@ -19,25 +19,27 @@
 // columns, each of which loads all q and k rows and computes the whole gram and solve for three value heads; at
 // n = 128 that decomposition alone costs 8 us a call with every product compiled out (section 56). Here a CTA
 // serves one value head and 64 columns (batch 1 at the 27B shape: 96 CTAs, one wave), and the V-independent
-// work is the tensor-core gram and the path recursions, which are small.
+// work is the tensor-core gram and the path recursions. Measured on an H100 (section 74): 26.9 us at n = 128, batch
+// 1 (version 6: 23.0), 152.0 at batch 8 (167.6); each phase a chain of latencies per warp, not a throughput.
 //   phase 0  cp.async in three groups: the request's plan tables, g and beta; its q, k rows (rows n .. n16
 //            zero); the CTA's S0 rows and v columns. Per node, once the tables are in: path entries, depth,
-//            ancestor bitmask (128 bits), the path gate G; once q and k are: their norms (a warp per row); per
+//            ancestor bitmask (128 bits), the path gate G; once q and k are: their norms (four threads a row); per
 //            path entry the local node index and that node's first path entry
 //   phase 1  the lower triangles of K K^T and Q K^T as 16 x 8 bf16 mma tiles (exact products, float32 sums),
 //            each product kept where the pair is an ancestor pair and stored, scaled, at its path entry (X, Y),
-//            while S0's copies are still in flight; then the projections [K; Q] S0^T as one GEMM (M = P8_BV rows of S0, N = 2 n16 nodes, K = GDN_K) on bf16
-//            mma over a P8_SPLIT-part split of S0 (three parts: float32-accurate), a warp per (16 rows, 64 or
-//            32 node columns), the sums kept in registers
+//            tiles without an ancestor pair skipped, while S0's copies are still in flight; then the projections
+//            [K; Q] S0^T as one GEMM (M = P8_BV rows of S0, N = 2 n16 nodes, K = GDN_K) on bf16 mma over a
+//            P8_SPLIT-part split of S0 (three parts: float32-accurate), a warp per (16 rows, 64 or 32 node
+//            columns), the sums kept in registers
 //   phase 2  R and diag(e^G) Q S0^T from the GEMM's registers into shared memory (over the dead q / k / S0
 //            rows); a thread per (node, T or W) runs its row's back substitution
-//   phase 3  a warp per node, a lane per 1 or 2 columns: Delta_i = sum T_ij R_j, O_i = e^{G_i} q_i S0 + sum W_ij R_j
-//            over i's path entries
+//   phase 3  a warp per node, a lane per 1 or 2 columns: Delta_i = sum T_ij R_j, O_i = e^{G_i} q_i S0
+//            + sum W_ij R_j over i's path entries, four entries a step
 //
 // Compile-time constants (NVRTC -D): TFM_IN (must be 1, bfloat16), GDN_K, GDN_V, P8_BV (32 or 64), P8_PATH
 // (most nodes on a path), P8_SPLIT (2 or 3 bf16 parts of S0); timing options P8_WARPS (16 or 8) and P8_STAGES
-// (2, or 1: S0 waited for with q and k). The plan (vllm_tfm/kernels/plan.py: cu, perm,
-// pair_off, pair_j) and the state layout (V-first [slot, HV, V, K] with unit K stride, read only) are those of
+// (2, or 1: S0 waited for with q and k). The plan (vllm_tfm/kernels/plan.py: cu, perm, pair_off, pair_j) and
+// the state layout (V-first [slot, HV, V, K] with unit K stride, read only) are those of
 // the other versions; TreePlan.build refuses a parent after its child, so node order is topological. The wrapper
 // (vllm_tfm/kernels/gdn.py paths_unsupported_reason) sends no tree of more than 128 nodes, no path longer than
 // P8_PATH and no request of more than pcap path entries here.
@@ -164,22 +166,7 @@ gdn_tree_verify_paths(const tin* __restrict__ q, const tin* __restrict__ k, cons
     }
   }
   cp_async_commit();
-  constexpr int CPR = GDN_K / 8;  // 16-byte pieces of a q / k row
-  for (int c = tid; c < n16 * CPR; c += P8_THREADS) {
-    const int row = c / CPR, col = (c % CPR) * 8;
-    u16* dq = qs + row * P8_KP + col;
-    u16* dk = ks + row * P8_KP + col;
-    if (row < n) {
-      const i64 src = ((i64)(bos + row) * H + h) * GDN_K + col;
-      cp_async16(dq, q + src);
-      cp_async16(dk, k + src);
-    } else {
-      uint4 z;
-      z.x = 0u; z.y = 0u; z.z = 0u; z.w = 0u;
-      *reinterpret_cast<uint4*>(dq) = z;
-      *reinterpret_cast<uint4*>(dk) = z;
-    }
-  }
+  stage_qk_rows<GDN_K, P8_KP, P8_THREADS>(qs, ks, q, k, bos, n, n16, H, h, tid);
 #if P8_STAGES == 2
   cp_async_commit();  // q, k: their own group, so that the norms and grams need not wait for S0
 #endif

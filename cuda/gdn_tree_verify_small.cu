@@ -172,22 +172,7 @@ gdn_tree_verify_small(const tin* __restrict__ q, const tin* __restrict__ k, cons
     }
   }
   // q / k rows (rows n .. N - 1 zero: the tiles read defined values), v columns, the request's tables
-  constexpr int CPR = GDN_K / 8;  // 16-byte pieces per row
-  for (int c = tid; c < S7_N * CPR; c += S7_THREADS) {
-    const int row = c / CPR, col = (c % CPR) * 8;
-    u16* dq = qs + row * S7_KP + col;
-    u16* dk = ks + row * S7_KP + col;
-    if (row < n) {
-      const i64 src = ((i64)(bos + row) * H + h) * GDN_K + col;
-      cp_async16(dq, q + src);
-      cp_async16(dk, k + src);
-    } else {
-      uint4 z;
-      z.x = 0u; z.y = 0u; z.z = 0u; z.w = 0u;
-      *reinterpret_cast<uint4*>(dq) = z;
-      *reinterpret_cast<uint4*>(dk) = z;
-    }
-  }
+  stage_qk_rows<GDN_K, S7_KP, S7_THREADS>(qs, ks, q, k, bos, n, S7_N, H, h, tid);
   constexpr int VPR = S7_BV / 8;  // 16-byte pieces of a (node, value head)'s columns
   for (int c = tid; c < n * GDN_GROUP * VPR; c += S7_THREADS) {
     const int i = c / (GDN_GROUP * VPR), t = (c / VPR) % GDN_GROUP, part = c % VPR;

@@ -5,6 +5,7 @@
 //   tf32_rna / split_tf32    cvt.rna.tf32.f32, and x = hi + lo with both parts tf32 (3xTF32 products)
 //   cp_async16 / cp_async4 / cp_async_commit / cp_async_wait<N>   cp.async.cg (16 bytes), .ca (4) and groups
 //   pack_bf16x2 / split3_bf16x2  cvt.rn.bf16x2.f32, and a float pair as three bf16x2 parts (float32-accurate products)
+//   stage_qk_rows            a request's q and k rows into shared memory by cp.async, padded rows zero
 //
 // Fragment layouts (PTX ISA, "Matrix Fragments for mma.m16n8k16 with floating point type"; lane l,
 // g = l / 4, t = l % 4; each 32-bit register holds two 16-bit elements, the lower index in the low
@@ -139,4 +140,28 @@ __device__ __forceinline__ void split3_bf16x2(float2 x, u32& hi, u32& mid, u32& 
   const float r0 = x.x - __uint_as_float(hi << 16), r1 = x.y - __uint_as_float(hi & 0xffff0000u);
   mid = pack_bf16x2(r0, r1);
   lo = pack_bf16x2(r0 - __uint_as_float(mid << 16), r1 - __uint_as_float(mid & 0xffff0000u));
+}
+
+// Rows 0 .. rows - 1 of one request's q and k for q/k head h (16-bit, [T, H, KDIM] from node bos on) into two
+// staged [rows][KP] blocks by cp.async, rows n .. rows - 1 zero so that whole mma tiles read defined values
+// (versions 7 and 8 of the GDN verify); the caller commits the group.
+template <int KDIM, int KP, int THREADS>
+__device__ __forceinline__ void stage_qk_rows(u16* qs, u16* ks, const tin* __restrict__ q, const tin* __restrict__ k,
+                                              int bos, int n, int rows, int H, int h, int tid) {
+  constexpr int CPR = KDIM / 8;  // 16-byte pieces of a row
+  for (int c = tid; c < rows * CPR; c += THREADS) {
+    const int row = c / CPR, col = (c % CPR) * 8;
+    u16* dq = qs + row * KP + col;
+    u16* dk = ks + row * KP + col;
+    if (row < n) {
+      const i64 src = ((i64)(bos + row) * H + h) * KDIM + col;
+      cp_async16(dq, q + src);
+      cp_async16(dk, k + src);
+    } else {
+      uint4 z;
+      z.x = 0u; z.y = 0u; z.z = 0u; z.w = 0u;
+      *reinterpret_cast<uint4*>(dq) = z;
+      *reinterpret_cast<uint4*>(dk) = z;
+    }
+  }
 }

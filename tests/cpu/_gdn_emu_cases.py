@@ -1,11 +1,12 @@
 """Random GDN verify cases for the kernel tests that run through the CPU emulation (cuda/host_emu):
 trees, inputs in vLLM's layouts, and the norm-wise relative error (tests/cpu/test_gdn_verify_v3.py,
-test_gdn_verify_v6.py). Not a test module."""
+test_gdn_verify_v6.py, _v7.py, _v8.py). Not a test module."""
 
 from __future__ import annotations
 
 import torch
 
+from vllm_tfm.kernels import gdn as kgdn
 from vllm_tfm.verify import gdn as ref_gdn
 
 
@@ -40,3 +41,34 @@ def _rel(got: torch.Tensor, want: torch.Tensor) -> float:
 
 def _g(seed: int) -> torch.Generator:
     return torch.Generator().manual_seed(seed)
+
+
+def _depth_first(depth: int, width: int) -> torch.Tensor:
+    """A chain of ``depth`` nodes below the root, then ``width`` children of the root: node order is not
+    level order (the kernels read their tables by level position and write by node)."""
+    return torch.tensor([-1] + list(range(depth)) + [0] * width)
+
+
+def _reference(c, **kw):
+    """The float64 reference's (o, delta) on a case of ``_case``."""
+    c64 = {k: v.double() if v.is_floating_point() else v for k, v in c.items()}
+    return ref_gdn.gdn_tree_verify(**c64, return_delta=True, **kw)
+
+
+def _run_variant(c, plan, launches, variant, options=(), return_delta=True, **kw):
+    """Verify version ``variant`` through ``verify_launches`` with NaN-poisoned outputs, under the CPU emulation
+    whose launch record is ``launches``: (kernel names launched, o, delta); checks that every output element was
+    written and the state left alone."""
+    before = c["ssm_state"].clone()
+    o = torch.full(c["v"].shape, float("nan"), dtype=c["v"].dtype)
+    d = torch.full(c["v"].shape, float("nan")) if return_delta else None
+    launches.clear()
+    made, o, d = kgdn.verify_launches(plan, c["q"], c["k"], c["v"], c["g"], c["beta"], c["ssm_state"], c["state_indices"],
+                                      return_delta=return_delta, out=o, delta_out=d, variant=variant,
+                                      extra_options=options, **kw)
+    for _, fn in made:
+        fn()
+    assert not o.isnan().any(), "o left unwritten"
+    assert d is None or not d.isnan().any(), "delta left unwritten"
+    assert torch.equal(c["ssm_state"], before), "the verify wrote the state"
+    return [name for name, _, _ in launches], o, d

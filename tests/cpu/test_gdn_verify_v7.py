@@ -18,10 +18,9 @@ import torch
 
 from vllm_tfm.kernels import gdn as kgdn
 from vllm_tfm.kernels.plan import TreePlan
-from vllm_tfm.verify import gdn as ref_gdn
 
 from _emulation import emulated, emulation_build_dir  # tests/cpu helper modules
-from _gdn_emu_cases import _case, _g, _random_tree, _rel
+from _gdn_emu_cases import _case, _depth_first, _g, _random_tree, _reference, _rel, _run_variant
 
 pytestmark = [pytest.mark.slow,
               pytest.mark.skipif(shutil.which("g++") is None, reason="g++ is needed for the CPU emulation")]
@@ -35,32 +34,8 @@ def launches(tmp_path_factory):
         yield made
 
 
-def _depth_first(depth: int, width: int) -> torch.Tensor:
-    """A chain of ``depth`` nodes below the root, then ``width`` children of the root: node order is not
-    level order (the kernel works by level position and writes by node)."""
-    return torch.tensor([-1] + list(range(depth)) + [0] * width)
-
-
-def _reference(c, **kw):
-    c64 = {k: v.double() if v.is_floating_point() else v for k, v in c.items()}
-    return ref_gdn.gdn_tree_verify(**c64, return_delta=True, **kw)
-
-
 def _run7(c, plan, launches, options=(), return_delta=True, **kw):
-    """Version 7 through ``verify_launches`` with NaN-poisoned outputs: (kernel names launched, o, delta)."""
-    before = c["ssm_state"].clone()
-    o = torch.full(c["v"].shape, float("nan"), dtype=c["v"].dtype)
-    d = torch.full(c["v"].shape, float("nan")) if return_delta else None
-    launches.clear()
-    made, o, d = kgdn.verify_launches(plan, c["q"], c["k"], c["v"], c["g"], c["beta"], c["ssm_state"], c["state_indices"],
-                                      return_delta=return_delta, out=o, delta_out=d, variant=7,
-                                      extra_options=options, **kw)
-    for _, fn in made:
-        fn()
-    assert not o.isnan().any(), "o left unwritten"
-    assert d is None or not d.isnan().any(), "delta left unwritten"
-    assert torch.equal(c["ssm_state"], before), "the verify wrote the state"
-    return [name for name, _, _ in launches], o, d
+    return _run_variant(c, plan, launches, 7, options, return_delta, **kw)
 
 
 # (name, trees, h, hv, K, V, S7_BV, state index dtype)

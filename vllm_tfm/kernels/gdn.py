@@ -89,7 +89,7 @@ PATHS_MAX_NODES = 128  # version 8's trees (P8_N)
 PATHS_MAX_PATH = 17  # most nodes on a root..node path in version 8 (P8_PATH): depth <= 16, a DFlash block
 PATHS_BLOCK_VS = (32, 64)  # V columns per CTA (P8_BV)
 PATHS_THREADS = 512  # P8_WARPS = 16; a -DP8_WARPS=8 in verify_launches' extra_options (timing) launches 256
-PATHS_MARKS = 6  # timeline marks of version 8 (P8_MARKS): start, after the tables, after phase 0, phases 1, 2, end
+PATHS_MARKS = 6  # timeline marks of version 8 (P8_MARKS): start, after the copies and node tables, after the norms and entry tables, phases 1, 2, end
 
 DTYPE_CODE = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 NOT_CUDA = "inputs are not CUDA tensors"  # the reference is the CPU implementation: no warning
@@ -304,7 +304,11 @@ def runtime_verify_variant(plan: TreePlan, qk_dtype: torch.dtype, h: int, hv: in
     Version 7 before all of these where it takes the call (trees of at most 32 nodes) and version 6's grid is
     more than one wave (R H V / 16 CTAs > the SMs: batch 2 and more at the 27B shape): at n = 17 on an H100
     31.7 / 107.4 us against version 6's 46.1 / 168.7 at batch 8 / 32, but 11.1 against 10.8 at batch 1
-    (bench/NOTES.md section 73, bench/results/gdn_tree_v7_s73.json.gz; batches 2 to 7 not measured)."""
+    (bench/NOTES.md section 73, bench/results/gdn_tree_v7_s73.json.gz; batches 2 to 7 not measured).
+
+    Never version 8: on an H100 it was 1.10-1.13x version 6 at n = 65 and 128 from batch 8 but slower at batch 1, and
+    within 1.05x of the version chosen here at the runtime's largest trees (n = 65; bench/NOTES.md section 74,
+    bench/results/gdn_tree_v8_s74.json.gz)."""
     ctas = plan.num_requests * h * (v_dim // GROUPED_BV)  # version 6's grid
     if ctas > num_sms and small_unsupported_reason(plan, qk_dtype, h, hv, k_dim, v_dim, max_smem,
                                                     small_block_v(v_dim)) is None:
