@@ -209,6 +209,12 @@ def small_block_v(v_dim: int) -> int:
     return 32 if v_dim % 32 == 0 else 16
 
 
+def _forced_define(extra_options: Sequence[str], name: str) -> int | None:
+    """The value of the last ``-D<name>=k`` in ``extra_options`` (a benchmark's or test's explicit choice), else None."""
+    values = [int(o.split("=", 1)[1]) for o in extra_options if o.startswith(f"-D{name}=")]
+    return values[-1] if values else None
+
+
 def grouped_solve(plan: TreePlan, k_dim: int, group: int, max_smem: int, extra_options: Sequence[str] = ()) -> int:
     """Version 6's solve for this call (G6_SOLVE): 1 = path rows (each node's rows of (I + X)^-1 and
     Y (I + X)^-1 by back substitution over its path, then gathers; no barrier per tree level), 0 = the
@@ -218,9 +224,9 @@ def grouped_solve(plan: TreePlan, k_dim: int, group: int, max_smem: int, extra_o
     offsets) fit. A fixed-layout plan's depth is its ``depth_bound`` when it has one (full CUDA graphs:
     the drafter's depth; a deeper path is still exact, solved in shared memory). An explicit
     ``-DG6_SOLVE=k`` in ``extra_options`` (benchmarks, tests) decides instead."""
-    forced = [o for o in extra_options if o.startswith("-DG6_SOLVE=")]
-    if forced:
-        return int(forced[-1].split("=", 1)[1])
+    forced = _forced_define(extra_options, "G6_SOLVE")
+    if forced is not None:
+        return forced
     fits = grouped_smem_bytes(k_dim, group, plan.max_nodes, plan.max_pairs_per_request) <= max_smem
     depth = plan.max_depth if plan.depth_bound is None else min(plan.max_depth, plan.depth_bound)
     return int(depth <= PATH_SOLVE_MAX_DEPTH and fits)
@@ -242,9 +248,8 @@ def grouped_cluster(plan: TreePlan, v_dim: int, threads: int, cc_major: int, ext
     An explicit ``-DG6_CLUSTER=k`` in ``extra_options`` (benchmarks, tests) decides instead; a size that
     does not divide the V slices is a ValueError."""
     slices = v_dim // GROUPED_BV
-    forced = [o for o in extra_options if o.startswith("-DG6_CLUSTER=")]
-    if forced:
-        c = int(forced[-1].split("=", 1)[1])
+    c = _forced_define(extra_options, "G6_CLUSTER")
+    if c is not None:
         if c not in GROUPED_CLUSTERS or slices % c:
             raise ValueError(f"G6_CLUSTER={c}: a cluster of 1, 2, 4 or 8 CTAs that divides the {slices} V slices")
         return c
@@ -476,8 +481,8 @@ def verify_launches(
     st = ssm_state.stride()
     if variant == 8:
         max_smem = device_smem_optin(dev_index)
-        forced8 = [int(x.split("=", 1)[1]) for x in extra_options if x.startswith("-DP8_BV=")]
-        bv8 = forced8[-1] if forced8 else paths_block_v(vd)
+        bv8 = _forced_define(extra_options, "P8_BV")
+        bv8 = paths_block_v(vd) if bv8 is None else bv8
         if paths_unsupported_reason(plan, q.dtype, kd, vd, max_smem, bv8) is None:
             opts = ["--std=c++17", "-lineinfo", f"-DTFM_IN={DTYPE_CODE[v.dtype]}", f"-DGDN_K={kd}", f"-DGDN_V={vd}",
                     f"-DP8_BV={bv8}", f"-DP8_PATH={PATHS_MAX_PATH}",
@@ -490,8 +495,8 @@ def verify_launches(
                     f32(scale), i32(int(use_qk_l2norm)), timeline8]
             grid8 = (vd // bv8, hv, plan.num_requests)
             smem8 = paths_smem_bytes(kd, bv8, plan.max_nodes, pcap8)
-            warps8 = [int(x.split("=", 1)[1]) for x in extra_options if x.startswith("-DP8_WARPS=")]
-            block8 = (32 * warps8[-1] if warps8 else PATHS_THREADS, 1, 1)
+            warps8 = _forced_define(extra_options, "P8_WARPS")
+            block8 = (PATHS_THREADS if warps8 is None else 32 * warps8, 1, 1)
 
             def run_paths() -> None:
                 launch(k_paths, grid8, block8, args, shared_mem=smem8)
@@ -501,8 +506,8 @@ def verify_launches(
         variant = 6  # version 8 does not take this call (paths_unsupported_reason): version 6 (or 3) does
     if variant == 7:
         max_smem = device_smem_optin(dev_index)
-        forced7 = [int(x.split("=", 1)[1]) for x in extra_options if x.startswith("-DS7_BV=")]
-        bv7 = forced7[-1] if forced7 else small_block_v(vd)
+        bv7 = _forced_define(extra_options, "S7_BV")
+        bv7 = small_block_v(vd) if bv7 is None else bv7
         if small_unsupported_reason(plan, q.dtype, h, hv, kd, vd, max_smem, bv7) is None:
             opts = ["--std=c++17", "-lineinfo", f"-DTFM_IN={DTYPE_CODE[v.dtype]}", f"-DGDN_K={kd}", f"-DGDN_V={vd}",
                     f"-DGDN_GROUP={hv // h}", f"-DS7_BV={bv7}",
