@@ -64,6 +64,7 @@ STATE_BYTES = HV * VD * KD * 4
 NODE_BYTES = 2 * H * KD * 2 + HV * VD * 2 + HV * 4 * 2 + HV * VD * 2  # q, k, v, g, beta, o
 L2_DEFEAT_BYTES = 240e6  # rotate input sets until the state pool is 4x the 60 MB L2
 BREAKDOWN_N, BREAKDOWN_BATCH = (16, 64, 128), (1, 8)
+V8_KERNELS = ["gdn_tree_paths_grams", "gdn_tree_verify_paths"]  # version 8's launches where it takes the call
 
 
 # ---------------------------------------------------------------------------------------------
@@ -354,13 +355,14 @@ def bench_verify(n: int, batch: int, bw: float, reps: int, vllm_fn, allow_slow: 
     row["v6_kernels"] = [name for name, _ in launches6]
 
     def one_kernel_us(variant: int, **kw) -> float:
-        """A one-kernel version's launch alone (graph-timed over the input sets), with verify_launches' keywords."""
+        """A version's launches alone (one kernel; version 8 its gram kernel and verify kernel), graph-timed over the
+        input sets, with verify_launches' keywords."""
         fns = []
         for s in range(sets):
             xs = inputs[s]
             ls, _, _ = kgdn.verify_launches(plan, xs["q"], xs["k"], xs["v"], xs["g"], xs["beta"], pool, slots[s],
                                             variant=variant, **kw)
-            fns.append(ls[0][1])
+            fns.append(lambda ls=ls: [fn() for _, fn in ls])
         return time_calls(fns, reps)[0]
 
     if row["v6_kernels"] == ["gdn_tree_verify_grouped"]:  # both CTA sizes, to check grouped_threads' choice
@@ -378,16 +380,18 @@ def bench_verify(n: int, batch: int, bw: float, reps: int, vllm_fn, allow_slow: 
         o7 = call(7)
         row["v7_vs_v6_o_rel"] = rel_err(o7[0], o6[0])
         row["v7_vs_v6_delta_rel"] = rel_err(o7[1], o6[1])
-    # version 8 (trees of <= 128 nodes with paths of <= 17; others run version 6): which kernel ran, both V
-    # widths, S0 in two bf16 parts instead of three (P8_SPLIT=2), its distance from version 6
+    # version 8 (trees of <= 128 nodes with paths of <= 17; others run version 6): which kernels ran, both V
+    # widths, S0 in two bf16 parts instead of three (P8_SPLIT=2), the grams in the verify kernel (P8_PREGRAM=0),
+    # its distance from version 6
     launches8, _, _ = kgdn.verify_launches(plan, x["q"], x["k"], x["v"], x["g"], x["beta"], pool, slots[0], variant=8)
     row["v8_kernels"] = [name for name, _ in launches8]
-    if row["v8_kernels"] == ["gdn_tree_verify_paths"]:
+    if row["v8_kernels"] == V8_KERNELS:
         row["v8_block_v_us"] = {str(bv8): one_kernel_us(8, extra_options=(f"-DP8_BV={bv8}",))
                                 for bv8 in kgdn.PATHS_BLOCK_VS}
         row["v8_warps8_us"] = {str(bv8): one_kernel_us(8, extra_options=(f"-DP8_BV={bv8}", "-DP8_WARPS=8"))
                                for bv8 in kgdn.PATHS_BLOCK_VS}  # CTAs of 8 warps (timing option)
         row["v8_split2_us"] = one_kernel_us(8, extra_options=("-DP8_SPLIT=2",))
+        row["v8_ingram_us"] = one_kernel_us(8, extra_options=("-DP8_PREGRAM=0",))
         o8 = call(8)
         row["v8_vs_v6_o_rel"] = rel_err(o8[0], o6[0])
         row["v8_vs_v6_delta_rel"] = rel_err(o8[1], o6[1])
@@ -407,7 +411,7 @@ def bench_verify(n: int, batch: int, bw: float, reps: int, vllm_fn, allow_slow: 
                 per_set.append(launches)
             parts = {}
             for idx, (kname, _) in enumerate(per_set[0]):  # version 6 is one kernel ("main" here)
-                name = "pairs" if kname == "gdn_tree_pairs" else "main"
+                name = "pairs" if kname in ("gdn_tree_pairs", "gdn_tree_paths_grams") else "main"
                 parts[f"{name}_us"], _ = time_calls([ls[idx][1] for ls in per_set], reps)
             parts["call_us"], _ = time_calls([ours(s, auto_bv_of[variant], variant) for s in range(sets)], reps)
             row["breakdown"][f"v{variant}"] = parts
@@ -764,19 +768,19 @@ def table(results: dict) -> str:
                      f"{fmt(r.get('ours_eager_us')):>8} {fmt(r.get('per_branch_us')):>11} "
                      f"{fmt(r.get('speedup_vs_per_branch')):>8} {fmt(r.get('reference_us'), '.0f'):>10} "
                      f"{fmt(r.get('err_vs_reference'), '.1e'):>8} {'v' + str(r.get('runtime_variant', '-')):>3}")
-    lines.append("versions 6 to 8 (one kernel each; v8 BV32 / BV64 / w8 BV32 / w8 BV64 / split2: version 8's launch alone at "
-                 "32 and 64 V columns, with CTAs of 8 warps, and with S0 in two bf16 parts), the fastest version and its "
-                 "speedup over per-branch recurrence, us")
+    lines.append("versions 6 to 8 (v8 BV32 / BV64 / w8 BV32 / w8 BV64 / split2 / ingram: version 8's launches alone at 32 and "
+                 "64 V columns, with CTAs of 8 warps, with S0 in two bf16 parts, and with the grams in the verify kernel), "
+                 "the fastest version and its speedup over per-branch recurrence, us")
     lines.append(f"{'n':>4} {'batch':>5} {'floor':>8} {'v6 auto':>8} {'v7 auto':>8} {'v8 auto':>8} {'v8 BV32':>8} "
-                 f"{'v8 BV64':>8} {'w8 BV32':>8} {'w8 BV64':>8} {'split2':>8} {'v6/v8':>6} {'v8-v6 d':>8} {'fastest':>8} "
+                 f"{'v8 BV64':>8} {'w8 BV32':>8} {'w8 BV64':>8} {'split2':>8} {'ingram':>8} {'v6/v8':>6} {'v8-v6 d':>8} {'fastest':>8} "
                  f"{'per-branch':>11} {'speedup':>8}")
     for r in results["verify"]:
         v7 = r.get("v7_auto_us") if r.get("v7_kernels") == ["gdn_tree_verify_small"] else None
-        v8 = r.get("v8_auto_us") if r.get("v8_kernels") == ["gdn_tree_verify_paths"] else None
+        v8 = r.get("v8_auto_us") if r.get("v8_kernels") == V8_KERNELS else None
         bvs, w8 = r.get("v8_block_v_us", {}), r.get("v8_warps8_us", {})
         lines.append(f"{r['n']:>4} {r['batch']:>5} {fmt(r['floor_us']):>8} {fmt(r.get('v6_auto_us')):>8} {fmt(v7):>8} "
                      f"{fmt(v8):>8} {fmt(bvs.get('32')):>8} {fmt(bvs.get('64')):>8} {fmt(w8.get('32')):>8} "
-                     f"{fmt(w8.get('64')):>8} {fmt(r.get('v8_split2_us')):>8} "
+                     f"{fmt(w8.get('64')):>8} {fmt(r.get('v8_split2_us')):>8} {fmt(r.get('v8_ingram_us')):>8} "
                      f"{fmt(ratio(r.get('v6_auto_us'), v8), '.2f'):>6} {fmt(r.get('v8_vs_v6_delta_rel'), '.1e'):>8} "
                      f"{str(r.get('fastest_variant')):>8} {fmt(r.get('per_branch_us')):>11} "
                      f"{fmt(r.get('fastest_speedup_vs_per_branch')):>8}")

@@ -66,6 +66,18 @@
 #ifndef P8_STAGES
 #define P8_STAGES 2                       // copy groups after the tables: 2 = q / k, then S0 / v (1: all at once)
 #endif
+#ifndef P8_OUTW
+#define P8_OUTW 4                         // nodes a warp serves at once in phase 3 (1, 2 or 4: 32, 16 or 8 lanes a node)
+#endif
+#ifndef P8_PREGRAM
+#define P8_PREGRAM 1                      // 1: the grams' raw products from gdn_tree_paths_grams (0: in this kernel)
+#endif
+#ifndef P8_GW
+#define P8_GW 4                           // warps (gram tasks) per CTA of gdn_tree_paths_grams
+#endif
+#ifndef P8_SKIP
+#define P8_SKIP 0                         // timing only, wrong results: 1 = no gram mma, 2 = no projection mma
+#endif
 #define P8_N 128                          // most nodes of a tree
 #define P8_THREADS (32 * P8_WARPS)
 #define P8_KP (GDN_K + 8)                 // bf16 per staged q / k row: a warp's B-fragment words in distinct banks
@@ -75,9 +87,8 @@
 #define P8_CB (P8_WARPS / P8_RT)          // column blocks of the GEMM's 2 P8_N node columns
 #define P8_NPW (2 * P8_N / P8_CB)         // node columns of a warp's GEMM tile
 #define P8_TPW (P8_NPW / 8)               // its 8-wide mma tiles
-#define P8_CPL (P8_BV / 32)               // V columns of a lane in phase 3
 #define P8_KSTEPS (GDN_K / 16)
-#define P8_MARKS 6
+#define P8_MARKS 9
 
 static_assert(TFM_IN == 1, "version 8 takes bfloat16 q/k/v");
 static_assert(P8_BV == 32 || P8_BV == 64, "32 or 64 V columns per CTA");
@@ -87,6 +98,9 @@ static_assert(P8_PATH >= 1 && P8_PATH <= P8_N, "a path has 1 to 128 nodes");
 static_assert((P8_WARPS == 8 || P8_WARPS == 16) && P8_CB >= 2, "8 or 16 warps, every GEMM warp on one of K or Q");
 static_assert(P8_THREADS >= 2 * P8_N, "a thread per (node, T or W)");
 static_assert(P8_STAGES == 1 || P8_STAGES == 2, "one or two copy groups after the tables");
+static_assert(P8_OUTW == 1 || P8_OUTW == 2 || P8_OUTW == 4, "1, 2 or 4 nodes a warp in phase 3");
+static_assert(P8_PREGRAM == 0 || P8_PREGRAM == 1, "grams in a kernel of their own (1) or in this one (0)");
+static_assert(P8_PREGRAM == 0 || GDN_K % 32 == 0, "the gram kernel's lanes read K / 4 columns in 16-byte pieces");
 
 __host__ __device__ constexpr int p8_align4(int x) { return (x + 3) & ~3; }
 __host__ __device__ constexpr int p8_max(int a, int b) { return a > b ? a : b; }
@@ -96,7 +110,7 @@ __host__ __device__ constexpr int p8_max(int a, int b) { return a > b ? a : b; }
 __host__ __device__ constexpr int p8_smem_words(int n16, int pcap) {
   return p8_max(n16 * P8_KP + P8_BV * P8_SP, 2 * n16 * P8_RP)  // q, k rows [2][n16][KP] bf16 and S0 [BV][SP]; later R, QS
          + n16 * P8_BV / 2                                      // v [n16][BV] bf16
-         + 6 * p8_align4(pcap)                                  // X, Y, T, W by path entry; pj (local node), pbase of pj
+         + 7 * p8_align4(pcap)                                  // X, Y, T, W by path entry; pj (local node), pbase of pj, owner
          + 13 * n16 + p8_align4(n16 + 1);                       // per node: rk rq G eG beta g pb plen perm anc[4]; pair_off
 }
 
@@ -111,7 +125,8 @@ gdn_tree_verify_paths(const tin* __restrict__ q, const tin* __restrict__ k, cons
                       const int* __restrict__ pair_off, const int* __restrict__ pair_j, const int* __restrict__ cu,
                       const float* __restrict__ state, const void* __restrict__ state_idx, int sidx64, i64 st_slot,
                       i64 st_head, i64 st_v, tin* __restrict__ o, float* __restrict__ delta_out, int H, int HV,
-                      int n16, int pcap, float scale, int use_l2norm, long long* __restrict__ timeline) {
+                      int n16, int pcap, float scale, int use_l2norm, const float* __restrict__ raw, int num_pairs,
+                      long long* __restrict__ timeline) {
   TFM_DYNAMIC_SMEM(float4, smem_f4);
   if (dynamic_smem_bytes() < (u32)p8_smem_words(n16, pcap) * 4u) __trap();
   float* base = reinterpret_cast<float*>(smem_f4);
@@ -128,7 +143,8 @@ gdn_tree_verify_paths(const tin* __restrict__ q, const tin* __restrict__ k, cons
   float* Wp = Tp + p8_align4(pcap);
   int* pj = reinterpret_cast<int*>(Wp + p8_align4(pcap));        // entry e's node: flat (as copied), then local
   int* pbp = pj + p8_align4(pcap);                               // the first path entry of entry e's node
-  float* rk = reinterpret_cast<float*>(pbp + p8_align4(pcap));   // per local node
+  int* pown = pbp + p8_align4(pcap);                             // the node whose path entry e is
+  float* rk = reinterpret_cast<float*>(pown + p8_align4(pcap));  // per local node
   float* rq = rk + n16;
   float* Gs = rq + n16;                                          // path gate: sum of g over root .. i
   float* eG = Gs + n16;
@@ -200,17 +216,31 @@ gdn_tree_verify_paths(const tin* __restrict__ q, const tin* __restrict__ k, cons
       b2 |= (j >> 5) == 2 ? bit : 0u;
       b3 |= (j >> 5) == 3 ? bit : 0u;
       gsum += gl[j];
+      pown[e] = i;
     }
     pb[i] = e0;
     plen[i] = d;
+#if !P8_PREGRAM  // the ancestor bits: the in-kernel grams' tile skips
     anc[i * 4] = b0;
     anc[i * 4 + 1] = b1;
     anc[i * 4 + 2] = b2;
     anc[i * 4 + 3] = b3;
+#endif
     Gs[i] = gsum;
     eG[i] = expf(gsum);
   }
-  cp_async_wait<P8_STAGES - 1>();  // q and k (and with one stage S0 and v)
+#if P8_PREGRAM
+  // the raw gram products of the request's path entries, gdn_tree_paths_grams' (launched before this kernel, which
+  // programmatic dependent launch lets start early: everything above reads only what earlier kernels wrote)
+  pdl_wait();
+  const float* rawx = raw + (i64)h * 2 * num_pairs + pbase;
+  for (int c = tid; c < cnt; c += P8_THREADS) {
+    cp_async4(Xp + c, rawx + c);
+    cp_async4(Yp + c, rawx + num_pairs + c);
+  }
+  cp_async_commit();
+#endif
+  cp_async_wait<P8_STAGES - 1 + P8_PREGRAM>();  // q and k (and with one stage S0 and v)
   __syncthreads();
   tl.mark(1);
   // q / k norm scales: four threads per row, a quarter of K each (no warp-wide reduction chain)
@@ -250,53 +280,72 @@ gdn_tree_verify_paths(const tin* __restrict__ q, const tin* __restrict__ k, cons
   __syncthreads();
   tl.mark(2);
 
-  // ---- phase 1. Gram tiles: task u = (gram, tile); gram 0 = K K^T, 1 = Q K^T; the tiles (16-row block mt,
-  // 8-column block nt) of the lower triangle, nt <= 2 mt + 1: mt (mt + 1) tiles before row block mt.
+#if !P8_PREGRAM
+  // ---- phase 1. Gram tasks u = (gram, 16-row block mt, 16-column block nt <= mt) of the lower triangles;
+  // gram 0 = K K^T, 1 = Q K^T; mt (mt + 1) / 2 tasks before row block mt. Fragments by ldmatrix: A rows
+  // mt 16 + (lane & 15) at column half lane >> 4; B (two 8-column mma tiles) rows nt 16 + (lane & 7) + 8 (lane >> 4)
+  // at column half (lane >> 3) & 1. Each product of an ancestor pair is stored raw at its path entry (K K^T's
+  // diagonal too, at the entry X never reads) and scaled below.
   const int nt16 = (n + 15) / 16;
-  const int tiles = nt16 * (nt16 + 1);
+  const int tiles = nt16 * (nt16 + 1) / 2;
   for (int task = warp; task < 2 * tiles; task += P8_WARPS) {
-    const int gram = task / tiles, u = task % tiles;
-    int mt = 0;
-    while ((mt + 1) * (mt + 2) <= u) ++mt;
-    const int nt = u - mt * (mt + 1);
-    if (nt * 8 >= n) continue;
-    // this lane's rows i0, i0 + 8 and columns j0, j0 + 1 of the tile: every table read issued first
-    const int i0 = mt * 16 + gq, j0 = nt * 8 + 2 * tq;
-    const u32 a0 = anc[i0 * 4 + (j0 >> 5)] >> (j0 & 31), a1 = anc[(i0 + 8) * 4 + (j0 >> 5)] >> (j0 & 31);
+    const int gram = task >= tiles ? 1 : 0, u = task - gram * tiles;
+    int mt = (int)((sqrtf(8.0f * (float)u + 1.0f) - 1.0f) * 0.5f);
+    mt += (mt + 1) * (mt + 2) / 2 <= u ? 1 : 0;  // the float root off by one either way
+    mt -= mt * (mt + 1) / 2 > u ? 1 : 0;
+    const int nt = u - mt * (mt + 1) / 2;
+    // this lane's rows i0, i0 + 8 and, in 8-column tile t, columns j0 + 8 t, j0 + 8 t + 1: table reads first
+    const int i0 = mt * 16 + gq, j0 = nt * 16 + 2 * tq;
     const bool ok0 = i0 < n, ok1 = i0 + 8 < n;  // rows past n: their table words are not written
-    const u32 keep = (ok0 ? a0 & 3u : 0u) | (ok1 ? (a1 & 3u) << 2 : 0u);  // bit 2 r + c: (i0 + 8 r, j0 + c)
-    if (!__any_sync(0xffffffffu, keep != 0u)) continue;  // no ancestor pair in the tile: no products
-    const u16* arows = gram == 0 ? ks : qs;
-    float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+    u32 keep = 0u;  // bit 4 t + 2 r + c: (i0 + 8 r, j0 + 8 t + c) is an ancestor pair
 #pragma unroll
-    for (int s = 0; s < P8_KSTEPS; ++s) {
-      const int c = s * 16 + 2 * tq;
-      u32 a[4];
-      a[0] = p8_word(arows, i0, c);
-      a[1] = p8_word(arows, i0 + 8, c);
-      a[2] = p8_word(arows, i0, c + 8);
-      a[3] = p8_word(arows, i0 + 8, c + 8);
-      mma_16816<true>(acc, a, p8_word(ks, nt * 8 + gq, c), p8_word(ks, nt * 8 + gq, c + 8));
+    for (int t = 0; t < 2; ++t) {
+      const int jt = j0 + 8 * t;
+      const u32 a0 = anc[i0 * 4 + (jt >> 5)] >> (jt & 31), a1 = anc[(i0 + 8) * 4 + (jt >> 5)] >> (jt & 31);
+      keep |= ((ok0 ? a0 & 3u : 0u) | (ok1 ? (a1 & 3u) << 2 : 0u)) << (4 * t);
     }
-    const float gi[2] = {Gs[i0], Gs[i0 + 8]}, gj[2] = {Gs[j0], Gs[j0 + 1]};
-    const float si[2] = {gram == 0 ? bt[i0] * rk[i0] : rq[i0], gram == 0 ? bt[i0 + 8] * rk[i0 + 8] : rq[i0 + 8]};
-    const float sj[2] = {rk[j0], rk[j0 + 1]};
-    const int at[2] = {pb[i0], pb[i0 + 8]}, dj[2] = {plen[j0] - 1, plen[j0 + 1] - 1};
+    if (!__any_sync(0xffffffffu, keep != 0u)) continue;  // no ancestor pair in the task: no products
+    const u16* arows = gram == 0 ? ks : qs;
+    const u16* aptr = arows + (mt * 16 + (lane & 15)) * P8_KP + (lane >> 4) * 8;
+    const u16* bptr = ks + (nt * 16 + (lane & 7) + ((lane >> 4) << 3)) * P8_KP + ((lane >> 3) & 1) * 8;
+    float acc[2][4] = {{0.0f, 0.0f, 0.0f, 0.0f}, {0.0f, 0.0f, 0.0f, 0.0f}};
+#pragma unroll
+    for (int s = 0; s < ((P8_SKIP & 1) ? 0 : P8_KSTEPS); ++s) {
+      u32 a[4], b[4];
+      ldsm_x4(a, aptr + s * 16);
+      ldsm_x4(b, bptr + s * 16);
+      mma_16816<true>(acc[0], a, b[0], b[1]);
+      mma_16816<true>(acc[1], a, b[2], b[3]);
+    }
+    const int at0 = pb[i0], at1 = pb[i0 + 8];
     float* dst = gram == 0 ? Xp : Yp;
 #pragma unroll
-    for (int e = 0; e < 4; ++e) {
-      const int rr = e >> 1, cc = e & 1;
-      const int i = i0 + 8 * rr, j = j0 + cc;
-      // an ancestor pair (j <= i; for X j < i), kept at i's path entry for its ancestor j (at j's depth);
-      // j on i's path: G_i <= G_j, no overflow
-      if (((keep >> e) & 1u) && j < n && (gram == 1 || j < i))
-        dst[at[rr] + dj[cc]] = si[rr] * sj[cc] * expf(gi[rr] - gj[cc]) * acc[e];
+    for (int t = 0; t < 2; ++t) {
+      const int jt = j0 + 8 * t;
+      const int dj0 = plen[jt] - 1, dj1 = plen[jt + 1] - 1;
+#pragma unroll
+      for (int e = 0; e < 4; ++e)  // i's path entry for its ancestor j (at j's depth)
+        if ((keep >> (4 * t + e)) & 1u) dst[((e >> 1) ? at1 : at0) + ((e & 1) ? dj1 : dj0)] = acc[t][e];
     }
   }
-#if P8_STAGES == 2
-  cp_async_wait<0>();  // S0 and v
-  __syncthreads();
 #endif
+  tl.mark(3);  // warp 0's gram tasks
+#if P8_STAGES == 2 || P8_PREGRAM
+  cp_async_wait<0>();  // S0 and v (and the raw products)
+#endif
+  __syncthreads();
+  tl.mark(4);  // every warp's gram tasks; S0 and v in
+  // the products' scales, a thread per path entry of X, then of Y: X_ij = beta_i rk_i rk_j e^{G_i - G_j} k_i . k_j
+  // (j a strict ancestor), Y_ij = rq_i rk_j e^{G_i - G_j} q_i . k_j; j on i's path: G_i <= G_j, no overflow
+  for (int c = tid; c < 2 * cnt; c += P8_THREADS) {
+    const bool isy = c >= cnt;
+    const int e = isy ? c - cnt : c;
+    const int i = pown[e], j = pj[e];
+    if (!isy && j == i) continue;  // X has no diagonal
+    float* arr = isy ? Yp : Xp;
+    arr[e] *= (isy ? rq[i] : bt[i] * rk[i]) * rk[j] * expf(Gs[i] - Gs[j]);
+  }
+  tl.mark(5);  // warp 0's scales
   // Projections: C = S0 [K; Q]^T, rows = this warp's 16 S0 rows, columns = its P8_NPW node columns of K
   // (columns 0 .. P8_N - 1) or Q (P8_N ..). S0's parts small first, float32 sums.
   const int rt = warp % P8_RT, cb = warp / P8_RT;
@@ -308,7 +357,7 @@ gdn_tree_verify_paths(const tin* __restrict__ q, const tin* __restrict__ k, cons
   if (nb < n) {
     const float* arow = s0s + (rt * 16 + gq) * P8_SP + 2 * tq;
 #pragma unroll 2
-    for (int s = 0; s < P8_KSTEPS; ++s) {
+    for (int s = 0; s < ((P8_SKIP & 2) ? 0 : P8_KSTEPS); ++s) {
       const float2 x0 = *reinterpret_cast<const float2*>(arow + s * 16);
       const float2 x1 = *reinterpret_cast<const float2*>(arow + 8 * P8_SP + s * 16);
       const float2 x2 = *reinterpret_cast<const float2*>(arow + s * 16 + 8);
@@ -331,26 +380,31 @@ gdn_tree_verify_paths(const tin* __restrict__ q, const tin* __restrict__ k, cons
     }
   }
   __syncthreads();  // every read of the q / k / S0 rows is done: R and QS overwrite them
-  tl.mark(3);
+  tl.mark(6);
 
-  // ---- phase 2. R_i = beta_i (v_i - e^{G_i} khat_i . S0 row) and e^{G_i} qhat_i . S0 row, by (node, column)
+  // ---- phase 2. R_i = beta_i (v_i - e^{G_i} khat_i . S0 row) and e^{G_i} qhat_i . S0 row, by (node, column):
+  // a lane's two nodes per tile, their factors read into registers before its stores (which may alias them)
   if (nb < n) {
     float* dst = mat == 0 ? RS : QS;
 #pragma unroll
     for (int t = 0; t < P8_TPW; ++t) {
+      const int ia = nb + t * 8 + 2 * tq;  // nodes ia, ia + 1; columns rt 16 + gq, + 8
+      float sc[2], bb[2], vv[4];
+#pragma unroll
+      for (int c = 0; c < 2; ++c) {
+        const bool live = ia + c < n;
+        sc[c] = live ? eG[ia + c] * (mat == 0 ? rk[ia + c] : rq[ia + c]) : 0.0f;
+        bb[c] = live && mat == 0 ? bt[ia + c] : 0.0f;
+      }
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
-        const int i = nb + t * 8 + 2 * tq + (e & 1), col = rt * 16 + gq + (e >> 1) * 8;
-        if (i < n) {
-          float val;
-          if (mat == 0) {
-            const float vi = bf16_bits_to_f32(vs[i * P8_BV + col]);
-            val = bt[i] * (vi - eG[i] * rk[i] * pacc[t][e]);
-          } else {
-            val = eG[i] * rq[i] * pacc[t][e];
-          }
-          dst[i * P8_RP + col] = val;
-        }
+        const int i = ia + (e & 1), col = rt * 16 + gq + (e >> 1) * 8;
+        vv[e] = i < n && mat == 0 ? bf16_bits_to_f32(vs[i * P8_BV + col]) : 0.0f;
+      }
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int i = ia + (e & 1), col = rt * 16 + gq + (e >> 1) * 8;
+        if (i < n) dst[i * P8_RP + col] = mat == 0 ? bb[e & 1] * (vv[e] - sc[e & 1] * pacc[t][e]) : sc[e & 1] * pacc[t][e];
       }
     }
   }
@@ -379,17 +433,26 @@ gdn_tree_verify_paths(const tin* __restrict__ q, const tin* __restrict__ k, cons
     }
   }
   __syncthreads();
-  tl.mark(4);
+  tl.mark(7);
 
-  // ---- phase 3. A warp per node, a lane per P8_CPL columns: Delta_i and O_i over i's path entries, four
-  // entries a step with all their loads issued first (entries past the path: weight 0 on the node's own R).
-  for (int i = warp; i < n; i += P8_WARPS) {
-    const int e0 = pb[i], last = e0 + plen[i] - 1;
-    float dl[P8_CPL], ol[P8_CPL];
+  // ---- phase 3. P8_OUTW nodes a warp, LPN = 32 / P8_OUTW lanes a node, CPN columns a lane (two or fewer:
+  // adjacent; four or more: runs of four, LPN 4 apart, so that a quarter warp's float4 loads miss each other):
+  // Delta_i and O_i over i's path entries, four entries a step with all their loads issued first (entries past
+  // the path: weight 0 on the node's own R).
+  constexpr int LPN = 32 / P8_OUTW;
+  constexpr int CPN = P8_BV / LPN;
+  static_assert(CPN == 1 || CPN == 2 || CPN % 4 == 0, "1, 2, 4 or 8 V columns a lane");
+  const int sub = lane / LPN, ln = lane % LPN;
+  const int col0 = CPN >= 4 ? ln * 4 : ln * CPN;  // the lane's first column; column c: col0 + (c / 4) 4 LPN + c % 4
+  for (int ib = P8_OUTW * warp; ib < n; ib += P8_OUTW * P8_WARPS) {
+    const int i = ib + sub;
+    const bool live = i < n;
+    const int e0 = live ? pb[i] : 0, last = live ? e0 + plen[i] - 1 : -1;
+    float dl[CPN], ol[CPN];
 #pragma unroll
-    for (int c = 0; c < P8_CPL; ++c) {
+    for (int c = 0; c < CPN; ++c) {
       dl[c] = 0.0f;
-      ol[c] = QS[i * P8_RP + lane * P8_CPL + c];
+      ol[c] = live ? QS[i * P8_RP + col0 + (CPN >= 4 ? (c / 4) * 4 * LPN + c % 4 : c)] : 0.0f;
     }
     for (int e = e0; e <= last; e += 4) {
       int jj[4];
@@ -401,39 +464,138 @@ gdn_tree_verify_paths(const tin* __restrict__ q, const tin* __restrict__ k, cons
         te[u] = e + u <= last ? Tp[eu] : 0.0f;
         we[u] = e + u <= last ? Wp[eu] : 0.0f;
       }
-      float rj[4][P8_CPL];
+      float rj[4][CPN];
 #pragma unroll
       for (int u = 0; u < 4; ++u) {
-        if constexpr (P8_CPL == 2) {
-          const float2 r2 = *reinterpret_cast<const float2*>(RS + jj[u] * P8_RP + 2 * lane);
+        const float* src = RS + jj[u] * P8_RP + col0;
+        if constexpr (CPN >= 4) {
+#pragma unroll
+          for (int c = 0; c < CPN; c += 4) {
+            const float4 r4 = *reinterpret_cast<const float4*>(src + (c / 4) * 4 * LPN);
+            rj[u][c] = r4.x;
+            rj[u][c + 1] = r4.y;
+            rj[u][c + 2] = r4.z;
+            rj[u][c + 3] = r4.w;
+          }
+        } else if constexpr (CPN == 2) {
+          const float2 r2 = *reinterpret_cast<const float2*>(src);
           rj[u][0] = r2.x;
-          rj[u][P8_CPL - 1] = r2.y;
+          rj[u][CPN - 1] = r2.y;
         } else {
-          rj[u][0] = RS[jj[u] * P8_RP + lane];
+          rj[u][0] = src[0];
         }
       }
 #pragma unroll
       for (int u = 0; u < 4; ++u) {
 #pragma unroll
-        for (int c = 0; c < P8_CPL; ++c) {
+        for (int c = 0; c < CPN; ++c) {
           dl[c] = fmaf(te[u], rj[u][c], dl[c]);
           ol[c] = fmaf(we[u], rj[u][c], ol[c]);
         }
       }
     }
-    const i64 row = ((i64)(bos + i) * HV + hv) * GDN_V + v0 + lane * P8_CPL;
-    if constexpr (P8_CPL == 2) {
-      *reinterpret_cast<u32*>(o + row) = (u32)from_f32<tin>(ol[0]).bits | ((u32)from_f32<tin>(ol[P8_CPL - 1]).bits << 16);
-      if (delta_out != nullptr) {
-        float2 d2;
-        d2.x = dl[0];
-        d2.y = dl[P8_CPL - 1];
-        *reinterpret_cast<float2*>(delta_out + row) = d2;
+    if (!live) continue;
+    const i64 row = ((i64)(bos + i) * HV + hv) * GDN_V + v0 + col0;
+    if constexpr (CPN >= 4) {
+#pragma unroll
+      for (int c = 0; c < CPN; c += 4) {
+        uint2 o4;
+        o4.x = (u32)from_f32<tin>(ol[c]).bits | ((u32)from_f32<tin>(ol[c + 1]).bits << 16);
+        o4.y = (u32)from_f32<tin>(ol[c + 2]).bits | ((u32)from_f32<tin>(ol[c + 3]).bits << 16);
+        *reinterpret_cast<uint2*>(o + row + (c / 4) * 4 * LPN) = o4;
+        if (delta_out != nullptr)
+          *reinterpret_cast<float4*>(delta_out + row + (c / 4) * 4 * LPN) = make_float4(dl[c], dl[c + 1], dl[c + 2], dl[c + 3]);
       }
+    } else if constexpr (CPN == 2) {
+      *reinterpret_cast<u32*>(o + row) = (u32)from_f32<tin>(ol[0]).bits | ((u32)from_f32<tin>(ol[CPN - 1]).bits << 16);
+      if (delta_out != nullptr) *reinterpret_cast<float2*>(delta_out + row) = make_float2(dl[0], dl[CPN - 1]);
     } else {
       o[row] = from_f32<tin>(ol[0]);
       if (delta_out != nullptr) delta_out[row] = dl[0];
     }
   }
-  tl.mark(5);
+  tl.mark(8);
+}
+
+// The grams' raw products for version 8 (P8_PREGRAM = 1): for each (request, q/k head) and each ancestor pair (i, j)
+// of a tree (j on i's path, i itself included), k_i . k_j and q_i . k_j, stored at i's path entry for j:
+// raw[h][0][pair_off[pos[i]] + depth[j]] and raw[h][1][...] (the value heads of a q/k head share them). A warp per
+// gram task (gram, 16-row block mt, 16-column block nt <= mt), as phase 1 above, with its fragments read from global
+// memory: the dot products' K columns permuted alike for A and B, so that lane (g, t) holds columns
+// t K / 4 .. (t + 1) K / 4 - 1 of its rows (K / 32 16-byte loads a row) and k-step s takes that run's elements
+// 4 s .. 4 s + 3 as its mma columns 2t, 2t + 1, 2t + 8, 2t + 9. Grid (ceil(2 T / P8_GW), H, R) for T tasks a gram of
+// the plan's largest tree; pair (i, j) is an ancestor pair iff depth[j] <= depth[i] and i's path entry at depth[j]
+// is j. Each pair lies in one task: one store per entry, no other writes.
+extern "C" __global__ void __launch_bounds__(32 * P8_GW)
+gdn_tree_paths_grams(const tin* __restrict__ q, const tin* __restrict__ k, const int* __restrict__ pos,
+                     const int* __restrict__ depth, const int* __restrict__ pair_off, const int* __restrict__ pair_j,
+                     const int* __restrict__ cu, float* __restrict__ raw, int H, int num_pairs) {
+  pdl_launch_dependents();  // the verify kernel may start: it reads raw only after its pdl_wait
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, gq = lane >> 2, tq = lane & 3;
+  const int h = blockIdx.y, r = blockIdx.z;
+  const int bos = cu[r], n = cu[r + 1] - bos;
+  const int nt16 = (n + 15) / 16, tiles = nt16 * (nt16 + 1) / 2;
+  const int task = blockIdx.x * P8_GW + warp;
+  if (task >= 2 * tiles) return;
+  const int gram = task >= tiles ? 1 : 0, u = task - gram * tiles;
+  int mt = (int)((sqrtf(8.0f * (float)u + 1.0f) - 1.0f) * 0.5f);
+  mt += (mt + 1) * (mt + 2) / 2 <= u ? 1 : 0;  // the float root off by one either way
+  mt -= mt * (mt + 1) / 2 > u ? 1 : 0;
+  const int nt = u - mt * (mt + 1) / 2;
+  constexpr int RUN = GDN_K / 4;        // a lane's columns of a row
+  constexpr int PIECES = RUN / 8;       // its 16-byte loads
+  const i64 rs = (i64)H * GDN_K;        // q / k row stride
+  const tin* arows = (gram == 0 ? k : q) + (i64)bos * rs + (i64)h * GDN_K + tq * RUN;
+  const tin* brows = k + (i64)bos * rs + (i64)h * GDN_K + tq * RUN;
+  // rows and columns past n read row n - 1 (in bounds; their products are not stored)
+  const int ra[2] = {min(mt * 16 + gq, n - 1), min(mt * 16 + gq + 8, n - 1)};
+  const int rb[2] = {min(nt * 16 + gq, n - 1), min(nt * 16 + gq + 8, n - 1)};
+  uint4 af[2][PIECES], bf[2][PIECES];
+#pragma unroll
+  for (int x = 0; x < 2; ++x)
+#pragma unroll
+    for (int c = 0; c < PIECES; ++c) {
+      af[x][c] = *reinterpret_cast<const uint4*>(arows + ra[x] * rs + c * 8);
+      bf[x][c] = *reinterpret_cast<const uint4*>(brows + rb[x] * rs + c * 8);
+    }
+  // the lane's rows i0, i0 + 8: path start and depth; columns j0 + 8 t + c: depth
+  const int i0 = mt * 16 + gq, j0 = nt * 16 + 2 * tq;
+  int off[2], di[2], dj[4];
+#pragma unroll
+  for (int x = 0; x < 2; ++x) {
+    const bool live = i0 + 8 * x < n;
+    off[x] = live ? pair_off[pos[bos + i0 + 8 * x]] : 0;
+    di[x] = live ? depth[bos + i0 + 8 * x] : -1;
+  }
+#pragma unroll
+  for (int c = 0; c < 4; ++c) {
+    const int j = j0 + 8 * (c >> 1) + (c & 1);
+    dj[c] = j < n ? depth[bos + j] : 1 << 30;  // past n: deeper than any row, never a pair
+  }
+  u32 keep = 0u;  // bit 4 t + 2 x + c: (i0 + 8 x, j0 + 8 t + c) is an ancestor pair
+#pragma unroll
+  for (int t = 0; t < 2; ++t)
+#pragma unroll
+    for (int x = 0; x < 2; ++x)
+#pragma unroll
+      for (int c = 0; c < 2; ++c) {
+        const int dd = dj[2 * t + c];
+        if (dd <= di[x] && pair_j[off[x] + dd] == bos + j0 + 8 * t + c) keep |= 1u << (4 * t + 2 * x + c);
+      }
+  float acc[2][4] = {{0.0f, 0.0f, 0.0f, 0.0f}, {0.0f, 0.0f, 0.0f, 0.0f}};
+#pragma unroll
+  for (int s = 0; s < GDN_K / 16; ++s) {
+    // k-step s: the lane's run elements 4 s .. 4 s + 3, i.e. 32-bit words 2 s, 2 s + 1 of the run
+    const int c = s >> 1, w = (s & 1) * 2;
+    const u32 a0[4] = {w == 0 ? af[0][c].x : af[0][c].z, w == 0 ? af[1][c].x : af[1][c].z,
+                       w == 0 ? af[0][c].y : af[0][c].w, w == 0 ? af[1][c].y : af[1][c].w};
+    mma_16816<true>(acc[0], a0, w == 0 ? bf[0][c].x : bf[0][c].z, w == 0 ? bf[0][c].y : bf[0][c].w);
+    mma_16816<true>(acc[1], a0, w == 0 ? bf[1][c].x : bf[1][c].z, w == 0 ? bf[1][c].y : bf[1][c].w);
+  }
+  float* dst = raw + ((i64)h * 2 + gram) * num_pairs;
+#pragma unroll
+  for (int t = 0; t < 2; ++t)
+#pragma unroll
+    for (int e = 0; e < 4; ++e)  // C fragment element e: row i0 + 8 (e >> 1), column j0 + 8 t + (e & 1)
+      if ((keep >> (4 * t + e)) & 1u) dst[off[e >> 1] + dj[2 * t + (e & 1)]] = acc[t][e];
 }

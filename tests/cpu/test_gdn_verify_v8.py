@@ -51,6 +51,9 @@ def _run8(c, plan, launches, options=(), return_delta=True, **kw):
     return _run_variant(c, plan, launches, 8, options, return_delta, **kw)
 
 
+PATHS_KERNELS = ["gdn_tree_paths_grams", "gdn_tree_verify_paths"]  # the gram kernel, then the verify kernel
+
+
 # (name, trees, h, hv, K, V, P8_BV, state index dtype)
 CASES = [
     ("128_nodes_depth_16", [_bounded_tree(128, _g(1))], 1, 2, 128, 64, 64, torch.int64),
@@ -67,8 +70,10 @@ def test_v8_matches_float64_reference(launches, name, trees, h, hv, kd, vd, bv, 
     plan = TreePlan.build(c["parents"], c["cu_nodes"])
     o_ref, d_ref = _reference(c)
     names, o8, d8 = _run8(c, plan, launches, (f"-DP8_BV={bv}",))
-    assert names == ["gdn_tree_verify_paths"]
-    assert launches[0][1] == (vd // bv, hv, len(trees))  # grid: V slices, value heads, requests
+    assert names == PATHS_KERNELS
+    assert launches[1][1] == (vd // bv, hv, len(trees))  # grid: V slices, value heads, requests
+    tiles = (plan.max_nodes + 15) // 16 * ((plan.max_nodes + 15) // 16 + 1) // 2
+    assert launches[0][1] == (-(-2 * tiles // kgdn.PATHS_GRAM_WARPS), h, len(trees))  # a warp per gram task
     assert _rel(o8, o_ref) <= 3e-3, _rel(o8, o_ref)
     assert _rel(d8, d_ref) <= 1e-5, _rel(d8, d_ref)
     _, o_only, _ = _run8(c, plan, launches, (f"-DP8_BV={bv}",), return_delta=False)  # no delta buffer: the same o
@@ -76,18 +81,62 @@ def test_v8_matches_float64_reference(launches, name, trees, h, hv, kd, vd, bv, 
 
 
 def test_v8_block_v_warps_and_stages_agree(launches):
-    # the columns and warps per CTA change which warp computes a projection, and the copy groups when it starts,
-    # not its arithmetic: identical outputs
+    # the columns and warps per CTA change which warp computes a projection, the copy groups when it starts and
+    # the nodes a warp serves in phase 3 which lanes sum an output, not their arithmetic: identical outputs
     c = _case([_bounded_tree(50, _g(20)), torch.tensor([-1, 0, 0, 1])], 1, 2, 64, 64, torch.bfloat16, seed=21)
     plan = TreePlan.build(c["parents"], c["cu_nodes"])
     _, o64, d64 = _run8(c, plan, launches, ("-DP8_BV=64",))
     for options in (("-DP8_BV=32",), ("-DP8_BV=32", "-DP8_WARPS=8"), ("-DP8_BV=64", "-DP8_WARPS=8"),
-                    ("-DP8_STAGES=1",)):
+                    ("-DP8_STAGES=1",), ("-DP8_OUTW=1",), ("-DP8_OUTW=2",), ("-DP8_BV=32", "-DP8_OUTW=1"),
+                    ("-DP8_BV=32", "-DP8_OUTW=2")):
         _, o, d = _run8(c, plan, launches, options)
         assert torch.equal(o, o64) and torch.equal(d, d64), options
         made, _, _ = kgdn.verify_launches(plan, c["q"], c["k"], c["v"], c["g"], c["beta"], c["ssm_state"],
                                           c["state_indices"], variant=8, extra_options=options)
-        assert made[0][1].config[1] == (256 if "-DP8_WARPS=8" in options else 512, 1, 1)  # the block it launches
+        assert dict(made)["gdn_tree_verify_paths"].config[1] == (256 if "-DP8_WARPS=8" in options else 512, 1, 1)
+
+
+def _gram_kernel_check(c, plan, h):
+    """gdn_tree_paths_grams alone against ``paths_gram_products_reference``: the same entries written (its output
+    NaN-poisoned first), the products within 1e-6."""
+    made, _, _ = kgdn.verify_launches(plan, c["q"], c["k"], c["v"], c["g"], c["beta"], c["ssm_state"],
+                                      c["state_indices"], variant=8)
+    grams = dict(made)["gdn_tree_paths_grams"]
+    grams.raw.fill_(float("nan"))
+    grams()
+    got, want = grams.raw.view(h, 2, -1), kgdn.paths_gram_products_reference(plan, c["q"], c["k"])
+    assert torch.equal(got.isnan(), want.isnan())
+    assert _rel(got[~want.isnan()], want[~want.isnan()]) <= 1e-6
+
+
+@pytest.mark.parametrize("name", ["128_nodes_depth_16", "mixed_batch_chain_star_single", "node_order_not_level_order"])
+def test_v8_gram_kernel_matches_float64_products(launches, name):
+    # every ancestor pair's k_i . k_j and q_i . k_j at its path entry, on the float64 reference's entries only
+    _, trees, h, hv, kd, vd, _, _ = next(c for c in CASES if c[0] == name)
+    c = _case(trees, h, hv, kd, vd, torch.bfloat16, seed=len(name) + 3)
+    _gram_kernel_check(c, TreePlan.build(c["parents"], c["cu_nodes"]), h)
+
+
+def test_v8_gram_kernel_leaves_fixed_layout_padding_alone(launches):
+    # a full CUDA graph's fixed-layout plan pads each request's pair table to a chain's: nothing written there
+    n = 17
+    trees = [_bounded_tree(n, _g(70)), torch.arange(-1, n - 1), _depth_first(8, 8)]
+    c = _case(trees, 2, 4, 64, 64, torch.bfloat16, seed=71)
+    plan = TreePlan.build_into(torch.zeros(TreePlan.fixed_size(len(trees), n), dtype=torch.int32), c["parents"],
+                               c["cu_nodes"], n)
+    assert plan.num_pairs > sum(int(d) + 1 for d in plan.depth.tolist())  # padding entries exist
+    _gram_kernel_check(c, plan, 2)
+
+
+def test_v8_grams_in_the_verify_kernel(launches):
+    # P8_PREGRAM=0: the grams in the verify kernel (one launch), within the bars; the products' sums run in another
+    # order than the gram kernel's, so not bit for bit
+    c = _case([_bounded_tree(70, _g(27)), torch.tensor([-1, 0, 1, 2, 3])], 1, 2, 128, 64, torch.bfloat16, seed=27)
+    plan = TreePlan.build(c["parents"], c["cu_nodes"])
+    o_ref, d_ref = _reference(c)
+    names, o, d = _run8(c, plan, launches, ("-DP8_PREGRAM=0",))
+    assert names == ["gdn_tree_verify_paths"]
+    assert _rel(o, o_ref) <= 3e-3 and _rel(d, d_ref) <= 1e-5, (_rel(o, o_ref), _rel(d, d_ref))
 
 
 def test_v8_two_part_split_is_within_the_bars(launches):
@@ -120,7 +169,7 @@ def test_v8_on_fixed_layout_plans(launches):
     plan = TreePlan.build_into(torch.zeros(TreePlan.fixed_size(len(trees), n), dtype=torch.int32), c["parents"],
                                c["cu_nodes"], n, depth_bound=15)
     names, o8, d8 = _run8(c, plan, launches)
-    assert names == ["gdn_tree_verify_paths"]
+    assert names == PATHS_KERNELS
     assert _rel(o8, o_ref) <= 3e-3 and _rel(d8, d_ref) <= 1e-5, (_rel(o8, o_ref), _rel(d8, d_ref))
     c18 = _case([_bounded_tree(18, _g(43), 5)], 1, 2, 64, 64, torch.bfloat16, seed=44)
     plan18 = TreePlan.build_into(torch.zeros(TreePlan.fixed_size(1, 18), dtype=torch.int32), c18["parents"],
@@ -161,10 +210,11 @@ def test_v8_support_and_shared_memory():
     assert "float16" in kgdn.paths_unsupported_reason(plan, torch.float16, 128, 128, LIMIT)
     assert "not a multiple of 64" in kgdn.paths_unsupported_reason(plan, torch.bfloat16, 128, 96, LIMIT, 64)
     assert "32 or 64 columns" in kgdn.paths_unsupported_reason(plan, torch.bfloat16, 128, 128, LIMIT, 16)
+    assert "K=48 is not a multiple of 32" in kgdn.paths_unsupported_reason(plan, torch.bfloat16, 48, 128, LIMIT)
     # the 27B layer at n = 128: q, k rows and 64 S0 rows (136 words a row) outweigh R and the Q projection
     pairs = plan.max_pairs_per_request
     assert kgdn.paths_smem_bytes(128, 64, 128, pairs) == 4 * (
-        128 * 136 + 64 * 136 + 128 * 32 + 6 * ((pairs + 3) & ~3) + 13 * 128 + 132)
+        128 * 136 + 64 * 136 + 128 * 32 + 7 * ((pairs + 3) & ~3) + 13 * 128 + 132)
     need = kgdn.paths_smem_bytes(128, 64, 128, pairs)
     assert need <= LIMIT
     assert kgdn.paths_unsupported_reason(plan, torch.bfloat16, 128, 128, need) is None

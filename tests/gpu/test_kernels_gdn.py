@@ -262,11 +262,14 @@ def _v8_launch(c, **kw):
     plan = TreePlan.build(c["parents"], c["cu_nodes"])
     launches, o, d = kgdn.verify_launches(plan, c["q"], c["k"], c["v"], c["g"], c["beta"], c["ssm_state"],
                                           c["state_indices"], return_delta=True, variant=8, **kw)
-    assert [kname for kname, _ in launches] == ["gdn_tree_verify_paths"]
+    want = ["gdn_tree_verify_paths"] if "-DP8_PREGRAM=0" in kw.get("extra_options", ()) else \
+        ["gdn_tree_paths_grams", "gdn_tree_verify_paths"]
+    assert [kname for kname, _ in launches] == want
     before = c["ssm_state"].clone()
     o.fill_(float("nan"))
     d.fill_(float("nan"))
-    launches[0][1]()
+    for _, fn in launches:
+        fn()
     torch.cuda.synchronize()
     assert not o.isnan().any() and not d.isnan().any(), "verify left output elements unwritten"
     assert torch.equal(c["ssm_state"], before), "verify wrote the state"
@@ -319,6 +322,37 @@ def test_verify_v8_large_gates_and_two_part_split():
     o_ref2, d_ref2 = reference(c2)
     assert rel(o2, o_ref2) <= HALF_TOL and rel(d2, d_ref2) <= FP32_TOL, (rel(o2, o_ref2), rel(d2, d_ref2))
     assert not torch.equal(d2, d3)
+
+
+@pytest.mark.parametrize("name", list(V8_SETS))
+def test_verify_v8_gram_kernel_and_in_kernel_grams(name):
+    # the gram kernel alone against its float64 reference (the same entries written into a NaN-poisoned output,
+    # products within 1e-6), and the grams in the verify kernel (P8_PREGRAM=0) within the bars
+    c = make_case(V8_SETS[name](_seeded(len(name) + 9)), h=2, hv=6, dtype=torch.bfloat16, seed=19)
+    plan = TreePlan.build(c["parents"], c["cu_nodes"])
+    made, _, _ = kgdn.verify_launches(plan, c["q"], c["k"], c["v"], c["g"], c["beta"], c["ssm_state"],
+                                      c["state_indices"], variant=8)
+    grams = dict(made)["gdn_tree_paths_grams"]
+    grams.raw.fill_(float("nan"))
+    grams()
+    torch.cuda.synchronize()
+    got, want = grams.raw.view(2, 2, -1).cpu(), kgdn.paths_gram_products_reference(plan, c["q"], c["k"])
+    assert torch.equal(got.isnan(), want.isnan())
+    assert rel(got[~want.isnan()], want[~want.isnan()]) <= 1e-6
+    o, d = _v8_launch(c, extra_options=("-DP8_PREGRAM=0",))
+    o_ref, d_ref = reference(c)
+    assert rel(o, o_ref) <= HALF_TOL and rel(d, d_ref) <= FP32_TOL, (rel(o, o_ref), rel(d, d_ref))
+
+
+@pytest.mark.parametrize("name", list(V8_SETS))
+def test_verify_v8_output_layouts_agree(name):
+    # a warp, a half or a quarter warp per node in phase 3 (P8_OUTW=1 / 2 / 4, BV 32 and 64) changes which lanes sum
+    # an output, not the arithmetic: bit for bit
+    c = make_case(V8_SETS[name](_seeded(len(name) + 5)), h=2, hv=6, dtype=torch.bfloat16, seed=17)
+    o, d = _v8_launch(c)
+    for opts in (("-DP8_OUTW=1",), ("-DP8_OUTW=2",), ("-DP8_BV=32", "-DP8_OUTW=1"), ("-DP8_BV=32", "-DP8_OUTW=2")):
+        o1, d1 = _v8_launch(c, extra_options=opts)
+        assert torch.equal(o1, o) and torch.equal(d1, d), opts
 
 
 @pytest.mark.parametrize("name", ["mixed_batch", "deep70", "star33"])

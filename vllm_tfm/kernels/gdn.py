@@ -89,7 +89,10 @@ PATHS_MAX_NODES = 128  # version 8's trees (P8_N)
 PATHS_MAX_PATH = 17  # most nodes on a root..node path in version 8 (P8_PATH): depth <= 16, a DFlash block
 PATHS_BLOCK_VS = (32, 64)  # V columns per CTA (P8_BV)
 PATHS_THREADS = 512  # P8_WARPS = 16; a -DP8_WARPS=8 in verify_launches' extra_options (timing) launches 256
-PATHS_MARKS = 6  # timeline marks of version 8 (P8_MARKS): start, after the copies and node tables, after the norms and entry tables, phases 1, 2, end
+PATHS_GRAM_WARPS = 4  # gram tasks per CTA of version 8's gram kernel (P8_GW); -DP8_PREGRAM=0: grams in the verify kernel
+PATHS_MARKS = 9  # timeline marks of version 8 (P8_MARKS): start, after the copies and node tables, after the norms and
+# entry tables, after warp 0's gram tasks, after every warp's (and S0's copy), after warp 0's product scales, after the
+# projections, after phase 2, end
 
 DTYPE_CODE = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 NOT_CUDA = "inputs are not CUDA tensors"  # the reference is the CPU implementation: no warning
@@ -172,7 +175,7 @@ def paths_smem_bytes(k_dim: int, block_v: int, max_nodes: int, pcap: int) -> int
     entry, the per-node tables."""
     n16 = (max_nodes + 15) & ~15
     words = (max(n16 * (k_dim + 8) + block_v * (k_dim + 8), 2 * n16 * (block_v + 4)) + n16 * block_v // 2
-             + 6 * _align4(pcap) + 13 * n16 + _align4(n16 + 1))
+             + 7 * _align4(pcap) + 13 * n16 + _align4(n16 + 1))
     return 4 * words
 
 
@@ -189,10 +192,31 @@ def paths_unsupported_reason(plan: TreePlan, qk_dtype: torch.dtype, k_dim: int, 
         return f"paths of up to {plan.max_depth + 1} nodes: version 8 takes at most {PATHS_MAX_PATH}"
     if block_v not in PATHS_BLOCK_VS or v_dim % block_v:
         return f"V={v_dim} is not a multiple of {block_v} (version 8 takes 32 or 64 columns per CTA)"
+    if k_dim % 32:
+        return f"K={k_dim} is not a multiple of 32 (version 8's gram kernel reads K / 4 columns a lane in 16-byte pieces)"
     smem = paths_smem_bytes(k_dim, block_v, plan.max_nodes, plan.max_pairs_per_request)
     if smem > max_smem:
         return f"version 8 needs {smem} bytes of shared memory for this plan at K={k_dim}; the device has {max_smem}"
     return None
+
+
+def paths_gram_products_reference(plan: TreePlan, q: Tensor, k: Tensor) -> Tensor:
+    """The torch reference of version 8's gram kernel (``gdn_tree_paths_grams``): [H, 2, plan.num_pairs] float32
+    holding, at the path entry ``pair_off[pos[i]] + depth[j]`` of every ancestor pair (j on i's path, i itself
+    included), k_i . k_j (index 0) and q_i . k_j (1), summed in float64; NaN at entries of no pair (a fixed-layout
+    plan's padding)."""
+    pos, depth = plan.pos.long().cpu(), plan.depth.long().cpu()
+    off, pj = plan.pair_off.long().cpu(), plan.pair_j.long().cpu()
+    lengths = depth + 1
+    owner = torch.repeat_interleave(torch.arange(plan.num_nodes), lengths)  # node by node, each its path's entries
+    first = torch.repeat_interleave(torch.cumsum(lengths, 0) - lengths, lengths)
+    entry = off[pos[owner]] + torch.arange(owner.numel()) - first
+    j = pj[entry]
+    q64, k64 = q.detach().cpu().double(), k.detach().cpu().double()
+    out = torch.full((q.shape[1], 2, plan.num_pairs), float("nan"), dtype=torch.float64)
+    out[:, 0, entry] = (k64[owner] * k64[j]).sum(-1).T
+    out[:, 1, entry] = (q64[owner] * k64[j]).sum(-1).T
+    return out.float()
 
 
 def paths_block_v(v_dim: int) -> int:
@@ -490,19 +514,35 @@ def verify_launches(
             k_paths = get_kernel(PATHS_SOURCE, "gdn_tree_verify_paths", opts, dev_index)
             pcap8 = plan.max_pairs_per_request
             n16 = (plan.max_nodes + 15) & ~15
+            pregram = _forced_define(extra_options, "P8_PREGRAM") != 0
+            raw = torch.empty(2 * h * plan.num_pairs if pregram else 0, dtype=torch.float32, device=dev)
             args = [q, k, v, g32, b32, plan.perm, plan.pair_off, plan.pair_j, plan.cu, ssm_state, sidx,
                     i32(sidx64), i64(st[0]), i64(st[1]), i64(st[2]), o, delta, i32(h), i32(hv), i32(n16), i32(pcap8),
-                    f32(scale), i32(int(use_qk_l2norm)), timeline8]
+                    f32(scale), i32(int(use_qk_l2norm)), raw, i32(plan.num_pairs), timeline8]
             grid8 = (vd // bv8, hv, plan.num_requests)
             smem8 = paths_smem_bytes(kd, bv8, plan.max_nodes, pcap8)
             warps8 = _forced_define(extra_options, "P8_WARPS")
             block8 = (PATHS_THREADS if warps8 is None else 32 * warps8, 1, 1)
 
             def run_paths() -> None:
-                launch(k_paths, grid8, block8, args, shared_mem=smem8)
+                launch(k_paths, grid8, block8, args, shared_mem=smem8, programmatic=pregram)
 
             run_paths.kernel, run_paths.config = k_paths, (grid8, block8, smem8, 1)  # type: ignore[attr-defined]
-            return [("gdn_tree_verify_paths", run_paths)], o, delta
+            made = [("gdn_tree_verify_paths", run_paths)]
+            if pregram:  # the grams' raw products by a kernel of their own, per q/k head, before the verify kernel
+                k_grams = get_kernel(PATHS_SOURCE, "gdn_tree_paths_grams", opts, dev_index)
+                tasks = n16 // 16 * (n16 // 16 + 1)  # of both grams, the plan's largest tree
+                grid_g = ((tasks + PATHS_GRAM_WARPS - 1) // PATHS_GRAM_WARPS, h, plan.num_requests)
+                args_g = [q, k, plan.pos, plan.depth, plan.pair_off, plan.pair_j, plan.cu, raw, i32(h),
+                          i32(plan.num_pairs)]
+
+                def run_grams() -> None:
+                    launch(k_grams, grid_g, (32 * PATHS_GRAM_WARPS, 1, 1), args_g)
+
+                run_grams.kernel, run_grams.config = k_grams, (grid_g, (32 * PATHS_GRAM_WARPS, 1, 1), 0, 1)  # type: ignore[attr-defined]
+                run_grams.raw = raw  # type: ignore[attr-defined]  # its output, for the tests
+                made.insert(0, ("gdn_tree_paths_grams", run_grams))
+            return made, o, delta
         variant = 6  # version 8 does not take this call (paths_unsupported_reason): version 6 (or 3) does
     if variant == 7:
         max_smem = device_smem_optin(dev_index)
