@@ -15,32 +15,41 @@
 // (version 6's path rows, section 33, here with both recursions per thread in registers: d^2 / 2 products a row
 // and no barrier per tree level). Then Delta and O are sums over each node's path entries.
 //
-// Why another layout (bench/NOTES.md section 74): version 6 splits a (request, q/k head) over eight CTAs of 16 V
-// columns, each of which loads all q and k rows and computes the whole gram and solve for three value heads; at
-// n = 128 that decomposition alone costs 8 us a call with every product compiled out (section 56). Here a CTA
-// serves one value head and 64 columns (batch 1 at the 27B shape: 96 CTAs, one wave), and the V-independent
-// work is the tensor-core gram and the path recursions. Measured on an H100 (section 74): 26.9 us at n = 128, batch
-// 1 (version 6: 23.0), 152.0 at batch 8 (167.6); each phase a chain of latencies per warp, not a throughput.
+// Why another layout (bench/NOTES.md sections 74, 75): version 6 splits a (request, q/k head) over eight CTAs of
+// 16 V columns, each of which loads all q and k rows and computes the whole gram and solve for three value heads;
+// at n = 128 that decomposition alone costs 8 us a call with every product compiled out (section 56). Here a CTA
+// serves one value head and 64 columns (batch 1 at the 27B shape: 96 CTAs, one wave). Each phase is bound by the
+// instructions its warps issue (section 75: a phase took 4x its latency estimate and tracks its instruction count).
+// The grams, the same for a q/k head's value heads, come by default from a kernel of their own
+// (gdn_tree_paths_grams, below: a warp per 16 x 16 task, launched before this one, which programmatic dependent
+// launch lets start early). Measured on an H100 (section 75): 20.2 us at n = 128, batch 1 (version 6: 22.9), 106.0
+// at batch 8 (168.4), 403.9 at batch 32 (654.5).
 //   phase 0  cp.async in three groups: the request's plan tables, g and beta; its q, k rows (rows n .. n16
-//            zero); the CTA's S0 rows and v columns. Per node, once the tables are in: path entries, depth,
-//            ancestor bitmask (128 bits), the path gate G; once q and k are: their norms (four threads a row); per
-//            path entry the local node index and that node's first path entry
-//   phase 1  the lower triangles of K K^T and Q K^T as 16 x 8 bf16 mma tiles (exact products, float32 sums),
-//            each product kept where the pair is an ancestor pair and stored, scaled, at its path entry (X, Y),
-//            tiles without an ancestor pair skipped, while S0's copies are still in flight; then the projections
-//            [K; Q] S0^T as one GEMM (M = P8_BV rows of S0, N = 2 n16 nodes, K = GDN_K) on bf16 mma over a
-//            P8_SPLIT-part split of S0 (three parts: float32-accurate), a warp per (16 rows, 64 or 32 node
-//            columns), the sums kept in registers
+//            zero); the CTA's S0 rows and v columns. Per node, once the tables are in: path entries and their
+//            owner, depth, the path gate G (and with P8_PREGRAM = 0 the ancestor bitmask, 128 bits); then (the
+//            gram kernel's) the raw products of the request's path entries, a fourth copy group after
+//            griddepcontrol.wait; once q and k are in: their norms (four threads a row); per path entry the local
+//            node index and that node's first path entry
+//   phase 1  with P8_PREGRAM = 0 the lower triangles of K K^T and Q K^T here, as 16 x 16 tasks of two bf16 mma
+//            tiles on ldmatrix fragments (tasks without an ancestor pair skipped; with P8_CLUSTER = C a cluster of
+//            C of the q/k head's CTAs splits them, each product stored in every CTA), each ancestor pair's raw
+//            product stored at its path entry. Then each entry scaled (X: beta_i rk_i rk_j e^{G_i - G_j}, Y: rq_i
+//            rk_j e^{G_i - G_j}); the projections [K; Q] S0^T as one GEMM (M = P8_BV rows of S0, N = 2 n16 nodes,
+//            K = GDN_K) on bf16 mma over a P8_SPLIT-part split of S0 (three parts: float32-accurate), a warp per
+//            (16 rows, 64 or 32 node columns), the sums kept in registers
 //   phase 2  R and diag(e^G) Q S0^T from the GEMM's registers into shared memory (over the dead q / k / S0
 //            rows); a thread per (node, T or W) runs its row's back substitution
-//   phase 3  a warp per node, a lane per 1 or 2 columns: Delta_i = sum T_ij R_j, O_i = e^{G_i} q_i S0
-//            + sum W_ij R_j over i's path entries, four entries a step
+//   phase 3  P8_OUTW nodes a warp: Delta_i = sum T_ij R_j, O_i = e^{G_i} q_i S0 + sum W_ij R_j over i's path
+//            entries, four entries a step
 //
-// Compile-time constants (NVRTC -D): TFM_IN (must be 1, bfloat16), GDN_K, GDN_V, P8_BV (32 or 64), P8_PATH
-// (most nodes on a path), P8_SPLIT (2 or 3 bf16 parts of S0); timing options P8_WARPS (16 or 8) and P8_STAGES
-// (2, or 1: S0 waited for with q and k). The plan (vllm_tfm/kernels/plan.py: cu, perm, pair_off, pair_j) and
-// the state layout (V-first [slot, HV, V, K] with unit K stride, read only) are those of
-// the other versions; TreePlan.build refuses a parent after its child, so node order is topological. The wrapper
+// Compile-time constants (NVRTC -D): TFM_IN (must be 1, bfloat16), GDN_K (a multiple of 32), GDN_V, P8_BV (32 or
+// 64), P8_PATH (most nodes on a path), P8_SPLIT (2 or 3 bf16 parts of S0), P8_OUTW (1, 2 or 4 nodes a warp in
+// phase 3), P8_PREGRAM (1: the gram kernel; 0: the grams here), P8_GW (the gram kernel's warps a CTA); timing
+// options P8_WARPS (16 or 8), P8_STAGES (2, or 1: S0 waited for with q and k), P8_CLUSTER (1 to 8, with
+// P8_PREGRAM = 0) and P8_SKIP (wrong outputs: 1 no gram mma, 2 no projection mma). The plan (vllm_tfm/kernels/
+// plan.py: cu, perm, pos, depth, pair_off, pair_j) and the state layout (V-first [slot, HV, V, K] with unit K stride,
+// read only) are those of the other versions; TreePlan.build refuses a parent after its child, so node order is
+// topological. The wrapper
 // (vllm_tfm/kernels/gdn.py paths_unsupported_reason) sends no tree of more than 128 nodes, no path longer than
 // P8_PATH and no request of more than pcap path entries here.
 #include "tfm_mma.cuh"
@@ -75,6 +84,9 @@
 #ifndef P8_GW
 #define P8_GW 4                           // warps (gram tasks) per CTA of gdn_tree_paths_grams
 #endif
+#ifndef P8_CLUSTER
+#define P8_CLUSTER 1                      // timing option: CTAs of a q/k head sharing the in-kernel grams (a cluster along x)
+#endif
 #ifndef P8_SKIP
 #define P8_SKIP 0                         // timing only, wrong results: 1 = no gram mma, 2 = no projection mma
 #endif
@@ -100,6 +112,11 @@ static_assert(P8_THREADS >= 2 * P8_N, "a thread per (node, T or W)");
 static_assert(P8_STAGES == 1 || P8_STAGES == 2, "one or two copy groups after the tables");
 static_assert(P8_OUTW == 1 || P8_OUTW == 2 || P8_OUTW == 4, "1, 2 or 4 nodes a warp in phase 3");
 static_assert(P8_PREGRAM == 0 || P8_PREGRAM == 1, "grams in a kernel of their own (1) or in this one (0)");
+static_assert(P8_CLUSTER >= 1 && P8_CLUSTER <= 8 && (P8_PREGRAM == 0 || P8_CLUSTER == 1),
+              "a cluster of 1 to 8 CTAs, for the in-kernel grams");
+#if P8_CLUSTER > 1 && defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 900
+#error "P8_CLUSTER > 1 needs thread block clusters (sm_90)"
+#endif
 static_assert(P8_PREGRAM == 0 || GDN_K % 32 == 0, "the gram kernel's lanes read K / 4 columns in 16-byte pieces");
 
 __host__ __device__ constexpr int p8_align4(int x) { return (x + 3) & ~3; }
@@ -158,14 +175,22 @@ gdn_tree_verify_paths(const tin* __restrict__ q, const tin* __restrict__ k, cons
 
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
   const int gq = lane >> 2, tq = lane & 3;  // mma fragment coordinates
-  const int v0 = blockIdx.x * P8_BV, hv = blockIdx.y, r = blockIdx.z;
+  // grid (HV / H * GDN_V / P8_BV, H, R): the CTAs of a q/k head consecutive along x (a cluster shares their grams)
+  const int h = blockIdx.y, r = blockIdx.z;
+  const int hv = h * (HV / H) + blockIdx.x / (GDN_V / P8_BV), v0 = (blockIdx.x % (GDN_V / P8_BV)) * P8_BV;
   const CtaTimeline tl = cta_timeline(timeline, P8_MARKS);
   tl.mark(0);
   const int bos = cu[r];
   const int n = cu[r + 1] - bos;
-  if (n <= 0) return;
+  if (n <= 0) return;  // the whole cluster: its CTAs serve one request
+#if P8_CLUSTER > 1
+  if (cluster_nctarank() != P8_CLUSTER) __trap();  // launched with another cluster size than compiled for
+  cluster_arrive_relaxed();  // this CTA has started: peers may store into its shared memory once all have
+  const int crank = (int)cluster_ctarank();
+#else
+  const int crank = 0;
+#endif
   if (n > n16 || n16 > P8_N) __trap();  // the wrapper sizes n16 for the plan's largest tree
-  const int h = hv / (HV / H);
   const int pbase = pair_off[bos];
   const int cnt = pair_off[bos + n] - pbase;  // path entries of the request's nodes
   if (cnt > pcap) __trap();
@@ -288,7 +313,11 @@ gdn_tree_verify_paths(const tin* __restrict__ q, const tin* __restrict__ k, cons
   // diagonal too, at the entry X never reads) and scaled below.
   const int nt16 = (n + 15) / 16;
   const int tiles = nt16 * (nt16 + 1) / 2;
-  for (int task = warp; task < 2 * tiles; task += P8_WARPS) {
+#if P8_CLUSTER > 1
+  cluster_wait();  // every CTA of the cluster has started
+#endif
+  for (int lt = warp; lt * P8_CLUSTER + crank < 2 * tiles; lt += P8_WARPS) {
+    const int task = lt * P8_CLUSTER + crank;  // a cluster's CTA takes every P8_CLUSTER-th task
     const int gram = task >= tiles ? 1 : 0, u = task - gram * tiles;
     int mt = (int)((sqrtf(8.0f * (float)u + 1.0f) - 1.0f) * 0.5f);
     mt += (mt + 1) * (mt + 2) / 2 <= u ? 1 : 0;  // the float root off by one either way
@@ -325,7 +354,15 @@ gdn_tree_verify_paths(const tin* __restrict__ q, const tin* __restrict__ k, cons
       const int dj0 = plen[jt] - 1, dj1 = plen[jt + 1] - 1;
 #pragma unroll
       for (int e = 0; e < 4; ++e)  // i's path entry for its ancestor j (at j's depth)
-        if ((keep >> (4 * t + e)) & 1u) dst[((e >> 1) ? at1 : at0) + ((e & 1) ? dj1 : dj0)] = acc[t][e];
+        if ((keep >> (4 * t + e)) & 1u) {
+          float* at = dst + ((e >> 1) ? at1 : at0) + ((e & 1) ? dj1 : dj0);
+#if P8_CLUSTER > 1
+#pragma unroll
+          for (int c = 0; c < P8_CLUSTER; ++c) *cluster_map(at, (u32)c) = acc[t][e];  // every CTA's copy
+#else
+          *at = acc[t][e];
+#endif
+        }
     }
   }
 #endif
@@ -333,17 +370,33 @@ gdn_tree_verify_paths(const tin* __restrict__ q, const tin* __restrict__ k, cons
 #if P8_STAGES == 2 || P8_PREGRAM
   cp_async_wait<0>();  // S0 and v (and the raw products)
 #endif
+#if P8_CLUSTER > 1
+  cluster_arrive();  // this CTA's products stored in every CTA (release), and every CTA's here (acquire);
+  cluster_wait();    // no shared memory of a peer is touched after this
+#else
   __syncthreads();
+#endif
   tl.mark(4);  // every warp's gram tasks; S0 and v in
-  // the products' scales, a thread per path entry of X, then of Y: X_ij = beta_i rk_i rk_j e^{G_i - G_j} k_i . k_j
-  // (j a strict ancestor), Y_ij = rq_i rk_j e^{G_i - G_j} q_i . k_j; j on i's path: G_i <= G_j, no overflow
-  for (int c = tid; c < 2 * cnt; c += P8_THREADS) {
-    const bool isy = c >= cnt;
-    const int e = isy ? c - cnt : c;
-    const int i = pown[e], j = pj[e];
-    if (!isy && j == i) continue;  // X has no diagonal
-    float* arr = isy ? Yp : Xp;
-    arr[e] *= (isy ? rq[i] : bt[i] * rk[i]) * rk[j] * expf(Gs[i] - Gs[j]);
+  // the products' scales, a thread per path entry of X, then of Y, four entries a step with their loads first:
+  // X_ij = beta_i rk_i rk_j e^{G_i - G_j} k_i . k_j (j a strict ancestor), Y_ij = rq_i rk_j e^{G_i - G_j} q_i . k_j;
+  // j on i's path: G_i <= G_j, no overflow
+  for (int c0 = tid; c0 < 2 * cnt; c0 += 4 * P8_THREADS) {
+    float val[4], sc[4];
+    int ee[4];
+    bool ok[4], isy[4];
+#pragma unroll
+    for (int u = 0; u < 4; ++u) {
+      const int c = c0 + u * P8_THREADS;
+      isy[u] = c >= cnt;
+      ee[u] = c < 2 * cnt ? (isy[u] ? c - cnt : c) : 0;
+      const int i = pown[ee[u]], j = pj[ee[u]];
+      ok[u] = c < 2 * cnt && (isy[u] || j != i);  // X has no diagonal
+      sc[u] = (isy[u] ? rq[i] : bt[i] * rk[i]) * rk[j] * expf(Gs[i] - Gs[j]);
+      val[u] = c < 2 * cnt ? (isy[u] ? Yp : Xp)[ee[u]] : 0.0f;  // past the entries: no read (another thread's write)
+    }
+#pragma unroll
+    for (int u = 0; u < 4; ++u)
+      if (ok[u]) (isy[u] ? Yp : Xp)[ee[u]] = val[u] * sc[u];
   }
   tl.mark(5);  // warp 0's scales
   // Projections: C = S0 [K; Q]^T, rows = this warp's 16 S0 rows, columns = its P8_NPW node columns of K

@@ -71,9 +71,9 @@ def test_v8_matches_float64_reference(launches, name, trees, h, hv, kd, vd, bv, 
     o_ref, d_ref = _reference(c)
     names, o8, d8 = _run8(c, plan, launches, (f"-DP8_BV={bv}",))
     assert names == PATHS_KERNELS
-    assert launches[1][1] == (vd // bv, hv, len(trees))  # grid: V slices, value heads, requests
     tiles = (plan.max_nodes + 15) // 16 * ((plan.max_nodes + 15) // 16 + 1) // 2
     assert launches[0][1] == (-(-2 * tiles // kgdn.PATHS_GRAM_WARPS), h, len(trees))  # a warp per gram task
+    assert launches[1][1] == (hv // h * (vd // bv), h, len(trees))  # a q/k head's CTAs along x, q/k heads, requests
     assert _rel(o8, o_ref) <= 3e-3, _rel(o8, o_ref)
     assert _rel(d8, d_ref) <= 1e-5, _rel(d8, d_ref)
     _, o_only, _ = _run8(c, plan, launches, (f"-DP8_BV={bv}",), return_delta=False)  # no delta buffer: the same o
@@ -128,15 +128,26 @@ def test_v8_gram_kernel_leaves_fixed_layout_padding_alone(launches):
     _gram_kernel_check(c, plan, 2)
 
 
-def test_v8_grams_in_the_verify_kernel(launches):
-    # P8_PREGRAM=0: the grams in the verify kernel (one launch), within the bars; the products' sums run in another
-    # order than the gram kernel's, so not bit for bit
-    c = _case([_bounded_tree(70, _g(27)), torch.tensor([-1, 0, 1, 2, 3])], 1, 2, 128, 64, torch.bfloat16, seed=27)
+def test_v8_in_kernel_grams_and_clusters(launches):
+    # P8_PREGRAM=0: the grams in the verify kernel (one launch), within the bars; their sums run in another order
+    # than the gram kernel's, so not bit for bit. A cluster of a q/k head's CTAs sharing them (P8_CLUSTER=3) changes
+    # which CTA computes a tile, not its arithmetic: bit for bit. A cluster with the gram kernel is refused, as is
+    # one that does not divide a q/k head's CTAs
+    c = _case([_bounded_tree(70, _g(27)), torch.tensor([-1, 0, 1, 2, 3])], 1, 3, 128, 64, torch.bfloat16, seed=27)
     plan = TreePlan.build(c["parents"], c["cu_nodes"])
     o_ref, d_ref = _reference(c)
     names, o, d = _run8(c, plan, launches, ("-DP8_PREGRAM=0",))
     assert names == ["gdn_tree_verify_paths"]
     assert _rel(o, o_ref) <= 3e-3 and _rel(d, d_ref) <= 1e-5, (_rel(o, o_ref), _rel(d, d_ref))
+    made, _, _ = kgdn.verify_launches(plan, c["q"], c["k"], c["v"], c["g"], c["beta"], c["ssm_state"],
+                                      c["state_indices"], variant=8, extra_options=("-DP8_PREGRAM=0", "-DP8_CLUSTER=3"))
+    assert dict(made)["gdn_tree_verify_paths"].config[3] == 3
+    _, o3, d3 = _run8(c, plan, launches, ("-DP8_PREGRAM=0", "-DP8_CLUSTER=3"))
+    assert torch.equal(o3, o) and torch.equal(d3, d)
+    for bad in (("-DP8_CLUSTER=3",), ("-DP8_PREGRAM=0", "-DP8_CLUSTER=2"), ("-DP8_PREGRAM=0", "-DP8_CLUSTER=9")):
+        with pytest.raises(ValueError, match="a cluster of 1 to 8 CTAs that divides the 3 CTAs of a q/k head"):
+            kgdn.verify_launches(plan, c["q"], c["k"], c["v"], c["g"], c["beta"], c["ssm_state"], c["state_indices"],
+                                 variant=8, extra_options=bad)
 
 
 def test_v8_two_part_split_is_within_the_bars(launches):

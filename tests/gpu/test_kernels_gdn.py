@@ -325,9 +325,10 @@ def test_verify_v8_large_gates_and_two_part_split():
 
 
 @pytest.mark.parametrize("name", list(V8_SETS))
-def test_verify_v8_gram_kernel_and_in_kernel_grams(name):
+def test_verify_v8_gram_kernel_and_clusters(name):
     # the gram kernel alone against its float64 reference (the same entries written into a NaN-poisoned output,
-    # products within 1e-6), and the grams in the verify kernel (P8_PREGRAM=0) within the bars
+    # products within 1e-6); the grams in the verify kernel (P8_PREGRAM=0) within the bars, and with clusters of 2,
+    # 3 and 6 of a q/k head's CTAs sharing them (P8_CLUSTER) bit for bit as without
     c = make_case(V8_SETS[name](_seeded(len(name) + 9)), h=2, hv=6, dtype=torch.bfloat16, seed=19)
     plan = TreePlan.build(c["parents"], c["cu_nodes"])
     made, _, _ = kgdn.verify_launches(plan, c["q"], c["k"], c["v"], c["g"], c["beta"], c["ssm_state"],
@@ -342,6 +343,9 @@ def test_verify_v8_gram_kernel_and_in_kernel_grams(name):
     o, d = _v8_launch(c, extra_options=("-DP8_PREGRAM=0",))
     o_ref, d_ref = reference(c)
     assert rel(o, o_ref) <= HALF_TOL and rel(d, d_ref) <= FP32_TOL, (rel(o, o_ref), rel(d, d_ref))
+    for cl in (2, 3, 6):
+        o1, d1 = _v8_launch(c, extra_options=("-DP8_PREGRAM=0", f"-DP8_CLUSTER={cl}"))
+        assert torch.equal(o1, o) and torch.equal(d1, d), cl
 
 
 @pytest.mark.parametrize("name", list(V8_SETS))

@@ -56,7 +56,7 @@ COMMIT_THREADS, COMMIT_BV, COMMIT_PC = 128, 16, 32
 # float32 q/k run version 3's code; measured no faster), 5 = version 3 with the main kernel launched
 # by programmatic dependent launch (it overlaps the pairs kernel until its first read of the pairs'
 # outputs; section 24). All compute the same function; 3 is the default: faster than 2 at every
-# measured size on the H200 (1.02-1.46x, bench/results/gdn_tree_v3.json.gz; section 19).
+# measured size on the H200 (1.02-1.46x, bench/results/gdn_tree_v3.json.gz, in git history at 0c91a3e; section 19).
 # 6 = one kernel per call (cuda/gdn_tree_verify_grouped.cu; section 31): a CTA per (request, q/k
 # head, 16 V columns) serves every value head of the q/k head's group, computes the pair products
 # itself on tensor cores and runs the projections as bf16 mma on a three-part split of S0. It takes
@@ -89,7 +89,8 @@ PATHS_MAX_NODES = 128  # version 8's trees (P8_N)
 PATHS_MAX_PATH = 17  # most nodes on a root..node path in version 8 (P8_PATH): depth <= 16, a DFlash block
 PATHS_BLOCK_VS = (32, 64)  # V columns per CTA (P8_BV)
 PATHS_THREADS = 512  # P8_WARPS = 16; a -DP8_WARPS=8 in verify_launches' extra_options (timing) launches 256
-PATHS_GRAM_WARPS = 4  # gram tasks per CTA of version 8's gram kernel (P8_GW); -DP8_PREGRAM=0: grams in the verify kernel
+PATHS_GRAM_WARPS = 4  # gram tasks per CTA of version 8's gram kernel (P8_GW); -DP8_PREGRAM=0: grams in the verify kernel,
+# shared by a cluster of a q/k head's CTAs with -DP8_CLUSTER=k (timing options)
 PATHS_MARKS = 9  # timeline marks of version 8 (P8_MARKS): start, after the copies and node tables, after the norms and
 # entry tables, after warp 0's gram tasks, after every warp's (and S0's copy), after warp 0's product scales, after the
 # projections, after phase 2, end
@@ -335,9 +336,11 @@ def runtime_verify_variant(plan: TreePlan, qk_dtype: torch.dtype, h: int, hv: in
     31.7 / 107.4 us against version 6's 46.1 / 168.7 at batch 8 / 32, but 11.1 against 10.8 at batch 1
     (bench/NOTES.md section 73, bench/results/gdn_tree_v7_s73.json.gz; batches 2 to 7 not measured).
 
-    Never version 8: on an H100 it was 1.10-1.13x version 6 at n = 65 and 128 from batch 8 but slower at batch 1, and
-    within 1.05x of the version chosen here at the runtime's largest trees (n = 65; bench/NOTES.md section 74,
-    bench/results/gdn_tree_v8_s74.json.gz)."""
+    Never version 8 (yet): it takes no full CUDA graph's fixed-layout plan of more than 17 nodes (their paths are
+    bounded by the capacity), and on per-step plans its H100 numbers (bench/NOTES.md section 75,
+    bench/results/gdn_tree_v8_s75.json.gz: n = 128 at batch 1 / 8 / 32 20.2 / 106.0 / 403.9 us against version 6's
+    22.9 / 168.4 / 654.5; n = 65 at batch 8 80.1 against version 3's ~100) have no H200 or end-to-end run behind
+    them."""
     ctas = plan.num_requests * h * (v_dim // GROUPED_BV)  # version 6's grid
     if ctas > num_sms and small_unsupported_reason(plan, qk_dtype, h, hv, k_dim, v_dim, max_smem,
                                                     small_block_v(v_dim)) is None:
@@ -508,26 +511,30 @@ def verify_launches(
         bv8 = _forced_define(extra_options, "P8_BV")
         bv8 = paths_block_v(vd) if bv8 is None else bv8
         if paths_unsupported_reason(plan, q.dtype, kd, vd, max_smem, bv8) is None:
+            pregram = _forced_define(extra_options, "P8_PREGRAM") != 0
+            cl8 = _forced_define(extra_options, "P8_CLUSTER") or 1
+            if not 1 <= cl8 <= 8 or (hv // h * (vd // bv8)) % cl8 or (pregram and cl8 != 1):
+                raise ValueError(f"P8_CLUSTER={cl8}: a cluster of 1 to 8 CTAs that divides the {hv // h * (vd // bv8)} "
+                                 "CTAs of a q/k head (1 with P8_PREGRAM=1)")
             opts = ["--std=c++17", "-lineinfo", f"-DTFM_IN={DTYPE_CODE[v.dtype]}", f"-DGDN_K={kd}", f"-DGDN_V={vd}",
-                    f"-DP8_BV={bv8}", f"-DP8_PATH={PATHS_MAX_PATH}",
-                    *[x for x in extra_options if not x.startswith("-DP8_BV=")]]
+                    f"-DP8_BV={bv8}", f"-DP8_PATH={PATHS_MAX_PATH}", f"-DP8_CLUSTER={cl8}",
+                    *[x for x in extra_options if not x.startswith(("-DP8_BV=", "-DP8_CLUSTER="))]]
             k_paths = get_kernel(PATHS_SOURCE, "gdn_tree_verify_paths", opts, dev_index)
             pcap8 = plan.max_pairs_per_request
             n16 = (plan.max_nodes + 15) & ~15
-            pregram = _forced_define(extra_options, "P8_PREGRAM") != 0
             raw = torch.empty(2 * h * plan.num_pairs if pregram else 0, dtype=torch.float32, device=dev)
             args = [q, k, v, g32, b32, plan.perm, plan.pair_off, plan.pair_j, plan.cu, ssm_state, sidx,
                     i32(sidx64), i64(st[0]), i64(st[1]), i64(st[2]), o, delta, i32(h), i32(hv), i32(n16), i32(pcap8),
                     f32(scale), i32(int(use_qk_l2norm)), raw, i32(plan.num_pairs), timeline8]
-            grid8 = (vd // bv8, hv, plan.num_requests)
+            grid8 = (hv // h * (vd // bv8), h, plan.num_requests)  # a q/k head's CTAs consecutive along x
             smem8 = paths_smem_bytes(kd, bv8, plan.max_nodes, pcap8)
             warps8 = _forced_define(extra_options, "P8_WARPS")
             block8 = (PATHS_THREADS if warps8 is None else 32 * warps8, 1, 1)
 
             def run_paths() -> None:
-                launch(k_paths, grid8, block8, args, shared_mem=smem8, programmatic=pregram)
+                launch(k_paths, grid8, block8, args, shared_mem=smem8, programmatic=pregram, cluster=cl8)
 
-            run_paths.kernel, run_paths.config = k_paths, (grid8, block8, smem8, 1)  # type: ignore[attr-defined]
+            run_paths.kernel, run_paths.config = k_paths, (grid8, block8, smem8, cl8)  # type: ignore[attr-defined]
             made = [("gdn_tree_verify_paths", run_paths)]
             if pregram:  # the grams' raw products by a kernel of their own, per q/k head, before the verify kernel
                 k_grams = get_kernel(PATHS_SOURCE, "gdn_tree_paths_grams", opts, dev_index)
