@@ -355,7 +355,7 @@ def bench_verify(n: int, batch: int, bw: float, reps: int, vllm_fn, allow_slow: 
     launches6, _, _ = kgdn.verify_launches(plan, x["q"], x["k"], x["v"], x["g"], x["beta"], pool, slots[0], variant=6)
     row["v6_kernels"] = [name for name, _ in launches6]
 
-    def one_kernel_us(variant: int, **kw) -> float:
+    def launches_us(variant: int, **kw) -> float:
         """A version's launches alone (one kernel; version 8 its gram kernel and verify kernel), graph-timed over the
         input sets, with verify_launches' keywords."""
         fns = []
@@ -367,7 +367,7 @@ def bench_verify(n: int, batch: int, bw: float, reps: int, vllm_fn, allow_slow: 
         return time_calls(fns, reps)[0]
 
     if row["v6_kernels"] == ["gdn_tree_verify_grouped"]:  # both CTA sizes, to check grouped_threads' choice
-        row["v6_threads_us"] = {str(threads): one_kernel_us(6, threads6=threads) for threads in (256, 512)}
+        row["v6_threads_us"] = {str(threads): launches_us(6, threads6=threads) for threads in (256, 512)}
     o6 = call(6)
     row["v6_vs_v3_o_rel"] = rel_err(o6[0], o3b[0])
     row["v6_vs_v3_delta_rel"] = rel_err(o6[1], o3b[1])
@@ -376,7 +376,7 @@ def bench_verify(n: int, batch: int, bw: float, reps: int, vllm_fn, allow_slow: 
     launches7, _, _ = kgdn.verify_launches(plan, x["q"], x["k"], x["v"], x["g"], x["beta"], pool, slots[0], variant=7)
     row["v7_kernels"] = [name for name, _ in launches7]
     if row["v7_kernels"] == ["gdn_tree_verify_small"]:
-        row["v7_block_v_us"] = {str(bv7): one_kernel_us(7, extra_options=(f"-DS7_BV={bv7}",))
+        row["v7_block_v_us"] = {str(bv7): launches_us(7, extra_options=(f"-DS7_BV={bv7}",))
                                 for bv7 in kgdn.SMALL_BLOCK_VS}
         o7 = call(7)
         row["v7_vs_v6_o_rel"] = rel_err(o7[0], o6[0])
@@ -387,12 +387,12 @@ def bench_verify(n: int, batch: int, bw: float, reps: int, vllm_fn, allow_slow: 
     launches8, _, _ = kgdn.verify_launches(plan, x["q"], x["k"], x["v"], x["g"], x["beta"], pool, slots[0], variant=8)
     row["v8_kernels"] = [name for name, _ in launches8]
     if row["v8_kernels"] == V8_KERNELS:
-        row["v8_block_v_us"] = {str(bv8): one_kernel_us(8, extra_options=(f"-DP8_BV={bv8}",))
+        row["v8_block_v_us"] = {str(bv8): launches_us(8, extra_options=(f"-DP8_BV={bv8}",))
                                 for bv8 in kgdn.PATHS_BLOCK_VS}
-        row["v8_warps8_us"] = {str(bv8): one_kernel_us(8, extra_options=(f"-DP8_BV={bv8}", "-DP8_WARPS=8"))
+        row["v8_warps8_us"] = {str(bv8): launches_us(8, extra_options=(f"-DP8_BV={bv8}", "-DP8_WARPS=8"))
                                for bv8 in kgdn.PATHS_BLOCK_VS}  # CTAs of 8 warps (timing option)
-        row["v8_split2_us"] = one_kernel_us(8, extra_options=("-DP8_SPLIT=2",))
-        row["v8_ingram_us"] = {str(cl): one_kernel_us(8, extra_options=("-DP8_PREGRAM=0", f"-DP8_CLUSTER={cl}"))
+        row["v8_split2_us"] = launches_us(8, extra_options=("-DP8_SPLIT=2",))
+        row["v8_ingram_us"] = {str(cl): launches_us(8, extra_options=("-DP8_PREGRAM=0", f"-DP8_CLUSTER={cl}"))
                                for cl in PATHS_CLUSTERS}
         o8 = call(8)
         row["v8_vs_v6_o_rel"] = rel_err(o8[0], o6[0])

@@ -46,7 +46,7 @@
 // 64), P8_PATH (most nodes on a path), P8_SPLIT (2 or 3 bf16 parts of S0), P8_OUTW (1, 2 or 4 nodes a warp in
 // phase 3), P8_PREGRAM (1: the gram kernel; 0: the grams here), P8_GW (the gram kernel's warps a CTA); timing
 // options P8_WARPS (16 or 8), P8_STAGES (2, or 1: S0 waited for with q and k), P8_CLUSTER (1 to 8, with
-// P8_PREGRAM = 0) and P8_SKIP (wrong outputs: 1 no gram mma, 2 no projection mma). The plan (vllm_tfm/kernels/
+// P8_PREGRAM = 0) and P8_SKIP (wrong outputs: 1 no in-kernel gram mma, 2 no projection mma). The plan (vllm_tfm/kernels/
 // plan.py: cu, perm, pos, depth, pair_off, pair_j) and the state layout (V-first [slot, HV, V, K] with unit K stride,
 // read only) are those of the other versions; TreePlan.build refuses a parent after its child, so node order is
 // topological. The wrapper
@@ -88,7 +88,7 @@
 #define P8_CLUSTER 1                      // timing option: CTAs of a q/k head sharing the in-kernel grams (a cluster along x)
 #endif
 #ifndef P8_SKIP
-#define P8_SKIP 0                         // timing only, wrong results: 1 = no gram mma, 2 = no projection mma
+#define P8_SKIP 0                         // timing only, wrong results: 1 = no in-kernel gram mma, 2 = no projection mma
 #endif
 #define P8_N 128                          // most nodes of a tree
 #define P8_THREADS (32 * P8_WARPS)

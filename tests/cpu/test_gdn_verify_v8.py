@@ -144,7 +144,8 @@ def test_v8_in_kernel_grams_and_clusters(launches):
     assert dict(made)["gdn_tree_verify_paths"].config[3] == 3
     _, o3, d3 = _run8(c, plan, launches, ("-DP8_PREGRAM=0", "-DP8_CLUSTER=3"))
     assert torch.equal(o3, o) and torch.equal(d3, d)
-    for bad in (("-DP8_CLUSTER=3",), ("-DP8_PREGRAM=0", "-DP8_CLUSTER=2"), ("-DP8_PREGRAM=0", "-DP8_CLUSTER=9")):
+    for bad in (("-DP8_CLUSTER=3",), ("-DP8_PREGRAM=0", "-DP8_CLUSTER=2"), ("-DP8_PREGRAM=0", "-DP8_CLUSTER=9"),
+                ("-DP8_PREGRAM=0", "-DP8_CLUSTER=0")):
         with pytest.raises(ValueError, match="a cluster of 1 to 8 CTAs that divides the 3 CTAs of a q/k head"):
             kgdn.verify_launches(plan, c["q"], c["k"], c["v"], c["g"], c["beta"], c["ssm_state"], c["state_indices"],
                                  variant=8, extra_options=bad)

@@ -512,13 +512,14 @@ def verify_launches(
         bv8 = paths_block_v(vd) if bv8 is None else bv8
         if paths_unsupported_reason(plan, q.dtype, kd, vd, max_smem, bv8) is None:
             pregram = _forced_define(extra_options, "P8_PREGRAM") != 0
-            cl8 = _forced_define(extra_options, "P8_CLUSTER") or 1
+            cl8 = _forced_define(extra_options, "P8_CLUSTER")
+            cl8 = 1 if cl8 is None else cl8
             if not 1 <= cl8 <= 8 or (hv // h * (vd // bv8)) % cl8 or (pregram and cl8 != 1):
                 raise ValueError(f"P8_CLUSTER={cl8}: a cluster of 1 to 8 CTAs that divides the {hv // h * (vd // bv8)} "
                                  "CTAs of a q/k head (1 with P8_PREGRAM=1)")
             opts = ["--std=c++17", "-lineinfo", f"-DTFM_IN={DTYPE_CODE[v.dtype]}", f"-DGDN_K={kd}", f"-DGDN_V={vd}",
-                    f"-DP8_BV={bv8}", f"-DP8_PATH={PATHS_MAX_PATH}", f"-DP8_CLUSTER={cl8}",
-                    *[x for x in extra_options if not x.startswith(("-DP8_BV=", "-DP8_CLUSTER="))]]
+                    f"-DP8_BV={bv8}", f"-DP8_PATH={PATHS_MAX_PATH}", f"-DP8_CLUSTER={cl8}", f"-DP8_GW={PATHS_GRAM_WARPS}",
+                    *[x for x in extra_options if not x.startswith(("-DP8_BV=", "-DP8_CLUSTER=", "-DP8_GW="))]]
             k_paths = get_kernel(PATHS_SOURCE, "gdn_tree_verify_paths", opts, dev_index)
             pcap8 = plan.max_pairs_per_request
             n16 = (plan.max_nodes + 15) & ~15
