@@ -254,13 +254,7 @@ gdn_tree_verify_grouped(const tin* __restrict__ q, const tin* __restrict__ k, co
   const int bos = cu[r];
   const int n = cu[r + 1] - bos;
   if (n <= 0) return;  // the whole cluster: its CTAs share the request
-#if G6_CLUSTER > 1
-  if (cluster_nctarank() != G6_CLUSTER) __trap();  // launched with another cluster size than compiled for
-  cluster_arrive_relaxed();  // this CTA has started: peers may store into its shared memory once all have
-  const int crank = (int)cluster_ctarank();
-#else
-  const int crank = 0;
-#endif
+  const int crank = cluster_start<G6_CLUSTER>();
   const int n16 = g6_round16(n);
   const int hv0 = h * GDN_GROUP;  // value heads hv0 .. hv0 + GROUP - 1
   const i64 slot = sidx64 ? reinterpret_cast<const i64*>(state_idx)[r] : (i64)reinterpret_cast<const int*>(state_idx)[r];

@@ -183,13 +183,7 @@ gdn_tree_verify_paths(const tin* __restrict__ q, const tin* __restrict__ k, cons
   const int bos = cu[r];
   const int n = cu[r + 1] - bos;
   if (n <= 0) return;  // the whole cluster: its CTAs serve one request
-#if P8_CLUSTER > 1
-  if (cluster_nctarank() != P8_CLUSTER) __trap();  // launched with another cluster size than compiled for
-  cluster_arrive_relaxed();  // this CTA has started: peers may store into its shared memory once all have
-  const int crank = (int)cluster_ctarank();
-#else
-  const int crank = 0;
-#endif
+  const int crank = cluster_start<P8_CLUSTER>();
   if (n > n16 || n16 > P8_N) __trap();  // the wrapper sizes n16 for the plan's largest tree
   const int pbase = pair_off[bos];
   const int cnt = pair_off[bos + n] - pbase;  // path entries of the request's nodes

@@ -106,6 +106,20 @@ __device__ __forceinline__ void prefetch_l2(const void*, u32) {}
 #define TFM_DYNAMIC_SMEM(type, name) type* name = reinterpret_cast<type*>(tfm_emu_dynamic_smem())
 #endif
 
+// A CTA of a thread block cluster of C CTAs (C as compiled; 1: no cluster) starting: it traps when launched with
+// another cluster size, arrives (relaxed) so that its peers may store into its shared memory once all have (their
+// cluster_wait), and returns its rank in the cluster.
+template <int C>
+__device__ __forceinline__ int cluster_start() {
+  if constexpr (C > 1) {
+    if (cluster_nctarank() != C) __trap();  // launched with another cluster size than compiled for
+    cluster_arrive_relaxed();
+    return (int)cluster_ctarank();
+  } else {
+    return 0;
+  }
+}
+
 // A benchmark's per-CTA timeline (bench/gdn_timeline.py): thread 0 of each CTA writes the global timer and the
 // SM clock at mark m into entries 2 m, 2 m + 1 of its CTA's `marks` pairs of `timeline` (nothing when null).
 struct CtaTimeline {
