@@ -136,6 +136,15 @@ __device__ __forceinline__ u32 p8_word(const u16* rows, int row, int col) {
   return *reinterpret_cast<const u32*>(rows + row * P8_KP + col);
 }
 
+// The 16-row block of gram task u, the tasks being the lower triangle's 16 x 16 tiles (mt, nt <= mt) row by row
+// (mt (mt + 1) / 2 of them before row block mt); its column block is u - mt (mt + 1) / 2.
+__device__ __forceinline__ int p8_task_row(int u) {
+  int mt = (int)((sqrtf(8.0f * (float)u + 1.0f) - 1.0f) * 0.5f);
+  mt += (mt + 1) * (mt + 2) / 2 <= u ? 1 : 0;  // the float root off by one either way
+  mt -= mt * (mt + 1) / 2 > u ? 1 : 0;
+  return mt;
+}
+
 extern "C" __global__ void __launch_bounds__(P8_THREADS, 16 / P8_WARPS)
 gdn_tree_verify_paths(const tin* __restrict__ q, const tin* __restrict__ k, const tin* __restrict__ v,
                       const float* __restrict__ g, const float* __restrict__ beta, const int* __restrict__ perm,
@@ -313,10 +322,7 @@ gdn_tree_verify_paths(const tin* __restrict__ q, const tin* __restrict__ k, cons
   for (int lt = warp; lt * P8_CLUSTER + crank < 2 * tiles; lt += P8_WARPS) {
     const int task = lt * P8_CLUSTER + crank;  // a cluster's CTA takes every P8_CLUSTER-th task
     const int gram = task >= tiles ? 1 : 0, u = task - gram * tiles;
-    int mt = (int)((sqrtf(8.0f * (float)u + 1.0f) - 1.0f) * 0.5f);
-    mt += (mt + 1) * (mt + 2) / 2 <= u ? 1 : 0;  // the float root off by one either way
-    mt -= mt * (mt + 1) / 2 > u ? 1 : 0;
-    const int nt = u - mt * (mt + 1) / 2;
+    const int mt = p8_task_row(u), nt = u - mt * (mt + 1) / 2;
     // this lane's rows i0, i0 + 8 and, in 8-column tile t, columns j0 + 8 t, j0 + 8 t + 1: table reads first
     const int i0 = mt * 16 + gq, j0 = nt * 16 + 2 * tq;
     const bool ok0 = i0 < n, ok1 = i0 + 8 < n;  // rows past n: their table words are not written
@@ -585,10 +591,7 @@ gdn_tree_paths_grams(const tin* __restrict__ q, const tin* __restrict__ k, const
   const int task = blockIdx.x * P8_GW + warp;
   if (task >= 2 * tiles) return;
   const int gram = task >= tiles ? 1 : 0, u = task - gram * tiles;
-  int mt = (int)((sqrtf(8.0f * (float)u + 1.0f) - 1.0f) * 0.5f);
-  mt += (mt + 1) * (mt + 2) / 2 <= u ? 1 : 0;  // the float root off by one either way
-  mt -= mt * (mt + 1) / 2 > u ? 1 : 0;
-  const int nt = u - mt * (mt + 1) / 2;
+  const int mt = p8_task_row(u), nt = u - mt * (mt + 1) / 2;
   constexpr int RUN = GDN_K / 4;        // a lane's columns of a row
   constexpr int PIECES = RUN / 8;       // its 16-byte loads
   const i64 rs = (i64)H * GDN_K;        // q / k row stride
