@@ -36,14 +36,16 @@ gpu_work_begin() {
 
 # gpu_sanitize LOGDIR CMD...: compute-sanitizer memcheck and racecheck on CMD (synchronous launches,
 # one cudaMalloc per tensor for exact bounds), LOGDIR/{memcheck,racecheck}.log; prints each tool's
-# exit code and summary; returns the last non-zero exit code (0 when both are clean).
+# exit code and summary; returns the last non-zero exit code (0 when both are clean). Each tool runs at
+# most GPU_SANITIZE_S seconds (default 120; racecheck of version 8's tests takes longer) and only the
+# tools in GPU_SANITIZE_TOOLS (default "memcheck racecheck").
 gpu_sanitize() {
   local logs=$1 rc=0 s tool
   shift
-  for tool in memcheck racecheck; do
+  for tool in ${GPU_SANITIZE_TOOLS:-memcheck racecheck}; do
     local extra=()
     [[ $tool == memcheck ]] && extra=(--report-api-errors no)
-    VLLM_TFM_SYNC_LAUNCH=1 PYTORCH_NO_CUDA_MEMORY_CACHING=1 timeout 120 \
+    VLLM_TFM_SYNC_LAUNCH=1 PYTORCH_NO_CUDA_MEMORY_CACHING=1 timeout "${GPU_SANITIZE_S:-120}" \
         compute-sanitizer --tool "$tool" "${extra[@]}" --error-exitcode 3 "$@" >"$logs/$tool.log" 2>&1
     s=$?
     (( s != 0 )) && rc=$s

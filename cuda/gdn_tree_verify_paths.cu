@@ -44,8 +44,8 @@
 //
 // Compile-time constants (NVRTC -D): TFM_IN (must be 1, bfloat16), GDN_K (a multiple of 32), GDN_V, P8_BV (32 or
 // 64), P8_PATH (most nodes on a path), P8_SPLIT (2 or 3 bf16 parts of S0), P8_OUTW (1, 2 or 4 nodes a warp in
-// phase 3), P8_PREGRAM (1: the gram kernel; 0: the grams here), P8_GW (the gram kernel's warps a CTA); timing
-// options P8_WARPS (16 or 8), P8_STAGES (2, or 1: S0 waited for with q and k), P8_CLUSTER (1 to 8, with
+// phase 3), P8_PREGRAM (1: the gram kernel; 0: the grams here), P8_GW (the gram kernel's warps a CTA), P8_WARPS
+// (16, or 8 where two CTAs share an SM: vllm_tfm/kernels/gdn.py paths_warps); timing options P8_STAGES (2, or 1: S0 waited for with q and k), P8_CLUSTER (1 to 8, with
 // P8_PREGRAM = 0) and P8_SKIP (wrong outputs: 1 no in-kernel gram mma, 2 no projection mma). The plan (vllm_tfm/kernels/
 // plan.py: cu, perm, pos, depth, pair_off, pair_j) and the state layout (V-first [slot, HV, V, K] with unit K stride,
 // read only) are those of the other versions; TreePlan.build refuses a parent after its child, so node order is
@@ -70,7 +70,7 @@
 #define P8_SPLIT 3
 #endif
 #ifndef P8_WARPS
-#define P8_WARPS 16                       // 8: two CTAs of up to 113 KB a SM (timing option)
+#define P8_WARPS 16                       // 8: two CTAs of up to 113 KB a SM (the wrapper's choice where they fit)
 #endif
 #ifndef P8_STAGES
 #define P8_STAGES 2                       // copy groups after the tables: 2 = q / k, then S0 / v (1: all at once)
@@ -578,18 +578,27 @@ gdn_tree_verify_paths(const tin* __restrict__ q, const tin* __restrict__ k, cons
 // t K / 4 .. (t + 1) K / 4 - 1 of its rows (K / 32 16-byte loads a row) and k-step s takes that run's elements
 // 4 s .. 4 s + 3 as its mma columns 2t, 2t + 1, 2t + 8, 2t + 9. Grid (ceil(2 T / P8_GW), H, R) for T tasks a gram of
 // the plan's largest tree; pair (i, j) is an ancestor pair iff depth[j] <= depth[i] and i's path entry at depth[j]
-// is j. Each pair lies in one task: one store per entry, no other writes.
+// is j. Each pair lies in one task: one store per entry, no other writes. `timeline` (bench/gdn_timeline.py; null
+// otherwise): thread 0's global timer and SM clock at the CTA's start and at warp 0's end, two marks a CTA.
+// The wrapper launches it with the largest shared-memory carveout although it uses none: an SM configured so can
+// take a verify CTA beside its gram CTAs, which programmatic dependent launch then lets start (section 76).
 extern "C" __global__ void __launch_bounds__(32 * P8_GW)
 gdn_tree_paths_grams(const tin* __restrict__ q, const tin* __restrict__ k, const int* __restrict__ pos,
                      const int* __restrict__ depth, const int* __restrict__ pair_off, const int* __restrict__ pair_j,
-                     const int* __restrict__ cu, float* __restrict__ raw, int H, int num_pairs) {
+                     const int* __restrict__ cu, float* __restrict__ raw, int H, int num_pairs,
+                     long long* __restrict__ timeline) {
+  const CtaTimeline tl = cta_timeline(timeline, 2);
+  tl.mark(0);
   pdl_launch_dependents();  // the verify kernel may start: it reads raw only after its pdl_wait
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, gq = lane >> 2, tq = lane & 3;
   const int h = blockIdx.y, r = blockIdx.z;
   const int bos = cu[r], n = cu[r + 1] - bos;
   const int nt16 = (n + 15) / 16, tiles = nt16 * (nt16 + 1) / 2;
   const int task = blockIdx.x * P8_GW + warp;
-  if (task >= 2 * tiles) return;
+  if (task >= 2 * tiles) {
+    tl.mark(1);
+    return;
+  }
   const int gram = task >= tiles ? 1 : 0, u = task - gram * tiles;
   const int mt = p8_task_row(u), nt = u - mt * (mt + 1) / 2;
   constexpr int RUN = GDN_K / 4;        // a lane's columns of a row
@@ -648,4 +657,5 @@ gdn_tree_paths_grams(const tin* __restrict__ q, const tin* __restrict__ k, const
 #pragma unroll
     for (int e = 0; e < 4; ++e)  // C fragment element e: row i0 + 8 (e >> 1), column j0 + 8 t + (e & 1)
       if ((keep >> (4 * t + e)) & 1u) dst[off[e >> 1] + dj[2 * t + (e & 1)]] = acc[t][e];
+  tl.mark(1);
 }

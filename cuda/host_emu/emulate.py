@@ -81,17 +81,20 @@ class _EmuKernel:
 
 class _Launches(list):
     """(kernel name, grid, shared memory bytes) of each launch; ``clusters``: each one's cluster size;
-    ``programmatic``: whether each was launched with programmatic dependent launch."""
+    ``programmatic``: whether each was launched with programmatic dependent launch; ``carveouts``: each one's
+    shared-memory carveout (None: the driver's choice)."""
 
     def __init__(self) -> None:
         super().__init__()
         self.clusters: list[int] = []
         self.programmatic: list[bool] = []
+        self.carveouts: list[int | None] = []
 
     def clear(self) -> None:
         super().clear()
         self.clusters.clear()
         self.programmatic.clear()
+        self.carveouts.clear()
 
 
 @contextlib.contextmanager
@@ -115,9 +118,11 @@ def emulated_kernels(out_dir: Path | None = None, sanitize: bool = False) -> Ite
         set_cluster.restype = None
         return _EmuKernel(fn, kernel_name, set_cluster)
 
-    def launch(kernel, grid, block, args, shared_mem: int = 0, programmatic: bool = False, cluster: int = 1) -> None:
+    def launch(kernel, grid, block, args, shared_mem: int = 0, programmatic: bool = False, cluster: int = 1,
+               carveout: int | None = None) -> None:
         # programmatic (dependent launch): the emulation runs kernels one after the other, which is
-        # the ordering griddepcontrol.wait guarantees; cluster: CTAs per cluster along x, run together
+        # the ordering griddepcontrol.wait guarantees; cluster: CTAs per cluster along x, run together;
+        # carveout: recorded only (no shared-memory configuration on the CPU)
         if shared_mem > kernel.max_dynamic_smem:
             raise loader.KernelLaunchError(f"{kernel.name} needs {shared_mem} bytes of shared memory")
         if cluster < 1 or grid[0] % cluster:
@@ -129,6 +134,7 @@ def emulated_kernels(out_dir: Path | None = None, sanitize: bool = False) -> Ite
         launches.append((kernel.name, tuple(grid), int(shared_mem)))
         launches.clusters.append(int(cluster))
         launches.programmatic.append(bool(programmatic))
+        launches.carveouts.append(carveout)
         kernel.set_cluster(int(cluster))
         kernel.function(*grid, *block, int(shared_mem), ctypes.addressof(ptrs))
 

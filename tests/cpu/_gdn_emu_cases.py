@@ -20,6 +20,19 @@ def _deep_tree(n: int, gen: torch.Generator) -> torch.Tensor:
     return torch.tensor(par)
 
 
+def _bounded_tree(n: int, gen: torch.Generator, max_depth: int = 16) -> torch.Tensor:
+    """A random tree of n nodes (parents before children) whose depth is exactly ``max_depth`` when
+    n > max_depth: a chain to that depth first, then each node under a random earlier node of smaller depth."""
+    par, depth = [-1], [0]
+    for i in range(1, n):
+        p = i - 1 if i <= max_depth else int(torch.randint(0, i, (1,), generator=gen))
+        while depth[p] >= max_depth:
+            p = par[p]
+        par.append(p)
+        depth.append(depth[p] + 1)
+    return torch.tensor(par)
+
+
 def _case(trees, h, hv, kd, vd, dtype, seed, idx_dtype=torch.int64):
     gen = torch.Generator().manual_seed(seed)
     parents = torch.cat(trees)

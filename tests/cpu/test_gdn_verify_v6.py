@@ -22,7 +22,7 @@ from vllm_tfm.kernels import gdn as kgdn
 from vllm_tfm.kernels.plan import TreePlan
 from vllm_tfm.verify import gdn as ref_gdn
 
-from _gdn_emu_cases import _case, _deep_tree, _g, _random_tree, _rel  # tests/cpu helper module
+from _gdn_emu_cases import _bounded_tree, _case, _deep_tree, _g, _random_tree, _rel  # tests/cpu helper module
 
 CUDA_DIR = Path(__file__).resolve().parents[2] / "cuda"
 
@@ -328,10 +328,10 @@ def test_runtime_verify_variant_follows_the_measured_policy():
     assert variant(plan(17, 8), torch.float32) == 3 and variant(plan(17, 8), torch.float16) == 3
     assert kgdn.runtime_verify_variant(plan(17, 8), torch.bfloat16, 16, 48, 128, 128, kgdn.small_smem_bytes(128, 3, 32) - 4,
                                        sms) == 3  # neither version 7 nor version 6 fits
-    assert variant(plan(33, 1)) == 6 and variant(plan(65, 1)) == 6 and variant(plan(128, 1)) == 6  # one wave: 128 CTAs
-    # n = 65: two waves (256 CTAs <= 264) with the path solve, not with the level solve (an unbounded fixed plan)
-    assert variant(plan(65, 2)) == 6 and variant(fixed(65, 2, 15)) == 6 and variant(fixed(65, 2, None)) == 3
-    assert variant(plan(65, 3)) == 3 and variant(plan(65, 8)) == 3 and variant(fixed(65, 8, 15)) == 3  # three and more
+    assert variant(plan(33, 1)) == 6 and variant(plan(65, 1)) == 6  # one wave: 128 CTAs
+    # n = 65 on the full graphs' plans (version 8 takes per-step plans, below): two waves (256 CTAs <= 264) with the
+    # path solve, not with the level solve (an unbounded fixed plan); three waves and more version 3
+    assert variant(fixed(65, 2, 15)) == 6 and variant(fixed(65, 2, None)) == 3 and variant(fixed(65, 8, 15)) == 3
     # B = 32: every batch where version 6 takes its path solve (per-step plans, fixed plans with the drafter's
     # depth bound), version 3 on a fixed plan without one from three waves on (the level solve)
     assert variant(plan(33, 8)) == 6 and variant(plan(33, 32)) == 6
@@ -342,6 +342,20 @@ def test_runtime_verify_variant_follows_the_measured_policy():
     chain = TreePlan.build(torch.arange(-1, 127), torch.tensor([0, 128]))  # 8,256 pairs: does not fit
     assert kgdn.grouped_unsupported_reason(chain, torch.bfloat16, 16, 48, 128, 128, limit) is not None
     assert variant(chain) == 3
+    # section 76: version 8 for trees of more than 33 nodes whose paths have at most 17 nodes (depth <= 16, a DFlash
+    # block) where version 6's grid is more than one wave, and at batch 1 too from 66 nodes; bfloat16 only. A full
+    # graph's fixed-layout plan of more than 17 nodes never runs it (its paths are bounded by its capacity, above)
+    def shallow(nodes: int, requests: int, depth: int = 16) -> TreePlan:
+        parents = torch.cat([_bounded_tree(nodes, _g(50 + r), depth) for r in range(requests)])
+        return TreePlan.build(parents, torch.arange(0, nodes * requests + 1, nodes))
+
+    assert variant(shallow(128, 1)) == 8 and variant(shallow(66, 1)) == 8 and variant(plan(128, 1)) == 8
+    assert variant(shallow(65, 1)) == 6  # one wave at 65 nodes: version 6 (15.2 against 16.1 us)
+    assert variant(shallow(65, 2)) == 8 and variant(shallow(65, 8)) == 8 and variant(plan(65, 3)) == 8
+    assert variant(shallow(128, 32)) == 8 and variant(shallow(34, 2)) == 8
+    assert variant(shallow(33, 8)) == 6 and variant(shallow(32, 8)) == 7
+    assert variant(shallow(128, 8), torch.float32) == 3
+    assert variant(shallow(65, 8, 17)) == 3  # paths of 18 nodes: version 6's level solve at three waves, so 3
 
 
 def test_verify_version_setting(monkeypatch):

@@ -20,7 +20,7 @@ from vllm_tfm.kernels import gdn as kgdn
 from vllm_tfm.kernels.plan import TreePlan
 
 from _emulation import emulated, emulation_build_dir  # tests/cpu helper modules
-from _gdn_emu_cases import _case, _depth_first, _g, _random_tree, _reference, _rel, _run_variant
+from _gdn_emu_cases import _bounded_tree, _case, _depth_first, _g, _random_tree, _reference, _rel, _run_variant
 
 pytestmark = [pytest.mark.slow,
               pytest.mark.skipif(shutil.which("g++") is None, reason="g++ is needed for the CPU emulation")]
@@ -32,19 +32,6 @@ LIMIT = 227 * 1024
 def launches(tmp_path_factory):
     with emulated(emulation_build_dir(tmp_path_factory, "emu8")) as made:
         yield made
-
-
-def _bounded_tree(n: int, gen: torch.Generator, max_depth: int = 16) -> torch.Tensor:
-    """A random tree of n nodes (parents before children) whose depth is exactly ``max_depth`` when
-    n > max_depth: a chain to that depth first, then each node under a random earlier node of smaller depth."""
-    par, depth = [-1], [0]
-    for i in range(1, n):
-        p = i - 1 if i <= max_depth else int(torch.randint(0, i, (1,), generator=gen))
-        while depth[p] >= max_depth:
-            p = par[p]
-        par.append(p)
-        depth.append(depth[p] + 1)
-    return torch.tensor(par)
 
 
 def _run8(c, plan, launches, options=(), return_delta=True, **kw):
@@ -94,6 +81,24 @@ def test_v8_block_v_warps_and_stages_agree(launches):
         made, _, _ = kgdn.verify_launches(plan, c["q"], c["k"], c["v"], c["g"], c["beta"], c["ssm_state"],
                                           c["state_indices"], variant=8, extra_options=options)
         assert dict(made)["gdn_tree_verify_paths"].config[1] == (256 if "-DP8_WARPS=8" in options else 512, 1, 1)
+
+
+def test_v8_gram_kernel_carveout_and_timeline(launches):
+    # the gram kernel asks for the largest shared-memory carveout (verify CTAs can start beside its CTAs) and the
+    # verify kernel for programmatic dependent launch; -DP8_GCARVE=0 leaves the driver's carveout. With a timeline
+    # buffer every gram CTA writes its two marks (the emulation's timers read 0), and the outputs are the same
+    c = _case([_bounded_tree(40, _g(28)), torch.tensor([-1, 0, 0])], 2, 4, 64, 64, torch.bfloat16, seed=29)
+    plan = TreePlan.build(c["parents"], c["cu_nodes"])
+    _, o, d = _run8(c, plan, launches)
+    assert launches.carveouts == [100, None] and launches.programmatic == [False, True]
+    _, o0, d0 = _run8(c, plan, launches, ("-DP8_GCARVE=0",))
+    assert launches.carveouts == [None, None] and torch.equal(o0, o) and torch.equal(d0, d)
+    tasks = 2 * 3 * 4 // 2  # both grams' 16 x 16 lower-triangle tiles of the 40-node tree (three row blocks)
+    ctas = -(-tasks // kgdn.PATHS_GRAM_WARPS) * 2 * 2  # x, q/k heads, requests
+    marks = torch.full((ctas, 2, 2), -1, dtype=torch.int64)
+    _, ot, dt = _run8(c, plan, launches, timeline8_grams=marks)
+    assert launches[0][1] == (ctas // 4, 2, 2)
+    assert torch.equal(marks, torch.zeros_like(marks)) and torch.equal(ot, o) and torch.equal(dt, d)
 
 
 def _gram_kernel_check(c, plan, h):
@@ -231,3 +236,26 @@ def test_v8_support_and_shared_memory():
     assert need <= LIMIT
     assert kgdn.paths_unsupported_reason(plan, torch.bfloat16, 128, 128, need) is None
     assert "needs" in kgdn.paths_unsupported_reason(plan, torch.bfloat16, 128, 128, need - 4)
+
+
+def test_v8_warps_two_ctas_a_sm_where_they_fit_and_the_grid_passes_the_sms():
+    # the 27B layer (48 value heads, V = 128, BV 64: 96 CTAs a request) on 132 SMs: 8 warps once a second wave would
+    # start (batch 2, or batch 1 at BV 32) if two CTAs (and their reserved KB) fit 228 KB; 16 at batch 1 and for
+    # n = 128 (one CTA fills it)
+    def plan_of(trees):
+        parents = torch.cat(trees)
+        cu = torch.tensor([0] + [len(t) for t in trees]).cumsum(0)
+        return TreePlan.build(parents, cu)
+
+    n65 = [_bounded_tree(65, _g(62 + i)) for i in range(2)]
+    p1, p2 = plan_of(n65[:1]), plan_of(n65)
+    smem = kgdn.paths_smem_bytes(128, 64, 65, p2.max_pairs_per_request)
+    assert 2 * (smem + kgdn.CTA_SMEM_RESERVED) <= kgdn.SM_SMEM_BYTES  # this tree's pairs fit twice
+    assert kgdn.paths_warps(p1, 16, 48, 128, 128, 64, 132) == 16  # 96 CTAs: one wave
+    assert kgdn.paths_warps(p2, 16, 48, 128, 128, 64, 132) == 8
+    assert kgdn.paths_warps(p2, 16, 48, 128, 128, 64, 192) == 16  # 192 CTAs on 192 SMs: one wave
+    assert kgdn.paths_warps(p2, 16, 48, 128, 128, 64, 132, ("-DP8_WARPS=16",)) == 16  # a test's or bench's choice
+    p128 = plan_of([_bounded_tree(128, _g(64 + i)) for i in range(2)])
+    assert 2 * (kgdn.paths_smem_bytes(128, 64, 128, p128.max_pairs_per_request) + 1024) > kgdn.SM_SMEM_BYTES
+    assert kgdn.paths_warps(p128, 16, 48, 128, 128, 64, 132) == 16
+    assert kgdn.paths_warps(p1, 16, 48, 128, 128, 32, 132) == 8  # 32 columns: 192 CTAs at batch 1, smaller CTAs

@@ -22,6 +22,7 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "cpu"))
 import _gdn_before as before
 from _gdn_layer import LayerCase, assert_same_layer_outcome, forward_context, random_trees, run_layer
+from _trees import random_tree_parents
 
 from vllm_tfm.vllm_plugin.runtime import gdn as gdn_mod
 from vllm_tfm.vllm_plugin.runtime.kernels_or_reference import kernels_in_use
@@ -81,3 +82,27 @@ def test_gdn_layer_on_cuda_equals_the_previous_code(num_req, num_plain, monkeypa
             assert (out.float() - out0.float()).norm() <= 3e-3 * out0.float().norm()
             assert (stash.delta - stash0.delta).norm() <= 1e-5 * stash0.delta.norm()
             assert torch.equal(stash.k, stash0.k) and torch.equal(stash.g, stash0.g)
+
+
+def test_gdn_layer_auto_runs_version_8_on_large_shallow_trees(monkeypatch):
+    # per-step plans of eight 65-node trees whose paths have at most 17 nodes (random and star): ``auto`` runs
+    # version 8 (its gram kernel, then the verify launched with programmatic dependent launch; bench/NOTES.md section
+    # 76), and the layer's outcome is version 3's within bf16 / float32 rounding
+    gen = torch.Generator().manual_seed(65)
+    trees = [random_tree_parents(65, gen, "random" if i % 2 else "star") for i in range(8)]
+    case = LayerCase(trees, **SHAPE, device="cuda", seed=66)
+    results = {}
+    for setting in ("3", "auto"):
+        monkeypatch.setenv("VLLM_TFM_GDN_VERIFY", setting)
+        set_step_kernels(None)  # the setting is read once per step
+        kernels = gdn_mod.step_kernels(case.step, torch.device("cuda"))
+        variant = kernels.verify_variant(torch.bfloat16, SHAPE["h"], SHAPE["hv"], SHAPE["k"], SHAPE["v"])
+        assert variant == (3 if setting == "3" else 8), (setting, variant)
+        assert kernels.plan.max_depth <= 16
+        with torch.inference_mode(), forward_context(case):
+            results[setting] = run_layer(gdn_mod._tree_step_forward_core, case)
+    torch.cuda.synchronize()
+    (out8, stash8), (out3, stash3) = results["auto"], results["3"]
+    assert (out8.float() - out3.float()).norm() <= 3e-3 * out3.float().norm()
+    assert (stash8.delta - stash3.delta).norm() <= 1e-5 * stash3.delta.norm()
+    assert torch.equal(stash8.k, stash3.k) and torch.equal(stash8.g, stash3.g)

@@ -307,6 +307,58 @@ def test_verify_v8_at_the_27b_shape_equals_version_6_within_rounding(batch):
     assert rel(d8, d6) <= 1e-6 and rel(o8.float(), o6.float()) <= HALF_TOL
 
 
+def test_verify_v8_two_ctas_a_sm_equal_one():
+    # the 27B layer at n = 65, batch 8: 768 CTAs whose shared memory fits twice an SM, so the wrapper runs CTAs of
+    # 8 warps (paths_warps); the same numbers as 16 warps bit for bit (which warp computes a tile changes, not its
+    # arithmetic), and within the bars of the float64 reference
+    gen = _seeded(85)
+    c = make_case([bushy_tree(65, gen) for _ in range(8)], h=16, hv=48, dtype=torch.bfloat16, seed=86)
+    plan = TreePlan.build(c["parents"], c["cu_nodes"])
+    sms = torch.cuda.get_device_properties(DEV).multi_processor_count
+    assert kgdn.paths_warps(plan, 16, 48, 128, 128, 64, sms) == 8
+    launches, _, _ = kgdn.verify_launches(plan, c["q"], c["k"], c["v"], c["g"], c["beta"], c["ssm_state"],
+                                          c["state_indices"], variant=8)
+    assert dict(launches)["gdn_tree_verify_paths"].config[1] == (256, 1, 1)
+    o8, d8 = _v8_launch(c)
+    o16, d16 = _v8_launch(c, extra_options=("-DP8_WARPS=16",))
+    assert torch.equal(o8, o16) and torch.equal(d8, d16)
+    o_ref, d_ref = reference(c)
+    assert rel(o8, o_ref) <= HALF_TOL and rel(d8, d_ref) <= FP32_TOL, (rel(o8, o_ref), rel(d8, d_ref))
+
+
+@pytest.mark.parametrize("batch", [1, 8])
+def test_verify_v8_replayed_in_a_cuda_graph_equals_eager(batch):
+    # the gram kernel (largest shared-memory carveout) and the verify kernel (programmatic dependent launch) captured
+    # in a CUDA graph, as the runtime and the bench run them: each replay, with other q / k / v / g / beta / S0 copied
+    # into the captured inputs, gives the eager launches' outputs bit for bit (the verify reads the grams only after
+    # the gram kernel's writes), at the 27B shape, n = 128
+    gen = _seeded(90 + batch)
+    c = make_case([bushy_tree(128, gen) for _ in range(batch)], h=16, hv=48, dtype=torch.bfloat16, seed=91)
+    plan = TreePlan.build(c["parents"], c["cu_nodes"])
+    launches, o, d = kgdn.verify_launches(plan, c["q"], c["k"], c["v"], c["g"], c["beta"], c["ssm_state"],
+                                          c["state_indices"], return_delta=True, variant=8)
+    assert [kname for kname, _ in launches] == ["gdn_tree_paths_grams", "gdn_tree_verify_paths"]
+    for _, fn in launches:  # loaded (and the carveout set) before the capture
+        fn()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _, fn in launches:
+            fn()
+    for seed in (92, 93):
+        new = make_case([bushy_tree(128, _seeded(90 + batch)) for _ in range(batch)], h=16, hv=48,
+                        dtype=torch.bfloat16, seed=seed)
+        for name in ("q", "k", "v", "g", "beta", "ssm_state"):
+            c[name].copy_(new[name])
+        o.fill_(float("nan"))
+        d.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        o_graph, d_graph = o.clone(), d.clone()
+        o_eager, d_eager = _v8_launch(c)
+        assert torch.equal(o_graph, o_eager) and torch.equal(d_graph, d_eager), seed
+
+
 def test_verify_v8_large_gates_and_two_part_split():
     # gates of -40 a step (decays formed on ancestor pairs only), and S0 in two bf16 parts (P8_SPLIT=2):
     # within the bars, not the three-part numbers

@@ -61,16 +61,16 @@ COMMIT_THREADS, COMMIT_BV, COMMIT_PC = 128, 16, 32
 # head, 16 V columns) serves every value head of the q/k head's group, computes the pair products
 # itself on tensor cores and runs the projections as bf16 mma on a three-part split of S0. It takes
 # bfloat16 inputs whose whole tree fits one CTA's shared memory; other calls run version 3.
-# DEFAULT_VERIFY_VARIANT is the library calls' default; the vLLM runtime picks per step between 3, 6 and 7
-# (runtime_verify_variant, sections 34 and 73).
+# DEFAULT_VERIFY_VARIANT is the library calls' default; the vLLM runtime picks per step between 3, 6, 7 and 8
+# (runtime_verify_variant, sections 34, 73 and 76).
 # 7 = trees of at most 32 nodes (cuda/gdn_tree_verify_small.cu; section 73): a CTA of 4 GROUP BV threads
 # per (request, q/k head, BV columns of V), a warp per (value head, 16 V rows, half of K), every n x n block
 # 32 x 32, Delta in registers; two CTAs share an SM at the 27B shape. It takes the bfloat16 calls version 6
 # takes whose trees have at most SMALL_MAX_NODES nodes; other calls run version 6 (or 3).
 # 8 = trees of up to 128 nodes whose paths have at most PATHS_MAX_PATH nodes (cuda/gdn_tree_verify_paths.cu;
-# section 74): a CTA of 16 warps per (request, value head, BV columns of V), the gram and the projections on
-# bf16 tensor cores, each node's rows of (I + X)^-1 and Y (I + X)^-1 by back substitution over its path in
-# registers, then Delta and O as sums over path entries. It takes the bfloat16 calls version 6 takes whose
+# section 74): a CTA of 16 warps (8 where two share an SM: paths_warps) per (request, value head, BV columns of
+# V), the gram and the projections on bf16 tensor cores, each node's rows of (I + X)^-1 and Y (I + X)^-1 by back
+# substitution over its path in registers, then Delta and O as sums over path entries. It takes the bfloat16 calls version 6 takes whose
 # trees fit (paths_unsupported_reason); other calls run version 6 (or 3).
 VERIFY_VARIANTS = (1, 2, 3, 4, 5, 6, 7, 8)
 DEFAULT_VERIFY_VARIANT = 3
@@ -79,7 +79,8 @@ GROUPED_THREADS, GROUPED_BV = 512, 16
 GROUPED_DPAD = 16  # floats between value heads' D / O blocks (G6_DPAD)
 PATH_SOLVE_MAX_DEPTH = 16  # version 6's path solve: deepest node it takes (grouped_solve; G6_PATH_REG = this + 1)
 GROUPED_MARKS = 6  # timeline marks of version 6 (G6_MARKS): start, after phases 0, 1, 2, 3, end
-SM_SMEM_BYTES = 228 * 1024  # shared memory of an sm_90 SM (CTAs also reserve 1 KB each)
+SM_SMEM_BYTES = 228 * 1024  # shared memory of an sm_90 SM
+CTA_SMEM_RESERVED = 1024  # shared memory the system reserves for each CTA on sm_80 / sm_90
 SMALL_SOURCE = "gdn_tree_verify_small.cu"
 SMALL_MAX_NODES = 32  # version 7's trees (S7_N)
 SMALL_BLOCK_VS = (16, 32)  # V columns per value head and CTA (S7_BV)
@@ -88,7 +89,7 @@ PATHS_SOURCE = "gdn_tree_verify_paths.cu"
 PATHS_MAX_NODES = 128  # version 8's trees (P8_N)
 PATHS_MAX_PATH = 17  # most nodes on a root..node path in version 8 (P8_PATH): depth <= 16, a DFlash block
 PATHS_BLOCK_VS = (32, 64)  # V columns per CTA (P8_BV)
-PATHS_THREADS = 512  # P8_WARPS = 16; a -DP8_WARPS=8 in verify_launches' extra_options (timing) launches 256
+PATHS_WARPS = (16, 8)  # warps per CTA (P8_WARPS): 16, or 8 where two CTAs share an SM (paths_warps)
 PATHS_GRAM_WARPS = 4  # gram tasks per CTA of version 8's gram kernel (P8_GW); -DP8_PREGRAM=0: grams in the verify kernel,
 # shared by a cluster of a q/k head's CTAs with -DP8_CLUSTER=k (timing options)
 PATHS_MARKS = 9  # timeline marks of version 8 (P8_MARKS): start, after the copies and node tables, after the norms and
@@ -226,6 +227,21 @@ def paths_block_v(v_dim: int) -> int:
     return 64 if v_dim % 64 == 0 else 32
 
 
+def paths_warps(plan: TreePlan, h: int, hv: int, k_dim: int, v_dim: int, block_v: int, num_sms: int,
+                extra_options: Sequence[str] = ()) -> int:
+    """Version 8's warps per CTA (P8_WARPS): 8 where two CTAs fit one SM's shared memory and the grid has more
+    CTAs than the SMs, so that two CTAs share each SM (at 8 warps their registers fit too), else 16. On an H100
+    (bench/NOTES.md section 75, bench/results/gdn_tree_v8_s75.txt.gz) 8 warps took n = 65 from 110.6 to 73.8 us at
+    batch 8 and from 414.9 to 247.7 at batch 32, and were within 3% at one wave (batch 1) and where one CTA fills the
+    shared memory (n = 128). An explicit ``-DP8_WARPS=k`` in ``extra_options`` (benchmarks, tests) decides instead."""
+    forced = _forced_define(extra_options, "P8_WARPS")
+    if forced is not None:
+        return forced
+    smem = paths_smem_bytes(k_dim, block_v, plan.max_nodes, plan.max_pairs_per_request)
+    ctas = plan.num_requests * hv * (v_dim // block_v)
+    return 8 if 2 * (smem + CTA_SMEM_RESERVED) <= SM_SMEM_BYTES and ctas > num_sms else 16
+
+
 def small_block_v(v_dim: int) -> int:
     """Version 7's V columns per value head and CTA (S7_BV): 32 where V allows (grids of R H V / 32 CTAs of
     128 GROUP threads), faster than 16 at every size measured on an H100 (n = 16, 17 and 32 at batch 1, 8
@@ -288,7 +304,7 @@ def grouped_threads(plan: TreePlan, h: int, v_dim: int, smem: int, max_smem_sm: 
     """Threads per CTA of version 6: 256 when two CTAs fit an SM's shared memory and the grid has at
     least two CTAs per SM (then one CTA's loads overlap the other's math), else 512 (one CTA per SM)."""
     ctas = plan.num_requests * h * (v_dim // GROUPED_BV)
-    return 256 if 2 * (smem + 1024) <= max_smem_sm and ctas >= 2 * num_sms else GROUPED_THREADS
+    return 256 if 2 * (smem + CTA_SMEM_RESERVED) <= max_smem_sm and ctas >= 2 * num_sms else GROUPED_THREADS
 
 
 def grouped_unsupported_reason(plan: TreePlan, qk_dtype: torch.dtype, h: int, hv: int, k_dim: int, v_dim: int,
@@ -314,11 +330,16 @@ def grouped_unsupported_reason(plan: TreePlan, qk_dtype: torch.dtype, h: int, hv
 RUNTIME_V6_MAX_NODES = 17
 RUNTIME_V6_PATH_NODES = 33
 RUNTIME_V6_PATH_WAVES = 2
+# version 8 (section 76): trees of more than RUNTIME_V8_MIN_NODES - 1 nodes (B > 32) whose paths fit it, on grids of
+# version 6 of more than one wave, and at batch 1 too from RUNTIME_V8_ONE_WAVE_NODES + 1 nodes
+RUNTIME_V8_MIN_NODES = 34
+RUNTIME_V8_ONE_WAVE_NODES = 65
 
 
 def runtime_verify_variant(plan: TreePlan, qk_dtype: torch.dtype, h: int, hv: int, k_dim: int, v_dim: int,
                            max_smem: int, num_sms: int) -> int:
-    """The verify version the runtime runs for this plan: 6 where the H200 measured it faster than 3 on
+    """The verify version the runtime runs for this plan: 7 or 8 where they take it and measured faster (below), else
+    6 where the H200 measured it faster than 3 on
     per-step plans and on the full CUDA graphs' fixed-layout plans, with and without the drafter's depth
     bound (bench/NOTES.md sections 34 and 37; bench/results/gdn_tree_tfm_sizes_s37*.json.gz), else 3:
 
@@ -336,15 +357,19 @@ def runtime_verify_variant(plan: TreePlan, qk_dtype: torch.dtype, h: int, hv: in
     31.7 / 107.4 us against version 6's 46.1 / 168.7 at batch 8 / 32, but 11.1 against 10.8 at batch 1
     (bench/NOTES.md section 73, bench/results/gdn_tree_v7_s73.json.gz; batches 2 to 7 not measured).
 
-    Never version 8 (yet): it takes no full CUDA graph's fixed-layout plan of more than 17 nodes (their paths are
-    bounded by the capacity), and on per-step plans its H100 numbers (bench/NOTES.md section 75,
-    bench/results/gdn_tree_v8_s75.json.gz: n = 128 at batch 1 / 8 / 32 20.2 / 106.0 / 403.9 us against version 6's
-    22.9 / 168.4 / 654.5; n = 65 at batch 8 80.1 against version 3's ~100) have no H200 or end-to-end run behind
-    them."""
+    Version 8 where it takes the call (trees of up to 128 nodes whose paths have at most 17) and they have more than
+    33 nodes (B > 32), if version 6's grid is more than one wave or the trees have more than 65 nodes. On an H100
+    (bench/NOTES.md sections 75 and 76, bench/results/gdn_tree_v8_s75.json.gz): n = 128 at batch 1 / 8 / 32 20.2 /
+    106.0 / 403.9 us against version 6's 22.9 / 168.4 / 654.5; n = 65 at batch 8 / 32 80.1 / 305.2 against version
+    3's 101.2 / 363.8, but 16.1 against version 6's 15.2 at batch 1; n = 33 tied at batch 8 and lost at batch 32.
+    A full CUDA graph's fixed-layout plan of more than 17 nodes never runs it: its paths are bounded by its capacity."""
     ctas = plan.num_requests * h * (v_dim // GROUPED_BV)  # version 6's grid
     if ctas > num_sms and small_unsupported_reason(plan, qk_dtype, h, hv, k_dim, v_dim, max_smem,
                                                     small_block_v(v_dim)) is None:
         return 7
+    if (plan.max_nodes >= RUNTIME_V8_MIN_NODES and (ctas > num_sms or plan.max_nodes > RUNTIME_V8_ONE_WAVE_NODES)
+            and paths_unsupported_reason(plan, qk_dtype, k_dim, v_dim, max_smem, paths_block_v(v_dim)) is None):
+        return 8
     if grouped_unsupported_reason(plan, qk_dtype, h, hv, k_dim, v_dim, max_smem) is not None:
         return 3
     if plan.max_nodes <= RUNTIME_V6_MAX_NODES or ctas <= num_sms:
@@ -470,6 +495,7 @@ def verify_launches(
     timeline6: Tensor | None = None,
     timeline7: Tensor | None = None,
     timeline8: Tensor | None = None,
+    timeline8_grams: Tensor | None = None,
 ) -> tuple[list[tuple[str, Callable[[], None]]], Tensor, Tensor | None]:
     """Prepare one verify call: ([(kernel name, launch)], o, delta) without launching anything.
 
@@ -481,8 +507,8 @@ def verify_launches(
     :func:`grouped_threads`), for tests and benchmarks; ``timeline6``: an int64 CUDA tensor of
     ``GROUPED_MARKS * 2`` entries per CTA that version 6 fills with the global timer and the SM clock at
     its phase boundaries (bench/gdn_timeline.py); ``timeline7`` and ``timeline8`` the same for versions 7 and 8
-    (``SMALL_MARKS * 2`` / ``PATHS_MARKS * 2`` entries per CTA). Raises ValueError on a shape mismatch or an
-    unknown variant.
+    (``SMALL_MARKS * 2`` / ``PATHS_MARKS * 2`` entries per CTA), and ``timeline8_grams`` version 8's gram kernel
+    (4 entries per CTA: its start and warp 0's end). Raises ValueError on a shape mismatch or an unknown variant.
     """
     if variant not in VERIFY_VARIANTS:
         raise ValueError(f"variant={variant!r} is not a verify kernel version; choose one of {VERIFY_VARIANTS}")
@@ -517,9 +543,12 @@ def verify_launches(
             if not 1 <= cl8 <= 8 or (hv // h * (vd // bv8)) % cl8 or (pregram and cl8 != 1):
                 raise ValueError(f"P8_CLUSTER={cl8}: a cluster of 1 to 8 CTAs that divides the {hv // h * (vd // bv8)} "
                                  "CTAs of a q/k head (1 with P8_PREGRAM=1)")
+            warps8 = paths_warps(plan, h, hv, kd, vd, bv8, torch.cuda.get_device_properties(dev_index).multi_processor_count,
+                                 extra_options)
             opts = ["--std=c++17", "-lineinfo", f"-DTFM_IN={DTYPE_CODE[v.dtype]}", f"-DGDN_K={kd}", f"-DGDN_V={vd}",
                     f"-DP8_BV={bv8}", f"-DP8_PATH={PATHS_MAX_PATH}", f"-DP8_CLUSTER={cl8}", f"-DP8_GW={PATHS_GRAM_WARPS}",
-                    *[x for x in extra_options if not x.startswith(("-DP8_BV=", "-DP8_CLUSTER=", "-DP8_GW="))]]
+                    f"-DP8_WARPS={warps8}",
+                    *[x for x in extra_options if not x.startswith(("-DP8_BV=", "-DP8_CLUSTER=", "-DP8_GW=", "-DP8_WARPS="))]]
             k_paths = get_kernel(PATHS_SOURCE, "gdn_tree_verify_paths", opts, dev_index)
             pcap8 = plan.max_pairs_per_request
             n16 = (plan.max_nodes + 15) & ~15
@@ -529,8 +558,7 @@ def verify_launches(
                     f32(scale), i32(int(use_qk_l2norm)), raw, i32(plan.num_pairs), timeline8]
             grid8 = (hv // h * (vd // bv8), h, plan.num_requests)  # a q/k head's CTAs consecutive along x
             smem8 = paths_smem_bytes(kd, bv8, plan.max_nodes, pcap8)
-            warps8 = _forced_define(extra_options, "P8_WARPS")
-            block8 = (PATHS_THREADS if warps8 is None else 32 * warps8, 1, 1)
+            block8 = (32 * warps8, 1, 1)
 
             def run_paths() -> None:
                 launch(k_paths, grid8, block8, args, shared_mem=smem8, programmatic=pregram, cluster=cl8)
@@ -542,10 +570,14 @@ def verify_launches(
                 tasks = n16 // 16 * (n16 // 16 + 1)  # of both grams, the plan's largest tree
                 grid_g = ((tasks + PATHS_GRAM_WARPS - 1) // PATHS_GRAM_WARPS, h, plan.num_requests)
                 args_g = [q, k, plan.pos, plan.depth, plan.pair_off, plan.pair_j, plan.cu, raw, i32(h),
-                          i32(plan.num_pairs)]
+                          i32(plan.num_pairs), timeline8_grams]
+                # the largest shared-memory carveout, though the gram kernel uses none: SMs running its CTAs can then
+                # take verify CTAs beside them (an SM changes its carveout only when idle); -DP8_GCARVE=0 (timing)
+                # leaves the driver's choice
+                carve = None if _forced_define(extra_options, "P8_GCARVE") == 0 else 100
 
                 def run_grams() -> None:
-                    launch(k_grams, grid_g, (32 * PATHS_GRAM_WARPS, 1, 1), args_g)
+                    launch(k_grams, grid_g, (32 * PATHS_GRAM_WARPS, 1, 1), args_g, carveout=carve)
 
                 run_grams.kernel, run_grams.config = k_grams, (grid_g, (32 * PATHS_GRAM_WARPS, 1, 1), 0, 1)  # type: ignore[attr-defined]
                 run_grams.raw = raw  # type: ignore[attr-defined]  # its output, for the tests

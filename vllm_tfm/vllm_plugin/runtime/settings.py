@@ -25,8 +25,9 @@ them into ``TreeSettings`` here. Two in-process switches come on top:
 
 * ``VLLM_TFM_GDN_VERIFY`` (read once per step and layer shape, so at capture for CUDA graphs; default
   ``auto``): the GDN tree verify kernel version, ``auto`` picking version 7 for trees of up to 32
-  nodes on grids where version 6 takes more than one wave, else version 6 where the H200 measured it
-  faster than version 3 (``kernels.gdn.runtime_verify_variant``), or a version 1-7 for every step.
+  nodes on grids where version 6 takes more than one wave, version 8 for trees of more than 33 nodes whose
+  paths it takes (per-step plans) on such grids or of more than 65 nodes, else version 6 where the H200
+  measured it faster than version 3 (``kernels.gdn.runtime_verify_variant``), or a version 1-8 for every step.
 
 One debugging switch is read once, when a tfm model runner is built (``trace_settings``):
 
@@ -155,9 +156,9 @@ VERIFY_VERSION_ENV = "VLLM_TFM_GDN_VERIFY"
 
 
 def verify_version_setting() -> int | None:
-    """``VLLM_TFM_GDN_VERIFY``: None (unset or ``auto``: per step, version 7 or 6 where it is faster,
-    ``kernels.gdn.runtime_verify_variant``), or a verify kernel version every step runs (1-7; 7 runs version 6,
-    and 6 version 3, for calls it does not take)."""
+    """``VLLM_TFM_GDN_VERIFY``: None (unset or ``auto``: per step, version 8, 7 or 6 where it is faster,
+    ``kernels.gdn.runtime_verify_variant``), or a verify kernel version every step runs (1-8; 8 and 7 run version
+    6, and 6 version 3, for calls they do not take)."""
     from vllm_tfm.kernels.gdn import VERIFY_VARIANTS
 
     raw = os.environ.get(VERIFY_VERSION_ENV, "").strip()
