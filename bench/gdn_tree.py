@@ -382,8 +382,8 @@ def bench_verify(n: int, batch: int, bw: float, reps: int, vllm_fn, allow_slow: 
         row["v7_vs_v6_o_rel"] = rel_err(o7[0], o6[0])
         row["v7_vs_v6_delta_rel"] = rel_err(o7[1], o6[1])
     # version 8 (trees of <= 128 nodes with paths of <= 17; others run version 6): which kernels ran, both V
-    # widths, S0 in two bf16 parts instead of three (P8_SPLIT=2), the gram kernel without the largest shared-memory
-    # carveout (P8_GCARVE=0: the driver's), the grams in the verify kernel (P8_PREGRAM=0) without and with a cluster
+    # widths, S0 in two bf16 parts instead of three (P8_SPLIT=2), the gram kernel at the driver's and at the largest
+    # shared-memory carveout (P8_GCARVE=0 / 1; paths_gram_carveout decides), the grams in the verify kernel (P8_PREGRAM=0) without and with a cluster
     # of 6 CTAs sharing a q/k head's grams (P8_CLUSTER), its distance from version 6
     launches8, _, _ = kgdn.verify_launches(plan, x["q"], x["k"], x["v"], x["g"], x["beta"], pool, slots[0], variant=8)
     row["v8_kernels"] = [name for name, _ in launches8]
@@ -395,6 +395,7 @@ def bench_verify(n: int, batch: int, bw: float, reps: int, vllm_fn, allow_slow: 
         row["v8_warps16_us"] = launches_us(8, extra_options=("-DP8_BV=64", "-DP8_WARPS=16"))  # and of 16 (paths_warps)
         row["v8_split2_us"] = launches_us(8, extra_options=("-DP8_SPLIT=2",))
         row["v8_nocarve_us"] = launches_us(8, extra_options=("-DP8_GCARVE=0",))
+        row["v8_carve_us"] = launches_us(8, extra_options=("-DP8_GCARVE=1",))
         row["v8_ingram_us"] = {str(cl): launches_us(8, extra_options=("-DP8_PREGRAM=0", f"-DP8_CLUSTER={cl}"))
                                for cl in PATHS_CLUSTERS}
         o8 = call(8)
@@ -773,12 +774,12 @@ def table(results: dict) -> str:
                      f"{fmt(r.get('ours_eager_us')):>8} {fmt(r.get('per_branch_us')):>11} "
                      f"{fmt(r.get('speedup_vs_per_branch')):>8} {fmt(r.get('reference_us'), '.0f'):>10} "
                      f"{fmt(r.get('err_vs_reference'), '.1e'):>8} {'v' + str(r.get('runtime_variant', '-')):>3}")
-    lines.append("versions 6 to 8 (v8 BV32 / BV64 / w8 BV32 / w8 BV64 / w16 BV64 / split2 / nocarve / in cl1 / cl6: version 8's "
-                 "launches alone at 32 and 64 V columns, with CTAs of 8 and of 16 warps, with S0 in two bf16 parts, with the gram kernel at the "
-                 "driver's shared-memory carveout, and with the grams in the verify kernel, shared by clusters of 1 and 6 "
+    lines.append("versions 6 to 8 (v8 BV32 / BV64 / w8 BV32 / w8 BV64 / w16 BV64 / split2 / nocarve / carve / in cl1 / cl6: version "
+                 "8's launches alone at 32 and 64 V columns, with CTAs of 8 and of 16 warps, with S0 in two bf16 parts, with the gram kernel "
+                 "at the driver's and at the largest shared-memory carveout, and with the grams in the verify kernel, shared by clusters of 1 and 6 "
                  "CTAs), the fastest version and its speedup over per-branch recurrence, us")
     lines.append(f"{'n':>4} {'batch':>5} {'floor':>8} {'v6 auto':>8} {'v7 auto':>8} {'v8 auto':>8} {'v8 BV32':>8} "
-                 f"{'v8 BV64':>8} {'w8 BV32':>8} {'w8 BV64':>8} {'w16 BV64':>8} {'split2':>8} {'nocarve':>8} {'in cl1':>7} {'cl6':>7} "
+                 f"{'v8 BV64':>8} {'w8 BV32':>8} {'w8 BV64':>8} {'w16 BV64':>8} {'split2':>8} {'nocarve':>8} {'carve':>8} {'in cl1':>7} {'cl6':>7} "
                  f"{'v6/v8':>6} {'v8-v6 d':>8} {'fastest':>8} "
                  f"{'per-branch':>11} {'speedup':>8}")
     for r in results["verify"]:
@@ -787,7 +788,7 @@ def table(results: dict) -> str:
         bvs, w8 = r.get("v8_block_v_us", {}), r.get("v8_warps8_us", {})
         lines.append(f"{r['n']:>4} {r['batch']:>5} {fmt(r['floor_us']):>8} {fmt(r.get('v6_auto_us')):>8} {fmt(v7):>8} "
                      f"{fmt(v8):>8} {fmt(bvs.get('32')):>8} {fmt(bvs.get('64')):>8} {fmt(w8.get('32')):>8} "
-                     f"{fmt(w8.get('64')):>8} {fmt(r.get('v8_warps16_us')):>8} {fmt(r.get('v8_split2_us')):>8} {fmt(r.get('v8_nocarve_us')):>8} "
+                     f"{fmt(w8.get('64')):>8} {fmt(r.get('v8_warps16_us')):>8} {fmt(r.get('v8_split2_us')):>8} {fmt(r.get('v8_nocarve_us')):>8} {fmt(r.get('v8_carve_us')):>8} "
                      + " ".join(f"{fmt(r.get('v8_ingram_us', {}).get(str(cl))):>7}" for cl in PATHS_CLUSTERS) + " "
                      f"{fmt(ratio(r.get('v6_auto_us'), v8), '.2f'):>6} {fmt(r.get('v8_vs_v6_delta_rel'), '.1e'):>8} "
                      f"{str(r.get('fastest_variant')):>8} {fmt(r.get('per_branch_us')):>11} "

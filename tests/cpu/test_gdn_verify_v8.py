@@ -84,8 +84,8 @@ def test_v8_block_v_warps_and_stages_agree(launches):
 
 
 def test_v8_gram_kernel_carveout_and_timeline(launches):
-    # the gram kernel asks for the largest shared-memory carveout (verify CTAs can start beside its CTAs) and the
-    # verify kernel for programmatic dependent launch; -DP8_GCARVE=0 leaves the driver's carveout. With a timeline
+    # on a grid of one wave the gram kernel asks for the largest shared-memory carveout (verify CTAs can start beside
+    # its CTAs) and the verify kernel for programmatic dependent launch; -DP8_GCARVE=0 leaves the driver's. With a timeline
     # buffer every gram CTA writes its two marks (the emulation's timers read 0), and the outputs are the same
     c = _case([_bounded_tree(40, _g(28)), torch.tensor([-1, 0, 0])], 2, 4, 64, 64, torch.bfloat16, seed=29)
     plan = TreePlan.build(c["parents"], c["cu_nodes"])
@@ -259,3 +259,14 @@ def test_v8_warps_two_ctas_a_sm_where_they_fit_and_the_grid_passes_the_sms():
     assert 2 * (kgdn.paths_smem_bytes(128, 64, 128, p128.max_pairs_per_request) + 1024) > kgdn.SM_SMEM_BYTES
     assert kgdn.paths_warps(p128, 16, 48, 128, 128, 64, 132) == 16
     assert kgdn.paths_warps(p1, 16, 48, 128, 128, 32, 132) == 8  # 32 columns: 192 CTAs at batch 1, smaller CTAs
+
+
+def test_v8_gram_kernel_carveout_on_grids_of_one_wave():
+    # the 27B layer (96 verify CTAs of 16 warps a request at BV 64) on 132 SMs: the largest carveout at batch 1, the
+    # driver's from batch 2 (two waves); CTAs of 8 warps that fit twice an SM: one wave up to 264 CTAs
+    big, small = 180 * 1024, 100 * 1024
+    assert kgdn.paths_gram_carveout(96, 16, big, 132) == 100 and kgdn.paths_gram_carveout(192, 16, big, 132) is None
+    assert kgdn.paths_gram_carveout(192, 8, small, 132) == 100 and kgdn.paths_gram_carveout(288, 8, small, 132) is None
+    assert kgdn.paths_gram_carveout(192, 8, big, 132) is None  # 8 warps, but one CTA an SM
+    assert kgdn.paths_gram_carveout(768, 16, big, 132, ("-DP8_GCARVE=1",)) == 100
+    assert kgdn.paths_gram_carveout(96, 16, big, 132, ("-DP8_GCARVE=0",)) is None

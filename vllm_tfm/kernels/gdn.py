@@ -231,15 +231,30 @@ def paths_warps(plan: TreePlan, h: int, hv: int, k_dim: int, v_dim: int, block_v
                 extra_options: Sequence[str] = ()) -> int:
     """Version 8's warps per CTA (P8_WARPS): 8 where two CTAs fit one SM's shared memory and the grid has more
     CTAs than the SMs, so that two CTAs share each SM (at 8 warps their registers fit too), else 16. On an H100
-    (bench/NOTES.md section 75, bench/results/gdn_tree_v8_s75.txt.gz) 8 warps took n = 65 from 110.6 to 73.8 us at
-    batch 8 and from 414.9 to 247.7 at batch 32, and were within 3% at one wave (batch 1) and where one CTA fills the
-    shared memory (n = 128). An explicit ``-DP8_WARPS=k`` in ``extra_options`` (benchmarks, tests) decides instead."""
+    (bench/NOTES.md section 76, bench/results/gdn_tree_v8_s76.txt.gz) 8 warps took n = 65 at batch 2 / 8 / 32 from
+    28.0 / 83.7 / 327.3 to 22.0 / 61.0 / 229.8 us, and were within 3% at one wave (batch 1) and within 5% where one
+    CTA fills the shared memory (n = 128). An explicit ``-DP8_WARPS=k`` in ``extra_options`` (benchmarks, tests) decides instead."""
     forced = _forced_define(extra_options, "P8_WARPS")
     if forced is not None:
         return forced
     smem = paths_smem_bytes(k_dim, block_v, plan.max_nodes, plan.max_pairs_per_request)
     ctas = plan.num_requests * hv * (v_dim // block_v)
     return 8 if 2 * (smem + CTA_SMEM_RESERVED) <= SM_SMEM_BYTES and ctas > num_sms else 16
+
+
+def paths_gram_carveout(ctas: int, warps: int, smem: int, num_sms: int, extra_options: Sequence[str] = ()) -> int | None:
+    """The shared-memory carveout version 8's gram kernel is launched with: 100 (the largest; it uses none) where the
+    verify kernel's ``ctas`` CTAs of ``smem`` bytes fit one wave, else None (the driver's choice). An SM changes its
+    carveout only when idle, so at 100 the verify CTAs start beside the gram CTAs (programmatic dependent launch) and
+    their copies overlap the grams: on an H100 (bench/NOTES.md section 76) n = 128 at batch 1 20.4 -> 19.4 us, n = 65
+    at batch 1 / 2 16.0 -> 15.3 / 22.9 -> 22.0. On grids of more than one wave the early CTAs wait at griddepcontrol.wait
+    for the whole gram grid while holding their SMs: n = 128 at batch 2 / 8 / 32 36.3 / 109.1 / 425.9 -> 37.2 / 116.7 /
+    456.3. An explicit ``-DP8_GCARVE=0`` or ``=1`` in ``extra_options`` (benchmarks) decides instead."""
+    forced = _forced_define(extra_options, "P8_GCARVE")
+    if forced is not None:
+        return 100 if forced else None
+    per_sm = 2 if warps == 8 and 2 * (smem + CTA_SMEM_RESERVED) <= SM_SMEM_BYTES else 1
+    return 100 if ctas <= per_sm * num_sms else None
 
 
 def small_block_v(v_dim: int) -> int:
@@ -359,9 +374,10 @@ def runtime_verify_variant(plan: TreePlan, qk_dtype: torch.dtype, h: int, hv: in
 
     Version 8 where it takes the call (trees of up to 128 nodes whose paths have at most 17) and they have more than
     33 nodes (B > 32), if version 6's grid is more than one wave or the trees have more than 65 nodes. On an H100
-    (bench/NOTES.md sections 75 and 76, bench/results/gdn_tree_v8_s75.json.gz): n = 128 at batch 1 / 8 / 32 20.2 /
-    106.0 / 403.9 us against version 6's 22.9 / 168.4 / 654.5; n = 65 at batch 8 / 32 80.1 / 305.2 against version
-    3's 101.2 / 363.8, but 16.1 against version 6's 15.2 at batch 1; n = 33 tied at batch 8 and lost at batch 32.
+    (bench/NOTES.md sections 75 and 76, bench/results/gdn_tree_v8_s76.json.gz): n = 128 at batch 1 / 2 / 8 / 32 19.4 /
+    36.3 / 109.1 / 425.9 us against version 6's 23.1 / 43.5 / 167.4 / 656.2; n = 65 at batch 2 / 8 / 32 22.0 / 61.3 /
+    230.6 against version 6's 29.1 / 107.3 / 407.5 and version 3's 35.9 / 99.4 / 370.4, but 15.3 as version 6 at
+    batch 1; n = 33 tied with version 6 at batch 8 and lost at batch 32 (section 75).
     A full CUDA graph's fixed-layout plan of more than 17 nodes never runs it: its paths are bounded by its capacity."""
     ctas = plan.num_requests * h * (v_dim // GROUPED_BV)  # version 6's grid
     if ctas > num_sms and small_unsupported_reason(plan, qk_dtype, h, hv, k_dim, v_dim, max_smem,
@@ -543,8 +559,8 @@ def verify_launches(
             if not 1 <= cl8 <= 8 or (hv // h * (vd // bv8)) % cl8 or (pregram and cl8 != 1):
                 raise ValueError(f"P8_CLUSTER={cl8}: a cluster of 1 to 8 CTAs that divides the {hv // h * (vd // bv8)} "
                                  "CTAs of a q/k head (1 with P8_PREGRAM=1)")
-            warps8 = paths_warps(plan, h, hv, kd, vd, bv8, torch.cuda.get_device_properties(dev_index).multi_processor_count,
-                                 extra_options)
+            sms = torch.cuda.get_device_properties(dev_index).multi_processor_count
+            warps8 = paths_warps(plan, h, hv, kd, vd, bv8, sms, extra_options)
             opts = ["--std=c++17", "-lineinfo", f"-DTFM_IN={DTYPE_CODE[v.dtype]}", f"-DGDN_K={kd}", f"-DGDN_V={vd}",
                     f"-DP8_BV={bv8}", f"-DP8_PATH={PATHS_MAX_PATH}", f"-DP8_CLUSTER={cl8}", f"-DP8_GW={PATHS_GRAM_WARPS}",
                     f"-DP8_WARPS={warps8}",
@@ -571,10 +587,8 @@ def verify_launches(
                 grid_g = ((tasks + PATHS_GRAM_WARPS - 1) // PATHS_GRAM_WARPS, h, plan.num_requests)
                 args_g = [q, k, plan.pos, plan.depth, plan.pair_off, plan.pair_j, plan.cu, raw, i32(h),
                           i32(plan.num_pairs), timeline8_grams]
-                # the largest shared-memory carveout, though the gram kernel uses none: SMs running its CTAs can then
-                # take verify CTAs beside them (an SM changes its carveout only when idle); -DP8_GCARVE=0 (timing)
-                # leaves the driver's choice
-                carve = None if _forced_define(extra_options, "P8_GCARVE") == 0 else 100
+                # one wave of verify CTAs: the largest shared-memory carveout, so that they can start beside the gram CTAs
+                carve = paths_gram_carveout(grid8[0] * grid8[1] * grid8[2], warps8, smem8, sms, extra_options)
 
                 def run_grams() -> None:
                     launch(k_grams, grid_g, (32 * PATHS_GRAM_WARPS, 1, 1), args_g, carveout=carve)
