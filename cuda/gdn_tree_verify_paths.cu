@@ -45,11 +45,11 @@
 // Compile-time constants (NVRTC -D): TFM_IN (must be 1, bfloat16), GDN_K (a multiple of 32), GDN_V, P8_BV (32 or
 // 64), P8_PATH (most nodes on a path), P8_SPLIT (2 or 3 bf16 parts of S0), P8_OUTW (1, 2 or 4 nodes a warp in
 // phase 3), P8_PREGRAM (1: the gram kernel; 0: the grams here), P8_GW (the gram kernel's warps a CTA), P8_WARPS
-// (16, or 8 where two CTAs share an SM: vllm_tfm/kernels/gdn.py paths_warps); timing options P8_STAGES (2, or 1: S0 waited for with q and k), P8_CLUSTER (1 to 8, with
-// P8_PREGRAM = 0) and P8_SKIP (wrong outputs: 1 no in-kernel gram mma, 2 no projection mma). The plan (vllm_tfm/kernels/
-// plan.py: cu, perm, pos, depth, pair_off, pair_j) and the state layout (V-first [slot, HV, V, K] with unit K stride,
-// read only) are those of the other versions; TreePlan.build refuses a parent after its child, so node order is
-// topological. The wrapper
+// (16, or 8 where two CTAs share an SM: vllm_tfm/kernels/gdn.py paths_warps); timing options P8_STAGES (2, or 1:
+// S0 waited for with q and k), P8_CLUSTER (1 to 8, with P8_PREGRAM = 0) and P8_SKIP (wrong outputs: 1 no in-kernel
+// gram mma, 2 no projection mma). The plan (vllm_tfm/kernels/plan.py: cu, perm, pos, depth, pair_off, pair_j) and the
+// state layout (V-first [slot, HV, V, K] with unit K stride, read only) are those of the other versions;
+// TreePlan.build refuses a parent after its child, so node order is topological. The wrapper
 // (vllm_tfm/kernels/gdn.py paths_unsupported_reason) sends no tree of more than 128 nodes, no path longer than
 // P8_PATH and no request of more than pcap path entries here.
 #include "tfm_mma.cuh"

@@ -70,8 +70,8 @@ COMMIT_THREADS, COMMIT_BV, COMMIT_PC = 128, 16, 32
 # 8 = trees of up to 128 nodes whose paths have at most PATHS_MAX_PATH nodes (cuda/gdn_tree_verify_paths.cu;
 # section 74): a CTA of 16 warps (8 where two share an SM: paths_warps) per (request, value head, BV columns of
 # V), the gram and the projections on bf16 tensor cores, each node's rows of (I + X)^-1 and Y (I + X)^-1 by back
-# substitution over its path in registers, then Delta and O as sums over path entries. It takes the bfloat16 calls version 6 takes whose
-# trees fit (paths_unsupported_reason); other calls run version 6 (or 3).
+# substitution over its path in registers, then Delta and O as sums over path entries. It takes the bfloat16
+# calls version 6 takes whose trees fit (paths_unsupported_reason); other calls run version 6 (or 3).
 VERIFY_VARIANTS = (1, 2, 3, 4, 5, 6, 7, 8)
 DEFAULT_VERIFY_VARIANT = 3
 GROUPED_SOURCE = "gdn_tree_verify_grouped.cu"
@@ -89,7 +89,6 @@ PATHS_SOURCE = "gdn_tree_verify_paths.cu"
 PATHS_MAX_NODES = 128  # version 8's trees (P8_N)
 PATHS_MAX_PATH = 17  # most nodes on a root..node path in version 8 (P8_PATH): depth <= 16, a DFlash block
 PATHS_BLOCK_VS = (32, 64)  # V columns per CTA (P8_BV)
-PATHS_WARPS = (16, 8)  # warps per CTA (P8_WARPS): 16, or 8 where two CTAs share an SM (paths_warps)
 PATHS_GRAM_WARPS = 4  # gram tasks per CTA of version 8's gram kernel (P8_GW); -DP8_PREGRAM=0: grams in the verify kernel,
 # shared by a cluster of a q/k head's CTAs with -DP8_CLUSTER=k (timing options)
 PATHS_MARKS = 9  # timeline marks of version 8 (P8_MARKS): start, after the copies and node tables, after the norms and
@@ -233,7 +232,8 @@ def paths_warps(plan: TreePlan, h: int, hv: int, k_dim: int, v_dim: int, block_v
     CTAs than the SMs, so that two CTAs share each SM (at 8 warps their registers fit too), else 16. On an H100
     (bench/NOTES.md section 76, bench/results/gdn_tree_v8_s76.txt.gz) 8 warps took n = 65 at batch 2 / 8 / 32 from
     28.0 / 83.7 / 327.3 to 22.0 / 61.0 / 229.8 us, and were within 3% at one wave (batch 1) and within 5% where one
-    CTA fills the shared memory (n = 128). An explicit ``-DP8_WARPS=k`` in ``extra_options`` (benchmarks, tests) decides instead."""
+    CTA fills the shared memory (n = 128). An explicit ``-DP8_WARPS=k`` in ``extra_options`` (benchmarks, tests)
+    decides instead."""
     forced = _forced_define(extra_options, "P8_WARPS")
     if forced is not None:
         return forced
@@ -247,9 +247,10 @@ def paths_gram_carveout(ctas: int, warps: int, smem: int, num_sms: int, extra_op
     verify kernel's ``ctas`` CTAs of ``smem`` bytes fit one wave, else None (the driver's choice). An SM changes its
     carveout only when idle, so at 100 the verify CTAs start beside the gram CTAs (programmatic dependent launch) and
     their copies overlap the grams: on an H100 (bench/NOTES.md section 76) n = 128 at batch 1 20.4 -> 19.4 us, n = 65
-    at batch 1 / 2 16.0 -> 15.3 / 22.9 -> 22.0. On grids of more than one wave the early CTAs wait at griddepcontrol.wait
-    for the whole gram grid while holding their SMs: n = 128 at batch 2 / 8 / 32 36.3 / 109.1 / 425.9 -> 37.2 / 116.7 /
-    456.3. An explicit ``-DP8_GCARVE=0`` or ``=1`` in ``extra_options`` (benchmarks) decides instead."""
+    at batch 1 / 2 16.0 -> 15.3 / 22.9 -> 22.0. On grids of more than one wave the early CTAs wait at
+    griddepcontrol.wait for the whole gram grid while holding their SMs: n = 128 at batch 2 / 8 / 32 36.3 / 109.1 /
+    425.9 -> 37.2 / 116.7 / 456.3. An explicit ``-DP8_GCARVE=0`` or ``=1`` in ``extra_options`` (benchmarks) decides
+    instead."""
     forced = _forced_define(extra_options, "P8_GCARVE")
     if forced is not None:
         return 100 if forced else None
@@ -353,9 +354,9 @@ RUNTIME_V8_ONE_WAVE_NODES = 65
 
 def runtime_verify_variant(plan: TreePlan, qk_dtype: torch.dtype, h: int, hv: int, k_dim: int, v_dim: int,
                            max_smem: int, num_sms: int) -> int:
-    """The verify version the runtime runs for this plan: 7 or 8 where they take it and measured faster (below), else
-    6 where the H200 measured it faster than 3 on
-    per-step plans and on the full CUDA graphs' fixed-layout plans, with and without the drafter's depth
+    """The verify version the runtime runs for this plan: 7 or 8 where they take it and measured faster (below),
+    else 6 where the H200 measured it faster than 3 on per-step plans and on the full CUDA graphs' fixed-layout
+    plans, with and without the drafter's depth
     bound (bench/NOTES.md sections 34 and 37; bench/results/gdn_tree_tfm_sizes_s37*.json.gz), else 3:
 
     * a grid of one wave (R H V / 16 CTAs <= the SMs: batch 1 at the 27B shape): n = 17 to 128, 1.37-1.77x;
