@@ -5,7 +5,10 @@ Thread 0 of every CTA writes the global timer and the SM clock at the kernel's s
 phase's barrier (``timeline6`` / ``timeline7`` / ``timeline8`` of ``vllm_tfm.kernels.gdn.verify_launches``). This prints, per (n,
 batch), the median and the largest time of each phase over the CTAs, the span from the first CTA's
 start to the last one's end, and the graph-timed whole call (bench/gdn_tree.py's timing) beside it:
-what the CTAs do against what the launch costs. Same trees and inputs as bench/gdn_tree.py.
+what the CTAs do against what the launch costs. Versions 7 and 8 record their marks in a replayed CUDA
+graph, as the call is timed; for version 8 the gram kernel's CTAs mark their start and end too, and a
+second table sets them against the verify CTAs (how many verify CTAs started before the grams ended).
+Same trees and inputs as bench/gdn_tree.py.
 
 usage (GPU host, repository root):  python3 bench/gdn_timeline.py [--out FILE] [--n 32 128] [--batch 1 8]
                                     python3 bench/gdn_timeline.py --variant 7 --n 17 32 --batch 1 8 32 --block-v 16 32
