@@ -226,6 +226,11 @@ def paths_block_v(v_dim: int) -> int:
     return 64 if v_dim % 64 == 0 else 32
 
 
+def two_ctas_fit_sm(smem: int, sm_bytes: int = SM_SMEM_BYTES) -> bool:
+    """Whether two CTAs of ``smem`` bytes of dynamic shared memory (and the KB each reserves) fit one SM."""
+    return 2 * (smem + CTA_SMEM_RESERVED) <= sm_bytes
+
+
 def paths_warps(plan: TreePlan, h: int, hv: int, k_dim: int, v_dim: int, block_v: int, num_sms: int,
                 extra_options: Sequence[str] = ()) -> int:
     """Version 8's warps per CTA (P8_WARPS): 8 where two CTAs fit one SM's shared memory and the grid has more
@@ -239,7 +244,7 @@ def paths_warps(plan: TreePlan, h: int, hv: int, k_dim: int, v_dim: int, block_v
         return forced
     smem = paths_smem_bytes(k_dim, block_v, plan.max_nodes, plan.max_pairs_per_request)
     ctas = plan.num_requests * hv * (v_dim // block_v)
-    return 8 if 2 * (smem + CTA_SMEM_RESERVED) <= SM_SMEM_BYTES and ctas > num_sms else 16
+    return 8 if two_ctas_fit_sm(smem) and ctas > num_sms else 16
 
 
 def paths_gram_carveout(ctas: int, warps: int, smem: int, num_sms: int, extra_options: Sequence[str] = ()) -> int | None:
@@ -254,7 +259,7 @@ def paths_gram_carveout(ctas: int, warps: int, smem: int, num_sms: int, extra_op
     forced = _forced_define(extra_options, "P8_GCARVE")
     if forced is not None:
         return 100 if forced else None
-    per_sm = 2 if warps == 8 and 2 * (smem + CTA_SMEM_RESERVED) <= SM_SMEM_BYTES else 1
+    per_sm = 2 if warps == 8 and two_ctas_fit_sm(smem) else 1
     return 100 if ctas <= per_sm * num_sms else None
 
 
@@ -320,7 +325,7 @@ def grouped_threads(plan: TreePlan, h: int, v_dim: int, smem: int, max_smem_sm: 
     """Threads per CTA of version 6: 256 when two CTAs fit an SM's shared memory and the grid has at
     least two CTAs per SM (then one CTA's loads overlap the other's math), else 512 (one CTA per SM)."""
     ctas = plan.num_requests * h * (v_dim // GROUPED_BV)
-    return 256 if 2 * (smem + CTA_SMEM_RESERVED) <= max_smem_sm and ctas >= 2 * num_sms else GROUPED_THREADS
+    return 256 if two_ctas_fit_sm(smem, max_smem_sm) and ctas >= 2 * num_sms else GROUPED_THREADS
 
 
 def grouped_unsupported_reason(plan: TreePlan, qk_dtype: torch.dtype, h: int, hv: int, k_dim: int, v_dim: int,
