@@ -21,19 +21,19 @@
 // serves one value head and 64 columns (batch 1 at the 27B shape: 96 CTAs, one wave). Each phase is bound by the
 // instructions its warps issue (section 75: a phase took 4x its latency estimate and tracks its instruction count).
 // The grams, the same for a q/k head's value heads, come by default from a kernel of their own
-// (gdn_tree_paths_grams, below: a warp per 16 x 16 task, launched before this one, which programmatic dependent
-// launch lets start early). Measured on an H100 (section 75): 20.2 us at n = 128, batch 1 (version 6: 22.9), 106.0
-// at batch 8 (168.4), 403.9 at batch 32 (654.5).
+// (gdn_tree_paths_grams, below: a CTA per request and q/k head, launched before this one, which programmatic
+// dependent launch lets start early), with the q / k norm scales. Measured on an H100 (section 76): 19.4 us at n =
+// 128, batch 1 (version 6: 23.1), 109.1 at batch 8 (167.4), 425.9 at batch 32 (656.2), with section 76's gram kernel.
 //   phase 0  cp.async in three groups: the request's plan tables, g and beta; its q, k rows (rows n .. n16
 //            zero); the CTA's S0 rows and v columns. Per node, once the tables are in: path entries and their
 //            owner, depth, the path gate G (and with P8_PREGRAM = 0 the ancestor bitmask, 128 bits); then (the
-//            gram kernel's) the raw products of the request's path entries, a fourth copy group after
-//            griddepcontrol.wait; once q and k are in: their norms (four threads a row); per path entry the local
-//            node index and that node's first path entry
-//   phase 1  with P8_PREGRAM = 0 the lower triangles of K K^T and Q K^T here, as 16 x 16 tasks of two bf16 mma
-//            tiles on ldmatrix fragments (tasks without an ancestor pair skipped; with P8_CLUSTER = C a cluster of
-//            C of the q/k head's CTAs splits them, each product stored in every CTA), each ancestor pair's raw
-//            product stored at its path entry. Then each entry scaled (X: beta_i rk_i rk_j e^{G_i - G_j}, Y: rq_i
+//            gram kernel's) the raw products of the request's path entries and its nodes' norm scales, a fourth
+//            copy group after griddepcontrol.wait (with P8_PREGRAM = 0, once q and k are in, their norms here,
+//            four threads a row); per path entry the local node index and that node's first path entry
+//   phase 1  with P8_PREGRAM = 0 the lower triangles of K K^T and Q K^T here (p8_gram_tasks: 16 x 16 tasks of two
+//            bf16 mma tiles on ldmatrix fragments, tasks without an ancestor pair skipped; with P8_CLUSTER = C a
+//            cluster of C of the q/k head's CTAs splits them, each product stored in every CTA), each ancestor
+//            pair's raw product stored at its path entry. Then each entry scaled (X: beta_i rk_i rk_j e^{G_i - G_j}, Y: rq_i
 //            rk_j e^{G_i - G_j}); the projections [K; Q] S0^T as one GEMM (M = P8_BV rows of S0, N = 2 n16 nodes,
 //            K = GDN_K) on bf16 mma over a P8_SPLIT-part split of S0 (three parts: float32-accurate), a warp per
 //            (16 rows, 64 or 32 node columns), the sums kept in registers
@@ -44,7 +44,7 @@
 //
 // Compile-time constants (NVRTC -D): TFM_IN (must be 1, bfloat16), GDN_K (a multiple of 32), GDN_V, P8_BV (32 or
 // 64), P8_PATH (most nodes on a path), P8_SPLIT (2 or 3 bf16 parts of S0), P8_OUTW (1, 2 or 4 nodes a warp in
-// phase 3), P8_PREGRAM (1: the gram kernel; 0: the grams here), P8_GW (the gram kernel's warps a CTA), P8_WARPS
+// phase 3), P8_PREGRAM (1: the gram kernel; 0: the grams here), P8_GWARPS (the gram kernel's warps a CTA), P8_WARPS
 // (16, or 8 where two CTAs share an SM: vllm_tfm/kernels/gdn.py paths_warps); timing options P8_STAGES (2, or 1:
 // S0 waited for with q and k), P8_CLUSTER (1 to 8, with P8_PREGRAM = 0) and P8_SKIP (wrong outputs: 1 no in-kernel
 // gram mma, 2 no projection mma). The plan (vllm_tfm/kernels/plan.py: cu, perm, pos, depth, pair_off, pair_j) and the
@@ -81,8 +81,8 @@
 #ifndef P8_PREGRAM
 #define P8_PREGRAM 1                      // 1: the grams' raw products from gdn_tree_paths_grams (0: in this kernel)
 #endif
-#ifndef P8_GW
-#define P8_GW 4                           // warps (gram tasks) per CTA of gdn_tree_paths_grams
+#ifndef P8_GWARPS
+#define P8_GWARPS 16                      // warps of a gdn_tree_paths_grams CTA (one per request and q/k head)
 #endif
 #ifndef P8_CLUSTER
 #define P8_CLUSTER 1                      // timing option: CTAs of a q/k head sharing the in-kernel grams (a cluster along x)
@@ -117,7 +117,7 @@ static_assert(P8_CLUSTER >= 1 && P8_CLUSTER <= 8 && (P8_PREGRAM == 0 || P8_CLUST
 #if P8_CLUSTER > 1 && defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 900
 #error "P8_CLUSTER > 1 needs thread block clusters (sm_90)"
 #endif
-static_assert(P8_PREGRAM == 0 || GDN_K % 32 == 0, "the gram kernel's lanes read K / 4 columns in 16-byte pieces");
+static_assert(GDN_K % 32 == 0, "the norms' threads read K / 4 columns in 16-byte pieces");
 
 __host__ __device__ constexpr int p8_align4(int x) { return (x + 3) & ~3; }
 __host__ __device__ constexpr int p8_max(int a, int b) { return a > b ? a : b; }
@@ -145,14 +145,119 @@ __device__ __forceinline__ int p8_task_row(int u) {
   return mt;
 }
 
+// Node i's path entries e0 .. e0 + d - 1 (flat node ids pj[e], root first): the ancestor bits of the local nodes
+// (bit j of word j / 32: node j on i's path, i included; scalars, not an array: selects, no local memory), and
+// per entry the caller's f(e, j).
+template <class F>
+__device__ __forceinline__ void p8_walk_path(const int* pj, int e0, int d, int bos, u32& b0, u32& b1, u32& b2, u32& b3,
+                                             F f) {
+  b0 = b1 = b2 = b3 = 0u;
+  for (int e = e0; e < e0 + d; ++e) {
+    const int j = pj[e] - bos;
+    const u32 bit = 1u << (j & 31);
+    b0 |= (j >> 5) == 0 ? bit : 0u;
+    b1 |= (j >> 5) == 1 ? bit : 0u;
+    b2 |= (j >> 5) == 2 ? bit : 0u;
+    b3 |= (j >> 5) == 3 ? bit : 0u;
+    f(e, j);
+  }
+}
+
+// q / k norm scales of staged rows 0 .. n - 1: rk_i = 1 / |k_i| and rq_i = scale / |q_i| (with use_l2norm; else 1 and
+// scale), four threads a row, a quarter of K each (no warp-wide reduction chain); rk[i * stride], rq[i * stride].
+template <int THREADS>
+__device__ __forceinline__ void p8_norms(const u16* qs, const u16* ks, int n, int n16, float scale, int use_l2norm,
+                                         int tid, float* rk, float* rq, int stride) {
+  for (int base = 0; base < 4 * n16; base += THREADS) {
+    const int i = (base + tid) >> 2, part = (base + tid) & 3;
+    float sk = 0.0f, sq = 0.0f;
+    if (i < n) {
+#pragma unroll
+      for (int c = part * (GDN_K / 4); c < (part + 1) * (GDN_K / 4); c += 8) {
+        const uint4 wk = *reinterpret_cast<const uint4*>(ks + i * P8_KP + c);
+        const uint4 wq = *reinterpret_cast<const uint4*>(qs + i * P8_KP + c);
+        const u32 kw[4] = {wk.x, wk.y, wk.z, wk.w}, qw[4] = {wq.x, wq.y, wq.z, wq.w};
+#pragma unroll
+        for (int t = 0; t < 4; ++t) {
+          const float k0 = bf16_bits_to_f32(kw[t] & 0xffffu), k1 = bf16_bits_to_f32(kw[t] >> 16);
+          const float q0 = bf16_bits_to_f32(qw[t] & 0xffffu), q1 = bf16_bits_to_f32(qw[t] >> 16);
+          sk = fmaf(k0, k0, fmaf(k1, k1, sk));
+          sq = fmaf(q0, q0, fmaf(q1, q1, sq));
+        }
+      }
+    }
+    sk += __shfl_xor_sync(0xffffffffu, sk, 1);
+    sq += __shfl_xor_sync(0xffffffffu, sq, 1);
+    sk += __shfl_xor_sync(0xffffffffu, sk, 2);
+    sq += __shfl_xor_sync(0xffffffffu, sq, 2);
+    if (i < n && part == 0) {
+      rk[i * stride] = use_l2norm ? l2norm_scale(sk) : 1.0f;
+      rq[i * stride] = use_l2norm ? scale * l2norm_scale(sq) : scale;
+    }
+  }
+}
+
+// The grams' products for the ancestor pairs of one request's tree, from its q and k rows staged [n16][KP]: tasks
+// u = (gram, 16-row block mt, 16-column block nt <= mt) of the lower triangles, gram 0 = K K^T, 1 = Q K^T, mt (mt + 1)
+// / 2 tasks before row block mt; warp `warp` of `warps` takes tasks warp, warp + warps, ... of those with
+// task % stride == rank (a cluster's CTAs split them). Fragments by ldmatrix: A rows mt 16 + (lane & 15) at column
+// half lane >> 4; B (two 8-column mma tiles) rows nt 16 + (lane & 7) + 8 (lane >> 4) at column half (lane >> 3) & 1.
+// Each ancestor pair's raw product goes to store(gram, e, value) with e its path entry (i's first entry + j's depth;
+// K K^T's diagonal too, at the entry X never reads); tasks without an ancestor pair are skipped.
+template <class Store>
+__device__ __forceinline__ void p8_gram_tasks(const u16* qs, const u16* ks, const u32* anc, const int* pb,
+                                              const int* plen, int n, int warp, int warps, int lane, int rank,
+                                              int stride, Store store) {
+  const int gq = lane >> 2, tq = lane & 3;
+  const int nt16 = (n + 15) / 16;
+  const int tiles = nt16 * (nt16 + 1) / 2;
+  for (int lt = warp; lt * stride + rank < 2 * tiles; lt += warps) {
+    const int task = lt * stride + rank;
+    const int gram = task >= tiles ? 1 : 0, u = task - gram * tiles;
+    const int mt = p8_task_row(u), nt = u - mt * (mt + 1) / 2;
+    // this lane's rows i0, i0 + 8 and, in 8-column tile t, columns j0 + 8 t, j0 + 8 t + 1: table reads first
+    const int i0 = mt * 16 + gq, j0 = nt * 16 + 2 * tq;
+    const bool ok0 = i0 < n, ok1 = i0 + 8 < n;  // rows past n: their table words are not written
+    u32 keep = 0u;  // bit 4 t + 2 r + c: (i0 + 8 r, j0 + 8 t + c) is an ancestor pair
+#pragma unroll
+    for (int t = 0; t < 2; ++t) {
+      const int jt = j0 + 8 * t;
+      const u32 a0 = anc[i0 * 4 + (jt >> 5)] >> (jt & 31), a1 = anc[(i0 + 8) * 4 + (jt >> 5)] >> (jt & 31);
+      keep |= ((ok0 ? a0 & 3u : 0u) | (ok1 ? (a1 & 3u) << 2 : 0u)) << (4 * t);
+    }
+    if (!__any_sync(0xffffffffu, keep != 0u)) continue;  // no ancestor pair in the task: no products
+    const u16* arows = gram == 0 ? ks : qs;
+    const u16* aptr = arows + (mt * 16 + (lane & 15)) * P8_KP + (lane >> 4) * 8;
+    const u16* bptr = ks + (nt * 16 + (lane & 7) + ((lane >> 4) << 3)) * P8_KP + ((lane >> 3) & 1) * 8;
+    float acc[2][4] = {{0.0f, 0.0f, 0.0f, 0.0f}, {0.0f, 0.0f, 0.0f, 0.0f}};
+#pragma unroll
+    for (int s = 0; s < ((P8_SKIP & 1) ? 0 : P8_KSTEPS); ++s) {
+      u32 a[4], b[4];
+      ldsm_x4(a, aptr + s * 16);
+      ldsm_x4(b, bptr + s * 16);
+      mma_16816<true>(acc[0], a, b[0], b[1]);
+      mma_16816<true>(acc[1], a, b[2], b[3]);
+    }
+    const int at0 = pb[i0], at1 = pb[i0 + 8];
+#pragma unroll
+    for (int t = 0; t < 2; ++t) {
+      const int jt = j0 + 8 * t;
+      const int dj0 = plen[jt] - 1, dj1 = plen[jt + 1] - 1;
+#pragma unroll
+      for (int e = 0; e < 4; ++e)  // i's path entry for its ancestor j (at j's depth)
+        if ((keep >> (4 * t + e)) & 1u) store(gram, ((e >> 1) ? at1 : at0) + ((e & 1) ? dj1 : dj0), acc[t][e]);
+    }
+  }
+}
+
 extern "C" __global__ void __launch_bounds__(P8_THREADS, 16 / P8_WARPS)
 gdn_tree_verify_paths(const tin* __restrict__ q, const tin* __restrict__ k, const tin* __restrict__ v,
                       const float* __restrict__ g, const float* __restrict__ beta, const int* __restrict__ perm,
                       const int* __restrict__ pair_off, const int* __restrict__ pair_j, const int* __restrict__ cu,
                       const float* __restrict__ state, const void* __restrict__ state_idx, int sidx64, i64 st_slot,
                       i64 st_head, i64 st_v, tin* __restrict__ o, float* __restrict__ delta_out, int H, int HV,
-                      int n16, int pcap, float scale, int use_l2norm, const float* __restrict__ raw, int num_pairs,
-                      long long* __restrict__ timeline) {
+                      int n16, int pcap, float scale, int use_l2norm, const float* __restrict__ raw,
+                      const float* __restrict__ norms, int num_pairs, long long* __restrict__ timeline) {
   TFM_DYNAMIC_SMEM(float4, smem_f4);
   if (dynamic_smem_bytes() < (u32)p8_smem_words(n16, pcap) * 4u) __trap();
   float* base = reinterpret_cast<float*>(smem_f4);
@@ -234,18 +339,12 @@ gdn_tree_verify_paths(const tin* __restrict__ q, const tin* __restrict__ k, cons
     const int i = perm_s[p] - bos;
     const int e0 = poff[p] - pbase, d = poff[p + 1] - poff[p];
     if (d > P8_PATH) __trap();  // the wrapper sends no deeper tree here
-    u32 b0 = 0u, b1 = 0u, b2 = 0u, b3 = 0u;  // scalars, not an array: selects, no local memory
+    u32 b0, b1, b2, b3;
     float gsum = 0.0f;
-    for (int e = e0; e < e0 + d; ++e) {
-      const int j = pj[e] - bos;
-      const u32 bit = 1u << (j & 31);
-      b0 |= (j >> 5) == 0 ? bit : 0u;
-      b1 |= (j >> 5) == 1 ? bit : 0u;
-      b2 |= (j >> 5) == 2 ? bit : 0u;
-      b3 |= (j >> 5) == 3 ? bit : 0u;
+    p8_walk_path(pj, e0, d, bos, b0, b1, b2, b3, [&](int e, int j) {
       gsum += gl[j];
       pown[e] = i;
-    }
+    });
     pb[i] = e0;
     plen[i] = d;
 #if !P8_PREGRAM  // the ancestor bits: the in-kernel grams' tile skips
@@ -258,47 +357,28 @@ gdn_tree_verify_paths(const tin* __restrict__ q, const tin* __restrict__ k, cons
     eG[i] = expf(gsum);
   }
 #if P8_PREGRAM
-  // the raw gram products of the request's path entries, gdn_tree_paths_grams' (launched before this kernel, which
-  // programmatic dependent launch lets start early: everything above reads only what earlier kernels wrote)
+  // the raw gram products of the request's path entries and its nodes' norm scales, gdn_tree_paths_grams' (launched
+  // before this kernel, which programmatic dependent launch lets start early: everything above reads only what
+  // earlier kernels wrote)
   pdl_wait();
   const float* rawx = raw + (i64)h * 2 * num_pairs + pbase;
   for (int c = tid; c < cnt; c += P8_THREADS) {
     cp_async4(Xp + c, rawx + c);
     cp_async4(Yp + c, rawx + num_pairs + c);
   }
+  for (int i = tid; i < n; i += P8_THREADS) {
+    cp_async4(rk + i, norms + ((i64)(bos + i) * H + h) * 2);
+    cp_async4(rq + i, norms + ((i64)(bos + i) * H + h) * 2 + 1);
+  }
   cp_async_commit();
-#endif
-  cp_async_wait<P8_STAGES - 1 + P8_PREGRAM>();  // q and k (and with one stage S0 and v)
+  __syncthreads();  // the nodes' first path entries (no norms here: the gram kernel's; q and k wait for phase 1)
+  tl.mark(1);
+#else
+  cp_async_wait<P8_STAGES - 1>();  // q and k (and with one stage S0 and v)
   __syncthreads();
   tl.mark(1);
-  // q / k norm scales: four threads per row, a quarter of K each (no warp-wide reduction chain)
-  for (int base = 0; base < 4 * n16; base += P8_THREADS) {
-    const int i = (base + tid) >> 2, part = (base + tid) & 3;
-    float sk = 0.0f, sq = 0.0f;
-    if (i < n) {
-#pragma unroll
-      for (int c = part * (GDN_K / 4); c < (part + 1) * (GDN_K / 4); c += 8) {
-        const uint4 wk = *reinterpret_cast<const uint4*>(ks + i * P8_KP + c);
-        const uint4 wq = *reinterpret_cast<const uint4*>(qs + i * P8_KP + c);
-        const u32 kw[4] = {wk.x, wk.y, wk.z, wk.w}, qw[4] = {wq.x, wq.y, wq.z, wq.w};
-#pragma unroll
-        for (int t = 0; t < 4; ++t) {
-          const float k0 = bf16_bits_to_f32(kw[t] & 0xffffu), k1 = bf16_bits_to_f32(kw[t] >> 16);
-          const float q0 = bf16_bits_to_f32(qw[t] & 0xffffu), q1 = bf16_bits_to_f32(qw[t] >> 16);
-          sk = fmaf(k0, k0, fmaf(k1, k1, sk));
-          sq = fmaf(q0, q0, fmaf(q1, q1, sq));
-        }
-      }
-    }
-    sk += __shfl_xor_sync(0xffffffffu, sk, 1);
-    sq += __shfl_xor_sync(0xffffffffu, sq, 1);
-    sk += __shfl_xor_sync(0xffffffffu, sk, 2);
-    sq += __shfl_xor_sync(0xffffffffu, sq, 2);
-    if (i < n && part == 0) {
-      rk[i] = use_l2norm ? l2norm_scale(sk) : 1.0f;
-      rq[i] = use_l2norm ? scale * l2norm_scale(sq) : scale;
-    }
-  }
+  p8_norms<P8_THREADS>(qs, ks, n, n16, scale, use_l2norm, tid, rk, rq, 1);
+#endif
   // path entries: the local node, and where that node's own path entries start (the recursions' X lookups)
   for (int e = tid; e < cnt; e += P8_THREADS) {
     const int j = pj[e] - bos;
@@ -309,62 +389,21 @@ gdn_tree_verify_paths(const tin* __restrict__ q, const tin* __restrict__ k, cons
   tl.mark(2);
 
 #if !P8_PREGRAM
-  // ---- phase 1. Gram tasks u = (gram, 16-row block mt, 16-column block nt <= mt) of the lower triangles;
-  // gram 0 = K K^T, 1 = Q K^T; mt (mt + 1) / 2 tasks before row block mt. Fragments by ldmatrix: A rows
-  // mt 16 + (lane & 15) at column half lane >> 4; B (two 8-column mma tiles) rows nt 16 + (lane & 7) + 8 (lane >> 4)
-  // at column half (lane >> 3) & 1. Each product of an ancestor pair is stored raw at its path entry (K K^T's
-  // diagonal too, at the entry X never reads) and scaled below.
-  const int nt16 = (n + 15) / 16;
-  const int tiles = nt16 * (nt16 + 1) / 2;
+  // ---- phase 1. The grams (p8_gram_tasks), each ancestor pair's raw product stored at its path entry (with
+  // P8_CLUSTER = C a cluster of C of the q/k head's CTAs splits the tasks, each product stored in every CTA); scaled
+  // below
 #if P8_CLUSTER > 1
   cluster_wait();  // every CTA of the cluster has started
 #endif
-  for (int lt = warp; lt * P8_CLUSTER + crank < 2 * tiles; lt += P8_WARPS) {
-    const int task = lt * P8_CLUSTER + crank;  // a cluster's CTA takes every P8_CLUSTER-th task
-    const int gram = task >= tiles ? 1 : 0, u = task - gram * tiles;
-    const int mt = p8_task_row(u), nt = u - mt * (mt + 1) / 2;
-    // this lane's rows i0, i0 + 8 and, in 8-column tile t, columns j0 + 8 t, j0 + 8 t + 1: table reads first
-    const int i0 = mt * 16 + gq, j0 = nt * 16 + 2 * tq;
-    const bool ok0 = i0 < n, ok1 = i0 + 8 < n;  // rows past n: their table words are not written
-    u32 keep = 0u;  // bit 4 t + 2 r + c: (i0 + 8 r, j0 + 8 t + c) is an ancestor pair
-#pragma unroll
-    for (int t = 0; t < 2; ++t) {
-      const int jt = j0 + 8 * t;
-      const u32 a0 = anc[i0 * 4 + (jt >> 5)] >> (jt & 31), a1 = anc[(i0 + 8) * 4 + (jt >> 5)] >> (jt & 31);
-      keep |= ((ok0 ? a0 & 3u : 0u) | (ok1 ? (a1 & 3u) << 2 : 0u)) << (4 * t);
-    }
-    if (!__any_sync(0xffffffffu, keep != 0u)) continue;  // no ancestor pair in the task: no products
-    const u16* arows = gram == 0 ? ks : qs;
-    const u16* aptr = arows + (mt * 16 + (lane & 15)) * P8_KP + (lane >> 4) * 8;
-    const u16* bptr = ks + (nt * 16 + (lane & 7) + ((lane >> 4) << 3)) * P8_KP + ((lane >> 3) & 1) * 8;
-    float acc[2][4] = {{0.0f, 0.0f, 0.0f, 0.0f}, {0.0f, 0.0f, 0.0f, 0.0f}};
-#pragma unroll
-    for (int s = 0; s < ((P8_SKIP & 1) ? 0 : P8_KSTEPS); ++s) {
-      u32 a[4], b[4];
-      ldsm_x4(a, aptr + s * 16);
-      ldsm_x4(b, bptr + s * 16);
-      mma_16816<true>(acc[0], a, b[0], b[1]);
-      mma_16816<true>(acc[1], a, b[2], b[3]);
-    }
-    const int at0 = pb[i0], at1 = pb[i0 + 8];
-    float* dst = gram == 0 ? Xp : Yp;
-#pragma unroll
-    for (int t = 0; t < 2; ++t) {
-      const int jt = j0 + 8 * t;
-      const int dj0 = plen[jt] - 1, dj1 = plen[jt + 1] - 1;
-#pragma unroll
-      for (int e = 0; e < 4; ++e)  // i's path entry for its ancestor j (at j's depth)
-        if ((keep >> (4 * t + e)) & 1u) {
-          float* at = dst + ((e >> 1) ? at1 : at0) + ((e & 1) ? dj1 : dj0);
+  p8_gram_tasks(qs, ks, anc, pb, plen, n, warp, P8_WARPS, lane, crank, P8_CLUSTER, [&](int gram, int e, float val) {
+    float* at = (gram == 0 ? Xp : Yp) + e;
 #if P8_CLUSTER > 1
 #pragma unroll
-          for (int c = 0; c < P8_CLUSTER; ++c) *cluster_map(at, (u32)c) = acc[t][e];  // every CTA's copy
+    for (int c = 0; c < P8_CLUSTER; ++c) *cluster_map(at, (u32)c) = val;  // every CTA's copy
 #else
-          *at = acc[t][e];
+    *at = val;
 #endif
-        }
-    }
-  }
+  });
 #endif
   tl.mark(3);  // warp 0's gram tasks
 #if P8_STAGES == 2 || P8_PREGRAM
@@ -570,92 +609,85 @@ gdn_tree_verify_paths(const tin* __restrict__ q, const tin* __restrict__ k, cons
   tl.mark(8);
 }
 
-// The grams' raw products for version 8 (P8_PREGRAM = 1): for each (request, q/k head) and each ancestor pair (i, j)
-// of a tree (j on i's path, i itself included), k_i . k_j and q_i . k_j, stored at i's path entry for j:
-// raw[h][0][pair_off[pos[i]] + depth[j]] and raw[h][1][...] (the value heads of a q/k head share them). A warp per
-// gram task (gram, 16-row block mt, 16-column block nt <= mt), as phase 1 above, with its fragments read from global
-// memory: the dot products' K columns permuted alike for A and B, so that lane (g, t) holds columns
-// t K / 4 .. (t + 1) K / 4 - 1 of its rows (K / 32 16-byte loads a row) and k-step s takes that run's elements
-// 4 s .. 4 s + 3 as its mma columns 2t, 2t + 1, 2t + 8, 2t + 9. Grid (ceil(2 T / P8_GW), H, R) for T tasks a gram of
-// the plan's largest tree; pair (i, j) is an ancestor pair iff depth[j] <= depth[i] and i's path entry at depth[j]
-// is j. Each pair lies in one task: one store per entry, no other writes. `timeline` (bench/gdn_timeline.py; null
-// otherwise): thread 0's global timer and SM clock at the CTA's start and at warp 0's end, two marks a CTA.
-// The wrapper launches it with the largest shared-memory carveout although it uses none: an SM configured so can
-// take a verify CTA beside its gram CTAs, which programmatic dependent launch then lets start (section 76).
-extern "C" __global__ void __launch_bounds__(32 * P8_GW)
-gdn_tree_paths_grams(const tin* __restrict__ q, const tin* __restrict__ k, const int* __restrict__ pos,
-                     const int* __restrict__ depth, const int* __restrict__ pair_off, const int* __restrict__ pair_j,
-                     const int* __restrict__ cu, float* __restrict__ raw, int H, int num_pairs,
-                     long long* __restrict__ timeline) {
+// The grams' raw products and the norm scales for version 8 (P8_PREGRAM = 1): one CTA per (request, q/k head) stages
+// the request's q and k rows and its plan tables in shared memory (one read of each row, where a warp per 16 x 16
+// task from global memory read each row up to 2 n / 16 times: ~74 MB of L2 traffic at n = 128, batch 8, 19-22 us,
+// the call's critical path; bench/NOTES.md sections 76, 77), then
+//   norms[(node, h, 0)] = rk, norms[(node, h, 1)] = rq (p8_norms; the verify kernel copies them in)
+//   raw[h][0][pair_off[pos[i]] + depth[j]] = k_i . k_j, raw[h][1][...] = q_i . k_j for each ancestor pair (i, j) of a
+//   tree (j on i's path, i itself included), by p8_gram_tasks: the verify kernel's in-kernel arithmetic (P8_PREGRAM =
+//   0), so both give the same bits. The value heads of a q/k head share them. Each pair lies in one task: one store
+//   per entry, no other writes (a fixed-layout plan's padding entries stay as they are).
+// Grid (1, H, R), 32 P8_GWARPS threads, dynamic shared memory p8_gram_smem_words(n16, pcap) words. `timeline`
+// (bench/gdn_timeline.py; null otherwise): thread 0's global timer and SM clock at the CTA's start and at warp 0's
+// end, two marks a CTA.
+__host__ __device__ constexpr int p8_gram_smem_words(int n16, int pcap) {
+  return n16 * P8_KP                       // q, k rows [2][n16][KP] bf16
+         + p8_align4(pcap)                 // the request's path entries (flat node ids)
+         + p8_align4(n16 + 1)              // pair_off of its positions
+         + 7 * n16;                        // per node: perm (level position -> flat node), pb, plen, anc[4]
+}
+
+extern "C" __global__ void __launch_bounds__(32 * P8_GWARPS)
+gdn_tree_paths_grams(const tin* __restrict__ q, const tin* __restrict__ k, const int* __restrict__ perm,
+                     const int* __restrict__ pair_off, const int* __restrict__ pair_j, const int* __restrict__ cu,
+                     float* __restrict__ raw, float* __restrict__ norms, int H, int n16, int pcap, int num_pairs,
+                     float scale, int use_l2norm, long long* __restrict__ timeline) {
+  TFM_DYNAMIC_SMEM(float4, smem_f4);
+  if (dynamic_smem_bytes() < (u32)p8_gram_smem_words(n16, pcap) * 4u) __trap();
+  u16* qs = reinterpret_cast<u16*>(smem_f4);  // [n16][KP], by local node
+  u16* ks = qs + n16 * P8_KP;
+  int* pj = reinterpret_cast<int*>(smem_f4) + n16 * P8_KP;
+  int* poff = pj + p8_align4(pcap);
+  int* perm_s = poff + p8_align4(n16 + 1);
+  int* pb = perm_s + n16;
+  int* plen = pb + n16;
+  u32* anc = reinterpret_cast<u32*>(plen + n16);
+  constexpr int THREADS = 32 * P8_GWARPS;
+  const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
   const CtaTimeline tl = cta_timeline(timeline, 2);
   tl.mark(0);
-  pdl_launch_dependents();  // the verify kernel may start: it reads raw only after its pdl_wait
-  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, gq = lane >> 2, tq = lane & 3;
+  pdl_launch_dependents();  // the verify kernel may start: it reads raw and norms only after its pdl_wait
   const int h = blockIdx.y, r = blockIdx.z;
   const int bos = cu[r], n = cu[r + 1] - bos;
-  const int nt16 = (n + 15) / 16, tiles = nt16 * (nt16 + 1) / 2;
-  const int task = blockIdx.x * P8_GW + warp;
-  if (task >= 2 * tiles) {
+  if (n <= 0) {
     tl.mark(1);
     return;
   }
-  const int gram = task >= tiles ? 1 : 0, u = task - gram * tiles;
-  const int mt = p8_task_row(u), nt = u - mt * (mt + 1) / 2;
-  constexpr int RUN = GDN_K / 4;        // a lane's columns of a row
-  constexpr int PIECES = RUN / 8;       // its 16-byte loads
-  const i64 rs = (i64)H * GDN_K;        // q / k row stride
-  const tin* arows = (gram == 0 ? k : q) + (i64)bos * rs + (i64)h * GDN_K + tq * RUN;
-  const tin* brows = k + (i64)bos * rs + (i64)h * GDN_K + tq * RUN;
-  // rows and columns past n read row n - 1 (in bounds; their products are not stored)
-  const int ra[2] = {min(mt * 16 + gq, n - 1), min(mt * 16 + gq + 8, n - 1)};
-  const int rb[2] = {min(nt * 16 + gq, n - 1), min(nt * 16 + gq + 8, n - 1)};
-  uint4 af[2][PIECES], bf[2][PIECES];
-#pragma unroll
-  for (int x = 0; x < 2; ++x)
-#pragma unroll
-    for (int c = 0; c < PIECES; ++c) {
-      af[x][c] = *reinterpret_cast<const uint4*>(arows + ra[x] * rs + c * 8);
-      bf[x][c] = *reinterpret_cast<const uint4*>(brows + rb[x] * rs + c * 8);
-    }
-  // the lane's rows i0, i0 + 8: path start and depth; columns j0 + 8 t + c: depth
-  const int i0 = mt * 16 + gq, j0 = nt * 16 + 2 * tq;
-  int off[2], di[2], dj[4];
-#pragma unroll
-  for (int x = 0; x < 2; ++x) {
-    const bool live = i0 + 8 * x < n;
-    off[x] = live ? pair_off[pos[bos + i0 + 8 * x]] : 0;
-    di[x] = live ? depth[bos + i0 + 8 * x] : -1;
+  if (n > n16 || n16 > P8_N) __trap();
+  const int pbase = pair_off[bos];
+  const int cnt = pair_off[bos + n] - pbase;
+  if (cnt > pcap) __trap();
+  for (int c = tid; c < cnt; c += THREADS) cp_async4(pj + c, pair_j + pbase + c);
+  for (int c = tid; c <= n; c += THREADS) {
+    cp_async4(poff + c, pair_off + bos + c);
+    if (c < n) cp_async4(perm_s + c, perm + bos + c);
   }
-#pragma unroll
-  for (int c = 0; c < 4; ++c) {
-    const int j = j0 + 8 * (c >> 1) + (c & 1);
-    dj[c] = j < n ? depth[bos + j] : 1 << 30;  // past n: deeper than any row, never a pair
+  cp_async_commit();
+  const int rows = (n + 15) & ~15;  // whole 16-row tiles, rows n .. rows - 1 zero
+  stage_qk_rows<GDN_K, P8_KP, THREADS>(qs, ks, q, k, bos, n, rows, H, h, tid);
+  cp_async_commit();
+  cp_async_wait<1>();  // the tables
+  __syncthreads();
+  for (int p = tid; p < n; p += THREADS) {  // per node: first path entry, path length, ancestor bits
+    const int i = perm_s[p] - bos;
+    const int e0 = poff[p] - pbase, d = poff[p + 1] - poff[p];
+    if (d > P8_PATH) __trap();
+    u32 b0, b1, b2, b3;
+    p8_walk_path(pj, e0, d, bos, b0, b1, b2, b3, [](int, int) {});
+    pb[i] = e0;
+    plen[i] = d;
+    anc[i * 4] = b0;
+    anc[i * 4 + 1] = b1;
+    anc[i * 4 + 2] = b2;
+    anc[i * 4 + 3] = b3;
   }
-  u32 keep = 0u;  // bit 4 t + 2 x + c: (i0 + 8 x, j0 + 8 t + c) is an ancestor pair
-#pragma unroll
-  for (int t = 0; t < 2; ++t)
-#pragma unroll
-    for (int x = 0; x < 2; ++x)
-#pragma unroll
-      for (int c = 0; c < 2; ++c) {
-        const int dd = dj[2 * t + c];
-        if (dd <= di[x] && pair_j[off[x] + dd] == bos + j0 + 8 * t + c) keep |= 1u << (4 * t + 2 * x + c);
-      }
-  float acc[2][4] = {{0.0f, 0.0f, 0.0f, 0.0f}, {0.0f, 0.0f, 0.0f, 0.0f}};
-#pragma unroll
-  for (int s = 0; s < GDN_K / 16; ++s) {
-    // k-step s: the lane's run elements 4 s .. 4 s + 3, i.e. 32-bit words 2 s, 2 s + 1 of the run
-    const int c = s >> 1, w = (s & 1) * 2;
-    const u32 a0[4] = {w == 0 ? af[0][c].x : af[0][c].z, w == 0 ? af[1][c].x : af[1][c].z,
-                       w == 0 ? af[0][c].y : af[0][c].w, w == 0 ? af[1][c].y : af[1][c].w};
-    mma_16816<true>(acc[0], a0, w == 0 ? bf[0][c].x : bf[0][c].z, w == 0 ? bf[0][c].y : bf[0][c].w);
-    mma_16816<true>(acc[1], a0, w == 0 ? bf[1][c].x : bf[1][c].z, w == 0 ? bf[1][c].y : bf[1][c].w);
-  }
-  float* dst = raw + ((i64)h * 2 + gram) * num_pairs;
-#pragma unroll
-  for (int t = 0; t < 2; ++t)
-#pragma unroll
-    for (int e = 0; e < 4; ++e)  // C fragment element e: row i0 + 8 (e >> 1), column j0 + 8 t + (e & 1)
-      if ((keep >> (4 * t + e)) & 1u) dst[off[e >> 1] + dj[2 * t + (e & 1)]] = acc[t][e];
+  cp_async_wait<0>();  // q and k
+  __syncthreads();
+  float* nrm = norms + ((i64)bos * H + h) * 2;
+  p8_norms<THREADS>(qs, ks, n, rows, scale, use_l2norm, tid, nrm, nrm + 1, 2 * H);
+  float* rawx = raw + (i64)h * 2 * num_pairs + pbase;
+  p8_gram_tasks(qs, ks, anc, pb, plen, n, warp, P8_GWARPS, lane, 0, 1,
+                [&](int gram, int e, float val) { rawx[gram * num_pairs + e] = val; });
   tl.mark(1);
 }

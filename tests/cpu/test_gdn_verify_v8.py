@@ -58,8 +58,7 @@ def test_v8_matches_float64_reference(launches, name, trees, h, hv, kd, vd, bv, 
     o_ref, d_ref = _reference(c)
     names, o8, d8 = _run8(c, plan, launches, (f"-DP8_BV={bv}",))
     assert names == PATHS_KERNELS
-    tiles = (plan.max_nodes + 15) // 16 * ((plan.max_nodes + 15) // 16 + 1) // 2
-    assert launches[0][1] == (-(-2 * tiles // kgdn.PATHS_GRAM_WARPS), h, len(trees))  # a warp per gram task
+    assert launches[0][1] == (1, h, len(trees))  # a gram CTA per request and q/k head
     assert launches[1][1] == (hv // h * (vd // bv), h, len(trees))  # a q/k head's CTAs along x, q/k heads, requests
     assert _rel(o8, o_ref) <= 3e-3, _rel(o8, o_ref)
     assert _rel(d8, d_ref) <= 1e-5, _rel(d8, d_ref)
@@ -93,25 +92,34 @@ def test_v8_gram_kernel_carveout_and_timeline(launches):
     assert launches.carveouts == [100, None] and launches.programmatic == [False, True]
     _, o0, d0 = _run8(c, plan, launches, ("-DP8_GCARVE=0",))
     assert launches.carveouts == [None, None] and torch.equal(o0, o) and torch.equal(d0, d)
-    tasks = 2 * 3 * 4 // 2  # both grams' 16 x 16 lower-triangle tiles of the 40-node tree (three row blocks)
-    ctas = -(-tasks // kgdn.PATHS_GRAM_WARPS) * 2 * 2  # x, q/k heads, requests
-    marks = torch.full((ctas, 2, 2), -1, dtype=torch.int64)
+    marks = torch.full((4, 2, 2), -1, dtype=torch.int64)  # a CTA per request and q/k head
     _, ot, dt = _run8(c, plan, launches, timeline8_grams=marks)
-    assert launches[0][1] == (ctas // 4, 2, 2)
+    assert launches[0][1] == (1, 2, 2)
     assert torch.equal(marks, torch.zeros_like(marks)) and torch.equal(ot, o) and torch.equal(dt, d)
 
 
-def _gram_kernel_check(c, plan, h):
+def _gram_kernel_check(c, plan, h, scale=None, use_qk_l2norm=True):
     """gdn_tree_paths_grams alone against ``paths_gram_products_reference``: the same entries written (its output
-    NaN-poisoned first), the products within 1e-6."""
+    NaN-poisoned first), the products within 1e-6; and every node's norm scales (rk = 1 / |k|, rq = scale / |q|,
+    or 1 and scale without the l2 norm) within 1e-6 of float64's."""
     made, _, _ = kgdn.verify_launches(plan, c["q"], c["k"], c["v"], c["g"], c["beta"], c["ssm_state"],
-                                      c["state_indices"], variant=8)
+                                      c["state_indices"], variant=8, scale=scale, use_qk_l2norm=use_qk_l2norm)
     grams = dict(made)["gdn_tree_paths_grams"]
     grams.raw.fill_(float("nan"))
+    grams.norms.fill_(float("nan"))
     grams()
     got, want = grams.raw.view(h, 2, -1), kgdn.paths_gram_products_reference(plan, c["q"], c["k"])
     assert torch.equal(got.isnan(), want.isnan())
     assert _rel(got[~want.isnan()], want[~want.isnan()]) <= 1e-6
+    sc = c["q"].shape[-1] ** -0.5 if scale is None else scale
+    q64, k64 = c["q"].double(), c["k"].double()
+    if use_qk_l2norm:
+        rk, rq = 1 / (k64.square().sum(-1) + 1e-6).sqrt(), sc / (q64.square().sum(-1) + 1e-6).sqrt()
+    else:
+        rk, rq = torch.ones(k64.shape[:2], dtype=torch.float64), torch.full(q64.shape[:2], sc, dtype=torch.float64)
+    norms = grams.norms.view(plan.num_nodes, h, 2)  # [node][q/k head][rk, rq], every node written
+    assert not norms.isnan().any()
+    assert _rel(norms[..., 0], rk.float()) <= 1e-6 and _rel(norms[..., 1], rq.float()) <= 1e-6
 
 
 @pytest.mark.parametrize("name", ["128_nodes_depth_16", "mixed_batch_chain_star_single", "node_order_not_level_order"])
@@ -120,6 +128,8 @@ def test_v8_gram_kernel_matches_float64_products(launches, name):
     _, trees, h, hv, kd, vd, _, _ = next(c for c in CASES if c[0] == name)
     c = _case(trees, h, hv, kd, vd, torch.bfloat16, seed=len(name) + 3)
     _gram_kernel_check(c, TreePlan.build(c["parents"], c["cu_nodes"]), h)
+    if name == "node_order_not_level_order":
+        _gram_kernel_check(c, TreePlan.build(c["parents"], c["cu_nodes"]), h, scale=0.3, use_qk_l2norm=False)
 
 
 def test_v8_gram_kernel_leaves_fixed_layout_padding_alone(launches):
@@ -134,16 +144,18 @@ def test_v8_gram_kernel_leaves_fixed_layout_padding_alone(launches):
 
 
 def test_v8_in_kernel_grams_and_clusters(launches):
-    # P8_PREGRAM=0: the grams in the verify kernel (one launch), within the bars; their sums run in another order
-    # than the gram kernel's, so not bit for bit. A cluster of a q/k head's CTAs sharing them (P8_CLUSTER=3) changes
-    # which CTA computes a tile, not its arithmetic: bit for bit. A cluster with the gram kernel is refused, as is
-    # one that does not divide a q/k head's CTAs
+    # P8_PREGRAM=0: the grams and norms in the verify kernel (one launch), by the gram kernel's arithmetic
+    # (p8_gram_tasks, p8_norms): bit for bit as the two launches, and within the bars. A cluster of a q/k head's CTAs
+    # sharing them (P8_CLUSTER=3) changes which CTA computes a tile, not its arithmetic: bit for bit. A cluster with
+    # the gram kernel is refused, as is one that does not divide a q/k head's CTAs
     c = _case([_bounded_tree(70, _g(27)), torch.tensor([-1, 0, 1, 2, 3])], 1, 3, 128, 64, torch.bfloat16, seed=27)
     plan = TreePlan.build(c["parents"], c["cu_nodes"])
     o_ref, d_ref = _reference(c)
     names, o, d = _run8(c, plan, launches, ("-DP8_PREGRAM=0",))
     assert names == ["gdn_tree_verify_paths"]
     assert _rel(o, o_ref) <= 3e-3 and _rel(d, d_ref) <= 1e-5, (_rel(o, o_ref), _rel(d, d_ref))
+    names, o1, d1 = _run8(c, plan, launches)
+    assert names == PATHS_KERNELS and torch.equal(o1, o) and torch.equal(d1, d)
     made, _, _ = kgdn.verify_launches(plan, c["q"], c["k"], c["v"], c["g"], c["beta"], c["ssm_state"],
                                       c["state_indices"], variant=8, extra_options=("-DP8_PREGRAM=0", "-DP8_CLUSTER=3"))
     assert dict(made)["gdn_tree_verify_paths"].config[3] == 3
@@ -232,6 +244,8 @@ def test_v8_support_and_shared_memory():
     pairs = plan.max_pairs_per_request
     assert kgdn.paths_smem_bytes(128, 64, 128, pairs) == 4 * (
         128 * 136 + 64 * 136 + 128 * 32 + 7 * ((pairs + 3) & ~3) + 13 * 128 + 132)
+    # its gram kernel: the q, k rows, the request's path entries, pair offsets and per-node tables
+    assert kgdn.paths_gram_smem_bytes(128, 128, pairs) == 4 * (128 * 136 + ((pairs + 3) & ~3) + 132 + 7 * 128)
     need = kgdn.paths_smem_bytes(128, 64, 128, pairs)
     assert need <= LIMIT
     assert kgdn.paths_unsupported_reason(plan, torch.bfloat16, 128, 128, need) is None

@@ -379,20 +379,28 @@ def test_verify_v8_large_gates_and_two_part_split():
 @pytest.mark.parametrize("name", list(V8_SETS))
 def test_verify_v8_gram_kernel_and_clusters(name):
     # the gram kernel alone against its float64 reference (the same entries written into a NaN-poisoned output,
-    # products within 1e-6); the grams in the verify kernel (P8_PREGRAM=0) within the bars, and with clusters of 2,
-    # 3 and 6 of a q/k head's CTAs sharing them (P8_CLUSTER) bit for bit as without
+    # products and every node's norm scales within 1e-6); the grams in the verify kernel (P8_PREGRAM=0) bit for bit
+    # as the two launches (the same arithmetic) and within the bars, and with clusters of 2, 3 and 6 of a q/k head's
+    # CTAs sharing them (P8_CLUSTER) bit for bit as without
     c = make_case(V8_SETS[name](_seeded(len(name) + 9)), h=2, hv=6, dtype=torch.bfloat16, seed=19)
     plan = TreePlan.build(c["parents"], c["cu_nodes"])
     made, _, _ = kgdn.verify_launches(plan, c["q"], c["k"], c["v"], c["g"], c["beta"], c["ssm_state"],
                                       c["state_indices"], variant=8)
     grams = dict(made)["gdn_tree_paths_grams"]
     grams.raw.fill_(float("nan"))
+    grams.norms.fill_(float("nan"))
     grams()
     torch.cuda.synchronize()
     got, want = grams.raw.view(2, 2, -1).cpu(), kgdn.paths_gram_products_reference(plan, c["q"], c["k"])
     assert torch.equal(got.isnan(), want.isnan())
     assert rel(got[~want.isnan()], want[~want.isnan()]) <= 1e-6
+    q64, k64 = c["q"].double().cpu(), c["k"].double().cpu()
+    norms = grams.norms.view(plan.num_nodes, 2, 2).cpu()  # [node][q/k head][rk, rq]
+    assert rel(norms[..., 0], 1 / (k64.square().sum(-1) + 1e-6).sqrt()) <= 1e-6
+    assert rel(norms[..., 1], 128**-0.5 / (q64.square().sum(-1) + 1e-6).sqrt()) <= 1e-6
     o, d = _v8_launch(c, extra_options=("-DP8_PREGRAM=0",))
+    o2, d2 = _v8_launch(c)
+    assert torch.equal(o2, o) and torch.equal(d2, d)
     o_ref, d_ref = reference(c)
     assert rel(o, o_ref) <= HALF_TOL and rel(d, d_ref) <= FP32_TOL, (rel(o, o_ref), rel(d, d_ref))
     for cl in (2, 3, 6):

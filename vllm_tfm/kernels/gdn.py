@@ -89,8 +89,8 @@ PATHS_SOURCE = "gdn_tree_verify_paths.cu"
 PATHS_MAX_NODES = 128  # version 8's trees (P8_N)
 PATHS_MAX_PATH = 17  # most nodes on a root..node path in version 8 (P8_PATH): depth <= 16, a DFlash block
 PATHS_BLOCK_VS = (32, 64)  # V columns per CTA (P8_BV)
-PATHS_GRAM_WARPS = 4  # gram tasks per CTA of version 8's gram kernel (P8_GW); -DP8_PREGRAM=0: grams in the verify kernel,
-# shared by a cluster of a q/k head's CTAs with -DP8_CLUSTER=k (timing options)
+PATHS_GRAM_WARPS = 16  # warps of a CTA of version 8's gram kernel, one per request and q/k head (P8_GWARPS);
+# -DP8_PREGRAM=0: grams in the verify kernel, shared by a cluster of a q/k head's CTAs with -DP8_CLUSTER=k (timing options)
 PATHS_MARKS = 9  # timeline marks of version 8 (P8_MARKS): start, after the copies and node tables, after the norms and
 # entry tables, after warp 0's gram tasks, after every warp's (and S0's copy), after warp 0's product scales, after the
 # projections, after phase 2, end
@@ -180,6 +180,13 @@ def paths_smem_bytes(k_dim: int, block_v: int, max_nodes: int, pcap: int) -> int
     return 4 * words
 
 
+def paths_gram_smem_bytes(k_dim: int, max_nodes: int, pcap: int) -> int:
+    """Dynamic shared memory of version 8's gram kernel ``gdn_tree_paths_grams`` (mirrors p8_gram_smem_words): the
+    request's q and k rows in 16 bits, its path entries, pair offsets and per-node tables."""
+    n16 = (max_nodes + 15) & ~15
+    return 4 * (n16 * (k_dim + 8) + _align4(pcap) + _align4(n16 + 1) + 7 * n16)
+
+
 def paths_unsupported_reason(plan: TreePlan, qk_dtype: torch.dtype, k_dim: int, v_dim: int, max_smem: int,
                              block_v: int = 64) -> str | None:
     """None when version 8 (``gdn_tree_verify_paths``) takes this call, else why it runs version 6 (or 3).
@@ -194,7 +201,7 @@ def paths_unsupported_reason(plan: TreePlan, qk_dtype: torch.dtype, k_dim: int, 
     if block_v not in PATHS_BLOCK_VS or v_dim % block_v:
         return f"V={v_dim} is not a multiple of {block_v} (version 8 takes 32 or 64 columns per CTA)"
     if k_dim % 32:
-        return f"K={k_dim} is not a multiple of 32 (version 8's gram kernel reads K / 4 columns a lane in 16-byte pieces)"
+        return f"K={k_dim} is not a multiple of 32 (version 8's norms read K / 4 columns a thread in 16-byte pieces)"
     smem = paths_smem_bytes(k_dim, block_v, plan.max_nodes, plan.max_pairs_per_request)
     if smem > max_smem:
         return f"version 8 needs {smem} bytes of shared memory for this plan at K={k_dim}; the device has {max_smem}"
@@ -568,16 +575,19 @@ def verify_launches(
             sms = torch.cuda.get_device_properties(dev_index).multi_processor_count
             warps8 = paths_warps(plan, h, hv, kd, vd, bv8, sms, extra_options)
             opts = ["--std=c++17", "-lineinfo", f"-DTFM_IN={DTYPE_CODE[v.dtype]}", f"-DGDN_K={kd}", f"-DGDN_V={vd}",
-                    f"-DP8_BV={bv8}", f"-DP8_PATH={PATHS_MAX_PATH}", f"-DP8_CLUSTER={cl8}", f"-DP8_GW={PATHS_GRAM_WARPS}",
-                    f"-DP8_WARPS={warps8}",
-                    *[x for x in extra_options if not x.startswith(("-DP8_BV=", "-DP8_CLUSTER=", "-DP8_GW=", "-DP8_WARPS="))]]
+                    f"-DP8_BV={bv8}", f"-DP8_PATH={PATHS_MAX_PATH}", f"-DP8_CLUSTER={cl8}",
+                    f"-DP8_GWARPS={PATHS_GRAM_WARPS}", f"-DP8_WARPS={warps8}",
+                    *[x for x in extra_options
+                      if not x.startswith(("-DP8_BV=", "-DP8_CLUSTER=", "-DP8_GWARPS=", "-DP8_WARPS="))]]
             k_paths = get_kernel(PATHS_SOURCE, "gdn_tree_verify_paths", opts, dev_index)
             pcap8 = plan.max_pairs_per_request
             n16 = (plan.max_nodes + 15) & ~15
+            # the gram kernel's outputs: raw products [H][2][pairs], norm scales [T][H][2] (rk, rq)
             raw = torch.empty(2 * h * plan.num_pairs if pregram else 0, dtype=torch.float32, device=dev)
+            norms = torch.empty(2 * h * t_nodes if pregram else 0, dtype=torch.float32, device=dev)
             args = [q, k, v, g32, b32, plan.perm, plan.pair_off, plan.pair_j, plan.cu, ssm_state, sidx,
                     i32(sidx64), i64(st[0]), i64(st[1]), i64(st[2]), o, delta, i32(h), i32(hv), i32(n16), i32(pcap8),
-                    f32(scale), i32(int(use_qk_l2norm)), raw, i32(plan.num_pairs), timeline8]
+                    f32(scale), i32(int(use_qk_l2norm)), raw, norms, i32(plan.num_pairs), timeline8]
             grid8 = (hv // h * (vd // bv8), h, plan.num_requests)  # a q/k head's CTAs consecutive along x
             smem8 = paths_smem_bytes(kd, bv8, plan.max_nodes, pcap8)
             block8 = (32 * warps8, 1, 1)
@@ -587,20 +597,20 @@ def verify_launches(
 
             run_paths.kernel, run_paths.config = k_paths, (grid8, block8, smem8, cl8)  # type: ignore[attr-defined]
             made = [("gdn_tree_verify_paths", run_paths)]
-            if pregram:  # the grams' raw products by a kernel of their own, per q/k head, before the verify kernel
+            if pregram:  # the grams' raw products and the norms by a kernel of their own, a CTA per request and q/k head
                 k_grams = get_kernel(PATHS_SOURCE, "gdn_tree_paths_grams", opts, dev_index)
-                tasks = n16 // 16 * (n16 // 16 + 1)  # of both grams, the plan's largest tree
-                grid_g = ((tasks + PATHS_GRAM_WARPS - 1) // PATHS_GRAM_WARPS, h, plan.num_requests)
-                args_g = [q, k, plan.pos, plan.depth, plan.pair_off, plan.pair_j, plan.cu, raw, i32(h),
-                          i32(plan.num_pairs), timeline8_grams]
+                grid_g, block_g = (1, h, plan.num_requests), (32 * PATHS_GRAM_WARPS, 1, 1)
+                smem_g = paths_gram_smem_bytes(kd, plan.max_nodes, pcap8)
+                args_g = [q, k, plan.perm, plan.pair_off, plan.pair_j, plan.cu, raw, norms, i32(h), i32(n16), i32(pcap8),
+                          i32(plan.num_pairs), f32(scale), i32(int(use_qk_l2norm)), timeline8_grams]
                 # one wave of verify CTAs: the largest shared-memory carveout, so that they can start beside the gram CTAs
                 carve = paths_gram_carveout(grid8[0] * grid8[1] * grid8[2], warps8, smem8, sms, extra_options)
 
                 def run_grams() -> None:
-                    launch(k_grams, grid_g, (32 * PATHS_GRAM_WARPS, 1, 1), args_g, carveout=carve)
+                    launch(k_grams, grid_g, block_g, args_g, shared_mem=smem_g, carveout=carve)
 
-                run_grams.kernel, run_grams.config = k_grams, (grid_g, (32 * PATHS_GRAM_WARPS, 1, 1), 0, 1)  # type: ignore[attr-defined]
-                run_grams.raw = raw  # type: ignore[attr-defined]  # its output, for the tests
+                run_grams.kernel, run_grams.config = k_grams, (grid_g, block_g, smem_g, 1)  # type: ignore[attr-defined]
+                run_grams.raw, run_grams.norms = raw, norms  # type: ignore[attr-defined]  # its outputs, for the tests
                 made.insert(0, ("gdn_tree_paths_grams", run_grams))
             return made, o, delta
         variant = 6  # version 8 does not take this call (paths_unsupported_reason): version 6 (or 3) does
