@@ -35,7 +35,8 @@
 //            cluster of C of the q/k head's CTAs splits them, each product stored in every CTA), each ancestor
 //            pair's raw product stored at its path entry. Then each entry scaled (X: beta_i rk_i rk_j e^{G_i - G_j}, Y: rq_i
 //            rk_j e^{G_i - G_j}); the projections [K; Q] S0^T as one GEMM (M = P8_BV rows of S0, N = 2 n16 nodes,
-//            K = GDN_K) on bf16 mma over a P8_SPLIT-part split of S0 (three parts: float32-accurate), a warp per
+//            K = GDN_K) on bf16 mma over a split of S0 into bf16 parts (K: P8_SPLIT = 3, float32-accurate; Q:
+//            P8_QSPLIT = 2, each S0 element within 2^-17 of itself, as O is rounded to bf16), a warp per
 //            (16 rows, 64 or 32 node columns), the sums kept in registers
 //   phase 2  R and diag(e^G) Q S0^T from the GEMM's registers into shared memory (over the dead q / k / S0
 //            rows); a thread per (node, T or W) runs its row's back substitution
@@ -43,7 +44,7 @@
 //            entries, four entries a step
 //
 // Compile-time constants (NVRTC -D): TFM_IN (must be 1, bfloat16), GDN_K (a multiple of 32), GDN_V, P8_BV (32 or
-// 64), P8_PATH (most nodes on a path), P8_SPLIT (2 or 3 bf16 parts of S0), P8_OUTW (1, 2 or 4 nodes a warp in
+// 64), P8_PATH (most nodes on a path), P8_SPLIT and P8_QSPLIT (2 or 3 bf16 parts of S0 for K and Q), P8_OUTW (1, 2 or 4 nodes a warp in
 // phase 3), P8_PREGRAM (1: the gram kernel; 0: the grams here), P8_GWARPS (the gram kernel's warps a CTA), P8_WARPS
 // (16, or 8 where two CTAs share an SM: vllm_tfm/kernels/gdn.py paths_warps); timing options P8_STAGES (2, or 1:
 // S0 waited for with q and k), P8_CLUSTER (1 to 8, with P8_PREGRAM = 0) and P8_SKIP (wrong outputs: 1 no in-kernel
@@ -67,7 +68,10 @@
 #define P8_PATH 17
 #endif
 #ifndef P8_SPLIT
-#define P8_SPLIT 3
+#define P8_SPLIT 3                        // bf16 parts of S0 in the K projection (R, Delta: float32-accurate)
+#endif
+#ifndef P8_QSPLIT
+#define P8_QSPLIT 2                       // and in the Q projection (O, rounded to bf16: 2^-17 relative a part sum)
 #endif
 #ifndef P8_WARPS
 #define P8_WARPS 16                       // 8: two CTAs of up to 113 KB a SM (the wrapper's choice where they fit)
@@ -105,7 +109,7 @@
 static_assert(TFM_IN == 1, "version 8 takes bfloat16 q/k/v");
 static_assert(P8_BV == 32 || P8_BV == 64, "32 or 64 V columns per CTA");
 static_assert(GDN_K % 16 == 0 && GDN_V % P8_BV == 0, "K must be a multiple of 16 and V of P8_BV");
-static_assert(P8_SPLIT == 2 || P8_SPLIT == 3, "S0 in two or three bf16 parts");
+static_assert((P8_SPLIT == 2 || P8_SPLIT == 3) && (P8_QSPLIT == 2 || P8_QSPLIT == 3), "S0 in two or three bf16 parts");
 static_assert(P8_PATH >= 1 && P8_PATH <= P8_N, "a path has 1 to 128 nodes");
 static_assert((P8_WARPS == 8 || P8_WARPS == 16) && P8_CB >= 2, "8 or 16 warps, every GEMM warp on one of K or Q");
 static_assert(P8_THREADS >= 2 * P8_N, "a thread per (node, T or W)");
@@ -129,11 +133,6 @@ __host__ __device__ constexpr int p8_smem_words(int n16, int pcap) {
          + n16 * P8_BV / 2                                      // v [n16][BV] bf16
          + 7 * p8_align4(pcap)                                  // X, Y, T, W by path entry; pj (local node), pbase of pj, owner
          + 13 * n16 + p8_align4(n16 + 1);                       // per node: rk rq G eG beta g pb plen perm anc[4]; pair_off
-}
-
-// The 32-bit word of two bf16 at (row, col) of a staged [n16][KP] q / k block.
-__device__ __forceinline__ u32 p8_word(const u16* rows, int row, int col) {
-  return *reinterpret_cast<const u32*>(rows + row * P8_KP + col);
 }
 
 // The 16-row block of gram task u, the tasks being the lower triangle's 16 x 16 tiles (mt, nt <= mt) row by row
@@ -247,6 +246,48 @@ __device__ __forceinline__ void p8_gram_tasks(const u16* qs, const u16* ks, cons
       for (int e = 0; e < 4; ++e)  // i's path entry for its ancestor j (at j's depth)
         if ((keep >> (4 * t + e)) & 1u) store(gram, ((e >> 1) ? at1 : at0) + ((e & 1) ? dj1 : dj0), acc[t][e]);
     }
+  }
+}
+
+// The projections' k loop of one warp: C += S0 rows x node rows^T for its first PAIRS pairs of 8-node mma tiles
+// (their rows staged, zero past n), S0 in PARTS bf16 parts, small parts first, float32 sums. A fragments: the warp's
+// 16 S0 rows as float2 pairs (arow: row gq, column 2 tq), split here; B fragments by ldmatrix as in p8_gram_tasks
+// (bptr: row (lane & 7) + 8 (lane >> 4), column half (lane >> 3) & 1). No branch inside: PAIRS is a template argument
+// (p8_project_upto), so the .sync.aligned ldmatrix and mma need no convergence barriers.
+template <int PARTS, int PAIRS>
+__device__ __forceinline__ void p8_project(float (&pacc)[P8_TPW][4], const float* arow, const u16* bptr) {
+#pragma unroll 1
+  for (int s = 0; s < ((P8_SKIP & 2) ? 0 : P8_KSTEPS); ++s) {
+    const float2 x0 = *reinterpret_cast<const float2*>(arow + s * 16);
+    const float2 x1 = *reinterpret_cast<const float2*>(arow + 8 * P8_SP + s * 16);
+    const float2 x2 = *reinterpret_cast<const float2*>(arow + s * 16 + 8);
+    const float2 x3 = *reinterpret_cast<const float2*>(arow + 8 * P8_SP + s * 16 + 8);
+    u32 ahi[4], amid[4], alo[4];
+    split3_bf16x2(x0, ahi[0], amid[0], alo[0]);
+    split3_bf16x2(x1, ahi[1], amid[1], alo[1]);
+    split3_bf16x2(x2, ahi[2], amid[2], alo[2]);
+    split3_bf16x2(x3, ahi[3], amid[3], alo[3]);
+#pragma unroll
+    for (int tp = 0; tp < PAIRS; ++tp) {
+      u32 b[4];
+      ldsm_x4(b, bptr + tp * 16 * P8_KP + s * 16);
+#pragma unroll
+      for (int x = 0; x < 2; ++x) {
+        if (PARTS == 3) mma_16816<true>(pacc[2 * tp + x], alo, b[2 * x], b[2 * x + 1]);
+        mma_16816<true>(pacc[2 * tp + x], amid, b[2 * x], b[2 * x + 1]);
+        mma_16816<true>(pacc[2 * tp + x], ahi, b[2 * x], b[2 * x + 1]);
+      }
+    }
+  }
+}
+
+// p8_project for a warp's `pairs` (1 .. P) live pairs of tiles.
+template <int PARTS, int P = P8_TPW / 2>
+__device__ __forceinline__ void p8_project_upto(int pairs, float (&pacc)[P8_TPW][4], const float* arow, const u16* bptr) {
+  if (pairs == P) {
+    p8_project<PARTS, P>(pacc, arow, bptr);
+  } else if constexpr (P > 1) {
+    p8_project_upto<PARTS, P - 1>(pairs, pacc, arow, bptr);
   }
 }
 
@@ -448,28 +489,12 @@ gdn_tree_verify_paths(const tin* __restrict__ q, const tin* __restrict__ k, cons
   for (int t = 0; t < P8_TPW; ++t) pacc[t][0] = pacc[t][1] = pacc[t][2] = pacc[t][3] = 0.0f;
   if (nb < n) {
     const float* arow = s0s + (rt * 16 + gq) * P8_SP + 2 * tq;
-#pragma unroll 2
-    for (int s = 0; s < ((P8_SKIP & 2) ? 0 : P8_KSTEPS); ++s) {
-      const float2 x0 = *reinterpret_cast<const float2*>(arow + s * 16);
-      const float2 x1 = *reinterpret_cast<const float2*>(arow + 8 * P8_SP + s * 16);
-      const float2 x2 = *reinterpret_cast<const float2*>(arow + s * 16 + 8);
-      const float2 x3 = *reinterpret_cast<const float2*>(arow + 8 * P8_SP + s * 16 + 8);
-      u32 ahi[4], amid[4], alo[4];
-      split3_bf16x2(x0, ahi[0], amid[0], alo[0]);
-      split3_bf16x2(x1, ahi[1], amid[1], alo[1]);
-      split3_bf16x2(x2, ahi[2], amid[2], alo[2]);
-      split3_bf16x2(x3, ahi[3], amid[3], alo[3]);
-      const int c = s * 16 + 2 * tq;
-#pragma unroll
-      for (int t = 0; t < P8_TPW; ++t) {
-        if (nb + t * 8 < n) {
-          const u32 b0 = p8_word(brows, nb + t * 8 + gq, c), b1 = p8_word(brows, nb + t * 8 + gq, c + 8);
-          if (P8_SPLIT == 3) mma_16816<true>(pacc[t], alo, b0, b1);
-          mma_16816<true>(pacc[t], amid, b0, b1);
-          mma_16816<true>(pacc[t], ahi, b0, b1);
-        }
-      }
-    }
+    const u16* bptr = brows + (nb + (lane & 7) + ((lane >> 4) << 3)) * P8_KP + ((lane >> 3) & 1) * 8;
+    const int pairs = min(P8_TPW / 2, (n - nb + 15) / 16);  // pairs of 8-node tiles with a node < n
+    if (mat == 0)
+      p8_project_upto<P8_SPLIT>(pairs, pacc, arow, bptr);
+    else
+      p8_project_upto<P8_QSPLIT>(pairs, pacc, arow, bptr);
   }
   __syncthreads();  // every read of the q / k / S0 rows is done: R and QS overwrite them
   tl.mark(6);

@@ -169,8 +169,9 @@ def test_v8_in_kernel_grams_and_clusters(launches):
 
 
 def test_v8_two_part_split_is_within_the_bars(launches):
-    # P8_SPLIT=2 drops S0's third bf16 part (each element then within 2^-17 of itself): still far inside the bars,
-    # and not the same numbers as the three-part build
+    # P8_SPLIT=2 drops S0's third bf16 part from the K projection (each element then within 2^-17 of itself): still
+    # far inside the bars, and not the same numbers as the three-part build. The Q projection (two parts by default,
+    # P8_QSPLIT) reaches only O: with three parts delta is the same bit for bit and O within the bars
     c = _case([_bounded_tree(60, _g(25))], 1, 1, 128, 64, torch.bfloat16, seed=26)
     plan = TreePlan.build(c["parents"], c["cu_nodes"])
     o_ref, d_ref = _reference(c)
@@ -178,6 +179,8 @@ def test_v8_two_part_split_is_within_the_bars(launches):
     _, o2, d2 = _run8(c, plan, launches, ("-DP8_SPLIT=2",))
     assert _rel(o2, o_ref) <= 3e-3 and _rel(d2, d_ref) <= 1e-5, (_rel(o2, o_ref), _rel(d2, d_ref))
     assert not torch.equal(d2, d3)
+    _, oq3, dq3 = _run8(c, plan, launches, ("-DP8_QSPLIT=3",))
+    assert torch.equal(dq3, d3) and _rel(oq3, o_ref) <= 3e-3, _rel(oq3, o_ref)
 
 
 def test_v8_without_l2norm_and_with_a_scale(launches):
