@@ -6,8 +6,9 @@ phase's barrier (``timeline6`` / ``timeline7`` / ``timeline8`` of ``vllm_tfm.ker
 batch), the median and the largest time of each phase over the CTAs, the span from the first CTA's
 start to the last one's end, and the graph-timed whole call (bench/gdn_tree.py's timing) beside it:
 what the CTAs do against what the launch costs. Versions 7 and 8 record their marks in a replayed CUDA
-graph, as the call is timed; for version 8 the gram kernel's CTAs mark their start and end too, and a
-second table sets them against the verify CTAs (how many verify CTAs started before the grams ended).
+graph, as the call is timed; for version 8 the solve kernel's CTAs mark their start and end too, and a
+second table sets them against the verify CTAs (how many verify CTAs started before the solve ended; the
+verify kernel waits for it after its projections, within its "projections" phase).
 Same trees and inputs as bench/gdn_tree.py.
 
 usage (GPU host, repository root):  python3 bench/gdn_timeline.py [--out FILE] [--n 32 128] [--batch 1 8]
@@ -64,7 +65,7 @@ def timeline_one(variant: int, n: int, batch: int, reps: int, block_v: int, defi
         x = inputs[s]
         launches, _, _ = kgdn.verify_launches(plan, x["q"], x["k"], x["v"], x["g"], x["beta"], pool, slots[s],
                                               return_delta=True, variant=variant, extra_options=opts)
-        if launches[-1][0] != spec["kernel"]:  # version 8: its gram kernel first (P8_PREGRAM=1)
+        if launches[-1][0] != spec["kernel"]:  # version 8: its solve kernel first (P8_PREGRAM=1)
             return dict(n=n, batch=batch, variant=variant, error=f"version {variant} does not take n={n}")
         fns.append(lambda ls=launches: [fn() for _, fn in ls])
     call_us, _ = time_calls(fns, reps)
@@ -73,15 +74,15 @@ def timeline_one(variant: int, n: int, batch: int, reps: int, block_v: int, defi
     ctas = plan.num_requests * h * spec["per_qk_head"](hv // h) * (VD // block_v)
     buf = torch.zeros(ctas, spec["marks"], 2, dtype=torch.int64, device="cuda")
     extra = {spec["keyword"]: buf}
-    gram_buf = None
-    if len(launches) == 2:  # version 8's gram kernel: its CTAs' start and warp 0's end
+    solve_buf = None
+    if len(launches) == 2:  # version 8's solve kernel: its CTAs' start and warp 0's end
         grid_g = launches[0][1].config[0]
-        gram_buf = torch.zeros(grid_g[0] * grid_g[1] * grid_g[2], 2, 2, dtype=torch.int64, device="cuda")
-        extra["timeline8_grams"] = gram_buf
+        solve_buf = torch.zeros(grid_g[0] * grid_g[1] * grid_g[2], 2, 2, dtype=torch.int64, device="cuda")
+        extra["timeline8_solve"] = solve_buf
     launches, _, _ = kgdn.verify_launches(plan, x["q"], x["k"], x["v"], x["g"], x["beta"], pool, slots[0],
                                           return_delta=True, variant=variant, extra_options=opts, **extra)
     # the last of three back-to-back calls (warm caches of the tables) in a replayed CUDA graph, as the call is
-    # timed: no launch gaps, so version 8's verify kernel can start while its gram kernel runs
+    # timed: no launch gaps, so version 8's verify kernel can start while its solve kernel runs
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         for _ in range(3):
@@ -93,19 +94,19 @@ def timeline_one(variant: int, n: int, batch: int, reps: int, block_v: int, defi
     row = dict(n=n, batch=batch, variant=variant, block_v=block_v, defines=list(defines), nodes=plan.num_nodes,
                max_depth=plan.max_depth, ctas=ctas, call_us=call_us)
     row.update(cta_times(buf.cpu(), spec["phases"]))
-    if gram_buf is not None:
-        row["grams"] = gram_overlap(gram_buf.cpu(), buf.cpu())
+    if solve_buf is not None:
+        row["solve"] = solve_overlap(solve_buf.cpu(), buf.cpu())
     return row
 
 
-def gram_overlap(grams: torch.Tensor, verify: torch.Tensor) -> dict:
-    """Version 8's gram kernel against its verify kernel, from their [CTAs, marks, (global ns, SM clock)]: us from
-    the first gram CTA's start to the last gram CTA's end, to the first verify CTA's start and to the last verify
-    CTA's end, and how many verify CTAs started before the last gram CTA ended (programmatic dependent launch at
-    work: 0 when the verify CTAs wait for SMs the gram CTAs hold)."""
+def solve_overlap(grams: torch.Tensor, verify: torch.Tensor) -> dict:
+    """Version 8's solve kernel against its verify kernel, from their [CTAs, marks, (global ns, SM clock)]: us from
+    the first solve CTA's start to the last solve CTA's end, to the first verify CTA's start and to the last verify
+    CTA's end, and how many verify CTAs started before the last solve CTA ended (programmatic dependent launch at
+    work: 0 when the verify CTAs wait for SMs the solve CTAs hold)."""
     g0, g_end = grams[:, 0, 0].min(), grams[:, 1, 0].max()
     v_start, v_end = verify[:, 0, 0], verify[:, -1, 0]
-    return dict(ctas=int(grams.shape[0]), grams_end_us=float(g_end - g0) / 1e3, verify_start_us=float(v_start.min() - g0) / 1e3,
+    return dict(ctas=int(grams.shape[0]), solve_end_us=float(g_end - g0) / 1e3, verify_start_us=float(v_start.min() - g0) / 1e3,
                 verify_end_us=float(v_end.max() - g0) / 1e3, verify_ctas_early=int((v_start < g_end).sum()))
 
 
@@ -139,14 +140,14 @@ def table_one(variant: int, rows: list[dict]) -> str:
                      f"{r['cta_us_median']:>7.1f} {r['start_spread_us']:>7.1f} | "
                      + " ".join(f"{ph[p]['median']:>6.2f}/{ph[p]['max']:<6.2f}" for p in phases)
                      + (f"  {' '.join(r['defines'])}" if r.get("defines") else ""))
-    grams = [r for r in rows if "grams" in r]
-    if grams:
-        lines.append("version 8's gram kernel, us from its first CTA's start: its last CTA's end, the first verify CTA's "
-                     "start, the last verify CTA's end; verify CTAs started before the grams ended")
-        lines.append(f"{'n':>4} {'batch':>5} {'ctas':>5} {'grams':>7} {'v start':>7} {'v end':>7} {'early':>5}")
-        for r in grams:
-            g = r["grams"]
-            lines.append(f"{r['n']:>4} {r['batch']:>5} {g['ctas']:>5} {g['grams_end_us']:>7.1f} {g['verify_start_us']:>7.1f} "
+    solved = [r for r in rows if "solve" in r]
+    if solved:
+        lines.append("version 8's solve kernel, us from its first CTA's start: its last CTA's end, the first verify CTA's "
+                     "start, the last verify CTA's end; verify CTAs started before the solve ended")
+        lines.append(f"{'n':>4} {'batch':>5} {'ctas':>5} {'solve':>7} {'v start':>7} {'v end':>7} {'early':>5}")
+        for r in solved:
+            g = r["solve"]
+            lines.append(f"{r['n']:>4} {r['batch']:>5} {g['ctas']:>5} {g['solve_end_us']:>7.1f} {g['verify_start_us']:>7.1f} "
                          f"{g['verify_end_us']:>7.1f} {g['verify_ctas_early']:>5}"
                          + (f"  {' '.join(r['defines'])}" if r.get("defines") else ""))
     return "\n".join(lines)

@@ -64,8 +64,8 @@ STATE_BYTES = HV * VD * KD * 4
 NODE_BYTES = 2 * H * KD * 2 + HV * VD * 2 + HV * 4 * 2 + HV * VD * 2  # q, k, v, g, beta, o
 L2_DEFEAT_BYTES = 240e6  # rotate input sets until the state pool is 4x the 60 MB L2
 BREAKDOWN_N, BREAKDOWN_BATCH = (16, 64, 128), (1, 8)
-V8_KERNELS = ["gdn_tree_paths_grams", "gdn_tree_verify_paths"]  # version 8's launches where it takes the call
-PATHS_CLUSTERS = (1, 6)  # clusters timed with version 8's in-kernel grams (P8_PREGRAM=0): divisors of 6 CTAs
+V8_KERNELS = ["gdn_tree_paths_solve", "gdn_tree_verify_paths"]  # version 8's launches where it takes the call
+PATHS_CLUSTERS = (1, 6)  # clusters timed with version 8's in-kernel solve (P8_PREGRAM=0): divisors of 6 CTAs
 
 
 # ---------------------------------------------------------------------------------------------
@@ -356,7 +356,7 @@ def bench_verify(n: int, batch: int, bw: float, reps: int, vllm_fn, allow_slow: 
     row["v6_kernels"] = [name for name, _ in launches6]
 
     def launches_us(variant: int, **kw) -> float:
-        """A version's launches alone (one kernel; version 8 its gram kernel and verify kernel), graph-timed over the
+        """A version's launches alone (one kernel; version 8 its solve kernel and verify kernel), graph-timed over the
         input sets, with verify_launches' keywords."""
         fns = []
         for s in range(sets):
@@ -382,9 +382,9 @@ def bench_verify(n: int, batch: int, bw: float, reps: int, vllm_fn, allow_slow: 
         row["v7_vs_v6_o_rel"] = rel_err(o7[0], o6[0])
         row["v7_vs_v6_delta_rel"] = rel_err(o7[1], o6[1])
     # version 8 (trees of <= 128 nodes with paths of <= 17; others run version 6): which kernels ran, both V
-    # widths, S0 in two bf16 parts instead of three (P8_SPLIT=2), the gram kernel at the driver's and at the largest
-    # shared-memory carveout (P8_GCARVE=0 / 1; paths_gram_carveout decides), the grams in the verify kernel (P8_PREGRAM=0) without and with a cluster
-    # of 6 CTAs sharing a q/k head's grams (P8_CLUSTER), its distance from version 6
+    # widths, S0 in two bf16 parts instead of three for K (P8_SPLIT=2) and in three instead of two for Q (P8_QSPLIT=3),
+    # the solve in the verify kernel (P8_PREGRAM=0) without and with a cluster of 6 CTAs sharing a q/k head's grams
+    # (P8_CLUSTER), its distance from version 6
     launches8, _, _ = kgdn.verify_launches(plan, x["q"], x["k"], x["v"], x["g"], x["beta"], pool, slots[0], variant=8)
     row["v8_kernels"] = [name for name, _ in launches8]
     if row["v8_kernels"] == V8_KERNELS:
@@ -394,8 +394,7 @@ def bench_verify(n: int, batch: int, bw: float, reps: int, vllm_fn, allow_slow: 
                                for bv8 in kgdn.PATHS_BLOCK_VS}  # CTAs of 8 warps
         row["v8_warps16_us"] = launches_us(8, extra_options=("-DP8_BV=64", "-DP8_WARPS=16"))  # and of 16 (paths_warps)
         row["v8_split2_us"] = launches_us(8, extra_options=("-DP8_SPLIT=2",))
-        row["v8_nocarve_us"] = launches_us(8, extra_options=("-DP8_GCARVE=0",))
-        row["v8_carve_us"] = launches_us(8, extra_options=("-DP8_GCARVE=1",))
+        row["v8_qsplit3_us"] = launches_us(8, extra_options=("-DP8_QSPLIT=3",))
         row["v8_ingram_us"] = {str(cl): launches_us(8, extra_options=("-DP8_PREGRAM=0", f"-DP8_CLUSTER={cl}"))
                                for cl in PATHS_CLUSTERS}
         o8 = call(8)
@@ -417,7 +416,7 @@ def bench_verify(n: int, batch: int, bw: float, reps: int, vllm_fn, allow_slow: 
                 per_set.append(launches)
             parts = {}
             for idx, (kname, _) in enumerate(per_set[0]):  # version 6 is one kernel ("main" here)
-                name = "pairs" if kname in ("gdn_tree_pairs", "gdn_tree_paths_grams") else "main"
+                name = "pairs" if kname in ("gdn_tree_pairs", "gdn_tree_paths_solve") else "main"
                 parts[f"{name}_us"], _ = time_calls([ls[idx][1] for ls in per_set], reps)
             parts["call_us"], _ = time_calls([ours(s, auto_bv_of[variant], variant) for s in range(sets)], reps)
             row["breakdown"][f"v{variant}"] = parts
@@ -774,12 +773,12 @@ def table(results: dict) -> str:
                      f"{fmt(r.get('ours_eager_us')):>8} {fmt(r.get('per_branch_us')):>11} "
                      f"{fmt(r.get('speedup_vs_per_branch')):>8} {fmt(r.get('reference_us'), '.0f'):>10} "
                      f"{fmt(r.get('err_vs_reference'), '.1e'):>8} {'v' + str(r.get('runtime_variant', '-')):>3}")
-    lines.append("versions 6 to 8 (v8 BV32 / BV64 / w8 BV32 / w8 BV64 / w16 BV64 / split2 / nocarve / carve / in cl1 / cl6: version "
-                 "8's launches alone at 32 and 64 V columns, with CTAs of 8 and of 16 warps, with S0 in two bf16 parts, with the gram kernel "
-                 "at the driver's and at the largest shared-memory carveout, and with the grams in the verify kernel, shared by clusters of 1 and 6 "
+    lines.append("versions 6 to 8 (v8 BV32 / BV64 / w8 BV32 / w8 BV64 / w16 BV64 / split2 / qsplit3 / in cl1 / cl6: version "
+                 "8's launches alone at 32 and 64 V columns, with CTAs of 8 and of 16 warps, with S0 in two bf16 parts for K, in three "
+                 "for Q, and with the solve in the verify kernel, its grams shared by clusters of 1 and 6 "
                  "CTAs), the fastest version and its speedup over per-branch recurrence, us")
     lines.append(f"{'n':>4} {'batch':>5} {'floor':>8} {'v6 auto':>8} {'v7 auto':>8} {'v8 auto':>8} {'v8 BV32':>8} "
-                 f"{'v8 BV64':>8} {'w8 BV32':>8} {'w8 BV64':>8} {'w16 BV64':>8} {'split2':>8} {'nocarve':>8} {'carve':>8} {'in cl1':>7} {'cl6':>7} "
+                 f"{'v8 BV64':>8} {'w8 BV32':>8} {'w8 BV64':>8} {'w16 BV64':>8} {'split2':>8} {'qsplit3':>8} {'in cl1':>7} {'cl6':>7} "
                  f"{'v6/v8':>6} {'v8-v6 d':>8} {'fastest':>8} "
                  f"{'per-branch':>11} {'speedup':>8}")
     for r in results["verify"]:
@@ -788,7 +787,7 @@ def table(results: dict) -> str:
         bvs, w8 = r.get("v8_block_v_us", {}), r.get("v8_warps8_us", {})
         lines.append(f"{r['n']:>4} {r['batch']:>5} {fmt(r['floor_us']):>8} {fmt(r.get('v6_auto_us')):>8} {fmt(v7):>8} "
                      f"{fmt(v8):>8} {fmt(bvs.get('32')):>8} {fmt(bvs.get('64')):>8} {fmt(w8.get('32')):>8} "
-                     f"{fmt(w8.get('64')):>8} {fmt(r.get('v8_warps16_us')):>8} {fmt(r.get('v8_split2_us')):>8} {fmt(r.get('v8_nocarve_us')):>8} {fmt(r.get('v8_carve_us')):>8} "
+                     f"{fmt(w8.get('64')):>8} {fmt(r.get('v8_warps16_us')):>8} {fmt(r.get('v8_split2_us')):>8} {fmt(r.get('v8_qsplit3_us')):>8} "
                      + " ".join(f"{fmt(r.get('v8_ingram_us', {}).get(str(cl))):>7}" for cl in PATHS_CLUSTERS) + " "
                      f"{fmt(ratio(r.get('v6_auto_us'), v8), '.2f'):>6} {fmt(r.get('v8_vs_v6_delta_rel'), '.1e'):>8} "
                      f"{str(r.get('fastest_variant')):>8} {fmt(r.get('per_branch_us')):>11} "

@@ -20,32 +20,35 @@
 // at n = 128 that decomposition alone costs 8 us a call with every product compiled out (section 56). Here a CTA
 // serves one value head and 64 columns (batch 1 at the 27B shape: 96 CTAs, one wave). Each phase is bound by the
 // instructions its warps issue (section 75: a phase took 4x its latency estimate and tracks its instruction count).
-// The grams, the same for a q/k head's value heads, come by default from a kernel of their own
-// (gdn_tree_paths_grams, below: a CTA per request and q/k head, launched before this one, which programmatic
-// dependent launch lets start early), with the q / k norm scales. Measured on an H100 (section 76): 19.4 us at n =
-// 128, batch 1 (version 6: 23.1), 109.1 at batch 8 (167.4), 425.9 at batch 32 (656.2), with section 76's gram kernel.
+// The solve (norms, grams, scales and each node's rows of T and W), the same for the two CTAs of a value head and,
+// up to the scales, for a q/k head's value heads, comes by default from a kernel of their own (gdn_tree_paths_solve,
+// below: a CTA per request and q/k head, launched before this one, which programmatic dependent launch lets start
+// early; this kernel waits for it only before it copies T and W in, after its projections). Measured on an H100
+// (section 76, with the grams alone in a kernel of their own): 19.4 us at n = 128, batch 1 (version 6: 23.1), 109.1
+// at batch 8 (167.4), 425.9 at batch 32 (656.2); section 77 for this layout.
 //   phase 0  cp.async in three groups: the request's plan tables, g and beta; its q, k rows (rows n .. n16
-//            zero); the CTA's S0 rows and v columns. Per node, once the tables are in: path entries and their
-//            owner, depth, the path gate G (and with P8_PREGRAM = 0 the ancestor bitmask, 128 bits); then (the
-//            gram kernel's) the raw products of the request's path entries and its nodes' norm scales, a fourth
-//            copy group after griddepcontrol.wait (with P8_PREGRAM = 0, once q and k are in, their norms here,
-//            four threads a row); per path entry the local node index and that node's first path entry
+//            zero); the CTA's S0 rows and v columns. Per node, once the tables are in: path entries, depth, the path
+//            gate G (with P8_PREGRAM = 0 also each entry's owner and the ancestor bitmask, 128 bits); once q and k
+//            are in, their norms (four threads a row); per path entry the local node index (and with P8_PREGRAM = 0
+//            that node's first path entry)
 //   phase 1  with P8_PREGRAM = 0 the lower triangles of K K^T and Q K^T here (p8_gram_tasks: 16 x 16 tasks of two
 //            bf16 mma tiles on ldmatrix fragments, tasks without an ancestor pair skipped; with P8_CLUSTER = C a
 //            cluster of C of the q/k head's CTAs splits them, each product stored in every CTA), each ancestor
-//            pair's raw product stored at its path entry. Then each entry scaled (X: beta_i rk_i rk_j e^{G_i - G_j}, Y: rq_i
-//            rk_j e^{G_i - G_j}); the projections [K; Q] S0^T as one GEMM (M = P8_BV rows of S0, N = 2 n16 nodes,
-//            K = GDN_K) on bf16 mma over a split of S0 into bf16 parts (K: P8_SPLIT = 3, float32-accurate; Q:
-//            P8_QSPLIT = 2, each S0 element within 2^-17 of itself, as O is rounded to bf16), a warp per
-//            (16 rows, 64 or 32 node columns), the sums kept in registers
+//            pair's raw product stored at its path entry, then each entry scaled (X: beta_i rk_i rk_j e^{G_i -
+//            G_j}, Y: rq_i rk_j e^{G_i - G_j}). The projections [K; Q] S0^T as one GEMM (M = P8_BV rows of S0, N = 2
+//            n16 nodes, K = GDN_K) on bf16 mma over a split of S0 into bf16 parts (K: P8_SPLIT = 3, float32-accurate;
+//            Q: P8_QSPLIT = 2, each S0 element within 2^-17 of itself, as O is rounded to bf16), a warp per (16 rows,
+//            64 or 32 node columns), the sums kept in registers. With P8_PREGRAM = 1, griddepcontrol.wait and T and W
+//            by cp.async
 //   phase 2  R and diag(e^G) Q S0^T from the GEMM's registers into shared memory (over the dead q / k / S0
-//            rows); a thread per (node, T or W) runs its row's back substitution
+//            rows); with P8_PREGRAM = 0 a thread per (node, T or W) runs its row's back substitution (p8_path_row)
 //   phase 3  P8_OUTW nodes a warp: Delta_i = sum T_ij R_j, O_i = e^{G_i} q_i S0 + sum W_ij R_j over i's path
 //            entries, four entries a step
 //
 // Compile-time constants (NVRTC -D): TFM_IN (must be 1, bfloat16), GDN_K (a multiple of 32), GDN_V, P8_BV (32 or
-// 64), P8_PATH (most nodes on a path), P8_SPLIT and P8_QSPLIT (2 or 3 bf16 parts of S0 for K and Q), P8_OUTW (1, 2 or 4 nodes a warp in
-// phase 3), P8_PREGRAM (1: the gram kernel; 0: the grams here), P8_GWARPS (the gram kernel's warps a CTA), P8_WARPS
+// 64), P8_PATH (most nodes on a path), P8_SPLIT and P8_QSPLIT (2 or 3 bf16 parts of S0 for K and Q), P8_OUTW (1, 2
+// or 4 nodes a warp in phase 3), P8_PREGRAM (1: the solve kernel; 0: the solve here), P8_GWARPS (the solve kernel's
+// warps a CTA), P8_WARPS
 // (16, or 8 where two CTAs share an SM: vllm_tfm/kernels/gdn.py paths_warps); timing options P8_STAGES (2, or 1:
 // S0 waited for with q and k), P8_CLUSTER (1 to 8, with P8_PREGRAM = 0) and P8_SKIP (wrong outputs: 1 no in-kernel
 // gram mma, 2 no projection mma). The plan (vllm_tfm/kernels/plan.py: cu, perm, pos, depth, pair_off, pair_j) and the
@@ -83,10 +86,10 @@
 #define P8_OUTW 4                         // nodes a warp serves at once in phase 3 (1, 2 or 4: 32, 16 or 8 lanes a node)
 #endif
 #ifndef P8_PREGRAM
-#define P8_PREGRAM 1                      // 1: the grams' raw products from gdn_tree_paths_grams (0: in this kernel)
+#define P8_PREGRAM 1                      // 1: T and W from gdn_tree_paths_solve (0: solved in this kernel)
 #endif
 #ifndef P8_GWARPS
-#define P8_GWARPS 16                      // warps of a gdn_tree_paths_grams CTA (one per request and q/k head)
+#define P8_GWARPS 16                      // warps of a gdn_tree_paths_solve CTA (one per request and q/k head)
 #endif
 #ifndef P8_CLUSTER
 #define P8_CLUSTER 1                      // timing option: CTAs of a q/k head sharing the in-kernel grams (a cluster along x)
@@ -115,7 +118,7 @@ static_assert((P8_WARPS == 8 || P8_WARPS == 16) && P8_CB >= 2, "8 or 16 warps, e
 static_assert(P8_THREADS >= 2 * P8_N, "a thread per (node, T or W)");
 static_assert(P8_STAGES == 1 || P8_STAGES == 2, "one or two copy groups after the tables");
 static_assert(P8_OUTW == 1 || P8_OUTW == 2 || P8_OUTW == 4, "1, 2 or 4 nodes a warp in phase 3");
-static_assert(P8_PREGRAM == 0 || P8_PREGRAM == 1, "grams in a kernel of their own (1) or in this one (0)");
+static_assert(P8_PREGRAM == 0 || P8_PREGRAM == 1, "the solve in a kernel of its own (1) or in this one (0)");
 static_assert(P8_CLUSTER >= 1 && P8_CLUSTER <= 8 && (P8_PREGRAM == 0 || P8_CLUSTER == 1),
               "a cluster of 1 to 8 CTAs, for the in-kernel grams");
 #if P8_CLUSTER > 1 && defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 900
@@ -131,7 +134,8 @@ __host__ __device__ constexpr int p8_max(int a, int b) { return a > b ? a : b; }
 __host__ __device__ constexpr int p8_smem_words(int n16, int pcap) {
   return p8_max(n16 * P8_KP + P8_BV * P8_SP, 2 * n16 * P8_RP)  // q, k rows [2][n16][KP] bf16 and S0 [BV][SP]; later R, QS
          + n16 * P8_BV / 2                                      // v [n16][BV] bf16
-         + 7 * p8_align4(pcap)                                  // X, Y, T, W by path entry; pj (local node), pbase of pj, owner
+         + (P8_PREGRAM ? 3 : 7) * p8_align4(pcap)               // T, W, pj (local node) by path entry; X, Y, pbase of pj,
+                                                                // owner without the solve kernel
          + 13 * n16 + p8_align4(n16 + 1);                       // per node: rk rq G eG beta g pb plen perm anc[4]; pair_off
 }
 
@@ -249,6 +253,56 @@ __device__ __forceinline__ void p8_gram_tasks(const u16* qs, const u16* ks, cons
   }
 }
 
+// The products' scales, a thread per path entry of X, then of Y, four entries a step with their loads first:
+// X_ij = beta_i rk_i rk_j e^{G_i - G_j} k_i . k_j (j a strict ancestor), Y_ij = rq_i rk_j e^{G_i - G_j} q_i . k_j from
+// the raw products xin, yin into xout, yout (the same arrays or others); j on i's path: G_i <= G_j, no overflow.
+// pown[e] / pj[e]: entry e's node and its ancestor (local); bt, Gs: the value head's beta and path gates by node.
+__device__ __forceinline__ void p8_scale_entries(const float* xin, const float* yin, float* xout, float* yout,
+                                                 const int* pown, const int* pj, const float* rk, const float* rq,
+                                                 const float* bt, const float* Gs, int cnt, int tid, int threads) {
+  for (int c0 = tid; c0 < 2 * cnt; c0 += 4 * threads) {
+    float val[4], sc[4];
+    int ee[4];
+    bool ok[4], isy[4];
+#pragma unroll
+    for (int u = 0; u < 4; ++u) {
+      const int c = c0 + u * threads;
+      isy[u] = c >= cnt;
+      ee[u] = c < 2 * cnt ? (isy[u] ? c - cnt : c) : 0;
+      const int i = pown[ee[u]], j = pj[ee[u]];
+      ok[u] = c < 2 * cnt && (isy[u] || j != i);  // X has no diagonal
+      sc[u] = (isy[u] ? rq[i] : bt[i] * rk[i]) * rk[j] * expf(Gs[i] - Gs[j]);
+      val[u] = c < 2 * cnt ? (isy[u] ? yin : xin)[ee[u]] : 0.0f;  // past the entries: no read (maybe another's write)
+    }
+#pragma unroll
+    for (int u = 0; u < 4; ++u)
+      if (ok[u]) (isy[u] ? yout : xout)[ee[u]] = val[u] * sc[u];
+  }
+}
+
+// Node i's row of T (isw false) or W (true) over its path entries e0 .. e0 + d - 1 into out[e] (shared or global
+// memory): back substitution along the path in registers. Distances u from the node (0 = the node itself, u = d - 1 -
+// b for path position b); X_{p_b p_a} is path entry pbp[e0 + b] + a, = xb[u] - w with w = d - 1 - a and xb[u] =
+// pbp[e0 + d - 1 - u] + d - 1. Xp, Yp: the scaled products by entry.
+__device__ __forceinline__ void p8_path_row(float* out, const float* Xp, const float* Yp, const int* pbp, int e0, int d,
+                                            bool isw) {
+  int xb[P8_PATH];
+  float ov[P8_PATH];
+#pragma unroll
+  for (int u = 0; u < P8_PATH; ++u) xb[u] = u < d ? pbp[e0 + d - 1 - u] + d - 1 : 0;
+  ov[0] = isw ? Yp[e0 + d - 1] : 1.0f;
+  out[e0 + d - 1] = ov[0];
+#pragma unroll
+  for (int w = 1; w < P8_PATH; ++w) {
+    if (w >= d) break;
+    float s = isw ? Yp[e0 + d - 1 - w] : 0.0f;
+#pragma unroll
+    for (int u = 0; u < w; ++u) s = fmaf(-ov[u], Xp[xb[u] - w], s);
+    ov[w] = s;
+    out[e0 + d - 1 - w] = s;
+  }
+}
+
 // The projections' k loop of one warp: C += S0 rows x node rows^T for its first PAIRS pairs of 8-node mma tiles
 // (their rows staged, zero past n), S0 in PARTS bf16 parts, small parts first, float32 sums. A fragments: the warp's
 // 16 S0 rows as float2 pairs (arow: row gq, column 2 tq), split here; B fragments by ldmatrix as in p8_gram_tasks
@@ -297,8 +351,8 @@ gdn_tree_verify_paths(const tin* __restrict__ q, const tin* __restrict__ k, cons
                       const int* __restrict__ pair_off, const int* __restrict__ pair_j, const int* __restrict__ cu,
                       const float* __restrict__ state, const void* __restrict__ state_idx, int sidx64, i64 st_slot,
                       i64 st_head, i64 st_v, tin* __restrict__ o, float* __restrict__ delta_out, int H, int HV,
-                      int n16, int pcap, float scale, int use_l2norm, const float* __restrict__ raw,
-                      const float* __restrict__ norms, int num_pairs, long long* __restrict__ timeline) {
+                      int n16, int pcap, float scale, int use_l2norm, const float* __restrict__ tw, int num_pairs,
+                      long long* __restrict__ timeline) {
   TFM_DYNAMIC_SMEM(float4, smem_f4);
   if (dynamic_smem_bytes() < (u32)p8_smem_words(n16, pcap) * 4u) __trap();
   float* base = reinterpret_cast<float*>(smem_f4);
@@ -309,14 +363,14 @@ gdn_tree_verify_paths(const tin* __restrict__ q, const tin* __restrict__ k, cons
   float* QS = base + n16 * P8_RP;                               // [n16][RP] e^{G_i} qhat_i . S0 row
   const int r1 = p8_max(n16 * P8_KP + P8_BV * P8_SP, 2 * n16 * P8_RP);
   u16* vs = reinterpret_cast<u16*>(base + r1);                  // [n16][BV]
-  float* Xp = base + r1 + n16 * P8_BV / 2;                      // by the request's path entry e (0 .. cnt - 1)
-  float* Yp = Xp + p8_align4(pcap);
-  float* Tp = Yp + p8_align4(pcap);
+  float* Tp = base + r1 + n16 * P8_BV / 2;                      // by the request's path entry e (0 .. cnt - 1)
   float* Wp = Tp + p8_align4(pcap);
   int* pj = reinterpret_cast<int*>(Wp + p8_align4(pcap));        // entry e's node: flat (as copied), then local
-  int* pbp = pj + p8_align4(pcap);                               // the first path entry of entry e's node
+  float* Xp = reinterpret_cast<float*>(pj + p8_align4(pcap));    // without the solve kernel (P8_PREGRAM = 0): X, Y,
+  float* Yp = Xp + p8_align4(pcap);
+  int* pbp = reinterpret_cast<int*>(Yp + p8_align4(pcap));       // the first path entry of entry e's node,
   int* pown = pbp + p8_align4(pcap);                             // the node whose path entry e is
-  float* rk = reinterpret_cast<float*>(pown + p8_align4(pcap));  // per local node
+  float* rk = reinterpret_cast<float*>(pj + (P8_PREGRAM ? 1 : 5) * p8_align4(pcap));  // per local node
   float* rq = rk + n16;
   float* Gs = rq + n16;                                          // path gate: sum of g over root .. i
   float* eG = Gs + n16;
@@ -384,7 +438,9 @@ gdn_tree_verify_paths(const tin* __restrict__ q, const tin* __restrict__ k, cons
     float gsum = 0.0f;
     p8_walk_path(pj, e0, d, bos, b0, b1, b2, b3, [&](int e, int j) {
       gsum += gl[j];
+#if !P8_PREGRAM
       pown[e] = i;
+#endif
     });
     pb[i] = e0;
     plen[i] = d;
@@ -397,34 +453,17 @@ gdn_tree_verify_paths(const tin* __restrict__ q, const tin* __restrict__ k, cons
     Gs[i] = gsum;
     eG[i] = expf(gsum);
   }
-#if P8_PREGRAM
-  // the raw gram products of the request's path entries and its nodes' norm scales, gdn_tree_paths_grams' (launched
-  // before this kernel, which programmatic dependent launch lets start early: everything above reads only what
-  // earlier kernels wrote)
-  pdl_wait();
-  const float* rawx = raw + (i64)h * 2 * num_pairs + pbase;
-  for (int c = tid; c < cnt; c += P8_THREADS) {
-    cp_async4(Xp + c, rawx + c);
-    cp_async4(Yp + c, rawx + num_pairs + c);
-  }
-  for (int i = tid; i < n; i += P8_THREADS) {
-    cp_async4(rk + i, norms + ((i64)(bos + i) * H + h) * 2);
-    cp_async4(rq + i, norms + ((i64)(bos + i) * H + h) * 2 + 1);
-  }
-  cp_async_commit();
-  __syncthreads();  // the nodes' first path entries (no norms here: the gram kernel's; q and k wait for phase 1)
-  tl.mark(1);
-#else
   cp_async_wait<P8_STAGES - 1>();  // q and k (and with one stage S0 and v)
   __syncthreads();
   tl.mark(1);
   p8_norms<P8_THREADS>(qs, ks, n, n16, scale, use_l2norm, tid, rk, rq, 1);
-#endif
   // path entries: the local node, and where that node's own path entries start (the recursions' X lookups)
   for (int e = tid; e < cnt; e += P8_THREADS) {
     const int j = pj[e] - bos;
     pj[e] = j;
+#if !P8_PREGRAM
     pbp[e] = pb[j];
+#endif
   }
   __syncthreads();
   tl.mark(2);
@@ -447,8 +486,8 @@ gdn_tree_verify_paths(const tin* __restrict__ q, const tin* __restrict__ k, cons
   });
 #endif
   tl.mark(3);  // warp 0's gram tasks
-#if P8_STAGES == 2 || P8_PREGRAM
-  cp_async_wait<0>();  // S0 and v (and the raw products)
+#if P8_STAGES == 2
+  cp_async_wait<0>();  // S0 and v
 #endif
 #if P8_CLUSTER > 1
   cluster_arrive();  // this CTA's products stored in every CTA (release), and every CTA's here (acquire);
@@ -457,27 +496,9 @@ gdn_tree_verify_paths(const tin* __restrict__ q, const tin* __restrict__ k, cons
   __syncthreads();
 #endif
   tl.mark(4);  // every warp's gram tasks; S0 and v in
-  // the products' scales, a thread per path entry of X, then of Y, four entries a step with their loads first:
-  // X_ij = beta_i rk_i rk_j e^{G_i - G_j} k_i . k_j (j a strict ancestor), Y_ij = rq_i rk_j e^{G_i - G_j} q_i . k_j;
-  // j on i's path: G_i <= G_j, no overflow
-  for (int c0 = tid; c0 < 2 * cnt; c0 += 4 * P8_THREADS) {
-    float val[4], sc[4];
-    int ee[4];
-    bool ok[4], isy[4];
-#pragma unroll
-    for (int u = 0; u < 4; ++u) {
-      const int c = c0 + u * P8_THREADS;
-      isy[u] = c >= cnt;
-      ee[u] = c < 2 * cnt ? (isy[u] ? c - cnt : c) : 0;
-      const int i = pown[ee[u]], j = pj[ee[u]];
-      ok[u] = c < 2 * cnt && (isy[u] || j != i);  // X has no diagonal
-      sc[u] = (isy[u] ? rq[i] : bt[i] * rk[i]) * rk[j] * expf(Gs[i] - Gs[j]);
-      val[u] = c < 2 * cnt ? (isy[u] ? Yp : Xp)[ee[u]] : 0.0f;  // past the entries: no read (another thread's write)
-    }
-#pragma unroll
-    for (int u = 0; u < 4; ++u)
-      if (ok[u]) (isy[u] ? Yp : Xp)[ee[u]] = val[u] * sc[u];
-  }
+#if !P8_PREGRAM
+  p8_scale_entries(Xp, Yp, Xp, Yp, pown, pj, rk, rq, bt, Gs, cnt, tid, P8_THREADS);
+#endif
   tl.mark(5);  // warp 0's scales
   // Projections: C = S0 [K; Q]^T, rows = this warp's 16 S0 rows, columns = its P8_NPW node columns of K
   // (columns 0 .. P8_N - 1) or Q (P8_N ..). S0's parts small first, float32 sums.
@@ -496,6 +517,18 @@ gdn_tree_verify_paths(const tin* __restrict__ q, const tin* __restrict__ k, cons
     else
       p8_project_upto<P8_QSPLIT>(pairs, pacc, arow, bptr);
   }
+#if P8_PREGRAM
+  // the value head's rows of T and W by path entry, gdn_tree_paths_solve's (launched before this kernel, which
+  // programmatic dependent launch lets start early: everything above reads only what earlier kernels wrote), in
+  // while phase 2 writes R
+  pdl_wait();
+  const float* twx = tw + (i64)hv * 2 * num_pairs + pbase;
+  for (int c = tid; c < cnt; c += P8_THREADS) {
+    cp_async4(Tp + c, twx + c);
+    cp_async4(Wp + c, twx + num_pairs + c);
+  }
+  cp_async_commit();
+#endif
   __syncthreads();  // every read of the q / k / S0 rows is done: R and QS overwrite them
   tl.mark(6);
 
@@ -525,30 +558,15 @@ gdn_tree_verify_paths(const tin* __restrict__ q, const tin* __restrict__ k, cons
       }
     }
   }
-  // a thread per (node, T or W): back substitution along the node's path, in registers. Distances u from the
-  // node (0 = the node itself, u = d - 1 - b for path position b); X_{p_b p_a} is path entry pbp[e0 + b] + a,
-  // = xb[u] - w with w = d - 1 - a and xb[u] = pbp[e0 + d - 1 - u] + d - 1.
-  if (tid < 2 * n) {
+#if P8_PREGRAM
+  cp_async_wait<0>();  // T and W
+#else
+  if (tid < 2 * n) {  // a thread per (node, T or W)
     const bool isw = tid >= n;
     const int i = isw ? tid - n : tid;
-    const int e0 = pb[i], d = plen[i];
-    float* out = isw ? Wp : Tp;
-    int xb[P8_PATH];
-    float ov[P8_PATH];
-#pragma unroll
-    for (int u = 0; u < P8_PATH; ++u) xb[u] = u < d ? pbp[e0 + d - 1 - u] + d - 1 : 0;
-    ov[0] = isw ? Yp[e0 + d - 1] : 1.0f;
-    out[e0 + d - 1] = ov[0];
-#pragma unroll
-    for (int w = 1; w < P8_PATH; ++w) {
-      if (w >= d) break;
-      float s = isw ? Yp[e0 + d - 1 - w] : 0.0f;
-#pragma unroll
-      for (int u = 0; u < w; ++u) s = fmaf(-ov[u], Xp[xb[u] - w], s);
-      ov[w] = s;
-      out[e0 + d - 1 - w] = s;
-    }
+    p8_path_row(isw ? Wp : Tp, Xp, Yp, pbp, pb[i], plen[i], isw);
   }
+#endif
   __syncthreads();
   tl.mark(7);
 
@@ -634,45 +652,59 @@ gdn_tree_verify_paths(const tin* __restrict__ q, const tin* __restrict__ k, cons
   tl.mark(8);
 }
 
-// The grams' raw products and the norm scales for version 8 (P8_PREGRAM = 1): one CTA per (request, q/k head) stages
-// the request's q and k rows and its plan tables in shared memory (one read of each row, where a warp per 16 x 16
-// task from global memory read each row up to 2 n / 16 times: ~74 MB of L2 traffic at n = 128, batch 8, 19-22 us,
-// the call's critical path; bench/NOTES.md sections 76, 77), then
-//   norms[(node, h, 0)] = rk, norms[(node, h, 1)] = rq (p8_norms; the verify kernel copies them in)
-//   raw[h][0][pair_off[pos[i]] + depth[j]] = k_i . k_j, raw[h][1][...] = q_i . k_j for each ancestor pair (i, j) of a
-//   tree (j on i's path, i itself included), by p8_gram_tasks: the verify kernel's in-kernel arithmetic (P8_PREGRAM =
-//   0), so both give the same bits. The value heads of a q/k head share them. Each pair lies in one task: one store
-//   per entry, no other writes (a fixed-layout plan's padding entries stay as they are).
-// Grid (1, H, R), 32 P8_GWARPS threads, dynamic shared memory p8_gram_smem_words(n16, pcap) words. `timeline`
+// The tree solve for version 8 (P8_PREGRAM = 1): one CTA per (request, q/k head) computes, for each of the q/k head's
+// G = HV / H value heads, every node's rows of T = (I + X)^-1 and W = Y T over its path, which the verify kernel then
+// copies in instead of solving (its two CTAs of a value head solved the same rows twice; here the work is done once
+// and beside the verify CTAs' copies and projections; bench/NOTES.md section 77). Steps, by the verify kernel's
+// functions (so that P8_PREGRAM = 0 gives the same bits): the request's q and k rows, plan tables, g and beta into
+// shared memory; per node its path (p8_walk_path) and per value head its path gate G; the norms (p8_norms); the
+// grams' raw products (p8_gram_tasks, one read of each staged row); per value head the scales (p8_scale_entries)
+// and the path rows (p8_path_row), written to tw[hv][0][pair_off[pos[i]] + depth[j]] (T) and tw[hv][1][...] (W)
+// for each ancestor pair (i, j). Each entry is written once; a fixed-layout plan's padding entries stay as they are.
+// Grid (1, H, R), 32 P8_GWARPS threads, dynamic shared memory p8_solve_smem_words(n16, pcap, G) words. `timeline`
 // (bench/gdn_timeline.py; null otherwise): thread 0's global timer and SM clock at the CTA's start and at warp 0's
 // end, two marks a CTA.
-__host__ __device__ constexpr int p8_gram_smem_words(int n16, int pcap) {
-  return n16 * P8_KP                       // q, k rows [2][n16][KP] bf16
-         + p8_align4(pcap)                 // the request's path entries (flat node ids)
-         + p8_align4(n16 + 1)              // pair_off of its positions
-         + 7 * n16;                        // per node: perm (level position -> flat node), pb, plen, anc[4]
+__host__ __device__ constexpr int p8_solve_smem_words(int n16, int pcap, int groups) {
+  return n16 * P8_KP                              // q, k rows [2][n16][KP] bf16
+         + (5 + 2 * groups) * p8_align4(pcap)     // by path entry: pj, pbp, pown, raw X, Y; scaled X, Y per value head
+         + p8_align4(n16 + 1)                     // pair_off of the request's positions
+         + 9 * n16                                // per node: perm, pb, plen, anc[4], rk, rq
+         + 3 * groups * n16;                      // per value head and node: g, beta, G
 }
 
 extern "C" __global__ void __launch_bounds__(32 * P8_GWARPS)
-gdn_tree_paths_grams(const tin* __restrict__ q, const tin* __restrict__ k, const int* __restrict__ perm,
-                     const int* __restrict__ pair_off, const int* __restrict__ pair_j, const int* __restrict__ cu,
-                     float* __restrict__ raw, float* __restrict__ norms, int H, int n16, int pcap, int num_pairs,
-                     float scale, int use_l2norm, long long* __restrict__ timeline) {
+gdn_tree_paths_solve(const tin* __restrict__ q, const tin* __restrict__ k, const float* __restrict__ g,
+                     const float* __restrict__ beta, const int* __restrict__ perm, const int* __restrict__ pair_off,
+                     const int* __restrict__ pair_j, const int* __restrict__ cu, float* __restrict__ tw, int H, int HV,
+                     int n16, int pcap, int num_pairs, float scale, int use_l2norm, long long* __restrict__ timeline) {
   TFM_DYNAMIC_SMEM(float4, smem_f4);
-  if (dynamic_smem_bytes() < (u32)p8_gram_smem_words(n16, pcap) * 4u) __trap();
+  const int groups = HV / H;
+  if (dynamic_smem_bytes() < (u32)p8_solve_smem_words(n16, pcap, groups) * 4u) __trap();
+  const int A = p8_align4(pcap);
   u16* qs = reinterpret_cast<u16*>(smem_f4);  // [n16][KP], by local node
   u16* ks = qs + n16 * P8_KP;
-  int* pj = reinterpret_cast<int*>(smem_f4) + n16 * P8_KP;
-  int* poff = pj + p8_align4(pcap);
+  int* pj = reinterpret_cast<int*>(smem_f4) + n16 * P8_KP;  // by path entry: the node's ancestor, flat then local
+  int* pbp = pj + A;                                         // the first path entry of that ancestor
+  int* pown = pbp + A;                                       // the entry's node
+  float* Xr = reinterpret_cast<float*>(pown + A);            // raw products
+  float* Yr = Xr + A;
+  float* Xs = Yr + A;                                        // [G][A] scaled, by value head
+  float* Ys = Xs + groups * A;
+  int* poff = reinterpret_cast<int*>(Ys + groups * A);
   int* perm_s = poff + p8_align4(n16 + 1);
   int* pb = perm_s + n16;
   int* plen = pb + n16;
-  u32* anc = reinterpret_cast<u32*>(plen + n16);
+  u32* anc = reinterpret_cast<u32*>(plen + n16);             // [n16][4]
+  float* rk = reinterpret_cast<float*>(anc + 4 * n16);
+  float* rq = rk + n16;
+  float* gl = rq + n16;                                      // [G][n16]
+  float* bt = gl + groups * n16;                             // [G][n16]
+  float* Gs = bt + groups * n16;                             // [G][n16]
   constexpr int THREADS = 32 * P8_GWARPS;
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
   const CtaTimeline tl = cta_timeline(timeline, 2);
   tl.mark(0);
-  pdl_launch_dependents();  // the verify kernel may start: it reads raw and norms only after its pdl_wait
+  pdl_launch_dependents();  // the verify kernel may start: it reads tw only after its pdl_wait
   const int h = blockIdx.y, r = blockIdx.z;
   const int bos = cu[r], n = cu[r + 1] - bos;
   if (n <= 0) {
@@ -688,31 +720,57 @@ gdn_tree_paths_grams(const tin* __restrict__ q, const tin* __restrict__ k, const
     cp_async4(poff + c, pair_off + bos + c);
     if (c < n) cp_async4(perm_s + c, perm + bos + c);
   }
+  for (int c = tid; c < groups * n; c += THREADS) {  // value head h G + c / n of node c % n
+    const int gv = c / n, i = c % n;
+    cp_async4(gl + gv * n16 + i, g + (i64)(bos + i) * HV + h * groups + gv);
+    cp_async4(bt + gv * n16 + i, beta + (i64)(bos + i) * HV + h * groups + gv);
+  }
   cp_async_commit();
   const int rows = (n + 15) & ~15;  // whole 16-row tiles, rows n .. rows - 1 zero
   stage_qk_rows<GDN_K, P8_KP, THREADS>(qs, ks, q, k, bos, n, rows, H, h, tid);
   cp_async_commit();
-  cp_async_wait<1>();  // the tables
+  cp_async_wait<1>();  // the tables, g and beta
   __syncthreads();
-  for (int p = tid; p < n; p += THREADS) {  // per node: first path entry, path length, ancestor bits
+  for (int p = tid; p < n; p += THREADS) {  // per node: first path entry, path length, ancestor bits, owner
     const int i = perm_s[p] - bos;
     const int e0 = poff[p] - pbase, d = poff[p + 1] - poff[p];
     if (d > P8_PATH) __trap();
     u32 b0, b1, b2, b3;
-    p8_walk_path(pj, e0, d, bos, b0, b1, b2, b3, [](int, int) {});
+    p8_walk_path(pj, e0, d, bos, b0, b1, b2, b3, [&](int e, int) { pown[e] = i; });
     pb[i] = e0;
     plen[i] = d;
     anc[i * 4] = b0;
     anc[i * 4 + 1] = b1;
     anc[i * 4 + 2] = b2;
     anc[i * 4 + 3] = b3;
+    for (int gv = 0; gv < groups; ++gv) {  // the verify kernel's path gate, in its order
+      float gsum = 0.0f;
+      for (int e = e0; e < e0 + d; ++e) gsum += gl[gv * n16 + pj[e] - bos];
+      Gs[gv * n16 + i] = gsum;
+    }
+  }
+  __syncthreads();
+  for (int e = tid; e < cnt; e += THREADS) {
+    const int j = pj[e] - bos;
+    pj[e] = j;
+    pbp[e] = pb[j];
   }
   cp_async_wait<0>();  // q and k
   __syncthreads();
-  float* nrm = norms + ((i64)bos * H + h) * 2;
-  p8_norms<THREADS>(qs, ks, n, rows, scale, use_l2norm, tid, nrm, nrm + 1, 2 * H);
-  float* rawx = raw + (i64)h * 2 * num_pairs + pbase;
+  p8_norms<THREADS>(qs, ks, n, rows, scale, use_l2norm, tid, rk, rq, 1);
   p8_gram_tasks(qs, ks, anc, pb, plen, n, warp, P8_GWARPS, lane, 0, 1,
-                [&](int gram, int e, float val) { rawx[gram * num_pairs + e] = val; });
+                [&](int gram, int e, float val) { (gram == 0 ? Xr : Yr)[e] = val; });
+  __syncthreads();
+  for (int gv = 0; gv < groups; ++gv)
+    p8_scale_entries(Xr, Yr, Xs + gv * A, Ys + gv * A, pown, pj, rk, rq, bt + gv * n16, Gs + gv * n16, cnt, tid,
+                     THREADS);
+  __syncthreads();
+  for (int t = tid; t < groups * 2 * n; t += THREADS) {  // a thread per (value head, T or W, node)
+    const int gv = t / (2 * n), u = t % (2 * n);
+    const bool isw = u >= n;
+    const int i = isw ? u - n : u;
+    float* out = tw + ((i64)(h * groups + gv) * 2 + (isw ? 1 : 0)) * num_pairs + pbase;
+    p8_path_row(out, Xs + gv * A, Ys + gv * A, pbp, pb[i], plen[i], isw);
+  }
   tl.mark(1);
 }

@@ -30,7 +30,7 @@ KERNELS = {
     "gdn_tree_verify.cu": ["gdn_tree_pairs", "gdn_tree_verify_main"],
     "gdn_tree_verify_grouped.cu": ["gdn_tree_verify_grouped"],
     "gdn_tree_verify_small.cu": ["gdn_tree_verify_small"],
-    "gdn_tree_verify_paths.cu": ["gdn_tree_verify_paths", "gdn_tree_paths_grams"],
+    "gdn_tree_verify_paths.cu": ["gdn_tree_verify_paths", "gdn_tree_paths_solve"],
     "gdn_tree_commit.cu": ["gdn_tree_commit", "gdn_tree_commit_layers"],
     "tree_conv.cu": ["tree_conv1d", "tree_conv_commit", "tree_conv_commit_layers"],
     "tree_attention.cu": ["tree_attention", "tree_attention_merge", "tree_attention_merge_many"],

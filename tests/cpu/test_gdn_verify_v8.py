@@ -38,7 +38,7 @@ def _run8(c, plan, launches, options=(), return_delta=True, **kw):
     return _run_variant(c, plan, launches, 8, options, return_delta, **kw)
 
 
-PATHS_KERNELS = ["gdn_tree_paths_grams", "gdn_tree_verify_paths"]  # the gram kernel, then the verify kernel
+PATHS_KERNELS = ["gdn_tree_paths_solve", "gdn_tree_verify_paths"]  # the solve kernel, then the verify kernel
 
 
 # (name, trees, h, hv, K, V, P8_BV, state index dtype)
@@ -58,7 +58,7 @@ def test_v8_matches_float64_reference(launches, name, trees, h, hv, kd, vd, bv, 
     o_ref, d_ref = _reference(c)
     names, o8, d8 = _run8(c, plan, launches, (f"-DP8_BV={bv}",))
     assert names == PATHS_KERNELS
-    assert launches[0][1] == (1, h, len(trees))  # a gram CTA per request and q/k head
+    assert launches[0][1] == (1, h, len(trees))  # a solve CTA per request and q/k head
     assert launches[1][1] == (hv // h * (vd // bv), h, len(trees))  # a q/k head's CTAs along x, q/k heads, requests
     assert _rel(o8, o_ref) <= 3e-3, _rel(o8, o_ref)
     assert _rel(d8, d_ref) <= 1e-5, _rel(d8, d_ref)
@@ -82,57 +82,47 @@ def test_v8_block_v_warps_and_stages_agree(launches):
         assert dict(made)["gdn_tree_verify_paths"].config[1] == (256 if "-DP8_WARPS=8" in options else 512, 1, 1)
 
 
-def test_v8_gram_kernel_carveout_and_timeline(launches):
-    # on a grid of one wave the gram kernel asks for the largest shared-memory carveout (verify CTAs can start beside
-    # its CTAs) and the verify kernel for programmatic dependent launch; -DP8_GCARVE=0 leaves the driver's. With a timeline
-    # buffer every gram CTA writes its two marks (the emulation's timers read 0), and the outputs are the same
+def test_v8_solve_kernel_launch_and_timeline(launches):
+    # the solve kernel, then the verify kernel with programmatic dependent launch; with a timeline buffer every solve
+    # CTA (one per request and q/k head) writes its two marks (the emulation's timers read 0), and the outputs are
+    # the same
     c = _case([_bounded_tree(40, _g(28)), torch.tensor([-1, 0, 0])], 2, 4, 64, 64, torch.bfloat16, seed=29)
     plan = TreePlan.build(c["parents"], c["cu_nodes"])
     _, o, d = _run8(c, plan, launches)
-    assert launches.carveouts == [100, None] and launches.programmatic == [False, True]
-    _, o0, d0 = _run8(c, plan, launches, ("-DP8_GCARVE=0",))
-    assert launches.carveouts == [None, None] and torch.equal(o0, o) and torch.equal(d0, d)
-    marks = torch.full((4, 2, 2), -1, dtype=torch.int64)  # a CTA per request and q/k head
-    _, ot, dt = _run8(c, plan, launches, timeline8_grams=marks)
+    assert launches.programmatic == [False, True]
+    marks = torch.full((4, 2, 2), -1, dtype=torch.int64)
+    _, ot, dt = _run8(c, plan, launches, timeline8_solve=marks)
     assert launches[0][1] == (1, 2, 2)
     assert torch.equal(marks, torch.zeros_like(marks)) and torch.equal(ot, o) and torch.equal(dt, d)
 
 
-def _gram_kernel_check(c, plan, h, scale=None, use_qk_l2norm=True):
-    """gdn_tree_paths_grams alone against ``paths_gram_products_reference``: the same entries written (its output
-    NaN-poisoned first), the products within 1e-6; and every node's norm scales (rk = 1 / |k|, rq = scale / |q|,
-    or 1 and scale without the l2 norm) within 1e-6 of float64's."""
+def _solve_kernel_check(c, plan, scale=None, use_qk_l2norm=True):
+    """gdn_tree_paths_solve alone against ``paths_solve_reference``: the same entries written (its output
+    NaN-poisoned first), each value head's rows of T and W within 1e-5 of float64's."""
     made, _, _ = kgdn.verify_launches(plan, c["q"], c["k"], c["v"], c["g"], c["beta"], c["ssm_state"],
                                       c["state_indices"], variant=8, scale=scale, use_qk_l2norm=use_qk_l2norm)
-    grams = dict(made)["gdn_tree_paths_grams"]
-    grams.raw.fill_(float("nan"))
-    grams.norms.fill_(float("nan"))
-    grams()
-    got, want = grams.raw.view(h, 2, -1), kgdn.paths_gram_products_reference(plan, c["q"], c["k"])
+    solve = dict(made)["gdn_tree_paths_solve"]
+    solve.tw.fill_(float("nan"))
+    solve()
+    got = solve.tw.view(c["v"].shape[1], 2, -1)
+    want = kgdn.paths_solve_reference(plan, c["q"], c["k"], c["g"], c["beta"], scale, use_qk_l2norm)
     assert torch.equal(got.isnan(), want.isnan())
-    assert _rel(got[~want.isnan()], want[~want.isnan()]) <= 1e-6
-    sc = c["q"].shape[-1] ** -0.5 if scale is None else scale
-    q64, k64 = c["q"].double(), c["k"].double()
-    if use_qk_l2norm:
-        rk, rq = 1 / (k64.square().sum(-1) + 1e-6).sqrt(), sc / (q64.square().sum(-1) + 1e-6).sqrt()
-    else:
-        rk, rq = torch.ones(k64.shape[:2], dtype=torch.float64), torch.full(q64.shape[:2], sc, dtype=torch.float64)
-    norms = grams.norms.view(plan.num_nodes, h, 2)  # [node][q/k head][rk, rq], every node written
-    assert not norms.isnan().any()
-    assert _rel(norms[..., 0], rk.float()) <= 1e-6 and _rel(norms[..., 1], rq.float()) <= 1e-6
+    live = ~want.isnan()
+    assert _rel(got[:, 0][live[:, 0]], want[:, 0][live[:, 0]]) <= 1e-5  # T
+    assert _rel(got[:, 1][live[:, 1]], want[:, 1][live[:, 1]]) <= 1e-5  # W
 
 
 @pytest.mark.parametrize("name", ["128_nodes_depth_16", "mixed_batch_chain_star_single", "node_order_not_level_order"])
-def test_v8_gram_kernel_matches_float64_products(launches, name):
-    # every ancestor pair's k_i . k_j and q_i . k_j at its path entry, on the float64 reference's entries only
+def test_v8_solve_kernel_matches_float64_rows(launches, name):
+    # every ancestor pair's T_ij and W_ij at its path entry, per value head, on the float64 reference's entries only
     _, trees, h, hv, kd, vd, _, _ = next(c for c in CASES if c[0] == name)
     c = _case(trees, h, hv, kd, vd, torch.bfloat16, seed=len(name) + 3)
-    _gram_kernel_check(c, TreePlan.build(c["parents"], c["cu_nodes"]), h)
+    _solve_kernel_check(c, TreePlan.build(c["parents"], c["cu_nodes"]))
     if name == "node_order_not_level_order":
-        _gram_kernel_check(c, TreePlan.build(c["parents"], c["cu_nodes"]), h, scale=0.3, use_qk_l2norm=False)
+        _solve_kernel_check(c, TreePlan.build(c["parents"], c["cu_nodes"]), scale=0.3, use_qk_l2norm=False)
 
 
-def test_v8_gram_kernel_leaves_fixed_layout_padding_alone(launches):
+def test_v8_solve_kernel_leaves_fixed_layout_padding_alone(launches):
     # a full CUDA graph's fixed-layout plan pads each request's pair table to a chain's: nothing written there
     n = 17
     trees = [_bounded_tree(n, _g(70)), torch.arange(-1, n - 1), _depth_first(8, 8)]
@@ -140,14 +130,14 @@ def test_v8_gram_kernel_leaves_fixed_layout_padding_alone(launches):
     plan = TreePlan.build_into(torch.zeros(TreePlan.fixed_size(len(trees), n), dtype=torch.int32), c["parents"],
                                c["cu_nodes"], n)
     assert plan.num_pairs > sum(int(d) + 1 for d in plan.depth.tolist())  # padding entries exist
-    _gram_kernel_check(c, plan, 2)
+    _solve_kernel_check(c, plan)
 
 
-def test_v8_in_kernel_grams_and_clusters(launches):
-    # P8_PREGRAM=0: the grams and norms in the verify kernel (one launch), by the gram kernel's arithmetic
-    # (p8_gram_tasks, p8_norms): bit for bit as the two launches, and within the bars. A cluster of a q/k head's CTAs
+def test_v8_in_kernel_solve_and_clusters(launches):
+    # P8_PREGRAM=0: the solve in the verify kernel (one launch), by the solve kernel's arithmetic (p8_gram_tasks,
+    # p8_norms, p8_scale_entries, p8_path_row): bit for bit as the two launches, and within the bars. A cluster of a q/k head's CTAs
     # sharing them (P8_CLUSTER=3) changes which CTA computes a tile, not its arithmetic: bit for bit. A cluster with
-    # the gram kernel is refused, as is one that does not divide a q/k head's CTAs
+    # the solve kernel is refused, as is one that does not divide a q/k head's CTAs
     c = _case([_bounded_tree(70, _g(27)), torch.tensor([-1, 0, 1, 2, 3])], 1, 3, 128, 64, torch.bfloat16, seed=27)
     plan = TreePlan.build(c["parents"], c["cu_nodes"])
     o_ref, d_ref = _reference(c)
@@ -246,9 +236,15 @@ def test_v8_support_and_shared_memory():
     # the 27B layer at n = 128: q, k rows and 64 S0 rows (136 words a row) outweigh R and the Q projection
     pairs = plan.max_pairs_per_request
     assert kgdn.paths_smem_bytes(128, 64, 128, pairs) == 4 * (
+        128 * 136 + 64 * 136 + 128 * 32 + 3 * ((pairs + 3) & ~3) + 13 * 128 + 132)
+    assert kgdn.paths_smem_bytes(128, 64, 128, pairs, solve_kernel=False) == 4 * (
         128 * 136 + 64 * 136 + 128 * 32 + 7 * ((pairs + 3) & ~3) + 13 * 128 + 132)
-    # its gram kernel: the q, k rows, the request's path entries, pair offsets and per-node tables
-    assert kgdn.paths_gram_smem_bytes(128, 128, pairs) == 4 * (128 * 136 + ((pairs + 3) & ~3) + 132 + 7 * 128)
+    # its solve kernel at 3 value heads per q/k head: the q, k rows, 5 + 2 * 3 tables by path entry, pair offsets,
+    # per-node tables and per value head g, beta, G
+    assert kgdn.paths_solve_smem_bytes(128, 128, pairs, 3) == 4 * (
+        128 * 136 + 11 * ((pairs + 3) & ~3) + 132 + 9 * 128 + 9 * 128)
+    assert kgdn.paths_unsupported_reason(plan, torch.bfloat16, 128, 128, LIMIT, 64, 3) is None
+    assert "solve kernel needs" in kgdn.paths_unsupported_reason(plan, torch.bfloat16, 128, 128, LIMIT, 64, 40)
     need = kgdn.paths_smem_bytes(128, 64, 128, pairs)
     assert need <= LIMIT
     assert kgdn.paths_unsupported_reason(plan, torch.bfloat16, 128, 128, need) is None
@@ -276,14 +272,3 @@ def test_v8_warps_two_ctas_a_sm_where_they_fit_and_the_grid_passes_the_sms():
     assert 2 * (kgdn.paths_smem_bytes(128, 64, 128, p128.max_pairs_per_request) + 1024) > kgdn.SM_SMEM_BYTES
     assert kgdn.paths_warps(p128, 16, 48, 128, 128, 64, 132) == 16
     assert kgdn.paths_warps(p1, 16, 48, 128, 128, 32, 132) == 8  # 32 columns: 192 CTAs at batch 1, smaller CTAs
-
-
-def test_v8_gram_kernel_carveout_on_grids_of_one_wave():
-    # the 27B layer (96 verify CTAs of 16 warps a request at BV 64) on 132 SMs: the largest carveout at batch 1, the
-    # driver's from batch 2 (two waves); CTAs of 8 warps that fit twice an SM: one wave up to 264 CTAs
-    big, small = 180 * 1024, 100 * 1024
-    assert kgdn.paths_gram_carveout(96, 16, big, 132) == 100 and kgdn.paths_gram_carveout(192, 16, big, 132) is None
-    assert kgdn.paths_gram_carveout(192, 8, small, 132) == 100 and kgdn.paths_gram_carveout(288, 8, small, 132) is None
-    assert kgdn.paths_gram_carveout(192, 8, big, 132) is None  # 8 warps, but one CTA an SM
-    assert kgdn.paths_gram_carveout(768, 16, big, 132, ("-DP8_GCARVE=1",)) == 100
-    assert kgdn.paths_gram_carveout(96, 16, big, 132, ("-DP8_GCARVE=0",)) is None

@@ -86,7 +86,7 @@ def test_gdn_layer_on_cuda_equals_the_previous_code(num_req, num_plain, monkeypa
 
 def test_gdn_layer_auto_runs_version_8_on_large_shallow_trees(monkeypatch):
     # per-step plans of eight 65-node trees whose paths have at most 17 nodes (random and star): ``auto`` runs
-    # version 8 (its gram kernel, then the verify launched with programmatic dependent launch; bench/NOTES.md section
+    # version 8 (its solve kernel, then the verify launched with programmatic dependent launch; bench/NOTES.md section
     # 76), and the layer's outcome is version 3's within bf16 / float32 rounding
     gen = torch.Generator().manual_seed(65)
     trees = [random_tree_parents(65, gen, "random" if i % 2 else "star") for i in range(8)]

@@ -68,9 +68,10 @@ COMMIT_THREADS, COMMIT_BV, COMMIT_PC = 128, 16, 32
 # 32 x 32, Delta in registers; two CTAs share an SM at the 27B shape. It takes the bfloat16 calls version 6
 # takes whose trees have at most SMALL_MAX_NODES nodes; other calls run version 6 (or 3).
 # 8 = trees of up to 128 nodes whose paths have at most PATHS_MAX_PATH nodes (cuda/gdn_tree_verify_paths.cu;
-# section 74): a CTA of 16 warps (8 where two share an SM: paths_warps) per (request, value head, BV columns of
-# V), the gram and the projections on bf16 tensor cores, each node's rows of (I + X)^-1 and Y (I + X)^-1 by back
-# substitution over its path in registers, then Delta and O as sums over path entries. It takes the bfloat16
+# sections 74-77): a solve kernel, a CTA per (request, q/k head), computes the grams on bf16 tensor cores and each
+# node's rows of (I + X)^-1 and Y (I + X)^-1 per value head by back substitution over its path in registers; the
+# verify kernel, a CTA of 16 warps (8 where two share an SM: paths_warps) per (request, value head, BV columns of
+# V), the projections on bf16 tensor cores, then Delta and O as sums over path entries. It takes the bfloat16
 # calls version 6 takes whose trees fit (paths_unsupported_reason); other calls run version 6 (or 3).
 VERIFY_VARIANTS = (1, 2, 3, 4, 5, 6, 7, 8)
 DEFAULT_VERIFY_VARIANT = 3
@@ -89,8 +90,9 @@ PATHS_SOURCE = "gdn_tree_verify_paths.cu"
 PATHS_MAX_NODES = 128  # version 8's trees (P8_N)
 PATHS_MAX_PATH = 17  # most nodes on a root..node path in version 8 (P8_PATH): depth <= 16, a DFlash block
 PATHS_BLOCK_VS = (32, 64)  # V columns per CTA (P8_BV)
-PATHS_GRAM_WARPS = 16  # warps of a CTA of version 8's gram kernel, one per request and q/k head (P8_GWARPS);
-# -DP8_PREGRAM=0: grams in the verify kernel, shared by a cluster of a q/k head's CTAs with -DP8_CLUSTER=k (timing options)
+PATHS_SOLVE_WARPS = 16  # warps of a CTA of version 8's solve kernel, one per request and q/k head (P8_GWARPS);
+# -DP8_PREGRAM=0: the solve in the verify kernel, its grams shared by a cluster of a q/k head's CTAs with -DP8_CLUSTER=k
+# (timing options)
 PATHS_MARKS = 9  # timeline marks of version 8 (P8_MARKS): start, after the copies and node tables, after the norms and
 # entry tables, after warp 0's gram tasks, after every warp's (and S0's copy), after warp 0's product scales, after the
 # projections, after phase 2, end
@@ -169,29 +171,31 @@ def small_unsupported_reason(plan: TreePlan, qk_dtype: torch.dtype, h: int, hv: 
     return None
 
 
-def paths_smem_bytes(k_dim: int, block_v: int, max_nodes: int, pcap: int) -> int:
+def paths_smem_bytes(k_dim: int, block_v: int, max_nodes: int, pcap: int, solve_kernel: bool = True) -> int:
     """Dynamic shared memory of ``gdn_tree_verify_paths`` (mirrors p8_smem_words) for trees of at most
     ``max_nodes`` nodes and requests of at most ``pcap`` path entries: the q, k rows in 16 bits and the CTA's S0
-    rows in float32 (later R and the Q projection), the v columns, X, Y, T, W and two index tables by path
-    entry, the per-node tables."""
+    rows in float32 (later R and the Q projection), the v columns, T, W and the local node by path entry (with the
+    solve in the verify kernel, ``solve_kernel`` False: also X, Y and two more index tables), the per-node tables."""
     n16 = (max_nodes + 15) & ~15
     words = (max(n16 * (k_dim + 8) + block_v * (k_dim + 8), 2 * n16 * (block_v + 4)) + n16 * block_v // 2
-             + 7 * _align4(pcap) + 13 * n16 + _align4(n16 + 1))
+             + (3 if solve_kernel else 7) * _align4(pcap) + 13 * n16 + _align4(n16 + 1))
     return 4 * words
 
 
-def paths_gram_smem_bytes(k_dim: int, max_nodes: int, pcap: int) -> int:
-    """Dynamic shared memory of version 8's gram kernel ``gdn_tree_paths_grams`` (mirrors p8_gram_smem_words): the
-    request's q and k rows in 16 bits, its path entries, pair offsets and per-node tables."""
+def paths_solve_smem_bytes(k_dim: int, max_nodes: int, pcap: int, group: int) -> int:
+    """Dynamic shared memory of version 8's solve kernel ``gdn_tree_paths_solve`` (mirrors p8_solve_smem_words): the
+    request's q and k rows in 16 bits; by path entry three index tables, the raw grams and the ``group`` value heads'
+    scaled X and Y; the per-node tables and per value head g, beta and the path gate."""
     n16 = (max_nodes + 15) & ~15
-    return 4 * (n16 * (k_dim + 8) + _align4(pcap) + _align4(n16 + 1) + 7 * n16)
+    return 4 * (n16 * (k_dim + 8) + (5 + 2 * group) * _align4(pcap) + _align4(n16 + 1) + 9 * n16 + 3 * group * n16)
 
 
 def paths_unsupported_reason(plan: TreePlan, qk_dtype: torch.dtype, k_dim: int, v_dim: int, max_smem: int,
-                             block_v: int = 64) -> str | None:
+                             block_v: int = 64, group: int | None = None) -> str | None:
     """None when version 8 (``gdn_tree_verify_paths``) takes this call, else why it runs version 6 (or 3).
     A fixed-layout plan's paths are bounded by its capacity (``max_depth`` = n - 1), not its ``depth_bound``:
-    version 8 holds a path in registers and has no slower way for a deeper one."""
+    version 8 holds a path in registers and has no slower way for a deeper one. ``group``: value heads per q/k
+    head, for the solve kernel's shared memory (None: not checked)."""
     if qk_dtype != torch.bfloat16:
         return f"q/k/v are {qk_dtype}: version 8 takes bfloat16"
     if plan.max_nodes > PATHS_MAX_NODES:
@@ -205,25 +209,60 @@ def paths_unsupported_reason(plan: TreePlan, qk_dtype: torch.dtype, k_dim: int, 
     smem = paths_smem_bytes(k_dim, block_v, plan.max_nodes, plan.max_pairs_per_request)
     if smem > max_smem:
         return f"version 8 needs {smem} bytes of shared memory for this plan at K={k_dim}; the device has {max_smem}"
+    if group is not None:
+        solve = paths_solve_smem_bytes(k_dim, plan.max_nodes, plan.max_pairs_per_request, group)
+        if solve > max_smem:
+            return (f"version 8's solve kernel needs {solve} bytes of shared memory for this plan at K={k_dim} and "
+                    f"{group} value heads per q/k head; the device has {max_smem}")
     return None
 
 
-def paths_gram_products_reference(plan: TreePlan, q: Tensor, k: Tensor) -> Tensor:
-    """The torch reference of version 8's gram kernel (``gdn_tree_paths_grams``): [H, 2, plan.num_pairs] float32
+def paths_solve_reference(plan: TreePlan, q: Tensor, k: Tensor, g: Tensor, beta: Tensor, scale: float | None = None,
+                          use_qk_l2norm: bool = True) -> Tensor:
+    """The float64 reference of version 8's solve kernel (``gdn_tree_paths_solve``): [HV, 2, plan.num_pairs] float32
     holding, at the path entry ``pair_off[pos[i]] + depth[j]`` of every ancestor pair (j on i's path, i itself
-    included), k_i . k_j (index 0) and q_i . k_j (1), summed in float64; NaN at entries of no pair (a fixed-layout
-    plan's padding)."""
-    pos, depth = plan.pos.long().cpu(), plan.depth.long().cpu()
-    off, pj = plan.pair_off.long().cpu(), plan.pair_j.long().cpu()
-    lengths = depth + 1
-    owner = torch.repeat_interleave(torch.arange(plan.num_nodes), lengths)  # node by node, each its path's entries
-    first = torch.repeat_interleave(torch.cumsum(lengths, 0) - lengths, lengths)
-    entry = off[pos[owner]] + torch.arange(owner.numel()) - first
-    j = pj[entry]
+    included), T_ij (index 0) and W_ij (1) of each request's tree and value head: T = (I + X)^-1, W = Y T with X and Y
+    as in cuda/gdn_tree_verify_paths.cu (DESIGN.md section 4), solved densely; NaN at entries of no pair (a
+    fixed-layout plan's padding)."""
     q64, k64 = q.detach().cpu().double(), k.detach().cpu().double()
-    out = torch.full((q.shape[1], 2, plan.num_pairs), float("nan"), dtype=torch.float64)
-    out[:, 0, entry] = (k64[owner] * k64[j]).sum(-1).T
-    out[:, 1, entry] = (q64[owner] * k64[j]).sum(-1).T
+    g64, b64 = g.detach().cpu().double(), beta.detach().cpu().double()
+    h, kd, hv = q64.shape[1], q64.shape[2], g64.shape[1]
+    sc = kd**-0.5 if scale is None else float(scale)
+    if use_qk_l2norm:
+        k64 = k64 / (k64.square().sum(-1, keepdim=True) + 1e-6).sqrt()
+        q64 = q64 * sc / (q64.square().sum(-1, keepdim=True) + 1e-6).sqrt()
+    else:
+        q64 = q64 * sc
+    k64, q64 = k64.repeat_interleave(hv // h, dim=1), q64.repeat_interleave(hv // h, dim=1)  # [T, HV, K]
+    pos, depth = plan.pos.long().cpu(), plan.depth.long().cpu()
+    off, pj, cu = plan.pair_off.long().cpu(), plan.pair_j.long().cpu(), plan.cu.long().cpu()
+    out = torch.full((hv, 2, plan.num_pairs), float("nan"), dtype=torch.float64)
+    for r in range(plan.num_requests):
+        bos, n = int(cu[r]), int(cu[r + 1] - cu[r])
+        if n <= 0:
+            continue
+        rows, cols, entries = [], [], []
+        for i in range(n):
+            e0 = int(off[pos[bos + i]])
+            for a in range(int(depth[bos + i]) + 1):
+                rows.append(i), cols.append(int(pj[e0 + a]) - bos), entries.append(e0 + a)
+        ri, cj = torch.tensor(rows), torch.tensor(cols)
+        anc = torch.zeros(n, n, dtype=torch.bool)
+        anc[ri, cj] = True  # j on i's path, i included
+        gate = anc.double() @ g64[bos : bos + n]  # [n, HV]: G_i
+        expo = torch.where(anc[None], gate.T[:, :, None] - gate.T[:, None, :], 0.0)  # [HV, n, n], ancestors only
+        decay = torch.where(anc[None], expo.exp(), 0.0)
+        kk = torch.einsum("ihd,jhd->hij", k64[bos : bos + n], k64[bos : bos + n])
+        qk = torch.einsum("ihd,jhd->hij", q64[bos : bos + n], k64[bos : bos + n])
+        strict = anc & ~torch.eye(n, dtype=torch.bool)
+        x = b64[bos : bos + n].T[:, :, None] * decay * kk * strict[None]
+        y = decay * qk
+        eye = torch.eye(n, dtype=torch.float64).expand(hv, n, n)
+        t = torch.linalg.solve_triangular(eye + x, eye, upper=False, unitriangular=True)  # node order is topological
+        w = y @ t
+        e = torch.tensor(entries)
+        out[:, 0, e] = t[:, ri, cj]
+        out[:, 1, e] = w[:, ri, cj]
     return out.float()
 
 
@@ -249,25 +288,10 @@ def paths_warps(plan: TreePlan, h: int, hv: int, k_dim: int, v_dim: int, block_v
     forced = _forced_define(extra_options, "P8_WARPS")
     if forced is not None:
         return forced
-    smem = paths_smem_bytes(k_dim, block_v, plan.max_nodes, plan.max_pairs_per_request)
+    smem = paths_smem_bytes(k_dim, block_v, plan.max_nodes, plan.max_pairs_per_request,
+                            _forced_define(extra_options, "P8_PREGRAM") != 0)
     ctas = plan.num_requests * hv * (v_dim // block_v)
     return 8 if two_ctas_fit_sm(smem) and ctas > num_sms else 16
-
-
-def paths_gram_carveout(ctas: int, warps: int, smem: int, num_sms: int, extra_options: Sequence[str] = ()) -> int | None:
-    """The shared-memory carveout version 8's gram kernel is launched with: 100 (the largest; it uses none) where the
-    verify kernel's ``ctas`` CTAs of ``smem`` bytes fit one wave, else None (the driver's choice). An SM changes its
-    carveout only when idle, so at 100 the verify CTAs start beside the gram CTAs (programmatic dependent launch) and
-    their copies overlap the grams: on an H100 (bench/NOTES.md section 76) n = 128 at batch 1 20.4 -> 19.4 us, n = 65
-    at batch 1 / 2 16.0 -> 15.3 / 22.9 -> 22.0. On grids of more than one wave the early CTAs wait at
-    griddepcontrol.wait for the whole gram grid while holding their SMs: n = 128 at batch 2 / 8 / 32 36.3 / 109.1 /
-    425.9 -> 37.2 / 116.7 / 456.3. An explicit ``-DP8_GCARVE=0`` or ``=1`` in ``extra_options`` (benchmarks) decides
-    instead."""
-    forced = _forced_define(extra_options, "P8_GCARVE")
-    if forced is not None:
-        return 100 if forced else None
-    per_sm = 2 if warps == 8 and two_ctas_fit_sm(smem) else 1
-    return 100 if ctas <= per_sm * num_sms else None
 
 
 def small_block_v(v_dim: int) -> int:
@@ -397,7 +421,7 @@ def runtime_verify_variant(plan: TreePlan, qk_dtype: torch.dtype, h: int, hv: in
                                                     small_block_v(v_dim)) is None:
         return 7
     if (plan.max_nodes >= RUNTIME_V8_MIN_NODES and (ctas > num_sms or plan.max_nodes > RUNTIME_V8_ONE_WAVE_NODES)
-            and paths_unsupported_reason(plan, qk_dtype, k_dim, v_dim, max_smem, paths_block_v(v_dim)) is None):
+            and paths_unsupported_reason(plan, qk_dtype, k_dim, v_dim, max_smem, paths_block_v(v_dim), hv // h) is None):
         return 8
     if grouped_unsupported_reason(plan, qk_dtype, h, hv, k_dim, v_dim, max_smem) is not None:
         return 3
@@ -524,7 +548,7 @@ def verify_launches(
     timeline6: Tensor | None = None,
     timeline7: Tensor | None = None,
     timeline8: Tensor | None = None,
-    timeline8_grams: Tensor | None = None,
+    timeline8_solve: Tensor | None = None,
 ) -> tuple[list[tuple[str, Callable[[], None]]], Tensor, Tensor | None]:
     """Prepare one verify call: ([(kernel name, launch)], o, delta) without launching anything.
 
@@ -536,7 +560,7 @@ def verify_launches(
     :func:`grouped_threads`), for tests and benchmarks; ``timeline6``: an int64 CUDA tensor of
     ``GROUPED_MARKS * 2`` entries per CTA that version 6 fills with the global timer and the SM clock at
     its phase boundaries (bench/gdn_timeline.py); ``timeline7`` and ``timeline8`` the same for versions 7 and 8
-    (``SMALL_MARKS * 2`` / ``PATHS_MARKS * 2`` entries per CTA), and ``timeline8_grams`` version 8's gram kernel
+    (``SMALL_MARKS * 2`` / ``PATHS_MARKS * 2`` entries per CTA), and ``timeline8_solve`` version 8's solve kernel
     (4 entries per CTA: its start and warp 0's end). Raises ValueError on a shape mismatch or an unknown variant.
     """
     if variant not in VERIFY_VARIANTS:
@@ -565,8 +589,8 @@ def verify_launches(
         max_smem = device_smem_optin(dev_index)
         bv8 = _forced_define(extra_options, "P8_BV")
         bv8 = paths_block_v(vd) if bv8 is None else bv8
-        if paths_unsupported_reason(plan, q.dtype, kd, vd, max_smem, bv8) is None:
-            pregram = _forced_define(extra_options, "P8_PREGRAM") != 0
+        pregram = _forced_define(extra_options, "P8_PREGRAM") != 0
+        if paths_unsupported_reason(plan, q.dtype, kd, vd, max_smem, bv8, hv // h if pregram else None) is None:
             cl8 = _forced_define(extra_options, "P8_CLUSTER")
             cl8 = 1 if cl8 is None else cl8
             if not 1 <= cl8 <= 8 or (hv // h * (vd // bv8)) % cl8 or (pregram and cl8 != 1):
@@ -576,20 +600,19 @@ def verify_launches(
             warps8 = paths_warps(plan, h, hv, kd, vd, bv8, sms, extra_options)
             opts = ["--std=c++17", "-lineinfo", f"-DTFM_IN={DTYPE_CODE[v.dtype]}", f"-DGDN_K={kd}", f"-DGDN_V={vd}",
                     f"-DP8_BV={bv8}", f"-DP8_PATH={PATHS_MAX_PATH}", f"-DP8_CLUSTER={cl8}",
-                    f"-DP8_GWARPS={PATHS_GRAM_WARPS}", f"-DP8_WARPS={warps8}",
+                    f"-DP8_GWARPS={PATHS_SOLVE_WARPS}", f"-DP8_WARPS={warps8}",
                     *[x for x in extra_options
                       if not x.startswith(("-DP8_BV=", "-DP8_CLUSTER=", "-DP8_GWARPS=", "-DP8_WARPS="))]]
             k_paths = get_kernel(PATHS_SOURCE, "gdn_tree_verify_paths", opts, dev_index)
             pcap8 = plan.max_pairs_per_request
             n16 = (plan.max_nodes + 15) & ~15
-            # the gram kernel's outputs: raw products [H][2][pairs], norm scales [T][H][2] (rk, rq)
-            raw = torch.empty(2 * h * plan.num_pairs if pregram else 0, dtype=torch.float32, device=dev)
-            norms = torch.empty(2 * h * t_nodes if pregram else 0, dtype=torch.float32, device=dev)
+            # the solve kernel's output: each value head's rows of T and W by path entry, [HV][2][pairs]
+            tw = torch.empty(2 * hv * plan.num_pairs if pregram else 0, dtype=torch.float32, device=dev)
             args = [q, k, v, g32, b32, plan.perm, plan.pair_off, plan.pair_j, plan.cu, ssm_state, sidx,
                     i32(sidx64), i64(st[0]), i64(st[1]), i64(st[2]), o, delta, i32(h), i32(hv), i32(n16), i32(pcap8),
-                    f32(scale), i32(int(use_qk_l2norm)), raw, norms, i32(plan.num_pairs), timeline8]
+                    f32(scale), i32(int(use_qk_l2norm)), tw, i32(plan.num_pairs), timeline8]
             grid8 = (hv // h * (vd // bv8), h, plan.num_requests)  # a q/k head's CTAs consecutive along x
-            smem8 = paths_smem_bytes(kd, bv8, plan.max_nodes, pcap8)
+            smem8 = paths_smem_bytes(kd, bv8, plan.max_nodes, pcap8, pregram)
             block8 = (32 * warps8, 1, 1)
 
             def run_paths() -> None:
@@ -597,21 +620,19 @@ def verify_launches(
 
             run_paths.kernel, run_paths.config = k_paths, (grid8, block8, smem8, cl8)  # type: ignore[attr-defined]
             made = [("gdn_tree_verify_paths", run_paths)]
-            if pregram:  # the grams' raw products and the norms by a kernel of their own, a CTA per request and q/k head
-                k_grams = get_kernel(PATHS_SOURCE, "gdn_tree_paths_grams", opts, dev_index)
-                grid_g, block_g = (1, h, plan.num_requests), (32 * PATHS_GRAM_WARPS, 1, 1)
-                smem_g = paths_gram_smem_bytes(kd, plan.max_nodes, pcap8)
-                args_g = [q, k, plan.perm, plan.pair_off, plan.pair_j, plan.cu, raw, norms, i32(h), i32(n16), i32(pcap8),
-                          i32(plan.num_pairs), f32(scale), i32(int(use_qk_l2norm)), timeline8_grams]
-                # one wave of verify CTAs: the largest shared-memory carveout, so that they can start beside the gram CTAs
-                carve = paths_gram_carveout(grid8[0] * grid8[1] * grid8[2], warps8, smem8, sms, extra_options)
+            if pregram:  # the solve by a kernel of its own, a CTA per request and q/k head, before the verify kernel
+                k_solve = get_kernel(PATHS_SOURCE, "gdn_tree_paths_solve", opts, dev_index)
+                grid_s, block_s = (1, h, plan.num_requests), (32 * PATHS_SOLVE_WARPS, 1, 1)
+                smem_s = paths_solve_smem_bytes(kd, plan.max_nodes, pcap8, hv // h)
+                args_s = [q, k, g32, b32, plan.perm, plan.pair_off, plan.pair_j, plan.cu, tw, i32(h), i32(hv), i32(n16),
+                          i32(pcap8), i32(plan.num_pairs), f32(scale), i32(int(use_qk_l2norm)), timeline8_solve]
 
-                def run_grams() -> None:
-                    launch(k_grams, grid_g, block_g, args_g, shared_mem=smem_g, carveout=carve)
+                def run_solve() -> None:
+                    launch(k_solve, grid_s, block_s, args_s, shared_mem=smem_s)
 
-                run_grams.kernel, run_grams.config = k_grams, (grid_g, block_g, smem_g, 1)  # type: ignore[attr-defined]
-                run_grams.raw, run_grams.norms = raw, norms  # type: ignore[attr-defined]  # its outputs, for the tests
-                made.insert(0, ("gdn_tree_paths_grams", run_grams))
+                run_solve.kernel, run_solve.config = k_solve, (grid_s, block_s, smem_s, 1)  # type: ignore[attr-defined]
+                run_solve.tw = tw  # type: ignore[attr-defined]  # its output, for the tests
+                made.insert(0, ("gdn_tree_paths_solve", run_solve))
             return made, o, delta
         variant = 6  # version 8 does not take this call (paths_unsupported_reason): version 6 (or 3) does
     if variant == 7:
