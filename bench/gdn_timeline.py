@@ -45,6 +45,7 @@ PHASES = ("loads_tables", "norms_gram", "coefficients_split", "projections", "su
 PHASES7 = ("copies", "masks_gates", "norms_grams_projections", "coefficients", "solve_outputs")
 PHASES8 = ("copies_tables", "norms_entries", "grams_warp0", "grams_s0_wait", "xy_scales", "projections", "r_and_path_rows",
            "outputs")
+PHASES8_SOLVE = ("tables_paths", "entries_qk", "norms_grams", "scales", "path_rows")  # its solve kernel
 # the one-kernel versions with their own timeline: marks, phase names, V-width option, kernel, CTAs per q/k
 # head (7: one per q/k head; 8: one per value head) and verify_launches' timeline keyword
 ONE_KERNEL = {
@@ -77,7 +78,8 @@ def timeline_one(variant: int, n: int, batch: int, reps: int, block_v: int, defi
     solve_buf = None
     if len(launches) == 2:  # version 8's solve kernel: its CTAs' start and warp 0's end
         grid_g = launches[0][1].config[0]
-        solve_buf = torch.zeros(grid_g[0] * grid_g[1] * grid_g[2], 2, 2, dtype=torch.int64, device="cuda")
+        solve_buf = torch.zeros(grid_g[0] * grid_g[1] * grid_g[2], kgdn.PATHS_SOLVE_MARKS, 2, dtype=torch.int64,
+                                device="cuda")
         extra["timeline8_solve"] = solve_buf
     launches, _, _ = kgdn.verify_launches(plan, x["q"], x["k"], x["v"], x["g"], x["beta"], pool, slots[0],
                                           return_delta=True, variant=variant, extra_options=opts, **extra)
@@ -96,6 +98,7 @@ def timeline_one(variant: int, n: int, batch: int, reps: int, block_v: int, defi
     row.update(cta_times(buf.cpu(), spec["phases"]))
     if solve_buf is not None:
         row["solve"] = solve_overlap(solve_buf.cpu(), buf.cpu())
+        row["solve"].update(cta_times(solve_buf.cpu(), PHASES8_SOLVE))
     return row
 
 
@@ -104,7 +107,7 @@ def solve_overlap(grams: torch.Tensor, verify: torch.Tensor) -> dict:
     the first solve CTA's start to the last solve CTA's end, to the first verify CTA's start and to the last verify
     CTA's end, and how many verify CTAs started before the last solve CTA ended (programmatic dependent launch at
     work: 0 when the verify CTAs wait for SMs the solve CTAs hold)."""
-    g0, g_end = grams[:, 0, 0].min(), grams[:, 1, 0].max()
+    g0, g_end = grams[:, 0, 0].min(), grams[:, -1, 0].max()
     v_start, v_end = verify[:, 0, 0], verify[:, -1, 0]
     return dict(ctas=int(grams.shape[0]), solve_end_us=float(g_end - g0) / 1e3, verify_start_us=float(v_start.min() - g0) / 1e3,
                 verify_end_us=float(v_end.max() - g0) / 1e3, verify_ctas_early=int((v_start < g_end).sum()))
@@ -144,11 +147,13 @@ def table_one(variant: int, rows: list[dict]) -> str:
     if solved:
         lines.append("version 8's solve kernel, us from its first CTA's start: its last CTA's end, the first verify CTA's "
                      "start, the last verify CTA's end; verify CTAs started before the solve ended")
-        lines.append(f"{'n':>4} {'batch':>5} {'ctas':>5} {'solve':>7} {'v start':>7} {'v end':>7} {'early':>5}")
+        lines.append(f"{'n':>4} {'batch':>5} {'ctas':>5} {'solve':>7} {'v start':>7} {'v end':>7} {'early':>5} | "
+                     "solve CTA phases, median / max: " + " ".join(f"{p:>13}" for p in PHASES8_SOLVE))
         for r in solved:
             g = r["solve"]
             lines.append(f"{r['n']:>4} {r['batch']:>5} {g['ctas']:>5} {g['solve_end_us']:>7.1f} {g['verify_start_us']:>7.1f} "
-                         f"{g['verify_end_us']:>7.1f} {g['verify_ctas_early']:>5}"
+                         f"{g['verify_end_us']:>7.1f} {g['verify_ctas_early']:>5} | "
+                         + " ".join(f"{g['phase_us'][p]['median']:>6.2f}/{g['phase_us'][p]['max']:<6.2f}" for p in PHASES8_SOLVE)
                          + (f"  {' '.join(r['defines'])}" if r.get("defines") else ""))
     return "\n".join(lines)
 

@@ -108,6 +108,7 @@
 #define P8_TPW (P8_NPW / 8)               // its 8-wide mma tiles
 #define P8_KSTEPS (GDN_K / 16)
 #define P8_MARKS 9
+#define P8_SMARKS 6                       // timeline marks of the solve kernel
 
 static_assert(TFM_IN == 1, "version 8 takes bfloat16 q/k/v");
 static_assert(P8_BV == 32 || P8_BV == 64, "32 or 64 V columns per CTA");
@@ -662,8 +663,9 @@ gdn_tree_verify_paths(const tin* __restrict__ q, const tin* __restrict__ k, cons
 // and the path rows (p8_path_row), written to tw[hv][0][pair_off[pos[i]] + depth[j]] (T) and tw[hv][1][...] (W)
 // for each ancestor pair (i, j). Each entry is written once; a fixed-layout plan's padding entries stay as they are.
 // Grid (1, H, R), 32 P8_GWARPS threads, dynamic shared memory p8_solve_smem_words(n16, pcap, G) words. `timeline`
-// (bench/gdn_timeline.py; null otherwise): thread 0's global timer and SM clock at the CTA's start and at warp 0's
-// end, two marks a CTA.
+// (bench/gdn_timeline.py; null otherwise): thread 0's global timer and SM clock at P8_SMARKS points: the CTA's start,
+// after the tables and per-node paths, after the entries and q / k (barrier), after the norms and grams (barrier),
+// after the scales (barrier), at warp 0's end.
 __host__ __device__ constexpr int p8_solve_smem_words(int n16, int pcap, int groups) {
   return n16 * P8_KP                              // q, k rows [2][n16][KP] bf16
          + (5 + 2 * groups) * p8_align4(pcap)     // by path entry: pj, pbp, pown, raw X, Y; scaled X, Y per value head
@@ -702,13 +704,13 @@ gdn_tree_paths_solve(const tin* __restrict__ q, const tin* __restrict__ k, const
   float* Gs = bt + groups * n16;                             // [G][n16]
   constexpr int THREADS = 32 * P8_GWARPS;
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
-  const CtaTimeline tl = cta_timeline(timeline, 2);
+  const CtaTimeline tl = cta_timeline(timeline, P8_SMARKS);
   tl.mark(0);
   pdl_launch_dependents();  // the verify kernel may start: it reads tw only after its pdl_wait
   const int h = blockIdx.y, r = blockIdx.z;
   const int bos = cu[r], n = cu[r + 1] - bos;
   if (n <= 0) {
-    tl.mark(1);
+    for (int m = 1; m < P8_SMARKS; ++m) tl.mark(m);
     return;
   }
   if (n > n16 || n16 > P8_N) __trap();
@@ -750,6 +752,7 @@ gdn_tree_paths_solve(const tin* __restrict__ q, const tin* __restrict__ k, const
     }
   }
   __syncthreads();
+  tl.mark(1);
   for (int e = tid; e < cnt; e += THREADS) {
     const int j = pj[e] - bos;
     pj[e] = j;
@@ -757,14 +760,17 @@ gdn_tree_paths_solve(const tin* __restrict__ q, const tin* __restrict__ k, const
   }
   cp_async_wait<0>();  // q and k
   __syncthreads();
+  tl.mark(2);
   p8_norms<THREADS>(qs, ks, n, rows, scale, use_l2norm, tid, rk, rq, 1);
   p8_gram_tasks(qs, ks, anc, pb, plen, n, warp, P8_GWARPS, lane, 0, 1,
                 [&](int gram, int e, float val) { (gram == 0 ? Xr : Yr)[e] = val; });
   __syncthreads();
+  tl.mark(3);
   for (int gv = 0; gv < groups; ++gv)
     p8_scale_entries(Xr, Yr, Xs + gv * A, Ys + gv * A, pown, pj, rk, rq, bt + gv * n16, Gs + gv * n16, cnt, tid,
                      THREADS);
   __syncthreads();
+  tl.mark(4);
   for (int t = tid; t < groups * 2 * n; t += THREADS) {  // a thread per (value head, T or W, node)
     const int gv = t / (2 * n), u = t % (2 * n);
     const bool isw = u >= n;
@@ -772,5 +778,5 @@ gdn_tree_paths_solve(const tin* __restrict__ q, const tin* __restrict__ k, const
     float* out = tw + ((i64)(h * groups + gv) * 2 + (isw ? 1 : 0)) * num_pairs + pbase;
     p8_path_row(out, Xs + gv * A, Ys + gv * A, pbp, pb[i], plen[i], isw);
   }
-  tl.mark(1);
+  tl.mark(5);
 }

@@ -90,7 +90,7 @@ def test_v8_solve_kernel_launch_and_timeline(launches):
     plan = TreePlan.build(c["parents"], c["cu_nodes"])
     _, o, d = _run8(c, plan, launches)
     assert launches.programmatic == [False, True]
-    marks = torch.full((4, 2, 2), -1, dtype=torch.int64)
+    marks = torch.full((4, kgdn.PATHS_SOLVE_MARKS, 2), -1, dtype=torch.int64)
     _, ot, dt = _run8(c, plan, launches, timeline8_solve=marks)
     assert launches[0][1] == (1, 2, 2)
     assert torch.equal(marks, torch.zeros_like(marks)) and torch.equal(ot, o) and torch.equal(dt, d)

@@ -96,6 +96,8 @@ PATHS_SOLVE_WARPS = 16  # warps of a CTA of version 8's solve kernel, one per re
 PATHS_MARKS = 9  # timeline marks of version 8 (P8_MARKS): start, after the copies and node tables, after the norms and
 # entry tables, after warp 0's gram tasks, after every warp's (and S0's copy), after warp 0's product scales, after the
 # projections, after phase 2, end
+PATHS_SOLVE_MARKS = 6  # of its solve kernel (P8_SMARKS): start, after the node paths, after the entries and q / k, after
+# the norms and grams, after the scales, end
 
 DTYPE_CODE = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 NOT_CUDA = "inputs are not CUDA tensors"  # the reference is the CPU implementation: no warning
@@ -561,7 +563,7 @@ def verify_launches(
     ``GROUPED_MARKS * 2`` entries per CTA that version 6 fills with the global timer and the SM clock at
     its phase boundaries (bench/gdn_timeline.py); ``timeline7`` and ``timeline8`` the same for versions 7 and 8
     (``SMALL_MARKS * 2`` / ``PATHS_MARKS * 2`` entries per CTA), and ``timeline8_solve`` version 8's solve kernel
-    (4 entries per CTA: its start and warp 0's end). Raises ValueError on a shape mismatch or an unknown variant.
+    (``PATHS_SOLVE_MARKS * 2`` entries per CTA). Raises ValueError on a shape mismatch or an unknown variant.
     """
     if variant not in VERIFY_VARIANTS:
         raise ValueError(f"variant={variant!r} is not a verify kernel version; choose one of {VERIFY_VARIANTS}")
@@ -598,9 +600,10 @@ def verify_launches(
                                  "CTAs of a q/k head (1 with P8_PREGRAM=1)")
             sms = torch.cuda.get_device_properties(dev_index).multi_processor_count
             warps8 = paths_warps(plan, h, hv, kd, vd, bv8, sms, extra_options)
+            gwarps = _forced_define(extra_options, "P8_GWARPS") or PATHS_SOLVE_WARPS  # benchmarks may choose
             opts = ["--std=c++17", "-lineinfo", f"-DTFM_IN={DTYPE_CODE[v.dtype]}", f"-DGDN_K={kd}", f"-DGDN_V={vd}",
                     f"-DP8_BV={bv8}", f"-DP8_PATH={PATHS_MAX_PATH}", f"-DP8_CLUSTER={cl8}",
-                    f"-DP8_GWARPS={PATHS_SOLVE_WARPS}", f"-DP8_WARPS={warps8}",
+                    f"-DP8_GWARPS={gwarps}", f"-DP8_WARPS={warps8}",
                     *[x for x in extra_options
                       if not x.startswith(("-DP8_BV=", "-DP8_CLUSTER=", "-DP8_GWARPS=", "-DP8_WARPS="))]]
             k_paths = get_kernel(PATHS_SOURCE, "gdn_tree_verify_paths", opts, dev_index)
@@ -622,7 +625,7 @@ def verify_launches(
             made = [("gdn_tree_verify_paths", run_paths)]
             if pregram:  # the solve by a kernel of its own, a CTA per request and q/k head, before the verify kernel
                 k_solve = get_kernel(PATHS_SOURCE, "gdn_tree_paths_solve", opts, dev_index)
-                grid_s, block_s = (1, h, plan.num_requests), (32 * PATHS_SOLVE_WARPS, 1, 1)
+                grid_s, block_s = (1, h, plan.num_requests), (32 * gwarps, 1, 1)
                 smem_s = paths_solve_smem_bytes(kd, plan.max_nodes, pcap8, hv // h)
                 args_s = [q, k, g32, b32, plan.perm, plan.pair_off, plan.pair_j, plan.cu, tw, i32(h), i32(hv), i32(n16),
                           i32(pcap8), i32(plan.num_pairs), f32(scale), i32(int(use_qk_l2norm)), timeline8_solve]
