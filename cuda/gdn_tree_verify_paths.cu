@@ -733,23 +733,30 @@ gdn_tree_paths_solve(const tin* __restrict__ q, const tin* __restrict__ k, const
   cp_async_commit();
   cp_async_wait<1>();  // the tables, g and beta
   __syncthreads();
-  for (int p = tid; p < n; p += THREADS) {  // per node: first path entry, path length, ancestor bits, owner
+  // a thread per (value head, node): the path gate G in the verify kernel's order; value head 0's threads also the
+  // node's first path entry, path length, ancestor bits and its entries' owner
+  for (int t = tid; t < groups * n; t += THREADS) {
+    const int gv = t / n, p = t - gv * n;
     const int i = perm_s[p] - bos;
     const int e0 = poff[p] - pbase, d = poff[p + 1] - poff[p];
     if (d > P8_PATH) __trap();
-    u32 b0, b1, b2, b3;
-    p8_walk_path(pj, e0, d, bos, b0, b1, b2, b3, [&](int e, int) { pown[e] = i; });
-    pb[i] = e0;
-    plen[i] = d;
-    anc[i * 4] = b0;
-    anc[i * 4 + 1] = b1;
-    anc[i * 4 + 2] = b2;
-    anc[i * 4 + 3] = b3;
-    for (int gv = 0; gv < groups; ++gv) {  // the verify kernel's path gate, in its order
-      float gsum = 0.0f;
+    float gsum = 0.0f;
+    if (gv == 0) {
+      u32 b0, b1, b2, b3;
+      p8_walk_path(pj, e0, d, bos, b0, b1, b2, b3, [&](int e, int j) {
+        gsum += gl[j];
+        pown[e] = i;
+      });
+      pb[i] = e0;
+      plen[i] = d;
+      anc[i * 4] = b0;
+      anc[i * 4 + 1] = b1;
+      anc[i * 4 + 2] = b2;
+      anc[i * 4 + 3] = b3;
+    } else {
       for (int e = e0; e < e0 + d; ++e) gsum += gl[gv * n16 + pj[e] - bos];
-      Gs[gv * n16 + i] = gsum;
     }
+    Gs[gv * n16 + i] = gsum;
   }
   __syncthreads();
   tl.mark(1);
