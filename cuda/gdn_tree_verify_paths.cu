@@ -31,9 +31,10 @@
 //            gate G (with P8_PREGRAM = 0 also each entry's owner and the ancestor bitmask, 128 bits); once q and k
 //            are in, their norms (four threads a row); per path entry the local node index (and with P8_PREGRAM = 0
 //            that node's first path entry)
-//   phase 1  with P8_PREGRAM = 0 the lower triangles of K K^T and Q K^T here (p8_gram_tasks: 16 x 16 tasks of two
-//            bf16 mma tiles on ldmatrix fragments, tasks without an ancestor pair skipped; with P8_CLUSTER = C a
-//            cluster of C of the q/k head's CTAs splits them, each product stored in every CTA), each ancestor
+//   phase 1  with P8_PREGRAM = 0 the lower triangles of K K^T and Q K^T here (p8_gram_tasks: a 16-row block and two
+//            16-column blocks of both grams a task, bf16 mma on ldmatrix fragments, column blocks without an ancestor
+//            pair skipped; with P8_CLUSTER = C a cluster of C of the q/k head's CTAs splits the tasks, each product
+//            stored in every CTA), each ancestor
 //            pair's raw product stored at its path entry, then each entry scaled (X: beta_i rk_i rk_j e^{G_i -
 //            G_j}, Y: rq_i rk_j e^{G_i - G_j}). The projections [K; Q] S0^T as one GEMM (M = P8_BV rows of S0, N = 2
 //            n16 nodes, K = GDN_K) on bf16 mma over a split of S0 into bf16 parts (K: P8_SPLIT = 3, float32-accurate;
@@ -41,7 +42,7 @@
 //            64 or 32 node columns), the sums kept in registers. With P8_PREGRAM = 1, griddepcontrol.wait and T and W
 //            by cp.async
 //   phase 2  R and diag(e^G) Q S0^T from the GEMM's registers into shared memory (over the dead q / k / S0
-//            rows); with P8_PREGRAM = 0 a thread per (node, T or W) runs its row's back substitution (p8_path_row)
+//            rows); with P8_PREGRAM = 0 a thread per node runs its rows' back substitution (p8_path_rows)
 //   phase 3  P8_OUTW nodes a warp: Delta_i = sum T_ij R_j, O_i = e^{G_i} q_i S0 + sum W_ij R_j over i's path
 //            entries, four entries a step
 //
@@ -140,15 +141,6 @@ __host__ __device__ constexpr int p8_smem_words(int n16, int pcap) {
          + 13 * n16 + p8_align4(n16 + 1);                       // per node: rk rq G eG beta g pb plen perm anc[4]; pair_off
 }
 
-// The 16-row block of gram task u, the tasks being the lower triangle's 16 x 16 tiles (mt, nt <= mt) row by row
-// (mt (mt + 1) / 2 of them before row block mt); its column block is u - mt (mt + 1) / 2.
-__device__ __forceinline__ int p8_task_row(int u) {
-  int mt = (int)((sqrtf(8.0f * (float)u + 1.0f) - 1.0f) * 0.5f);
-  mt += (mt + 1) * (mt + 2) / 2 <= u ? 1 : 0;  // the float root off by one either way
-  mt -= mt * (mt + 1) / 2 > u ? 1 : 0;
-  return mt;
-}
-
 // Node i's path entries e0 .. e0 + d - 1 (flat node ids pj[e], root first): the ancestor bits of the local nodes
 // (bit j of word j / 32: node j on i's path, i included; scalars, not an array: selects, no local memory), and
 // per entry the caller's f(e, j).
@@ -156,8 +148,10 @@ template <class F>
 __device__ __forceinline__ void p8_walk_path(const int* pj, int e0, int d, int bos, u32& b0, u32& b1, u32& b2, u32& b3,
                                              F f) {
   b0 = b1 = b2 = b3 = 0u;
-  for (int e = e0; e < e0 + d; ++e) {
-    const int j = pj[e] - bos;
+#pragma unroll
+  for (int x = 0; x < P8_PATH; ++x) {  // bounded (d <= P8_PATH): the loads issue together
+    if (x >= d) break;
+    const int e = e0 + x, j = pj[e] - bos;
     const u32 bit = 1u << (j & 31);
     b0 |= (j >> 5) == 0 ? bit : 0u;
     b1 |= (j >> 5) == 1 ? bit : 0u;
@@ -201,106 +195,158 @@ __device__ __forceinline__ void p8_norms(const u16* qs, const u16* ks, int n, in
   }
 }
 
-// The grams' products for the ancestor pairs of one request's tree, from its q and k rows staged [n16][KP]: tasks
-// u = (gram, 16-row block mt, 16-column block nt <= mt) of the lower triangles, gram 0 = K K^T, 1 = Q K^T, mt (mt + 1)
-// / 2 tasks before row block mt; warp `warp` of `warps` takes tasks warp, warp + warps, ... of those with
-// task % stride == rank (a cluster's CTAs split them). Fragments by ldmatrix: A rows mt 16 + (lane & 15) at column
-// half lane >> 4; B (two 8-column mma tiles) rows nt 16 + (lane & 7) + 8 (lane >> 4) at column half (lane >> 3) & 1.
-// Each ancestor pair's raw product goes to store(gram, e, value) with e its path entry (i's first entry + j's depth;
-// K K^T's diagonal too, at the entry X never reads); tasks without an ancestor pair are skipped.
+// Gram tasks of a lower triangle of 16-row blocks: row block mt has (mt + 2) / 2 tasks, task (mt, c) covering the
+// column blocks 2c and 2c + 1 (the latter only if <= mt); *mt and *nt0 for task u.
+__device__ __forceinline__ void p8_task_block(int u, int& mt, int& nt0) {
+  mt = 0;
+  while (u >= (mt + 2) / 2) {
+    u -= (mt + 2) / 2;
+    ++mt;
+  }
+  nt0 = 2 * u;
+}
+
+// The grams' products for the ancestor pairs of one request's tree, from its q and k rows staged [n16][KP]: a task
+// (p8_task_block) is a 16-row block mt and two 16-column blocks nt0, nt0 + 1 <= mt of both K K^T and Q K^T, whose
+// A fragments (k and q rows of mt) and B fragments (k rows of the column blocks) are each loaded once a k-step: 4
+// ldmatrix for 8 mma (section 77: the phase was bound by shared-memory reads at 2 ldmatrix for 2 mma). Warp `warp`
+// of `warps` takes tasks warp, warp + warps, ... of those with task % stride == rank (a cluster's CTAs split them).
+// Fragments by ldmatrix: A rows mt 16 + (lane & 15) at column half lane >> 4; B (two 8-column mma tiles) rows
+// nt 16 + (lane & 7) + 8 (lane >> 4) at column half (lane >> 3) & 1. Each ancestor pair's raw product goes to
+// store(gram, e, value), gram 0 = K K^T, 1 = Q K^T, with e its path entry (i's first entry + j's depth; K K^T's
+// diagonal too, at the entry X never reads); column blocks without an ancestor pair are skipped.
 template <class Store>
 __device__ __forceinline__ void p8_gram_tasks(const u16* qs, const u16* ks, const u32* anc, const int* pb,
                                               const int* plen, int n, int warp, int warps, int lane, int rank,
                                               int stride, Store store) {
   const int gq = lane >> 2, tq = lane & 3;
   const int nt16 = (n + 15) / 16;
-  const int tiles = nt16 * (nt16 + 1) / 2;
-  for (int lt = warp; lt * stride + rank < 2 * tiles; lt += warps) {
-    const int task = lt * stride + rank;
-    const int gram = task >= tiles ? 1 : 0, u = task - gram * tiles;
-    const int mt = p8_task_row(u), nt = u - mt * (mt + 1) / 2;
-    // this lane's rows i0, i0 + 8 and, in 8-column tile t, columns j0 + 8 t, j0 + 8 t + 1: table reads first
-    const int i0 = mt * 16 + gq, j0 = nt * 16 + 2 * tq;
+  int tasks = 0;
+  for (int m = 0; m < nt16; ++m) tasks += (m + 2) / 2;
+  for (int lt = warp; lt * stride + rank < tasks; lt += warps) {
+    int mt, nt0;
+    p8_task_block(lt * stride + rank, mt, nt0);
+    // this lane's rows i0, i0 + 8 and, in column block nt0 + b and its 8-column tile t, columns j0 + 16 b + 8 t and
+    // + 1: table reads first
+    const int i0 = mt * 16 + gq, j0 = nt0 * 16 + 2 * tq;
     const bool ok0 = i0 < n, ok1 = i0 + 8 < n;  // rows past n: their table words are not written
-    u32 keep = 0u;  // bit 4 t + 2 r + c: (i0 + 8 r, j0 + 8 t + c) is an ancestor pair
+    const bool has2 = nt0 + 1 <= mt;  // a second column block in the lower triangle
+    u32 keep = 0u;  // bit 8 b + 4 t + 2 r + c: (i0 + 8 r, j0 + 16 b + 8 t + c) is an ancestor pair
 #pragma unroll
-    for (int t = 0; t < 2; ++t) {
-      const int jt = j0 + 8 * t;
-      const u32 a0 = anc[i0 * 4 + (jt >> 5)] >> (jt & 31), a1 = anc[(i0 + 8) * 4 + (jt >> 5)] >> (jt & 31);
-      keep |= ((ok0 ? a0 & 3u : 0u) | (ok1 ? (a1 & 3u) << 2 : 0u)) << (4 * t);
-    }
+    for (int b = 0; b < 2; ++b)
+#pragma unroll
+      for (int t = 0; t < 2; ++t) {
+        if (b == 1 && !has2) continue;
+        const int jt = j0 + 16 * b + 8 * t;
+        const u32 a0 = anc[i0 * 4 + (jt >> 5)] >> (jt & 31), a1 = anc[(i0 + 8) * 4 + (jt >> 5)] >> (jt & 31);
+        keep |= ((ok0 ? a0 & 3u : 0u) | (ok1 ? (a1 & 3u) << 2 : 0u)) << (8 * b + 4 * t);
+      }
+    const bool two = __any_sync(0xffffffffu, (keep >> 8) != 0u);
     if (!__any_sync(0xffffffffu, keep != 0u)) continue;  // no ancestor pair in the task: no products
-    const u16* arows = gram == 0 ? ks : qs;
-    const u16* aptr = arows + (mt * 16 + (lane & 15)) * P8_KP + (lane >> 4) * 8;
-    const u16* bptr = ks + (nt * 16 + (lane & 7) + ((lane >> 4) << 3)) * P8_KP + ((lane >> 3) & 1) * 8;
-    float acc[2][4] = {{0.0f, 0.0f, 0.0f, 0.0f}, {0.0f, 0.0f, 0.0f, 0.0f}};
+    const u16* ak = ks + (mt * 16 + (lane & 15)) * P8_KP + (lane >> 4) * 8;
+    const u16* aq = qs + (mt * 16 + (lane & 15)) * P8_KP + (lane >> 4) * 8;
+    const u16* bptr = ks + (nt0 * 16 + (lane & 7) + ((lane >> 4) << 3)) * P8_KP + ((lane >> 3) & 1) * 8;
+    float acc[2][2][2][4];  // [gram][column block][tile][fragment]
 #pragma unroll
-    for (int s = 0; s < ((P8_SKIP & 1) ? 0 : P8_KSTEPS); ++s) {
-      u32 a[4], b[4];
-      ldsm_x4(a, aptr + s * 16);
-      ldsm_x4(b, bptr + s * 16);
-      mma_16816<true>(acc[0], a, b[0], b[1]);
-      mma_16816<true>(acc[1], a, b[2], b[3]);
+    for (int x = 0; x < 16; ++x) acc[x >> 3][(x >> 2) & 1][(x >> 1) & 1][0] = acc[x >> 3][(x >> 2) & 1][(x >> 1) & 1][1] =
+        acc[x >> 3][(x >> 2) & 1][(x >> 1) & 1][2] = acc[x >> 3][(x >> 2) & 1][(x >> 1) & 1][3] = 0.0f;
+    if (two) {
+#pragma unroll
+      for (int s = 0; s < ((P8_SKIP & 1) ? 0 : P8_KSTEPS); ++s) {
+        u32 a[2][4], b0[4], b1[4];
+        ldsm_x4(a[0], ak + s * 16);
+        ldsm_x4(a[1], aq + s * 16);
+        ldsm_x4(b0, bptr + s * 16);
+        ldsm_x4(b1, bptr + 16 * P8_KP + s * 16);
+#pragma unroll
+        for (int gm = 0; gm < 2; ++gm) {
+          mma_16816<true>(acc[gm][0][0], a[gm], b0[0], b0[1]);
+          mma_16816<true>(acc[gm][0][1], a[gm], b0[2], b0[3]);
+          mma_16816<true>(acc[gm][1][0], a[gm], b1[0], b1[1]);
+          mma_16816<true>(acc[gm][1][1], a[gm], b1[2], b1[3]);
+        }
+      }
+    } else {
+#pragma unroll
+      for (int s = 0; s < ((P8_SKIP & 1) ? 0 : P8_KSTEPS); ++s) {
+        u32 a[2][4], b0[4];
+        ldsm_x4(a[0], ak + s * 16);
+        ldsm_x4(a[1], aq + s * 16);
+        ldsm_x4(b0, bptr + s * 16);
+#pragma unroll
+        for (int gm = 0; gm < 2; ++gm) {
+          mma_16816<true>(acc[gm][0][0], a[gm], b0[0], b0[1]);
+          mma_16816<true>(acc[gm][0][1], a[gm], b0[2], b0[3]);
+        }
+      }
     }
     const int at0 = pb[i0], at1 = pb[i0 + 8];
 #pragma unroll
-    for (int t = 0; t < 2; ++t) {
-      const int jt = j0 + 8 * t;
-      const int dj0 = plen[jt] - 1, dj1 = plen[jt + 1] - 1;
+    for (int b = 0; b < 2; ++b)
 #pragma unroll
-      for (int e = 0; e < 4; ++e)  // i's path entry for its ancestor j (at j's depth)
-        if ((keep >> (4 * t + e)) & 1u) store(gram, ((e >> 1) ? at1 : at0) + ((e & 1) ? dj1 : dj0), acc[t][e]);
-    }
+      for (int t = 0; t < 2; ++t) {
+        if (b == 1 && !has2) continue;
+        const int jt = j0 + 16 * b + 8 * t;
+        const int dj0 = plen[jt] - 1, dj1 = plen[jt + 1] - 1;
+#pragma unroll
+        for (int e = 0; e < 4; ++e)  // i's path entry for its ancestor j (at j's depth)
+          if ((keep >> (8 * b + 4 * t + e)) & 1u) {
+            const int at = ((e >> 1) ? at1 : at0) + ((e & 1) ? dj1 : dj0);
+            store(0, at, acc[0][b][t][e]);
+            store(1, at, acc[1][b][t][e]);
+          }
+      }
   }
 }
 
-// The products' scales, a thread per path entry of X, then of Y, four entries a step with their loads first:
+// The products' scales, a thread per (value head, path entry), X and Y of the entry together (one exponential):
 // X_ij = beta_i rk_i rk_j e^{G_i - G_j} k_i . k_j (j a strict ancestor), Y_ij = rq_i rk_j e^{G_i - G_j} q_i . k_j from
-// the raw products xin, yin into xout, yout (the same arrays or others); j on i's path: G_i <= G_j, no overflow.
-// pown[e] / pj[e]: entry e's node and its ancestor (local); bt, Gs: the value head's beta and path gates by node.
+// the raw products xin, yin into xout, yout (the same arrays or others) + gv A for value heads gv < groups; j on i's
+// path: G_i <= G_j, no overflow. pown[e] / pj[e]: entry e's node and its ancestor (local); bt, Gs: beta and the path
+// gates by value head and node ([groups][n16]).
 __device__ __forceinline__ void p8_scale_entries(const float* xin, const float* yin, float* xout, float* yout,
                                                  const int* pown, const int* pj, const float* rk, const float* rq,
-                                                 const float* bt, const float* Gs, int cnt, int tid, int threads) {
-  for (int c0 = tid; c0 < 2 * cnt; c0 += 4 * threads) {
-    float val[4], sc[4];
-    int ee[4];
-    bool ok[4], isy[4];
-#pragma unroll
-    for (int u = 0; u < 4; ++u) {
-      const int c = c0 + u * threads;
-      isy[u] = c >= cnt;
-      ee[u] = c < 2 * cnt ? (isy[u] ? c - cnt : c) : 0;
-      const int i = pown[ee[u]], j = pj[ee[u]];
-      ok[u] = c < 2 * cnt && (isy[u] || j != i);  // X has no diagonal
-      sc[u] = (isy[u] ? rq[i] : bt[i] * rk[i]) * rk[j] * expf(Gs[i] - Gs[j]);
-      val[u] = c < 2 * cnt ? (isy[u] ? yin : xin)[ee[u]] : 0.0f;  // past the entries: no read (maybe another's write)
-    }
-#pragma unroll
-    for (int u = 0; u < 4; ++u)
-      if (ok[u]) (isy[u] ? yout : xout)[ee[u]] = val[u] * sc[u];
+                                                 const float* bt, const float* Gs, int cnt, int groups, int A, int n16,
+                                                 int tid, int threads) {
+  for (int c = tid; c < groups * cnt; c += threads) {
+    const int gv = c / cnt, e = c - gv * cnt;
+    const int i = pown[e], j = pj[e];
+    const float ex = expf(Gs[gv * n16 + i] - Gs[gv * n16 + j]), rkj = rk[j];
+    const float x = xin[e], y = yin[e];
+    if (j != i) xout[gv * A + e] = x * (bt[gv * n16 + i] * rk[i] * rkj * ex);  // X has no diagonal
+    yout[gv * A + e] = y * (rq[i] * rkj * ex);
   }
 }
 
-// Node i's row of T (isw false) or W (true) over its path entries e0 .. e0 + d - 1 into out[e] (shared or global
-// memory): back substitution along the path in registers. Distances u from the node (0 = the node itself, u = d - 1 -
-// b for path position b); X_{p_b p_a} is path entry pbp[e0 + b] + a, = xb[u] - w with w = d - 1 - a and xb[u] =
-// pbp[e0 + d - 1 - u] + d - 1. Xp, Yp: the scaled products by entry.
-__device__ __forceinline__ void p8_path_row(float* out, const float* Xp, const float* Yp, const int* pbp, int e0, int d,
-                                            bool isw) {
+// Node i's rows of T and W over its path entries e0 .. e0 + d - 1 into tout[e], wout[e] (shared or global memory):
+// back substitution along the path in registers, both rows from one read of each X entry (section 77: the reads'
+// bank conflicts bound the phase). Distances u from the node (0 = the node itself, u = d - 1 - b for path position
+// b); X_{p_b p_a} is path entry pbp[e0 + b] + a, = xb[u] - w with w = d - 1 - a and xb[u] = pbp[e0 + d - 1 - u] +
+// d - 1. Xp, Yp: the scaled products by entry.
+__device__ __forceinline__ void p8_path_rows(float* tout, float* wout, const float* Xp, const float* Yp, const int* pbp,
+                                             int e0, int d) {
   int xb[P8_PATH];
-  float ov[P8_PATH];
+  float tv[P8_PATH], wv[P8_PATH];
 #pragma unroll
   for (int u = 0; u < P8_PATH; ++u) xb[u] = u < d ? pbp[e0 + d - 1 - u] + d - 1 : 0;
-  ov[0] = isw ? Yp[e0 + d - 1] : 1.0f;
-  out[e0 + d - 1] = ov[0];
+  tv[0] = 1.0f;
+  wv[0] = Yp[e0 + d - 1];
+  tout[e0 + d - 1] = tv[0];
+  wout[e0 + d - 1] = wv[0];
 #pragma unroll
   for (int w = 1; w < P8_PATH; ++w) {
     if (w >= d) break;
-    float s = isw ? Yp[e0 + d - 1 - w] : 0.0f;
+    float st = 0.0f, sw = Yp[e0 + d - 1 - w];
 #pragma unroll
-    for (int u = 0; u < w; ++u) s = fmaf(-ov[u], Xp[xb[u] - w], s);
-    ov[w] = s;
-    out[e0 + d - 1 - w] = s;
+    for (int u = 0; u < w; ++u) {
+      const float x = Xp[xb[u] - w];
+      st = fmaf(-tv[u], x, st);
+      sw = fmaf(-wv[u], x, sw);
+    }
+    tv[w] = st;
+    wv[w] = sw;
+    tout[e0 + d - 1 - w] = st;
+    wout[e0 + d - 1 - w] = sw;
   }
 }
 
@@ -498,7 +544,7 @@ gdn_tree_verify_paths(const tin* __restrict__ q, const tin* __restrict__ k, cons
 #endif
   tl.mark(4);  // every warp's gram tasks; S0 and v in
 #if !P8_PREGRAM
-  p8_scale_entries(Xp, Yp, Xp, Yp, pown, pj, rk, rq, bt, Gs, cnt, tid, P8_THREADS);
+  p8_scale_entries(Xp, Yp, Xp, Yp, pown, pj, rk, rq, bt, Gs, cnt, 1, 0, n16, tid, P8_THREADS);
 #endif
   tl.mark(5);  // warp 0's scales
   // Projections: C = S0 [K; Q]^T, rows = this warp's 16 S0 rows, columns = its P8_NPW node columns of K
@@ -562,11 +608,7 @@ gdn_tree_verify_paths(const tin* __restrict__ q, const tin* __restrict__ k, cons
 #if P8_PREGRAM
   cp_async_wait<0>();  // T and W
 #else
-  if (tid < 2 * n) {  // a thread per (node, T or W)
-    const bool isw = tid >= n;
-    const int i = isw ? tid - n : tid;
-    p8_path_row(isw ? Wp : Tp, Xp, Yp, pbp, pb[i], plen[i], isw);
-  }
+  if (tid < n) p8_path_rows(Tp, Wp, Xp, Yp, pbp, pb[tid], plen[tid]);  // a thread per node
 #endif
   __syncthreads();
   tl.mark(7);
@@ -660,7 +702,7 @@ gdn_tree_verify_paths(const tin* __restrict__ q, const tin* __restrict__ k, cons
 // functions (so that P8_PREGRAM = 0 gives the same bits): the request's q and k rows, plan tables, g and beta into
 // shared memory; per node its path (p8_walk_path) and per value head its path gate G; the norms (p8_norms); the
 // grams' raw products (p8_gram_tasks, one read of each staged row); per value head the scales (p8_scale_entries)
-// and the path rows (p8_path_row), written to tw[hv][0][pair_off[pos[i]] + depth[j]] (T) and tw[hv][1][...] (W)
+// and the path rows (p8_path_rows), written to tw[hv][0][pair_off[pos[i]] + depth[j]] (T) and tw[hv][1][...] (W)
 // for each ancestor pair (i, j). Each entry is written once; a fixed-layout plan's padding entries stay as they are.
 // Grid (1, H, R), 32 P8_GWARPS threads, dynamic shared memory p8_solve_smem_words(n16, pcap, G) words. `timeline`
 // (bench/gdn_timeline.py; null otherwise): thread 0's global timer and SM clock at P8_SMARKS points: the CTA's start,
@@ -754,7 +796,11 @@ gdn_tree_paths_solve(const tin* __restrict__ q, const tin* __restrict__ k, const
       anc[i * 4 + 2] = b2;
       anc[i * 4 + 3] = b3;
     } else {
-      for (int e = e0; e < e0 + d; ++e) gsum += gl[gv * n16 + pj[e] - bos];
+#pragma unroll
+      for (int x = 0; x < P8_PATH; ++x) {
+        if (x >= d) break;
+        gsum += gl[gv * n16 + pj[e0 + x] - bos];
+      }
     }
     Gs[gv * n16 + i] = gsum;
   }
@@ -773,17 +819,13 @@ gdn_tree_paths_solve(const tin* __restrict__ q, const tin* __restrict__ k, const
                 [&](int gram, int e, float val) { (gram == 0 ? Xr : Yr)[e] = val; });
   __syncthreads();
   tl.mark(3);
-  for (int gv = 0; gv < groups; ++gv)
-    p8_scale_entries(Xr, Yr, Xs + gv * A, Ys + gv * A, pown, pj, rk, rq, bt + gv * n16, Gs + gv * n16, cnt, tid,
-                     THREADS);
+  p8_scale_entries(Xr, Yr, Xs, Ys, pown, pj, rk, rq, bt, Gs, cnt, groups, A, n16, tid, THREADS);
   __syncthreads();
   tl.mark(4);
-  for (int t = tid; t < groups * 2 * n; t += THREADS) {  // a thread per (value head, T or W, node)
-    const int gv = t / (2 * n), u = t % (2 * n);
-    const bool isw = u >= n;
-    const int i = isw ? u - n : u;
-    float* out = tw + ((i64)(h * groups + gv) * 2 + (isw ? 1 : 0)) * num_pairs + pbase;
-    p8_path_row(out, Xs + gv * A, Ys + gv * A, pbp, pb[i], plen[i], isw);
+  for (int t = tid; t < groups * n; t += THREADS) {  // a thread per (value head, node)
+    const int gv = t / n, i = t - gv * n;
+    float* out = tw + (i64)(h * groups + gv) * 2 * num_pairs + pbase;
+    p8_path_rows(out, out + num_pairs, Xs + gv * A, Ys + gv * A, pbp, pb[i], plen[i]);
   }
   tl.mark(5);
 }
