@@ -384,10 +384,10 @@ def grouped_unsupported_reason(plan: TreePlan, qk_dtype: torch.dtype, h: int, hv
 RUNTIME_V6_MAX_NODES = 17
 RUNTIME_V6_PATH_NODES = 33
 RUNTIME_V6_PATH_WAVES = 2
-# version 8 (section 76): trees of more than RUNTIME_V8_MIN_NODES - 1 nodes (B > 32) whose paths fit it, on grids of
-# version 6 of more than one wave, and at batch 1 too from RUNTIME_V8_ONE_WAVE_NODES + 1 nodes
+# version 8 (sections 76, 77): trees of more than RUNTIME_V8_MIN_NODES - 1 nodes (B > 32) whose paths fit it, on grids
+# of version 6 of more than one wave, and at batch 1 too from RUNTIME_V8_ONE_WAVE_NODES + 1 nodes
 RUNTIME_V8_MIN_NODES = 34
-RUNTIME_V8_ONE_WAVE_NODES = 65
+RUNTIME_V8_ONE_WAVE_NODES = 64
 
 
 def runtime_verify_variant(plan: TreePlan, qk_dtype: torch.dtype, h: int, hv: int, k_dim: int, v_dim: int,
@@ -412,11 +412,12 @@ def runtime_verify_variant(plan: TreePlan, qk_dtype: torch.dtype, h: int, hv: in
     (bench/NOTES.md section 73, bench/results/gdn_tree_v7_s73.json.gz; batches 2 to 7 not measured).
 
     Version 8 where it takes the call (trees of up to 128 nodes whose paths have at most 17) and they have more than
-    33 nodes (B > 32), if version 6's grid is more than one wave or the trees have more than 65 nodes. On an H100
-    (bench/NOTES.md sections 75 and 76, bench/results/gdn_tree_v8_s76.json.gz): n = 128 at batch 1 / 2 / 8 / 32 19.4 /
-    36.3 / 109.1 / 425.9 us against version 6's 23.1 / 43.5 / 167.4 / 656.2; n = 65 at batch 2 / 8 / 32 22.0 / 61.3 /
-    230.6 against version 6's 29.1 / 107.3 / 407.5 and version 3's 35.9 / 99.4 / 370.4, but 15.3 as version 6 at
-    batch 1; n = 33 tied with version 6 at batch 8 and lost at batch 32 (section 75).
+    33 nodes (B > 32), if version 6's grid is more than one wave or the trees have more than 64 nodes. On an H100
+    (bench/NOTES.md section 77, bench/results/gdn_tree_v8_s77.txt.gz): n = 128 at batch 1 / 8 18.8 / 95.1 us against
+    version 6's 23.0 / 167.3; n = 65 at batch 1 / 8 13.0 / 59.2 against 15.2 / 106.8 (section 76, before the solve
+    kernel: 15.3 as version 6 at n = 65, batch 1; batches 2 and 32 at n = 65 22.0 / 230.6 against version 6's 29.1 /
+    407.5 and version 3's 35.9 / 370.4); n = 33 tied with version 6 at batch 8 and lost at batch 32 (section 75);
+    batch 1 from 34 to 64 nodes not measured.
     A full CUDA graph's fixed-layout plan of more than 17 nodes never runs it: its paths are bounded by its capacity."""
     ctas = plan.num_requests * h * (v_dim // GROUPED_BV)  # version 6's grid
     if ctas > num_sms and small_unsupported_reason(plan, qk_dtype, h, hv, k_dim, v_dim, max_smem,
