@@ -81,20 +81,17 @@ class _EmuKernel:
 
 class _Launches(list):
     """(kernel name, grid, shared memory bytes) of each launch; ``clusters``: each one's cluster size;
-    ``programmatic``: whether each was launched with programmatic dependent launch; ``carveouts``: each one's
-    shared-memory carveout (None: the driver's choice)."""
+    ``programmatic``: whether each was launched with programmatic dependent launch."""
 
     def __init__(self) -> None:
         super().__init__()
         self.clusters: list[int] = []
         self.programmatic: list[bool] = []
-        self.carveouts: list[int | None] = []
 
     def clear(self) -> None:
         super().clear()
         self.clusters.clear()
         self.programmatic.clear()
-        self.carveouts.clear()
 
 
 @contextlib.contextmanager
@@ -118,11 +115,9 @@ def emulated_kernels(out_dir: Path | None = None, sanitize: bool = False) -> Ite
         set_cluster.restype = None
         return _EmuKernel(fn, kernel_name, set_cluster)
 
-    def launch(kernel, grid, block, args, shared_mem: int = 0, programmatic: bool = False, cluster: int = 1,
-               carveout: int | None = None) -> None:
+    def launch(kernel, grid, block, args, shared_mem: int = 0, programmatic: bool = False, cluster: int = 1) -> None:
         # programmatic (dependent launch): the emulation runs kernels one after the other, which is
-        # the ordering griddepcontrol.wait guarantees; cluster: CTAs per cluster along x, run together;
-        # carveout: recorded only (no shared-memory configuration on the CPU)
+        # the ordering griddepcontrol.wait guarantees; cluster: CTAs per cluster along x, run together
         if shared_mem > kernel.max_dynamic_smem:
             raise loader.KernelLaunchError(f"{kernel.name} needs {shared_mem} bytes of shared memory")
         if cluster < 1 or grid[0] % cluster:
@@ -134,7 +129,6 @@ def emulated_kernels(out_dir: Path | None = None, sanitize: bool = False) -> Ite
         launches.append((kernel.name, tuple(grid), int(shared_mem)))
         launches.clusters.append(int(cluster))
         launches.programmatic.append(bool(programmatic))
-        launches.carveouts.append(carveout)
         kernel.set_cluster(int(cluster))
         kernel.function(*grid, *block, int(shared_mem), ctypes.addressof(ptrs))
 

@@ -474,30 +474,6 @@ def test_launch_passes_pointers_scalars_and_the_stream(monkeypatch):
         loader.launch(kernel, (2, 1, 1), (128, 1, 1), [t, ctypes.c_int(1), None])
 
 
-def test_launch_sets_the_shared_memory_carveout_once_per_kernel_and_value(monkeypatch):
-    """``carveout``: cuFuncSetAttribute(PREFERRED_SHARED_MEMORY_CARVEOUT) before the first launch that asks for a
-    value, not again while it stays; another value is set anew; a value outside 0-100 is refused before any call."""
-    fake = _FakeDriver()
-    fake.attributes = []
-    fake.CUfunction_attribute = SimpleNamespace(CU_FUNC_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT="carveout")
-    fake.cuFuncSetAttribute = lambda fn, attr, value: fake.attributes.append((fn, attr, value)) or (0,)
-    monkeypatch.setattr(loader, "_cuda_modules", (fake, None))
-    monkeypatch.setattr(loader, "_carveout_set", {})
-    monkeypatch.setattr(torch.cuda, "current_stream", lambda index=None: SimpleNamespace(cuda_stream=77))
-    kernel = loader.CompiledKernel("fn", 0, "k", 48 * 1024, 0)
-    args = [torch.arange(4), ctypes.c_int(1), None]
-    loader.launch(kernel, (2, 1, 1), (128, 1, 1), args)
-    assert fake.attributes == []
-    for _ in range(2):
-        loader.launch(kernel, (2, 1, 1), (128, 1, 1), args, carveout=100)
-    assert fake.attributes == [("fn", "carveout", 100)] and len(fake.launches) == 3
-    loader.launch(kernel, (2, 1, 1), (128, 1, 1), args, carveout=50)
-    assert fake.attributes == [("fn", "carveout", 100), ("fn", "carveout", 50)]
-    with pytest.raises(ValueError, match="carveout must be a percentage from 0 to 100, got 101"):
-        loader.launch(kernel, (2, 1, 1), (128, 1, 1), args, carveout=101)
-    assert len(fake.attributes) == 2 and len(fake.launches) == 4
-
-
 def _read_back(params, kinds) -> list:
     """Every argument read through a parameter array, as the driver does (kinds: ctypes types)."""
     slots = (ctypes.c_void_p * len(kinds)).from_address(ctypes.addressof(params))

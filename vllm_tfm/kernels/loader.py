@@ -279,7 +279,6 @@ _lock = threading.Lock()
 _modules: dict[tuple[str, tuple[str, ...], int], Any] = {}
 _kernels: dict[tuple[str, tuple[str, ...], int, str], CompiledKernel] = {}
 _smem_set: dict[tuple[int, str, int], int] = {}
-_carveout_set: dict[tuple[int, str, int], int] = {}
 
 
 def _ensure_context(device_index: int) -> None:
@@ -472,23 +471,6 @@ def _raise_smem_limit(driver: Any, kernel: CompiledKernel, shared_mem: int) -> N
         _smem_set[skey] = shared_mem
 
 
-def _set_carveout(driver: Any, kernel: CompiledKernel, percent: int) -> None:
-    """Set the kernel's preferred shared-memory carveout to ``percent`` (0 to 100; once per kernel and value)."""
-    key = (id(kernel.function), kernel.name, kernel.device_index)
-    if _carveout_set.get(key) != percent:
-        if not 0 <= percent <= 100:
-            raise ValueError(f"carveout must be a percentage from 0 to 100, got {percent}")
-        _check_cu(
-            driver.cuFuncSetAttribute(
-                kernel.function,
-                driver.CUfunction_attribute.CU_FUNC_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT,
-                int(percent),
-            ),
-            f"cuFuncSetAttribute({kernel.name}, PREFERRED_SHARED_MEMORY_CARVEOUT={percent})",
-        )
-        _carveout_set[key] = percent
-
-
 def max_active_clusters(kernel: CompiledKernel, grid: tuple[int, int, int], block: tuple[int, int, int],
                         shared_mem: int, cluster: int) -> int:
     """How many clusters of ``cluster`` CTAs of this launch the device can hold at once
@@ -514,7 +496,6 @@ def launch(
     shared_mem: int = 0,
     programmatic: bool = False,
     cluster: int = 1,
-    carveout: int | None = None,
 ) -> None:
     """Launch ``kernel`` on torch's current stream of its device.
 
@@ -526,11 +507,7 @@ def launch(
     kernel must ``griddepcontrol.wait`` before it reads that kernel's outputs (GDN verify version 5).
     ``cluster``: CTAs per thread block cluster along x (sm_90; grid x a multiple of it), for kernels
     that share work through distributed shared memory (GDN verify version 6 with ``G6_CLUSTER``).
-    ``carveout``: the percentage of each SM's unified L1 / shared memory the kernel prefers as shared memory
-    (``CU_FUNC_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT``, set once per kernel and value; None leaves the
-    driver's choice). An SM changes its carveout only when idle, so a kernel of little shared memory launched
-    ahead of one of much (with ``programmatic``) takes 100 for the next kernel's CTAs to start beside its own
-    (GDN verify version 8's gram kernel). With ``VLLM_TFM_SYNC_LAUNCH=1`` the stream is synchronised after the launch so that an
+    With ``VLLM_TFM_SYNC_LAUNCH=1`` the stream is synchronised after the launch so that an
     asynchronous fault is reported at its launch.
     """
     driver, _ = _import_cuda()
@@ -541,8 +518,6 @@ def launch(
             f"{kernel.name} needs {shared_mem} bytes of shared memory; the device allows {kernel.max_dynamic_smem}"
         )
     _raise_smem_limit(driver, kernel, shared_mem)
-    if carveout is not None:
-        _set_carveout(driver, kernel, carveout)
     if min(grid) <= 0:
         return  # nothing to do (empty batch)
     current = _check_cu(driver.cuCtxGetCurrent(), "cuCtxGetCurrent")
