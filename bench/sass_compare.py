@@ -11,11 +11,18 @@ and prints, per option set, one of:
   dropped (``R12`` -> ``R``, ``UR4`` -> ``R``): another register choice, no other change;
 * ``differs: N lines``: N lines of the normalised SASS differ (``--show`` prints the diff).
 
+With ``--segments KERNEL`` it also prints, for both, KERNEL's instructions between its timeline marks (each
+``CtaTimeline::mark`` reads ``SR_GLOBALTIMERLO``): the straight-line code each timed phase runs through. Version 8's
+solve kernel took 0.14-0.33 us per KB of a phase's code on an H100, whatever the phase did (bench/NOTES.md
+section 78), so a phase's size is a prediction of its time.
+
 ``nvdisasm`` is not part of torch or cuda-python; PyPI's ``nvidia-cuda-nvdisasm`` wheel carries it
 (``pip download --no-deps nvidia-cuda-nvdisasm``, unzip, ``nvidia/cu13/bin/nvdisasm``): pass ``--nvdisasm PATH``
 or put it on PATH.
 
 usage (repository root):
+    python3 bench/sass_compare.py --source gdn_tree_verify_paths.cu --base d646a3e --segments gdn_tree_paths_solve \\
+        --options "-DTFM_IN=1 -DGDN_K=128 -DGDN_V=128 -DP8_BV=64 -DP8_PATH=17 -DP8_GWARPS=16 -DP8_WARPS=16 -DP8_CLUSTER=1"
     python3 bench/sass_compare.py --source gdn_tree_verify_grouped.cu --base HEAD \\
         --options "-DTFM_IN=1 -DGDN_K=128 -DGDN_V=128 -DGDN_GROUP=3 -DG6_THREADS=512 -DG6_SOLVE=1 -DG6_CLUSTER=2 -DG6_PATH_REG=17" \\
         --options "-DTFM_IN=1 -DGDN_K=128 -DGDN_V=128 -DGDN_GROUP=3 -DG6_THREADS=256 -DG6_SOLVE=1 -DG6_CLUSTER=1 -DG6_PATH_REG=17"
@@ -59,6 +66,24 @@ def verdict(base: str, new: str) -> tuple[str, list[str]]:
     return f"differs: {changed} lines", diff
 
 
+def mark_segments(sass: str, kernel: str) -> list[int]:
+    """Instructions of ``kernel``'s section in ``nvdisasm -c`` output between its reads of the global timer: [before
+    the first read, between the first and the second, ..., from the last to the end] (a read itself counts in the
+    segment it opens). ValueError when the text holds no section of that kernel."""
+    sections = re.split(r"\n\s*\.section\s+", "\n" + sass)
+    body = next((sec for sec in sections if re.match(rf"\.text\.{re.escape(kernel)}\b", sec)), None)
+    if body is None:
+        raise ValueError(f"no SASS section of kernel {kernel}")
+    counts = [0]
+    for line in body.splitlines():
+        if not _ADDRESS.search(line):
+            continue
+        if "SR_GLOBALTIMER" in line:
+            counts.append(0)
+        counts[-1] += 1
+    return counts
+
+
 def sources_at(rev: str, workdir: Path) -> Path:
     """The repository's cuda/ folder at ``rev``, extracted under ``workdir``."""
     data = subprocess.run(["git", "-C", str(REPO), "archive", rev, "cuda"], capture_output=True, check=True).stdout
@@ -86,6 +111,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--arch", default="sm_90")
     ap.add_argument("--nvdisasm", default=shutil.which("nvdisasm"), help="nvdisasm's path (default: from PATH)")
     ap.add_argument("--show", action="store_true", help="print the normalised diff of option sets that differ")
+    ap.add_argument("--segments", metavar="KERNEL", help="also print KERNEL's instructions between its timeline marks")
     args = ap.parse_args(argv)
     if not args.nvdisasm or not Path(args.nvdisasm).is_file():
         ap.error("nvdisasm not found: pass --nvdisasm PATH (PyPI's nvidia-cuda-nvdisasm wheel carries it)")
@@ -94,11 +120,17 @@ def main(argv: list[str] | None = None) -> int:
         base_dir = sources_at(args.base, Path(tmp))
         for opts in args.options:
             options = opts.split()
-            v, diff = verdict(sass_of(args.source, base_dir, options, args.arch, args.nvdisasm),
-                              sass_of(args.source, REPO / "cuda", options, args.arch, args.nvdisasm))
+            base = sass_of(args.source, base_dir, options, args.arch, args.nvdisasm)
+            new = sass_of(args.source, REPO / "cuda", options, args.arch, args.nvdisasm)
+            v, diff = verdict(base, new)
             print(f"{v:<28} {opts}")
             if args.show and diff:
                 print("\n".join(diff))
+            if args.segments:
+                for name, text in (("base", base), ("new", new)):
+                    seg = mark_segments(text, args.segments)
+                    print(f"  {name:>4} {args.segments}: {sum(seg)} instructions; between marks (KB of 1,000 "
+                          "bytes, 16 an instruction) " + " ".join(f"{c} ({c * 16 / 1000:.1f} KB)" for c in seg))
             worst = max(worst, 0 if v == "identical" else 1 if v.startswith("same") else 2)
     return worst
 

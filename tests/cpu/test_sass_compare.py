@@ -6,6 +6,8 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
+import pytest
+
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
 import sass_compare as sc
 
@@ -40,3 +42,24 @@ def test_another_opcode_differs() -> None:
 
 def test_normalise_drops_addresses_and_register_numbers() -> None:
     assert sc.normalise("        /*0a0*/   IADD3 R12, UR4, R3, RZ ;  ") == ["           IADD3 R, R, R, RZ ;"]
+
+
+TWO_KERNELS = """	.section	.text.other,"ax",@progbits
+        /*0000*/                   CS2R R2, SR_GLOBALTIMERLO ;
+        /*0010*/                   EXIT ;
+	.section	.text.solve,"ax",@progbits
+        /*0000*/                   S2UR UR4, SR_CTAID.X ;
+        /*0010*/                   CS2R R2, SR_GLOBALTIMERLO ;
+        /*0020*/                   FFMA R40, R21, R49, R40 ;
+        /*0030*/                   MOV R42, RZ ;
+        //## a comment line, not an instruction
+        /*0040*/                   CS2R R4, SR_GLOBALTIMERLO ;
+        /*0050*/                   EXIT ;"""
+
+
+def test_mark_segments_counts_one_kernels_instructions_between_its_timer_reads() -> None:
+    # the named kernel's section only; a timer read opens its segment; lines without an address are not counted
+    assert sc.mark_segments(TWO_KERNELS, "solve") == [1, 3, 2]
+    assert sc.mark_segments(TWO_KERNELS, "other") == [0, 2]
+    with pytest.raises(ValueError, match="no SASS section of kernel sol$"):
+        sc.mark_segments(TWO_KERNELS, "sol")  # a prefix of another kernel's name
